@@ -1,0 +1,124 @@
+"""The rollout-engine interface: what every engine (transformers, vLLM, vLLM server) implements.
+
+An engine turns prompt token ids into sampled completions, reports the log-probability it gave to
+each sampled token, and accepts new weights from the trainer. Each rollout records the weight
+version that produced it, which is what bounded staleness in asynchronous training is checked on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled. `top_k=0` and `top_p=1.0` switch those filters off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt.
+
+    `completion_ids` holds every token after the prompt. In a multi-turn rollout that includes tool
+    outputs the model did not sample: `completion_mask` is False for those, and their `logprobs`
+    entry is 0.0. `logprobs[t]` is the engine's log p(completion_ids[t]) under the sampling
+    distribution's underlying model (temperature-scaled logits, before top-k/top-p filtering).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    group_id: int
+    completion_mask: list[bool] | None = None
+    finish_reason: str = "length"
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"rollout of group {self.group_id}: {len(self.logprobs)} log-probs for "
+                f"{len(self.completion_ids)} completion tokens"
+            )
+        if self.completion_mask is None:
+            self.completion_mask = [True] * len(self.completion_ids)
+        elif len(self.completion_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"rollout of group {self.group_id}: completion_mask has {len(self.completion_mask)} "
+                f"entries for {len(self.completion_ids)} completion tokens"
+            )
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt followed by completion: the token sequence the trainer packs."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """Per token of `sequence`: True where the token was sampled by the model (trained)."""
+        assert self.completion_mask is not None
+        return [False] * len(self.prompt_ids) + list(self.completion_mask)
+
+    @property
+    def sequence_logprobs(self) -> list[float]:
+        """Engine log-probs aligned with `sequence` (0.0 on prompt tokens)."""
+        return [0.0] * len(self.prompt_ids) + list(self.logprobs)
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts of one generation call, grouped: `groups[g]` are the n samples of prompt g."""
+
+    groups: list[list[Rollout]]
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return [r for group in self.groups for r in group]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(sum(r.completion_mask or ()) for r in self.rollouts)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A source of sampled completions whose weights the trainer updates.
+
+    Implementations must be safe to call `generate` from a background thread while the trainer
+    runs (asynchronous mode); `push_weights` may be called between two `generate` calls from any
+    thread, and a `generate` already running finishes on the weights it started with.
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights `generate` currently samples with (0 = initial weights)."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> RolloutBatch:
+        """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt."""
+        ...
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the trainer's weights (names as in the HF model's `state_dict`) as `version`."""
+        ...
+
+    def close(self) -> None:
+        """Release processes, threads and memory held by the engine."""
+        ...
