@@ -1,0 +1,139 @@
+"""Per-token log-probabilities without ever building the full [tokens x vocab] logits.
+
+The LM head runs in chunks of tokens. The forward keeps only each token's log-sum-exp; the backward recomputes
+one chunk of logits at a time, so peak memory is one [chunk x vocab] block whatever the number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rl.attention.tree_attention import TreeAttentionMeta, enable_tree_attention
+from lightning_rl.packing.tree import PackedBatch
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """Logits of one chunk in fp32, and tanh(z / cap) when a final soft-cap applies (needed for its gradient)."""
+    z = nn.functional.linear(h, weight, bias).float()
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, softcap):
+        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logprobs)
+        with torch.no_grad():
+            for s in range(0, hidden.shape[0], chunk_size):
+                logits, _ = _chunk_logits(hidden[s : s + chunk_size], weight, bias, softcap)
+                lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
+                logprobs[s : s + chunk_size] = picked - lse[s : s + chunk_size]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.softcap = chunk_size, softcap
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
+        for s in range(0, hidden.shape[0], ctx.chunk_size):
+            h = hidden[s : s + ctx.chunk_size]
+            logits, t = _chunk_logits(h, weight, bias, ctx.softcap)
+            # d logp(target) / d logits = onehot(target) - softmax(logits)
+            g = torch.exp(logits - lse[s : s + ctx.chunk_size, None]).neg_()
+            g.scatter_add_(1, targets[s : s + ctx.chunk_size, None], torch.ones_like(g[:, :1]))
+            g.mul_(grad_out[s : s + ctx.chunk_size, None].float())
+            if t is not None:
+                g.mul_(1 - t * t)
+            g = g.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s : s + ctx.chunk_size] = g @ weight
+            if grad_weight is not None:
+                grad_weight += (g.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += g.float().sum(0)
+        to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None
+
+
+def token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """log p(targets[i] | hidden[i]) under the LM head, in fp32, computed ``chunk_size`` tokens at a time."""
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32) + 0 * lm_head_weight.sum()
+    return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, softcap)
+
+
+@torch.no_grad()
+def token_entropy(hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, softcap: float | None = None, bias: Tensor | None = None) -> Tensor:
+    """Entropy of the next-token distribution at each row of ``hidden`` (for logging; no gradient)."""
+    out = []
+    for s in range(0, hidden.shape[0], chunk_size):
+        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, softcap)
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def lm_head_of(model: nn.Module) -> tuple[Tensor, Tensor | None, float | None]:
+    """The output projection's weight and bias, and the final logit soft-cap from the model's config."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the output head is a {type(head).__name__}; the chunked LM head needs a plain linear layer (do not adapt lm_head with LoRA)")
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return head.weight, head.bias, softcap
+
+
+def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
+    """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors.
+
+    The top-level ``forward`` runs (so wrappers such as FSDP or peft see an ordinary call) with a single
+    position's logits kept; the decoder's output is read through a forward hook.
+    """
+    enable_tree_attention(model)
+    meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=batch.input_ids.device)
+    captured: list[Tensor] = []
+    hook = model.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+    try:
+        model(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.position_ids[None],
+            tree_attention=meta,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    finally:
+        hook.remove()
+    return captured[-1][0]
+
+
+def packed_logprobs(
+    model: nn.Module,
+    batch: PackedBatch,
+    *,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    attention_backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M]."""
+    hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
+    h = hidden.index_select(0, batch.loss_positions)
+    weight, bias, softcap = lm_head_of(model)
+    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, softcap=softcap, bias=bias)
+    if not return_entropy:
+        return logprobs
+    return logprobs, token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, softcap=softcap, bias=None if bias is None else bias.detach())

@@ -1,0 +1,209 @@
+"""Prefix-tree packing: pure tensors in, pure tensors out (no Lightning, no models).
+
+Sequences that share a prefix are laid out as a trie in depth-first order, so every shared token is stored
+(and later forwarded) once. Sorting the sequences lexicographically *is* a depth-first walk of their trie:
+sequence k only adds the tokens past its longest common prefix with sequence k-1, and the subtree of every
+token is a contiguous interval of the layout. That gives the compact ancestor relation used everywhere:
+
+    key j is visible to query i   iff   j <= i < subtree_end[j]
+
+The layout is cut into *segments*: chains of tokens whose parent is the previous token. A segment's tokens all
+have the same ancestors outside the segment (the tokens of its ancestor segments), which is what tree attention
+exploits. With ``share_prefixes=False`` every sequence is its own root and the same code yields ordinary
+padding-free packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PackedBatch:
+    """One packed row: the unique tokens of a set of sequences and the loss terms that read them."""
+
+    input_ids: Tensor  # [N] unique tokens, depth-first order (trailing padding included)
+    position_ids: Tensor  # [N] depth of each token along its own path
+    subtree_end: Tensor  # [N] key j is visible to query i iff j <= i < subtree_end[j]
+    segments: Tensor  # [S, 3] (start, end, subtree_end) of each chain segment
+    loss_positions: Tensor  # [M] packed index whose output predicts the target
+    loss_targets: Tensor  # [M] target token ids
+    loss_seq: Tensor  # [M] index of the sequence (in the input list) each term belongs to
+    token_values: dict[str, Tensor] = field(default_factory=dict)  # each [M]
+    seq_values: dict[str, Tensor] = field(default_factory=dict)  # each [B]
+    num_sequences: int = 0
+    num_flat_tokens: int = 0  # what flat packing would forward: the sum of sequence lengths
+    num_unique_tokens: int = 0  # real tokens forwarded here (padding excluded)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def packing_ratio(self) -> float:
+        return self.num_flat_tokens / max(self.num_unique_tokens, 1)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return PackedBatch(
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            subtree_end=move(self.subtree_end),
+            segments=self.segments,  # read on the host to slice, never on the device
+            loss_positions=move(self.loss_positions),
+            loss_targets=move(self.loss_targets),
+            loss_seq=move(self.loss_seq),
+            token_values={k: move(v) for k, v in self.token_values.items()},
+            seq_values={k: move(v) for k, v in self.seq_values.items()},
+            num_sequences=self.num_sequences,
+            num_flat_tokens=self.num_flat_tokens,
+            num_unique_tokens=self.num_unique_tokens,
+        )
+
+    def visibility_mask(self) -> Tensor:
+        """Dense [N, N] boolean mask of the ancestor relation. For tests and references only: O(N^2)."""
+        i = torch.arange(self.num_tokens)
+        return (i[None, :] <= i[:, None]) & (i[:, None] < self.subtree_end[None, :])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = torch.nonzero(torch.as_tensor(a[:n]) != torch.as_tensor(b[:n]))
+    return int(diff[0]) if diff.numel() else n
+
+
+def _validate(sequences: Sequence[Sequence[int]], loss_masks, token_values, seq_values) -> None:
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise ValueError(f"sequence {i} is empty")
+        if loss_masks is not None and len(loss_masks[i]) != len(seq):
+            raise ValueError(f"sequence {i}: loss mask has {len(loss_masks[i])} entries for {len(seq)} tokens")
+        for name, values in (token_values or {}).items():
+            if len(values[i]) != len(seq):
+                raise ValueError(f"sequence {i}: token value {name!r} has {len(values[i])} entries for {len(seq)} tokens")
+    if loss_masks is not None and len(loss_masks) != len(sequences):
+        raise ValueError(f"{len(loss_masks)} loss masks for {len(sequences)} sequences")
+    for name, values in (seq_values or {}).items():
+        if len(values) != len(sequences):
+            raise ValueError(f"sequence value {name!r} has {len(values)} entries for {len(sequences)} sequences")
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[bool]] | None = None,
+    *,
+    token_values: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    seq_values: Mapping[str, Sequence[float]] | None = None,
+    share_prefixes: bool = True,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """Pack ``sequences`` into one row as a prefix tree.
+
+    ``loss_masks[i][t]`` marks token ``t`` of sequence ``i`` as trained (predicted from token ``t-1``; token 0 is
+    never trained). Without masks every token but the first is trained. ``token_values[name][i][t]`` is carried
+    for each trained token, ``seq_values[name][i]`` per sequence.
+    """
+    _validate(sequences, loss_masks, token_values, seq_values)
+    seqs = [list(map(int, s)) for s in sequences]
+    # Roots are keyed by sequence index when prefixes must not be shared, so no two sequences meet.
+    keyed = [((0 if share_prefixes else i), s) for i, s in enumerate(seqs)]
+    order = sorted(range(len(seqs)), key=lambda i: keyed[i])
+
+    paths: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(seqs)  # packed index of each token, per sequence
+    chunks: list[Tensor] = []
+    starts: list[int] = []  # segment starts
+    prev: int | None = None
+    n = 0
+    for i in order:
+        seq = seqs[i]
+        shared = 0
+        if prev is not None and keyed[prev][0] == keyed[i][0]:
+            shared = _common_prefix(seqs[prev], seq)
+            prev_len = len(seqs[prev])
+            if 0 < shared < prev_len:
+                starts.append(int(paths[prev][shared]))  # the earlier branch now forks here: cut its chain
+        new = len(seq) - shared
+        if new:
+            starts.append(n)
+            chunks.append(torch.as_tensor(seq[shared:], dtype=torch.long))
+        head = paths[prev][:shared] if shared else torch.empty(0, dtype=torch.long)
+        paths[i] = torch.cat([head, torch.arange(n, n + new)])
+        n += new
+        prev = i
+
+    num_unique = n
+    input_ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.long)
+    position_ids = torch.empty(num_unique, dtype=torch.long)
+    for i, path in enumerate(paths):
+        position_ids[path] = torch.arange(len(path))
+
+    pad = 0
+    if pad_to_multiple_of and num_unique % pad_to_multiple_of:
+        pad = pad_to_multiple_of - num_unique % pad_to_multiple_of
+    if pad:  # padding is one extra root chain that nothing reads
+        starts.append(num_unique)
+        input_ids = torch.cat([input_ids, torch.full((pad,), pad_token_id, dtype=torch.long)])
+        position_ids = torch.cat([position_ids, torch.arange(pad)])
+    total = num_unique + pad
+
+    segments = _segments(sorted(set(starts)), position_ids, total)
+    subtree_end = torch.empty(total, dtype=torch.long)
+    for start, end, sub_end in segments.tolist():
+        subtree_end[start:end] = sub_end
+
+    loss_positions, loss_targets, loss_seq, picks = [], [], [], []
+    for i, (seq, path) in enumerate(zip(seqs, paths)):
+        mask = torch.ones(len(seq), dtype=torch.bool) if loss_masks is None else torch.as_tensor(loss_masks[i], dtype=torch.bool)
+        mask[0] = False
+        t = torch.nonzero(mask).flatten()
+        loss_positions.append(path[t - 1])
+        loss_targets.append(torch.as_tensor(seq, dtype=torch.long)[t])
+        loss_seq.append(torch.full((len(t),), i, dtype=torch.long))
+        picks.append(t)
+
+    cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.long)  # noqa: E731
+    carried = {
+        name: torch.cat([torch.as_tensor(values[i], dtype=torch.float32)[picks[i]] for i in range(len(seqs))])
+        for name, values in (token_values or {}).items()
+    }
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        subtree_end=subtree_end,
+        segments=segments,
+        loss_positions=cat(loss_positions),
+        loss_targets=cat(loss_targets),
+        loss_seq=cat(loss_seq),
+        token_values=carried,
+        seq_values={k: torch.as_tensor(v) for k, v in (seq_values or {}).items()},
+        num_sequences=len(seqs),
+        num_flat_tokens=sum(len(s) for s in seqs),
+        num_unique_tokens=num_unique,
+    )
+
+
+def _segments(starts: list[int], depth: Tensor, total: int) -> Tensor:
+    """(start, end, subtree_end) per segment. A segment's subtree ends at the first later segment that starts
+    no deeper than it does (depth-first order), found with a monotonic stack."""
+    ends = starts[1:] + [total]
+    start_depth = depth[starts].tolist() if starts else []
+    sub_end = [total] * len(starts)
+    stack: list[int] = []
+    for k, d in enumerate(start_depth):
+        while stack and start_depth[stack[-1]] >= d:
+            sub_end[stack.pop()] = starts[k]
+        stack.append(k)
+    return torch.tensor(list(zip(starts, ends, sub_end)), dtype=torch.long).reshape(-1, 3)
+
+
+def count_unique_tokens(sequences: Sequence[Sequence[int]]) -> int:
+    """Tokens a prefix tree of ``sequences`` holds, without building it."""
+    seqs = sorted(list(map(int, s)) for s in sequences)
+    return sum(len(s) - (_common_prefix(p, s) if k else 0) for k, (p, s) in enumerate(zip([[]] + seqs, seqs)))
