@@ -1,0 +1,5 @@
+"""Reward functions: built-ins, loading by dotted path, and weighted scoring of rollouts."""
+
+from lightning_rl.rewards.scoring import RewardError, RewardScorer, RewardSpec, Scores
+
+__all__ = ["RewardError", "RewardScorer", "RewardSpec", "Scores"]

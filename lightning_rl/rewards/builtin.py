@@ -1,0 +1,71 @@
+"""Built-in reward functions.
+
+A reward function takes the batch's `prompts` and `completions` (strings) plus every other column
+of the prompt records as keyword lists, and returns one float per completion.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The answer a completion gives: inside `\\boxed{}`, else `<answer>` tags, else the last number."""
+    for pattern in (_BOXED, _ANSWER_TAG):
+        found = pattern.findall(completion)
+        if found:
+            return found[-1].strip()
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def _same_number(given: str, expected: Any) -> bool:
+    try:
+        return math.isclose(float(given), float(expected), rel_tol=1e-6, abs_tol=1e-9)
+    except (TypeError, ValueError):
+        return given.strip() == str(expected).strip()
+
+
+def math_answer(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
+    """1.0 where the completion's answer equals the `answer` column (numerically when both parse)."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        given = extract_answer(completion)
+        scores.append(1.0 if given is not None and _same_number(given, expected) else 0.0)
+    return scores
+
+
+def format_match(
+    completions: Sequence[str], pattern: str = r"<answer>.*?</answer>", **_: Any
+) -> list[float]:
+    """1.0 where the regular expression `pattern` matches at the start of the completion."""
+    regex = re.compile(pattern, re.DOTALL)
+    return [1.0 if regex.match(c) else 0.0 for c in completions]
+
+
+def tool_call_validity(
+    completions: Sequence[str], tool_calls: Sequence[Sequence[Any]], no_call_score: float = 0.0,
+    **_: Any,
+) -> list[float]:
+    """Fraction of a rollout's tool calls that parsed, validated and ran; `no_call_score` if none."""
+    scores = []
+    for calls in tool_calls:
+        if not calls:
+            scores.append(no_call_score)
+        else:
+            scores.append(sum(1.0 for call in calls if call.ok) / len(calls))
+    return scores
+
+
+BUILTIN_REWARDS = {
+    "math_answer": math_answer,
+    "format": format_match,
+    "tool_call_validity": tool_call_validity,
+}

@@ -1,0 +1,81 @@
+"""A tool: a Python function and the JSON schema of its arguments.
+
+The schema comes from the function's type hints and docstring (through transformers'
+`get_json_schema`, the same one chat templates render) or is given; either way it must be a valid
+JSON Schema, checked with jsonschema before training starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from transformers.utils import get_json_schema
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable tool. `parameters` is the JSON Schema of its keyword arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    function: Callable[..., Any]
+
+    @classmethod
+    def from_function(
+        cls, function: Callable[..., Any], parameters: Mapping[str, Any] | None = None,
+        name: str | None = None, description: str | None = None,
+    ) -> Tool:
+        """Build a tool; without `parameters` the schema is read from type hints and docstring."""
+        if parameters is None:
+            try:
+                spec = get_json_schema(function)["function"]
+            except Exception as error:
+                raise ValueError(
+                    f"tool {getattr(function, '__name__', function)!r}: cannot derive a JSON schema from its "
+                    f"type hints and docstring ({error}); pass `parameters` explicitly"
+                ) from error
+            parameters = spec.get("parameters", {"type": "object", "properties": {}})
+            description = description or spec.get("description", "")
+        tool = cls(
+            name=name or function.__name__,
+            description=description or (function.__doc__ or "").strip().split("\n")[0],
+            parameters=dict(parameters),
+            function=function,
+        )
+        tool.check_schema()
+        return tool
+
+    def check_schema(self) -> None:
+        """Raise a ValueError naming the tool if `parameters` is not a valid JSON Schema object."""
+        validator = jsonschema.validators.validator_for(self.parameters)
+        try:
+            validator.check_schema(self.parameters)
+        except jsonschema.SchemaError as error:
+            location = "/".join(str(p) for p in error.absolute_path) or "<root>"
+            raise ValueError(f"tool {self.name!r}: invalid JSON Schema at {location}: {error.message}") from None
+        if self.parameters.get("type") != "object":
+            raise ValueError(f"tool {self.name!r}: the parameters schema must have type 'object'")
+
+    def chat_template_spec(self) -> dict[str, Any]:
+        """The tool as chat templates expect it in `apply_chat_template(tools=...)`."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+def load_tool(path: str, parameters: Mapping[str, Any] | None = None) -> Tool:
+    """A tool from a dotted path to a function (`pkg.module:fn` or `pkg.module.fn`)."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep:
+        raise ValueError(f"tool {path!r} is not a dotted path to a function")
+    try:
+        function = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"tool {path!r} does not import: {error}") from error
+    return Tool.from_function(function, parameters)
