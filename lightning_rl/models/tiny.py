@@ -1,0 +1,144 @@
+"""The embedded default model: a tiny Qwen3-style decoder and a byte-level BPE tokenizer.
+
+Nothing comes from a model hub. The tokenizer is trained here from the bundled toy data, the
+model is a transformers config with seeded random weights, and both are written with
+``save_pretrained`` so every caller loads them through the real ``from_pretrained`` path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+from lightning_rl.data.toy import TRAIN_FILE, read_jsonl
+
+TINY_NAME = "tiny"
+# Bump when the config, template or tokenizer recipe changes so cached builds are rebuilt.
+TINY_VERSION = 1
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+# Qwen-style chat template. `{% generation %}` marks what the assistant says (content, tool calls
+# and the closing <|im_end|>), which is what `return_assistant_tokens_mask=True` reports.
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}{% set system = messages[0].content %}"
+    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}{% if system is defined %}{{ system + '\\n\\n' }}{% endif %}"
+    "{{ 'You may call these tools:\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    "{{ 'Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif system is defined %}{{ '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{% endif %}"
+    "{%- for message in rest %}"
+    "{%- if message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + fn.name | tojson + ', \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    "{{ '}</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>' + message.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _training_text() -> list[str]:
+    # Role names and tool-call markup repeated so BPE learns them as whole tokens.
+    texts = ["system\nuser\nassistant\ntool\n" * 50, '{"name": "calculator", "arguments": {"expression": "1+2"}}' * 50]
+    for row in read_jsonl(TRAIN_FILE):
+        texts.extend(m["content"] for m in row["messages"])
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on the bundled data; digits always stay single tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(vocab_size: int) -> Qwen3Config:
+    """Small enough to train in minutes on two CPU cores; head_dim 64 because vLLM refuses 16."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+
+
+def build_tiny(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny model and its tokenizer to ``path`` (a from_pretrained-loadable folder)."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    config = tiny_config(vocab_size=len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LIGHTNING_RL_CACHE", Path.home() / ".cache" / "lightning_rl"))
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached tiny model folder, built on first use (into a temporary folder, then renamed)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache / f"tiny-v{TINY_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    try:
+        build_tiny(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished the same build first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the embedded default's name to its cached folder; anything else is passed on as given."""
+    return str(tiny_model_path()) if name_or_path == TINY_NAME else name_or_path
