@@ -12,16 +12,20 @@ RewardScaling = Literal["std", "none"]
 STD_EPSILON = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, scale: RewardScaling = "std") -> torch.Tensor:
-    """Advantages of `rewards` shaped [groups, G]: reward minus its group mean, divided by the
-    group's (unbiased) standard deviation when `scale="std"`."""
-    if rewards.dim() != 2 or rewards.size(1) < 2:
-        raise ValueError(
-            f"advantages need rewards shaped [groups, G] with G >= 2, got {tuple(rewards.shape)}"
-        )
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale == "none":
-        return centred
-    if scale == "std":
-        return centred / (rewards.std(dim=1, keepdim=True) + STD_EPSILON)
-    raise ValueError(f"scale_rewards must be 'std' or 'none', got {scale!r}")
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: RewardScaling = "std") -> torch.Tensor:
+    """Advantage of each of N completions: its reward minus its group's mean, divided by the group's
+    (unbiased) standard deviation when `scale="std"`. `groups` [N] gives each completion's group;
+    groups may differ in size (forked multi-turn rollouts), and a group of one gets advantage 0."""
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale_rewards must be 'std' or 'none', got {scale!r}")
+    if rewards.shape != groups.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must both be [N]")
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    for group in torch.unique(groups):
+        members = groups == group
+        values = rewards[members].float()
+        if values.numel() < 2:
+            continue
+        centred = values - values.mean()
+        advantages[members] = centred / (values.std() + STD_EPSILON) if scale == "std" else centred
+    return advantages

@@ -54,13 +54,16 @@ def tool_call_validity(
     completions: Sequence[str], tool_calls: Sequence[Sequence[Any]], no_call_score: float = 0.0,
     **_: Any,
 ) -> list[float]:
-    """Fraction of a rollout's tool calls that parsed, validated and ran; `no_call_score` if none."""
+    """Fraction of a rollout's tool calls that parsed, validated and ran; `no_call_score` if none.
+
+    `tool_calls` holds, per completion, the outcome records of the tool-call loop (dicts whose
+    `failure` is None for a call that succeeded)."""
     scores = []
     for calls in tool_calls:
         if not calls:
             scores.append(no_call_score)
         else:
-            scores.append(sum(1.0 for call in calls if call.ok) / len(calls))
+            scores.append(sum(1.0 for call in calls if call["failure"] is None) / len(calls))
     return scores
 
 

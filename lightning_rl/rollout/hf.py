@@ -1,0 +1,140 @@
+"""The embedded default rollout engine: transformers `generate` on its own copy of the policy.
+
+Keeping a separate copy (instead of sampling from the model being trained) is what lets
+generation run in a background thread while the trainer updates its weights; `push_weights`
+copies the trainer's tensors in between two `generate` calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
+
+
+class HFRolloutEngine:
+    """Samples with `model.generate` and reports the log-prob of each sampled token.
+
+    Log-probs are those of the temperature-scaled distribution before top-k/top-p filtering,
+    which is what the trainer recomputes. Each call draws from `sampling.seed`, or without one from
+    a seed derived from `seed` and the call count, so runs are reproducible whether generation
+    runs inline or in a background thread.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | PreTrainedModel,
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        pad_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        if isinstance(model_name_or_path, PreTrainedModel):
+            model = model_name_or_path
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype)
+        self.model = model.to(device).eval().requires_grad_(False)
+        eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
+        self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
+        pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.seed = seed
+        self._calls = 0
+        self._version = 0
+        self._lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        with self._lock:
+            version = self._version
+            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
+            self._calls += 1
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling)
+        groups = []
+        for g, prompt in enumerate(prompts):
+            group = []
+            for k in range(g * n, (g + 1) * n):
+                group.append(
+                    Rollout(
+                        prompt_ids=list(prompt),
+                        completion_ids=completions[k],
+                        logprobs=logprobs[k],
+                        weight_version=version,
+                        group_id=g,
+                        finish_reason="stop" if finished[k] else "length",
+                    )
+                )
+            groups.append(group)
+        return RolloutBatch(groups)
+
+    @torch.no_grad()
+    def _sample(
+        self, prompts: list[list[int]], sampling: SamplingConfig
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        width = max(len(p) for p in prompts)
+        # Left padding keeps every prompt's last token in the last column, where generation continues.
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention_mask[i, width - len(p):] = 1
+        stops = list(dict.fromkeys(self.eos_token_ids + tuple(sampling.stop_token_ids)))
+        greedy = sampling.temperature == 0
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            eos_token_id=stops or None,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            generation_config=config,
+        )
+        new_tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
+        scale = 1.0 if greedy else sampling.temperature
+        token_logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        completions, logprobs, finished = [], [], []
+        for row, row_logprobs in zip(new_tokens.tolist(), token_logprobs.tolist()):
+            end = next((t + 1 for t, tok in enumerate(row) if tok in stops), None)
+            completions.append(row[: end or len(row)])
+            logprobs.append(row_logprobs[: end or len(row)])
+            finished.append(end is not None)
+        return completions, logprobs, finished
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
+        with self._lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None:
+                    raise KeyError(f"push_weights: the engine's model has no tensor named {name!r}")
+                target.copy_(tensor.detach().to(target.device, target.dtype))
+            self._version = version
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
