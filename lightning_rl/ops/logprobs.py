@@ -6,6 +6,8 @@ one chunk of logits at a time, so peak memory is one [chunk x vocab] block whate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -13,28 +15,46 @@ from lightning_rl.attention.tree_attention import TreeAttentionMeta, enable_tree
 from lightning_rl.packing.tree import PackedBatch
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """Logits of one chunk in fp32, and tanh(z / cap) when a final soft-cap applies (needed for its gradient)."""
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to ``h @ W.T`` before the softmax: ``cap * tanh(scale * z / cap)``, or ``scale * z``."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitTransform:
+        text = config.get_text_config()
+        scale = float(getattr(text, "output_multiplier", None) or getattr(text, "logit_scale", None) or 1.0)
+        if getattr(text, "logits_scaling", None):
+            scale /= float(text.logits_scaling)
+        return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None))
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform) -> tuple[Tensor, Tensor | None]:
+    """Logits of one chunk in fp32, and tanh(.) when a soft-cap applies (its gradient needs it)."""
     z = nn.functional.linear(h, weight, bias).float()
-    if softcap is None:
+    if transform.scale != 1.0:
+        z = z * transform.scale
+    if transform.softcap is None:
         return z, None
-    t = torch.tanh(z / softcap)
-    return t * softcap, t
+    t = torch.tanh(z / transform.softcap)
+    return t * transform.softcap, t
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, softcap):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, transform):
         logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logprobs)
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk_size):
-                logits, _ = _chunk_logits(hidden[s : s + chunk_size], weight, bias, softcap)
+                logits, _ = _chunk_logits(hidden[s : s + chunk_size], weight, bias, transform)
                 lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
                 logprobs[s : s + chunk_size] = picked - lse[s : s + chunk_size]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.softcap = chunk_size, softcap
+        ctx.chunk_size, ctx.transform = chunk_size, transform
         return logprobs
 
     @staticmethod
@@ -45,13 +65,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[s : s + ctx.chunk_size]
-            logits, t = _chunk_logits(h, weight, bias, ctx.softcap)
+            logits, t = _chunk_logits(h, weight, bias, ctx.transform)
             # d logp(target) / d logits = onehot(target) - softmax(logits)
             g = torch.exp(logits - lse[s : s + ctx.chunk_size, None]).neg_()
             g.scatter_add_(1, targets[s : s + ctx.chunk_size, None], torch.ones_like(g[:, :1]))
             g.mul_(grad_out[s : s + ctx.chunk_size, None].float())
             if t is not None:
                 g.mul_(1 - t * t)
+            if ctx.transform.scale != 1.0:
+                g.mul_(ctx.transform.scale)
             g = g.to(h.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + ctx.chunk_size] = g @ weight
@@ -69,33 +91,34 @@ def token_logprobs(
     targets: Tensor,
     *,
     chunk_size: int = 1024,
-    softcap: float | None = None,
+    transform: LogitTransform = LogitTransform(),
     bias: Tensor | None = None,
 ) -> Tensor:
     """log p(targets[i] | hidden[i]) under the LM head, in fp32, computed ``chunk_size`` tokens at a time."""
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32) + 0 * lm_head_weight.sum()
-    return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, softcap)
+    return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform)
 
 
 @torch.no_grad()
-def token_entropy(hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, softcap: float | None = None, bias: Tensor | None = None) -> Tensor:
+def token_entropy(
+    hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(), bias: Tensor | None = None
+) -> Tensor:
     """Entropy of the next-token distribution at each row of ``hidden`` (for logging; no gradient)."""
     out = []
     for s in range(0, hidden.shape[0], chunk_size):
-        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, softcap)
+        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, transform)
         logp = torch.log_softmax(logits, dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
-def lm_head_of(model: nn.Module) -> tuple[Tensor, Tensor | None, float | None]:
-    """The output projection's weight and bias, and the final logit soft-cap from the model's config."""
+def lm_head_of(model: nn.Module) -> tuple[Tensor, Tensor | None, LogitTransform]:
+    """The output projection's weight and bias, and what the model applies to its logits."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the output head is a {type(head).__name__}; the chunked LM head needs a plain linear layer (do not adapt lm_head with LoRA)")
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    return head.weight, head.bias, softcap
+    return head.weight, head.bias, LogitTransform.of(model.config)
 
 
 def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
@@ -132,8 +155,9 @@ def packed_logprobs(
     """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M]."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
     h = hidden.index_select(0, batch.loss_positions)
-    weight, bias, softcap = lm_head_of(model)
-    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, softcap=softcap, bias=bias)
+    weight, bias, transform = lm_head_of(model)
+    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
     if not return_entropy:
         return logprobs
-    return logprobs, token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, softcap=softcap, bias=None if bias is None else bias.detach())
+    entropy = token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, transform=transform, bias=None if bias is None else bias.detach())
+    return logprobs, entropy
