@@ -1,0 +1,116 @@
+"""Prompts for GRPO: records read from a JSON Lines file, served one batch per optimizer step.
+
+Batch `i` is a pure function of the seed and `i` (a fresh shuffle per pass over the data), so a
+resumed run continues with exactly the prompts it would have seen, and the asynchronous rollout
+producer can look batches up ahead of the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_rl.data.toy import TRAIN_FILE
+
+TOY_DATASET = "toy"
+
+
+def read_prompt_records(path: str | Path, prompt_field: str) -> list[dict[str, Any]]:
+    """Every row of a `.jsonl` file; each must hold a non-empty `prompt_field` (a string, or a
+    list of chat messages whose trailing assistant turns are dropped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict) or prompt_field not in row:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{path}:{line_number}: no field {prompt_field!r} (row has {keys})")
+            prompt = row[prompt_field]
+            if isinstance(prompt, list):
+                while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+                    prompt = prompt[:-1]
+            if not prompt or not isinstance(prompt, (str, list)):
+                raise ValueError(
+                    f"{path}:{line_number}: field {prompt_field!r} must be a non-empty string or message list"
+                )
+            records.append({**row, "prompt": prompt})
+    if not records:
+        raise ValueError(f"prompt file {path} holds no rows")
+    return records
+
+
+class _StepIndices(IterableDataset):
+    """Yields the batch index of every step from the trainer's current step on, without end."""
+
+    def __init__(self, datamodule: PromptDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[int]:
+        trainer = self.datamodule.trainer
+        index = trainer.global_step if trainer is not None else 0
+        while True:
+            yield index
+            index += 1
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Serves `batch_size` prompt records per step and rank (each expanded into `num_generations`
+    rollouts by the GRPO module). `path: toy` is the bundled digit task."""
+
+    def __init__(
+        self, path: str = TOY_DATASET, prompt_field: str = "prompt", batch_size: int = 8, seed: int = 0
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.path = str(TRAIN_FILE) if path == TOY_DATASET else path
+        self.prompt_field = "messages" if path == TOY_DATASET else prompt_field
+        self.batch_size = batch_size
+        self.seed = seed
+        self.records: list[dict[str, Any]] = []
+        self._orders: dict[int, list[int]] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.records:
+            self.records = read_prompt_records(self.path, self.prompt_field)
+
+    @property
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def prompt_batch(self, index: int) -> list[dict[str, Any]]:
+        """This rank's prompt records of step `index`."""
+        self.setup()
+        rank, world = self._rank_and_world
+        per_step = self.batch_size * world
+        first = index * per_step + rank * self.batch_size
+        picked = []
+        for position in range(first, first + self.batch_size):
+            epoch, offset = divmod(position, len(self.records))
+            picked.append(self.records[self._epoch_order(epoch)[offset]])
+        return picked
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.records)))
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # only the current pass is kept
+        return self._orders[epoch]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_StepIndices(self), batch_size=None, num_workers=0)

@@ -1,0 +1,488 @@
+"""GRPO as a LightningModule.
+
+One optimizer step, top to bottom (`training_step`):
+
+    prompts -> engine samples G completions each (with its log-probs and weight version)
+            -> reward functions -> group-normalised advantages
+            -> tree-packed rows (the G completions of a prompt share the prompt: forwarded once)
+            -> per-token log-probs -> clipped importance-ratio loss -> optimizer step
+            -> new weights pushed to the engine
+
+In asynchronous mode the first two lines run ahead on a background thread (`RolloutProducer`),
+never more than `max_staleness` weight versions behind the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from transformers import AutoTokenizer, get_scheduler
+
+from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
+from lightning_rl.losses.advantages import RewardScaling
+from lightning_rl.losses.grpo import LossType, TokenLoss
+from lightning_rl.models.loading import load_causal_lm
+from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, packed_hidden_states, token_entropy, token_logprobs
+from lightning_rl.packing.planner import plan_rows
+from lightning_rl.packing.tree import PackedBatch, pack_sequences
+from lightning_rl.rewards import RewardScorer, RewardSpec
+from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, load_engine
+from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.tools import Tool, ToolExecutor, load_tool
+from lightning_rl.tools.conversation import ToolConversation
+
+
+class GRPOModule(LightningModule):
+    """Group Relative Policy Optimization with optional asynchronous rollouts and tool calls.
+
+    Args:
+        model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
+        rewards: reward functions (built-in name or dotted path), each with a weight and kwargs.
+        reward_on_error: ``zero`` scores a sample whose reward raises 0 (and logs it); ``raise`` stops.
+        num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
+        max_new_tokens, temperature, top_p, top_k: sampling.
+        system_prompt: prepended to string prompts.
+        loss_type, epsilon_low, epsilon_high, beta: see `GRPOLoss`; beta > 0 keeps a frozen reference.
+        scale_rewards: ``std`` divides group-centred rewards by the group std, ``none`` does not.
+        old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
+            detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
+        importance_sampling_cap: truncated importance sampling of trainer vs engine log-probs.
+        max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
+        async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
+        tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
+        samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
+            as 2 samples), giving nested forks; leaves of a prompt are its group.
+        engine, engine_options: rollout engine alias (``hf``) or dotted path, and its keyword args.
+        log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
+        summary_window: steps averaged for the first/last reward means of `summary_metrics`.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "tiny",
+        rewards: Sequence[RewardSpec] = (RewardSpec("math_answer"),),
+        reward_on_error: Literal["zero", "raise"] = "zero",
+        num_generations: int = 8,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        system_prompt: str | None = None,
+        loss_type: LossType = "dapo",
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        beta: float = 0.0,
+        scale_rewards: RewardScaling = "std",
+        old_logprobs: Literal["trainer", "engine"] = "trainer",
+        importance_sampling_cap: float | None = None,
+        learning_rate: float = 1e-6,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant_with_warmup",
+        max_grad_norm: float | None = 1.0,
+        max_tokens_per_row: int | None = None,
+        chunk_size: int = 1024,
+        async_mode: bool = False,
+        max_staleness: int = 1,
+        tools: Sequence[str] = (),
+        max_turns: int = 1,
+        samples_per_turn: Sequence[int] = (),
+        tool_timeout_s: float = 10.0,
+        engine: str = "hf",
+        engine_options: dict[str, Any] | None = None,
+        seed: int = 0,
+        log_rollouts_every_n_steps: int = 10,
+        summary_window: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if num_generations < 2:
+            raise ValueError(
+                f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)"
+            )
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_turns > 1 and not tools:
+            raise ValueError("max_turns > 1 needs at least one tool")
+        self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap)
+        self.scorer = RewardScorer([_reward_spec(r) for r in rewards], on_error=reward_on_error)
+        self.tools: list[Tool] = [load_tool(path) for path in tools]
+        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.policy: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+        self.engine: RolloutEngine | None = None
+        self.tokenizer: Any = None
+        self.executor: ToolExecutor | None = None
+        self.producer: RolloutProducer | None = None
+        self.reward_history: list[float] = []
+        self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
+        self._restored_queue: dict[str, Any] | None = None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        path = resolve_model_path(self.hparams.model_name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.policy = load_causal_lm(path)
+        self.policy.train()
+        if self.hparams.beta != 0.0:
+            self.reference = load_causal_lm(path).eval().requires_grad_(False)
+        lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
+
+    def on_fit_start(self) -> None:
+        options = dict(self.hparams.engine_options or {})
+        if self.hparams.engine == "hf":
+            options.setdefault("device", str(self.device))
+        path = resolve_model_path(self.hparams.model_name_or_path)
+        self.engine = load_engine(self.hparams.engine, path, seed=self.hparams.seed, **options)
+        self._push_weights(version=self.global_step)  # after a resume the engine needs the restored weights
+        if self.tools:
+            self.executor = ToolExecutor(self.tools, timeout_s=self.hparams.tool_timeout_s)
+
+    def on_train_start(self) -> None:
+        if not self.hparams.async_mode:
+            return
+        self.producer = RolloutProducer(
+            self.generate_and_score, lambda: self.engine.weight_version, self.hparams.max_staleness,
+            start_index=self.global_step,
+        )
+        if self._restored_queue is not None:
+            self.producer.load_state_dict(self._restored_queue, next_step=self.global_step)
+        self.producer.start()
+
+    def on_fit_end(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+        if self.executor is not None:
+            self.executor.close()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
+        scheduler = get_scheduler(
+            self.hparams.lr_schedule, optimizer, num_warmup_steps=self.hparams.warmup_steps,
+            num_training_steps=max(int(self.trainer.max_steps), 1),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- the algorithm -------------------------------------------------------------------------
+
+    def training_step(self, batch_index: int, batch_idx: int) -> None:
+        step = self.global_step
+        if int(batch_index) != step:
+            raise RuntimeError(f"prompt batch {int(batch_index)} arrived at optimizer step {step}")
+        started = time.perf_counter()
+        scored = self.producer.take(step) if self.producer is not None else self.generate_and_score(step)
+        waited = time.perf_counter() - started
+        staleness = step - scored.weight_version
+        if staleness > self.hparams.max_staleness and self.hparams.async_mode:
+            raise RuntimeError(f"batch {step} is {staleness} versions stale (max_staleness={self.hparams.max_staleness})")
+
+        rewards = torch.tensor(scored.rewards)
+        groups = torch.tensor([r.group_id for r in scored.rollouts])
+        advantages = group_advantages(rewards, groups, self.hparams.scale_rewards)
+        rows = self._plan_rows(scored.rollouts)
+        counts = self._step_counts(scored.rollouts)
+
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        train_started = time.perf_counter()
+        stats = _StepStats()
+        for row in rows:
+            packed = self._pack([scored.rollouts[i] for i in row], advantages[row]).to(self.device)
+            terms, entropy = self._row_loss(packed)
+            seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
+            loss = (terms.loss * self.loss.token_weights(packed.loss_seq, seq_tokens, counts).to(terms.loss)).sum()
+            self.manual_backward(loss)
+            stats.add(loss.detach(), terms, entropy, packed)
+        if self.hparams.max_grad_norm is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.lr_schedulers().step()
+        self._push_weights(version=step + 1)
+        train_seconds = time.perf_counter() - train_started
+
+        self.trained_batches.append({"index": step, "weight_version": scored.weight_version})
+        self.reward_history.append(float(rewards.mean()))
+        self._log_step(scored, stats, staleness, waited, train_seconds)
+
+    def generate_and_score(self, index: int) -> ScoredBatch:
+        """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode)."""
+        records = self.trainer.datamodule.prompt_batch(index)
+        prompts = [self._prompt_ids(record) for record in records]
+        started = time.perf_counter()
+        if self.tools:
+            conversation = ToolConversation(self.engine, self.tokenizer, self.executor, self.hparams.max_turns)
+            samples = [self.hparams.num_generations, *self.hparams.samples_per_turn]
+            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn))
+        else:
+            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0))
+        generation_seconds = time.perf_counter() - started
+        rollouts = batch.rollouts
+        texts = [self._reply_text(r) for r in rollouts]
+        columns = {
+            key: [records[r.group_id][key] for r in rollouts]
+            for key in records[0] if key != "prompt"
+        }
+        columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
+        columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
+        prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
+        scores = self.scorer.score(prompt_texts, texts, columns)
+        failures: dict[str, int] = {}
+        for calls in columns["tool_calls"]:
+            for call in calls:
+                if call["failure"] is not None:
+                    failures[call["failure"]] = failures.get(call["failure"], 0) + 1
+        return ScoredBatch(
+            index=index,
+            records=records,
+            rollouts=rollouts,
+            rewards=scores.total.tolist(),
+            reward_terms={name: values.tolist() for name, values in scores.per_function.items()},
+            reward_errors=[vars(e) for e in scores.errors],
+            generation_seconds=generation_seconds,
+            tool_failures=failures,
+        )
+
+    def policy_logprobs(
+        self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(target) of every trained token of a packed row under the sampling temperature."""
+        hidden = packed_hidden_states(model, packed)
+        h = hidden.index_select(0, packed.loss_positions)
+        weight, bias, transform = lm_head_of(model)
+        transform = self._tempered(transform)
+        chunk = self.hparams.chunk_size
+        logprobs = token_logprobs(h, weight, packed.loss_targets, chunk_size=chunk, transform=transform, bias=bias)
+        entropy = None
+        if with_entropy:
+            entropy = token_entropy(
+                h.detach(), weight.detach(), chunk_size=chunk, transform=transform,
+                bias=None if bias is None else bias.detach(),
+            )
+        return logprobs, entropy
+
+    # -- pieces of the step --------------------------------------------------------------------
+
+    def _row_loss(self, packed: PackedBatch) -> tuple[TokenLoss, torch.Tensor | None]:
+        logprobs, entropy = self.policy_logprobs(self.policy, packed, with_entropy=True)
+        engine_logprobs = packed.token_values["engine_logprobs"]
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs, _ = self.policy_logprobs(self.reference, packed)
+        old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
+        terms = self.loss.token_loss(
+            logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
+            ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
+        )
+        return terms, entropy
+
+    def _pack(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
+        pad = self.tokenizer.pad_token_id or 0
+        if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
+            return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
+        return pack_sequences(
+            [r.sequence for r in rollouts],
+            [r.loss_mask for r in rollouts],
+            token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]},
+            seq_values={"advantage": advantages.tolist()},
+            pad_token_id=pad,
+        )
+
+    def _plan_rows(self, rollouts: list[Rollout]) -> list[list[int]]:
+        """Micro-batches of this rank; every rank runs the same number (padded with empty rows)."""
+        if self.hparams.max_tokens_per_row is None:
+            rows = [list(range(len(rollouts)))]
+        else:
+            plan = plan_rows(
+                [r.sequence for r in rollouts], self.hparams.max_tokens_per_row,
+                groups=[r.group_id for r in rollouts],
+            )
+            rows = plan.ranks[0]
+        most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))
+        return rows + [[] for _ in range(most - len(rows))]
+
+    def _step_counts(self, rollouts: list[Rollout]) -> StepCounts:
+        rank_tokens = sum(sum(r.completion_mask) for r in rollouts)
+        local = torch.tensor([len(rollouts), rank_tokens], dtype=torch.float64, device=self.device)
+        total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
+        return StepCounts(
+            num_sequences=int(total[0]), num_tokens=int(total[1]), rank_tokens=rank_tokens,
+            world_size=self.trainer.world_size, max_completion_length=self._max_completion_length,
+        )
+
+    @property
+    def _max_completion_length(self) -> int:
+        """Dr.GRPO's constant: the most tokens a completion can be trained on."""
+        return self.hparams.max_new_tokens * max(self.hparams.max_turns, 1)
+
+    def _push_weights(self, version: int) -> None:
+        tensors = ((name, tensor.detach()) for name, tensor in self.policy.state_dict().items())
+        self.engine.push_weights(tensors, version)
+        if self.producer is not None:
+            self.producer.weights_updated()
+
+    def _sampling(self, index: int, turn: int) -> SamplingConfig:
+        # A seed per (batch, turn) makes sampling independent of where and when it runs.
+        seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn
+        return SamplingConfig(**{**vars(self.sampling), "seed": seed})
+
+    def _tempered(self, transform: LogitTransform) -> LogitTransform:
+        temperature = self.hparams.temperature
+        if temperature in (0.0, 1.0):
+            return transform
+        if transform.softcap is not None:
+            raise ValueError("temperature != 1 with a logit soft-cap is not supported")
+        return LogitTransform(scale=transform.scale / temperature)
+
+    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
+        prompt = record["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.hparams.system_prompt and isinstance(prompt, str):
+            messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
+        tools = [tool.chat_template_spec() for tool in self.tools] or None
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+
+    def _text(self, token_ids: Sequence[int]) -> str:
+        hidden = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+        return self.tokenizer.decode([t for t in token_ids if t not in hidden])
+
+    def _reply_text(self, rollout: Rollout) -> str:
+        """What rewards read as the completion: the model's last reply."""
+        return rollout.metadata.get("final_reply", self._text(rollout.completion_ids))
+
+    # -- logging and checkpoints ---------------------------------------------------------------
+
+    def _log_step(self, scored: ScoredBatch, stats: _StepStats, staleness: int, waited: float, train_seconds: float) -> None:
+        rewards = torch.tensor(scored.rewards)
+        metrics = {
+            "reward/mean": rewards.mean(),
+            "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
+            "reward/errors": float(len(scored.reward_errors)),
+            "rollout/staleness": float(staleness),
+            "rollout/weight_version": float(scored.weight_version),
+            "rollout/completion_tokens": float(sum(sum(r.completion_mask) for r in scored.rollouts)) / len(scored.rollouts),
+            "time/wait_for_rollouts_s": waited,
+            "time/train_s": train_seconds,
+            "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in scored.rollouts) / max(scored.generation_seconds, 1e-9),
+            "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
+            "lr": self.optimizers().param_groups[0]["lr"],
+            **stats.metrics(),
+        }
+        for name, values in scored.reward_terms.items():
+            terms = torch.tensor(values)
+            metrics[f"reward/{name}/mean"] = terms.mean()
+            metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
+        if self.tools:
+            calls = sum(len(r.metadata.get("tool_calls", [])) for r in scored.rollouts)
+            metrics["tools/calls"] = float(calls)
+            for kind, count in scored.tool_failures.items():
+                metrics[f"tools/failures/{kind}"] = float(count)
+        self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
+        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=1)
+        self._log_rollout_table(scored)
+
+    def _log_rollout_table(self, scored: ScoredBatch) -> None:
+        every = self.hparams.log_rollouts_every_n_steps
+        if not every or scored.index % every or self.logger is None or not hasattr(self.logger, "log_table"):
+            return
+        names = list(scored.reward_terms)
+        rows = [
+            [scored.index, self._text(r.prompt_ids), self._text(r.completion_ids), scored.rewards[i], r.weight_version]
+            + [scored.reward_terms[name][i] for name in names]
+            for i, r in enumerate(scored.rollouts)
+        ]
+        self.logger.log_table(
+            key="rollouts", columns=["step", "prompt", "completion", "reward", "weight_version", *names], data=rows
+        )
+
+    def summary_metrics(self) -> dict[str, Any]:
+        """Reward means of the first and last `summary_window` steps, for summary.json."""
+        history = self.reward_history
+        window = max(1, min(self.hparams.summary_window, len(history) // 2 or 1))
+        mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+        return {
+            "reward_first_window_mean": mean(history[:window]),
+            "reward_last_window_mean": mean(history[-window:]),
+            "reward_window": window,
+            "grpo_steps": len(history),
+            "max_staleness_seen": max((b["index"] - b["weight_version"] for b in self.trained_batches), default=0),
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["grpo"] = {
+            "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
+            "reward_history": list(self.reward_history),
+            "trained_batches": list(self.trained_batches),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("grpo", {})
+        self._restored_queue = state.get("rollout_queue")
+        self.reward_history = list(state.get("reward_history", []))
+        self.trained_batches = list(state.get("trained_batches", []))
+
+
+class _StepStats:
+    """Sums over the rows of one step of what is logged about the loss."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.tokens = 0
+        self.low = self.high = 0.0
+        self.kl = self.entropy = self.ratio = 0.0
+        self.flat_tokens = self.unique_tokens = 0
+        self.has_kl = False
+
+    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
+        self.loss += float(loss)
+        self.tokens += int(terms.loss.numel())
+        self.low += float(terms.low_clipped.sum())
+        self.high += float(terms.high_clipped.sum())
+        self.ratio += float(terms.ratio.sum())
+        if terms.kl is not None:
+            self.has_kl = True
+            self.kl += float(terms.kl.sum())
+        if entropy is not None:
+            self.entropy += float(entropy.sum())
+        self.flat_tokens += packed.num_flat_tokens
+        self.unique_tokens += packed.num_unique_tokens
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        metrics = {
+            "loss": self.loss,
+            "clip/low": self.low / n,
+            "clip/high": self.high / n,
+            "clip/fraction": (self.low + self.high) / n,
+            "ratio/mean": self.ratio / n,
+            "entropy": self.entropy / n,
+            "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
+            "trained_tokens": float(self.tokens),
+        }
+        if self.has_kl:
+            metrics["kl"] = self.kl / n
+        return metrics
+
+
+def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:
+    if isinstance(spec, RewardSpec):
+        return spec
+    if isinstance(spec, str):
+        return RewardSpec(spec)
+    return RewardSpec(**spec)

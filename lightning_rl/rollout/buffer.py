@@ -1,0 +1,138 @@
+"""Asynchronous rollout production with bounded staleness, and a queue that survives checkpoints.
+
+Batch `i` is trained at optimizer step `i`, when the trainer's weights are version `i`. A batch
+generated with weights of version `v` is `i - v` versions stale. The producer starts batch `i`
+only once the engine holds version `i - max_staleness` or newer, so no trained batch is ever
+staler than `max_staleness`; with `max_staleness=0` it waits for every update, which is exactly
+the synchronous loop run on another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_rl.rollout.base import Rollout
+
+
+@dataclass
+class ScoredBatch:
+    """The rollouts of one prompt batch with their rewards: what one optimizer step trains on.
+
+    Everything is plain Python data so that it can go into a checkpoint as is.
+    """
+
+    index: int
+    records: list[dict[str, Any]]
+    rollouts: list[Rollout]
+    rewards: list[float]
+    reward_terms: dict[str, list[float]]
+    reward_errors: list[dict[str, Any]] = field(default_factory=list)
+    generation_seconds: float = 0.0
+    tool_failures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest weights any of its rollouts was sampled with."""
+        return min(r.weight_version for r in self.rollouts)
+
+    def state(self) -> dict[str, Any]:
+        state = asdict(self)
+        state["rollouts"] = [asdict(r) for r in self.rollouts]
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ScoredBatch:
+        return cls(**{**state, "rollouts": [Rollout(**r) for r in state["rollouts"]]})
+
+
+class RolloutProducer:
+    """Runs `produce(index)` for index = start, start+1, ... on a background thread.
+
+    `current_version()` is the version of the weights generation uses now. `take(index)` blocks
+    until that batch is ready; a failure on the producer thread is raised there.
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[int], ScoredBatch],
+        current_version: Callable[[], int],
+        max_staleness: int,
+        start_index: int = 0,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self._produce = produce
+        self._current_version = current_version
+        self.max_staleness = max_staleness
+        self._ready: dict[int, ScoredBatch] = {}
+        self._next_index = start_index
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+            self._thread.start()
+
+    def _may_generate(self, index: int) -> bool:
+        return self._current_version() >= index - self.max_staleness
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stopping or self._may_generate(self._next_index))
+                    if self._stopping:
+                        return
+                    index = self._next_index
+                batch = self._produce(index)
+                with self._changed:
+                    self._ready[index] = batch
+                    self._next_index = index + 1
+                    self._changed.notify_all()
+        except BaseException as error:  # handed to the trainer thread by `take`
+            with self._changed:
+                self._error = error
+                self._changed.notify_all()
+
+    def weights_updated(self) -> None:
+        """Call after every weight push: it may unblock the next batch."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def take(self, index: int) -> ScoredBatch:
+        with self._changed:
+            self._changed.wait_for(lambda: index in self._ready or self._error is not None)
+            if index not in self._ready:
+                raise RuntimeError("rollout generation failed on the producer thread") from self._error
+            return self._ready.pop(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Finished batches not yet trained. A batch being generated is not included: its index is
+        produced again after a restore, so no prompt is lost or trained twice."""
+        with self._changed:
+            return {"ready": [self._ready[i].state() for i in sorted(self._ready)]}
+
+    def load_state_dict(self, state: dict[str, Any], next_step: int) -> None:
+        """Restore before `start()`; `next_step` is the first batch index still to train."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before start()")
+        ready = [ScoredBatch.from_state(s) for s in state.get("ready", [])]
+        self._ready = {b.index: b for b in ready if b.index >= next_step}
+        expected = list(range(next_step, next_step + len(self._ready)))
+        if sorted(self._ready) != expected:
+            raise ValueError(f"checkpointed rollout queue holds batches {sorted(self._ready)}, expected {expected}")
+        self._next_index = next_step + len(self._ready)
+
+    def close(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,115 @@
+"""Multi-turn rollouts: the model writes, its tool calls run, their results are appended, repeat.
+
+Tool results are rendered by the tokenizer's chat template and appended as tokens the model did
+not sample (not trained). With `samples_per_turn=[4, 2]`, each of the 4 first replies that calls
+a tool continues as 2 samples, so the histories of one prompt form a tree that forks, and forks
+again: tree packing forwards each shared turn once.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.tools.calls import parse_tool_calls
+from lightning_rl.tools.executor import ToolExecutor
+
+
+def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[dict[str, Any]]) -> list[int]:
+    """Tokens the chat template puts after an assistant turn's end token to show tool results and
+    open the next assistant turn."""
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    prefix = tokenizer.apply_chat_template(base, tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(
+        base + tool_messages, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    cut = ends[-1] + 1 if ends else len(prefix)
+    if full[:cut] != prefix[:cut]:
+        raise ValueError("the chat template renders tool messages in a way that changes the earlier turns")
+    return list(full[cut:])
+
+
+class ToolConversation:
+    """Runs the generate / call tools / append loop for a batch of prompts up to `max_turns`."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        executor: ToolExecutor,
+        max_turns: int,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.max_turns = max_turns
+        self._hidden_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """Decoded reply, keeping tool-call markup (special tokens) but not end or padding tokens."""
+        return self.tokenizer.decode([t for t in token_ids if t not in self._hidden_ids])
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
+        sampling_for_turn: Callable[[int], SamplingConfig],
+    ) -> RolloutBatch:
+        first = self.engine.generate(prompts, samples_per_turn[0], sampling_for_turn(0))
+        # Each live history with the token ids of its latest reply.
+        live = [(self._start(r), r.completion_ids) for r in first.rollouts]
+        finished: list[Rollout] = []
+        for turn in range(1, self.max_turns + 1):
+            continuing = []
+            for history, reply in live:
+                text = self.text(reply)
+                history.messages.append({"role": "assistant", "content": text})
+                calls = parse_tool_calls(text)
+                if not calls or turn == self.max_turns or history.finish_reason != "stop":
+                    history.metadata["final_reply"] = text
+                    finished.append(history)
+                    continue
+                outcomes = [self.executor.run(call) for call in calls]
+                results = [{"role": "tool", "name": o.call.name or "", "content": o.content} for o in outcomes]
+                history.metadata["tool_calls"].extend(
+                    {"name": o.call.name, "arguments": o.arguments, "content": o.content, "failure": o.failure}
+                    for o in outcomes
+                )
+                history.messages.extend(results)
+                _append(history, tool_response_ids(self.tokenizer, results), sampled=False)
+                continuing.append(history)
+            if not continuing:
+                break
+            n = samples_per_turn[turn] if turn < len(samples_per_turn) else 1
+            batch = self.engine.generate([h.sequence for h in continuing], n, sampling_for_turn(turn))
+            live = []
+            for parent, children in zip(continuing, batch.groups, strict=True):
+                for child in children:
+                    history = copy.deepcopy(parent) if n > 1 else parent
+                    _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs)
+                    history.weight_version = min(history.weight_version, child.weight_version)
+                    history.finish_reason = child.finish_reason
+                    live.append((history, child.completion_ids))
+        groups: list[list[Rollout]] = [[] for _ in prompts]
+        for history in finished:
+            groups[history.group_id].append(history)
+        return RolloutBatch(groups)
+
+    @staticmethod
+    def _start(rollout: Rollout) -> Rollout:
+        fresh = Rollout(**asdict(rollout))
+        fresh.metadata.setdefault("tool_calls", [])
+        return fresh
+
+
+def _append(history: Rollout, token_ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+    history.completion_ids.extend(token_ids)
+    history.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
+    assert history.completion_mask is not None
+    history.completion_mask.extend([sampled] * len(token_ids))
