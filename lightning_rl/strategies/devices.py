@@ -1,0 +1,121 @@
+"""What hardware this process can see, and the shape policy that follows from it.
+
+Detection reads torch's own answers (``torch.cuda``, ``torch.version.hip``, ``torch.accelerator``) and
+looks for optional runtimes (``torch_neuronx``, ``torch_xla``) by import spec, so an absent backend is a
+fact to report, never an error. Every decision function takes a :class:`DeviceInventory`, which lets
+tests describe machines (ROCm, Neuron) that cannot exist on the machine running them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+#: Neuron and XLA compile one graph per input shape; 128 matches the Neuron tiling of the sequence axis.
+STATIC_SHAPE_MULTIPLE = 128
+STATIC_SHAPE_DEVICE_TYPES = frozenset({"xla", "neuron"})
+
+PadToMultipleOf = int | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class DeviceInventory:
+    """The devices and runtimes one process can use."""
+
+    cpu_count: int
+    machine: str
+    cuda_version: str | None = None
+    hip_version: str | None = None
+    gpu_names: tuple[str, ...] = ()
+    accelerator_type: str | None = None
+    accelerator_count: int = 0
+    has_torch_neuronx: bool = False
+    has_torch_xla: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_rocm(self) -> bool:
+        return self.hip_version is not None
+
+    @property
+    def has_native_neuron(self) -> bool:
+        return self.accelerator_type == "neuron" and self.accelerator_count > 0
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpu_names)
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_devices() -> DeviceInventory:
+    """Inspect this process: CPU, CUDA or ROCm GPUs, a native accelerator device, Neuron and XLA runtimes."""
+    gpu_names: tuple[str, ...] = ()
+    if torch.cuda.is_available():
+        gpu_names = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator_type = accelerator.type if accelerator is not None else None
+    accelerator_count = torch.accelerator.device_count() if accelerator is not None else 0
+    visible = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NEURON_RT_VISIBLE_CORES")
+    return DeviceInventory(
+        cpu_count=os.cpu_count() or 1,
+        machine=platform.machine(),
+        cuda_version=torch.version.cuda,
+        hip_version=torch.version.hip,
+        gpu_names=gpu_names,
+        accelerator_type=accelerator_type,
+        accelerator_count=accelerator_count,
+        has_torch_neuronx=_module_present("torch_neuronx"),
+        has_torch_xla=_module_present("torch_xla"),
+        env={key: os.environ[key] for key in visible if key in os.environ},
+    )
+
+
+def _device_type_of(trainer_or_device: Any) -> str:
+    """The device type ("cpu", "cuda", "xla", "neuron", ...) a trainer, strategy, accelerator or device runs on."""
+    if isinstance(trainer_or_device, str):
+        return torch.device(trainer_or_device).type
+    if isinstance(trainer_or_device, torch.device):
+        return trainer_or_device.type
+    strategy = getattr(trainer_or_device, "strategy", trainer_or_device)
+    if getattr(strategy, "requires_static_shapes", False):
+        return strategy.static_shape_device_type
+    root_device = getattr(strategy, "root_device", None)
+    if isinstance(root_device, torch.device):
+        return root_device.type
+    raise TypeError(
+        f"cannot tell the device of {type(trainer_or_device).__name__}; pass a Trainer, a Strategy or a torch.device"
+    )
+
+
+def requires_static_shapes(trainer_or_device: Any) -> bool:
+    """Whether every new input shape costs a compile (XLA, Neuron, or a strategy that rehearses them)."""
+    return _device_type_of(trainer_or_device) in STATIC_SHAPE_DEVICE_TYPES
+
+
+def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -> int | None:
+    """Turn a recipe's ``pad_to_multiple_of`` into a number: ``"auto"`` is 128 on XLA/Neuron, None elsewhere."""
+    if value == "auto":
+        return STATIC_SHAPE_MULTIPLE if requires_static_shapes(trainer_or_device) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}")
+    return value
+
+
+def padded_length(length: int, multiple: int | None) -> int:
+    """The smallest multiple of ``multiple`` that holds ``length`` (``length`` itself when None)."""
+    if multiple is None:
+        return length
+    return -(-length // multiple) * multiple

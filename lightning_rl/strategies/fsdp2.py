@@ -1,0 +1,180 @@
+"""FSDP2 (``fully_shard``) for any LightningModule that holds transformers models.
+
+Lightning's ``ModelParallelStrategy`` leaves sharding to the module's ``configure_model``. This strategy
+does it itself, so SFT, GRPO and user modules need no parallelism code: one shard unit per decoder layer
+(found through each transformers model's ``_no_split_modules``) and one root unit per model. A module
+that shards itself in ``configure_model`` is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from typing_extensions import override
+
+MixedPrecision = Literal["bf16", "fp16", "fp32"] | MixedPrecisionPolicy | None
+
+_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def mixed_precision_policy(value: MixedPrecision) -> MixedPrecisionPolicy:
+    """A policy from a recipe value: low-precision compute, but gradients always reduced in fp32."""
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    if value is None:
+        return MixedPrecisionPolicy()
+    if value not in _PARAM_DTYPES:
+        raise ValueError(f"mixed_precision must be one of {sorted(_PARAM_DTYPES)} or None, got {value!r}")
+    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[value], reduce_dtype=torch.float32)
+
+
+def _is_model_root(module: nn.Module) -> bool:
+    """A transformers (or peft-wrapped) model: the unit whose ``forward`` a training step calls."""
+    return hasattr(module, "_no_split_modules") and hasattr(module, "config")
+
+
+def find_model_roots(module: nn.Module) -> list[nn.Module]:
+    """The outermost transformers/peft models inside ``module`` (a policy, a reference model, ...)."""
+    roots: list[nn.Module] = []
+
+    def visit(node: nn.Module) -> None:
+        for child in node.children():
+            if _is_model_root(child):
+                roots.append(child)
+            else:
+                visit(child)
+
+    if _is_model_root(module):
+        return [module]
+    visit(module)
+    return roots
+
+
+def find_decoder_layers(module: nn.Module, layer_classes: Collection[str] | None = None) -> list[nn.Module]:
+    """Submodules to shard one by one: ``layer_classes`` by class name, else the models' ``_no_split_modules``."""
+    names = set(layer_classes or ())
+    if not names:
+        for sub in module.modules():
+            names.update(getattr(sub, "_no_split_modules", None) or ())
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
+
+
+def _uncovered_parameters(module: nn.Module, covered: Iterable[nn.Module]) -> list[str]:
+    inside = {id(p) for root in covered for p in root.parameters()}
+    return [name for name, p in module.named_parameters() if id(p) not in inside]
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 data parallelism with automatic per-layer sharding (registered as ``fsdp2``).
+
+    Args:
+        data_parallel_size: processes that shard the model; ``"auto"`` = all of them.
+        mixed_precision: ``"bf16"``/``"fp16"`` compute with fp32 gradient reduction, ``"fp32"`` or None.
+        activation_checkpointing: recompute each decoder layer in backward (transformers'
+            ``activation_checkpointing_enable``, non-reentrant, so a frozen LoRA base works).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        reshard_after_forward: free gathered layers after forward (saves memory, costs a second gather).
+        layer_classes: class names of the shard units, when a model's ``_no_split_modules`` is not right.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        mixed_precision: MixedPrecision = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        layer_classes: Collection[str] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.mp_policy = mixed_precision_policy(mixed_precision)
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        self.layer_classes = tuple(layer_classes) if layer_classes else None
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @property
+    def offload_policy(self) -> OffloadPolicy:
+        # Pinned memory needs a CUDA/ROCm runtime; on CPU-only machines the policy still moves optimizer work to CPU.
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+
+    def shard(self, module: nn.Module) -> None:
+        """Apply ``fully_shard`` to every decoder layer, then to each model root, in place."""
+        if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+            return  # the module sharded itself in configure_model
+        roots = find_model_roots(module)
+        if not roots:
+            raise TypeError(
+                f"{type(self).__name__} found no transformers model inside {type(module).__name__}; hold the model "
+                "as a submodule, or shard it yourself in configure_model()"
+            )
+        stray = _uncovered_parameters(module, roots)
+        if stray:
+            raise TypeError(
+                f"{type(self).__name__}: parameter '{stray[0]}' lies outside every transformers model, so it would "
+                "not be sharded or reduced; move it into a model, or shard it yourself in configure_model()"
+            )
+        kwargs: dict[str, Any] = {
+            "mesh": self.device_mesh["data_parallel"],
+            "mp_policy": self.mp_policy,
+            "offload_policy": self.offload_policy,
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        for root in roots:
+            if self.activation_checkpointing:
+                root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # Children before parents: a unit owns only the parameters no inner unit has claimed.
+            for layer in reversed(find_decoder_layers(root, self.layer_classes)):
+                fully_shard(layer, **kwargs)
+            fully_shard(root, **kwargs)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert isinstance(module, LightningModule)
+        self.shard(module)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        # With CPU offload the shards must stay in host memory; FSDP2 moves each layer in when it runs.
+        if not self.cpu_offload:
+            super().model_to_device()

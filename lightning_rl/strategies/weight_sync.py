@@ -1,0 +1,342 @@
+"""Stream a (possibly sharded) model's weights, by Hugging Face name, to a rollout engine.
+
+Each parameter is gathered on its own with ``DTensor.full_tensor()``, so the extra memory a sync needs is one
+full parameter, never the whole model. Every rank walks the same list in the same order (checked up front),
+and the gathers run on a process group with their own timeout, so a rank that stalls turns into an error
+naming the parameter rather than a hang. LoRA is merged into a copy of each gathered base weight: the
+trainer's own weights are never written to, so "unmerge" is exact by construction.
+
+Engines receive ``(hf_name, tensor)`` pairs through ``push_weights(named_tensors, version)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+DEFAULT_SYNC_TIMEOUT = timedelta(minutes=5)
+
+# Module-name segments that wrappers insert and Hugging Face names do not have.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "base_layer"})
+
+
+class WeightSyncError(RuntimeError):
+    """The ranks disagree on what to send, or a model part cannot be sent as asked."""
+
+
+class WeightSyncTimeoutError(WeightSyncError):
+    """A collective of the sync did not complete in time: some rank stalled or diverged."""
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Anything that loads weights by Hugging Face name (the rollout engines)."""
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+
+
+@dataclass
+class SyncReport:
+    """What one sync moved and how long it took."""
+
+    version: int
+    num_tensors: int = 0
+    num_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    seconds: float = 0.0
+    names: list[str] = field(default_factory=list)
+
+
+def hf_name(name: str) -> str:
+    """Drop the name segments that peft and module wrappers add (``base_layer``, ``_orig_mod``, ...)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _is_peft_model(module: nn.Module) -> bool:
+    return callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config")
+
+
+def policy_model(module: nn.Module) -> nn.Module:
+    """The Hugging Face model whose names an engine knows: unwraps peft, or finds it inside a LightningModule."""
+    from lightning_rl.strategies.fsdp2 import find_model_roots
+
+    if _is_peft_model(module):
+        return module.get_base_model()
+    if hasattr(module, "config") and hasattr(module, "_no_split_modules"):
+        return module
+    trainable = [root for root in find_model_roots(module) if any(p.requires_grad for p in root.parameters())]
+    if len(trainable) != 1:
+        found = ", ".join(type(root).__name__ for root in trainable) or "none"
+        raise WeightSyncError(
+            f"cannot tell which model to sync inside {type(module).__name__} (trainable models found: {found}); "
+            "pass the policy model itself"
+        )
+    return policy_model(trainable[0])
+
+
+@dataclass
+class _Entry:
+    """One tensor to send: a parameter or persistent buffer, plus the LoRA factors to merge into it."""
+
+    name: str
+    tensor: Tensor
+    lora: list[tuple[Tensor, Tensor, float, bool]] = field(default_factory=list)
+
+
+def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Tensor, float, bool]]:
+    """(A, B, scaling, fan_in_fan_out) of each active, unmerged adapter of a peft LoRA linear layer."""
+    if module.disable_adapters or module.merged:
+        return []
+    factors = []
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A:
+            continue
+        if module.lora_variant.get(adapter) is not None or module.lora_bias.get(adapter, False):
+            raise WeightSyncError(
+                f"merging adapter '{adapter}' of {module_name} ({type(module).__name__} with a LoRA variant or bias) "
+                "is not supported; sync the adapter alone with iter_adapter_weights()"
+            )
+        if not isinstance(module.get_base_layer(), nn.Linear):
+            raise WeightSyncError(
+                f"merging LoRA into {type(module.get_base_layer()).__name__} at {module_name} is not supported; "
+                "sync the adapter alone with iter_adapter_weights()"
+            )
+        factors.append((
+            module.lora_A[adapter].weight,
+            module.lora_B[adapter].weight,
+            float(module.scaling[adapter]),
+            bool(getattr(module, "fan_in_fan_out", False)),
+        ))
+    return factors
+
+
+def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
+    """The tensors to send, in ``named_modules`` order, each shared (tied) tensor once."""
+    from peft.tuners.lora import LoraLayer
+
+    persistent = set(model.state_dict(keep_vars=True))
+    seen: set[int] = set()
+    entries: list[_Entry] = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            lora = _lora_factors(module, module_name) if merge_lora else []
+            for name, param in base.named_parameters(recurse=False):
+                if id(param) not in seen:
+                    entries.append(_Entry(hf_name(f"{module_name}.{name}"), param, lora if name == "weight" else []))
+            seen.update(id(p) for p in module.parameters())  # adapter factors travel merged, or not at all
+            continue
+        owned = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for name, tensor in owned:
+            if id(tensor) in seen or (not isinstance(tensor, nn.Parameter) and f"{prefix}{name}" not in persistent):
+                continue
+            seen.add(id(tensor))
+            entries.append(_Entry(hf_name(f"{prefix}{name}"), tensor))
+    return entries
+
+
+_SYNC_MESHES: dict[tuple[int, tuple[int, ...], float], tuple[object, DeviceMesh]] = {}
+
+
+def _sync_mesh(mesh: DeviceMesh, timeout: timedelta) -> DeviceMesh:
+    """The same ranks as ``mesh`` on a process group of their own, whose collectives time out after ``timeout``.
+
+    Only a 1-D mesh that spans the whole world is rebuilt (every rank can join the group's creation);
+    any other mesh keeps its group, and then the process group's own timeout applies.
+    """
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    if mesh.ndim != 1 or len(ranks) != dist.get_world_size():
+        return mesh
+    world = dist.group.WORLD
+    key = (id(world), ranks, timeout.total_seconds())
+    cached = _SYNC_MESHES.get(key)
+    if cached is None or cached[0] is not world:
+        group = dist.new_group(list(ranks), timeout=timeout, backend=dist.get_backend(mesh.get_group()))
+        cached = (world, DeviceMesh.from_group(group, mesh.device_type))
+        _SYNC_MESHES[key] = cached
+    return cached[1]
+
+
+class _Gatherer:
+    """Full tensors from shards, on the sync's own group, with errors that name the tensor."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+
+    def full(self, tensor: Tensor, what: str) -> Tensor:
+        if not isinstance(tensor, DTensor):
+            return tensor.detach()
+        mesh = _sync_mesh(tensor.device_mesh, self.timeout)
+        local = tensor.to_local().detach()
+        if local.device.type != mesh.device_type:
+            local = local.to(mesh.device_type)  # CPU-offloaded shards travel through the accelerator
+        sharded = DTensor.from_local(
+            local, mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+        try:
+            full = sharded.full_tensor()
+            return full.wait() if isinstance(full, AsyncCollectiveTensor) else full
+        except RuntimeError as error:
+            raise WeightSyncTimeoutError(
+                f"rank {dist.get_rank()}: all-gather of {what} did not complete within "
+                f"{self.timeout.total_seconds():g}s; another rank stalled or is syncing a different model "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            ) from error
+
+
+def _check_same_plan(names: list[str], shapes: list[tuple[int, ...]], gatherer: _Gatherer, probe: Tensor) -> None:
+    """All ranks must send the same tensors in the same order, or the gathers would pair up wrongly."""
+    if not isinstance(probe, DTensor) or not dist.is_initialized():
+        return
+    mesh = _sync_mesh(probe.device_mesh, gatherer.timeout)
+    group = mesh.get_group()
+    manifest = list(zip(names, shapes))
+    manifests: list[object] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(manifests, manifest, group=group)
+    except RuntimeError as error:
+        raise WeightSyncTimeoutError(
+            f"rank {dist.get_rank()}: the ranks did not all start the weight sync within "
+            f"{gatherer.timeout.total_seconds():g}s"
+        ) from error
+    for rank, other in enumerate(manifests):
+        if other != manifest:
+            mismatch = next(
+                (f"#{i}: {a} here vs {b} on rank {rank}" for i, (a, b) in enumerate(zip(manifest, other)) if a != b),
+                f"{len(manifest)} tensors here vs {len(other)} on rank {rank}",
+            )
+            raise WeightSyncError(f"rank {dist.get_rank()}: ranks would sync different tensors ({mismatch})")
+
+
+def iter_full_weights(
+    module: nn.Module, *, merge_lora: bool = True, timeout: timedelta = DEFAULT_SYNC_TIMEOUT
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time.
+
+    Works for sharded (FSDP2) and plain models, peft-wrapped or not; ``module`` may be a LightningModule that
+    holds one trainable model. With peft and ``merge_lora`` each base weight arrives with its adapters merged
+    in (``W + scaling * B @ A``); without it the base weights arrive alone. All ranks must iterate to the end.
+    """
+    entries = _plan(policy_model(module), merge_lora)
+    gatherer = _Gatherer(timeout)
+    if entries:
+        _check_same_plan([e.name for e in entries], [tuple(e.tensor.shape) for e in entries], gatherer, entries[0].tensor)
+    for index, entry in enumerate(entries):
+        what = f"parameter '{entry.name}' (#{index + 1} of {len(entries)})"
+        full = gatherer.full(entry.tensor, what)
+        if entry.lora:
+            merged = full.float()
+            for lora_a, lora_b, scaling, fan_in_fan_out in entry.lora:
+                delta = gatherer.full(lora_b, f"LoRA B of {what}").float() @ gatherer.full(lora_a, f"LoRA A of {what}").float()
+                merged = merged + (delta.T if fan_in_fan_out else delta) * scaling
+            full = merged.to(full.dtype)
+        yield entry.name, full
+
+
+def iter_adapter_weights(
+    module: nn.Module, *, timeout: timedelta = DEFAULT_SYNC_TIMEOUT
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield the active adapter's tensors, full, under the names peft saves them with (for adapter-serving engines)."""
+    from peft import get_peft_model_state_dict
+
+    peft_model = module if _is_peft_model(module) else None
+    if peft_model is None:
+        from lightning_rl.strategies.fsdp2 import find_model_roots
+
+        peft_model = next((root for root in find_model_roots(module) if _is_peft_model(root)), None)
+    if peft_model is None:
+        raise WeightSyncError(f"{type(module).__name__} holds no peft model, so it has no adapter to sync")
+    state = get_peft_model_state_dict(peft_model)
+    gatherer = _Gatherer(timeout)
+    names = list(state)
+    if names:
+        _check_same_plan(names, [tuple(state[n].shape) for n in names], gatherer, state[names[0]])
+    for index, name in enumerate(names):
+        yield name, gatherer.full(state[name], f"adapter tensor '{name}' (#{index + 1} of {len(names)})")
+
+
+class _CountingStream:
+    """Wraps a weight stream, counts what passes, and remembers whether the stream itself failed."""
+
+    def __init__(self, stream: Iterator[tuple[str, Tensor]], report: SyncReport) -> None:
+        self.stream, self.report, self.failed = stream, report, False
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, Tensor]:
+        try:
+            name, tensor = next(self.stream)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
+        size = tensor.numel() * tensor.element_size()
+        self.report.num_tensors += 1
+        self.report.num_bytes += size
+        self.report.largest_tensor_bytes = max(self.report.largest_tensor_bytes, size)
+        self.report.names.append(name)
+        return name, tensor
+
+
+def sync_weights(
+    module: nn.Module,
+    target: WeightReceiver | None,
+    *,
+    version: int,
+    merge_lora: bool = True,
+    adapter_only: bool = False,
+    timeout: timedelta = DEFAULT_SYNC_TIMEOUT,
+) -> SyncReport:
+    """Push the weights (or, with ``adapter_only``, the LoRA adapter) to ``target``; call it on every rank.
+
+    ``target`` is None on ranks that only help gather. If the target stops reading early, the rest of the
+    stream is still gathered here, so the other ranks are not left waiting in a collective.
+    """
+    report = SyncReport(version=version)
+    if adapter_only:
+        stream = iter_adapter_weights(module, timeout=timeout)
+    else:
+        stream = iter_full_weights(module, merge_lora=merge_lora, timeout=timeout)
+    counted = _CountingStream(stream, report)
+    start = time.perf_counter()
+    try:
+        if target is not None:
+            target.push_weights(counted, version)
+    finally:
+        if not counted.failed:
+            for _ in counted:
+                pass
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@torch.no_grad()
+def copy_weights_into(model: nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """Copy ``(hf_name, tensor)`` pairs into a transformers model in place; returns the names received."""
+    destinations = model.state_dict(keep_vars=True)
+    received = []
+    for name, tensor in named_tensors:
+        destination = destinations.get(name)
+        if destination is None:
+            raise WeightSyncError(f"{type(model).__name__} has no parameter or buffer named '{name}'")
+        if destination.shape != tensor.shape:
+            raise WeightSyncError(
+                f"'{name}': {type(model).__name__} holds shape {tuple(destination.shape)}, "
+                f"received {tuple(tensor.shape)}"
+            )
+        destination.copy_(tensor)
+        received.append(name)
+    return received

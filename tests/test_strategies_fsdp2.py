@@ -1,0 +1,246 @@
+"""FSDP2 strategy and live weight sync: two real processes, gloo, a real Lightning Trainer, a tiny Qwen3.
+
+The pytest side builds a tiny model folder, runs this file as a script (Lightning's launcher starts the
+second rank), and checks what each rank wrote. The engine is a transformers model loaded through
+``from_pretrained`` that receives weights through ``push_weights``, as the transformers rollout engine does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def build_tiny_model(folder: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+
+class TransformersTarget:
+    """A transformers model that takes weights the way a rollout engine does."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from lightning_rl.strategies.weight_sync import copy_weights_into
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+        self._copy = copy_weights_into
+        self.version = 0
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        self._copy(self.model, named_tensors)
+        self.version = version
+
+
+class StallingTarget:
+    """Reads two tensors, then stops answering for longer than the sync timeout."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        for index, _ in enumerate(named_tensors):
+            if index == 1:
+                time.sleep(self.stall_s)
+
+
+def prompt_logprobs(model: torch.nn.Module, prompt: Tensor) -> Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, prompt[:, 1:, None]).squeeze(-1)
+
+
+def run_worker(mode: str, folder: str, out: str) -> None:
+    import lightning as L
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from lightning_rl.strategies import FSDP2Strategy  # importing the package registers "fsdp2"
+    from lightning_rl.strategies.weight_sync import WeightSyncTimeoutError, iter_adapter_weights, sync_weights
+
+    class CausalLMModule(L.LightningModule):
+        """The smallest module the strategy must handle: a HF model and its LM loss, nothing else."""
+
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=2e-2)
+
+    lora = mode == "lora"
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    module = CausalLMModule(model)
+    generator = torch.Generator().manual_seed(1)
+    data = DataLoader(list(torch.randint(0, 96, (16, 12), generator=generator)), batch_size=2)
+    # By registered name for full training; with the optional features switched on for LoRA.
+    strategy = FSDP2Strategy(activation_checkpointing=True, cpu_offload=True) if lora else "fsdp2"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy,
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    rank = trainer.global_rank
+    result: dict = {"rank": rank}
+
+    layers = [m for m in module.modules() if isinstance(m, Qwen3DecoderLayer)]
+    result["sharded_layers"] = sum(isinstance(m, FSDPModule) for m in layers)
+    result["all_dtensor"] = all(isinstance(p, DTensor) for p in module.parameters())
+    result["checkpointing"] = any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
+
+    hf = model.get_base_model() if lora else model
+    local_before = {n: p.to_local().clone() for n, p in module.named_parameters()}
+    full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
+    engine = TransformersTarget(folder) if rank == 0 else None
+    report = sync_weights(module, engine, version=STEPS)
+    result["sent"] = report.names
+    result["unchanged_after_sync"] = all(
+        torch.equal(local_before[n], p.to_local()) for n, p in module.named_parameters()
+    )
+    prompt = torch.tensor([[5, 17, 42, 8, 9, 33, 2, 71]])
+    trainer_logprobs = prompt_logprobs(module.model, prompt)
+
+    if rank == 0:
+        initial = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        engine_state = engine.model.state_dict()
+        result["engine_version"] = engine.version
+        result["logprob_max_diff"] = (prompt_logprobs(engine.model, prompt) - trainer_logprobs).abs().max().item()
+        if lora:
+            prefix = "base_model.model."
+            expected = {}
+            for name, value in full.items():
+                if name.startswith(prefix) and ".lora_" not in name:
+                    expected[name[len(prefix):].replace(".base_layer", "")] = value
+            for name in list(expected):
+                a = full.get(f"{prefix}{name[:-len('.weight')]}.lora_A.default.weight")
+                if a is not None:
+                    b = full[f"{prefix}{name[:-len('.weight')]}.lora_B.default.weight"]
+                    expected[name] = expected[name] + (8 / 4) * (b @ a)
+            result["lora_modules"] = sum(".lora_A." in n for n in full)
+            result["lora_b_max"] = max(v.abs().max().item() for n, v in full.items() if ".lora_B." in n)
+            result["base_frozen"] = all(
+                torch.equal(initial[n], full[f"{prefix}{n[:-len('.weight')]}.base_layer.weight"])
+                for n in expected if f"{prefix}{n[:-len('.weight')]}.base_layer.weight" in full
+            )
+            reference = get_peft_model(
+                AutoModelForCausalLM.from_pretrained(folder),
+                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+            )
+            reference.load_state_dict(full)
+            reference_adapter = set(get_peft_model_state_dict(reference))
+            peft_merged = reference.merge_and_unload().state_dict()
+            result["engine_vs_peft_merge"] = max((engine_state[n] - peft_merged[n]).abs().max().item() for n in expected)
+        else:
+            expected = dict(full)
+            result["trained_moved"] = max((initial[n] - full[n]).abs().max().item() for n in full)
+        result["engine_equals_expected"] = {
+            n: torch.equal(engine_state[n], expected[n]) for n in expected if n != "lm_head.weight"
+        }
+        result["engine_vs_expected_max"] = max((engine_state[n] - expected[n]).abs().max().item() for n in expected)
+    if lora:
+        adapter = dict(iter_adapter_weights(module))
+        if rank == 0:
+            result["adapter_names_match"] = set(adapter) == reference_adapter
+    else:
+        started = time.perf_counter()
+        try:
+            sync_weights(module, StallingTarget(4.0) if rank == 1 else None, version=STEPS + 1,
+                         timeout=timedelta(seconds=1.5))
+            result["stall_error"] = None
+        except WeightSyncTimeoutError as error:
+            result["stall_error"] = str(error)
+        result["stall_seconds"] = time.perf_counter() - started
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- test side
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    build_tiny_model(folder)
+    return folder
+
+
+def launch(mode: str, folder: Path, out: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in {"MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK"}}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(folder), str(out)], env=env, cwd=out, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_full_sync_after_training_matches_gathered_model(tiny_model: Path, tmp_path: Path) -> None:
+    ranks = launch("full", tiny_model, tmp_path)
+    rank0 = ranks[0]
+    assert rank0["sharded_layers"] == 2 and rank0["all_dtensor"]
+    assert rank0["trained_moved"] > 1e-3, "the optimizer steps must have changed the weights"
+    assert rank0["engine_version"] == STEPS
+    assert all(rank0["engine_equals_expected"].values()), rank0["engine_equals_expected"]
+    assert rank0["logprob_max_diff"] < 1e-5
+    # Tied embeddings: sent once, under the input-embedding name.
+    assert "model.embed_tokens.weight" in rank0["sent"] and "lm_head.weight" not in rank0["sent"]
+    assert len(rank0["sent"]) == len(set(rank0["sent"]))
+    assert all(r["unchanged_after_sync"] for r in ranks)
+    # A stalled rank: the waiting rank fails fast, naming the parameter it was gathering.
+    # Rank 1 stops reading after its second tensor, so rank 0 is left waiting on the third.
+    third = rank0["sent"][2]
+    assert f"parameter '{third}' (#3 of {len(rank0['sent'])}) did not complete within 1.5s" in rank0["stall_error"]
+    assert ranks[1]["stall_error"] is not None and "parameter '" in ranks[1]["stall_error"]
+    assert max(r["stall_seconds"] for r in ranks) < 30
+
+
+def test_lora_sync_merges_into_copy_and_leaves_trainer_unchanged(tiny_model: Path, tmp_path: Path) -> None:
+    ranks = launch("lora", tiny_model, tmp_path)
+    rank0 = ranks[0]
+    assert rank0["sharded_layers"] == 2 and rank0["all_dtensor"] and rank0["checkpointing"]
+    assert rank0["lora_modules"] == 6 and rank0["lora_b_max"] > 1e-3, "training must have moved the adapters"
+    assert rank0["base_frozen"]
+    assert rank0["engine_vs_expected_max"] < 1e-6
+    assert rank0["engine_vs_peft_merge"] < 1e-6
+    assert rank0["logprob_max_diff"] < 1e-5
+    assert all(r["unchanged_after_sync"] for r in ranks)
+    assert not any(".lora_" in n or ".base_layer" in n for n in rank0["sent"])
+    assert rank0["adapter_names_match"]
+
+
+if __name__ == "__main__":
+    run_worker(*sys.argv[1:4])
