@@ -26,20 +26,27 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _same_number(given: str, expected: Any) -> bool:
+def _is_number(text: Any) -> bool:
     try:
-        return math.isclose(float(given), float(expected), rel_tol=1e-6, abs_tol=1e-9)
+        float(text)
     except (TypeError, ValueError):
-        return given.strip() == str(expected).strip()
+        return False
+    return True
+
+
+def _matches(completion: str, expected: Any) -> bool:
+    if not _is_number(expected):  # a textual answer ("1 7 0 4") must be the whole reply
+        return " ".join(completion.split()) == " ".join(str(expected).split())
+    given = extract_answer(completion)
+    return given is not None and _is_number(given) and math.isclose(
+        float(given), float(expected), rel_tol=1e-6, abs_tol=1e-9
+    )
 
 
 def math_answer(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
-    """1.0 where the completion's answer equals the `answer` column (numerically when both parse)."""
-    scores = []
-    for completion, expected in zip(completions, answer, strict=True):
-        given = extract_answer(completion)
-        scores.append(1.0 if given is not None and _same_number(given, expected) else 0.0)
-    return scores
+    """1.0 where the completion's answer equals the `answer` column: numerically for a numeric
+    answer, as the whole (whitespace-normalised) reply otherwise."""
+    return [1.0 if _matches(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
 def format_match(
