@@ -1,0 +1,112 @@
+"""Callbacks every run gets: throughput on the progress bar, summary.json, the final HF export.
+
+A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
+flat packing would have forwarded); a module may add figures to the summary with ``summary_metrics()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """Peak accelerator memory allocated by torch, or the process's peak resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_max_rss"
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class RunSummary(Callback):
+    """Tracks loss and throughput, shows tokens/s on the progress bar, writes OUTPUT_DIR/summary.json."""
+
+    def __init__(self, output_dir: str | Path, task: str, window: int = 10) -> None:
+        self.path = Path(output_dir) / "summary.json"
+        self.task = task
+        self.window = window
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.flat_tokens = 0
+        self.train_seconds = 0.0
+        self._batch_start = 0.0
+        self._fit_start = 0.0
+        self.extra: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._batch_start
+        self.train_seconds += seconds
+        if not isinstance(outputs, dict):
+            return
+        self.losses.append(float(outputs["loss"]))
+        tokens = int(outputs.get("tokens", 0))
+        self.tokens += tokens
+        self.flat_tokens += int(outputs.get("flat_tokens", tokens))
+        pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
+
+    def _mean(self, values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    def figures(self, trainer: Trainer) -> dict[str, Any]:
+        memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
+        n = min(self.window, max(len(self.losses) // 2, 1))
+        return {
+            "task": self.task,
+            "steps": trainer.global_step,
+            "micro_batches": len(self.losses),
+            "first_loss": self.losses[0] if self.losses else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            f"first_{n}_mean_loss": self._mean(self.losses[:n]),
+            f"last_{n}_mean_loss": self._mean(self.losses[-n:]),
+            "tokens": self.tokens,
+            "flat_tokens": self.flat_tokens,
+            "tokens_per_s": self.tokens / self.train_seconds if self.train_seconds else None,
+            "flat_tokens_per_s": self.flat_tokens / self.train_seconds if self.train_seconds else None,
+            "peak_memory_mb": memory,
+            "peak_memory_kind": memory_kind,
+            "train_seconds": self.train_seconds,
+            "wall_seconds": time.perf_counter() - self._fit_start,
+            "world_size": trainer.world_size,
+        }
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        module_figures = pl_module.summary_metrics() if hasattr(pl_module, "summary_metrics") else {}
+        summary = {**self.figures(trainer), **module_figures, **self.extra}
+        for key, value in summary.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                summary[key] = None
+        if trainer.is_global_zero:
+            write_json_atomic(self.path, summary)
+
+
+class ExportHuggingFace(Callback):
+    """At the end of a completed fit, writes OUTPUT_DIR/hf through the module's ``export_hf``."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / "hf"
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero and hasattr(pl_module, "export_hf"):
+            pl_module.export_hf(self.path)

@@ -1,0 +1,218 @@
+"""The ``lightning-rl`` command: ``run RECIPE.yaml [--dotted.key=value ...]``, and ``env`` / ``launch`` / ``plan``.
+
+A recipe is a LightningCLI config: ``task`` picks the module and datamodule classes, ``model`` and
+``data`` are their init arguments, ``trainer`` the Trainer's, plus ``output_dir``, ``seed``, ``logger``,
+``checkpoint_every_n_steps`` and ``ckpt_path`` (``last`` resumes from OUTPUT_DIR/checkpoints).
+Mistakes in a recipe end the command with one ``error:`` line naming the key or file, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import netrc
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from jsonargparse import ArgumentError
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_rl.callbacks import ExportHuggingFace, RunSummary
+from lightning_rl.data.sft import DataError
+
+TASKS = {
+    "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
+    "grpo": ("lightning_rl.modules.grpo:GRPOModule", "lightning_rl.data.prompts:PromptDataModule"),
+}
+SUBCOMMANDS = {
+    "env": "lightning_rl.env_report",
+    "launch": "lightning_rl.launch.slurm",
+    "plan": "lightning_rl.launch.plan",
+}
+USAGE = "usage: lightning-rl {run RECIPE.yaml [--key=value ...] | env | launch ... | plan ...}"
+EXIT_USAGE = 2
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be run as written."""
+
+
+@dataclass
+class LoggerSettings:
+    """The ``logger:`` block. ``wandb`` logs offline when no credentials are configured."""
+
+    kind: Literal["csv", "wandb", "none"] = "csv"
+    project: str = "lightning-rl"
+    name: str | None = None
+    offline: bool | None = None
+
+
+def _import(target: str) -> Any:
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def task_classes(task: str) -> tuple[type[LightningModule], type[LightningDataModule]]:
+    if task not in TASKS:
+        raise RecipeError(f"task: unknown task {task!r} (expected one of {', '.join(TASKS)})")
+    try:
+        return _import(TASKS[task][0]), _import(TASKS[task][1])
+    except ImportError as e:
+        raise RecipeError(f"task: {task!r} is not available in this install ({e})") from None
+
+
+def read_task(recipe: Path, overrides: list[str]) -> str:
+    """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes."""
+    for arg in overrides:
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
+    if not recipe.is_file():
+        raise RecipeError(f"{recipe}: no such recipe file")
+    try:
+        config = yaml.safe_load(recipe.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict) or "task" not in config:
+        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
+    return str(config["task"])
+
+
+def has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
+    if settings.kind == "none":
+        return False
+    if settings.kind == "csv":
+        return CSVLogger(save_dir=output_dir, name="csv")
+    offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") == "offline" or not has_wandb_credentials())
+    if offline:
+        print(f"W&B: logging offline to {output_dir}/wandb; upload later with `wandb sync {output_dir}/wandb/offline-run-*`", file=sys.stderr)
+    return WandbLogger(project=settings.project, name=settings.name, save_dir=str(output_dir), offline=offline)
+
+
+class SaveRecipe(SaveConfigCallback):
+    """Writes the resolved recipe to OUTPUT_DIR/recipe.yaml once the data has been checked (atomically)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        path = Path(self.config["output_dir"]) / "recipe.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self.parser.save(self.config, str(tmp), skip_none=False, overwrite=True, multifile=False)
+        os.replace(tmp, path)
+
+
+class RecipeCLI(LightningCLI):
+    """LightningCLI with the recipe's top-level keys and the callbacks every run gets."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--task", type=Literal[tuple(TASKS)], required=True, help="what to train: " + ", ".join(TASKS))
+        parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100)
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
+        parser.add_dataclass_arguments(LoggerSettings, "logger")
+        parser.link_arguments("seed", "seed_everything")
+        parser.link_arguments("output_dir", "trainer.default_root_dir")
+        if "seed" in inspect.signature(self.datamodule_class).parameters:
+            parser.link_arguments("seed", "data.seed")
+        model_params = inspect.signature(self.model_class).parameters
+        if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in model_params:
+            parser.link_arguments("model.model_name_or_path", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init
+        output_dir = Path(config["output_dir"])
+        callbacks = list(config["trainer"].get("callbacks") or [])
+        callbacks += [
+            RunSummary(output_dir, task=config["task"]),
+            ExportHuggingFace(output_dir),
+            ModelCheckpoint(
+                dirpath=output_dir / "checkpoints",
+                filename="step{step}",
+                every_n_train_steps=config["checkpoint_every_n_steps"],
+                save_top_k=1,
+                save_last=True,
+            ),
+        ]
+        return super().instantiate_trainer(callbacks=callbacks, logger=build_logger(config["logger"], output_dir), **kwargs)
+
+
+def _one_line(error: BaseException) -> str:
+    """jsonargparse reports validation problems over several lines; keep the line that names the key."""
+    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
+    if not lines:
+        return type(error).__name__
+    for line in lines:
+        if "Key '" in line or "key '" in line or "Unrecognized" in line or "No such file" in line:
+            return line
+    return lines[-1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+
+
+def run(recipe: str, overrides: list[str]) -> int:
+    task = read_task(Path(recipe), overrides)
+    model_class, datamodule_class = task_classes(task)
+    try:
+        cli = RecipeCLI(
+            model_class,
+            datamodule_class,
+            run=False,
+            args=["--config", recipe, *overrides],
+            save_config_callback=SaveRecipe,
+            parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run"},
+            auto_configure_optimizers=False,
+        )
+    except ArgumentError as e:
+        raise RecipeError(f"{recipe}: {_one_line(e)}") from None
+    except (ValueError, TypeError, OSError, MisconfigurationException) as e:
+        if isinstance(e, DataError):
+            raise
+        raise RecipeError(f"{recipe}: {_one_line(e)}") from None
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config["ckpt_path"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(SUBCOMMANDS[command])
+        except ImportError as e:
+            print(f"error: `lightning-rl {command}` is not available in this install ({e})", file=sys.stderr)
+            return EXIT_USAGE
+        return int(module.main(rest) or 0)
+    if command != "run":
+        print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    if not rest or rest[0].startswith("-"):
+        print(f"error: `run` needs a recipe file\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run(rest[0], rest[1:])
+    except (RecipeError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

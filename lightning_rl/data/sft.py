@@ -1,0 +1,447 @@
+"""SFT data: read and check rows, render them with the tokenizer's chat template, pack them into rows.
+
+Two row shapes are accepted:
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: every assistant turn is trained;
+- ``{"prompt": ..., "completion": ...}``: both strings, or both lists of messages; only the completion
+  is trained.
+
+Every row is checked and tokenized in ``setup`` before any training step runs, so a bad row stops
+the run with one message naming the file and row index, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Sampler
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.packing.tree import PackedBatch, pack_sequences
+
+ROLES = ("system", "user", "assistant", "tool")
+Packing = Literal["auto", "tree", "flat", "none"]
+
+
+class DataError(ValueError):
+    """A problem with the training data, with the file and row it was found in."""
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+@dataclass
+class GenerationCase:
+    """A held-out prompt and the completion a greedy decode should reproduce exactly."""
+
+    prompt_ids: list[int]
+    reference: str
+
+
+DataSource = str | os.PathLike | Any  # a file, a `datasets.save_to_disk` folder, or a `datasets.Dataset`
+
+
+def read_rows(source: DataSource) -> tuple[str, list[Any]]:
+    """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset."""
+    if not isinstance(source, (str, os.PathLike)):
+        info = getattr(source, "info", None)
+        return (getattr(info, "dataset_name", None) or type(source).__name__), list(source)
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir():
+        import datasets
+
+        return str(path), list(datasets.load_from_disk(str(path)))
+    if path.suffix == ".parquet":
+        import pyarrow.parquet
+
+        return str(path), pyarrow.parquet.read_table(path).to_pylist()
+    if path.suffix == ".json":
+        rows = json.loads(path.read_text())
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json data file must hold a list of rows")
+        return str(path), rows
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
+    return str(path), rows
+
+
+def _check_messages(messages: Any, field: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"`{field}` must be a non-empty list of messages")
+    for k, message in enumerate(messages):
+        where = f"`{field}[{k}]`"
+        if not isinstance(message, dict):
+            raise ValueError(f"{where} must be an object with `role` and `content`")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = message.get("content")
+        if role == "assistant" and message.get("tool_calls") and content in (None, ""):
+            continue
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
+    return messages
+
+
+def _check_row(row: Any) -> dict:
+    """The row with its shape checked; raises ValueError with a message naming the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    if "messages" in row:
+        messages = _check_messages(row["messages"], "messages")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError("`messages` has no assistant turn to train on")
+        return {"messages": messages}
+    if "prompt" not in row or "completion" not in row:
+        raise ValueError("missing `messages` (or both `prompt` and `completion`)")
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            raise ValueError("`completion` is empty")
+        return {"prompt": prompt, "completion": completion}
+    if isinstance(prompt, list) and isinstance(completion, list):
+        prompt, completion = _check_messages(prompt, "prompt"), _check_messages(completion, "completion")
+        if not any(m["role"] == "assistant" for m in completion):
+            raise ValueError("`completion` has no assistant turn to train on")
+        return {"prompt": prompt, "completion": completion}
+    raise ValueError("`prompt` and `completion` must both be strings or both be lists of messages")
+
+
+class Renderer:
+    """Turns checked rows into token ids and a loss mask with the tokenizer's own chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+
+    def _chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)["input_ids"])
+
+    def _require_template(self) -> None:
+        if not self.tokenizer.chat_template:
+            raise DataError(f"tokenizer {self.name} has no chat template; conversational rows need one (or use string prompt/completion rows)")
+
+    def _assistant_mask(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        if any(mask):
+            return ids, mask
+        # Templates without {% generation %} blocks: find each assistant turn by rendering the
+        # conversation up to it; this needs every rendering to be a prefix of the full one.
+        mask = [False] * len(ids)
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._chat(messages[:k], add_generation_prompt=True)
+            through = self._chat(messages[: k + 1])
+            if ids[: len(through)] != through or through[: len(before)] != before:
+                raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
+            mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+        return ids, mask
+
+    def example(self, row: dict) -> Example:
+        if "messages" in row:
+            self._require_template()
+            ids, mask = self._assistant_mask(row["messages"])
+        elif isinstance(row["prompt"], str):
+            prompt = self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
+            completion = self.tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+            completion = completion + [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else completion
+            ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
+        else:
+            self._require_template()
+            ids, mask = self._assistant_mask(row["prompt"] + row["completion"])
+            prompt = self._chat(row["prompt"])
+            if ids[: len(prompt)] != prompt:
+                raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
+            mask[: len(prompt)] = [False] * len(prompt)
+        if not any(mask[1:]):
+            raise ValueError("no trained tokens after rendering")
+        return Example(ids, mask)
+
+    def generation_case(self, row: dict) -> GenerationCase | None:
+        """The prompt up to the final assistant turn and that turn's text; None if it has tool calls."""
+        if "messages" in row or isinstance(row["prompt"], list):
+            messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+            last = messages[-1]
+            if last["role"] != "assistant" or last.get("tool_calls"):
+                return None
+            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True), last["content"])
+        return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
+
+
+def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tuple[list[Example], list[GenerationCase]]:
+    """Check and render every row of ``source``; the first bad row raises DataError naming it."""
+    name, rows = read_rows(source)
+    if not rows:
+        raise DataError(f"{name}: no rows")
+    examples, cases = [], []
+    for i, raw in enumerate(rows):
+        try:
+            row = _check_row(raw)
+            example = renderer.example(row)
+        except DataError:
+            raise
+        except ValueError as e:
+            raise DataError(f"{name}: row {i}: {e}") from None
+        if len(example.input_ids) > max_length:
+            raise DataError(f"{name}: row {i}: {len(example.input_ids)} tokens, longer than max_length={max_length}")
+        examples.append(example)
+        case = renderer.generation_case(row)
+        if case is not None:
+            cases.append(case)
+    return examples, cases
+
+
+class _TrieCounter:
+    """Unique tokens of a growing set of sequences (the size of their prefix tree)."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, dict] = {}
+
+    def added_by(self, seq: Sequence[int]) -> int:
+        node, shared = self.root, 0
+        for token in seq:
+            if token not in node:
+                break
+            node, shared = node[token], shared + 1
+        return len(seq) - shared
+
+    def add(self, seq: Sequence[int]) -> None:
+        node = self.root
+        for token in seq:
+            node = node.setdefault(token, {})
+
+
+def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: int, packing: Packing) -> list[list[int]]:
+    """Group example indices, in ``order``, into rows that fit ``max_tokens`` forwarded tokens.
+
+    Under tree packing a row's budget counts unique tokens (shared prefixes once); under flat packing it
+    counts every token; ``none`` puts one example in each row.
+    """
+    if packing == "none":
+        return [[i] for i in order]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    trie, used = _TrieCounter(), 0
+    for i in order:
+        ids = examples[i].input_ids
+        cost = trie.added_by(ids) if packing == "tree" else len(ids)
+        if current and used + cost > max_tokens:
+            batches.append(current)
+            current, trie, used = [], _TrieCounter(), 0
+            cost = len(ids)
+        current.append(i)
+        used += cost
+        if packing == "tree":
+            trie.add(ids)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Seeded, resumable batches under a token budget: epoch ``e`` always yields the same batches.
+
+    ``skip_batches`` drops the first batches of an epoch, which is how a resumed run continues
+    exactly where the checkpoint left off.
+    """
+
+    def __init__(self, examples: Sequence[Example], max_tokens: int, packing: Packing, *, shuffle: bool, seed: int) -> None:
+        self.examples, self.max_tokens, self.packing = examples, max_tokens, packing
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch = 0
+        self.skip: dict[int, int] = {}
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip_batches(self, epoch: int, count: int) -> None:
+        self.skip[epoch] = count
+
+    def _batches(self) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != self.epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                order = torch.randperm(len(self.examples), generator=g).tolist()
+            else:
+                order = list(range(len(self.examples)))
+            self._cache = (self.epoch, plan_batches(self.examples, order, self.max_tokens, self.packing))
+        return self._cache[1]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._batches()[self.skip.pop(self.epoch, 0) :]
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class PackedCollator:
+    """Packs the examples of one batch into a single PackedBatch row."""
+
+    def __init__(self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int) -> None:
+        self.share_prefixes, self.pad_to_multiple_of, self.pad_token_id = share_prefixes, pad_to_multiple_of, pad_token_id
+
+    def __call__(self, examples: list[Example]) -> PackedBatch:
+        return pack_sequences(
+            [e.input_ids for e in examples],
+            [e.loss_mask for e in examples],
+            share_prefixes=self.share_prefixes,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            pad_token_id=self.pad_token_id,
+        )
+
+
+class _ExampleDataset(Dataset):
+    def __init__(self, examples: list[Example]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.examples[i]
+
+
+def prefix_sharing_ratio(examples: Sequence[Example], max_tokens: int) -> float:
+    """Flat over unique tokens of the first tree-packed rows: how much tree packing would save."""
+    rows = plan_batches(examples, range(min(len(examples), 256)), max_tokens, "tree")
+    flat = unique = 0
+    for row in rows:
+        trie = _TrieCounter()
+        for i in row:
+            ids = examples[i].input_ids
+            flat += len(ids)
+            unique += trie.added_by(ids)
+            trie.add(ids)
+    return flat / max(unique, 1)
+
+
+def resolve_pad_to_multiple_of(value: int | Literal["auto"] | None, device: torch.device) -> int | None:
+    """``"auto"``: 128 on XLA / Neuron devices (they compile once per shape), no padding elsewhere."""
+    if value != "auto":
+        return value
+    try:
+        from lightning_rl.strategies.devices import resolve_pad_to_multiple_of as resolve
+    except ImportError:
+        return 128 if device.type in ("xla", "neuron") else None
+    return resolve(value, device)
+
+
+class SFTDataModule(LightningDataModule):
+    """SFT rows from files or a ``datasets.Dataset``, packed into rows of at most ``max_tokens`` tokens.
+
+    Args:
+        train_data: JSONL / JSON / Parquet file, a ``save_to_disk`` folder, or a ``datasets.Dataset``.
+        val_data: the same for the held-out split (validation loss and exact-match generation).
+        tokenizer: a tokenizer folder; by default the model's (``model.model_name_or_path`` in a recipe).
+        max_tokens: tokens forwarded per packed row (unique tokens under tree packing).
+        max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens``.
+        packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
+            (one example per row), or ``auto``: tree when the data shares prefixes, else flat.
+        pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
+    """
+
+    def __init__(
+        self,
+        train_data: DataSource,
+        val_data: DataSource | None = None,
+        tokenizer: str = "tiny",
+        max_tokens: int = 2048,
+        max_length: int | None = None,
+        packing: Packing = "auto",
+        pad_to_multiple_of: int | Literal["auto"] | None = "auto",
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        for key, source in (("data.train_data", train_data), ("data.val_data", val_data)):
+            if isinstance(source, (str, os.PathLike)) and not Path(source).exists():
+                raise DataError(f"{key}: no such file or folder: {source}")
+        self.train_data, self.val_data = train_data, val_data
+        self.tokenizer_name = tokenizer
+        self.max_tokens = max_tokens
+        self.max_length = max_length or max_tokens
+        if self.max_length > max_tokens:
+            raise DataError(f"data.max_length={self.max_length} is larger than data.max_tokens={max_tokens}: such an example fits no row")
+        self.packing = packing
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.train_examples: list[Example] = []
+        self.val_examples: list[Example] = []
+        self.generation_cases: list[GenerationCase] = []
+        self.resolved_packing: Packing = packing
+        self._sampler: TokenBudgetBatchSampler | None = None
+        self._position = (0, 0)  # (epoch, training batches already taken in it)
+        self._resume: tuple[int, int] | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.tokenizer is not None:
+            return
+        path = resolve_model_path(self.tokenizer_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        renderer = Renderer(self.tokenizer, path)
+        self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length)
+        if self.val_data is not None:
+            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, self.max_length)
+        if self.packing == "auto":
+            self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
+
+    def _device(self) -> torch.device:
+        return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+
+    def _loader(self, examples: list[Example], shuffle: bool, seed: int) -> tuple[DataLoader, TokenBudgetBatchSampler]:
+        sampler = TokenBudgetBatchSampler(examples, self.max_tokens, self.resolved_packing, shuffle=shuffle, seed=seed)
+        collate = PackedCollator(
+            share_prefixes=self.resolved_packing == "tree",
+            pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self._device()),
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+        )
+        return DataLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers), sampler
+
+    def train_dataloader(self) -> DataLoader:
+        loader, self._sampler = self._loader(self.train_examples, self.shuffle, self.seed)
+        if self._resume is not None:
+            self._sampler.skip_batches(*self._resume)
+            self._resume = None
+        return loader
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader(self.val_examples, False, self.seed)[0] if self.val_examples else []
+
+    def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
+        if self.trainer is not None and self.trainer.training:
+            epoch, taken = self._position
+            current = self.trainer.current_epoch
+            self._position = (current, taken + 1 if epoch == current else 1)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, taken = self._position
+        return {"epoch": epoch, "batches_taken": taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._position = (state["epoch"], state["batches_taken"])
+        self._resume = self._position

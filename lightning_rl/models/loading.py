@@ -1,0 +1,96 @@
+"""Loading a causal LM (optionally with a LoRA adapter through peft), greedy decoding, and HF export."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from lightning_rl.models.tiny import resolve_model_path
+
+
+@dataclass
+class LoraSettings:
+    """The ``lora:`` block of a recipe. ``target_modules`` is a list of module names or "all-linear"."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
+
+
+def load_causal_lm(name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa", dtype=torch.float32)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if lora is None:
+        return model
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+@torch.no_grad()
+def generate_greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64) -> list[str]:
+    """Greedy completions of token-id prompts, decoded without special tokens."""
+    was_training = model.training
+    model.eval()
+    # Packed training switches attention to the tree kernel; generation runs ordinary causal attention.
+    model.set_attn_implementation("sdpa")
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    texts: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts.extend(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def export_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path, *, mode: Literal["model", "merged", "adapter"]) -> Path:
+    """Write a from_pretrained folder at ``path``: built beside it, then swapped in whole.
+
+    A LoRA model is merged into its base (in place, so call this last) unless ``mode`` is ``adapter``.
+    """
+    path = Path(path)
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    if mode != "adapter" and isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    elif mode == "adapter" and not isinstance(model, PeftModel):
+        raise ValueError("export 'adapter' needs a LoRA model")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        staging.rename(path)
+        shutil.rmtree(old)
+    else:
+        staging.rename(path)
+    return path

@@ -1,0 +1,119 @@
+"""Supervised fine-tuning as a LightningModule.
+
+One training step: a packed row (examples side by side, shared prefixes once) goes through the model
+with tree attention, the chunked LM head gives log p(target) for the trained tokens only, and the loss
+is their mean negative. Hardware, precision, accumulation and clipping are the Trainer's business.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from transformers import get_scheduler
+
+from lightning_rl.data.sft import GenerationCase
+from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.ops.logprobs import packed_logprobs
+from lightning_rl.packing.tree import PackedBatch
+
+
+class SFTModule(LightningModule):
+    """SFT on packed rows with loss on assistant / completion tokens only.
+
+    Args:
+        model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
+        learning_rate, weight_decay, betas: AdamW settings.
+        warmup_steps: linear warmup; then ``lr_schedule`` (any ``transformers.get_scheduler`` name).
+        lora: adapt with LoRA through peft instead of full fine-tuning.
+        export: the final Hugging Face folder: ``model`` (full model), ``merged`` (LoRA merged into the
+            base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
+        chunk_size: tokens per LM-head chunk (bounds the logits memory).
+        eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.
+        max_new_tokens: decode budget for those generations.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "tiny",
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        lr_schedule: str = "cosine",
+        lora: LoraSettings | None = None,
+        export: Literal["model", "merged", "adapter"] | None = None,
+        chunk_size: int = 1024,
+        gradient_checkpointing: bool = False,
+        eval_generations: int = 0,
+        max_new_tokens: int = 32,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if export in ("merged", "adapter") and lora is None:
+            raise ValueError(f"model.export={export!r} needs a model.lora block")
+        self.model: torch.nn.Module | None = None
+        self.export = export or ("merged" if lora is not None else "model")
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = load_causal_lm(self.hparams.model_name_or_path, lora=self.hparams.lora, gradient_checkpointing=self.hparams.gradient_checkpointing)
+            self.model.train()  # from_pretrained returns the model in eval mode
+
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
+        logprobs = packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size)
+        loss = -logprobs.mean()
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/packing_ratio", batch.packing_ratio)
+        self.log("train/unique_tokens", float(batch.num_unique_tokens))
+        self.log("train/flat_tokens", float(batch.num_flat_tokens))
+        self.log("train/trained_tokens", float(batch.loss_targets.numel()))
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return {"loss": loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
+
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        logprobs = packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size)
+        self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas))
+        scheduler = get_scheduler(
+            self.hparams.lr_schedule,
+            optimizer,
+            num_warmup_steps=self.hparams.warmup_steps,
+            num_training_steps=max(int(self.trainer.estimated_stepping_batches), 1),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def exact_match_accuracy(self, cases: list[GenerationCase], tokenizer: Any) -> dict[str, float]:
+        """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""
+        start = time.perf_counter()
+        texts = generate_greedy(self.model, tokenizer, [c.prompt_ids for c in cases], max_new_tokens=self.hparams.max_new_tokens)
+        correct = sum(text.strip() == case.reference.strip() for text, case in zip(texts, cases))
+        return {
+            "heldout_exact_match": correct / len(cases),
+            "heldout_examples": len(cases),
+            "heldout_generation_seconds": time.perf_counter() - start,
+        }
+
+    def summary_metrics(self) -> dict[str, Any]:
+        """Figures for summary.json beyond the generic ones: held-out accuracy and packing used."""
+        datamodule = self.trainer.datamodule
+        metrics: dict[str, Any] = {"packing": getattr(datamodule, "resolved_packing", None)}
+        cases = getattr(datamodule, "generation_cases", [])[: self.hparams.eval_generations]
+        if cases:
+            metrics.update(self.exact_match_accuracy(cases, datamodule.tokenizer))
+        return metrics
+
+    def export_hf(self, path: Path) -> Path:
+        """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
+        return export_hf(self.model, self.trainer.datamodule.tokenizer, path, mode=self.export)
