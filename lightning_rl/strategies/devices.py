@@ -51,7 +51,8 @@ class DeviceInventory:
         return len(self.gpu_names)
 
 
-def _module_present(name: str) -> bool:
+def module_installed(name: str) -> bool:
+    """Whether ``import name`` would find a module, without importing it."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -75,8 +76,8 @@ def detect_devices() -> DeviceInventory:
         gpu_names=gpu_names,
         accelerator_type=accelerator_type,
         accelerator_count=accelerator_count,
-        has_torch_neuronx=_module_present("torch_neuronx"),
-        has_torch_xla=_module_present("torch_xla"),
+        has_torch_neuronx=module_installed("torch_neuronx"),
+        has_torch_xla=module_installed("torch_xla"),
         env={key: os.environ[key] for key in visible if key in os.environ},
     )
 
@@ -84,7 +85,8 @@ def detect_devices() -> DeviceInventory:
 def _device_type_of(trainer_or_device: Any) -> str:
     """The device type ("cpu", "cuda", "xla", "neuron", ...) a trainer, strategy, accelerator or device runs on."""
     if isinstance(trainer_or_device, str):
-        return torch.device(trainer_or_device).type
+        # Not torch.device(): "neuron" is only a device type once the Neuron runtime has registered it.
+        return trainer_or_device.split(":", 1)[0]
     if isinstance(trainer_or_device, torch.device):
         return trainer_or_device.type
     strategy = getattr(trainer_or_device, "strategy", trainer_or_device)

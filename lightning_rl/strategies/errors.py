@@ -1,0 +1,5 @@
+"""The one error a strategy raises when this machine cannot run it."""
+
+
+class StrategyUnavailableError(ValueError):
+    """A strategy was asked for that this hardware or software cannot run; the message says what to use instead."""

@@ -1,0 +1,152 @@
+"""XLA (torch_xla) and AWS Neuron (torch-neuronx, or the native ``neuron`` device), with static shapes.
+
+Neuron and XLA compile one graph per input shape, so these strategies declare ``requires_static_shapes``:
+``pad_to_multiple_of="auto"`` then resolves to 128 and rows are padded to buckets. The XLA and Neuron code
+paths are import-guarded and UNTESTED ON REAL HARDWARE here (torch_xla cannot be installed beside this
+torch, and there is no Neuron device). :class:`StaticShapeCPUStrategy` runs the same shape policy on a CPU
+with ``torch.compile(dynamic=False)``, which recompiles on every new shape the way XLA does; that is how
+the policy is tested, and how a user can count compiles before renting accelerator time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.strategies import SingleDeviceStrategy, XLAStrategy
+from typing_extensions import override
+
+from lightning_rl.strategies.devices import DeviceInventory, detect_devices
+from lightning_rl.strategies.errors import StrategyUnavailableError
+from lightning_rl.strategies.fsdp2 import find_model_roots
+
+
+def xla_unavailable_reason(inventory: DeviceInventory) -> str | None:
+    if not inventory.has_torch_xla:
+        return "torch_xla is not installed (it needs the torch version it was built for; on Neuron: torch-neuronx)"
+    return None
+
+
+def neuron_unavailable_reason(inventory: DeviceInventory) -> str | None:
+    if inventory.has_native_neuron:
+        return None
+    if not inventory.has_torch_neuronx:
+        return "no Neuron runtime: neither a native 'neuron' device (torch.accelerator) nor torch-neuronx"
+    if not inventory.has_torch_xla:
+        return "torch-neuronx is installed but torch_xla is not importable"
+    return None
+
+
+def mark_step() -> None:
+    """Cut the lazy XLA graph here (after an optimizer step, before reading results); a no-op elsewhere."""
+    if detect_devices().has_torch_xla:
+        import torch_xla
+
+        torch_xla.sync()
+
+
+class StaticShapes:
+    """Marks a strategy whose device compiles once per input shape (read by ``resolve_pad_to_multiple_of``)."""
+
+    requires_static_shapes = True
+    static_shape_device_type = "xla"
+
+
+class XLAStaticStrategy(StaticShapes, XLAStrategy):
+    """Lightning's XLA strategy with the static-shape policy (registered as ``xla_static``). Untested here."""
+
+    strategy_name = "xla_static"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        reason = xla_unavailable_reason(detect_devices())
+        if reason:
+            raise StrategyUnavailableError(f"strategy 'xla_static': {reason}; use 'fsdp2' on CPU or CUDA instead")
+        super().__init__(*args, **kwargs)
+
+
+class NeuronAccelerator(Accelerator):
+    """The native ``neuron`` device of torch's accelerator API (registered as ``neuron``). Untested here."""
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        torch.accelerator.set_device_index(device.index or 0)
+
+    @override
+    def get_device_stats(self, device: torch.device) -> dict[str, Any]:
+        return {}
+
+    @override
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    @override
+    def parse_devices(devices: int | str | list[int]) -> list[int]:
+        if isinstance(devices, int):
+            return list(range(devices))
+        if devices in ("auto", -1, "-1"):
+            return list(range(torch.accelerator.device_count()))
+        return [int(d) for d in (devices.split(",") if isinstance(devices, str) else devices)]
+
+    @staticmethod
+    @override
+    def get_parallel_devices(devices: list[int]) -> list[torch.device]:
+        return [torch.device("neuron", index) for index in devices]
+
+    @staticmethod
+    @override
+    def auto_device_count() -> int:
+        return torch.accelerator.device_count()
+
+    @staticmethod
+    @override
+    def is_available() -> bool:
+        return detect_devices().has_native_neuron
+
+
+class NeuronStrategy(StaticShapes, SingleDeviceStrategy):
+    """One NeuronCore with the static-shape policy (registered as ``neuron``). Untested here.
+
+    With torch-neuronx (an XLA device) use ``xla_static``; this one is for the native ``neuron`` device.
+    """
+
+    strategy_name = "neuron"
+    static_shape_device_type = "neuron"
+
+    def __init__(self, device: int = 0, **kwargs: Any) -> None:
+        inventory = detect_devices()
+        if not inventory.has_native_neuron:
+            hint = "use 'xla_static' (torch-neuronx is an XLA device)" if inventory.has_torch_neuronx else (
+                "install the Neuron SDK (torch-neuronx) on a Trainium/Inferentia instance, or use 'fsdp2' elsewhere"
+            )
+            reason = neuron_unavailable_reason(inventory) or "no native 'neuron' device is visible"
+            raise StrategyUnavailableError(f"strategy 'neuron': {reason}; {hint}")
+        super().__init__(device=torch.device("neuron", device), accelerator=NeuronAccelerator(), **kwargs)
+
+
+class StaticShapeCPUStrategy(StaticShapes, SingleDeviceStrategy):
+    """A CPU rehearsal of the XLA/Neuron shape policy (registered as ``cpu_static``).
+
+    Rows are padded as on XLA, and each model inside the LightningModule is compiled in place with
+    ``dynamic=False``, so every new input shape costs a compile, as it would on the accelerator.
+
+    Args:
+        compile_backend: the ``torch.compile`` backend; a counting one turns compiles into a number.
+    """
+
+    strategy_name = "cpu_static"
+
+    def __init__(self, compile_backend: str | Callable[..., Any] = "inductor", **kwargs: Any) -> None:
+        super().__init__(device=torch.device("cpu"), **kwargs)
+        self.compile_backend = compile_backend
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        assert isinstance(module, LightningModule)
+        for root in find_model_roots(module):
+            root.compile(backend=self.compile_backend, dynamic=False)

@@ -1,0 +1,116 @@
+"""Static-shape discipline of the XLA/Neuron strategies, proven with the compile-count stand-in.
+
+No XLA or Neuron device can run here (torch_xla does not install beside this torch), so the real
+strategies are untested on hardware. ``cpu_static`` applies their shape policy on a CPU and compiles the
+model with ``dynamic=False``, which recompiles on every new input shape as XLA does; a counting backend
+turns compiles into a number. A training step packs rows with the packing core, padded by
+``resolve_pad_to_multiple_of(..., trainer)``, and scores every position (a data-independent shape).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from lightning_rl.packing.tree import pack_sequences
+from lightning_rl.strategies import StaticShapeCPUStrategy, resolve_pad_to_multiple_of
+from lightning_rl.strategies.devices import requires_static_shapes
+
+LENGTHS = [9, 40, 71, 130, 200]  # five distinct lengths, two 128-buckets
+
+
+class CompileCounter:
+    """A torch.compile backend that runs the captured graph eagerly and counts how often it was asked."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Tensor]) -> object:
+        self.compiles += 1
+        self.shapes.append(next((tuple(t.shape) for t in example_inputs if isinstance(t, Tensor) and t.ndim == 2), ()))
+        return graph.forward
+
+
+class PackedLMModule(L.LightningModule):
+    """One packed row per step; the loss covers every position so no shape depends on the data."""
+
+    def __init__(self, folder: Path, pad_to_multiple_of: int | str | None) -> None:
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.row_lengths: list[int] = []
+
+    def training_step(self, batch: list[list[int]], batch_idx: int) -> Tensor:
+        multiple = resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer)
+        row = pack_sequences(batch, share_prefixes=False, pad_to_multiple_of=multiple)
+        self.row_lengths.append(row.input_ids.numel())
+        targets = torch.full_like(row.input_ids, -100)
+        targets[row.loss_positions] = row.loss_targets
+        logits = self.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits
+        return torch.nn.functional.cross_entropy(logits[0].float(), targets, ignore_index=-100)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-static")
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def train_and_count(folder: Path, pad_to_multiple_of: int | str | None) -> tuple[CompileCounter, PackedLMModule]:
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    module = PackedLMModule(folder, pad_to_multiple_of)
+    generator = torch.Generator().manual_seed(0)
+    # Each batch is one sequence; every length is seen twice, so only new shapes may compile.
+    batches = [[torch.randint(1, 64, (n,), generator=generator).tolist()] for n in LENGTHS * 2]
+    data = torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+    trainer = L.Trainer(
+        strategy=StaticShapeCPUStrategy(compile_backend=counter), max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    return counter, module
+
+
+def test_auto_padding_compiles_once_per_bucket_where_unpadded_compiles_per_length(tiny_model: Path) -> None:
+    unpadded, module = train_and_count(tiny_model, None)
+    assert sorted(set(module.row_lengths)) == LENGTHS
+    assert len(set(unpadded.shapes)) == len(LENGTHS)
+    graphs_per_shape = unpadded.compiles // len(LENGTHS)
+    assert graphs_per_shape >= 1 and unpadded.compiles == graphs_per_shape * len(LENGTHS)
+
+    padded, module = train_and_count(tiny_model, "auto")
+    buckets = math.ceil(max(LENGTHS) / 128)
+    assert sorted(set(module.row_lengths)) == [128, 256]
+    assert len(set(padded.shapes)) <= buckets
+    assert padded.compiles <= buckets * graphs_per_shape
+
+
+def test_auto_resolves_by_strategy_and_device() -> None:
+    assert resolve_pad_to_multiple_of("auto", StaticShapeCPUStrategy()) == 128
+    assert resolve_pad_to_multiple_of("auto", torch.device("xla", 0)) == 128
+    assert resolve_pad_to_multiple_of("auto", "neuron:0") == 128
+    assert resolve_pad_to_multiple_of("auto", torch.device("cpu")) is None
+    assert resolve_pad_to_multiple_of("auto", L.Trainer(accelerator="cpu", logger=False)) is None
+    assert resolve_pad_to_multiple_of(64, torch.device("cpu")) == 64
+    assert resolve_pad_to_multiple_of(None, torch.device("xla")) is None
+    assert requires_static_shapes(torch.device("xla")) and not requires_static_shapes(torch.device("cuda"))
+    for bad in (0, -8, "128", 2.5, True):
+        with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive int"):
+            resolve_pad_to_multiple_of(bad, torch.device("cpu"))
