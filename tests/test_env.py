@@ -1,0 +1,76 @@
+"""`lightning-rl env`: versions, devices, and which strategies can run, for this machine and described ones.
+
+Only the CPU case is real here; CUDA, ROCm and Neuron machines are described through DeviceInventory,
+since none of them exists on the machine the suite runs on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_rl import env_report
+from lightning_rl.cli import main as cli_main
+from lightning_rl.strategies.devices import DeviceInventory
+
+CPU = DeviceInventory(cpu_count=2, machine="x86_64")
+CUDA = DeviceInventory(cpu_count=96, machine="x86_64", cuda_version="12.8", gpu_names=("NVIDIA H100 80GB HBM3",) * 8)
+ROCM = DeviceInventory(
+    cpu_count=64, machine="x86_64", hip_version="6.4.1", gpu_names=("AMD Instinct MI300X",) * 8,
+    env={"HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+)
+NEURON = DeviceInventory(cpu_count=128, machine="x86_64", accelerator_type="neuron", accelerator_count=32)
+NEURONX = DeviceInventory(cpu_count=128, machine="x86_64", has_torch_neuronx=True, has_torch_xla=True)
+
+
+def usable(report: dict) -> dict[str, bool]:
+    return {s["name"]: s["usable"] for s in report["strategies"]}
+
+
+def test_env_command_reports_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert f"torch         {torch.__version__}" in text
+    for line in ("cuda          absent", "rocm          absent", "neuron        absent", "xla           absent"):
+        assert line in text
+    assert "yes  fsdp2       CPU" in text and "over gloo" in text
+    assert "no   fsdp        FSDP1 runs on CUDA/ROCm GPUs only" in text
+    assert "no   neuron      no Neuron runtime" in text
+
+
+def test_env_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert env_report.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["packages"]["lightning"] != env_report.ABSENT
+    assert report["optional"]["torch-xla"] == env_report.ABSENT
+    assert usable(report) == {
+        "fsdp2": True, "fsdp2_rocm": False, "fsdp": False, "xla_static": False, "neuron": False, "cpu_static": True,
+    }
+
+
+def test_described_machines() -> None:
+    cuda = env_report.collect(CUDA)
+    assert cuda["devices"]["cuda"] == "8 x NVIDIA H100 80GB HBM3 (CUDA 12.8)"
+    assert usable(cuda)["fsdp"] and not usable(cuda)["fsdp2_rocm"]
+    assert "CUDA 12.8 build" in next(s["reason"] for s in cuda["strategies"] if s["name"] == "fsdp2_rocm")
+
+    rocm = env_report.collect(ROCM)
+    assert rocm["devices"]["rocm"] == "HIP 6.4.1, 8 AMD GPU(s): AMD Instinct MI300X"
+    assert rocm["devices"]["cuda"] == env_report.ABSENT
+    assert usable(rocm)["fsdp2_rocm"]
+    assert "8 AMD GPU(s) over RCCL" in env_report.render(rocm)
+    assert "HIP_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in env_report.render(rocm)
+
+    neuron = env_report.collect(NEURON)
+    assert neuron["devices"]["neuron"] == "native 'neuron' device x 32"
+    assert usable(neuron)["neuron"] and not usable(neuron)["xla_static"]
+
+    neuronx = env_report.collect(NEURONX)
+    assert neuronx["devices"]["neuron"] == "torch-neuronx (as XLA devices)"
+    assert usable(neuronx)["xla_static"] and not usable(neuronx)["neuron"]
+    assert "use 'xla_static'" in next(s["reason"] for s in neuronx["strategies"] if s["name"] == "neuron")
+
+    cpu = env_report.collect(CPU)
+    assert all(v == env_report.ABSENT for k, v in cpu["devices"].items() if k in ("cuda", "rocm", "neuron", "xla"))
