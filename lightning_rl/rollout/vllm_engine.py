@@ -1,0 +1,116 @@
+"""A rollout engine on an in-process (colocated) `vllm.LLM`.
+
+The engine and its worker live in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the
+"uni" executor), so `push_weights` hands the trainer's tensors to vLLM's in-place reload directly:
+nothing is copied through a socket or a file. vLLM spawns helper processes at start-up, so a script
+that builds this engine needs an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
+from lightning_rl.rollout.tied_weights import tied_aliases, with_tied_copies
+
+
+def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str, Any]:
+    """vLLM `SamplingParams` fields for one request; `logprobs=0` returns the sampled token's log-prob."""
+    return {
+        "n": n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
+        "seed": seed, "logprobs": 0,
+    }
+
+
+class VLLMEngine:
+    """`RolloutEngine` on a colocated vLLM engine.
+
+    Log-probs are vLLM's `processed_logprobs`: those of the temperature-scaled distribution the token
+    was drawn from (with top-k/top-p filtering, of the filtered, renormalised one). `generate` and
+    `push_weights` exclude each other, so a generation always finishes on the weights it started with.
+    On a CPU, `kv_cache_memory_bytes` sizes the KV cache in host memory.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        # Both keep the worker in this process, which is what lets reload_weights take live tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self._llm = LLM(
+            model=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager, distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs", **dict(engine_kwargs or {}),
+        )
+        self._aliases = tied_aliases(AutoConfig.from_pretrained(model))
+        self.seed = seed
+        self._calls = 0
+        self._version = 0
+        self._lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
+        from vllm import SamplingParams
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        with self._lock:
+            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
+            self._calls += 1
+            version = self._version
+            # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
+            params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n), detokenize=False)
+                      for g in range(len(prompts))]
+            outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        groups = []
+        for g, (prompt, output) in enumerate(zip(prompts, outputs)):
+            groups.append([
+                Rollout(
+                    prompt_ids=list(prompt),
+                    completion_ids=list(completion.token_ids),
+                    logprobs=[step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)],
+                    weight_version=version,
+                    group_id=g,
+                    finish_reason=completion.finish_reason or "length",
+                )
+                for completion in output.outputs
+            ])
+        return RolloutBatch(groups)
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        weights = ((name, tensor.detach()) for name, tensor in with_tied_copies(named_tensors, self._aliases))
+        with self._lock:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # Cached prefixes hold keys and values computed with the old weights.
+            self._llm.reset_prefix_cache()
+            self._version = version
+
+    def close(self) -> None:
+        with self._lock:
+            self._llm.llm_engine.engine_core.shutdown()
+            del self._llm
+        gc.collect()

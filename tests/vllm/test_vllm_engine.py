@@ -1,0 +1,69 @@
+"""The colocated vLLM engine against transformers on the same tokens, before and after a weight push."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
+from lightning_rl.strategies.weight_sync import iter_full_weights
+from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        enforce_eager=True)
+    yield engine
+    engine.close()
+
+
+def test_generates_n_samples_per_prompt_with_logprobs_of_transformers(engine, tiny_model_dir):
+    assert isinstance(engine, RolloutEngine)
+    batch = engine.generate(PROMPTS, n=3, sampling=SamplingConfig(max_new_tokens=12, seed=7))
+    assert [len(group) for group in batch.groups] == [3, 3, 3]
+    for g, group in enumerate(batch.groups):
+        assert all(r.group_id == g and r.prompt_ids == PROMPTS[g] and r.weight_version == 0 for r in group)
+        assert all(len(r.completion_ids) == len(r.logprobs) > 0 for r in group)
+    assert len({tuple(r.completion_ids) for r in batch.rollouts}) == 9  # independent samples
+    assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
+
+
+def test_logprobs_follow_the_sampling_temperature(engine, tiny_model_dir):
+    batch = engine.generate(PROMPTS[:1], n=2, sampling=SamplingConfig(max_new_tokens=8, temperature=0.6, seed=3))
+    model = load_trainer_model(tiny_model_dir)
+    assert max_logprob_error(model, batch.rollouts, temperature=0.6) < LOGPROB_ATOL
+    assert max_logprob_error(model, batch.rollouts, temperature=1.0) > 1e-2
+
+
+def test_stop_tokens_end_a_completion(engine):
+    everything = tuple(range(300))
+    batch = engine.generate(PROMPTS[:2], n=2, sampling=SamplingConfig(max_new_tokens=8, stop_token_ids=everything, seed=1))
+    assert all(len(r.completion_ids) == 1 and r.finish_reason == "stop" for r in batch.rollouts)
+
+
+def test_pushed_weights_change_the_logprobs_to_the_new_model(engine, tiny_model_dir):
+    sampling = SamplingConfig(max_new_tokens=10, seed=11)
+    before = engine.generate(PROMPTS, n=2, sampling=sampling)
+    trainer = load_trainer_model(tiny_model_dir)
+    perturb_(trainer, seed=1)
+    # The trainer's own stream: named_parameters(), so the tied lm_head arrives once, as the input embedding.
+    engine.push_weights(iter_full_weights(trainer), version=1)
+    assert engine.weight_version == 1
+
+    after = engine.generate(PROMPTS, n=2, sampling=sampling)
+    assert all(r.weight_version == 1 for r in after.rollouts)
+    assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
+    # Same seeds: what differs is the weights, so the old rollouts no longer fit the engine's model.
+    assert max_logprob_error(trainer, before.rollouts) > 1e-2
+
+
+def test_bad_requests_fail_clearly(engine):
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        engine.generate(PROMPTS, n=0, sampling=SamplingConfig())
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], n=1, sampling=SamplingConfig())
