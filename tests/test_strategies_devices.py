@@ -1,0 +1,130 @@
+"""Device detection, ROCm choices, and strategies refused before training when the hardware cannot run them.
+
+No ROCm torch, torch_xla or Neuron device can be installed here: those paths are exercised through
+DeviceInventory inputs (what each machine would report), never on real hardware.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from lightning_rl.strategies import FSDP2Strategy, ROCmFSDP2Strategy, StrategyUnavailableError, check_strategy_request
+from lightning_rl.strategies.devices import detect_devices
+from lightning_rl.strategies.fsdp2 import find_decoder_layers, find_model_roots, mixed_precision_policy
+from lightning_rl.strategies.rocm import engine_visible_devices, rocm_attention_implementation
+from test_env import CPU, CUDA, NEURONX, ROCM  # the machines described for the env report
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_detection_on_this_machine_matches_torch() -> None:
+    inventory = detect_devices()
+    assert inventory.hip_version == torch.version.hip and inventory.cuda_version == torch.version.cuda
+    assert inventory.gpu_count == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert not inventory.has_torch_xla and not inventory.has_native_neuron
+
+
+def test_fsdp1_on_cpu_is_refused_in_one_line_naming_fsdp2() -> None:
+    for request in [("fsdp", "cpu", CUDA), ("fsdp", None, CPU), ("fsdp_cpu_offload", "auto", CPU)]:
+        with pytest.raises(StrategyUnavailableError) as error:
+            check_strategy_request(*request)
+        assert "FSDP1" in one_line(error) and "use strategy 'fsdp2'" in one_line(error)
+    check_strategy_request("fsdp", "cuda", CUDA)
+    check_strategy_request("fsdp2", "cpu", CPU)
+
+
+def test_neuron_and_xla_without_runtime_are_refused_before_training() -> None:
+    with pytest.raises(StrategyUnavailableError) as error:
+        L.Trainer(strategy="neuron", logger=False)
+    assert "no Neuron runtime" in one_line(error) and "torch-neuronx" in one_line(error)
+    with pytest.raises(StrategyUnavailableError) as error:
+        L.Trainer(strategy="xla_static", logger=False)
+    assert "torch_xla is not installed" in one_line(error) and "use 'fsdp2'" in one_line(error)
+    with pytest.raises(StrategyUnavailableError) as error:
+        check_strategy_request("neuron", inventory=NEURONX)
+    assert "use 'xla_static'" in one_line(error)
+
+
+def test_rocm_options_on_cuda_or_cpu_are_refused() -> None:
+    with pytest.raises(StrategyUnavailableError) as error:
+        ROCmFSDP2Strategy(inventory=CUDA)
+    assert "CUDA 12.8 build" in one_line(error) and "use 'fsdp2' instead" in one_line(error)
+    with pytest.raises(StrategyUnavailableError) as error:
+        L.Trainer(strategy="fsdp2_rocm", logger=False)
+    assert "torch.version.hip is None" in one_line(error)
+    with pytest.raises(StrategyUnavailableError) as error:
+        engine_visible_devices({"HIP_VISIBLE_DEVICES": "0"}, CUDA)
+    assert "use CUDA_VISIBLE_DEVICES instead" in one_line(error)
+    with pytest.raises(ValueError, match="for ROCm builds"):
+        rocm_attention_implementation(CUDA)
+
+
+def test_rocm_machine_gets_rccl_sdpa_and_matching_visible_devices() -> None:
+    strategy = ROCmFSDP2Strategy(inventory=ROCM)
+    assert strategy.process_group_backend == "nccl"  # the name RCCL answers to in a ROCm torch
+    assert rocm_attention_implementation(ROCM, flash_attn_installed=False) == "sdpa"
+    assert rocm_attention_implementation(ROCM, flash_attn_installed=True) == "flash_attention_2"
+    assert engine_visible_devices({"CUDA_VISIBLE_DEVICES": "2,3"}, ROCM) == {
+        "CUDA_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "2,3",
+    }
+    assert engine_visible_devices({"HIP_VISIBLE_DEVICES": "1"}, ROCM)["CUDA_VISIBLE_DEVICES"] == "1"
+    assert engine_visible_devices({}, ROCM) == {}
+    with pytest.raises(StrategyUnavailableError, match="disagree"):
+        engine_visible_devices({"CUDA_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "1"}, ROCM)
+
+
+def test_fsdp2_registered_and_configurable_by_name() -> None:
+    trainer = L.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, FSDP2Strategy)
+    policy = mixed_precision_policy("bf16")
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert mixed_precision_policy(None).param_dtype is None
+    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+        mixed_precision_policy("int8")
+
+
+def tiny_models() -> list[torch.nn.Module]:
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16)
+    return [LlamaForCausalLM(LlamaConfig(**common)), Qwen3ForCausalLM(Qwen3Config(**common))]
+
+
+def test_decoder_layers_found_generically() -> None:
+    for model in tiny_models():
+        layers = find_decoder_layers(model)
+        assert layers == list(model.model.layers)
+        peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+        assert len(find_decoder_layers(peft_model)) == 3
+        assert find_model_roots(peft_model) == [peft_model]
+
+    class PolicyAndReference(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy, self.reference = tiny_models()
+
+    module = PolicyAndReference()
+    assert find_model_roots(module) == [module.policy, module.reference]
+    assert len(find_decoder_layers(module, layer_classes=["LlamaDecoderLayer"])) == 3
+
+
+def test_sharding_refuses_parameters_it_could_not_reduce() -> None:
+    class WithValueHead(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_models()[0]
+            self.value_head = torch.nn.Parameter(torch.zeros(32))
+
+    with pytest.raises(TypeError) as error:
+        FSDP2Strategy().shard(WithValueHead())
+    assert "parameter 'value_head' lies outside every transformers model" in one_line(error)
+
+    with pytest.raises(TypeError, match="found no transformers model"):
+        FSDP2Strategy().shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
