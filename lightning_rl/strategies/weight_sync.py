@@ -213,7 +213,7 @@ def _check_same_plan(names: list[str], shapes: list[tuple[int, ...]], gatherer: 
     for rank, other in enumerate(manifests):
         if other != manifest:
             mismatch = next(
-                (f"#{i}: {a} here vs {b} on rank {rank}" for i, (a, b) in enumerate(zip(manifest, other)) if a != b),
+                (f"#{i + 1}: {a} here vs {b} on rank {rank}" for i, (a, b) in enumerate(zip(manifest, other)) if a != b),
                 f"{len(manifest)} tensors here vs {len(other)} on rank {rank}",
             )
             raise WeightSyncError(f"rank {dist.get_rank()}: ranks would sync different tensors ({mismatch})")
