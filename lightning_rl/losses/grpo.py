@@ -47,6 +47,9 @@ class GRPOLoss:
     """Clipped surrogate `-min(r A, clip(r, 1-eps_low, 1+eps_high) A)` plus `beta` times the k3 KL
     estimate to a reference model, each term optionally weighted by a truncated importance-sampling
     ratio that corrects for the engine sampling from slightly different log-probs than the trainer's.
+
+    `kl_bias_correction` multiplies the KL term by the (differentiable) ratio r, which makes its
+    gradient the unbiased reverse-KL gradient (DeepSeek-V3.2); TRL 1.16 does this by default too.
     """
 
     loss_type: LossType = "dapo"
@@ -54,6 +57,7 @@ class GRPOLoss:
     epsilon_high: float = 0.2
     beta: float = 0.0
     importance_sampling_cap: float | None = None
+    kl_bias_correction: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -73,7 +77,7 @@ class GRPOLoss:
         engine_logprobs: torch.Tensor | None = None,
     ) -> TokenLoss:
         """Loss terms of M trained tokens (all arguments [M]; `advantages` already per token)."""
-        ratio = torch.exp(logprobs - old_logprobs)
+        ratio = torch.exp(logprobs - old_logprobs)  # differentiable: it carries the policy gradient
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         loss = -torch.min(ratio * advantages, clipped * advantages)
         if self.importance_sampling_cap is not None:
@@ -87,7 +91,7 @@ class GRPOLoss:
                 raise ValueError("beta != 0 needs reference log-probs")
             delta = ref_logprobs - logprobs
             kl = torch.exp(delta) - delta - 1
-            loss = loss + self.beta * kl
+            loss = loss + self.beta * (kl * ratio if self.kl_bias_correction else kl)
         return TokenLoss(
             loss=loss,
             ratio=ratio.detach(),

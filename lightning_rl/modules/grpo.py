@@ -52,6 +52,7 @@ class GRPOModule(LightningModule):
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
         importance_sampling_cap: truncated importance sampling of trainer vs engine log-probs.
+        kl_bias_correction: weight the KL term by the ratio (unbiased reverse-KL gradient).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
         tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
@@ -80,6 +81,7 @@ class GRPOModule(LightningModule):
         scale_rewards: RewardScaling = "std",
         old_logprobs: Literal["trainer", "engine"] = "trainer",
         importance_sampling_cap: float | None = None,
+        kl_bias_correction: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -110,9 +112,14 @@ class GRPOModule(LightningModule):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if importance_sampling_cap is not None and old_logprobs == "engine":
+            raise ValueError(
+                "importance_sampling_cap corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio "
+                "already uses the engine's, so the correction would apply twice"
+            )
         if max_turns > 1 and not tools:
             raise ValueError("max_turns > 1 needs at least one tool")
-        self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap)
+        self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
         self.scorer = RewardScorer([_reward_spec(r) for r in rewards], on_error=reward_on_error)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -199,8 +206,8 @@ class GRPOModule(LightningModule):
         train_started = time.perf_counter()
         stats = _StepStats()
         for row in rows:
-            packed = self._pack([scored.rollouts[i] for i in row], advantages[row]).to(self.device)
-            terms, entropy = self._row_loss(packed)
+            packed = self.pack_rollouts([scored.rollouts[i] for i in row], advantages[row]).to(self.device)
+            terms, entropy = self.row_loss(packed)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = (terms.loss * self.loss.token_weights(packed.loss_seq, seq_tokens, counts).to(terms.loss)).sum()
             self.manual_backward(loss)
@@ -274,7 +281,7 @@ class GRPOModule(LightningModule):
 
     # -- pieces of the step --------------------------------------------------------------------
 
-    def _row_loss(self, packed: PackedBatch) -> tuple[TokenLoss, torch.Tensor | None]:
+    def row_loss(self, packed: PackedBatch) -> tuple[TokenLoss, torch.Tensor | None]:
         logprobs, entropy = self.policy_logprobs(self.policy, packed, with_entropy=True)
         engine_logprobs = packed.token_values["engine_logprobs"]
         ref_logprobs = None
@@ -288,7 +295,7 @@ class GRPOModule(LightningModule):
         )
         return terms, entropy
 
-    def _pack(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
+    def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
         pad = self.tokenizer.pad_token_id or 0
         if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
