@@ -12,7 +12,9 @@ import importlib
 import inspect
 import netrc
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -154,30 +156,40 @@ class RecipeCLI(LightningCLI):
         return super().instantiate_trainer(callbacks=callbacks, logger=build_logger(config["logger"], output_dir), **kwargs)
 
 
+_UNKNOWN_KEY = [
+    (re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'"), lambda m: f"{m[1]}.{m[2]}"),
+    (re.compile(r"Option '([\w.]+)' is not accepted"), lambda m: m[1]),
+    (re.compile(r"unrecognized arguments: --([\w.]+)"), lambda m: m[1]),
+]
+
+
 def _one_line(error: BaseException) -> str:
-    """jsonargparse reports validation problems over several lines; keep the line that names the key."""
-    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
-    if not lines:
-        return type(error).__name__
-    for line in lines:
-        if "Key '" in line or "key '" in line or "Unrecognized" in line or "No such file" in line:
-            return line
-    return lines[-1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    """jsonargparse spreads a problem over several lines; say it on one, unknown keys by name."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    for pattern, key in _UNKNOWN_KEY:
+        if match := pattern.search(text):
+            return f"unknown key '{key(match)}'"
+    return text if len(text) <= 400 else text[:400] + " ..."
 
 
 def run(recipe: str, overrides: list[str]) -> int:
     task = read_task(Path(recipe), overrides)
     model_class, datamodule_class = task_classes(task)
     try:
-        cli = RecipeCLI(
-            model_class,
-            datamodule_class,
-            run=False,
-            args=["--config", recipe, *overrides],
-            save_config_callback=SaveRecipe,
-            parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run"},
-            auto_configure_optimizers=False,
-        )
+        with warnings.catch_warnings():
+            # The recipe goes in as `args` on purpose; LightningCLI warns when sys.argv is also set.
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
+            cli = RecipeCLI(
+                model_class,
+                datamodule_class,
+                run=False,
+                args=["--config", recipe, *overrides],
+                save_config_callback=SaveRecipe,
+                parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run"},
+                auto_configure_optimizers=False,
+                # Packed rows are dealt to ranks by the datamodule's own sampler.
+                trainer_defaults={"use_distributed_sampler": False},
+            )
     except ArgumentError as e:
         raise RecipeError(f"{recipe}: {_one_line(e)}") from None
     except (ValueError, TypeError, OSError, MisconfigurationException) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
+from lightning_rl.strategies.devices import resolve_pad_to_multiple_of
 
 ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Packing = Literal["auto", "tree", "flat", "none"]
 
 
@@ -141,21 +144,27 @@ class Renderer:
             raise DataError(f"tokenizer {self.name} has no chat template; conversational rows need one (or use string prompt/completion rows)")
 
     def _assistant_mask(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        if any(mask):
-            return ids, mask
+        if _GENERATION_BLOCK.search(self.tokenizer.chat_template):
+            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         # Templates without {% generation %} blocks: find each assistant turn by rendering the
         # conversation up to it; this needs every rendering to be a prefix of the full one.
+        ids = self._chat(messages)
         mask = [False] * len(ids)
+        eos = self.tokenizer.eos_token_id
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self._chat(messages[:k], add_generation_prompt=True)
             through = self._chat(messages[: k + 1])
-            if ids[: len(through)] != through or through[: len(before)] != before:
+            start = len(before)
+            if ids[: len(through)] != through or through[:start] != before:
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
-            mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+            end = len(through)
+            turn = through[start:end]
+            if eos in turn:  # the turn ends at its end-of-turn token; separators after it are not trained
+                end = start + len(turn) - turn[::-1].index(eos)
+            mask[start:end] = [True] * (end - start)
         return ids, mask
 
     def example(self, row: dict) -> Example:
@@ -262,13 +271,18 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Seeded, resumable batches under a token budget: epoch ``e`` always yields the same batches.
 
+    Each of ``world_size`` ranks takes every ``world_size``-th batch, all ranks the same number (so
+    collectives line up); this replaces Lightning's distributed sampler, which the CLI turns off.
     ``skip_batches`` drops the first batches of an epoch, which is how a resumed run continues
     exactly where the checkpoint left off.
     """
 
-    def __init__(self, examples: Sequence[Example], max_tokens: int, packing: Packing, *, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self, examples: Sequence[Example], max_tokens: int, packing: Packing, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
         self.examples, self.max_tokens, self.packing = examples, max_tokens, packing
         self.shuffle, self.seed = shuffle, seed
+        self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.skip: dict[int, int] = {}
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -286,7 +300,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 order = torch.randperm(len(self.examples), generator=g).tolist()
             else:
                 order = list(range(len(self.examples)))
-            self._cache = (self.epoch, plan_batches(self.examples, order, self.max_tokens, self.packing))
+            batches = plan_batches(self.examples, order, self.max_tokens, self.packing)
+            per_rank = len(batches) // self.world_size
+            self._cache = (self.epoch, batches[self.rank :: self.world_size][:per_rank])
         return self._cache[1]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -335,17 +351,6 @@ def prefix_sharing_ratio(examples: Sequence[Example], max_tokens: int) -> float:
             unique += trie.added_by(ids)
             trie.add(ids)
     return flat / max(unique, 1)
-
-
-def resolve_pad_to_multiple_of(value: int | Literal["auto"] | None, device: torch.device) -> int | None:
-    """``"auto"``: 128 on XLA / Neuron devices (they compile once per shape), no padding elsewhere."""
-    if value != "auto":
-        return value
-    try:
-        from lightning_rl.strategies.devices import resolve_pad_to_multiple_of as resolve
-    except ImportError:
-        return 128 if device.type in ("xla", "neuron") else None
-    return resolve(value, device)
 
 
 class SFTDataModule(LightningDataModule):
@@ -409,14 +414,12 @@ class SFTDataModule(LightningDataModule):
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
 
-    def _device(self) -> torch.device:
-        return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-
     def _loader(self, examples: list[Example], shuffle: bool, seed: int) -> tuple[DataLoader, TokenBudgetBatchSampler]:
-        sampler = TokenBudgetBatchSampler(examples, self.max_tokens, self.resolved_packing, shuffle=shuffle, seed=seed)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        sampler = TokenBudgetBatchSampler(examples, self.max_tokens, self.resolved_packing, shuffle=shuffle, seed=seed, rank=rank, world_size=world)
         collate = PackedCollator(
             share_prefixes=self.resolved_packing == "tree",
-            pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self._device()),
+            pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")),
             pad_token_id=self.tokenizer.pad_token_id or 0,
         )
         return DataLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers), sampler

@@ -1,0 +1,31 @@
+"""Shared test setup: an isolated cache for the embedded tiny model, W&B offline, quiet progress bars."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOY_TRAIN = REPO / "lightning_rl" / "assets" / "toy" / "train.jsonl"
+TOY_HELDOUT = REPO / "lightning_rl" / "assets" / "toy" / "heldout.jsonl"
+
+# Set before anything imports lightning_rl, so subprocesses started by tests share the same build.
+os.environ.setdefault("LIGHTNING_RL_CACHE", tempfile.mkdtemp(prefix="lightning-rl-test-cache-"))
+os.environ["WANDB_MODE"] = "offline"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    """Folder of the embedded tiny model and tokenizer (built once per test session)."""
+    from lightning_rl.models.tiny import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_path)

@@ -1,0 +1,156 @@
+"""SFT data: rendering and loss masks, every source format, clear errors on bad rows, token-budget rows."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import TOY_TRAIN
+from lightning_rl.data.sft import DataError, Renderer, TokenBudgetBatchSampler, load_examples, plan_batches
+from lightning_rl.packing.tree import count_unique_tokens
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+GOOD = {"messages": [SYSTEM, {"role": "user", "content": "2+3="}, {"role": "assistant", "content": "5"}]}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def trained_text(tokenizer, example):
+    return tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+
+
+def test_messages_train_only_assistant_turns(tiny_tokenizer, tmp_path):
+    two_turns = {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "2+3="},
+            {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "reverse 1 2"},
+            {"role": "assistant", "content": "2 1"},
+        ]
+    }
+    examples, cases = load_examples(write_jsonl(tmp_path / "d.jsonl", [GOOD, two_turns]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert trained_text(tiny_tokenizer, examples[0]) == "5<|im_end|>"
+    assert trained_text(tiny_tokenizer, examples[1]) == "5<|im_end|>2 1<|im_end|>"
+    # The held-out case is the prompt before the last assistant turn, ending in the generation prompt.
+    assert tiny_tokenizer.decode(cases[1].prompt_ids).endswith("reverse 1 2<|im_end|>\n<|im_start|>assistant\n")
+    assert cases[1].reference == "2 1"
+
+
+def test_prompt_completion_strings_and_messages(tiny_tokenizer, tmp_path):
+    rows = [
+        {"prompt": "12+7=", "completion": "19"},
+        {"prompt": [SYSTEM, {"role": "user", "content": "1+1="}], "completion": [{"role": "assistant", "content": "2"}]},
+    ]
+    examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert trained_text(tiny_tokenizer, examples[0]) == "19<|im_end|>"
+    assert tiny_tokenizer.decode(examples[0].input_ids) == "12+7=19<|im_end|>"
+    assert trained_text(tiny_tokenizer, examples[1]) == "2<|im_end|>"
+
+
+def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_tokenizer, tmp_path):
+    plain = AutoTokenizer.from_pretrained(tiny_path)
+    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:20]]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with_blocks, _ = load_examples(path, Renderer(tiny_tokenizer, "tiny"), 512)
+    without, _ = load_examples(path, Renderer(plain, "plain"), 512)
+    assert [e.loss_mask for e in without] == [e.loss_mask for e in with_blocks]
+    assert [e.input_ids for e in without] == [e.input_ids for e in with_blocks]
+
+
+def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
+    import datasets
+
+    rows = [GOOD, {"prompt": "3+4=", "completion": "7"}]
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    reference, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), renderer, 512)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for source in (tmp_path / "d.json",):
+        assert load_examples(source, renderer, 512)[0] == reference
+    messages_only = datasets.Dataset.from_list([GOOD, GOOD])
+    messages_only.to_parquet(str(tmp_path / "d.parquet"))
+    messages_only.save_to_disk(str(tmp_path / "saved"))
+    for source in (tmp_path / "d.parquet", tmp_path / "saved", messages_only):
+        assert load_examples(source, renderer, 512)[0] == [reference[0], reference[0]]
+
+
+BAD_ROWS = {
+    "missing messages": ({"conversation": []}, "row 1: missing `messages`"),
+    "unknown role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "row 1: `messages[0]`: unknown role 'robot'"),
+    "empty completion": ({"prompt": "1+1=", "completion": "  "}, "row 1: `completion` is empty"),
+    "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "row 1: `messages[0]`: `content` must be a string, got int"),
+    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "row 1: `messages` has no assistant turn"),
+    "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "row 1: `prompt` and `completion` must both be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_row_names_file_and_row(case, tiny_tokenizer, tmp_path):
+    row, expected = BAD_ROWS[case]
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, row, GOOD])
+    with pytest.raises(DataError) as error:
+        load_examples(path, Renderer(tiny_tokenizer, "tiny"), 512)
+    assert str(error.value).startswith(f"{path}: ")
+    assert expected in str(error.value)
+
+
+def test_invalid_json_names_line(tiny_tokenizer, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: line 2: invalid JSON"):
+        load_examples(path, Renderer(tiny_tokenizer, "tiny"), 512)
+
+
+def test_example_longer_than_max_length(tiny_tokenizer, tmp_path):
+    long_row = {"prompt": "1+" * 200 + "1=", "completion": "201"}
+    path = write_jsonl(tmp_path / "long.jsonl", [GOOD, GOOD, long_row])
+    with pytest.raises(DataError, match=r"long.jsonl: row 2: \d+ tokens, longer than max_length=64"):
+        load_examples(path, Renderer(tiny_tokenizer, "tiny"), 64)
+
+
+def test_tokenizer_without_chat_template(tiny_path, tmp_path):
+    bare = AutoTokenizer.from_pretrained(tiny_path)
+    bare.chat_template = None
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(DataError, match="tokenizer bare-tok has no chat template"):
+        load_examples(path, Renderer(bare, "bare-tok"), 512)
+    # String prompt/completion rows need no template.
+    assert load_examples(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "1+1=", "completion": "2"}]), Renderer(bare, "bare-tok"), 512)[0]
+
+
+@pytest.fixture(scope="module")
+def toy_examples(tiny_tokenizer):
+    return load_examples(TOY_TRAIN, Renderer(tiny_tokenizer, "tiny"), 512)[0][:300]
+
+
+@pytest.mark.parametrize("packing", ["tree", "flat", "none"])
+def test_rows_respect_the_token_budget_and_cover_every_example(packing, toy_examples):
+    batches = plan_batches(toy_examples, range(len(toy_examples)), 400, packing)
+    assert sorted(i for b in batches for i in b) == list(range(len(toy_examples)))
+    for batch in batches:
+        seqs = [toy_examples[i].input_ids for i in batch]
+        cost = {"tree": count_unique_tokens(seqs), "flat": sum(map(len, seqs))}.get(packing)
+        assert packing == "none" and len(batch) == 1 or cost <= 400
+    if packing == "tree":  # the shared system prompt lets a tree row hold far more examples than a flat one
+        flat = plan_batches(toy_examples, range(len(toy_examples)), 400, "flat")
+        assert len(batches) * 2 < len(flat)
+
+
+def test_sampler_is_seeded_resumable_and_sharded(toy_examples):
+    make = lambda **kw: TokenBudgetBatchSampler(toy_examples, 400, "tree", shuffle=True, seed=3, **kw)  # noqa: E731
+    a, b = make(), make()
+    assert list(a) == list(b)
+    a.set_epoch(1)
+    assert list(a) != list(b)
+    resumed = make()
+    resumed.set_epoch(1)
+    resumed.skip_batches(1, 2)
+    assert list(resumed) == list(a)[2:]
+    assert len(resumed) == len(a)
+    ranks = [make(rank=r, world_size=2) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(b) // 2
+    assert not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
