@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,9 +49,23 @@ class TransformersTarget:
         self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
         self._copy = copy_weights_into
         self.version = 0
+        self.live_bytes = self.peak_live_bytes = 0
+
+    def _track(self, named_tensors):
+        """Count bytes of received tensors still alive, to check the stream holds one at a time."""
+        for name, tensor in named_tensors:
+            size = tensor.untyped_storage().nbytes()
+            self.live_bytes += size
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            weakref.finalize(tensor, self._release, size)
+            yield name, tensor
+            del tensor
+
+    def _release(self, size: int) -> None:
+        self.live_bytes -= size
 
     def push_weights(self, named_tensors, version: int) -> None:
-        self._copy(self.model, named_tensors)
+        self._copy(self.model, self._track(named_tensors))
         self.version = version
 
 
@@ -139,6 +154,8 @@ def run_worker(mode: str, folder: str, out: str) -> None:
         initial = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         engine_state = engine.model.state_dict()
         result["engine_version"] = engine.version
+        result["peak_live_bytes"] = engine.peak_live_bytes
+        result["largest_tensor_bytes"] = report.largest_tensor_bytes
         result["logprob_max_diff"] = (prompt_logprobs(engine.model, prompt) - trainer_logprobs).abs().max().item()
         if lora:
             prefix = "base_model.model."
@@ -223,6 +240,8 @@ def test_full_sync_after_training_matches_gathered_model(tiny_model: Path, tmp_p
     assert rank0["sharded_layers"] == 2 and rank0["all_dtensor"]
     assert rank0["trained_moved"] > 1e-3, "the optimizer steps must have changed the weights"
     assert rank0["engine_version"] == STEPS
+    # Streamed: at most one gathered parameter is alive at a time on the receiving rank.
+    assert rank0["peak_live_bytes"] == rank0["largest_tensor_bytes"] == 128 * 64 * 4  # an MLP projection
     assert all(rank0["engine_equals_expected"].values()), rank0["engine_equals_expected"]
     assert rank0["compute_dtype"] == "torch.float32" and rank0["logprob_max_diff"] < 1e-5
     # Tied embeddings: sent once, under the input-embedding name.

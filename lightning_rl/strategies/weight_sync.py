@@ -242,6 +242,7 @@ def iter_full_weights(
                 merged = merged + (delta.T if fan_in_fan_out else delta) * scaling
             full = merged.to(full.dtype)
         yield entry.name, full
+        del full  # let the consumer free it before the next gather: one full tensor alive at a time
 
 
 def iter_adapter_weights(
@@ -339,4 +340,5 @@ def copy_weights_into(model: nn.Module, named_tensors: Iterable[tuple[str, Tenso
             )
         destination.copy_(tensor)
         received.append(name)
+        del tensor  # not held while the next one is gathered
     return received

@@ -1,0 +1,197 @@
+"""Time and memory of one FSDP2 weight sync, measured on the embedded tiny model; estimated for a 1.7B model.
+
+Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/weight_sync.json]``.
+Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
+through a real Lightning Trainer, then sync into a transformers model on rank 0, ``--repeats`` times.
+
+Memory is measured two ways: the peak of gathered tensors alive at once (tracked with weak references
+as the stream hands them out), and the growth of the process's peak RSS during the syncs. The 1.7B
+figures are arithmetic from the Qwen3-1.7B shapes (built on the meta device, nothing downloaded) and the
+bandwidths stated in the output; they are an estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+
+class LiveBytes:
+    """Bytes of yielded tensors still referenced somewhere, and the most ever alive at once."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        size = tensor.untyped_storage().nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, size)
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+
+class MeasuredTarget:
+    """Loads into a transformers model, as the transformers rollout engine does, and tracks live tensors."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from lightning_rl.strategies.weight_sync import copy_weights_into
+
+        self.model, self.copy, self.live = model, copy_weights_into, LiveBytes()
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        def tracked():
+            for name, tensor in named_tensors:
+                self.live.track(tensor)
+                yield name, tensor
+                del tensor
+
+        self.copy(self.model, tracked())
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(repeats: int, out: Path) -> None:
+    import lightning as L
+    from transformers import AutoModelForCausalLM
+
+    import lightning_rl.strategies  # noqa: F401  registers "fsdp2"
+    from lightning_rl.models.tiny import tiny_model_path
+    from lightning_rl.strategies.weight_sync import sync_weights
+
+    folder = tiny_model_path()
+
+    class OneStep(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = AutoModelForCausalLM.from_pretrained(folder)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    module = OneStep()
+    data = torch.utils.data.DataLoader(list(torch.randint(0, 100, (4, 32))), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="fsdp2", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    rank = trainer.global_rank
+    target = MeasuredTarget(AutoModelForCausalLM.from_pretrained(folder)) if rank == 0 else None
+    sync_weights(module, target, version=0)  # warm-up: builds the sync process group once
+    rss_before = peak_rss_bytes()
+    seconds, report = [], None
+    for version in range(1, repeats + 1):
+        report = sync_weights(module, target, version=version)
+        seconds.append(report.seconds)
+    if rank == 0:
+        model_bytes = sum(t.numel() * t.element_size() for t in target.model.state_dict().values())
+        result = {
+            "model": str(folder.name),
+            "processes": 2,
+            "backend": "gloo (CPU, loopback)",
+            "repeats": repeats,
+            "sync_seconds_median": statistics.median(seconds),
+            "sync_seconds_min": min(seconds),
+            "tensors": report.num_tensors,
+            "bytes_sent": report.num_bytes,
+            "model_state_bytes": model_bytes,
+            "largest_tensor_bytes": report.largest_tensor_bytes,
+            "peak_live_gathered_bytes": target.live.peak,
+            "peak_rss_growth_bytes": peak_rss_bytes() - rss_before,
+            "estimate_1_7b": estimate_1_7b(report.num_tensors, statistics.median(seconds), report.num_bytes),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(render(result))
+    torch.distributed.destroy_process_group()
+
+
+def qwen3_1_7b_tensors() -> list[tuple[str, int]]:
+    """(name, numel) of every tensor a sync sends for Qwen3-1.7B (tied embeddings sent once)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    return [(name, p.numel()) for name, p in model.named_parameters()]
+
+
+def estimate_1_7b(tiny_tensors: int, tiny_seconds: float, tiny_bytes: int) -> dict:
+    tensors = qwen3_1_7b_tensors()
+    bf16 = 2
+    total = sum(n for _, n in tensors) * bf16
+    largest_name, largest = max(tensors, key=lambda t: t[1])
+    # Assumptions, stated in the output: 8 GPUs on NVLink (all-gather bus bandwidth ~150 GB/s per GPU) with
+    # ~50 us per collective launch; the engine copies each tensor into its own weights at HBM speed.
+    nvlink_bytes_per_s, per_collective_s, hbm_bytes_per_s = 150e9, 50e-6, 1e12
+    gpu_seconds = total / nvlink_bytes_per_s + len(tensors) * per_collective_s + total / hbm_bytes_per_s
+    # The same sync over gloo on this CPU, from the tiny measurement: per-tensor cost plus bytes at its rate.
+    per_tensor = tiny_seconds / tiny_tensors
+    return {
+        "tensors": len(tensors),
+        "parameters": sum(n for _, n in tensors),
+        "bytes_bf16": total,
+        "largest_tensor": largest_name,
+        "largest_tensor_bytes_bf16": largest * bf16,
+        "peak_extra_gpu_memory_bytes": largest * bf16,
+        "gpu_seconds_estimate": gpu_seconds,
+        "gpu_assumptions": "8 GPUs, NVLink all-gather ~150 GB/s, 50 us per collective, 1 TB/s engine copy",
+        "cpu_gloo_seconds_lower_bound": len(tensors) * per_tensor,
+        "cpu_gloo_note": f"tiny run: {per_tensor * 1e3:.2f} ms per tensor, {tiny_bytes / tiny_seconds / 1e6:.0f} MB/s",
+    }
+
+
+def render(result: dict) -> str:
+    mib = 1 / 2**20
+    estimate = result["estimate_1_7b"]
+    return "\n".join([
+        f"one sync, {result['model']}, {result['processes']} processes, {result['backend']}:",
+        f"  time           {result['sync_seconds_median'] * 1e3:.1f} ms median of {result['repeats']}"
+        f" (min {result['sync_seconds_min'] * 1e3:.1f} ms), {result['tensors']} tensors,"
+        f" {result['bytes_sent'] * mib:.2f} MiB sent",
+        f"  peak gathered  {result['peak_live_gathered_bytes'] * mib:.3f} MiB alive at once"
+        f" (largest tensor {result['largest_tensor_bytes'] * mib:.3f} MiB; whole model"
+        f" {result['model_state_bytes'] * mib:.2f} MiB)",
+        f"  peak RSS       +{result['peak_rss_growth_bytes'] * mib:.2f} MiB during the syncs",
+        "Qwen3-1.7B, on paper (bf16):",
+        f"  {estimate['tensors']} tensors, {estimate['parameters'] / 1e9:.2f}B parameters,"
+        f" {estimate['bytes_bf16'] / 1e9:.2f} GB",
+        f"  peak extra memory = largest tensor ({estimate['largest_tensor']}):"
+        f" {estimate['largest_tensor_bytes_bf16'] / 1e6:.0f} MB, not {estimate['bytes_bf16'] / 1e9:.2f} GB",
+        f"  GPU time  ~{estimate['gpu_seconds_estimate']:.3f} s ({estimate['gpu_assumptions']})",
+        f"  this CPU over gloo: at least {estimate['cpu_gloo_seconds_lower_bound']:.2f} s of per-tensor cost"
+        f" plus bytes ({estimate['cpu_gloo_note']})",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_sync.json"))
+    args = parser.parse_args(argv)
+    measure(args.repeats, args.out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
