@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
-from lightning_rl.rollout.tied_weights import tied_aliases, with_tied_copies
+from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str, Any]:
@@ -61,7 +61,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager, distributed_executor_backend="uni",
             logprobs_mode="processed_logprobs", **dict(engine_kwargs or {}),
         )
-        self._aliases = tied_aliases(AutoConfig.from_pretrained(model))
+        self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
         self.seed = seed
         self._calls = 0
         self._version = 0
@@ -102,11 +102,18 @@ class VLLMEngine:
         return RolloutBatch(groups)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        weights = ((name, tensor.detach()) for name, tensor in with_tied_copies(named_tensors, self._aliases))
+        """Reload in place; a tensor the model does not have raises `WeightNameError` and the version stays."""
+        weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(named_tensors))
         with self._lock:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            # Cached prefixes hold keys and values computed with the old weights.
-            self._llm.reset_prefix_cache()
+            try:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            except Exception:
+                # An empty reload closes the interrupted one: modules that got nothing take their old weights back.
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(())})
+                raise
+            finally:
+                # Cached prefixes hold keys and values computed with the old weights.
+                self._llm.reset_prefix_cache()
             self._version = version
 
     def close(self) -> None:

@@ -67,3 +67,22 @@ def test_bad_requests_fail_clearly(engine):
         engine.generate(PROMPTS, n=0, sampling=SamplingConfig())
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[]], n=1, sampling=SamplingConfig())
+
+
+def test_a_refused_push_names_the_tensor_and_keeps_the_old_weights(engine, tiny_model_dir):
+    from lightning_rl.rollout.checkpoint_layout import WeightNameError
+
+    trainer = load_trainer_model(tiny_model_dir)
+    perturb_(trainer, seed=1)  # the weights pushed as version 1 above
+    version = engine.weight_version
+    changed = load_trainer_model(tiny_model_dir)
+    perturb_(changed, seed=2)
+    wrong_shape = [("model.norm.weight", torch.zeros(3))] + list(iter_full_weights(changed))
+    with pytest.raises(WeightNameError, match=r"'model.norm.weight': shape \(3,\)"):
+        engine.push_weights(iter(wrong_shape), version=version + 1)
+    unknown = [("model.layers.0.no_such_weight", torch.zeros(3))]
+    with pytest.raises(WeightNameError, match="no_such_weight"):
+        engine.push_weights(iter(unknown), version=version + 1)
+    assert engine.weight_version == version
+    batch = engine.generate(PROMPTS, n=1, sampling=SamplingConfig(max_new_tokens=6, seed=2))
+    assert max_logprob_error(trainer, batch.rollouts) < LOGPROB_ATOL

@@ -1,0 +1,54 @@
+"""What a Hugging Face checkpoint of a given config holds: tensor names, shapes and ties.
+
+Engines check pushed tensors against it before loading anything (a wrong name or shape is refused
+with its name, not discovered half-way through a reload), and re-expand tied weights: trainers send
+a tied tensor once, under its source name, but vLLM's in-place reload restores the old values of
+any module that received nothing, so a tied output embedding must be sent again under its own name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+class WeightNameError(ValueError):
+    """A pushed tensor has a name or shape the engine's model does not have."""
+
+
+class CheckpointLayout:
+    """Names, shapes and tied names of the causal LM `config` describes (read off a meta-device model)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        self.architecture = type(model).__name__
+        self.shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        self.aliases: dict[str, list[str]] = {}
+        for target, source in model.get_expanded_tied_weights_keys(all_submodels=True).items():
+            self.aliases.setdefault(source, []).append(target)
+
+    def check(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.shapes.get(name)
+        if expected is None:
+            example = next(iter(self.shapes), "")
+            raise WeightNameError(f"'{name}' is not a tensor of {self.architecture} (its names look like '{example}')")
+        if tuple(tensor.shape) != expected:
+            raise WeightNameError(f"'{name}': shape {tuple(tensor.shape)} sent, {self.architecture} holds {expected}")
+
+    def checked_with_ties(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], sent: set[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Check each pair, yield it, then the same tensor under each name tied to it; names in `sent` are skipped.
+
+        Pass one `sent` set to consecutive calls that stream parts of the same update.
+        """
+        sent = set() if sent is None else sent
+        for name, tensor in named_tensors:
+            self.check(name, tensor)
+            for out_name in [name, *self.aliases.get(name, ())]:
+                if out_name not in sent:
+                    sent.add(out_name)
+                    yield out_name, tensor

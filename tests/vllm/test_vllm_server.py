@@ -1,0 +1,99 @@
+"""A real `vllm serve` process on loopback: generation over HTTP, weights pushed over the gloo transport."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
+
+from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
+from lightning_rl.rollout.vllm_server import VLLMServer, VLLMServerEngine, VLLMServerError
+from lightning_rl.strategies.weight_sync import iter_full_weights
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+SAMPLING = SamplingConfig(max_new_tokens=10, seed=5)
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    server = VLLMServer(tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        enforce_eager=True, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log",
+                        extra_args=["--distributed-executor-backend", "uni"])  # one process fewer to start
+    server.start(timeout=240)
+    pid = server.pid
+    yield server
+    server.stop()
+    assert not process_exists(pid)
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    engine = VLLMServerEngine(server.url)
+    yield engine
+    engine.close()
+
+
+def test_generates_over_http_with_logprobs_of_transformers(engine, tiny_model_dir):
+    assert isinstance(engine, RolloutEngine)
+    batch = engine.generate(PROMPTS, n=3, sampling=SAMPLING)
+    assert [len(group) for group in batch.groups] == [3, 3]
+    assert all(r.weight_version == 0 and r.group_id == g for g, group in enumerate(batch.groups) for r in group)
+    assert len({tuple(r.completion_ids) for r in batch.rollouts}) == 6
+    assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
+
+
+def test_pushed_weights_reach_the_server_and_it_reports_their_version(engine, tiny_model_dir):
+    trainer = load_trainer_model(tiny_model_dir)
+    before = engine.generate(PROMPTS, n=2, sampling=SAMPLING)
+    for version, chunk_bytes in ((1, 64 * 2**20), (2, 1)):  # one chunk for the model, then one per tensor
+        perturb_(trainer, seed=version)
+        engine.chunk_bytes = chunk_bytes
+        engine.push_weights(iter_full_weights(trainer), version=version)
+        assert engine.weight_version == version
+        after = engine.generate(PROMPTS, n=2, sampling=SAMPLING)
+        # The version comes back from the server with every completion, not from the client's counter.
+        assert all(r.weight_version == version for r in after.rollouts)
+        assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
+    assert max_logprob_error(trainer, before.rollouts) > 1e-2
+
+
+def test_a_push_during_generation_waits_for_it(engine, tiny_model_dir):
+    """Asynchronous mode: completions in flight finish on the weights they started with."""
+    models = {engine.weight_version: load_trainer_model(tiny_model_dir)}
+    for version in range(1, engine.weight_version + 1):
+        perturb_(models[engine.weight_version], seed=version)
+    new_version = engine.weight_version + 1
+    models[new_version] = load_trainer_model(tiny_model_dir)
+    for version in range(1, new_version + 1):
+        perturb_(models[new_version], seed=version)
+    generated = []
+    generating = threading.Thread(target=lambda: generated.extend(
+        engine.generate(PROMPTS * 4, n=2, sampling=SamplingConfig(max_new_tokens=48, seed=9)).rollouts))
+    generating.start()
+    engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
+    generating.join()
+    assert len(generated) == 16
+    for rollout in generated:
+        assert "weight_versions" not in rollout.metadata  # a single version produced the whole completion
+        assert max_logprob_error(models[rollout.weight_version], [rollout]) < LOGPROB_ATOL
+
+
+def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(engine, tiny_model_dir):
+    trainer = load_trainer_model(tiny_model_dir)
+    version = engine.weight_version
+    bad = [("model.layers.0.no_such_weight", trainer.model.norm.weight.detach())]
+    with pytest.raises(VLLMServerError, match="no_such_weight"):
+        engine.push_weights(iter(bad), version=version + 1)
+    assert engine.weight_version == version
+    batch = engine.generate(PROMPTS[:1], n=1, sampling=SAMPLING)
+    assert batch.rollouts[0].completion_ids
