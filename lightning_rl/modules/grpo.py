@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -25,7 +26,7 @@ from transformers import AutoTokenizer, get_scheduler
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
-from lightning_rl.models.loading import load_causal_lm
+from lightning_rl.models.loading import export_hf, load_causal_lm
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, packed_hidden_states, token_entropy, token_logprobs
 from lightning_rl.packing.planner import plan_rows
@@ -131,6 +132,7 @@ class GRPOModule(LightningModule):
         self.producer: RolloutProducer | None = None
         self.reward_history: list[float] = []
         self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
+        self.last_trained: ScoredBatch | None = None
         self._restored_queue: dict[str, Any] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ class GRPOModule(LightningModule):
 
     # -- the algorithm -------------------------------------------------------------------------
 
-    def training_step(self, batch_index: int, batch_idx: int) -> None:
+    def training_step(self, batch_index: int, batch_idx: int) -> dict[str, Any]:
         step = self.global_step
         if int(batch_index) != step:
             raise RuntimeError(f"prompt batch {int(batch_index)} arrived at optimizer step {step}")
@@ -220,8 +222,10 @@ class GRPOModule(LightningModule):
         train_seconds = time.perf_counter() - train_started
 
         self.trained_batches.append({"index": step, "weight_version": scored.weight_version})
+        self.last_trained = scored
         self.reward_history.append(float(rewards.mean()))
         self._log_step(scored, stats, staleness, waited, train_seconds)
+        return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 
     def generate_and_score(self, index: int) -> ScoredBatch:
         """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode)."""
@@ -431,6 +435,10 @@ class GRPOModule(LightningModule):
             "max_staleness_seen": max((b["index"] - b["weight_version"] for b in self.trained_batches), default=0),
         }
 
+    def export_hf(self, path: Path) -> Path:
+        """Write the trained policy and its tokenizer as a Hugging Face folder."""
+        return export_hf(self.policy, self.tokenizer, path, mode="model")
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = {
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
@@ -454,6 +462,7 @@ class _StepStats:
         self.low = self.high = 0.0
         self.kl = self.entropy = self.ratio = 0.0
         self.flat_tokens = self.unique_tokens = 0
+        self.rows = 0
         self.has_kl = False
 
     def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
@@ -469,6 +478,7 @@ class _StepStats:
             self.entropy += float(entropy.sum())
         self.flat_tokens += packed.num_flat_tokens
         self.unique_tokens += packed.num_unique_tokens
+        self.rows += 1
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1)
@@ -481,6 +491,7 @@ class _StepStats:
             "entropy": self.entropy / n,
             "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
             "trained_tokens": float(self.tokens),
+            "rows": float(self.rows),
         }
         if self.has_kl:
             metrics["kl"] = self.kl / n

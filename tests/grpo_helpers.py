@@ -1,0 +1,60 @@
+"""Shared pieces of the GRPO tests: a real Trainer run of GRPOModule on the bundled toy prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.rewards import RewardSpec
+
+FAST = dict(num_generations=4, max_new_tokens=6, learning_rate=1e-3, log_rollouts_every_n_steps=0)
+# Dense enough that groups rarely tie: a random model emits digits now and then.
+DIGIT_REWARDS = [RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})]
+
+
+class GradientRecorder(L.Callback):
+    """Keeps a copy of every gradient right before each optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+
+class TrainedRollouts(L.Callback):
+    """Records what each step trained on: batch index, weight version, prompts and completions."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        last = pl_module.last_trained
+        self.batches.append(
+            {
+                "index": last.index,
+                "weight_version": last.weight_version,
+                "prompts": [r["prompt"] for r in last.records],
+                "completions": [r.completion_ids for r in last.rollouts],
+            }
+        )
+
+
+def trainer(max_steps: int, callbacks: list[L.Callback] | None = None, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks or [], **kwargs,
+    )
+
+
+def fit(max_steps: int, callbacks: list[L.Callback] | None = None, batch_size: int = 2, ckpt_path: str | None = None,
+        **module_kwargs: Any) -> tuple[GRPOModule, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS, **module_kwargs})
+    run = trainer(max_steps, callbacks)
+    run.fit(module, PromptDataModule(batch_size=batch_size), ckpt_path=ckpt_path)
+    return module, run
