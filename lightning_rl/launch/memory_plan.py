@@ -1,0 +1,252 @@
+"""Per-GPU memory and step time of a training layout, from a `ModelCensus`.
+
+Every term is a plain formula over the model's real parameter counts and the layout; `format_plan`
+prints each one with its inputs so a reader can check the arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_rl.launch.model_census import ModelCensus
+
+GIB = 1024**3
+# Adam keeps two states per trainable parameter; peft keeps LoRA adapters in fp32.
+_ADAM_STATES = 2
+_LORA_BYTES = 4
+# FSDP2 all-gathers the next unit while the current one computes: two units are in flight.
+_UNITS_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory_gb: float
+    peak_tflops: float = 989.0  # H100 SXM, dense bf16
+    mfu: float = 0.30
+    network_gbps: float = 400.0  # per GPU, across nodes (one 400G NIC per GPU)
+    nvlink_gbps: float = 3600.0  # per GPU, inside a node (H100 NVLink, one direction)
+    reserved_gb: float = 5.0  # CUDA context, NCCL workspaces, allocator slack
+    headroom: float = 0.10  # share of memory kept free for fragmentation
+
+
+@dataclass(frozen=True)
+class Training:
+    nodes: int
+    gpus_per_node: int
+    tokens_per_micro_batch: int
+    accumulate_grad_batches: int = 1
+    lora_rank: int | None = None
+    param_bytes: int = 2
+    compute_bytes: int = 2
+    activation_checkpointing: bool = True
+    cpu_offload: bool = False
+    expert_parallel: int = 1
+    logits_chunk: int = 1024
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    formula: str
+
+
+@dataclass
+class Plan:
+    census: ModelCensus
+    training: Training
+    hardware: Hardware
+    terms: list[Term] = field(default_factory=list)
+    activations_without_checkpointing: float = 0.0
+    activations_with_checkpointing: float = 0.0
+    host_bytes_per_gpu: float = 0.0
+    compute_seconds: float = 0.0
+    gather_seconds: float = 0.0
+    all_to_all_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    tokens_per_step: int = 0
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(term.bytes for term in self.terms)
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hardware.gpu_memory_gb * GIB * (1 - self.hardware.headroom)
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute and parameter traffic overlap, so the slower of the two sets the pace."""
+        return max(self.compute_seconds, self.comm_seconds)
+
+
+def _gathered_params(census: ModelCensus, training: Training, unit_params: int, unit_experts: int) -> float:
+    """Parameters of one unit once all-gathered.
+
+    Dense weights gather over every rank. With expert parallelism each rank owns its slice of the
+    experts, gathered only over the ranks holding the same slice (none when every rank has its own).
+    """
+    expert_group = training.world_size // training.expert_parallel
+    experts = unit_experts / training.expert_parallel if expert_group > 1 else 0.0
+    return unit_params - unit_experts + experts
+
+
+def _gathered_unit_bytes(census: ModelCensus, training: Training) -> float:
+    largest = max((_gathered_params(census, training, u.params, u.expert_params) for u in census.units), default=0.0)
+    return largest * training.compute_bytes
+
+
+def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> Plan:
+    plan = Plan(census, training, hardware)
+    world, tokens, c = training.world_size, training.tokens_per_micro_batch, training.compute_bytes
+    lora = training.lora_rank is not None
+    trainable = census.lora_params(training.lora_rank) if lora else census.total_params
+    frozen = census.total_params if lora else 0
+    trainable_bytes = _LORA_BYTES if lora else training.param_bytes
+    on_gpu = 0.0 if training.cpu_offload else 1.0
+
+    sharded_frozen = frozen * training.param_bytes / world
+    sharded_trainable = trainable * trainable_bytes / world
+    sharded_grads = trainable * trainable_bytes / world
+    sharded_optimizer = trainable * trainable_bytes * _ADAM_STATES / world
+    plan.host_bytes_per_gpu = (1 - on_gpu) * (sharded_frozen + sharded_trainable + sharded_grads + sharded_optimizer)
+    where = "on host (cpu_offload)" if training.cpu_offload else f"/ {world} GPUs"
+    plan.terms += [
+        Term("frozen weights, sharded", on_gpu * sharded_frozen, f"{_count(frozen)} x {training.param_bytes} B {where}"),
+        Term("trainable weights, sharded", on_gpu * sharded_trainable, f"{_count(trainable)} x {trainable_bytes} B {where}"),
+        Term("gradients, sharded", on_gpu * sharded_grads, f"{_count(trainable)} x {trainable_bytes} B {where}"),
+        Term("Adam states, sharded", on_gpu * sharded_optimizer, f"{_count(trainable)} x {_ADAM_STATES} x {trainable_bytes} B {where}"),
+    ]
+
+    unit = _gathered_unit_bytes(census, training)
+    root = census.root_params * c
+    plan.terms += [
+        Term(
+            "FSDP all-gather buffers",
+            _UNITS_IN_FLIGHT * unit,
+            f"{_UNITS_IN_FLIGHT} units in flight x largest unit {unit / GIB:.2f} GiB"
+            + (f" (experts split {training.expert_parallel}-way)" if training.expert_parallel > 1 else ""),
+        ),
+        Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {c} B"),
+    ]
+    largest_unit = max((unit.params for unit in census.units), default=0)
+    unit_trainable = trainable / census.decoder_layers if lora else largest_unit
+    plan.terms.append(
+        Term("gradient reduce-scatter buffer", unit_trainable * 4, f"one unit's {_count(unit_trainable)} unsharded gradients x fp32")
+    )
+    if training.expert_parallel > 1:
+        dispatch = 2 * tokens * census.experts_per_token * census.routed_width * c
+        plan.terms.append(
+            Term("expert all-to-all buffers", dispatch, f"send+recv x {tokens} tokens x top-{census.experts_per_token} x {census.routed_width} x {c} B")
+        )
+
+    per_layer = census.activation_elements_per_token_layer * tokens * c
+    layer_inputs = census.decoder_layers * tokens * census.hidden_size * c
+    plan.activations_without_checkpointing = census.decoder_layers * per_layer
+    plan.activations_with_checkpointing = layer_inputs + per_layer
+    if training.activation_checkpointing:
+        activations = Term(
+            "activations (checkpointed)",
+            plan.activations_with_checkpointing,
+            f"{census.decoder_layers} layer inputs x {tokens} tokens x {census.hidden_size} x {c} B + one layer recomputed",
+        )
+    else:
+        activations = Term(
+            "activations (no checkpointing)",
+            plan.activations_without_checkpointing,
+            f"{census.decoder_layers} layers x {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B",
+        )
+    head = 3 * training.logits_chunk * census.vocab_size * 4
+    plan.terms += [
+        activations,
+        Term("chunked LM head", head, f"logits, softmax, grad: 3 x {training.logits_chunk} tokens x {census.vocab_size} x fp32"),
+        Term("reserved (CUDA context, NCCL, allocator)", hardware.reserved_gb * GIB, "assumed"),
+    ]
+    _plan_step_time(plan)
+    return plan
+
+
+def _plan_step_time(plan: Plan) -> None:
+    census, training, hardware = plan.census, plan.training, plan.hardware
+    world, c = training.world_size, training.compute_bytes
+    plan.tokens_per_step = world * training.tokens_per_micro_batch * training.accumulate_grad_batches
+    flops = 6 * census.active_params * plan.tokens_per_step
+    plan.compute_seconds = flops / (world * hardware.peak_tflops * 1e12 * hardware.mfu)
+    # Units are resharded after forward, so every micro-batch gathers each one twice (forward, backward).
+    gathered = sum(_gathered_params(census, training, u.params, u.expert_params) for u in census.units)
+    received = 2 * gathered * c * (1 - 1 / world) * training.accumulate_grad_batches
+    plan.gather_seconds = received / (hardware.network_gbps / 8 * 1e9) if training.nodes > 1 else 0.0
+    plan.all_to_all_seconds = 0.0
+    if training.expert_parallel > 1:
+        # Dispatch and combine, in forward, recomputed forward and backward, for every layer.
+        passes = 3 if training.activation_checkpointing else 2
+        sent = 2 * passes * census.decoder_layers * training.tokens_per_micro_batch * census.experts_per_token
+        sent *= census.routed_width * c * training.accumulate_grad_batches
+        inside_node = training.expert_parallel <= training.gpus_per_node
+        plan.all_to_all_seconds = sent / ((hardware.nvlink_gbps if inside_node else hardware.network_gbps) / 8 * 1e9)
+    plan.comm_seconds = plan.gather_seconds + plan.all_to_all_seconds
+
+
+def _count(n: float) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def format_plan(plan: Plan) -> str:
+    census, training, hardware = plan.census, plan.training, plan.hardware
+    lines = [
+        f"model: {census.model_class}: {_count(census.total_params)} parameters, "
+        f"{_count(census.active_params)} active per token ({census.experts_per_token} of {census.num_experts} experts), "
+        f"{census.decoder_layers} decoder layers",
+        f"layout: {training.nodes} node(s) x {training.gpus_per_node} GPUs = {training.world_size}, "
+        f"{'LoRA r=' + str(training.lora_rank) if training.lora_rank is not None else 'full fine-tuning'}, "
+        f"expert parallel {training.expert_parallel}, activation checkpointing "
+        f"{'on' if training.activation_checkpointing else 'off'}, cpu offload {'on' if training.cpu_offload else 'off'}",
+        "",
+        "per-GPU memory:",
+    ]
+    for term in plan.terms:
+        lines.append(f"  {term.name:<42} {term.bytes / GIB:9.2f} GiB   {term.formula}")
+    lines += [
+        f"  {'total':<42} {plan.total_bytes / GIB:9.2f} GiB",
+        f"  activations with checkpointing {plan.activations_with_checkpointing / GIB:.2f} GiB, "
+        f"without {plan.activations_without_checkpointing / GIB:.2f} GiB",
+    ]
+    if plan.host_bytes_per_gpu:
+        lines.append(f"  host memory per GPU (offloaded shards): {plan.host_bytes_per_gpu / GIB:.2f} GiB")
+    lines += [
+        f"  usable: {hardware.gpu_memory_gb:g} GiB x (1 - {hardware.headroom:g} headroom) = {plan.usable_bytes / GIB:.2f} GiB",
+        "",
+        "step time:",
+        f"  tokens per step: {training.world_size} GPUs x {training.tokens_per_micro_batch} tokens x "
+        f"{training.accumulate_grad_batches} accumulation = {plan.tokens_per_step}",
+        f"  compute: 6 x {_count(census.active_params)} active x {plan.tokens_per_step} tokens / "
+        f"({training.world_size} x {hardware.peak_tflops:g} TFLOP/s x MFU {hardware.mfu:g}) = {plan.compute_seconds:.2f} s",
+        f"  parameter all-gathers across nodes at {hardware.network_gbps:g} Gb/s per GPU: {plan.gather_seconds:.2f} s",
+        f"  expert all-to-all ({'NVLink' if training.expert_parallel <= training.gpus_per_node else 'network'}): "
+        f"{plan.all_to_all_seconds:.2f} s",
+        f"  expected step time: {plan.step_seconds:.2f} s (compute and communication overlap: the slower sets the pace)",
+        "",
+    ]
+    if plan.fits:
+        lines.append(f"FITS: {plan.total_bytes / GIB:.2f} GiB of {plan.usable_bytes / GIB:.2f} GiB usable, margin {plan.margin_bytes / GIB:.2f} GiB")
+    else:
+        lines.append(
+            f"DOES NOT FIT: needs {plan.total_bytes / GIB:.2f} GiB per GPU, {plan.usable_bytes / GIB:.2f} GiB usable "
+            f"(short by {-plan.margin_bytes / GIB:.2f} GiB)"
+        )
+    return "\n".join(lines)

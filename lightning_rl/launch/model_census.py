@@ -1,0 +1,181 @@
+"""Parameter and activation counts of a transformers model, read from its real classes on the meta device.
+
+Nothing is allocated: the model is built under `torch.device("meta")` from its config, so an 816B
+model is counted in seconds, and every figure follows the architecture the config class defines.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedConfig
+
+# Auto classes tried in order: text decoders first, then multimodal models that wrap one.
+_AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def build_on_meta(config: PreTrainedConfig) -> nn.Module:
+    errors = []
+    for auto_class in _AUTO_CLASSES:
+        try:
+            with torch.device("meta"):
+                return auto_class.from_config(config)
+        except ValueError as err:
+            errors.append(f"{auto_class.__name__}: {str(err).splitlines()[0]}")
+    raise ValueError(f"no transformers model class for {type(config).__name__}: " + "; ".join(errors))
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + r"$")
+
+
+@dataclass(frozen=True)
+class LayerCensus:
+    """One shard unit (a class listed in the model's `_no_split_modules`)."""
+
+    name: str
+    params: int
+    expert_params: int
+
+
+@dataclass(frozen=True)
+class ModelCensus:
+    model_class: str
+    total_params: int
+    expert_params: int
+    num_experts: int
+    experts_per_token: int
+    decoder_layers: int
+    hidden_size: int
+    vocab_size: int
+    units: tuple[LayerCensus, ...]
+    decoder_active_params: int
+    lm_head_params: int
+    lora_params_per_rank: int
+    activation_elements_per_token_layer: int
+    routed_width: int
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: decoder layers (top-k experts only) and the LM head."""
+        return self.decoder_active_params + self.lm_head_params
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside every shard unit (embeddings, LM head, final norm): FSDP's root unit."""
+        return self.total_params - sum(unit.params for unit in self.units)
+
+    def lora_params(self, rank: int) -> int:
+        return self.lora_params_per_rank * rank
+
+
+def _expert_parameter_names(model: nn.Module, config: PreTrainedConfig, num_experts: int) -> set[str]:
+    """Grouped expert weights: named by the config's expert-parallel plan, else 3D tensors over the experts."""
+    plan = getattr(config, "base_model_ep_plan", None) or {}
+    patterns = [_pattern_regex(key) for key, style in plan.items() if style == "grouped_gemm"]
+    names = set()
+    for name, param in model.named_parameters():
+        if patterns and any(p.search(name) for p in patterns):
+            names.add(name)
+        elif not patterns and num_experts > 1 and param.ndim == 3 and param.shape[0] == num_experts:
+            names.add(name)
+    return names
+
+
+def _decoder_stack(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: the ModuleList holding the most parameters."""
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no layer list to count")
+    return max(lists, key=lambda layers: sum(p.numel() for p in layers.parameters()))
+
+
+def _shard_units(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes:
+            yield name, module
+
+
+def _activation_elements(layer: nn.Module, expert_names: set[str], experts_per_token: int) -> int:
+    """Per token: inputs and outputs of every matmul (routed ones top-k times) plus each norm's width.
+
+    An upper estimate of what autograd keeps for one layer in 16-bit, for any architecture.
+    """
+    elements = 0
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            elements += module.in_features + module.out_features
+    for name, param in layer.named_parameters():
+        if name in expert_names:
+            elements += experts_per_token * (param.shape[1] + param.shape[2])
+        elif param.ndim == 1:
+            elements += param.shape[0]
+    return elements
+
+
+def _lora_params_per_rank(model: nn.Module, target_modules: Iterable[str]) -> int:
+    """LoRA adds rank x (in + out) weights per targeted Linear, matched like peft: by the name's last part
+    anywhere in the model; "all-linear" takes every Linear but the output head."""
+    targets = set(target_modules)
+    head = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name.rsplit(".", 1)[-1] in targets or ("all-linear" in targets and module is not head):
+            total += module.in_features + module.out_features
+    return total
+
+
+def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] = ()) -> ModelCensus:
+    model = build_on_meta(config)
+    text_config = config.get_text_config()
+    num_experts = next((int(getattr(text_config, k)) for k in _EXPERT_COUNT_KEYS if getattr(text_config, k, None)), 1)
+    experts_per_token = int(getattr(text_config, "num_experts_per_tok", 1) or 1)
+    expert_names = _expert_parameter_names(model, text_config, num_experts)
+    full_names = {name for name, _ in model.named_parameters()}
+    expert_full = {name for name in full_names if any(name.endswith(short) for short in expert_names)}
+
+    units = []
+    for unit_name, unit in _shard_units(model):
+        params = expert = 0
+        for name, param in unit.named_parameters():
+            params += param.numel()
+            if f"{unit_name}.{name}" in expert_full:
+                expert += param.numel()
+        units.append(LayerCensus(unit_name, params, expert))
+
+    stack = _decoder_stack(model)
+    stack_prefix = next(name for name, module in model.named_modules() if module is stack)
+    decoder_active = 0
+    for name, param in stack.named_parameters():
+        share = experts_per_token / num_experts if f"{stack_prefix}.{name}" in expert_full else 1.0
+        decoder_active += round(param.numel() * share)
+    first_layer = stack[0]
+    first_prefix = f"{stack_prefix}.0."
+    layer_expert_names = {name[len(first_prefix) :] for name in expert_full if name.startswith(first_prefix)}
+    # Tokens travel to their experts at the experts' input width (the last dim of a grouped weight).
+    routed_width = min((p.shape[-1] for n, p in model.named_parameters() if n in expert_full), default=0)
+    head = model.get_output_embeddings()
+    return ModelCensus(
+        model_class=type(model).__name__,
+        total_params=sum(p.numel() for p in model.parameters()),
+        expert_params=sum(p.numel() for name, p in model.named_parameters() if name in expert_full),
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        decoder_layers=len(stack),
+        hidden_size=int(text_config.hidden_size),
+        vocab_size=int(text_config.vocab_size),
+        units=tuple(units),
+        decoder_active_params=decoder_active,
+        lm_head_params=head.weight.numel() if head is not None else 0,
+        lora_params_per_rank=_lora_params_per_rank(model, lora_target_modules),
+        activation_elements_per_token_layer=_activation_elements(first_layer, layer_expert_names, experts_per_token),
+        routed_width=int(routed_width),
+    )

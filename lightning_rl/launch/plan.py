@@ -1,0 +1,126 @@
+"""`lightning-rl plan RECIPE.yaml --nodes N --gpus-per-node G --gpu-memory-gb M`: will it fit, how fast.
+
+Exit code 0 when the plan fits, 1 when it does not (the numbers say by how much), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoConfig, PreTrainedConfig
+
+from lightning_rl.launch.memory_plan import Hardware, Training, format_plan, plan_memory
+from lightning_rl.launch.model_census import count_model
+from lightning_rl.launch.recipe_view import MODEL_KEY, LaunchError, RecipeView
+
+# Where configs of models too large to download for planning are checked in, by model id.
+LOCAL_CONFIGS = Path("launch/models")
+# trainer.precision -> (bytes of stored weights, bytes of compute copies)
+_PRECISION_BYTES = {"bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "32-true": (4, 4), "32": (4, 4)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-rl plan", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory-gb", type=float, required=True)
+    parser.add_argument("--model-config", type=Path, help="folder or config.json to read instead of the recipe's model")
+    parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens")
+    parser.add_argument("--expert-parallel", type=int, help="default: trainer.strategy.expert_parallel_size, else 1")
+    parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="per GPU, dense bf16")
+    parser.add_argument("--mfu", type=float, default=Hardware.mfu, help="assumed model FLOP utilisation")
+    parser.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node, per GPU")
+    parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="inside a node, per GPU")
+    parser.add_argument("--reserved-gb", type=float, default=Hardware.reserved_gb)
+    return parser
+
+
+def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedConfig:
+    """The model's own config class, from a local folder, the local HF cache, or `launch/models/<model id>`."""
+    if override is not None:
+        source = override.parent if override.name == "config.json" else override
+        if not (source / "config.json").is_file():
+            raise LaunchError(f"--model-config {override}: no config.json there")
+        return AutoConfig.from_pretrained(source)
+    model_id = recipe.model_id
+    candidates = [Path(model_id), LOCAL_CONFIGS / model_id]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(model_id, local_files_only=True)
+    except OSError:
+        raise LaunchError(
+            f"{recipe.path}: `{MODEL_KEY}: {model_id}` has no config.json in {candidates[0]}, in {candidates[1]}, or in "
+            "the local Hugging Face cache; pass --model-config"
+        ) from None
+
+
+def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
+    precision = str(recipe.get("trainer.precision", "32-true"))
+    if precision not in _PRECISION_BYTES:
+        raise LaunchError(f"{recipe.path}: `trainer.precision: {precision}` is not one of {', '.join(_PRECISION_BYTES)}")
+    param_bytes, compute_bytes = _PRECISION_BYTES[precision]
+    tokens = args.tokens_per_micro_batch or recipe.get("data.max_tokens")
+    if not isinstance(tokens, int) or tokens < 1:
+        raise LaunchError(f"{recipe.path}: `data.max_tokens` is missing or not a positive integer; pass --tokens-per-micro-batch")
+    lora = recipe.get("model.lora")
+    checkpointing = bool(recipe.get("trainer.strategy.activation_checkpointing") or recipe.get("model.gradient_checkpointing"))
+    return Training(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tokens_per_micro_batch=tokens,
+        accumulate_grad_batches=int(recipe.get("trainer.accumulate_grad_batches", 1)),
+        lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
+        param_bytes=param_bytes,
+        compute_bytes=compute_bytes,
+        activation_checkpointing=checkpointing,
+        cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
+        expert_parallel=args.expert_parallel or int(recipe.get("trainer.strategy.expert_parallel_size", 1)),
+        logits_chunk=int(recipe.get("model.chunk_size", 1024)),
+    )
+
+
+def _lora_targets(recipe: RecipeView) -> list[str]:
+    lora = recipe.get("model.lora")
+    if not isinstance(lora, dict):
+        return []
+    targets = lora.get("target_modules", "all-linear")
+    return [targets] if isinstance(targets, str) else list(targets)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
+            raise LaunchError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
+        recipe = RecipeView.load(args.recipe)
+        training = _training(recipe, args)
+        census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe))
+        if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
+            raise LaunchError(
+                f"expert parallel {training.expert_parallel} must divide both the {census.num_experts} experts "
+                f"and the {training.world_size} GPUs"
+            )
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    hardware = Hardware(
+        gpu_memory_gb=args.gpu_memory_gb,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        network_gbps=args.network_gbps,
+        nvlink_gbps=args.nvlink_gbps,
+        reserved_gb=args.reserved_gb,
+    )
+    plan = plan_memory(census, training, hardware)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

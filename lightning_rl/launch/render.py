@@ -1,0 +1,99 @@
+"""Render an sbatch script for a recipe from the templates beside this file."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import string
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from lightning_rl.launch.layout import Allocation, TrainerLayout, resolve_layout
+from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+
+# SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+
+
+class _ScriptTemplate(string.Template):
+    """`@{name}` placeholders only, so the shell's `$VAR`, `%j` and `SIGUSR1@90` pass through untouched."""
+
+    delimiter = "@"
+    pattern = r"@(?:(?P<escaped>(?!))|\{(?P<braced>[a-z_]+)\}|(?P<named>(?!))|(?P<invalid>(?!)))"
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the job asks SLURM for besides nodes and devices."""
+
+    partition: str | None
+    time: str = "04:00:00"
+    job_name: str | None = None
+    log_dir: str = "logs/slurm"
+    cpus_per_task: int | None = None
+    vllm_port: int = 8000
+    run_overrides: tuple[str, ...] = field(default_factory=tuple)
+
+
+def job_name(recipe: RecipeView, options: SlurmOptions) -> str:
+    return options.job_name or f"lrl-{recipe.path.stem}"
+
+
+def _template(name: str) -> str:
+    return resources.files("lightning_rl.launch").joinpath("templates", name).read_text()
+
+
+def _check_options(options: SlurmOptions) -> None:
+    if not options.partition:
+        raise LaunchError("no partition given: pass --partition NAME (`sinfo -s` lists the partitions)")
+    if not _SLURM_TIME.match(options.time):
+        raise LaunchError(f"--time {options.time!r} is not a SLURM time (e.g. 04:00:00 or 1-12:00:00)")
+
+
+def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
+    args = [f"--trainer.num_nodes={layout.trainer_nodes}", f"--trainer.devices={layout.devices_per_node}"]
+    # A requeued job starts the same command again; it must pick up the last checkpoint, not start over.
+    if not any(arg.startswith("--ckpt_path") for arg in options.run_overrides):
+        args.append("--ckpt_path=last")
+    args += options.run_overrides
+    return " ".join(shlex.quote(arg) for arg in args)
+
+
+def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: SlurmOptions) -> str:
+    """The sbatch script text; every inconsistency is raised as a `LaunchError` before anything is written."""
+    _check_options(options)
+    layout = resolve_layout(recipe, allocation)
+    if recipe.task == "grpo" and layout.inference_nodes < 1:
+        raise LaunchError("a GRPO launch needs at least one vLLM server node: pass --inference-nodes N")
+    # Optional header lines, each carrying its own leading newline so an absent one leaves no gap.
+    gpu_request = f"\n#SBATCH --gpus-per-node={allocation.gpus_per_node}" if layout.uses_gpus else ""
+    if options.cpus_per_task:
+        gpu_request += f"\n#SBATCH --cpus-per-task={options.cpus_per_task}"
+    values = {
+        "recipe": shlex.quote(str(recipe.path)),
+        "job_name": job_name(recipe, options),
+        "partition": options.partition,
+        "nodes": str(allocation.nodes),
+        "trainer_nodes": str(layout.trainer_nodes),
+        "inference_nodes": str(layout.inference_nodes),
+        "tasks_per_node": str(layout.devices_per_node),
+        "gpu_request": gpu_request,
+        "time": options.time,
+        "log_dir": options.log_dir,
+        "vllm_port": str(options.vllm_port),
+        "model": shlex.quote(str(recipe.model_id)),
+        "trainer_overrides": _trainer_overrides(layout, options),
+    }
+    values["common_env"] = _ScriptTemplate(_template("common_env.sh")).substitute(values).rstrip("\n")
+    body = _template("grpo.sbatch" if recipe.task == "grpo" else "train.sbatch")
+    return _ScriptTemplate(body).substitute(values)
+
+
+def write_script(text: str, path: Path) -> None:
+    """Write atomically, so an existing script is never left half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.chmod(0o755)
+    partial.replace(path)

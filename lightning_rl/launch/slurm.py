@@ -1,0 +1,96 @@
+"""`lightning-rl launch slurm RECIPE.yaml --nodes N --gpus-per-node G`: render, then submit or print."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_rl.launch.layout import Allocation
+from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.launch.render import SlurmOptions, job_name, render_slurm_script, write_script
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-rl launch slurm",
+        description="Render an sbatch script for a recipe and submit it. Arguments after `--` are passed to "
+        "`lightning-rl run` (e.g. -- --output_dir=runs/a --trainer.max_steps=100).",
+    )
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="devices (one task each) per node")
+    parser.add_argument("--partition", help="SLURM partition (required)")
+    parser.add_argument("--time", default="04:00:00", help="time limit, SLURM format")
+    parser.add_argument("--inference-nodes", type=int, default=0, help="GRPO: nodes serving vLLM")
+    parser.add_argument("--job-name", help="defaults to lrl-<recipe name>")
+    parser.add_argument("--log-dir", default="logs/slurm", help="job log and per-rank logs go here")
+    parser.add_argument("--cpus-per-task", type=int)
+    parser.add_argument("--script", type=Path, help="where to write the script (default: LOG_DIR/JOB_NAME.sbatch)")
+    parser.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    return parser
+
+
+def known_partitions() -> list[str] | None:
+    """Partitions `sinfo` reports, or None where no SLURM client is installed."""
+    if shutil.which("sinfo") is None:
+        return None
+    listing = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
+    if listing.returncode != 0:
+        raise LaunchError(f"sinfo failed (is the SLURM controller reachable?): {listing.stderr.strip()}")
+    return [name.rstrip("*") for name in listing.stdout.split()]
+
+
+def _check_partition_exists(partition: str) -> None:
+    partitions = known_partitions()
+    if partitions is not None and partition not in partitions:
+        raise LaunchError(f"partition {partition!r} does not exist on this cluster; sinfo lists: {', '.join(partitions)}")
+
+
+def _split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    argv = list(argv)
+    if argv[:1] == ["slurm"]:
+        argv = argv[1:]
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], tuple(argv[cut + 1 :])
+    return argv, ()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own_args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(own_args)
+    options = SlurmOptions(
+        partition=args.partition,
+        time=args.time,
+        job_name=args.job_name,
+        log_dir=args.log_dir,
+        cpus_per_task=args.cpus_per_task,
+        run_overrides=overrides,
+    )
+    try:
+        recipe = RecipeView.load(args.recipe)
+        script = render_slurm_script(recipe, Allocation(args.nodes, args.gpus_per_node, args.inference_nodes), options)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        _check_partition_exists(args.partition)
+        path = args.script or Path(args.log_dir) / f"{job_name(recipe, options)}.sbatch"
+        write_script(script, path)
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    submitted = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False)
+    if submitted.returncode != 0:
+        print(f"error: sbatch {path} failed: {submitted.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(f"submitted job {submitted.stdout.strip().split(';')[0]} ({path})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""`lightning-rl plan`: counts from the real model classes, and the fit / refuse verdicts with their numbers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForImageTextToText, MuseSparkConfig
+
+from lightning_rl.launch import plan
+from lightning_rl.launch.memory_plan import GIB, Hardware, Training, plan_memory
+from lightning_rl.launch.model_census import count_model
+from slurm.tiny_muse import build_tiny_muse
+
+MUSE_RECIPE = "recipes/muse_spark_open/lora_sft_8x8.yaml"
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def muse_census():
+    return count_model(AutoConfig.from_pretrained("launch/models/meta-models/Muse-Spark-Open-816B-A42B"), ATTENTION)
+
+
+@pytest.mark.parametrize("targets", [ATTENTION, "all-linear"])
+def test_counts_equal_the_instantiated_model_and_peft(tmp_path: Path, targets: list[str] | str) -> None:
+    folder = build_tiny_muse(tmp_path / "muse")
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    census = count_model(model.config, [targets] if isinstance(targets, str) else targets)
+    assert census.total_params == sum(p.numel() for p in model.parameters())
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n and p.ndim == 3]
+    assert census.expert_params == sum(p.numel() for p in experts) and census.num_experts == 4
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+    trainable, _ = peft_model.get_nb_trainable_parameters()
+    assert census.lora_params(8) == trainable
+
+
+def test_muse_spark_open_sizes_come_from_its_config_class(muse_census) -> None:
+    config = MuseSparkConfig().text_config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts) == (62, 8192, 256)
+    assert muse_census.decoder_layers == 62 and muse_census.experts_per_token == 8
+    assert 816e9 <= muse_census.total_params <= 823e9  # 816B language model, plus vision and audio towers
+    assert 42e9 <= muse_census.decoder_active_params <= 43e9  # "42B active"
+
+
+def test_step_time_is_the_printed_flop_formula(muse_census) -> None:
+    training = Training(nodes=8, gpus_per_node=8, tokens_per_micro_batch=8192, lora_rank=16, expert_parallel=8)
+    hardware = Hardware(gpu_memory_gb=80, peak_tflops=989, mfu=0.3)
+    result = plan_memory(muse_census, training, hardware)
+    tokens = 64 * 8192
+    assert result.tokens_per_step == tokens
+    assert result.compute_seconds == pytest.approx(6 * muse_census.active_params * tokens / (64 * 989e12 * 0.3))
+    assert result.step_seconds == max(result.compute_seconds, result.comm_seconds)
+    without = plan_memory(muse_census, Training(**{**training.__dict__, "activation_checkpointing": False}), hardware)
+    assert without.total_bytes - result.total_bytes == pytest.approx(
+        result.activations_without_checkpointing - result.activations_with_checkpointing
+    )
+
+
+def _gib(text: str, label: str) -> float:
+    return float(re.search(rf"{label}\s+([\d.]+) GiB", text).group(1))
+
+
+def test_muse_lora_fits_on_64_h100_with_margin(capsys) -> None:
+    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    margin = float(re.search(r"FITS: .* margin ([\d.]+) GiB", out).group(1))
+    assert margin >= 10
+    assert _gib(out, "frozen weights, sharded") == pytest.approx(822.04e9 * 2 / 64 / GIB, abs=0.01)
+    for line in ["LoRA r=16", "expert parallel 8", "activation checkpointing on", "tokens per step: 64 GPUs x 8192 tokens"]:
+        assert line in out
+
+
+def test_one_node_is_refused_with_the_numbers(capsys) -> None:
+    code = plan.main([MUSE_RECIPE, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    assert code == 1
+    needed = float(re.search(r"DOES NOT FIT: needs ([\d.]+) GiB per GPU, 72.00 GiB usable", out).group(1))
+    assert needed > 72 and _gib(out, "frozen weights, sharded") == pytest.approx(822.04e9 * 2 / 8 / GIB, abs=0.01)
+
+
+def test_plain_fsdp_layers_are_too_big_to_gather(muse_census) -> None:
+    training = Training(nodes=8, gpus_per_node=8, tokens_per_micro_batch=8192, lora_rank=16, expert_parallel=1)
+    result = plan_memory(muse_census, training, Hardware(gpu_memory_gb=80))
+    gathers = next(t for t in result.terms if t.name == "FSDP all-gather buffers")
+    assert gathers.bytes / GIB > 45 and not result.fits
+
+
+def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: nobody/none}\ndata: {max_tokens: 64}\n")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
+    assert "`model.model_name_or_path: nobody/none` has no config.json" in capsys.readouterr().err
+    args = [MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "3"]
+    assert plan.main(args) == 2
+    assert "expert parallel 3 must divide both the 256 experts and the 64 GPUs" in capsys.readouterr().err
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: x}\n")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
+    assert "`data.max_tokens` is missing" in capsys.readouterr().err
