@@ -17,11 +17,19 @@ venv: $(VENV)/.installed
 run: venv
 	$(VENV)/bin/lightning-rl run $(RECIPE)
 
-test: venv
+test: venv slurm
 	$(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) outputs
+
+# The SLURM tests bring up a two-node cluster on this machine from Debian's packages (installing needs root).
+SLURM_PACKAGES := slurmctld slurmd slurm-client
+.PHONY: slurm
+slurm:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PACKAGES)) || \
+		echo "warning: could not install $(SLURM_PACKAGES); the SLURM tests will fail"
 
 # vLLM's CPU build pins an older transformers, so its engine tests run in an environment of their own.
 VLLM_VENV ?= .venv-vllm
