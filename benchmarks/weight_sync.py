@@ -1,8 +1,8 @@
-"""Time and memory of one FSDP2 weight sync, measured on the embedded tiny model; estimated for a 1.7B model.
+"""Time and memory of one FSDP2 weight sync into the transformers engine (tiny model); estimated for 1.7B.
 
 Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/weight_sync.json]``.
 Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
-through a real Lightning Trainer, then sync into a transformers model on rank 0, ``--repeats`` times.
+through a real Lightning Trainer, then sync into the transformers rollout engine on rank 0, ``--repeats`` times.
 
 Memory is measured two ways: the peak of gathered tensors alive at once (tracked with weak references
 as the stream hands them out), and the growth of the process's peak RSS during the syncs. The 1.7B
@@ -43,12 +43,13 @@ class LiveBytes:
 
 
 class MeasuredTarget:
-    """Loads into a transformers model, as the transformers rollout engine does, and tracks live tensors."""
+    """The transformers rollout engine, with the received tensors tracked while alive."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        from lightning_rl.strategies.weight_sync import copy_weights_into
+    def __init__(self, folder: Path) -> None:
+        from lightning_rl.rollout.hf import HFRolloutEngine
 
-        self.model, self.copy, self.live = model, copy_weights_into, LiveBytes()
+        self.engine, self.live = HFRolloutEngine(str(folder)), LiveBytes()
+        self.model = self.engine.model
 
     def push_weights(self, named_tensors, version: int) -> None:
         def tracked():
@@ -57,7 +58,7 @@ class MeasuredTarget:
                 yield name, tensor
                 del tensor
 
-        self.copy(self.model, tracked())
+        self.engine.push_weights(tracked(), version)
 
 
 def peak_rss_bytes() -> int:
@@ -93,7 +94,7 @@ def measure(repeats: int, out: Path) -> None:
     )
     trainer.fit(module, data)
     rank = trainer.global_rank
-    target = MeasuredTarget(AutoModelForCausalLM.from_pretrained(folder)) if rank == 0 else None
+    target = MeasuredTarget(folder) if rank == 0 else None
     sync_weights(module, target, version=0)  # warm-up: builds the sync process group once
     rss_before = peak_rss_bytes()
     seconds, report = [], None
@@ -169,8 +170,9 @@ def render(result: dict) -> str:
         f"  time           {result['sync_seconds_median'] * 1e3:.1f} ms median of {result['repeats']}"
         f" (min {result['sync_seconds_min'] * 1e3:.1f} ms), {result['tensors']} tensors,"
         f" {result['bytes_sent'] * mib:.2f} MiB sent",
-        f"  peak gathered  {result['peak_live_gathered_bytes'] * mib:.3f} MiB alive at once"
-        f" (largest tensor {result['largest_tensor_bytes'] * mib:.3f} MiB; whole model"
+        f"  peak gathered  {result['peak_live_gathered_bytes'] * mib:.3f} MiB alive at once in the engine ="
+        f" {result['peak_live_gathered_bytes'] / result['largest_tensor_bytes']:.1f} x the largest tensor"
+        f" ({result['largest_tensor_bytes'] * mib:.3f} MiB; whole model"
         f" {result['model_state_bytes'] * mib:.2f} MiB)",
         f"  peak RSS       +{result['peak_rss_growth_bytes'] * mib:.2f} MiB during the syncs",
         "Qwen3-1.7B, on paper (bf16):",

@@ -1,12 +1,13 @@
 """FSDP2 strategy and live weight sync: two real processes, gloo, a real Lightning Trainer, a tiny Qwen3.
 
 The pytest side builds a tiny model folder, runs this file as a script (Lightning's launcher starts the
-second rank), and checks what each rank wrote. The engine is a transformers model loaded through
-``from_pretrained`` that receives weights through ``push_weights``, as the transformers rollout engine does.
+second rank), and checks what each rank wrote. The engine is the transformers rollout engine
+(``HFRolloutEngine``, loaded through ``from_pretrained``), which receives weights through ``push_weights``.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -38,35 +39,23 @@ def build_tiny_model(folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------- worker side
 
 
-class TransformersTarget:
-    """A transformers model that takes weights the way a rollout engine does."""
+class LiveBytes:
+    """Bytes of streamed tensors still referenced anywhere, and the most alive at once."""
 
-    def __init__(self, folder: str) -> None:
-        from transformers import AutoModelForCausalLM
+    def __init__(self) -> None:
+        self.live = self.peak = 0
 
-        from lightning_rl.strategies.weight_sync import copy_weights_into
-
-        self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
-        self._copy = copy_weights_into
-        self.version = 0
-        self.live_bytes = self.peak_live_bytes = 0
-
-    def _track(self, named_tensors):
-        """Count bytes of received tensors still alive, to check the stream holds one at a time."""
+    def track(self, named_tensors):
         for name, tensor in named_tensors:
             size = tensor.untyped_storage().nbytes()
-            self.live_bytes += size
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            self.live += size
+            self.peak = max(self.peak, self.live)
             weakref.finalize(tensor, self._release, size)
             yield name, tensor
             del tensor
 
     def _release(self, size: int) -> None:
-        self.live_bytes -= size
-
-    def push_weights(self, named_tensors, version: int) -> None:
-        self._copy(self.model, self._track(named_tensors))
-        self.version = version
+        self.live -= size
 
 
 class StallingTarget:
@@ -97,6 +86,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+    from lightning_rl.rollout.hf import HFRolloutEngine
     from lightning_rl.strategies import FSDP2Strategy  # importing the package registers "fsdp2"
     from lightning_rl.strategies.weight_sync import (
         WeightSyncError, WeightSyncTimeoutError, iter_adapter_weights, iter_full_weights, sync_weights,
@@ -141,20 +131,23 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     hf = model.get_base_model() if lora else model
     local_before = {n: p.to_local().clone() for n, p in module.named_parameters()}
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
-    engine = TransformersTarget(folder) if rank == 0 else None
+    engine = HFRolloutEngine(folder) if rank == 0 else None
     report = sync_weights(module, engine, version=STEPS)
     result["sent"] = report.names
     result["unchanged_after_sync"] = all(
         torch.equal(local_before[n], p.to_local()) for n, p in module.named_parameters()
     )
+    # A consumer that keeps nothing (deque with maxlen 0) sees one gathered tensor alive at a time.
+    live = LiveBytes()
+    collections.deque(live.track(iter_full_weights(module)), maxlen=0)
+    result["peak_live_bytes"] = live.peak
     prompt = torch.tensor([[5, 17, 42, 8, 9, 33, 2, 71]])
     trainer_logprobs = prompt_logprobs(module.model, prompt)
 
     if rank == 0:
         initial = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         engine_state = engine.model.state_dict()
-        result["engine_version"] = engine.version
-        result["peak_live_bytes"] = engine.peak_live_bytes
+        result["engine_version"] = engine.weight_version
         result["largest_tensor_bytes"] = report.largest_tensor_bytes
         result["logprob_max_diff"] = (prompt_logprobs(engine.model, prompt) - trainer_logprobs).abs().max().item()
         if lora:

@@ -14,9 +14,10 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from lightning_rl.rollout.hf import HFRolloutEngine
+
 from lightning_rl.strategies.weight_sync import (
     WeightSyncError,
-    copy_weights_into,
     hf_name,
     iter_adapter_weights,
     iter_full_weights,
@@ -39,13 +40,10 @@ def tiny(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
 class Receiver:
     """Takes a limited number of tensors, then returns or raises, like an engine that gives up."""
 
-    def __init__(self, model: torch.nn.Module | None = None, read: int | None = None, fail: bool = False) -> None:
-        self.model, self.read, self.fail, self.got = model, read, fail, []
+    def __init__(self, read: int, fail: bool = False) -> None:
+        self.read, self.fail, self.got = read, fail, []
 
     def push_weights(self, named_tensors, version: int) -> None:
-        if self.model is not None:
-            self.got = copy_weights_into(self.model, named_tensors)
-            return
         for name, _ in named_tensors:
             self.got.append(name)
             if len(self.got) == self.read:
@@ -115,13 +113,13 @@ def test_policy_found_inside_a_lightning_module() -> None:
         policy_model(module)
 
 
-def test_sync_into_a_transformers_model() -> None:
-    source, engine = tiny(seed=3), tiny(seed=4)
-    report = sync_weights(source, Receiver(engine), version=7)
-    assert report.version == 7 and report.num_tensors == len(set(source.state_dict()) - {"lm_head.weight"})
+def test_sync_into_the_transformers_engine() -> None:
+    source, engine = tiny(seed=3), HFRolloutEngine(tiny(seed=4))
+    report = sync_weights(source, engine, version=7)
+    assert engine.weight_version == 7 and report.version == 7 and report.num_tensors == len(set(source.state_dict()) - {"lm_head.weight"})
     assert report.largest_tensor_bytes == 64 * 32 * 4  # the embedding, the largest single tensor
     for name, tensor in source.state_dict().items():
-        assert torch.equal(engine.state_dict()[name], tensor), name  # lm_head too, through the tie
+        assert torch.equal(engine.model.state_dict()[name], tensor), name  # lm_head too, through the tie
 
 
 def test_a_target_that_stops_early_still_lets_the_stream_finish() -> None:
@@ -132,11 +130,3 @@ def test_a_target_that_stops_early_still_lets_the_stream_finish() -> None:
     crashing = Receiver(read=3, fail=True)
     with pytest.raises(RuntimeError, match="engine crashed"):
         sync_weights(model, crashing, version=2)
-
-
-def test_copy_refuses_unknown_names_and_wrong_shapes() -> None:
-    engine = tiny()
-    with pytest.raises(WeightSyncError, match="has no parameter or buffer named 'model.nope.weight'"):
-        copy_weights_into(engine, [("model.nope.weight", torch.zeros(1))])
-    with pytest.raises(WeightSyncError, match=r"'model.norm.weight': Qwen3ForCausalLM holds shape \(32,\), received \(16,\)"):
-        copy_weights_into(engine, [("model.norm.weight", torch.zeros(16))])

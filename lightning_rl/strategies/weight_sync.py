@@ -322,23 +322,3 @@ def sync_weights(
                 pass
     report.seconds = time.perf_counter() - start
     return report
-
-
-@torch.no_grad()
-def copy_weights_into(model: nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
-    """Copy ``(hf_name, tensor)`` pairs into a transformers model in place; returns the names received."""
-    destinations = model.state_dict(keep_vars=True)
-    received = []
-    for name, tensor in named_tensors:
-        destination = destinations.get(name)
-        if destination is None:
-            raise WeightSyncError(f"{type(model).__name__} has no parameter or buffer named '{name}'")
-        if destination.shape != tensor.shape:
-            raise WeightSyncError(
-                f"'{name}': {type(model).__name__} holds shape {tuple(destination.shape)}, "
-                f"received {tuple(tensor.shape)}"
-            )
-        destination.copy_(tensor)
-        received.append(name)
-        del tensor  # not held while the next one is gathered
-    return received
