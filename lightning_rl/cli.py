@@ -25,7 +25,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
 from lightning_rl.data.sft import DataError
@@ -41,6 +41,7 @@ SUBCOMMANDS = {
 }
 USAGE = "usage: lightning-rl {run RECIPE.yaml [--key=value ...] | env | launch ... | plan ...}"
 EXIT_USAGE = 2
+EXIT_SIGTERM = 128 + 15  # the shell's code for a process ended by SIGTERM
 
 
 class RecipeError(ValueError):
@@ -129,7 +130,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--checkpoint_every_n_steps", type=int, default=100)
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
-        parser.add_dataclass_arguments(LoggerSettings, "logger")
+        parser.add_class_arguments(LoggerSettings, "logger")
         parser.link_arguments("seed", "seed_everything")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
         if "seed" in inspect.signature(self.datamodule_class).parameters:
@@ -196,7 +197,12 @@ def run(recipe: str, overrides: list[str]) -> int:
         if isinstance(e, DataError):
             raise
         raise RecipeError(f"{recipe}: {_one_line(e)}") from None
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config["ckpt_path"])
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config["ckpt_path"])
+    except SIGTERMException:
+        # Lightning stops cleanly on SIGTERM but exits 0; a stopped run must not look finished.
+        print(f"stopped by SIGTERM after step {cli.trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
+        return EXIT_SIGTERM
     return 0
 
 

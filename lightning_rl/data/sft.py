@@ -51,7 +51,8 @@ class GenerationCase:
     reference: str
 
 
-DataSource = str | os.PathLike | Any  # a file, a `datasets.save_to_disk` folder, or a `datasets.Dataset`
+# A file, a `datasets.save_to_disk` folder, or a `datasets.Dataset` (typed Any so recipes may give null).
+DataSource = Any
 
 
 def read_rows(source: DataSource) -> tuple[str, list[Any]]:
@@ -370,7 +371,7 @@ class SFTDataModule(LightningDataModule):
     def __init__(
         self,
         train_data: DataSource,
-        val_data: DataSource | None = None,
+        val_data: DataSource = None,
         tokenizer: str = "tiny",
         max_tokens: int = 2048,
         max_length: int | None = None,
