@@ -141,15 +141,33 @@ class VLLMServer:
         return ":\n" + self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group by PID, then SIGKILL what is left after `timeout`."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; returns once none is left."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
+            pass
+        # Engine and worker processes can outlive the server itself by a moment.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.process.poll()  # reaps the server once it has exited, so it no longer counts as left
+            if not self._kill_group():
+                break
+            time.sleep(0.1)
+
+    def _kill_group(self) -> bool:
+        """SIGKILL the server's process group; False once no process of it is left."""
+        assert self.process is not None
+        try:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except ProcessLookupError:
+            return False
+        return True
 
     def __enter__(self) -> VLLMServer:
         return self if self.process is not None else self.start()
@@ -159,25 +177,31 @@ class VLLMServer:
 
 
 class VLLMServerEngine:
-    """`RolloutEngine` over a running vLLM server (see `VLLMServer` for the flags it needs).
+    """`RolloutEngine` over a vLLM server: the one at `url`, or without it one started here for `model`.
 
-    `transfer_address` is the address of this (trainer) machine as the server reaches it; the
-    transfer group is opened on the first `push_weights`. Chunks of about `chunk_bytes` bound the
-    memory a push holds at once.
+    A server started here (with `server_options` for `VLLMServer`) is stopped by `close`. A server
+    given by `url` must run with the flags `VLLMServer` passes. `transfer_address` is the address
+    of this (trainer) machine as the server reaches it; the transfer group opens on the first
+    `push_weights`. Chunks of about `chunk_bytes` bound the memory a push holds at once.
     """
 
     def __init__(
         self,
-        url: str,
+        model: str | os.PathLike | None = None,
         *,
+        url: str | None = None,
         seed: int = 0,
+        server_options: Mapping[str, Any] | None = None,
         transfer_address: str = "127.0.0.1",
         chunk_bytes: int = gloo_transport.DEFAULT_CHUNK_BYTES,
         request_timeout: float = 600.0,
         transfer_timeout: float = 300.0,
         max_concurrent_requests: int = 64,
     ) -> None:
-        self.url = url.rstrip("/")
+        if url is None and model is None:
+            raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
+        self.server = VLLMServer(model, seed=seed, **dict(server_options or {})).start() if url is None else None
+        self.url = (url or self.server.url).rstrip("/")
         self.seed = seed
         self.transfer_address = transfer_address
         self.chunk_bytes = chunk_bytes
@@ -282,3 +306,5 @@ class VLLMServerEngine:
                 pass  # the server is already gone, and with it what the group held there
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._control.shutdown(wait=False)
+        if self.server is not None:
+            self.server.stop()

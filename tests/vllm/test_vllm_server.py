@@ -9,38 +9,34 @@ import pytest
 from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
-from lightning_rl.rollout.vllm_server import VLLMServer, VLLMServerEngine, VLLMServerError
+from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from lightning_rl.strategies.weight_sync import iter_full_weights
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 SAMPLING = SamplingConfig(max_new_tokens=10, seed=5)
 
 
-def process_exists(pid: int) -> bool:
+def process_group_exists(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.killpg(pid, 0)
     except ProcessLookupError:
         return False
     return True
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    server = VLLMServer(tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                        enforce_eager=True, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log",
-                        extra_args=["--distributed-executor-backend", "uni"])  # one process fewer to start
-    server.start(timeout=240)
-    pid = server.pid
-    yield server
-    server.stop()
-    assert not process_exists(pid)
-
-
-@pytest.fixture(scope="module")
-def engine(server):
-    engine = VLLMServerEngine(server.url)
+def engine(tiny_model_dir, tmp_path_factory):
+    """An engine that starts its own `vllm serve` process and stops it, by PID, on close."""
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    engine = VLLMServerEngine(tiny_model_dir, server_options={
+        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": KV_CACHE_BYTES, "enforce_eager": True,
+        "log_path": log,
+    })
+    assert engine.url.startswith("http://127.0.0.1:")
+    pid = engine.server.pid
     yield engine
     engine.close()
+    assert not process_group_exists(pid)  # the server and its engine processes
 
 
 def test_generates_over_http_with_logprobs_of_transformers(engine, tiny_model_dir):
