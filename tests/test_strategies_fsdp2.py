@@ -23,6 +23,7 @@ from torch import Tensor
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def build_tiny_model(folder: Path) -> None:
@@ -70,6 +71,19 @@ class StallingTarget:
                 time.sleep(self.stall_s)
 
 
+def merged_reference(full: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """``base + scaling * B @ A`` under Hugging Face names, from the gathered peft state dict."""
+    merged = {}
+    for name, value in full.items():
+        if ".lora_" in name:
+            continue
+        stem = name.removesuffix(".base_layer.weight")
+        if stem != name:
+            value = value + scaling * full[f"{stem}.lora_B.default.weight"] @ full[f"{stem}.lora_A.default.weight"]
+        merged[name.removeprefix("base_model.model.").replace(".base_layer", "")] = value
+    return merged
+
+
 def prompt_logprobs(model: torch.nn.Module, prompt: Tensor) -> Tensor:
     with torch.no_grad():
         logits = model(input_ids=prompt).logits.float()
@@ -89,7 +103,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     from lightning_rl.rollout.hf import HFRolloutEngine
     from lightning_rl.strategies import FSDP2Strategy  # importing the package registers "fsdp2"
     from lightning_rl.strategies.weight_sync import (
-        WeightSyncError, WeightSyncTimeoutError, iter_adapter_weights, iter_full_weights, sync_weights,
+        WeightSyncError, WeightSyncTimeoutError, hf_name, iter_adapter_weights, iter_full_weights, sync_weights,
     )
 
     class CausalLMModule(L.LightningModule):
@@ -108,7 +122,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     lora = mode == "lora"
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
     if lora:
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        model = get_peft_model(model, LoraConfig(**LORA))
     module = CausalLMModule(model)
     generator = torch.Generator().manual_seed(1)
     data = DataLoader(list(torch.randint(0, 96, (16, 12), generator=generator)), batch_size=2)
@@ -128,7 +142,6 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     result["all_dtensor"] = all(isinstance(p, DTensor) for p in module.parameters())
     result["checkpointing"] = any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
 
-    hf = model.get_base_model() if lora else model
     local_before = {n: p.to_local().clone() for n, p in module.named_parameters()}
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
     engine = HFRolloutEngine(folder) if rank == 0 else None
@@ -151,26 +164,14 @@ def run_worker(mode: str, folder: str, out: str) -> None:
         result["largest_tensor_bytes"] = report.largest_tensor_bytes
         result["logprob_max_diff"] = (prompt_logprobs(engine.model, prompt) - trainer_logprobs).abs().max().item()
         if lora:
-            prefix = "base_model.model."
-            expected = {}
-            for name, value in full.items():
-                if name.startswith(prefix) and ".lora_" not in name:
-                    expected[name[len(prefix):].replace(".base_layer", "")] = value
-            for name in list(expected):
-                a = full.get(f"{prefix}{name[:-len('.weight')]}.lora_A.default.weight")
-                if a is not None:
-                    b = full[f"{prefix}{name[:-len('.weight')]}.lora_B.default.weight"]
-                    expected[name] = expected[name] + (8 / 4) * (b @ a)
+            expected = merged_reference(full, scaling=8 / 4)
             result["lora_modules"] = sum(".lora_A." in n for n in full)
             result["lora_b_max"] = max(v.abs().max().item() for n, v in full.items() if ".lora_B." in n)
             result["base_frozen"] = all(
-                torch.equal(initial[n], full[f"{prefix}{n[:-len('.weight')]}.base_layer.weight"])
-                for n in expected if f"{prefix}{n[:-len('.weight')]}.base_layer.weight" in full
+                torch.equal(initial[hf_name(n.removeprefix("base_model.model."))], v)
+                for n, v in full.items() if ".base_layer." in n
             )
-            reference = get_peft_model(
-                AutoModelForCausalLM.from_pretrained(folder),
-                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-            )
+            reference = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**LORA))
             reference.load_state_dict(full)
             reference_adapter = set(get_peft_model_state_dict(reference))
             peft_merged = reference.merge_and_unload().state_dict()
@@ -178,9 +179,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
         else:
             expected = dict(full)
             result["trained_moved"] = max((initial[n] - full[n]).abs().max().item() for n in full)
-        result["engine_equals_expected"] = {
-            n: torch.equal(engine_state[n], expected[n]) for n in expected if n != "lm_head.weight"
-        }
+        result["engine_equals_expected"] = {n: torch.equal(engine_state[n], expected[n]) for n in expected}
         result["engine_vs_expected_max"] = max((engine_state[n] - expected[n]).abs().max().item() for n in expected)
     result["compute_dtype"] = str(module.model(input_ids=prompt).logits.dtype)
     if lora:

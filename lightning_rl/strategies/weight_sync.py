@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -186,6 +185,7 @@ class _Gatherer:
         )
         try:
             full = sharded.full_tensor()
+            # The gather may complete lazily, on first use; wait here so a timeout is reported by name.
             return full.wait() if isinstance(full, AsyncCollectiveTensor) else full
         except RuntimeError as error:
             raise WeightSyncTimeoutError(

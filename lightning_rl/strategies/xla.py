@@ -1,7 +1,8 @@
 """XLA (torch_xla) and AWS Neuron (torch-neuronx, or the native ``neuron`` device), with static shapes.
 
 Neuron and XLA compile one graph per input shape, so these strategies declare ``requires_static_shapes``:
-``pad_to_multiple_of="auto"`` then resolves to 128 and rows are padded to buckets. The XLA and Neuron code
+``pad_to_multiple_of="auto"`` then resolves to 128 and rows are padded to buckets. Lightning's XLA
+precision plugin already cuts the lazy graph (``mark_step``) after each optimizer step. The XLA and Neuron code
 paths are import-guarded and UNTESTED ON REAL HARDWARE here (torch_xla cannot be installed beside this
 torch, and there is no Neuron device). :class:`StaticShapeCPUStrategy` runs the same shape policy on a CPU
 with ``torch.compile(dynamic=False)``, which recompiles on every new shape the way XLA does; that is how
@@ -38,14 +39,6 @@ def neuron_unavailable_reason(inventory: DeviceInventory) -> str | None:
     if not inventory.has_torch_xla:
         return "torch-neuronx is installed but torch_xla is not importable"
     return None
-
-
-def mark_step() -> None:
-    """Cut the lazy XLA graph here (after an optimizer step, before reading results); a no-op elsewhere."""
-    if detect_devices().has_torch_xla:
-        import torch_xla
-
-        torch_xla.sync()
 
 
 class StaticShapes:
