@@ -110,15 +110,18 @@ def _additive(visible: Tensor, dtype: torch.dtype, device) -> Tensor:
 class _BlockTreeAttention(torch.autograd.Function):
     """Attention over a list of (query interval, key interval) blocks with a log-sum-exp merge.
 
-    Inputs are [1, H, N, D] with as many K/V heads as query heads.
+    q is [1, Hq, N, D], k/v [1, Hkv, N, D]; K/V heads are repeated per block only, so what is saved for the
+    backward is the unrepeated K/V.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale):
+        groups = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for qs, qe, ks, ke, causal, mask in blocks:
-            o, l = _flash_cpu(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], 0.0, causal, attn_mask=mask, scale=scale)
+            kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
+            o, l = _flash_cpu(q[:, :, qs:qe], kb, vb, 0.0, causal, attn_mask=mask, scale=scale)
             if mask is not None:  # the kernel reports lse 0 for rows that see no key in this block
                 l = l.masked_fill(torch.isinf(mask).all(-1), float("-inf"))
             prev_l = lse[:, :, qs:qe]
@@ -135,18 +138,20 @@ class _BlockTreeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        groups, hkv = q.shape[1] // k.shape[1], k.shape[1]
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for qs, qe, ks, ke, causal, mask in ctx.blocks:
+            kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
             gq, gk, gv = _flash_cpu_backward(
-                grad_out[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke],
+                grad_out[:, :, qs:qe], q[:, :, qs:qe], kb, vb,
                 out[:, :, qs:qe], lse[:, :, qs:qe], 0.0, causal, attn_mask=mask, scale=ctx.scale,
             )  # fmt: skip
             dq[:, :, qs:qe] += gq
-            dk[:, :, ks:ke] += gk
-            dv[:, :, ks:ke] += gv
+            dk[:, :, ks:ke] += gk.unflatten(1, (hkv, groups)).sum(2)
+            dv[:, :, ks:ke] += gv.unflatten(1, (hkv, groups)).sum(2)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -188,9 +193,9 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if meta.backend == "flex":
         return _flex(q, k, v, meta, scale, window)
-    groups = q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     if meta.backend == "dense":
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(window), scale=scale)
     if q.device.type != "cpu":
         raise ValueError(f"the 'blocks' tree attention runs on CPU tensors; on {q.device.type} use 'flex'")
