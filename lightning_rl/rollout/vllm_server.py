@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -66,7 +67,8 @@ class VLLMServer:
     """A `vllm serve` subprocess on loopback, configured for rollouts and gloo weight pushes.
 
     The process runs in its own process group and is stopped by its PID (`stop`, or leaving the
-    `with` block). `python` is the interpreter of the environment that has vLLM installed.
+    `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed
+    (the server imports `vllm_gloo_backend`); it may differ from the trainer's.
     """
 
     def __init__(
@@ -116,6 +118,8 @@ class VLLMServer:
 
     def start(self, timeout: float = 300.0) -> VLLMServer:
         """Launch the server and wait until `/health` answers (or the process dies, with its log tail)."""
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb") if self.log_path is not None else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -201,6 +205,8 @@ class VLLMServerEngine:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
         self.server = VLLMServer(model, seed=seed, **dict(server_options or {})).start() if url is None else None
+        # A server started here must not outlive this process, even if close is never called.
+        self._stop_server = weakref.finalize(self, self.server.stop) if self.server is not None else None
         self.url = (url or self.server.url).rstrip("/")
         self.seed = seed
         self.transfer_address = transfer_address
@@ -214,7 +220,6 @@ class VLLMServerEngine:
         self._version = 0
         self._calls = 0
         self._lock = threading.Lock()
-        self._post("update_weight_version", {"new_version": "0"})
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
         return _request(f"{self.url}/{route}", body, timeout or self.request_timeout)
@@ -244,7 +249,8 @@ class VLLMServerEngine:
     def _group_of(self, group_id: int, prompt: list[int], response: dict[str, Any]) -> list[Rollout]:
         rollouts = []
         for choice in sorted(response["choices"], key=lambda c: c["index"]):
-            spans = choice.get("weight_versions") or []
+            # Spans carry the version committed by `push_weights`; before the first push the server has none.
+            spans = [span for span in choice.get("weight_versions") or [] if str(span.get("version")).isdigit()]
             # The oldest weights that produced any token of the completion bound its staleness.
             version = min((int(span["version"]) for span in spans), default=self._version)
             rollouts.append(Rollout(
@@ -306,5 +312,5 @@ class VLLMServerEngine:
                 pass  # the server is already gone, and with it what the group held there
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._control.shutdown(wait=False)
-        if self.server is not None:
-            self.server.stop()
+        if self._stop_server is not None:
+            self._stop_server()

@@ -74,11 +74,11 @@ def test_a_push_during_generation_waits_for_it(engine, tiny_model_dir):
         perturb_(models[new_version], seed=version)
     generated = []
     generating = threading.Thread(target=lambda: generated.extend(
-        engine.generate(PROMPTS * 4, n=2, sampling=SamplingConfig(max_new_tokens=48, seed=9)).rollouts))
+        engine.generate(PROMPTS * 2, n=2, sampling=SamplingConfig(max_new_tokens=32, seed=9)).rollouts))
     generating.start()
     engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
     generating.join()
-    assert len(generated) == 16
+    assert len(generated) == 8
     for rollout in generated:
         assert "weight_versions" not in rollout.metadata  # a single version produced the whole completion
         assert max_logprob_error(models[rollout.weight_version], [rollout]) < LOGPROB_ATOL
@@ -93,3 +93,27 @@ def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(engine, t
     assert engine.weight_version == version
     batch = engine.generate(PROMPTS[:1], n=1, sampling=SAMPLING)
     assert batch.rollouts[0].completion_ids
+
+
+def test_grpo_training_keeps_the_server_on_the_trainer_weights(engine, tiny_model_dir, tmp_path):
+    """A real Trainer runs GRPO with this server as its engine; afterwards the server samples from the trained policy.
+
+    Runs last: the module's own client takes over the server's transfer group.
+    """
+    import lightning as L
+
+    from lightning_rl.data.prompts import PromptDataModule
+    from lightning_rl.modules.grpo import GRPOModule
+
+    module = GRPOModule(
+        model_name_or_path=str(tiny_model_dir), num_generations=4, max_new_tokens=12, learning_rate=1e-3,
+        engine="lightning_rl.rollout.vllm_server:VLLMServerEngine", engine_options={"url": engine.url},
+    )
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, PromptDataModule(path="toy", batch_size=2))
+    observer = VLLMServerEngine(url=engine.url)
+    batch = observer.generate(PROMPTS, n=2, sampling=SAMPLING)
+    assert all(r.weight_version == trainer.global_step == 2 for r in batch.rollouts)
+    assert max_logprob_error(module.policy.float().eval(), batch.rollouts) < LOGPROB_ATOL
+    observer.close()
