@@ -167,9 +167,13 @@ _UNKNOWN_KEY = [
 def _one_line(error: BaseException) -> str:
     """jsonargparse spreads a problem over several lines; say it on one, unknown keys by name."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    parent = re.search(r'Parser key "([\w.]+)"', text)
     for pattern, key in _UNKNOWN_KEY:
         if match := pattern.search(text):
-            return f"unknown key '{key(match)}'"
+            name = key(match)
+            if parent and not name.startswith(parent[1]):  # an init argument of a class given by class_path
+                name = f"{parent[1]}{'.init_args.' if 'class_path' in text else '.'}{name}"
+            return f"unknown key '{name}'"
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
