@@ -103,7 +103,9 @@ class GRPOModule(LightningModule):
         summary_window: int = 10,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        specs = [_reward_spec(r) for r in rewards]
+        self.save_hyperparameters(ignore=["rewards"])
+        self.hparams["rewards"] = [spec.as_config() for spec in specs]  # plain data: checkpoints load weights-only
         self.automatic_optimization = False
         if num_generations < 2:
             raise ValueError(
@@ -121,7 +123,7 @@ class GRPOModule(LightningModule):
         if max_turns > 1 and not tools:
             raise ValueError("max_turns > 1 needs at least one tool")
         self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
-        self.scorer = RewardScorer([_reward_spec(r) for r in rewards], on_error=reward_on_error)
+        self.scorer = RewardScorer(specs, on_error=reward_on_error)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         self.policy: torch.nn.Module | None = None

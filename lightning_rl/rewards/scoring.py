@@ -49,6 +49,13 @@ class RewardSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
 
+    def as_config(self) -> dict[str, Any]:
+        """The spec as plain data; a function given as an object is named by its dotted path."""
+        function = self.function
+        if not isinstance(function, str):
+            function = f"{function.__module__}:{function.__qualname__}"
+        return {"function": function, "weight": self.weight, "kwargs": dict(self.kwargs), "name": self.name}
+
     def resolve(self) -> tuple[str, RewardFunction]:
         function = load_reward_function(self.function) if isinstance(self.function, str) else self.function
         name = self.name or (self.function if isinstance(self.function, str) else function.__name__)

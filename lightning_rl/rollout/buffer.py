@@ -80,7 +80,9 @@ class RolloutProducer:
             self._thread.start()
 
     def _may_generate(self, index: int) -> bool:
-        return self._current_version() >= index - self.max_staleness
+        # The queue bound only matters if versions run ahead of the steps (they never should).
+        queue_has_room = len(self._ready) <= self.max_staleness
+        return queue_has_room and self._current_version() >= index - self.max_staleness
 
     def _run(self) -> None:
         try:
@@ -110,6 +112,7 @@ class RolloutProducer:
             self._changed.wait_for(lambda: index in self._ready or self._error is not None)
             if index not in self._ready:
                 raise RuntimeError("rollout generation failed on the producer thread") from self._error
+            self._changed.notify_all()  # room in the queue again
             return self._ready.pop(index)
 
     def state_dict(self) -> dict[str, Any]:
