@@ -41,7 +41,7 @@ def test_script_runs_one_task_per_gpu_and_handles_preemption(tmp_path: Path) -> 
         "#SBATCH --signal=SIGUSR1@90",
         "#SBATCH --requeue",
         "srun --kill-on-bad-exit=1 --nodes=4 --ntasks-per-node=8 \\",
-        '    --output="$RANK_LOGS/rank-%t.log" \\',
+        '    --output="$RANK_LOGS/rank-%t.log" --open-mode=append \\',
     ]:
         assert line in script.splitlines(), line
     assert "--trainer.num_nodes=4 --trainer.devices=8 --ckpt_path=last" in script

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -169,3 +170,17 @@ class LocalSlurmCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        self._stop_stray_step_daemons()
+
+    def _stop_stray_step_daemons(self) -> None:
+        """slurmd starts a slurmstepd per job step, detached from it; one still winding down when slurmd
+        stops is left behind. They carry this cluster's SLURM_CONF, which is how they are found."""
+        marker = f"SLURM_CONF={self.root / 'slurm.conf'}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if marker in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
