@@ -1,7 +1,7 @@
 """A rollout engine on an in-process (colocated) `vllm.LLM`.
 
-The engine and its worker live in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the
-"uni" executor), so `push_weights` hands the trainer's tensors to vLLM's in-place reload directly:
+The engine and its worker live in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while it
+is built, and the "uni" executor), so `push_weights` hands the trainer's tensors to vLLM's in-place reload directly:
 nothing is copied through a socket or a file. vLLM spawns helper processes at start-up, so a script
 that builds this engine needs an `if __name__ == "__main__":` guard.
 """
@@ -19,6 +19,8 @@ from transformers import AutoConfig
 
 from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+
+_IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str, Any]:
@@ -51,16 +53,24 @@ class VLLMEngine:
         enforce_eager: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        # Both keep the worker in this process, which is what lets reload_weights take live tensors.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        self._llm = LLM(
-            model=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enforce_eager=enforce_eager, distributed_executor_backend="uni",
-            logprobs_mode="processed_logprobs", **dict(engine_kwargs or {}),
-        )
+        # With the "uni" executor this keeps the worker in this process, which is what lets reload_weights take
+        # live tensors. vLLM reads it only while building the engine; servers started later must not inherit it.
+        previous = os.environ.get(_IN_PROCESS)
+        os.environ[_IN_PROCESS] = "0"
+        try:
+            self._llm = LLM(
+                model=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enforce_eager=enforce_eager, distributed_executor_backend="uni",
+                logprobs_mode="processed_logprobs", **dict(engine_kwargs or {}),
+            )
+        finally:
+            if previous is None:
+                del os.environ[_IN_PROCESS]
+            else:
+                os.environ[_IN_PROCESS] = previous
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
         self.seed = seed
         self._calls = 0

@@ -5,8 +5,9 @@ vLLM's RL routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/upda
 ones need CUDA. This one receives over `gloo_transport` and loads through vLLM's layerwise reload,
 the same lifecycle its NCCL backend uses. It is imported only inside a vLLM server process.
 
-Start the server with `--worker-extension-cls` set to `WORKER_EXTENSION`: vLLM imports that class in
-each worker before the model loads, and importing this module is what registers the backend.
+Start the server with `--worker-extension-cls lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker`
+(as `VLLMServer` does): vLLM imports that class in each worker before the model loads, and importing
+this module is what registers the backend.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 BACKEND = "gloo"
-WORKER_EXTENSION = f"{__name__}.GlooWeightTransferWorker"
 
 
 @dataclass

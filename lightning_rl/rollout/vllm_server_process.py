@@ -1,0 +1,156 @@
+"""A `vllm serve` subprocess on loopback, configured for rollouts and gloo weight pushes, and the JSON calls to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class VLLMServerError(RuntimeError):
+    """The server refused a request or could not be reached; the message carries its answer."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def request_json(url: str, body: Any | None, timeout: float, method: str = "POST") -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            payload = response.read()
+    except urllib.error.HTTPError as err:
+        raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:2000]}") from err
+    except (urllib.error.URLError, OSError) as err:
+        raise VLLMServerError(f"{method} {url}: {err}") from err
+    return json.loads(payload) if payload else None
+
+
+class VLLMServer:
+    """A `vllm serve` subprocess on loopback, configured for rollouts and gloo weight pushes.
+
+    The process runs in its own process group and is stopped by its PID (`stop`, or leaving the
+    `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed
+    (the server imports `vllm_gloo_backend`); it may differ from the trainer's.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        python: str | os.PathLike = sys.executable,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.command = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", host, "--port", str(self.port),
+            "--dtype", dtype, "--seed", str(seed),
+            "--logprobs-mode", "processed_logprobs",
+            "--enable-scale-out",  # mounts the token-in/token-out /inference/v1/generate route
+            "--weight-transfer-config", json.dumps({"backend": "gloo"}),
+            # Importing this class in the server's workers registers the gloo backend there.
+            "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
+        ]
+        if max_model_len is not None:
+            self.command += ["--max-model-len", str(max_model_len)]
+        if kv_cache_memory_bytes is not None:
+            self.command += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
+        if enforce_eager:
+            self.command.append("--enforce-eager")
+        self.command += list(extra_args)
+        # The weight-transfer and pause routes are only mounted in vLLM's development mode.
+        self.env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self, timeout: float = 300.0) -> VLLMServer:
+        """Launch the server and wait until `/health` answers (or the process dies, with its log tail)."""
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb") if self.log_path is not None else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        finally:
+            if self.log_path is not None:
+                log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(f"vLLM server exited with code {self.process.returncode}{self._log_tail()}")
+            try:
+                request_json(f"{self.url}/health", None, timeout=5, method="GET")
+                return self
+            except VLLMServerError:
+                time.sleep(0.5)
+        self.stop()
+        raise VLLMServerError(f"vLLM server did not answer /health within {timeout:.0f} s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return ":\n" + self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; returns once none is left."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        # Engine and worker processes can outlive the server itself by a moment.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.process.poll()  # reaps the server once it has exited, so it no longer counts as left
+            if not self._kill_group():
+                break
+            time.sleep(0.1)
+
+    def _kill_group(self) -> bool:
+        """SIGKILL the server's process group; False once no process of it is left."""
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def __enter__(self) -> VLLMServer:
+        return self if self.process is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
