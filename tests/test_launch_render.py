@@ -58,10 +58,18 @@ def test_cpu_recipe_requests_no_gpus_and_overrides_pass_through(tmp_path: Path) 
 
 
 def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
-    script = render(recipe(tmp_path, task="grpo"), nodes=3, gpus=8, inference=1)
-    assert "vllm serve org/model" in script and "--tensor-parallel-size 8" in script
+    view = recipe(tmp_path, task="grpo")
+    data = yaml.safe_load(view.path.read_text())
+    data["model"]["engine_options"] = {"server_options": {"dtype": "bfloat16", "max_model_len": 4096, "log_path": "x.log"}}
+    view.path.write_text(yaml.safe_dump(data))
+    script = render(RecipeView.load(view.path), nodes=3, gpus=8, inference=1)
+    server = next(line for line in script.splitlines() if "vllm.entrypoints.openai.api_server" in line)
+    for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
+        assert flag in server
+    assert "GlooWeightTransferWorker" in server and "log_path" not in server
     assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
+    assert '--model.engine_options.url="$SERVER_URL" --model.engine_options.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
@@ -87,7 +95,7 @@ def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dic
 
 
 def test_task_specific_layout_errors(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match="needs at least one vLLM server node"):
+    with pytest.raises(LaunchError, match="needs exactly one vLLM server node"):
         render(recipe(tmp_path, task="grpo"))
     with pytest.raises(LaunchError, match="--inference-nodes is for GRPO"):
         render(recipe(tmp_path), inference=1)

@@ -60,12 +60,31 @@ def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
     return " ".join(shlex.quote(arg) for arg in args)
 
 
+def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOptions) -> str:
+    """The engine's own server command line, tensor-parallel over the server node's devices."""
+    from lightning_rl.rollout.vllm_server_process import VLLMServer
+
+    server_options = dict(recipe.get("model.engine_options.server_options") or {})
+    for local_only in ("env", "log_path", "port", "host"):
+        server_options.pop(local_only, None)
+    server_options.setdefault("python", "python")
+    extra = list(server_options.pop("extra_args", ())) + ["--tensor-parallel-size", str(layout.devices_per_node)]
+    try:
+        server = VLLMServer(recipe.model_id, host="0.0.0.0", port=options.vllm_port, extra_args=extra, **server_options)
+    except TypeError as err:
+        raise LaunchError(f"{recipe.path}: `model.engine_options.server_options`: {err}") from None
+    return shlex.join(server.command)
+
+
 def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: SlurmOptions) -> str:
     """The sbatch script text; every inconsistency is raised as a `LaunchError` before anything is written."""
     _check_options(options)
     layout = resolve_layout(recipe, allocation)
-    if recipe.task == "grpo" and layout.inference_nodes < 1:
-        raise LaunchError("a GRPO launch needs at least one vLLM server node: pass --inference-nodes N")
+    if recipe.task == "grpo" and layout.inference_nodes != 1:
+        raise LaunchError(
+            f"a GRPO launch needs exactly one vLLM server node (--inference-nodes 1), got {layout.inference_nodes}: "
+            "the server engine talks to one server"
+        )
     # Optional header lines, each carrying its own leading newline so an absent one leaves no gap.
     gpu_request = f"\n#SBATCH --gpus-per-node={allocation.gpus_per_node}" if layout.uses_gpus else ""
     if options.cpus_per_task:
@@ -82,7 +101,7 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
         "time": options.time,
         "log_dir": options.log_dir,
         "vllm_port": str(options.vllm_port),
-        "model": shlex.quote(str(recipe.model_id)),
+        "server_command": _server_command(recipe, layout, options) if recipe.task == "grpo" else "",
         "trainer_overrides": _trainer_overrides(layout, options),
     }
     values["common_env"] = _ScriptTemplate(_template("common_env.sh")).substitute(values).rstrip("\n")
