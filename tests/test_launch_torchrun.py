@@ -1,0 +1,43 @@
+"""`launch/torchrun.sh`, the launch for clusters without SLURM, run for real: two processes on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = "launch/torchrun.sh"
+RECIPE = "recipes/tiny/muse_lora_sft.yaml"
+# Same stand-in as the SLURM tests (see tests/test_launch_slurm.py): the embedded Qwen3 under DDP.
+INTERIM_OVERRIDES = ["--model.lora=null", "--trainer.strategy=ddp"]
+
+
+def _env(**values: str) -> dict[str, str]:
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **values}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_train_one_run(tmp_path: Path, tiny_path: Path) -> None:
+    env = _env(NNODES="1", NODE_RANK="0", GPUS_PER_NODE="2", MASTER_PORT=str(_free_port()), LOG_DIR=str(tmp_path / "logs"))
+    args = [f"--output_dir={tmp_path / 'out'}", f"--model.model_name_or_path={tiny_path}", "--trainer.max_steps=2"]
+    done = subprocess.run(["bash", SCRIPT, RECIPE, *args, *INTERIM_OVERRIDES], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 2
+    rank_logs = sorted(p.parent.name for p in (tmp_path / "logs").rglob("stderr.log"))
+    assert rank_logs == ["0", "1"], "one log folder per rank"
+
+
+def test_bad_node_rank_and_missing_recipe_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(["bash", SCRIPT, RECIPE], env=_env(NNODES="2", NODE_RANK="2", GPUS_PER_NODE="1"), capture_output=True, text=True)
+    assert done.returncode == 2 and "NODE_RANK=2 must be below NNODES=2" in done.stderr
+    done = subprocess.run(["bash", SCRIPT], env=_env(), capture_output=True, text=True)
+    assert done.returncode == 2 and "usage:" in done.stderr
