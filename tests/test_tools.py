@@ -1,0 +1,193 @@
+"""Tools typed by JSON schema: schemas, argument coercion, every kind of bad call, and multi-turn
+rollouts through a real transformers model that has learned to call a tool."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from lightning_rl.models.tiny import tiny_model_path
+from lightning_rl.packing.tree import pack_sequences
+from lightning_rl.rollout.base import SamplingConfig
+from lightning_rl.rollout.hf import HFRolloutEngine
+from lightning_rl.tools import Tool, ToolExecutor, load_tool, parse_tool_calls
+from lightning_rl.tools.arguments import coerce, validated_arguments
+from lightning_rl.tools.builtin import calculator
+from lightning_rl.tools.conversation import ToolConversation
+
+
+def label(key: str, count: int, ratio: float = 1.0, loud: bool = False) -> str:
+    """Make a label.
+
+    Args:
+        key: The text.
+        count: How many times.
+        ratio: A scale.
+        loud: Shout it.
+    """
+    return (key * count).upper() if loud else key * count
+
+
+def test_schema_comes_from_type_hints_and_docstring():
+    tool = Tool.from_function(label)
+    assert tool.name == "label" and tool.description == "Make a label."
+    assert tool.parameters["properties"]["count"] == {"type": "integer", "description": "How many times."}
+    assert tool.parameters["properties"]["ratio"]["type"] == "number"
+    assert tool.parameters["required"] == ["key", "count"]
+    assert tool.chat_template_spec()["function"]["name"] == "label"
+    assert load_tool("lightning_rl.tools.builtin:calculator").parameters["properties"]["operation"]["enum"] == [
+        "add", "subtract", "multiply", "divide"
+    ]
+
+
+def test_invalid_schemas_and_paths_are_refused():
+    with pytest.raises(ValueError, match="tool 'label': invalid JSON Schema at properties/key/type"):
+        Tool.from_function(label, parameters={"type": "object", "properties": {"key": {"type": "word"}}})
+    with pytest.raises(ValueError, match="must have type 'object'"):
+        Tool.from_function(label, parameters={"type": "string"})
+    with pytest.raises(ValueError, match="cannot derive a JSON schema"):
+        Tool.from_function(lambda x: x)
+    with pytest.raises(ValueError, match="does not import"):
+        load_tool("no.such:tool")
+
+
+def test_quoted_numbers_become_numbers_only_where_the_schema_says_so():
+    schema = Tool.from_function(label).parameters
+    assert validated_arguments({"key": "7", "count": "7"}, schema) == {"key": "7", "count": 7}
+    assert validated_arguments({"key": "a", "count": 2, "ratio": "0.5", "loud": "true"}, schema) == {
+        "key": "a", "count": 2, "ratio": 0.5, "loud": True,
+    }
+    assert coerce(3.0, {"type": "integer"}) == 3 and coerce("x", {"type": "integer"}) == "x"
+    assert coerce(["1", "2"], {"type": "array", "items": {"type": "integer"}}) == [1, 2]
+    with pytest.raises(ValueError, match="count: 'seven' is not of type 'integer'"):
+        validated_arguments({"key": "a", "count": "seven"}, schema)
+    with pytest.raises(ValueError, match="'count' is a required property"):
+        validated_arguments({"key": "a"}, schema)
+
+
+def slow(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def test_every_kind_of_bad_call_becomes_an_error_message_and_is_counted():
+    executor = ToolExecutor([Tool.from_function(calculator), Tool.from_function(slow)], timeout_s=0.2)
+    texts = {
+        None: '<tool_call>{"name": "calculator", "arguments": {"operation": "multiply", "a": "6", "b": 7}}</tool_call>',
+        "malformed": '<tool_call>{"name": "calculator", "arguments": {</tool_call>',
+        "unknown_tool": '<tool_call>{"name": "weather", "arguments": {}}</tool_call>',
+        "invalid_arguments": '<tool_call>{"name": "calculator", "arguments": {"operation": "pow", "a": 1, "b": 2}}</tool_call>',
+        "raised": '<tool_call>{"name": "calculator", "arguments": {"operation": "divide", "a": 1, "b": 0}}</tool_call>',
+        "timeout": '<tool_call>{"name": "slow", "arguments": {"seconds": 1}}</tool_call>',
+    }
+    outcomes = {kind: executor.run(parse_tool_calls(text)[0]) for kind, text in texts.items()}
+    assert outcomes[None].ok and outcomes[None].content == "42" and outcomes[None].arguments["a"] == 6
+    assert "not valid JSON" in outcomes["malformed"].content
+    assert "unknown tool 'weather' (available: calculator, slow)" in outcomes["unknown_tool"].content
+    assert "operation: 'pow' is not one of" in outcomes["invalid_arguments"].content
+    assert "calculator raised ZeroDivisionError: division by zero" in outcomes["raised"].content
+    assert "slow did not finish within 0.2 s" in outcomes["timeout"].content
+    for kind, outcome in outcomes.items():
+        assert outcome.failure == kind and outcome.content.startswith("Error: ") == (kind is not None)
+    assert executor.calls == 6 and dict(executor.failures) == {k: 1 for k in texts if k is not None}
+    assert parse_tool_calls('<tool_call>{"name": "slow"')[0].error == "tool call is not closed with </tool_call>"
+    assert parse_tool_calls('<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].arguments == {"a": 1}
+    executor.close()
+
+
+GOOD_CALL = {"name": "calculator", "arguments": {"operation": "add", "a": "7", "b": 5}}
+BAD_CALL = {"name": "calculator", "arguments": {"operation": "add", "a": "seven", "b": 1}}
+
+
+def _conversation(question: str, call: dict, result: str, answer: str) -> list[dict]:
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "name": call["name"], "content": result},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model():
+    """A small model trained here until it reproduces two tool-calling conversations (one with a
+    call that fails validation), so the rollout loop runs on real generate output."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    executor = ToolExecutor([Tool.from_function(calculator)])
+    bad_result = executor.run(parse_tool_calls(f"<tool_call>{json.dumps(BAD_CALL)}</tool_call>")[0]).content
+    conversations = [_conversation("7+5=", GOOD_CALL, "12", "12"), _conversation("7+1=", BAD_CALL, bad_result, "8")]
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(config)
+    encoded = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+               for c in conversations]
+    width = max(len(e["input_ids"]) for e in encoded)
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id)
+    trained = torch.zeros(len(encoded), width, dtype=torch.bool)
+    for i, enc in enumerate(encoded):
+        ids[i, : len(enc["input_ids"])] = torch.tensor(enc["input_ids"])
+        trained[i, : len(enc["input_ids"])] = torch.tensor(enc["assistant_masks"], dtype=torch.bool)
+    targets, trained = ids[:, 1:], trained[:, 1:]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):  # until greedy decoding reproduces every assistant token
+        logits = model(ids).logits[:, :-1]
+        if (logits.argmax(-1) == targets)[trained].all():
+            break
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        optimizer.zero_grad()
+        (-logp[trained].mean()).backward()
+        optimizer.step()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    prompts = [tokenizer.apply_chat_template(c[:1], tokenize=True, return_dict=False, add_generation_prompt=True)
+               for c in conversations]
+    return model.eval(), tokenizer, prompts, bad_result
+
+
+def test_multi_turn_rollouts_run_tools_and_feed_back_results_and_errors(tool_calling_model):
+    model, tokenizer, prompts, bad_result = tool_calling_model
+    executor = ToolExecutor([Tool.from_function(calculator)])
+    conversation = ToolConversation(HFRolloutEngine(model), tokenizer, executor, max_turns=3)
+    batch = conversation.generate(prompts, [2], lambda turn: SamplingConfig(max_new_tokens=48, temperature=0))
+    good, bad = batch.groups[0][0], batch.groups[1][0]
+    assert len(batch.groups[0]) == len(batch.groups[1]) == 2
+    assert good.metadata["tool_calls"] == [
+        {"name": "calculator", "arguments": {"operation": "add", "a": 7, "b": 5}, "content": "12", "failure": None}
+    ]
+    assert good.metadata["final_reply"] == "12"
+    assert bad.metadata["tool_calls"][0]["failure"] == "invalid_arguments"
+    assert bad.metadata["tool_calls"][0]["content"] == bad_result and "'seven' is not of type 'integer'" in bad_result
+    assert executor.failures["invalid_arguments"] == 2  # both samples of the second prompt
+    # The tool's output is in the history but is not trained; the model's own tokens are.
+    response = tokenizer.decode([t for t, m in zip(good.completion_ids, good.completion_mask) if not m])
+    assert "<tool_response>12</tool_response>" in response
+    assert sum(good.completion_mask) < len(good.completion_ids)
+    assert all(lp == 0.0 for lp, m in zip(good.logprobs, good.completion_mask) if not m)
+    assert [m["role"] for m in good.messages] == ["assistant", "tool", "assistant"]
+
+
+def test_forked_turns_make_nested_forks_that_tree_packing_shares(tool_calling_model):
+    model, tokenizer, prompts, _ = tool_calling_model
+    engine = HFRolloutEngine(model)
+    conversation = ToolConversation(engine, tokenizer, ToolExecutor([Tool.from_function(calculator)]), max_turns=2)
+    sampling = lambda turn: SamplingConfig(max_new_tokens=48, temperature=1.0, seed=turn)  # noqa: E731
+    batch = conversation.generate(prompts[:1], [2, 3], sampling)
+    leaves = batch.groups[0]
+    assert len(leaves) == 6 and {r.group_id for r in leaves} == {0}
+    first_turns = {tuple(r.completion_ids[: r.completion_mask.index(False)]) for r in leaves}
+    assert len(first_turns) <= 2  # 2 first replies, each continued 3 times
+    packed = pack_sequences([r.sequence for r in leaves], [r.loss_mask for r in leaves])
+    shared = len(prompts[0]) + sum(len(t) for t in first_turns)
+    assert packed.num_unique_tokens <= packed.num_flat_tokens - 5 * len(prompts[0])
+    assert packed.num_unique_tokens >= shared
