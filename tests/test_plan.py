@@ -63,7 +63,7 @@ def _gib(text: str, label: str) -> float:
 
 
 def test_muse_lora_fits_on_64_h100_with_margin(capsys) -> None:
-    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
+    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "8"])
     out = capsys.readouterr().out
     assert code == 0, out
     margin = float(re.search(r"FITS: .* margin ([\d.]+) GiB", out).group(1))
@@ -74,7 +74,7 @@ def test_muse_lora_fits_on_64_h100_with_margin(capsys) -> None:
 
 
 def test_one_node_is_refused_with_the_numbers(capsys) -> None:
-    code = plan.main([MUSE_RECIPE, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
+    code = plan.main([MUSE_RECIPE, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "8"])
     out = capsys.readouterr().out
     assert code == 1
     needed = float(re.search(r"DOES NOT FIT: needs ([\d.]+) GiB per GPU, 72.00 GiB usable", out).group(1))

@@ -92,7 +92,7 @@ def _parallel_size(recipe: RecipeView, name: str) -> int | None:
 
 
 def _check_parallel_sizes(recipe: RecipeView, layout: TrainerLayout) -> None:
-    """World = data-parallel x tensor-parallel; expert parallel splits the data-parallel ranks."""
+    """World = data-parallel x tensor-parallel (the sizes of Lightning's ModelParallelStrategy)."""
     world = layout.world_size
     ranks = f"{layout.trainer_nodes} node(s) x {layout.devices_per_node} = {world} ranks"
     tensor = _parallel_size(recipe, "tensor_parallel_size") or 1
@@ -106,17 +106,4 @@ def _check_parallel_sizes(recipe: RecipeView, layout: TrainerLayout) -> None:
         raise LaunchError(
             f"{recipe.path}: {ranks}, but `trainer.strategy.data_parallel_size: {data}` x "
             f"tensor_parallel_size {tensor} = {data * tensor}; the node count does not fit this layout"
-        )
-    data = world // tensor
-    expert = _parallel_size(recipe, "expert_parallel_size")
-    if expert is not None and data % expert:
-        raise LaunchError(
-            f"{recipe.path}: {ranks} give {data} data-parallel ranks, which `trainer.strategy.expert_parallel_size: "
-            f"{expert}` does not divide"
-        )
-    replicas = _parallel_size(recipe, "data_parallel_replicate_size")
-    if replicas is not None and data % replicas:
-        raise LaunchError(
-            f"{recipe.path}: {ranks} give {data} data-parallel ranks, which "
-            f"`trainer.strategy.data_parallel_replicate_size: {replicas}` does not divide"
         )
