@@ -61,6 +61,13 @@ def test_pushed_weights_change_the_logprobs_to_the_new_model(engine, tiny_model_
     # Same seeds: what differs is the weights, so the old rollouts no longer fit the engine's model.
     assert max_logprob_error(trainer, before.rollouts) > 1e-2
 
+    # A state_dict stream names the tied lm_head itself (after the embedding): it is loaded once, not twice.
+    perturb_(trainer, seed=2)
+    engine.push_weights(((name, t.detach()) for name, t in trainer.state_dict().items()), version=2)
+    after = engine.generate(PROMPTS, n=2, sampling=sampling)
+    assert all(r.weight_version == 2 for r in after.rollouts)
+    assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
+
 
 def test_bad_requests_fail_clearly(engine):
     with pytest.raises(ValueError, match="n must be >= 1"):
@@ -72,11 +79,12 @@ def test_bad_requests_fail_clearly(engine):
 def test_a_refused_push_names_the_tensor_and_keeps_the_old_weights(engine, tiny_model_dir):
     from lightning_rl.rollout.checkpoint_layout import WeightNameError
 
-    trainer = load_trainer_model(tiny_model_dir)
-    perturb_(trainer, seed=1)  # the weights pushed as version 1 above
     version = engine.weight_version
+    trainer = load_trainer_model(tiny_model_dir)
+    for seed in range(1, version + 1):  # the weights the engine holds after the pushes above
+        perturb_(trainer, seed=seed)
     changed = load_trainer_model(tiny_model_dir)
-    perturb_(changed, seed=2)
+    perturb_(changed, seed=version + 1)
     wrong_shape = [("model.norm.weight", torch.zeros(3))] + list(iter_full_weights(changed))
     with pytest.raises(WeightNameError, match=r"'model.norm.weight': shape \(3,\)"):
         engine.push_weights(iter(wrong_shape), version=version + 1)
