@@ -23,6 +23,7 @@ from torch import Tensor
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
+SGD_LR = 1.0
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -71,6 +72,34 @@ class StallingTarget:
                 time.sleep(self.stall_s)
 
 
+def training_rows() -> list[Tensor]:
+    return list(torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1)))
+
+
+def packed_loss(model: torch.nn.Module, rows: Tensor) -> Tensor:
+    """Mean negative log-prob of a packed row, through the chunked LM head that runs after the forward."""
+    from lightning_rl.ops.logprobs import packed_logprobs
+    from lightning_rl.packing.tree import pack_sequences
+
+    return -packed_logprobs(model, pack_sequences(rows.tolist())).mean()
+
+
+def unsharded_reference(folder: str) -> dict[str, Tensor]:
+    """The same STEPS of SGD on one process: each step averages the two ranks' batches, as FSDP2 reduces them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    rows = training_rows()
+    for step in range(STEPS):
+        per_rank = [torch.stack([rows[4 * step + r], rows[4 * step + r + 2]]) for r in range(2)]
+        loss = sum(packed_loss(model, batch) for batch in per_rank) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
 def merged_reference(full: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
     """``base + scaling * B @ A`` under Hugging Face names, from the gathered peft state dict."""
     merged = {}
@@ -96,7 +125,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
@@ -107,33 +136,40 @@ def run_worker(mode: str, folder: str, out: str) -> None:
     )
 
     class CausalLMModule(L.LightningModule):
-        """The smallest module the strategy must handle: a HF model and its LM loss, nothing else."""
+        """The smallest module the strategy must handle: a HF model and the packed log-prob loss SFT uses."""
 
-        def __init__(self, model: torch.nn.Module) -> None:
+        def __init__(self, model: torch.nn.Module, lora: bool) -> None:
             super().__init__()
-            self.model = model
+            self.model, self.lora = model, lora
 
         def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-            return self.model(input_ids=batch, labels=batch).loss
+            return packed_loss(self.model, batch)
+
+        def train_dataloader(self) -> DataLoader:
+            # An explicit, unshuffled split (rank r reads rows r, r + 2, ...), so the reference can replay it.
+            rows = training_rows()
+            return DataLoader(rows, batch_size=2, sampler=DistributedSampler(rows, shuffle=False))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=2e-2)
+            params = [p for p in self.parameters() if p.requires_grad]
+            # SGD for full training, so the unsharded reference run agrees to rounding (Adam amplifies it).
+            return torch.optim.AdamW(params, lr=2e-2) if self.lora else torch.optim.SGD(params, lr=SGD_LR)
 
     lora = mode == "lora"
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
     if lora:
         model = get_peft_model(model, LoraConfig(**LORA))
-    module = CausalLMModule(model)
-    generator = torch.Generator().manual_seed(1)
-    data = DataLoader(list(torch.randint(0, 96, (16, 12), generator=generator)), batch_size=2)
+    module = CausalLMModule(model, lora)
     # By registered name for full training; with the optional features switched on for LoRA.
-    strategy = FSDP2Strategy(mixed_precision="bf16", activation_checkpointing=True, cpu_offload=True) if lora else "fsdp2"
+    strategy = "fsdp2"
+    if lora:
+        strategy = FSDP2Strategy(mixed_precision="bf16", activation_checkpointing=True, cpu_offload=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy,
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        max_steps=STEPS, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(module, data)
+    trainer.fit(module)
     rank = trainer.global_rank
     result: dict = {"rank": rank}
 
@@ -175,10 +211,14 @@ def run_worker(mode: str, folder: str, out: str) -> None:
             reference.load_state_dict(full)
             reference_adapter = set(get_peft_model_state_dict(reference))
             peft_merged = reference.merge_and_unload().state_dict()
-            result["engine_vs_peft_merge"] = max((engine_state[n] - peft_merged[n]).abs().max().item() for n in expected)
+            result["engine_vs_peft_merge"] = max(
+                (engine_state[n] - peft_merged[n]).abs().max().item() for n in expected
+            )
         else:
             expected = dict(full)
             result["trained_moved"] = max((initial[n] - full[n]).abs().max().item() for n in full)
+            reference = unsharded_reference(folder)
+            result["fsdp_vs_unsharded_max"] = max((reference[n] - full[n]).abs().max().item() for n in full)
         result["engine_equals_expected"] = {n: torch.equal(engine_state[n], expected[n]) for n in expected}
         result["engine_vs_expected_max"] = max((engine_state[n] - expected[n]).abs().max().item() for n in expected)
     result["compute_dtype"] = str(module.model(input_ids=prompt).logits.dtype)
@@ -231,6 +271,7 @@ def test_full_sync_after_training_matches_gathered_model(tiny_model: Path, tmp_p
     rank0 = ranks[0]
     assert rank0["sharded_layers"] == 2 and rank0["all_dtensor"]
     assert rank0["trained_moved"] > 1e-3, "the optimizer steps must have changed the weights"
+    assert rank0["fsdp_vs_unsharded_max"] < 1e-5, "sharded training must equal the unsharded reference"
     assert rank0["engine_version"] == STEPS
     # Streamed: at most one gathered parameter is alive at a time on the receiving rank.
     assert rank0["peak_live_bytes"] == rank0["largest_tensor_bytes"] == 128 * 64 * 4  # an MLP projection

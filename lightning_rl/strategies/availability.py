@@ -57,7 +57,9 @@ def strategy_statuses(inventory: DeviceInventory | None = None) -> list[Strategy
     ]
 
 
-def check_strategy_request(strategy: str, accelerator: str | None = None, inventory: DeviceInventory | None = None) -> None:
+def check_strategy_request(
+    strategy: str, accelerator: str | None = None, inventory: DeviceInventory | None = None
+) -> None:
     """Fail before training, in one line, when ``strategy`` (a registered name) cannot run here."""
     inventory = inventory or detect_devices()
     if strategy in FSDP1_NAMES:

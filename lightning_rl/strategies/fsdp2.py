@@ -84,7 +84,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: recompute each decoder layer in backward (transformers'
             ``activation_checkpointing_enable``, non-reentrant, so a frozen LoRA base works).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
-        reshard_after_forward: free gathered layers after forward (saves memory, costs a second gather).
+        reshard_after_forward: free each gathered decoder layer after forward (saves memory, costs a second
+            gather in backward); the model roots always stay gathered until backward.
         layer_classes: class names of the shard units, when a model's ``_no_split_modules`` is not right.
     """
 
@@ -146,15 +147,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             "mesh": self.device_mesh["data_parallel"],
             "mp_policy": self.mp_policy,
             "offload_policy": self.offload_policy,
-            "reshard_after_forward": self.reshard_after_forward,
         }
         for root in roots:
             if self.activation_checkpointing:
                 root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             # Children before parents: a unit owns only the parameters no inner unit has claimed.
             for layer in reversed(find_decoder_layers(root, self.layer_classes)):
-                fully_shard(layer, **kwargs)
-            fully_shard(root, **kwargs)
+                fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
+            # The root keeps embeddings, final norm and LM head gathered from forward to backward, so a chunked
+            # LM head that runs after the model's forward (packed_logprobs) reads the full weight.
+            fully_shard(root, reshard_after_forward=False, **kwargs)
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 DEFAULT_SYNC_TIMEOUT = timedelta(minutes=5)
@@ -119,10 +120,18 @@ def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Ten
     return factors
 
 
+def _reshard(model: nn.Module) -> None:
+    """A model root may still hold gathered weights after a forward; shards are what the sync streams."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
     """The tensors to send, in ``named_modules`` order, each shared (tied) tensor once."""
     from peft.tuners.lora import LoraLayer
 
+    _reshard(model)
     persistent = set(model.state_dict(keep_vars=True))
     seen: set[int] = set()
     entries: list[_Entry] = []
@@ -213,7 +222,8 @@ def _check_same_plan(names: list[str], shapes: list[tuple[int, ...]], gatherer: 
     for rank, other in enumerate(manifests):
         if other != manifest:
             mismatch = next(
-                (f"#{i + 1}: {a} here vs {b} on rank {rank}" for i, (a, b) in enumerate(zip(manifest, other)) if a != b),
+                (f"#{i + 1}: {a} here vs {b} on rank {rank}" for i, (a, b) in enumerate(zip(manifest, other))
+                 if a != b),
                 f"{len(manifest)} tensors here vs {len(other)} on rank {rank}",
             )
             raise WeightSyncError(f"rank {dist.get_rank()}: ranks would sync different tensors ({mismatch})")
@@ -231,14 +241,16 @@ def iter_full_weights(
     entries = _plan(policy_model(module), merge_lora)
     gatherer = _Gatherer(timeout)
     if entries:
-        _check_same_plan([e.name for e in entries], [tuple(e.tensor.shape) for e in entries], gatherer, entries[0].tensor)
+        shapes = [tuple(e.tensor.shape) for e in entries]
+        _check_same_plan([e.name for e in entries], shapes, gatherer, entries[0].tensor)
     for index, entry in enumerate(entries):
         what = f"parameter '{entry.name}' (#{index + 1} of {len(entries)})"
         full = gatherer.full(entry.tensor, what)
         if entry.lora:
             merged = full.float()
             for lora_a, lora_b, scaling, fan_in_fan_out in entry.lora:
-                delta = gatherer.full(lora_b, f"LoRA B of {what}").float() @ gatherer.full(lora_a, f"LoRA A of {what}").float()
+                b = gatherer.full(lora_b, f"LoRA B of {what}").float()
+                delta = b @ gatherer.full(lora_a, f"LoRA A of {what}").float()
                 merged = merged + (delta.T if fan_in_fan_out else delta) * scaling
             full = merged.to(full.dtype)
         yield entry.name, full
@@ -258,6 +270,7 @@ def iter_adapter_weights(
         peft_model = next((root for root in find_model_roots(module) if _is_peft_model(root)), None)
     if peft_model is None:
         raise WeightSyncError(f"{type(module).__name__} holds no peft model, so it has no adapter to sync")
+    _reshard(peft_model)
     state = get_peft_model_state_dict(peft_model)
     gatherer = _Gatherer(timeout)
     names = list(state)
