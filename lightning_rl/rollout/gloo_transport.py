@@ -69,7 +69,9 @@ def join_group(store: dist.TCPStore, rank: int, world_size: int, timeout: timede
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group the stream into chunks of about `chunk_bytes`, so at most one chunk is held at a time."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -103,7 +105,7 @@ def send_chunk(group: dist.ProcessGroupGloo, chunk: list[tuple[str, torch.Tensor
 
 
 def receive_chunk(group: dist.ProcessGroupGloo, manifest: ChunkManifest) -> list[tuple[str, torch.Tensor]]:
-    """A worker: receive every tensor the manifest lists, before any is loaded, so a bad name never desyncs the stream."""
+    """A worker: receive every tensor the manifest lists, before any is loaded (a bad name never desyncs the stream)."""
     received = []
     for index, (name, dtype_name, shape) in enumerate(zip(manifest.names, manifest.dtype_names, manifest.shapes)):
         dtype = getattr(torch, dtype_name, None)

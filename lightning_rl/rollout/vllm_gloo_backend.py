@@ -64,7 +64,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         timeout = timedelta(seconds=init_info.timeout_s)
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
-        store = gloo_transport.worker_store(init_info.master_address, init_info.master_port, init_info.world_size, timeout)
+        store = gloo_transport.worker_store(
+            init_info.master_address, init_info.master_port, init_info.world_size, timeout
+        )
         self.group = gloo_transport.join_group(store, rank, init_info.world_size, timeout)
 
     def start_weight_update(self) -> None:

@@ -149,7 +149,8 @@ class VLLMServerEngine:
         return result
 
     def _open_group(self) -> torch.distributed.ProcessGroupGloo:
-        world_size = 1 + int(request_json(f"{self.url}/get_world_size", None, self.request_timeout, "GET")["world_size"])
+        workers = request_json(f"{self.url}/get_world_size", None, self.request_timeout, "GET")["world_size"]
+        world_size = 1 + int(workers)
         store = gloo_transport.host_store(self.transfer_address, world_size, self.transfer_timeout)
         init_info = {"master_address": self.transfer_address, "master_port": store.port, "world_size": world_size,
                      "rank_offset": 1, "timeout_s": self.transfer_timeout.total_seconds()}

@@ -121,7 +121,7 @@ class VLLMServer:
         return ":\n" + self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; returns once none is left."""
+        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; return once none is."""
         if self.process is None:
             return
         try:

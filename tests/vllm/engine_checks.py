@@ -19,7 +19,9 @@ def load_trainer_model(path: Path) -> PreTrainedModel:
 
 
 @torch.no_grad()
-def reference_logprobs(model: PreTrainedModel, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+def reference_logprobs(
+    model: PreTrainedModel, prompt: list[int], completion: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """transformers' log p(completion[t] | prefix) for each completion token."""
     ids = torch.tensor([prompt + completion])
     logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
@@ -28,7 +30,8 @@ def reference_logprobs(model: PreTrainedModel, prompt: list[int], completion: li
 
 def max_logprob_error(model: PreTrainedModel, rollouts: list[Rollout], temperature: float = 1.0) -> float:
     return max(
-        (torch.tensor(r.logprobs) - reference_logprobs(model, r.prompt_ids, r.completion_ids, temperature)).abs().max().item()
+        (torch.tensor(r.logprobs) - reference_logprobs(model, r.prompt_ids, r.completion_ids, temperature))
+        .abs().max().item()
         for r in rollouts
     )
 

@@ -12,11 +12,12 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.gloo_transport import ChunkManifest, WeightTransferError
 
 TIMEOUT = timedelta(seconds=20)
+Group = torch.distributed.ProcessGroupGloo
 
 
-def connected_pair(timeout: timedelta = TIMEOUT) -> tuple[torch.distributed.ProcessGroupGloo, torch.distributed.ProcessGroupGloo]:
+def connected_pair(timeout: timedelta = TIMEOUT) -> tuple[Group, Group]:
     store = gloo_transport.host_store("127.0.0.1", 2, timeout)
-    worker: dict[str, torch.distributed.ProcessGroupGloo] = {}
+    worker: dict[str, Group] = {}
     joining = threading.Thread(target=lambda: worker.update(group=gloo_transport.join_group(
         gloo_transport.worker_store("127.0.0.1", store.port, 2, timeout), 1, 2, timeout)))
     joining.start()

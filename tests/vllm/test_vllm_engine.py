@@ -42,7 +42,8 @@ def test_logprobs_follow_the_sampling_temperature(engine, tiny_model_dir):
 
 def test_stop_tokens_end_a_completion(engine):
     everything = tuple(range(300))
-    batch = engine.generate(PROMPTS[:2], n=2, sampling=SamplingConfig(max_new_tokens=8, stop_token_ids=everything, seed=1))
+    sampling = SamplingConfig(max_new_tokens=8, stop_token_ids=everything, seed=1)
+    batch = engine.generate(PROMPTS[:2], n=2, sampling=sampling)
     assert all(len(r.completion_ids) == 1 and r.finish_reason == "stop" for r in batch.rollouts)
 
 
