@@ -92,7 +92,7 @@ def has_wandb_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None  # NETRC as wandb reads it
     except (OSError, netrc.NetrcParseError):
         return False
 

@@ -122,3 +122,15 @@ def test_tiny_recipe_end_to_end_learns(tmp_path):
         assert summary[key] > 0
     assert (out / "hf" / "model.safetensors").exists() and (out / "checkpoints" / "last.ckpt").exists()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["trainer"]["max_steps"] == 120
+
+
+def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    env["HOME"] = str(tmp_path)  # no stored `wandb login` either
+    overrides = [f"--output_dir={out}", "--logger.kind=wandb", "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
+                 "--data.val_data=null", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null", "--model.eval_generations=0"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "run", str(TINY_RECIPE), *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"upload later with `wandb sync {out}/wandb/offline-run-*`" in done.stderr
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
