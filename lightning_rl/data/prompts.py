@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_rl.data.sft import DataError
 from lightning_rl.data.toy import TRAIN_FILE
 
 TOY_DATASET = "toy"
@@ -26,7 +27,7 @@ def read_prompt_records(path: str | Path, prompt_field: str) -> list[dict[str, A
     list of chat messages whose trailing assistant turns are dropped)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        raise DataError(f"prompt file {path} does not exist")
     records = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -35,21 +36,21 @@ def read_prompt_records(path: str | Path, prompt_field: str) -> list[dict[str, A
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+                raise DataError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
             if not isinstance(row, dict) or prompt_field not in row:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path}:{line_number}: no field {prompt_field!r} (row has {keys})")
+                raise DataError(f"{path}:{line_number}: no field {prompt_field!r} (row has {keys})")
             prompt = row[prompt_field]
             if isinstance(prompt, list):
                 while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
                     prompt = prompt[:-1]
             if not prompt or not isinstance(prompt, (str, list)):
-                raise ValueError(
+                raise DataError(
                     f"{path}:{line_number}: field {prompt_field!r} must be a non-empty string or message list"
                 )
             records.append({**row, "prompt": prompt})
     if not records:
-        raise ValueError(f"prompt file {path} holds no rows")
+        raise DataError(f"prompt file {path} holds no rows")
     return records
 
 
