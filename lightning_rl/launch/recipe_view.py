@@ -63,10 +63,3 @@ class RecipeView:
     def model_id(self) -> str:
         """The model's hub id or local folder."""
         return str(self.require(MODEL_KEY))
-
-    @property
-    def strategy_name(self) -> str | None:
-        strategy = self.get("trainer.strategy")
-        if isinstance(strategy, dict):
-            strategy = strategy.get("class_path")
-        return None if strategy is None else str(strategy)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lightning_rl.launch.layout import Allocation, TrainerLayout, resolve_layout
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
@@ -62,8 +63,6 @@ def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
 
 def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOptions) -> str:
     """The engine's own server command line, tensor-parallel over the server node's devices."""
-    from lightning_rl.rollout.vllm_server_process import VLLMServer
-
     server_options = dict(recipe.get("model.engine_options.server_options") or {})
     for local_only in ("env", "log_path", "port", "host"):
         server_options.pop(local_only, None)

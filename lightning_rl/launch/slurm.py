@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--job-name", help="defaults to lrl-<recipe name>")
     parser.add_argument("--log-dir", default="logs/slurm", help="job log and per-rank logs go here")
     parser.add_argument("--cpus-per-task", type=int)
+    parser.add_argument("--vllm-port", type=int, default=8000, help="GRPO: port of the vLLM server")
     parser.add_argument("--script", type=Path, help="where to write the script (default: LOG_DIR/JOB_NAME.sbatch)")
     parser.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     return parser
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         job_name=args.job_name,
         log_dir=args.log_dir,
         cpus_per_task=args.cpus_per_task,
+        vllm_port=args.vllm_port,
         run_overrides=overrides,
     )
     try:
