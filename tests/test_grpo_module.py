@@ -10,6 +10,7 @@ import torch
 from grpo_helpers import GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.models.loading import LoraSettings
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.tools import Tool
@@ -59,3 +60,14 @@ def test_prompts_without_the_field_are_refused(tmp_path):
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"question": "2+2="}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: no field 'prompt' \(row has \['question'\]\)"):
         PromptDataModule(path=str(path)).setup("fit")
+
+
+def test_lora_policy_pushes_merged_weights_to_the_engine():
+    module, _ = fit(2, lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2)
+    base = module.policy.get_base_model()
+    q_proj = base.model.layers[0].self_attn.q_proj
+    merged = q_proj.base_layer.weight + q_proj.scaling["default"] * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight
+    engine_weight = module.engine.model.model.layers[0].self_attn.q_proj.weight
+    assert module.engine.weight_version == 2
+    assert not torch.allclose(merged, q_proj.base_layer.weight)  # the adapter has learned something
+    torch.testing.assert_close(engine_weight, merged.detach(), rtol=1e-5, atol=1e-6)

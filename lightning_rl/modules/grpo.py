@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer, get_scheduler
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
-from lightning_rl.models.loading import export_hf, load_causal_lm
+from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, packed_hidden_states, token_entropy, token_logprobs
 from lightning_rl.packing.planner import plan_rows
@@ -34,6 +35,7 @@ from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, load_engine
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.strategies.weight_sync import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation
 
@@ -43,6 +45,7 @@ class GRPOModule(LightningModule):
 
     Args:
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
+        lora: train a LoRA adapter (peft) instead of all weights; the engine gets them merged.
         rewards: reward functions (built-in name or dotted path), each with a weight and kwargs.
         reward_on_error: ``zero`` scores a sample whose reward raises 0 (and logs it); ``raise`` stops.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
@@ -67,6 +70,7 @@ class GRPOModule(LightningModule):
     def __init__(
         self,
         model_name_or_path: str = "tiny",
+        lora: LoraSettings | None = None,
         rewards: Sequence[RewardSpec] = (RewardSpec("math_answer"),),
         reward_on_error: Literal["zero", "raise"] = "zero",
         num_generations: int = 8,
@@ -104,8 +108,11 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         specs = [_reward_spec(r) for r in rewards]
-        self.save_hyperparameters(ignore=["rewards"])
-        self.hparams["rewards"] = [spec.as_config() for spec in specs]  # plain data: checkpoints load weights-only
+        self.save_hyperparameters(ignore=["rewards", "lora"])
+        # Plain data only, so that checkpoints load with torch.load(weights_only=True).
+        self.hparams["rewards"] = [spec.as_config() for spec in specs]
+        self.hparams["lora"] = None if lora is None else asdict(lora)
+        self.lora = lora
         self.automatic_optimization = False
         if num_generations < 2:
             raise ValueError(
@@ -144,7 +151,7 @@ class GRPOModule(LightningModule):
             return
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.policy = load_causal_lm(path)
+        self.policy = load_causal_lm(path, lora=self.lora)
         self.policy.train()
         if self.hparams.beta != 0.0:
             self.reference = load_causal_lm(path).eval().requires_grad_(False)
@@ -341,8 +348,7 @@ class GRPOModule(LightningModule):
         return self.hparams.max_new_tokens * max(self.hparams.max_turns, 1)
 
     def _push_weights(self, version: int) -> None:
-        tensors = ((name, tensor.detach()) for name, tensor in self.policy.state_dict().items())
-        self.engine.push_weights(tensors, version)
+        sync_weights(self.policy, self.engine, version=version)  # LoRA merged, FSDP2 shards gathered
         if self.producer is not None:
             self.producer.weights_updated()
 
@@ -439,7 +445,7 @@ class GRPOModule(LightningModule):
 
     def export_hf(self, path: Path) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return export_hf(self.policy, self.tokenizer, path, mode="model")
+        return export_hf(self.policy, self.tokenizer, path, mode="model" if self.lora is None else "merged")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = {
