@@ -204,10 +204,12 @@ class _Gatherer:
             ) from error
 
 
-def _check_same_plan(names: list[str], shapes: list[tuple[int, ...]], gatherer: _Gatherer, probe: Tensor) -> None:
+def _check_same_plan(names: list[str], tensors: list[Tensor], gatherer: _Gatherer) -> None:
     """All ranks must send the same tensors in the same order, or the gathers would pair up wrongly."""
-    if not isinstance(probe, DTensor) or not dist.is_initialized():
-        return
+    probe = next((t for t in tensors if isinstance(t, DTensor)), None)
+    if probe is None or not dist.is_initialized():
+        return  # nothing sharded: no collective to pair up
+    shapes = [tuple(t.shape) for t in tensors]
     mesh = _sync_mesh(probe.device_mesh, gatherer.timeout)
     group = mesh.get_group()
     manifest = list(zip(names, shapes))
@@ -240,9 +242,7 @@ def iter_full_weights(
     """
     entries = _plan(policy_model(module), merge_lora)
     gatherer = _Gatherer(timeout)
-    if entries:
-        shapes = [tuple(e.tensor.shape) for e in entries]
-        _check_same_plan([e.name for e in entries], shapes, gatherer, entries[0].tensor)
+    _check_same_plan([e.name for e in entries], [e.tensor for e in entries], gatherer)
     for index, entry in enumerate(entries):
         what = f"parameter '{entry.name}' (#{index + 1} of {len(entries)})"
         full = gatherer.full(entry.tensor, what)
@@ -274,8 +274,7 @@ def iter_adapter_weights(
     state = get_peft_model_state_dict(peft_model)
     gatherer = _Gatherer(timeout)
     names = list(state)
-    if names:
-        _check_same_plan(names, [tuple(state[n].shape) for n in names], gatherer, state[names[0]])
+    _check_same_plan(names, [state[n] for n in names], gatherer)
     for index, name in enumerate(names):
         yield name, gatherer.full(state[name], f"adapter tensor '{name}' (#{index + 1} of {len(names)})")
 
