@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import statistics
 import sys
-import time
 import weakref
 from pathlib import Path
 
