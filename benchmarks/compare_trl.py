@@ -40,6 +40,7 @@ from pathlib import Path
 import lightning
 import torch
 import transformers
+from torch.profiler import ProfilerActivity, profile
 import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -63,6 +64,7 @@ from lightning_rl.rollout.base import Rollout  # noqa: E402
 
 MB = 2**20
 LEARNING_RATE = 1e-5
+PACK_REPEATS = 10  # packing takes milliseconds: time ten in a row
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,12 @@ class Sizes:
     logprob_vocab: int = 32768
     logprob_hidden: int = 128
     rounds: int = 3
+    profile: bool = True  # one profiled step per side: where the time goes
 
 
 QUICK = Sizes(hidden=64, layers=2, vocab=1024, sft_prompts=2, sft_responses=3, sft_prompt_len=48, sft_response_len=16,
               grpo_prompts=2, grpo_group=3, grpo_prompt_len=32, grpo_completion_len=12, logprob_tokens=1024,
-              logprob_vocab=4096, logprob_hidden=64, rounds=2)  # fmt: skip
+              logprob_vocab=4096, logprob_hidden=64, rounds=2, profile=False)  # fmt: skip
 
 
 # -- shared inputs -------------------------------------------------------------------------------------------------
@@ -152,18 +155,37 @@ def nested_fork_sequences(sizes: Sizes, rng: random.Random) -> tuple[list[list[i
 # -- measurement ---------------------------------------------------------------------------------------------------
 
 
-def alternate(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds of each step, one warm-up each, then rounds that alternate their order."""
+def alternate(steps: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and process-CPU seconds of each step: one warm-up each, then rounds that alternate their order.
+
+    CPU seconds (all threads of this process) move less than wall seconds when other work shares the machine.
+    """
     for step in steps.values():
         step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    median = lambda times: {name: statistics.median(values) for name, values in times.items()}  # noqa: E731
+    return median(wall), median(cpu)
+
+
+def top_ops(steps: dict[str, Callable[[], object]], count: int = 8) -> dict[str, list[tuple[str, float]]]:
+    """Where each step's CPU time goes: the operators with the largest share of self time (profiler)."""
+    shares = {}
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        shares[name] = [(e.key, round(e.self_cpu_time_total / total, 3)) for e in events[:count]]
+    return shares
 
 
 def peaks_mb(steps: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -257,18 +279,24 @@ def bench_sft(model_path: Path, sizes: Sizes, workdir: Path) -> dict:
         optimizer_step(optimizers["trl"])
 
     steps = {"trl": theirs, **{name: ours(name) for name in sides.ours_names}}
-    seconds = alternate(steps, sizes.rounds)
+    seconds, cpu = alternate(steps, sizes.rounds)
     peaks = peaks_mb(steps)
+    breakdown = top_ops(steps) if sizes.profile else None
     tree = sides.collators["ours_tree"](sides.examples)
     result = {
         "examples": len(sides.examples), "flat_tokens": tree.num_flat_tokens, "unique_tokens": tree.num_unique_tokens,
         "trained_tokens": int(tree.loss_targets.numel()), "t_over_u": round(tree.packing_ratio, 3), "agreement": agreement,
+        # TRL's fused head scores only labelled positions with Triton; its CPU fallback scores every position.
+        "lm_head_positions": {"trl": tree.num_flat_tokens - 1, "ours": int(tree.loss_targets.numel())},
+        "attention_pairs": {"trl_dense_mask": tree.num_flat_tokens**2, "ours": int((tree.position_ids + 1).sum())},
+        "top_ops": breakdown,
     }  # fmt: skip
     for name in steps:
-        result[name] = {"step_s": round(seconds[name], 4), "tokens_per_s": round(tree.num_flat_tokens / seconds[name], 1),
-                        "peak_mb": round(peaks[name], 1)}  # fmt: skip
+        result[name] = {"step_s": round(seconds[name], 4), "step_cpu_s": round(cpu[name], 4),
+                        "tokens_per_s": round(tree.num_flat_tokens / seconds[name], 1), "peak_mb": round(peaks[name], 1)}  # fmt: skip
     for name in sides.ours_names:
         result[f"{name}_speed_ratio"] = round(seconds["trl"] / seconds[name], 3)
+        result[f"{name}_cpu_ratio"] = round(cpu["trl"] / cpu[name], 3)
         result[f"{name}_memory_ratio"] = round(peaks["trl"] / peaks[name], 3)
     return result
 
@@ -358,19 +386,24 @@ def bench_grpo(model_path: Path, sizes: Sizes, workdir: Path) -> dict:
         optimizer_step(optimizers["trl"])
 
     steps = {"trl": theirs_step, "ours_tree": ours_step}
-    seconds = alternate(steps, sizes.rounds)
+    seconds, cpu = alternate(steps, sizes.rounds)
     peaks = peaks_mb(steps)
+    breakdown = top_ops(steps) if sizes.profile else None
     packed = sides.module.pack_rollouts(sides.rollouts, sides.advantages)
     padded = trl_grpo_inputs(sides.rollouts, sides.advantages, sides.pad)
     result = {
         "sequences": len(sides.rollouts), "flat_tokens": packed.num_flat_tokens, "unique_tokens": packed.num_unique_tokens,
         "trl_padded_tokens": int(padded["prompt_ids"].numel() + padded["completion_ids"].numel()),
         "trained_tokens": sides.counts.num_tokens, "t_over_u": round(packed.packing_ratio, 3), "agreement": agreement,
-        "speed_ratio": round(seconds["trl"] / seconds["ours_tree"], 3),
-        "memory_ratio": round(peaks["trl"] / peaks["ours_tree"], 3),
+        "speed_ratio": round(seconds["trl"] / seconds["ours_tree"], 3), "cpu_ratio": round(cpu["trl"] / cpu["ours_tree"], 3),
+        "memory_ratio": round(peaks["trl"] / peaks["ours_tree"], 3), "top_ops": breakdown,
+        "lm_head_positions": {"trl": int(padded["prompt_ids"].shape[0] * (padded["prompt_ids"].shape[1] + padded["completion_ids"].shape[1] - 1)),
+                              "ours": int(packed.loss_targets.numel())},
+        "attention_pairs": {"trl_padded": int(padded["prompt_ids"].shape[0] * (padded["prompt_ids"].shape[1] + padded["completion_ids"].shape[1]) ** 2),
+                            "ours": int((packed.position_ids + 1).sum())},
     }  # fmt: skip
     for name in steps:
-        result[name] = {"step_s": round(seconds[name], 4), "peak_mb": round(peaks[name], 1)}
+        result[name] = {"step_s": round(seconds[name], 4), "step_cpu_s": round(cpu[name], 4), "peak_mb": round(peaks[name], 1)}
     return result
 
 
@@ -398,13 +431,14 @@ def bench_logprobs(sizes: Sizes) -> dict:
         "ours": run("ours", lambda: token_logprobs(hidden, weight, targets)),
     }  # fmt: skip
     peaks = peaks_mb(steps)
-    seconds = alternate(steps, max(1, sizes.rounds // 2))
+    seconds, cpu = alternate(steps, max(1, sizes.rounds // 2))
     return {
         "tokens": sizes.logprob_tokens, "vocab": sizes.logprob_vocab, "hidden": sizes.logprob_hidden,
         "fp32_logits_mb": round(sizes.logprob_tokens * sizes.logprob_vocab * 4 / MB, 1),
-        "trl": {"peak_mb": round(peaks["trl"], 1), "fwd_bwd_s": round(seconds["trl"], 3)},
-        "ours": {"peak_mb": round(peaks["ours"], 1), "fwd_bwd_s": round(seconds["ours"], 3)},
+        **{name: {"peak_mb": round(peaks[name], 1), "fwd_bwd_s": round(seconds[name], 3), "fwd_bwd_cpu_s": round(cpu[name], 3)}
+           for name in steps},
         "memory_ratio": round(peaks["trl"] / peaks["ours"], 3), "speed_ratio": round(seconds["trl"] / seconds["ours"], 3),
+        "cpu_ratio": round(cpu["trl"] / cpu["ours"], 3),
         "max_abs_logprob_diff": float((values["trl"][0] - values["ours"][0]).abs().max()),
         "max_abs_grad_diff": float((values["trl"][1] - values["ours"][1]).abs().max()),
     }  # fmt: skip
@@ -434,14 +468,16 @@ def bench_packing(sizes: Sizes, model_path: Path) -> list[dict]:
     rows = []
     for case, (seqs, masks, groups) in cases.items():
         ours, theirs = pack_sequences(seqs, masks), trl_tree_row(seqs, masks, groups)
-        seconds = alternate({"trl": lambda: trl_tree_row(seqs, masks, groups), "ours": lambda: pack_sequences(seqs, masks)}, sizes.rounds)
+        repeat = lambda fn: lambda: [fn() for _ in range(PACK_REPEATS)]  # noqa: E731
+        seconds, _ = alternate({"trl": repeat(lambda: trl_tree_row(seqs, masks, groups)), "ours": repeat(lambda: pack_sequences(seqs, masks))},
+                               max(sizes.rounds, 5))  # fmt: skip
         flat = sum(map(len, seqs))
         rows.append({
             "case": case, "sequences": len(seqs), "flat_tokens": flat,
             "ours_unique_tokens": ours.num_unique_tokens, "trl_unique_tokens": int(theirs["input_ids"].numel()),
             "ours_ratio": round(ours.packing_ratio, 3), "trl_ratio": round(flat / theirs["input_ids"].numel(), 3),
             "ours_loss_terms": int(ours.loss_targets.numel()), "trl_loss_terms": int(theirs["token_index"].numel()),
-            "ours_pack_ms": round(1000 * seconds["ours"], 2), "trl_pack_ms": round(1000 * seconds["trl"], 2),
+            "ours_pack_ms": round(1000 * seconds["ours"] / PACK_REPEATS, 2), "trl_pack_ms": round(1000 * seconds["trl"] / PACK_REPEATS, 2),
         })  # fmt: skip
     return rows
 
@@ -452,27 +488,37 @@ def bench_packing(sizes: Sizes, model_path: Path) -> list[dict]:
 def markdown(report: dict) -> str:
     sft, grpo, lp = report["sft"], report["grpo"], report["logprob_memory"]
     lines = [
-        "| benchmark | TRL 1.16 | ours | speed ours/TRL | memory TRL/ours |",
-        "|---|---|---|---|---|",
-        f"| SFT step, tokens/s (tree-packed ours) | {sft['trl']['tokens_per_s']} | {sft['ours_tree']['tokens_per_s']} | "
-        f"{sft['ours_tree_speed_ratio']}x | {sft['ours_tree_memory_ratio']}x |",
-        f"| SFT step, tokens/s (flat-packed ours, control) | {sft['trl']['tokens_per_s']} | {sft['ours_flat']['tokens_per_s']} | "
-        f"{sft['ours_flat_speed_ratio']}x | {sft['ours_flat_memory_ratio']}x |",
-        f"| SFT step peak MiB (TRL / ours tree / ours flat) | {sft['trl']['peak_mb']} | {sft['ours_tree']['peak_mb']} / "
-        f"{sft['ours_flat']['peak_mb']} | | |",
-        f"| GRPO step s, shared prompts | {grpo['trl']['step_s']} | {grpo['ours_tree']['step_s']} | {grpo['speed_ratio']}x | "
-        f"{grpo['memory_ratio']}x |",
-        f"| GRPO step peak MiB | {grpo['trl']['peak_mb']} | {grpo['ours_tree']['peak_mb']} | | |",
-        f"| log-probs {lp['tokens']} tok x {lp['vocab']} vocab, peak MiB | {lp['trl']['peak_mb']} | {lp['ours']['peak_mb']} | "
-        f"{lp['speed_ratio']}x | {lp['memory_ratio']}x |",
+        "| benchmark | TRL 1.16 | ours | speed ours/TRL (wall) | (CPU time) | memory TRL/ours |",
+        "|---|---|---|---|---|---|",
     ]
+    for name, label in (("ours_tree", "tree-packed"), ("ours_flat", "flat-packed, control")):
+        lines.append(
+            f"| SFT step, tokens/s and peak MiB (ours {label}) | {sft['trl']['tokens_per_s']} tok/s, {sft['trl']['peak_mb']} MiB | "
+            f"{sft[name]['tokens_per_s']} tok/s, {sft[name]['peak_mb']} MiB | {sft[f'{name}_speed_ratio']}x | "
+            f"{sft[f'{name}_cpu_ratio']}x | {sft[f'{name}_memory_ratio']}x |"
+        )
+    lines.append(
+        f"| GRPO step on fixed rollouts, s and peak MiB | {grpo['trl']['step_s']} s, {grpo['trl']['peak_mb']} MiB | "
+        f"{grpo['ours_tree']['step_s']} s, {grpo['ours_tree']['peak_mb']} MiB | {grpo['speed_ratio']}x | {grpo['cpu_ratio']}x | "
+        f"{grpo['memory_ratio']}x |"
+    )
+    lines.append(
+        f"| log-probs fwd+bwd, {lp['tokens']} tokens x {lp['vocab']} vocab, peak MiB | {lp['trl']['peak_mb']} MiB | "
+        f"{lp['ours']['peak_mb']} MiB | {lp['speed_ratio']}x | {lp['cpu_ratio']}x | {lp['memory_ratio']}x |"
+    )
     for row in report["packing"]:
-        lines.append(f"| packing ratio, {row['case']} (flat/unique) | {row['trl_ratio']} | {row['ours_ratio']} | "
-                     f"{round(row['trl_pack_ms'] / max(row['ours_pack_ms'], 1e-9), 2)}x (pack time) | |")  # fmt: skip
-    agree = [f"SFT loss |ours-TRL| {sft['agreement']['ours_tree']['abs_diff']:.2e} (tree), "
-             f"{sft['agreement']['ours_flat']['abs_diff']:.2e} (flat); GRPO loss |ours-TRL| {grpo['agreement']['abs_diff']:.2e}, "
-             f"max relative grad diff {grpo['agreement']['max_rel_grad_diff']:.2e}"]  # fmt: skip
-    return "\n".join(lines + ["", *agree])
+        lines.append(
+            f"| packing ratio (flat/unique) and pack ms, {row['case']} | {row['trl_ratio']}, {row['trl_pack_ms']} ms | "
+            f"{row['ours_ratio']}, {row['ours_pack_ms']} ms | {round(row['trl_pack_ms'] / max(row['ours_pack_ms'], 1e-9), 2)}x | | |"
+        )
+    agree = (
+        f"Same batch, same weights: SFT loss |ours - TRL| {sft['agreement']['ours_tree']['abs_diff']:.1e} (tree), "
+        f"{sft['agreement']['ours_flat']['abs_diff']:.1e} (flat), max relative gradient difference "
+        f"{sft['agreement']['ours_tree']['max_rel_grad_diff']:.1e}; GRPO (DAPO) loss |ours - TRL| "
+        f"{grpo['agreement']['abs_diff']:.1e}, max relative gradient difference {grpo['agreement']['max_rel_grad_diff']:.1e}; "
+        f"log-probs max |diff| {lp['max_abs_logprob_diff']:.1e}."
+    )
+    return "\n".join(lines + ["", agree])
 
 
 def environment() -> dict:
