@@ -8,7 +8,9 @@ the machine's load hits both; a step's time is measured from one training batch 
 the first `--warmup` steps of each round left out, and the figures are medians over all rounds. In asynchronous mode the next batch is
 generated on a background thread while the current one trains (`max_staleness` versions ahead), so
 the step time falls from about generation + training towards the larger of the two, as far as the
-cores allow: on a machine with few cores both compete for them.
+cores allow. `--threads` sets torch's intra-op threads (default 1: generation and training each
+get a core of a 2-core machine instead of both contending for the same two). The first round of
+each process is slow while kernels warm up, so `--warmup` steps are dropped from every round.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     rounds: dict[bool, list[dict[str, list[float]]]] = {False: [], True: []}
     for _ in range(args.rounds):

@@ -5,18 +5,27 @@ the same batch, padded and unpacked, for each loss type. TRL is a test-only refe
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
 
-trl = pytest.importorskip("trl", reason="TRL is the reference; install the dev extra")
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from lightning_rl.losses import StepCounts
+from lightning_rl.models.tiny import tiny_model_path
+from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.rollout.base import Rollout
 
-from lightning_rl.losses import StepCounts  # noqa: E402
-from lightning_rl.models.tiny import tiny_model_path  # noqa: E402
-from lightning_rl.modules.grpo import GRPOModule  # noqa: E402
-from lightning_rl.rollout.base import Rollout  # noqa: E402
+# With tests/ on sys.path, the tests/vllm folder reads as a namespace package `vllm`, which TRL takes
+# for an installed vLLM of unknown version and fails on; TRL is imported with that folder out of sight.
+_path = list(sys.path)
+sys.path[:] = [p for p in sys.path if not (Path(p) / "vllm" / "conftest.py").exists()]
+try:
+    from trl import GRPOConfig, GRPOTrainer  # the reference: trl==1.16.0 from the dev extra
+finally:
+    sys.path[:] = _path
 
 G = 3
 MAX_NEW = 6
@@ -115,14 +124,14 @@ def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old
     our_loss = (terms.loss * ours.loss.token_weights(packed.loss_seq, seq_tokens, counts)).sum()
     our_loss.backward()
 
-    config = trl.GRPOConfig(
+    config = GRPOConfig(
         output_dir=str(tmp_path), loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
         num_generations=G, per_device_train_batch_size=len(rollouts), max_completion_length=MAX_NEW,
         temperature=TEMPERATURE, report_to=[], use_cpu=True, bf16=False,  # fp32 on both sides
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=is_cap or 3.0,
         use_bias_correction_kl=kl_correction,
     )
-    trainer = trl.GRPOTrainer(
+    trainer = GRPOTrainer(
         model=theirs_model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
         train_dataset=Dataset.from_list([{"prompt": "x"}] * len(rollouts)), processing_class=tokenizer,
     )
