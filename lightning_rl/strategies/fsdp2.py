@@ -160,6 +160,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        """Shard, then place the model and build optimizers in the parent's order.
+
+        The parent's ``setup`` is not called because it refuses modules without a sharding ``configure_model``.
+        """
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
