@@ -1,8 +1,10 @@
 """The bundled toy task: short, verifiable digit problems in chat form.
 
 Two kinds of problem, each with exactly one correct answer so a run can be scored by exact match:
-``add`` ("37+48=" -> "85") and ``reverse`` ("reverse 4 0 7 1" -> "1 7 0 4"). Every conversation
-starts with the same system prompt, so a batch shares a prefix that tree packing forwards once.
+``add`` ("37+8=" -> "45") and ``max`` ("max 4 0 7 1 3" -> "7"). Both are within reach of the tiny
+default model in a few hundred steps on a CPU (``max`` first, ``add`` with its carries later), which
+leaves GRPO room to improve on ``add``. Every conversation starts with the same system prompt, so a
+batch shares a prefix that tree packing forwards once.
 
 Regenerate the bundled files with ``python -m lightning_rl.data.toy``.
 """
@@ -21,16 +23,16 @@ HELDOUT_FILE = ASSETS_DIR / "heldout.jsonl"
 
 
 def _add_problem(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randrange(100), rng.randrange(100)
+    a, b = rng.randrange(100), rng.randrange(10)
     return f"{a}+{b}=", str(a + b)
 
 
-def _reverse_problem(rng: random.Random) -> tuple[str, str]:
-    digits = [str(rng.randrange(10)) for _ in range(rng.randint(3, 6))]
-    return "reverse " + " ".join(digits), " ".join(reversed(digits))
+def _max_problem(rng: random.Random) -> tuple[str, str]:
+    digits = [rng.randrange(10) for _ in range(5)]
+    return "max " + " ".join(map(str, digits)), str(max(digits))
 
 
-PROBLEMS = {"add": _add_problem, "reverse": _reverse_problem}
+PROBLEMS = {"add": _add_problem, "max": _max_problem}
 
 
 def toy_example(kind: str, question: str, answer: str) -> dict:
@@ -46,21 +48,23 @@ def toy_example(kind: str, question: str, answer: str) -> dict:
     }
 
 
-def generate(num_train: int, num_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Distinct problems split into train and held-out; no held-out question appears in train."""
+def generate(per_kind_train: int, per_kind_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Distinct problems of each kind split into train and held-out; no held-out question is in train."""
     rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    kinds = sorted(PROBLEMS)
-    while len(rows) < num_train + num_heldout:
-        kind = kinds[len(rows) % len(kinds)]
-        question, answer = PROBLEMS[kind](rng)
-        if question in seen:
-            continue
-        seen.add(question)
-        rows.append(toy_example(kind, question, answer))
-    rng.shuffle(rows)
-    return rows[num_heldout:], rows[:num_heldout]
+    train: list[dict] = []
+    heldout: list[dict] = []
+    for kind, problem in sorted(PROBLEMS.items()):
+        seen: dict[str, str] = {}
+        while len(seen) < per_kind_train + per_kind_heldout:
+            question, answer = problem(rng)
+            seen.setdefault(question, answer)
+        rows = [toy_example(kind, q, a) for q, a in seen.items()]
+        rng.shuffle(rows)
+        heldout += rows[:per_kind_heldout]
+        train += rows[per_kind_heldout:]
+    rng.shuffle(train)
+    rng.shuffle(heldout)
+    return train, heldout
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -79,7 +83,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def main() -> None:
-    train, heldout = generate(num_train=4000, num_heldout=200)
+    train, heldout = generate(per_kind_train=900, per_kind_heldout=100)  # `add` has 1000 problems in all
     write_jsonl(train, TRAIN_FILE)
     write_jsonl(heldout, HELDOUT_FILE)
     print(f"wrote {len(train)} train rows to {TRAIN_FILE} and {len(heldout)} held-out rows to {HELDOUT_FILE}")

@@ -20,7 +20,7 @@ from lightning_rl.data.toy import TRAIN_FILE, read_jsonl
 
 TINY_NAME = "tiny"
 # Bump when the config, template or tokenizer recipe changes so cached builds are rebuilt.
-TINY_VERSION = 1
+TINY_VERSION = 2
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
