@@ -47,4 +47,4 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 vllm-venv: $(VLLM_VENV)/.installed
 
 test-vllm: vllm-venv
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm_engines
