@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
 from grpo_helpers import GradientRecorder, TrainedRollouts, fit
@@ -62,12 +63,20 @@ def test_prompts_without_the_field_are_refused(tmp_path):
         PromptDataModule(path=str(path)).setup("fit")
 
 
+class EngineWeights(L.Callback):
+    """The engine's weights at the end of training (the engine is closed when fit ends)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GRPOModule) -> None:
+        self.version = pl_module.engine.weight_version
+        self.q_proj = pl_module.engine.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+
+
 def test_lora_policy_pushes_merged_weights_to_the_engine():
-    module, _ = fit(2, lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2)
+    engine = EngineWeights()
+    module, _ = fit(2, [engine], lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2)
     base = module.policy.get_base_model()
     q_proj = base.model.layers[0].self_attn.q_proj
     merged = q_proj.base_layer.weight + q_proj.scaling["default"] * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight
-    engine_weight = module.engine.model.model.layers[0].self_attn.q_proj.weight
-    assert module.engine.weight_version == 2
+    assert engine.version == 2
     assert not torch.allclose(merged, q_proj.base_layer.weight)  # the adapter has learned something
-    torch.testing.assert_close(engine_weight, merged.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(engine.q_proj, merged.detach(), rtol=1e-5, atol=1e-6)

@@ -183,6 +183,8 @@ class GRPOModule(LightningModule):
             self.producer.close()
         if self.executor is not None:
             self.executor.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.policy.parameters() if p.requires_grad]
