@@ -135,8 +135,7 @@ class RecipeCLI(LightningCLI):
         parser.link_arguments("output_dir", "trainer.default_root_dir")
         if "seed" in inspect.signature(self.datamodule_class).parameters:
             parser.link_arguments("seed", "data.seed")
-        model_params = inspect.signature(self.model_class).parameters
-        if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in model_params:
+        if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in inspect.signature(self.model_class).parameters:
             parser.link_arguments("model.model_name_or_path", "data.tokenizer")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -148,7 +147,7 @@ class RecipeCLI(LightningCLI):
             ExportHuggingFace(output_dir),
             ModelCheckpoint(
                 dirpath=output_dir / "checkpoints",
-                filename="step{step}",
+                filename="{step}",
                 every_n_train_steps=config["checkpoint_every_n_steps"],
                 save_top_k=1,
                 save_last=True,
