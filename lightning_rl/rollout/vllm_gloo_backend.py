@@ -42,6 +42,8 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """The fields of `gloo_transport.ChunkManifest`, as the `/update_weights` route delivers them."""
+
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
@@ -76,7 +78,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer: /init_weight_transfer_engine was not called")
-        manifest = gloo_transport.ChunkManifest(update_info.names, update_info.dtype_names, update_info.shapes)
+        manifest = gloo_transport.ChunkManifest.from_dict(vars(update_info))
         try:
             # The whole chunk is received before anything is checked, so the stream stays in step on a refusal.
             received = gloo_transport.receive_chunk(self.group, manifest)
