@@ -1,0 +1,43 @@
+"""One GRPO step on two gloo ranks (Lightning DDP on CPU); each rank saves its rollouts and gradients.
+
+Run by test_grpo_ranks.py as `python tests/grpo_ddp_worker.py OUT_DIR LOSS_TYPE`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+import torch
+from grpo_helpers import DIGIT_REWARDS, FAST, GradientRecorder
+
+from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.modules.grpo import GRPOModule
+
+
+def main(out: Path, loss_type: str) -> None:
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS, "loss_type": loss_type, "max_grad_norm": None})
+    recorder = GradientRecorder()
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False,
+    )
+    trainer.fit(module, PromptDataModule(batch_size=2))
+    scored = module.last_trained
+    torch.save(
+        {
+            "grads": recorder.steps[0],
+            "rollouts": [asdict(r) for r in scored.rollouts],
+            "rewards": scored.rewards,
+            "prompts": [r["prompt"] for r in scored.records],
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
