@@ -126,7 +126,11 @@ class RolloutEngine(Protocol):
 
 
 # Engines selectable by short name; any other engine is given as a dotted path to its class.
-ENGINE_ALIASES = {"hf": "lightning_rl.rollout.hf:HFRolloutEngine"}
+ENGINE_ALIASES = {
+    "hf": "lightning_rl.rollout.hf:HFRolloutEngine",
+    "vllm": "lightning_rl.rollout.vllm_engine:VLLMEngine",
+    "vllm_server": "lightning_rl.rollout.vllm_server:VLLMServerEngine",
+}
 
 
 def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:

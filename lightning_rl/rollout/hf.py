@@ -104,7 +104,7 @@ class HFRolloutEngine:
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            top_k=None if greedy else sampling.top_k,  # 0 switches top-k off (transformers would default to 50)
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             output_logits=True,
