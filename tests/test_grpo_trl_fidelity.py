@@ -5,27 +5,17 @@ the same batch, padded and unpacked, for each loss type. TRL is a test-only refe
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer  # the reference: trl==1.16.0 from the dev extra
 
 from lightning_rl.losses import StepCounts
 from lightning_rl.models.tiny import tiny_model_path
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
-
-# With tests/ on sys.path, the tests/vllm folder reads as a namespace package `vllm`, which TRL takes
-# for an installed vLLM of unknown version and fails on; TRL is imported with that folder out of sight.
-_path = list(sys.path)
-sys.path[:] = [p for p in sys.path if not (Path(p) / "vllm" / "conftest.py").exists()]
-try:
-    from trl import GRPOConfig, GRPOTrainer  # the reference: trl==1.16.0 from the dev extra
-finally:
-    sys.path[:] = _path
 
 G = 3
 MAX_NEW = 6
