@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
-from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
+from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
@@ -16,67 +15,44 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 SAMPLING = SamplingConfig(max_new_tokens=10, seed=5)
 
 
-def process_group_exists(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    """An engine that starts its own `vllm serve` process and stops it, by PID, on close."""
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    engine = VLLMServerEngine(tiny_model_dir, server_options={
-        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": KV_CACHE_BYTES, "enforce_eager": True,
-        "log_path": log,
-    })
-    assert engine.url.startswith("http://127.0.0.1:")
-    pid = engine.server.pid
-    yield engine
-    engine.close()
-    assert not process_group_exists(pid)  # the server and its engine processes
-
-
-def test_generates_over_http_with_logprobs_of_transformers(engine, tiny_model_dir):
-    assert isinstance(engine, RolloutEngine)
-    batch = engine.generate(PROMPTS, n=3, sampling=SAMPLING)
+def test_generates_over_http_with_logprobs_of_transformers(server_engine, tiny_model_dir):
+    assert isinstance(server_engine, RolloutEngine)
+    batch = server_engine.generate(PROMPTS, n=3, sampling=SAMPLING)
     assert [len(group) for group in batch.groups] == [3, 3]
     assert all(r.weight_version == 0 and r.group_id == g for g, group in enumerate(batch.groups) for r in group)
     assert len({tuple(r.completion_ids) for r in batch.rollouts}) == 6
     assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
 
 
-def test_pushed_weights_reach_the_server_and_it_reports_their_version(engine, tiny_model_dir):
+def test_pushed_weights_reach_the_server_and_it_reports_their_version(server_engine, tiny_model_dir):
     trainer = load_trainer_model(tiny_model_dir)
-    before = engine.generate(PROMPTS, n=2, sampling=SAMPLING)
+    before = server_engine.generate(PROMPTS, n=2, sampling=SAMPLING)
     for version, chunk_bytes in ((1, 64 * 2**20), (2, 1)):  # one chunk for the model, then one per tensor
         perturb_(trainer, seed=version)
-        engine.chunk_bytes = chunk_bytes
-        engine.push_weights(iter_full_weights(trainer), version=version)
-        assert engine.weight_version == version
-        after = engine.generate(PROMPTS, n=2, sampling=SAMPLING)
+        server_engine.chunk_bytes = chunk_bytes
+        server_engine.push_weights(iter_full_weights(trainer), version=version)
+        assert server_engine.weight_version == version
+        after = server_engine.generate(PROMPTS, n=2, sampling=SAMPLING)
         # The version comes back from the server with every completion, not from the client's counter.
         assert all(r.weight_version == version for r in after.rollouts)
         assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
     assert max_logprob_error(trainer, before.rollouts) > 1e-2
 
 
-def test_a_push_during_generation_waits_for_it(engine, tiny_model_dir):
+def test_a_push_during_generation_waits_for_it(server_engine, tiny_model_dir):
     """Asynchronous mode: completions in flight finish on the weights they started with."""
-    models = {engine.weight_version: load_trainer_model(tiny_model_dir)}
-    for version in range(1, engine.weight_version + 1):
-        perturb_(models[engine.weight_version], seed=version)
-    new_version = engine.weight_version + 1
+    models = {server_engine.weight_version: load_trainer_model(tiny_model_dir)}
+    for version in range(1, server_engine.weight_version + 1):
+        perturb_(models[server_engine.weight_version], seed=version)
+    new_version = server_engine.weight_version + 1
     models[new_version] = load_trainer_model(tiny_model_dir)
     for version in range(1, new_version + 1):
         perturb_(models[new_version], seed=version)
     generated = []
     generating = threading.Thread(target=lambda: generated.extend(
-        engine.generate(PROMPTS * 2, n=2, sampling=SamplingConfig(max_new_tokens=32, seed=9)).rollouts))
+        server_engine.generate(PROMPTS * 2, n=2, sampling=SamplingConfig(max_new_tokens=32, seed=9)).rollouts))
     generating.start()
-    engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
+    server_engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
     generating.join()
     assert len(generated) == 8
     for rollout in generated:
@@ -84,21 +60,21 @@ def test_a_push_during_generation_waits_for_it(engine, tiny_model_dir):
         assert max_logprob_error(models[rollout.weight_version], [rollout]) < LOGPROB_ATOL
 
 
-def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(engine, tiny_model_dir):
+def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(server_engine, tiny_model_dir):
     trainer = load_trainer_model(tiny_model_dir)
-    version = engine.weight_version
+    version = server_engine.weight_version
     bad = [("model.layers.0.no_such_weight", trainer.model.norm.weight.detach())]
     with pytest.raises(VLLMServerError, match="no_such_weight"):
-        engine.push_weights(iter(bad), version=version + 1)
-    assert engine.weight_version == version
-    batch = engine.generate(PROMPTS[:1], n=1, sampling=SAMPLING)
+        server_engine.push_weights(iter(bad), version=version + 1)
+    assert server_engine.weight_version == version
+    batch = server_engine.generate(PROMPTS[:1], n=1, sampling=SAMPLING)
     assert batch.rollouts[0].completion_ids
 
 
-def test_grpo_training_keeps_the_server_on_the_trainer_weights(engine, tiny_model_dir, tmp_path):
+def test_grpo_training_keeps_the_server_on_the_trainer_weights(server_engine, tiny_model_dir, tmp_path):
     """A real Trainer runs GRPO with this server as its engine; afterwards the server samples from the trained policy.
 
-    Runs last: the module's own client takes over the server's transfer group.
+    Runs after the tests above: the module's own client takes over the server's transfer group.
     """
     import lightning as L
 
@@ -107,12 +83,12 @@ def test_grpo_training_keeps_the_server_on_the_trainer_weights(engine, tiny_mode
 
     module = GRPOModule(
         model_name_or_path=str(tiny_model_dir), num_generations=4, max_new_tokens=12, learning_rate=1e-3,
-        engine="lightning_rl.rollout.vllm_server:VLLMServerEngine", engine_options={"url": engine.url},
+        engine="lightning_rl.rollout.vllm_server:VLLMServerEngine", engine_options={"url": server_engine.url},
     )
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, PromptDataModule(path="toy", batch_size=2))
-    observer = VLLMServerEngine(url=engine.url)
+    observer = VLLMServerEngine(url=server_engine.url)
     batch = observer.generate(PROMPTS, n=2, sampling=SAMPLING)
     assert all(r.weight_version == trainer.global_step == 2 for r in batch.rollouts)
     assert max_logprob_error(module.policy.float().eval(), batch.rollouts) < LOGPROB_ATOL
