@@ -46,5 +46,5 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-test-vllm: vllm-venv
-	$(VLLM_PY) -m pytest -q tests/vllm_engines
+test-vllm: vllm-venv slurm
+	$(VLLM_PY) -m pytest -q tests/vllm_engines tests/slurm/test_grpo_layout.py

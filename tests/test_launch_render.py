@@ -67,7 +67,7 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
         assert flag in server
     assert "GlooWeightTransferWorker" in server and "log_path" not in server
-    assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=8" in script
+    assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=16 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine_options.url="$SERVER_URL" --model.engine_options.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)

@@ -95,6 +95,7 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
         "nodes": str(allocation.nodes),
         "trainer_nodes": str(layout.trainer_nodes),
         "inference_nodes": str(layout.inference_nodes),
+        "trainer_tasks": str(layout.world_size),
         "tasks_per_node": str(layout.devices_per_node),
         "gpu_request": gpu_request,
         "time": options.time,
