@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_rl.launch.model_census import ModelCensus
+from lightning_rl.launch.model_census import LayerCensus, ModelCensus
 
 GIB = 1024**3
 # Adam keeps two states per trainable parameter; peft keeps LoRA adapters in fp32.
@@ -92,20 +92,23 @@ class Plan:
         return max(self.compute_seconds, self.comm_seconds)
 
 
-def _gathered_params(census: ModelCensus, training: Training, unit_params: int, unit_experts: int) -> float:
+def _gathered_params(training: Training, unit: LayerCensus) -> float:
     """Parameters of one unit once all-gathered.
 
     Dense weights gather over every rank. With expert parallelism each rank owns its slice of the
     experts, gathered only over the ranks holding the same slice (none when every rank has its own).
     """
     expert_group = training.world_size // training.expert_parallel
-    experts = unit_experts / training.expert_parallel if expert_group > 1 else 0.0
-    return unit_params - unit_experts + experts
+    experts = unit.expert_params / training.expert_parallel if expert_group > 1 else 0.0
+    return unit.params - unit.expert_params + experts
 
 
-def _gathered_unit_bytes(census: ModelCensus, training: Training) -> float:
-    largest = max((_gathered_params(census, training, u.params, u.expert_params) for u in census.units), default=0.0)
-    return largest * training.compute_bytes
+def _largest_gathered_unit(census: ModelCensus, training: Training) -> tuple[str, float]:
+    """Name and gathered bytes of the biggest shard unit."""
+    if not census.units:
+        return "none", 0.0
+    unit = max(census.units, key=lambda u: _gathered_params(training, u))
+    return unit.name, _gathered_params(training, unit) * training.compute_bytes
 
 
 def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> Plan:
@@ -130,13 +133,13 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
         Term("Adam states, sharded", on_gpu * sharded_optimizer, f"{_count(trainable)} x {_ADAM_STATES} x {trainable_bytes} B {where}"),
     ]
 
-    unit = _gathered_unit_bytes(census, training)
+    unit_name, unit = _largest_gathered_unit(census, training)
     root = census.root_params * c
     plan.terms += [
         Term(
             "FSDP all-gather buffers",
             _UNITS_IN_FLIGHT * unit,
-            f"{_UNITS_IN_FLIGHT} units in flight x largest unit {unit / GIB:.2f} GiB"
+            f"{_UNITS_IN_FLIGHT} units in flight x largest unit ({unit_name}) {unit / GIB:.2f} GiB"
             + (f" (experts split {training.expert_parallel}-way)" if training.expert_parallel > 1 else ""),
         ),
         Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {c} B"),
@@ -185,7 +188,7 @@ def _plan_step_time(plan: Plan) -> None:
     flops = 6 * census.active_params * plan.tokens_per_step
     plan.compute_seconds = flops / (world * hardware.peak_tflops * 1e12 * hardware.mfu)
     # Units are resharded after forward, so every micro-batch gathers each one twice (forward, backward).
-    gathered = sum(_gathered_params(census, training, u.params, u.expert_params) for u in census.units)
+    gathered = sum(_gathered_params(training, unit) for unit in census.units)
     received = 2 * gathered * c * (1 - 1 / world) * training.accumulate_grad_batches
     plan.gather_seconds = received / (hardware.network_gbps / 8 * 1e9) if training.nodes > 1 else 0.0
     plan.all_to_all_seconds = 0.0
