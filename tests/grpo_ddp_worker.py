@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from grpo_helpers import DIGIT_REWARDS, FAST, GradientRecorder
+from grpo_helpers import FAST, LENGTH_REWARD, GradientRecorder
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
@@ -19,7 +19,7 @@ from lightning_rl.modules.grpo import GRPOModule
 
 def main(out: Path, loss_type: str) -> None:
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS, "loss_type": loss_type, "max_grad_norm": None})
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "loss_type": loss_type, "max_grad_norm": None})
     recorder = GradientRecorder()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,

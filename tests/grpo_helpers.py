@@ -12,8 +12,15 @@ from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 
 FAST = dict(num_generations=4, max_new_tokens=6, learning_rate=1e-3, log_rollouts_every_n_steps=0)
-# Dense enough that groups rarely tie: a random model emits digits now and then.
 DIGIT_REWARDS = [RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})]
+
+
+def text_length(completions: list[str], **_: Any) -> list[float]:
+    """A reward that differs between almost any two samples, so every group carries a gradient."""
+    return [len(c) / 10 for c in completions]
+
+
+LENGTH_REWARD = [RewardSpec("grpo_helpers:text_length")]
 
 
 class GradientRecorder(L.Callback):

@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from grpo_helpers import TrainedRollouts, fit
+from grpo_helpers import LENGTH_REWARD, TrainedRollouts, fit
+from transformers import AutoModelForCausalLM
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.rollout.base import Rollout
@@ -73,15 +74,17 @@ def test_queue_state_round_trips_and_resumes_after_the_queued_batches():
         RolloutProducer(lambda i: _batch(i, 0), lambda: 0, 1).load_state_dict(state, next_step=0)
 
 
-def test_max_staleness_zero_equals_the_synchronous_run():
+def test_max_staleness_zero_equals_the_synchronous_run(tiny_path):
     runs = []
     for async_mode in (False, True):
         trained = TrainedRollouts()
-        module, _ = fit(3, [trained], async_mode=async_mode, max_staleness=0)
+        module, _ = fit(3, [trained], async_mode=async_mode, max_staleness=0, rewards=LENGTH_REWARD)
         runs.append((trained.batches, {k: v.clone() for k, v in module.policy.state_dict().items()}))
     (sync_batches, sync_weights), (async_batches, async_weights) = runs
     assert async_batches == sync_batches
     assert [b["weight_version"] for b in async_batches] == [0, 1, 2]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    assert any(not torch.equal(initial[name], tensor) for name, tensor in sync_weights.items())  # it trained
     for name, tensor in sync_weights.items():
         torch.testing.assert_close(async_weights[name], tensor, rtol=0, atol=0)
 

@@ -8,7 +8,7 @@ import json
 import lightning as L
 import pytest
 import torch
-from grpo_helpers import GradientRecorder, TrainedRollouts, fit
+from grpo_helpers import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.models.loading import LoraSettings
@@ -25,7 +25,7 @@ def test_one_micro_batch_or_four_give_the_same_gradients(loss_type):
     for max_tokens in (None, 48):
         recorder, trained = GradientRecorder(), TrainedRollouts()
         module, trainer = fit(1, [recorder, trained], batch_size=4, loss_type=loss_type, max_grad_norm=None,
-                              max_tokens_per_row=max_tokens)
+                              max_tokens_per_row=max_tokens, rewards=LENGTH_REWARD)
         grads.append(recorder.steps[0])
         rows.append(float(trainer.callback_metrics["train/rows"]))
         rollouts.append(trained.batches[0]["completions"])
@@ -73,7 +73,7 @@ class EngineWeights(L.Callback):
 
 def test_lora_policy_pushes_merged_weights_to_the_engine():
     engine = EngineWeights()
-    module, _ = fit(2, [engine], lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2)
+    module, _ = fit(2, [engine], lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2, rewards=LENGTH_REWARD)
     base = module.policy.get_base_model()
     q_proj = base.model.layers[0].self_attn.q_proj
     merged = q_proj.base_layer.weight + q_proj.scaling["default"] * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight

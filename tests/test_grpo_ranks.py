@@ -52,6 +52,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
     seq_tokens = torch.bincount(packed.loss_seq, minlength=len(rollouts))
     (terms.loss * module.loss.token_weights(packed.loss_seq, seq_tokens, counts)).sum().backward()
 
+    assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())
     for name, param in module.named_parameters():
         torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-7)
