@@ -112,7 +112,8 @@ class VLLMEngine:
         return RolloutBatch(groups)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Reload in place; a tensor the model does not have raises `WeightNameError` and the version stays."""
+        """Reload in place. A tensor the model lacks raises `WeightNameError` and the version stays; tensors
+        before it in the stream are already loaded, so push the full weights again."""
         weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(named_tensors))
         with self._lock:
             try:

@@ -117,7 +117,11 @@ class VLLMServerEngine:
         return rollouts
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the weights to the server as `version`; on failure the version stays and the server keeps serving."""
+        """Stream the weights to the server as `version`.
+
+        A refused chunk (a name or shape the model lacks) is refused whole and the server keeps serving, with
+        the version unchanged; chunks it had already loaded stay loaded, so push the full weights again.
+        """
         with self._lock:
             group = self._group or self._open_group()
             self._post("pause?mode=wait")
