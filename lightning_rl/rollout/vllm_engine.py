@@ -2,7 +2,7 @@
 
 The engine and its worker live in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while it
 is built, and the "uni" executor), so `push_weights` hands the trainer's tensors to vLLM's in-place reload directly:
-nothing is copied through a socket or a file. vLLM spawns helper processes at start-up, so a script
+nothing is copied through a socket or a file. vLLM spawns processes of its own at start-up, so a script
 that builds this engine needs an `if __name__ == "__main__":` guard.
 """
 

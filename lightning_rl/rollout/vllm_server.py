@@ -140,7 +140,7 @@ class VLLMServerEngine:
             self._version = version
 
     def _while_posting(self, route: str, body: Any, action: Callable[[], T]) -> T:
-        """Post `route` from a helper thread while `action()` runs the collective the server waits in."""
+        """Post `route` from a side thread while `action()` runs the collective the server waits in."""
         reply = self._control.submit(self._post, route, body)
         try:
             result = action()
