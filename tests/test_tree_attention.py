@@ -150,7 +150,9 @@ def test_unpackable_layers_are_refused():
         enable_tree_attention(Qwen3NextForCausalLM(config))
 
 
-@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=5.0), LogitTransform(scale=0.3, softcap=2.0)])
+@pytest.mark.parametrize(
+    "transform", [LogitTransform(), LogitTransform(softcap=5.0), LogitTransform(scale=0.3, softcap=2.0, temperature=0.7), LogitTransform(temperature=1.5)]
+)
 def test_chunked_logprobs_equal_plain(transform):
     torch.manual_seed(0)
     h = torch.randn(50, 16, requires_grad=True)
@@ -160,6 +162,7 @@ def test_chunked_logprobs_equal_plain(transform):
     z = (h @ w.t()) * transform.scale
     if transform.softcap:
         z = transform.softcap * torch.tanh(z / transform.softcap)
+    z = z / transform.temperature
     plain = torch.log_softmax(z, -1).gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=0)
     g = torch.randn(50)
@@ -167,3 +170,26 @@ def test_chunked_logprobs_equal_plain(transform):
     ph, pw = torch.autograd.grad(plain, (h, w), g)
     torch.testing.assert_close(gh, ph, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gw, pw, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral_sliding"])
+def test_plain_calls_after_enabling_match_sdpa(family):
+    # The same model keeps generating and scoring padded batches once tree attention is enabled.
+    model = build(family)
+    reference = copy.deepcopy(model)
+    enable_tree_attention(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits)
+        torch.testing.assert_close(model(input_ids=ids[1:]).logits, reference(input_ids=ids[1:]).logits)  # no mask at all
+
+
+def test_temperature_divides_the_final_logits():
+    model = build("qwen3")
+    batch = pack_sequences(NESTED)
+    with torch.no_grad():
+        hot = packed_logprobs(model, batch, temperature=0.7)
+        logits = [model(input_ids=torch.tensor([s])).logits[0] / 0.7 for s in NESTED]
+    ref = torch.cat([torch.log_softmax(z[:-1], -1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1) for z, s in zip(logits, NESTED)])
+    torch.testing.assert_close(hot, ref, atol=1e-5, rtol=0)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lightning_rl.packing.tree import PackedBatch
 
@@ -202,6 +203,13 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
     return _BlockTreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
 
 
+def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
+    """Causal sliding-window mask for an unpadded call without a mask (queries are the last ``q_len`` keys)."""
+    q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k = torch.arange(kv_len, device=device)[None, :]
+    return ((k <= q) & (q - k < window))[None, None]
+
+
 def tree_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -216,6 +224,8 @@ def tree_attention_forward(
 ) -> tuple[Tensor, None]:
     """The function transformers calls from each attention layer (``attn_implementation="tree"``)."""
     if tree_attention is None:
+        if attention_mask is None and sliding_window is not None and query.shape[2] > 1:
+            attention_mask = _causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     for unsupported in ("s_aux", "sinks", "softcap"):
         if kwargs.get(unsupported) is not None:
@@ -226,7 +236,15 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def tree_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """The mask transformers builds before the layers run. A packed row carries no mask (its structure travels
+    in ``tree_attention``), so none is built for it, never an N x N one; a padded batch outside packing gets
+    SDPA's mask, so the same model generates and scores padded batches correctly."""
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, tree_mask)
 
 
 def enable_tree_attention(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.tiny import resolve_model_path
-from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, packed_hidden_states, token_entropy, token_logprobs
+from lightning_rl.ops.logprobs import lm_head_of, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
@@ -280,19 +280,9 @@ class GRPOModule(LightningModule):
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature."""
-        hidden = packed_hidden_states(model, packed)
-        h = hidden.index_select(0, packed.loss_positions)
-        weight, bias, transform = lm_head_of(model)
-        transform = self._tempered(transform)
-        chunk = self.hparams.chunk_size
-        logprobs = token_logprobs(h, weight, packed.loss_targets, chunk_size=chunk, transform=transform, bias=bias)
-        entropy = None
-        if with_entropy:
-            entropy = token_entropy(
-                h.detach(), weight.detach(), chunk_size=chunk, transform=transform,
-                bias=None if bias is None else bias.detach(),
-            )
-        return logprobs, entropy
+        temperature = self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
+        out = packed_logprobs(model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=temperature)
+        return out if with_entropy else (out, None)
 
     # -- pieces of the step --------------------------------------------------------------------
 
@@ -358,14 +348,6 @@ class GRPOModule(LightningModule):
         # A seed per (batch, turn) makes sampling independent of where and when it runs.
         seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn
         return SamplingConfig(**{**vars(self.sampling), "seed": seed})
-
-    def _tempered(self, transform: LogitTransform) -> LogitTransform:
-        temperature = self.hparams.temperature
-        if temperature in (0.0, 1.0):
-            return transform
-        if transform.softcap is not None:
-            raise ValueError("temperature != 1 with a logit soft-cap is not supported")
-        return LogitTransform(scale=transform.scale / temperature)
 
     def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
         prompt = record["prompt"]

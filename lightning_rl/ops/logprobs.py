@@ -17,18 +17,22 @@ from lightning_rl.packing.tree import PackedBatch
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """What a model does to ``h @ W.T`` before the softmax: ``cap * tanh(scale * z / cap)``, or ``scale * z``."""
+    """What turns ``z = h @ W.T`` into the logits sampled from: ``cap * tanh(scale * z / cap) / temperature``
+    (without a soft-cap, ``scale * z / temperature``)."""
 
     scale: float = 1.0
     softcap: float | None = None
+    temperature: float = 1.0
 
     @classmethod
-    def of(cls, config) -> LogitTransform:
+    def of(cls, config, temperature: float = 1.0) -> LogitTransform:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive to score tokens, got {temperature}")
         text = config.get_text_config()
         scale = float(getattr(text, "output_multiplier", None) or getattr(text, "logit_scale", None) or 1.0)
         if getattr(text, "logits_scaling", None):
             scale /= float(text.logits_scaling)
-        return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None))
+        return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None), temperature=temperature)
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform) -> tuple[Tensor, Tensor | None]:
@@ -37,9 +41,9 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: Log
     if transform.scale != 1.0:
         z = z * transform.scale
     if transform.softcap is None:
-        return z, None
+        return (z / transform.temperature if transform.temperature != 1.0 else z), None
     t = torch.tanh(z / transform.softcap)
-    return t * transform.softcap, t
+    return t * (transform.softcap / transform.temperature), t
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -72,8 +76,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             g.mul_(grad_out[s : s + ctx.chunk_size, None].float())
             if t is not None:
                 g.mul_(1 - t * t)
-            if ctx.transform.scale != 1.0:
-                g.mul_(ctx.transform.scale)
+            if ctx.transform.scale != 1.0 or ctx.transform.temperature != 1.0:
+                g.mul_(ctx.transform.scale / ctx.transform.temperature)
             g = g.to(h.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + ctx.chunk_size] = g @ weight
@@ -113,12 +117,12 @@ def token_entropy(
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
-def lm_head_of(model: nn.Module) -> tuple[Tensor, Tensor | None, LogitTransform]:
-    """The output projection's weight and bias, and what the model applies to its logits."""
+def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tensor | None, LogitTransform]:
+    """The output projection's weight and bias, and what the model (and sampling ``temperature``) does to its logits."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the output head is a {type(head).__name__}; the chunked LM head needs a plain linear layer (do not adapt lm_head with LoRA)")
-    return head.weight, head.bias, LogitTransform.of(model.config)
+    return head.weight, head.bias, LogitTransform.of(model.config, temperature)
 
 
 def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
@@ -150,12 +154,14 @@ def packed_logprobs(
     *,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    temperature: float = 1.0,
     attention_backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M]."""
+    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M], under
+    the sampling ``temperature``."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
     h = hidden.index_select(0, batch.loss_positions)
-    weight, bias, transform = lm_head_of(model)
+    weight, bias, transform = lm_head_of(model, temperature)
     logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
     if not return_entropy:
         return logprobs
