@@ -5,8 +5,8 @@ strategies are untested on hardware. ``cpu_static`` applies their shape policy o
 model with ``dynamic=False``, which recompiles on every new input shape as XLA does; a counting backend
 turns compiles into a number. A training step packs rows with the packing core, padded by
 ``resolve_pad_to_multiple_of(..., trainer)``, and scores every position (a data-independent shape).
-The same count through ``packed_logprobs`` (the SFT/GRPO path) is a strict xfail: tree attention
-still specialises on segment boundaries, so padding alone does not make its step static.
+The same count holds through ``packed_logprobs`` (the SFT/GRPO path) once tree attention takes its
+shape-only backend, which ``choose_backend`` picks wherever shapes must be static.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.ops.logprobs import packed_logprobs
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.strategies import StaticShapeCPUStrategy, resolve_pad_to_multiple_of
@@ -60,7 +61,8 @@ class PackedLMModule(L.LightningModule):
         row = pack_sequences(batch, share_prefixes=False, pad_to_multiple_of=multiple)
         self.row_lengths.append(row.input_ids.numel())
         if self.scoring == "packed_logprobs":
-            return -packed_logprobs(self.model, row).mean()
+            backend = choose_backend("auto", self.device, static_shapes=requires_static_shapes(self.trainer))
+            return -packed_logprobs(self.model, row, attention_backend=backend).mean()
         targets = torch.full_like(row.input_ids, -100)
         targets[row.loss_positions] = row.loss_targets
         logits = self.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits
@@ -114,11 +116,6 @@ def test_auto_padding_compiles_once_per_bucket_where_unpadded_compiles_per_lengt
     assert padded.compiles <= buckets * graphs_per_shape
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: tree attention plans its blocks from segment values in Python "
-    "(lightning_rl/attention/tree_attention.py, _plan_blocks), so every new row recompiles even when padded",
-)
 def test_packed_logprobs_step_compiles_once_per_bucket(tiny_model: Path) -> None:
     lengths = [9, 71, 130, 200]
     counter, module = train_and_count(tiny_model, "auto", scoring="packed_logprobs", lengths=lengths)

@@ -14,13 +14,16 @@ Backends (``TreeAttentionMeta.backend``):
   log-sum-exp (as ring attention does). Work grows with (query, ancestor key) pairs, saved memory with unique
   tokens: K/V are never gathered per path.
 - ``"flex"`` (CUDA): FlexAttention with a block-sparse mask built from ``subtree_end``; the same pairs, fused.
-- ``"dense"``: one SDPA call with an N x N boolean mask. A reference for tests only.
+- ``"dense"``: one SDPA call with an N x N boolean mask built from ``subtree_end`` by tensor ops only. The
+  reference in tests, and the path for XLA / Neuron, where a kernel call per segment would give every new row
+  a new graph; there, rows are padded to fixed lengths and the mask costs N^2 memory.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -31,11 +34,27 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from lightning_rl.packing.tree import PackedBatch
 
 ATTENTION_NAME = "tree"
+AttentionBackend = Literal["auto", "blocks", "flex", "dense"]
 BACKENDS = ("auto", "blocks", "flex", "dense")
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+_STATIC_SHAPE_DEVICES = ("xla", "neuron")
+
+
+def choose_backend(requested: str, device: torch.device, *, static_shapes: bool = False) -> str:
+    """``auto``: FlexAttention on CUDA, the shape-only dense path where shapes must be static (XLA, Neuron, or a
+    strategy that rehearses them), the block path elsewhere. Anything else is taken as given."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return requested
+    if static_shapes or device.type in _STATIC_SHAPE_DEVICES:
+        return "dense"
+    return "flex" if device.type == "cuda" else "blocks"
 
 
 @dataclass
@@ -51,16 +70,12 @@ class TreeAttentionMeta:
 
     @classmethod
     def from_batch(cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None) -> TreeAttentionMeta:
-        if backend not in BACKENDS:
-            raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
         device = device or batch.input_ids.device
-        if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "blocks"
         return cls(
             segments=[tuple(s) for s in batch.segments.tolist()],
             depth=batch.position_ids.to(device),
             subtree_end=batch.subtree_end.to(device),
-            backend=backend,
+            backend=choose_backend(backend, device),
         )
 
     @property

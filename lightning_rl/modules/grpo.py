@@ -29,12 +29,14 @@ from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import lm_head_of, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, load_engine
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.strategies.devices import requires_static_shapes
 from lightning_rl.strategies.weight_sync import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation
@@ -58,6 +60,8 @@ class GRPOModule(LightningModule):
         importance_sampling_cap: truncated importance sampling of trainer vs engine log-probs.
         kl_bias_correction: weight the KL term by the ratio (unbiased reverse-KL gradient).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
+        attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
+            fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``dense``).
         async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
         tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
@@ -94,6 +98,7 @@ class GRPOModule(LightningModule):
         max_grad_norm: float | None = 1.0,
         max_tokens_per_row: int | None = None,
         chunk_size: int = 1024,
+        attention_backend: AttentionBackend = "auto",
         async_mode: bool = False,
         max_staleness: int = 1,
         tools: Sequence[str] = (),
@@ -281,7 +286,11 @@ class GRPOModule(LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature."""
         temperature = self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
-        out = packed_logprobs(model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=temperature)
+        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=requires_static_shapes(self.trainer))
+        out = packed_logprobs(
+            model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=temperature,
+            attention_backend=backend,
+        )  # fmt: skip
         return out if with_entropy else (out, None)
 
     # -- pieces of the step --------------------------------------------------------------------
