@@ -134,6 +134,7 @@ class HFRolloutEngine:
                 if target is None:
                     raise KeyError(f"push_weights: the engine's model has no tensor named {name!r}")
                 target.copy_(tensor.detach().to(target.device, target.dtype))
+                del tensor  # let the stream free each gathered tensor before gathering the next
             self._version = version
 
     def close(self) -> None:
