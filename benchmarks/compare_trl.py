@@ -83,7 +83,7 @@ class Sizes:
     logprob_tokens: int = 8192
     logprob_vocab: int = 32768
     logprob_hidden: int = 128
-    rounds: int = 3
+    rounds: int = 5
     profile: bool = True  # one profiled step per side: where the time goes
 
 
@@ -334,6 +334,9 @@ class GRPOSides:
         self.module = GRPOModule(model_name_or_path=str(model_path), num_generations=sizes.grpo_group,
                                  max_new_tokens=sizes.grpo_completion_len, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2)  # fmt: skip
         self.module.configure_model()
+        # The module reads its device and static-shape needs from the Trainer it belongs to.
+        self.module.trainer = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
         theirs = copy.deepcopy(self.module.policy)  # same weights, copied before our forward switches the attention
         config = GRPOConfig(
             output_dir=str(workdir / "grpo"), loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.2,
@@ -544,7 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--parts", nargs="*", default=["sft", "grpo", "logprob_memory", "packing"])
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 gives steadier figures on a busy machine)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else Sizes()
     if args.rounds is not None:
         sizes = Sizes(**{**asdict(sizes), "rounds": args.rounds})
@@ -552,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
 
-    report: dict = {"command": "python benchmarks/compare_trl.py" + (" --quick" if args.quick else ""), "sizes": asdict(sizes), **environment()}
+    command = " ".join(["python benchmarks/compare_trl.py", *(sys.argv[1:] if argv is None else argv)])
+    report: dict = {"command": command, "sizes": asdict(sizes), **environment()}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model_path = build_model_folder(workdir / "model", sizes)
