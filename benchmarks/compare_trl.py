@@ -25,6 +25,7 @@ import argparse
 import copy
 import datetime
 import json
+import logging
 import os
 import platform
 import random
@@ -556,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = Sizes(**{**asdict(sizes), "rounds": args.rounds})
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's device banner
     warnings.filterwarnings("ignore")
 
     command = " ".join(["python benchmarks/compare_trl.py", *(sys.argv[1:] if argv is None else argv)])
