@@ -107,21 +107,22 @@ def test_every_bundled_recipe_parses(recipe, capsys):
 
 def test_tiny_recipe_end_to_end_learns(tmp_path):
     out = tmp_path / "run"
-    overrides = [f"--output_dir={out}", "--trainer.max_steps=120", "--trainer.val_check_interval=60", "--model.eval_generations=100"]
+    # A shortened run (100 steps of 512-token rows); the full recipe learns further (see README).
+    overrides = [f"--output_dir={out}", "--trainer.max_steps=100", "--data.max_tokens=512", "--trainer.val_check_interval=50", "--model.eval_generations=100"]
     done = subprocess.run(
         [sys.executable, "-m", "lightning_rl.cli", "run", str(TINY_RECIPE), *overrides],
         cwd=REPO, env=os.environ, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == "sft" and summary["steps"] == 120 and summary["packing"] == "tree"
+    assert summary["task"] == "sft" and summary["steps"] == 100 and summary["packing"] == "tree"
     assert summary["last_10_mean_loss"] < 0.4 * summary["first_10_mean_loss"], summary
     # Held-out answers decoded greedily from scratch; chance is about 1 in 10 for `max`, 1 in 100 for `add`.
-    assert summary["heldout_exact_match"] >= 0.3, summary
+    assert summary["heldout_exact_match"] >= 0.25, summary
     for key in ("tokens_per_s", "peak_memory_mb", "wall_seconds", "first_loss", "last_loss"):
         assert summary[key] > 0
     assert (out / "hf" / "model.safetensors").exists() and (out / "checkpoints" / "last.ckpt").exists()
-    assert yaml.safe_load((out / "recipe.yaml").read_text())["trainer"]["max_steps"] == 120
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["trainer"]["max_steps"] == 100
 
 
 def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
