@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    """Folder of the embedded tiny model and tokenizer (built once per test session)."""
+    """Folder of the embedded tiny model and tokenizer (built once per pytest run)."""
     from lightning_rl.models.tiny import tiny_model_path
 
     return tiny_model_path()
