@@ -37,12 +37,10 @@ ATTENTION_NAME = "tree"
 AttentionBackend = Literal["auto", "blocks", "flex", "dense"]
 BACKENDS = ("auto", "blocks", "flex", "dense")
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_STATIC_SHAPE_DEVICES = ("xla", "neuron")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-_STATIC_SHAPE_DEVICES = ("xla", "neuron")
 
 
 def choose_backend(requested: str, device: torch.device, *, static_shapes: bool = False) -> str:
@@ -124,28 +122,32 @@ def _additive(visible: Tensor, dtype: torch.dtype, device) -> Tensor:
 
 
 class _BlockTreeAttention(torch.autograd.Function):
-    """Attention over a list of (query interval, key interval) blocks with a log-sum-exp merge.
+    """Attention over (query interval, key interval) blocks merged by log-sum-exp.
 
     q is [1, Hq, N, D], k/v [1, Hkv, N, D]; K/V heads are repeated per block only, so what is saved for the
-    backward is the unrepeated K/V.
+    backward is the unrepeated K/V. Self blocks (a segment over itself) tile the row, so they are written
+    first and the blocks of ancestor segments are merged into them.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale):
         groups = q.shape[1] // k.shape[1]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        for qs, qe, ks, ke, causal, mask in blocks:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for qs, qe, ks, ke, causal, mask in sorted(blocks, key=lambda b: b[0] != b[2]):
             kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
             o, l = _flash_cpu(q[:, :, qs:qe], kb, vb, 0.0, causal, attn_mask=mask, scale=scale)
-            if mask is not None:  # the kernel reports lse 0 for rows that see no key in this block
+            if qs == ks:  # a self block: every row sees at least itself
+                out[:, :, qs:qe] = o
+                lse[:, :, qs:qe] = l
+                continue
+            if mask is not None:  # the kernel reports lse 0 for rows that see no key of this block
                 l = l.masked_fill(torch.isinf(mask).all(-1), float("-inf"))
-            prev_l = lse[:, :, qs:qe]
-            new_l = torch.logaddexp(prev_l, l)
-            keep = torch.exp(prev_l - new_l).nan_to_num_(0.0)
-            add = torch.exp(l - new_l).nan_to_num_(0.0)
-            out[:, :, qs:qe] = out[:, :, qs:qe] * keep[..., None] + o.float() * add[..., None]
-            lse[:, :, qs:qe] = new_l
+            prev = lse[:, :, qs:qe]
+            new = torch.logaddexp(prev, l)
+            o = o.float().mul_((l - new).exp_().unsqueeze(-1))
+            out[:, :, qs:qe].mul_((prev - new).exp_().unsqueeze(-1)).add_(o)
+            lse[:, :, qs:qe] = new
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.scale = blocks, scale
@@ -156,18 +158,23 @@ class _BlockTreeAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         groups, hkv = q.shape[1] // k.shape[1], k.shape[1]
         grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for qs, qe, ks, ke, causal, mask in ctx.blocks:
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        for qs, qe, ks, ke, causal, mask in sorted(ctx.blocks, key=lambda b: b[0] != b[2]):
             kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
             gq, gk, gv = _flash_cpu_backward(
                 grad_out[:, :, qs:qe], q[:, :, qs:qe], kb, vb,
                 out[:, :, qs:qe], lse[:, :, qs:qe], 0.0, causal, attn_mask=mask, scale=ctx.scale,
             )  # fmt: skip
-            dq[:, :, qs:qe] += gq
-            dk[:, :, ks:ke] += gk.unflatten(1, (hkv, groups)).sum(2)
-            dv[:, :, ks:ke] += gv.unflatten(1, (hkv, groups)).sum(2)
+            if groups > 1:
+                gk, gv = gk.unflatten(1, (hkv, groups)).sum(2), gv.unflatten(1, (hkv, groups)).sum(2)
+            if qs == ks:  # self blocks tile the row: they initialise every gradient row
+                dq[:, :, qs:qe], dk[:, :, ks:ke], dv[:, :, ks:ke] = gq, gk, gv
+            else:
+                dq[:, :, qs:qe] += gq
+                dk[:, :, ks:ke] += gk
+                dv[:, :, ks:ke] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

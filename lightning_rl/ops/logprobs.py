@@ -64,25 +64,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        transform = ctx.transform
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], ctx.chunk_size):
-            h = hidden[s : s + ctx.chunk_size]
-            logits, t = _chunk_logits(h, weight, bias, ctx.transform)
-            # d logp(target) / d logits = onehot(target) - softmax(logits)
-            g = torch.exp(logits - lse[s : s + ctx.chunk_size, None]).neg_()
-            g.scatter_add_(1, targets[s : s + ctx.chunk_size, None], torch.ones_like(g[:, :1]))
-            g.mul_(grad_out[s : s + ctx.chunk_size, None].float())
+            rows = slice(s, s + ctx.chunk_size)
+            h, go = hidden[rows], grad_out[rows].float()
+            logits, t = _chunk_logits(h, weight, bias, transform)
+            # d logp(target) / d logits = onehot(target) - softmax(logits), scaled by the upstream gradient
+            g = logits.sub_(lse[rows, None]).exp_().mul_(-go[:, None])
+            g.scatter_add_(1, targets[rows, None], go[:, None])
             if t is not None:
-                g.mul_(1 - t * t)
-            if ctx.transform.scale != 1.0 or ctx.transform.temperature != 1.0:
-                g.mul_(ctx.transform.scale / ctx.transform.temperature)
+                g.mul_(t.mul_(t).neg_().add_(1))
+            if transform.scale != 1.0 or transform.temperature != 1.0:
+                g.mul_(transform.scale / transform.temperature)
             g = g.to(h.dtype)
             if grad_hidden is not None:
-                grad_hidden[s : s + ctx.chunk_size] = g @ weight
+                torch.mm(g, weight, out=grad_hidden[rows])
             if grad_weight is not None:
-                grad_weight += (g.t() @ h).float()
+                grad_weight.addmm_(g.t(), h) if h.dtype == torch.float32 else grad_weight.add_((g.t() @ h).float())
             if grad_bias is not None:
                 grad_bias += g.float().sum(0)
         to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
