@@ -17,11 +17,12 @@ venv: $(VENV)/.installed
 run: venv
 	$(VENV)/bin/lightning-rl run $(RECIPE)
 
-test: venv slurm
+test: venv slurm vllm-venv
 	$(PY) -m pytest -q tests
+	$(VLLM_PY) -m pytest -q tests/vllm_engines tests/slurm/test_grpo_layout.py
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(VLLM_VENV) outputs
 
 # The SLURM tests bring up a two-node cluster on this machine from Debian's packages (installing needs root).
 SLURM_PACKAGES := slurmctld slurmd slurm-client

@@ -102,11 +102,12 @@ class RunSummary(Callback):
 
 
 class ExportHuggingFace(Callback):
-    """At the end of a completed fit, writes OUTPUT_DIR/hf through the module's ``export_hf``."""
+    """At the end of a completed fit, writes OUTPUT_DIR/hf through the module's ``export_hf`` (every rank takes
+    part, so sharded weights can be gathered; the global-zero rank writes)."""
 
     def __init__(self, output_dir: str | Path) -> None:
         self.path = Path(output_dir) / "hf"
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.is_global_zero and hasattr(pl_module, "export_hf"):
-            pl_module.export_hf(self.path)
+        if hasattr(pl_module, "export_hf"):
+            pl_module.export_hf(self.path, write=trainer.is_global_zero)

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
 from lightning_rl.data.sft import DataError
+from lightning_rl.strategies import check_strategy_request
 
 TASKS = {
     "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
@@ -140,6 +141,9 @@ class RecipeCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init
+        strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
+        if isinstance(strategy, str):  # refuse what this machine cannot run before Lightning starts on it
+            check_strategy_request(strategy, accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
         callbacks = list(config["trainer"].get("callbacks") or [])
         callbacks += [

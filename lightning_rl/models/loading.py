@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerBase
 
 from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.strategies.weight_sync import iter_adapter_weights, iter_full_weights
 
 
 @dataclass
@@ -25,8 +27,14 @@ class LoraSettings:
 
 
 def load_causal_lm(name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False) -> torch.nn.Module:
-    """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa", dtype=torch.float32)
+    """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given.
+
+    Multimodal checkpoints whose text model has no causal-LM class of its own (Muse Spark Open) load through
+    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``."""
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+    model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if lora is None:
@@ -71,19 +79,40 @@ def generate_greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     return texts
 
 
-def export_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path, *, mode: Literal["model", "merged", "adapter"]) -> Path:
+def export_hf(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    *,
+    mode: Literal["model", "merged", "adapter"],
+    write: bool = True,
+) -> Path:
     """Write a from_pretrained folder at ``path``: built beside it, then swapped in whole.
 
-    A LoRA model is merged into its base (in place, so call this last) unless ``mode`` is ``adapter``.
+    A LoRA model is merged into its base (in place, so call this last) unless ``mode`` is ``adapter``. A sharded
+    (FSDP2) model is gathered one tensor at a time: every rank must call this, and only the one with ``write``
+    writes.
     """
+    if mode == "adapter" and not isinstance(model, PeftModel):
+        raise ValueError("export 'adapter' needs a LoRA model")
+    state_dict = None
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        stream = iter_adapter_weights(model) if mode == "adapter" else iter_full_weights(model, merge_lora=True)
+        if write:
+            state_dict = {name: tensor.cpu() for name, tensor in stream}
+        else:
+            for _ in stream:  # every rank joins every gather
+                pass
+        if mode != "adapter" and isinstance(model, PeftModel):
+            model = model.get_base_model()
+    elif mode != "adapter" and isinstance(model, PeftModel):
+        model = model.merge_and_unload()
     path = Path(path)
+    if not write:
+        return path
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    if mode != "adapter" and isinstance(model, PeftModel):
-        model = model.merge_and_unload()
-    elif mode == "adapter" and not isinstance(model, PeftModel):
-        raise ValueError("export 'adapter' needs a LoRA model")
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     if path.exists():
         old = path.with_name(path.name + ".old")

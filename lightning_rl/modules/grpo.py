@@ -286,7 +286,8 @@ class GRPOModule(LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature."""
         temperature = self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
-        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=requires_static_shapes(self.trainer))
+        static = self._trainer is not None and requires_static_shapes(self.trainer)
+        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
         out = packed_logprobs(
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=temperature,
             attention_backend=backend,
@@ -436,9 +437,9 @@ class GRPOModule(LightningModule):
             "max_staleness_seen": max((b["index"] - b["weight_version"] for b in self.trained_batches), default=0),
         }
 
-    def export_hf(self, path: Path) -> Path:
+    def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return export_hf(self.policy, self.tokenizer, path, mode="model" if self.lora is None else "merged")
+        return export_hf(self.policy, self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = {

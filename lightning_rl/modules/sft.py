@@ -17,7 +17,9 @@ from transformers import get_scheduler
 
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import packed_logprobs
+from lightning_rl.strategies.devices import requires_static_shapes
 from lightning_rl.packing.tree import PackedBatch
 
 
@@ -32,6 +34,8 @@ class SFTModule(LightningModule):
         export: the final Hugging Face folder: ``model`` (full model), ``merged`` (LoRA merged into the
             base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
+        attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
+            SDPA blocks elsewhere), ``blocks``, ``flex`` or ``dense``.
         eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.
         max_new_tokens: decode budget for those generations.
     """
@@ -47,6 +51,7 @@ class SFTModule(LightningModule):
         lora: LoraSettings | None = None,
         export: Literal["model", "merged", "adapter"] | None = None,
         chunk_size: int = 1024,
+        attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
         eval_generations: int = 0,
         max_new_tokens: int = 32,
@@ -56,15 +61,22 @@ class SFTModule(LightningModule):
         if export in ("merged", "adapter") and lora is None:
             raise ValueError(f"model.export={export!r} needs a model.lora block")
         self.model: torch.nn.Module | None = None
+        # LightningCLI hands the block over as a mapping; keep the typed settings, not the hparams copy
+        self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.export = export or ("merged" if lora is not None else "model")
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = load_causal_lm(self.hparams.model_name_or_path, lora=self.hparams.lora, gradient_checkpointing=self.hparams.gradient_checkpointing)
+            self.model = load_causal_lm(self.hparams.model_name_or_path, lora=self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing)
             self.model.train()  # from_pretrained returns the model in eval mode
 
+    def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        static = self._trainer is not None and requires_static_shapes(self.trainer)
+        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
+        return packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size, attention_backend=backend)
+
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
-        logprobs = packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size)
+        logprobs = self._logprobs(batch)
         loss = -logprobs.mean()
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/packing_ratio", batch.packing_ratio)
@@ -75,7 +87,7 @@ class SFTModule(LightningModule):
         return {"loss": loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
-        logprobs = packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size)
+        logprobs = self._logprobs(batch)
         self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -114,6 +126,6 @@ class SFTModule(LightningModule):
             metrics.update(self.exact_match_accuracy(cases, datamodule.tokenizer))
         return metrics
 
-    def export_hf(self, path: Path) -> Path:
+    def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
-        return export_hf(self.model, self.trainer.datamodule.tokenizer, path, mode=self.export)
+        return export_hf(self.model, self.trainer.datamodule.tokenizer, path, mode=self.export, write=write)
