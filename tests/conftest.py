@@ -6,9 +6,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-TOY_TRAIN = REPO / "lightning_rl" / "assets" / "toy" / "train.jsonl"
-TOY_HELDOUT = REPO / "lightning_rl" / "assets" / "toy" / "heldout.jsonl"
 
 # Set before anything imports lightning_rl, so subprocesses started by tests share the same build.
 os.environ.setdefault("LIGHTNING_RL_CACHE", tempfile.mkdtemp(prefix="lightning-rl-test-cache-"))

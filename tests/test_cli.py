@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from toy_paths import REPO
 from lightning_rl import cli
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"

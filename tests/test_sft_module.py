@@ -10,7 +10,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TOY_HELDOUT, TOY_TRAIN
+from toy_paths import TOY_HELDOUT, TOY_TRAIN
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
 from lightning_rl.data.sft import SFTDataModule
 from lightning_rl.models.loading import LoraSettings

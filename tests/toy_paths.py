@@ -1,0 +1,8 @@
+"""Where the repository and its bundled toy data are, for tests (a module of its own: `conftest` is not
+importable by name once several folders have one)."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOY_TRAIN = REPO / "lightning_rl" / "assets" / "toy" / "train.jsonl"
+TOY_HELDOUT = REPO / "lightning_rl" / "assets" / "toy" / "heldout.jsonl"
