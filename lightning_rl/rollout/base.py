@@ -133,6 +133,27 @@ ENGINE_ALIASES = {
 }
 
 
+def check_request(prompts: Sequence[Sequence[int]], n: int) -> None:
+    """What every engine refuses before generating."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
+class RequestSeeds:
+    """An engine's per-call seeds: the request's own seed, else one derived from the engine seed and the call
+    count, so a run with the same seed samples the same rollouts."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.calls = seed, 0
+
+    def next(self, sampling: SamplingConfig) -> int:
+        seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self.calls
+        self.calls += 1
+        return seed
+
+
 def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:
     """Build an engine by alias or `pkg.module:Class`; the class is called as
     `Class(model_name_or_path, **options)`."""

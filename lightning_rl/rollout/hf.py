@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
+from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
 
 
 class HFRolloutEngine:
@@ -44,8 +44,7 @@ class HFRolloutEngine:
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        self.seed = seed
-        self._calls = 0
+        self._seeds = RequestSeeds(seed)
         self._version = 0
         self._lock = threading.Lock()
 
@@ -58,14 +57,10 @@ class HFRolloutEngine:
         return next(self.model.parameters()).device
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_request(prompts, n)
         with self._lock:
             version = self._version
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
-            self._calls += 1
+            seed = self._seeds.next(sampling)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
+from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -72,8 +72,7 @@ class VLLMEngine:
             else:
                 os.environ[_IN_PROCESS] = previous
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
-        self.seed = seed
-        self._calls = 0
+        self._seeds = RequestSeeds(seed)
         self._version = 0
         self._lock = threading.Lock()
 
@@ -84,13 +83,9 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
         from vllm import SamplingParams
 
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_request(prompts, n)
         with self._lock:
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
-            self._calls += 1
+            seed = self._seeds.next(sampling)
             version = self._version
             # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
             params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n), detokenize=False)

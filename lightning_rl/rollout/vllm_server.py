@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import Rollout, RolloutBatch, SamplingConfig
+from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of
 from lightning_rl.rollout.vllm_server_process import VLLMServer, VLLMServerError, request_json
 
@@ -60,7 +60,6 @@ class VLLMServerEngine:
         # A server started here must not outlive this process, even if close is never called.
         self._stop_server = weakref.finalize(self, self.server.stop) if self.server is not None else None
         self.url = (url or self.server.url).rstrip("/")
-        self.seed = seed
         self.transfer_address = transfer_address
         self.chunk_bytes = chunk_bytes
         self.request_timeout = request_timeout
@@ -70,7 +69,7 @@ class VLLMServerEngine:
         self._control = ThreadPoolExecutor(1, thread_name_prefix="vllm-weights")
         self._group: torch.distributed.ProcessGroupGloo | None = None
         self._version = 0
-        self._calls = 0
+        self._seeds = RequestSeeds(seed)
         self._lock = threading.Lock()
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
@@ -81,13 +80,9 @@ class VLLMServerEngine:
         return self._version
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_request(prompts, n)
         with self._lock:
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
-            self._calls += 1
+            seed = self._seeds.next(sampling)
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
             {"token_ids": list(prompt), "sampling_params": sampling_params_of(sampling, n, seed + g * n),
