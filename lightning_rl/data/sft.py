@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl.models.tiny import resolve_model_path
-from lightning_rl.packing.tree import PackedBatch, pack_sequences
+from lightning_rl.packing.tree import PackedBatch, PrefixCounter, count_unique_tokens, pack_sequences
 from lightning_rl.strategies.devices import resolve_pad_to_multiple_of
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -222,26 +222,6 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
     return examples, cases
 
 
-class _TrieCounter:
-    """Unique tokens of a growing set of sequences (the size of their prefix tree)."""
-
-    def __init__(self) -> None:
-        self.root: dict[int, dict] = {}
-
-    def added_by(self, seq: Sequence[int]) -> int:
-        node, shared = self.root, 0
-        for token in seq:
-            if token not in node:
-                break
-            node, shared = node[token], shared + 1
-        return len(seq) - shared
-
-    def add(self, seq: Sequence[int]) -> None:
-        node = self.root
-        for token in seq:
-            node = node.setdefault(token, {})
-
-
 def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: int, packing: Packing) -> list[list[int]]:
     """Group example indices, in ``order``, into rows that fit ``max_tokens`` forwarded tokens.
 
@@ -252,13 +232,13 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
         return [[i] for i in order]
     batches: list[list[int]] = []
     current: list[int] = []
-    trie, used = _TrieCounter(), 0
+    trie, used = PrefixCounter(), 0
     for i in order:
         ids = examples[i].input_ids
         cost = trie.added_by(ids) if packing == "tree" else len(ids)
         if current and used + cost > max_tokens:
             batches.append(current)
-            current, trie, used = [], _TrieCounter(), 0
+            current, trie, used = [], PrefixCounter(), 0
             cost = len(ids)
         current.append(i)
         used += cost
@@ -343,14 +323,8 @@ class _ExampleDataset(Dataset):
 def prefix_sharing_ratio(examples: Sequence[Example], max_tokens: int) -> float:
     """Flat over unique tokens of the first tree-packed rows: how much tree packing would save."""
     rows = plan_batches(examples, range(min(len(examples), 256)), max_tokens, "tree")
-    flat = unique = 0
-    for row in rows:
-        trie = _TrieCounter()
-        for i in row:
-            ids = examples[i].input_ids
-            flat += len(ids)
-            unique += trie.added_by(ids)
-            trie.add(ids)
+    flat = sum(len(examples[i].input_ids) for row in rows for i in row)
+    unique = sum(count_unique_tokens([examples[i].input_ids for i in row]) for row in rows)
     return flat / max(unique, 1)
 
 

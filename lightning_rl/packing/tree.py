@@ -203,7 +203,35 @@ def _segments(starts: list[int], depth: Tensor, total: int) -> Tensor:
     return torch.tensor(list(zip(starts, ends, sub_end)), dtype=torch.long).reshape(-1, 3)
 
 
+class PrefixCounter:
+    """The size of the prefix tree of a growing set of sequences, one sequence at a time."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, dict] = {}
+        self.size = 0
+
+    def added_by(self, seq: Sequence[int]) -> int:
+        """Tokens ``seq`` would add to the tree."""
+        node, shared = self.root, 0
+        for token in seq:
+            if token not in node:
+                break
+            node, shared = node[token], shared + 1
+        return len(seq) - shared
+
+    def add(self, seq: Sequence[int]) -> int:
+        """Add ``seq``; returns the tokens it added."""
+        added = self.added_by(seq)
+        node = self.root
+        for token in seq:
+            node = node.setdefault(token, {})
+        self.size += added
+        return added
+
+
 def count_unique_tokens(sequences: Sequence[Sequence[int]]) -> int:
-    """Tokens a prefix tree of ``sequences`` holds, without building it."""
-    seqs = sorted(list(map(int, s)) for s in sequences)
-    return sum(len(s) - (_common_prefix(p, s) if k else 0) for k, (p, s) in enumerate(zip([[]] + seqs, seqs)))
+    """Tokens a prefix tree of ``sequences`` holds, without building the layout."""
+    counter = PrefixCounter()
+    for seq in sequences:
+        counter.add(seq)
+    return counter.size
