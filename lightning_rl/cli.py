@@ -180,6 +180,16 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
+def resume_path(output_dir: Path, ckpt_path: str | None) -> str | None:
+    """``last`` is the newest of ``checkpoints/last.ckpt`` and the ``hpc_ckpt_N.ckpt`` Lightning writes on SLURM's
+    requeue signal (SIGUSR1); Lightning itself would take ``last.ckpt`` even when the requeue checkpoint is newer."""
+    if ckpt_path != "last":
+        return ckpt_path
+    candidates = [output_dir / "checkpoints" / "last.ckpt", *output_dir.glob("hpc_ckpt_*.ckpt")]
+    found = [path for path in candidates if path.exists()]
+    return str(max(found, key=lambda path: path.stat().st_mtime_ns)) if found else "last"
+
+
 def run(recipe: str, overrides: list[str]) -> int:
     task = read_task(Path(recipe), overrides)
     model_class, datamodule_class = task_classes(task)
@@ -205,7 +215,7 @@ def run(recipe: str, overrides: list[str]) -> int:
             raise
         raise RecipeError(f"{recipe}: {_one_line(e)}") from None
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config["ckpt_path"])
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=resume_path(Path(cli.config["output_dir"]), cli.config["ckpt_path"]))
     except SIGTERMException:
         # Lightning stops cleanly on SIGTERM but exits 0; a stopped run must not look finished.
         print(f"stopped by SIGTERM after step {cli.trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)

@@ -26,3 +26,11 @@ def tiny_tokenizer(tiny_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_muse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of a tiny Muse Spark Open (the classes of the 816B model at toy size), built once per pytest run."""
+    from slurm.tiny_muse import build_tiny_muse
+
+    return build_tiny_muse(tmp_path_factory.mktemp("tiny-muse") / "model")

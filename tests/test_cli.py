@@ -135,3 +135,20 @@ def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"upload later with `wandb sync {out}/wandb/offline-run-*`" in done.stderr
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_resume_last_takes_the_newest_of_last_and_the_requeue_checkpoint(tmp_path):
+    assert cli.resume_path(tmp_path, "last") == "last"  # nothing saved yet: Lightning starts fresh and says so
+    assert cli.resume_path(tmp_path, None) is None
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    last.write_text("step 4")
+    assert cli.resume_path(tmp_path, "last") == str(last)
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"  # written by Lightning on SIGUSR1, after last.ckpt
+    hpc.mkdir()  # a sharded checkpoint is a folder
+    os.utime(last, ns=(1, 1))
+    assert cli.resume_path(tmp_path, "last") == str(hpc)
+    os.utime(hpc, ns=(1, 1))
+    os.utime(last, ns=(2, 2))
+    assert cli.resume_path(tmp_path, "last") == str(last)
+    assert cli.resume_path(tmp_path, str(hpc)) == str(hpc)

@@ -3,10 +3,7 @@
 The script the launcher renders for recipes/tiny/muse_lora_sft.yaml is submitted with sbatch, runs
 one task per node, and trains with a process group spanning both. A second job is requeued
 mid-run (as a preemption does) and must resume from its checkpoint to the same final weights.
-
-The SFT path cannot yet load a `muse_spark` model (an image-text-to-text class), read a recipe's
-`lora` block under LightningCLI, or run the chunked LM head under FSDP2, so for now the jobs train
-the embedded tiny Qwen3 with DDP through the same rendered script (INTERIM_OVERRIDES).
+Both jobs train the recipe as written: a tiny Muse Spark Open, LoRA, FSDP2 across the two nodes.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from slurm.cluster import PARTITION, LocalSlurmCluster, slurm_installed
 RECIPE = "recipes/tiny/muse_lora_sft.yaml"
 MAX_STEPS = 16
 CHECKPOINT_EVERY = 4
-INTERIM_OVERRIDES = ["--model.lora=null", "--trainer.strategy=ddp"]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
@@ -52,7 +48,7 @@ def submit(cluster: LocalSlurmCluster, run_dir: Path, model_dir: Path, monkeypat
         "slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "1", "--partition", PARTITION,
         "--log-dir", str(run_dir / "logs"), "--script", str(run_dir / "job.sbatch"), "--",
         f"--output_dir={run_dir / 'out'}", f"--model.model_name_or_path={model_dir}",
-        f"--trainer.max_steps={MAX_STEPS}", f"--checkpoint_every_n_steps={CHECKPOINT_EVERY}", *INTERIM_OVERRIDES,
+        f"--trainer.max_steps={MAX_STEPS}", f"--checkpoint_every_n_steps={CHECKPOINT_EVERY}",
     ])  # fmt: skip
     assert code == 0
     (job_id,) = set(cluster.run("squeue", "-h", "-o", "%i").stdout.split()) - before
@@ -92,11 +88,11 @@ def requeue_after_first_checkpoint(cluster: LocalSlurmCluster, job_id: str, run_
 
 
 @pytest.fixture(scope="module")
-def runs(cluster: LocalSlurmCluster, tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+def runs(cluster: LocalSlurmCluster, tiny_muse_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """Two jobs side by side on the same two nodes: one left alone, one requeued mid-run."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("uninterrupted", "requeued")}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        jobs = {name: submit(cluster, run_dir, tiny_path, monkeypatch) for name, run_dir in dirs.items()}
+        jobs = {name: submit(cluster, run_dir, tiny_muse_path, monkeypatch) for name, run_dir in dirs.items()}
     requeue_after_first_checkpoint(cluster, jobs["requeued"], dirs["requeued"])
     states = {name: cluster.wait_for(job_id, DONE, timeout=120) for name, job_id in jobs.items()}
     return {name: (dirs[name], jobs[name], states[name]) for name in jobs}

@@ -11,8 +11,6 @@ from pathlib import Path
 
 SCRIPT = "launch/torchrun.sh"
 RECIPE = "recipes/tiny/muse_lora_sft.yaml"
-# Same stand-in as the SLURM tests (see tests/test_launch_slurm.py): the embedded Qwen3 under DDP.
-INTERIM_OVERRIDES = ["--model.lora=null", "--trainer.strategy=ddp"]
 
 
 def _env(**values: str) -> dict[str, str]:
@@ -25,10 +23,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_processes_train_one_run(tmp_path: Path, tiny_path: Path) -> None:
+def test_two_processes_train_one_run(tmp_path: Path, tiny_muse_path: Path) -> None:
     env = _env(NNODES="1", NODE_RANK="0", GPUS_PER_NODE="2", MASTER_PORT=str(_free_port()), LOG_DIR=str(tmp_path / "logs"))
-    args = [f"--output_dir={tmp_path / 'out'}", f"--model.model_name_or_path={tiny_path}", "--trainer.max_steps=2"]
-    done = subprocess.run(["bash", SCRIPT, RECIPE, *args, *INTERIM_OVERRIDES], env=env, capture_output=True, text=True, timeout=240)
+    args = [f"--output_dir={tmp_path / 'out'}", f"--model.model_name_or_path={tiny_muse_path}", "--trainer.max_steps=2"]
+    done = subprocess.run(["bash", SCRIPT, RECIPE, *args], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["world_size"] == 2

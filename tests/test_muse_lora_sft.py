@@ -1,4 +1,4 @@
-"""The tiny Muse Spark Open recipe: LoRA SFT with FSDP2 on two CPU processes, exported merged."""
+"""The tiny Muse Spark Open recipe: LoRA SFT with FSDP2 on two CPU processes, exported merged, resumed exactly."""
 
 import json
 import os
@@ -9,27 +9,68 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent / "slurm"))
-from tiny_muse import build_tiny_muse  # noqa: E402
+from lightning_rl.models.loading import LoraSettings, load_causal_lm
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def test_muse_lora_sft_on_two_fsdp2_processes(tmp_path):
-    base = build_tiny_muse(tmp_path / "tiny-muse")
-    out = tmp_path / "run"
+def run_recipe(base: Path, out: Path, port: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml",
-        "--trainer.devices=2", "--trainer.max_steps=3", f"--model.model_name_or_path={base}", f"--output_dir={out}",
+        "--trainer.devices=2", f"--model.model_name_or_path={base}", f"--output_dir={out}", *extra,
     ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": "29731"})
+    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "hf" / "model.safetensors")
+
+
+def test_lora_adapts_the_text_model_only(tiny_muse_path):
+    # The towers never see a gradient in text SFT: adapters there would be dead weight with no optimizer state.
+    model = load_causal_lm(str(tiny_muse_path), lora=LoraSettings(target_modules=list(TARGETS)))
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".language_model." in name and "lora_" in name for name in trainable), trainable[:5]
+    assert any("vision_tower" in name and name.endswith("q_proj.weight") for name, _ in model.named_parameters())
+
+
+def test_muse_lora_sft_on_two_fsdp2_processes(tiny_muse_path, tmp_path):
+    out = tmp_path / "run"
+    done = run_recipe(tiny_muse_path, out, 29731, "--trainer.max_steps=3")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
 
     # Gathered from the shards and merged: only the LoRA-targeted projections moved, and they did.
-    before, after = load_file(base / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    before, after = load_file(tiny_muse_path / "model.safetensors"), exported(out)
     assert set(after) <= set(before)
     moved = {name for name in after if not torch.equal(after[name], before[name])}
     assert moved and all(any(t in name for t in TARGETS) for name in moved), sorted(moved)[:5]
+
+
+def test_fsdp2_lora_resume_matches_uninterrupted_run(tiny_muse_path, tmp_path):
+    """SIGTERM after step 5 of 8 on both ranks, resume from the sharded step-4 checkpoint: bit-identical weights."""
+    steps = ("--trainer.max_steps=8", "--checkpoint_every_n_steps=4")
+    reference = run_recipe(tiny_muse_path, tmp_path / "reference", 29732, *steps)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    killed_dir = tmp_path / "killed"
+    sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=5")
+    killed = run_recipe(tiny_muse_path, killed_dir, 29733, *steps, *sigterm)
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert not (killed_dir / "hf").exists()
+
+    resumed = run_recipe(tiny_muse_path, killed_dir, 29734, *steps, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    assert json.loads((killed_dir / "summary.json").read_text())["micro_batches"] == 4  # steps 5..8 only
+
+    want, got = exported(tmp_path / "reference"), exported(killed_dir)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+    initial = load_file(tiny_muse_path / "model.safetensors")
+    assert any(not torch.equal(initial[name], got[name]) for name in initial)

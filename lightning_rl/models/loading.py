@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +45,26 @@ def load_causal_lm(name_or_path: str, *, lora: LoraSettings | None = None, gradi
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        exclude_modules=_outside_text_model(model),
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def _outside_text_model(model: torch.nn.Module) -> str | None:
+    """A peft ``exclude_modules`` pattern for the towers of a multimodal model trained on text alone.
+
+    Adapters there would never receive a gradient: they would only cost memory, and their optimizer state
+    would never be created, which a sharded checkpoint then cannot restore."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    towers: list[str] = []
+    node, path = model, []
+    for part in next(name for name, module in model.named_modules() if module is decoder).split("."):
+        if not part:
+            break
+        towers += [".".join([*path, name]) for name, child in node.named_children() if name != part and child is not head]
+        node, path = getattr(node, part), [*path, part]
+    return rf"^({'|'.join(map(re.escape, towers))})\..*" if towers else None
 
 
 @torch.no_grad()
