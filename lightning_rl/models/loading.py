@@ -11,8 +11,9 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerBase
 
+from lightning_rl.models import sharded_loading
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.strategies.weight_sync import iter_adapter_weights, iter_full_weights
 
@@ -27,15 +28,27 @@ class LoraSettings:
     target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
 
 
-def load_causal_lm(name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False) -> torch.nn.Module:
+def load_causal_lm(
+    name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False, defer_weights: bool = False
+) -> torch.nn.Module:
     """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given.
 
     Multimodal checkpoints whose text model has no causal-LM class of its own (Muse Spark Open) load through
-    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``."""
+    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``.
+
+    With ``defer_weights`` the model is built on the meta device and reads nothing yet: the FSDP2 strategy
+    loads each rank's shards after sharding it (``lightning_rl.models.sharded_loading``)."""
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
-    model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    if defer_weights:
+        with torch.device("meta"):
+            model = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        if (Path(path) / "generation_config.json").exists():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        sharded_loading.defer_weights(model, path)
+    else:
+        model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if lora is None:

@@ -28,6 +28,7 @@ from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
+from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import lm_head_of, packed_logprobs
@@ -156,10 +157,11 @@ class GRPOModule(LightningModule):
             return
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.policy = load_causal_lm(path, lora=self.lora)
+        sharded = self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
+        self.policy = load_causal_lm(path, lora=self.lora, defer_weights=sharded)
         self.policy.train()
         if self.hparams.beta != 0.0:
-            self.reference = load_causal_lm(path).eval().requires_grad_(False)
+            self.reference = load_causal_lm(path, defer_weights=sharded).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:

@@ -17,6 +17,7 @@ from transformers import get_scheduler
 
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import packed_logprobs
 from lightning_rl.strategies.devices import requires_static_shapes
@@ -67,7 +68,10 @@ class SFTModule(LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = load_causal_lm(self.hparams.model_name_or_path, lora=self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing)
+            sharded = self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
+            self.model = load_causal_lm(
+                self.hparams.model_name_or_path, lora=self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing, defer_weights=sharded
+            )
             self.model.train()  # from_pretrained returns the model in eval mode
 
     def _logprobs(self, batch: PackedBatch) -> torch.Tensor:

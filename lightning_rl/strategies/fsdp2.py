@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -22,6 +22,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_rl.models.sharded_loading import ShardedLoadReport
 
 MixedPrecision = Literal["bf16", "fp16", "fp32"] | MixedPrecisionPolicy | None
 
@@ -70,6 +73,11 @@ def find_decoder_layers(module: nn.Module, layer_classes: Collection[str] | None
     return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
+def loads_weights_sharded(strategy: object) -> bool:
+    """Whether models built under ``strategy`` should defer their weights until it has sharded them."""
+    return isinstance(strategy, FSDP2Strategy) and strategy.sharded_loading
+
+
 def _uncovered_parameters(module: nn.Module, covered: Iterable[nn.Module]) -> list[str]:
     inside = {id(p) for root in covered for p in root.parameters()}
     return [name for name, p in module.named_parameters() if id(p) not in inside]
@@ -87,6 +95,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: free each gathered decoder layer after forward (saves memory, costs a second
             gather in backward); the model roots always stay gathered until backward.
         layer_classes: class names of the shard units, when a model's ``_no_split_modules`` is not right.
+        sharded_loading: SFT and GRPO build their models on the meta device and each rank reads only its own
+            shards from the checkpoint after sharding, so no rank ever holds a whole model. Off: every rank
+            loads the whole model first, then shards it.
     """
 
     strategy_name = "fsdp2"
@@ -99,6 +110,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         layer_classes: Collection[str] | None = None,
+        sharded_loading: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -115,6 +127,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.layer_classes = tuple(layer_classes) if layer_classes else None
+        self.sharded_loading = sharded_loading
+        self.load_reports: list[ShardedLoadReport] = []
 
     @override
     def setup_environment(self) -> None:
@@ -158,6 +172,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             # LM head that runs after the model's forward (packed_logprobs) reads the full weight.
             fully_shard(root, reshard_after_forward=False, **kwargs)
 
+    def load_deferred(self, module: nn.Module) -> None:
+        """Allocate the shards of models built on the meta device and read them from their checkpoints."""
+        from lightning_rl.models.sharded_loading import load_deferred_weights, pending_checkpoint  # models import strategies
+
+        for root in find_model_roots(module):
+            if pending_checkpoint(root) is not None:
+                root.to_empty(device=self.root_device)
+                self.load_reports.append(load_deferred_weights(root, seed=torch.initial_seed() % 2**31))
+
     @override
     def setup(self, trainer: Trainer) -> None:
         """Shard, then place the model and build optimizers in the parent's order.
@@ -169,6 +192,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         assert isinstance(module, LightningModule)
         self.shard(module)
+        self.load_deferred(module)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

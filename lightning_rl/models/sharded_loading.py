@@ -1,0 +1,145 @@
+"""Weights read straight into FSDP2 shards: no rank ever holds the whole model, not even while loading.
+
+``load_causal_lm(..., defer_weights=True)`` builds the model (and its LoRA adapter) on the meta device and
+records where its checkpoint lies. The FSDP2 strategy shards it, allocates each rank's shards, and calls
+``load_deferred_weights``: every rank opens the safetensors files (memory-mapped) and reads only the rows of
+each parameter that its shard holds. Replicated tensors (persistent buffers) are read whole; they are small.
+LoRA factors, which no checkpoint holds, are initialised as peft does, from a seed shared by every rank.
+Non-persistent buffers (rotary frequencies) are rebuilt by transformers' own ``initialize_weights``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_rl.strategies.weight_sync import hf_name
+
+_PENDING = "_lightning_rl_checkpoint"
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint on disk does not hold a tensor the model needs, or holds it in another shape."""
+
+
+@dataclass
+class ShardedLoadReport:
+    """What one rank read: the number of tensors, of elements, and the time it took."""
+
+    tensors: int = 0
+    elements_read: int = 0
+    elements_in_model: int = 0
+    seconds: float = 0.0
+
+
+def defer_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Mark a meta-device model as waiting for the weights in ``checkpoint`` (a from_pretrained folder)."""
+    setattr(model, _PENDING, Path(checkpoint))
+
+
+def pending_checkpoint(model: nn.Module) -> Path | None:
+    """The folder a deferred model still has to load, or None."""
+    return getattr(_hf_model(model), _PENDING, None)
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def _checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, through the index of a sharded checkpoint when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise CheckpointMismatchError(f"{folder}: no model.safetensors or model.safetensors.index.json to load sharded")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _local_rows(tensor: DTensor) -> tuple[int, int]:
+    """The first row and row count of this rank's shard: FSDP2 splits dim 0 as ``torch.chunk`` does."""
+    if tuple(tensor.placements) != (Shard(0),):
+        raise CheckpointMismatchError(f"sharded loading reads dim-0 shards only, got placements {tensor.placements}")
+    rows, ranks = tensor.shape[0], tensor.device_mesh.size()
+    per_rank = math.ceil(rows / ranks) if rows else 0
+    start = min(tensor.device_mesh.get_local_rank() * per_rank, rows)
+    return start, tensor.to_local().shape[0]
+
+
+def _lora_init(name: str, local: Tensor, full_shape: torch.Size, rows: tuple[int, int], seed: int) -> None:
+    """peft's default LoRA init (A: Kaiming-uniform, B: zeros), the same full tensor on every rank."""
+    if ".lora_B." in name:
+        local.zero_()
+        return
+    generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+    full = torch.empty(full_shape)
+    bound = 1.0 / math.sqrt(full_shape[1])  # kaiming_uniform_(a=sqrt(5)) on a (out, in) weight
+    full.uniform_(-bound, bound, generator=generator)
+    local.copy_(full[rows[0] : rows[0] + rows[1]])
+
+
+def _tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Parameters (each shared one once) and persistent buffers, by module name."""
+    seen: set[int] = set()
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in seen or (not isinstance(tensor, nn.Parameter) and name not in persistent):
+            continue
+        seen.add(id(tensor))
+        yield name, tensor
+
+
+@torch.no_grad()
+def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadReport:
+    """Fill a sharded, allocated model from the checkpoint ``defer_weights`` recorded; returns this rank's reads."""
+    hf = _hf_model(model)
+    folder: Path = getattr(hf, _PENDING)
+    start = time.perf_counter()
+    files = _checkpoint_files(folder)
+    report = ShardedLoadReport()
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+        for name, tensor in _tensors(hf):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            rows = _local_rows(tensor) if isinstance(tensor, DTensor) else (0, tensor.shape[0] if tensor.dim() else 0)
+            report.elements_in_model += tensor.numel()
+            if ".lora_A." in name or ".lora_B." in name:
+                _lora_init(name, local, tensor.shape, rows, seed)
+            else:
+                key = hf_name(name)
+                if key not in files:
+                    raise CheckpointMismatchError(f"{folder}: the checkpoint has no tensor '{key}' (model parameter '{name}')")
+                if files[key] not in handles:
+                    handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
+                stored = handles[files[key]].get_slice(key)
+                if tuple(stored.get_shape()) != tuple(tensor.shape):
+                    raise CheckpointMismatchError(
+                        f"{files[key]}: '{key}' has shape {tuple(stored.get_shape())}, the model expects {tuple(tensor.shape)}"
+                    )
+                if tensor.dim() == 0:
+                    part = stored[...]
+                else:
+                    part = stored[rows[0] : rows[0] + rows[1]]
+                local.copy_(part)
+                report.elements_read += part.numel()
+            tensor._is_hf_initialized = True
+            report.tensors += 1
+    hf.initialize_weights()  # only what is not marked above: the non-persistent buffers
+    delattr(hf, _PENDING)
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,87 @@
+"""Weights loaded straight into FSDP2 shards equal a plain from_pretrained, and no rank reads the whole model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_rl.models.loading import LoraSettings, load_causal_lm
+from lightning_rl.models.sharded_loading import CheckpointMismatchError, load_deferred_weights, pending_checkpoint
+from lightning_rl.strategies.weight_sync import hf_name
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def run_with_check(base: Path, out: Path, port: int, *extra: str) -> dict:
+    cmd = [
+        str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml", "--trainer.devices=2",
+        "--trainer.max_steps=1", f"--model.model_name_or_path={base}", f"--output_dir={out / 'run'}",
+        "--trainer.callbacks+=sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {
+        "diff": json.loads((out / "check" / "load-diff.json").read_text()),
+        "ranks": [json.loads((out / "check" / f"load-rank-{r}.json").read_text()) for r in (0, 1)],
+    }
+
+
+def checkpoint_elements(folder: Path) -> int:
+    return sum(t.numel() for t in load_file(folder / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("case", ["muse_lora", "qwen3_full"])
+def test_two_ranks_each_read_their_half(case, tiny_muse_path, tiny_path, tmp_path):
+    base, extra = (tiny_muse_path, ()) if case == "muse_lora" else (tiny_path, ("--model.lora=null",))
+    result = run_with_check(base, tmp_path, 29741 if case == "muse_lora" else 29742, *extra)
+    diff = result["diff"]
+    assert diff["compared"] > 0 and diff["differ"] == [] and diff["missing"] == [], diff
+    if case == "muse_lora":
+        assert diff["lora_A"] > 0 and diff["lora_A_zero"] == []  # adapters initialised, not left empty
+    total = checkpoint_elements(base)
+    reads = [report["elements_read"] for (report,) in result["ranks"]]
+    # Each rank reads its half of every sharded tensor, plus the small replicated buffers; never the whole model.
+    assert all(0.4 * total < r < 0.6 * total for r in reads), (reads, total)
+    assert sum(reads) < 1.1 * total
+
+
+def test_one_process_deferred_load_equals_from_pretrained(tiny_muse_path):
+    model = load_causal_lm(str(tiny_muse_path), lora=LoraSettings(target_modules=["q_proj"]), defer_weights=True)
+    assert pending_checkpoint(model) is not None and all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    report = load_deferred_weights(model)
+    assert report.elements_read == checkpoint_elements(tiny_muse_path) and pending_checkpoint(model) is None
+    reference = load_causal_lm(str(tiny_muse_path))
+    base = model.get_base_model()
+    got = {hf_name(name): tensor for name, tensor in base.state_dict().items() if ".lora_" not in name}
+    assert got.keys() == reference.state_dict().keys()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    for (name, buffer), (_, want) in zip(base.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(buffer, want, rtol=0, atol=0, msg=name)  # rotary frequencies rebuilt
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_named(tiny_path, tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for item in tiny_path.iterdir():
+        (folder / item.name).symlink_to(item)
+    weights = load_file(tiny_path / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    (folder / "model.safetensors").unlink()
+    save_file({**weights, name: weights[name][:-1].contiguous()}, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_causal_lm(str(folder), defer_weights=True).to_empty(device="cpu")
+    with pytest.raises(CheckpointMismatchError, match=rf"model.safetensors: '{name}' has shape \(\d+, \d+\), the model expects"):
+        load_deferred_weights(model)
+    del weights[name]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_causal_lm(str(folder), defer_weights=True).to_empty(device="cpu")
+    with pytest.raises(CheckpointMismatchError, match=f"the checkpoint has no tensor '{name}'"):
+        load_deferred_weights(model)
