@@ -1,6 +1,7 @@
 """Tree-packed forward/backward equals running every sequence on its own (fp32), on several model families."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 from tiny_models import VOCAB, build
 from transformers import AutoModelForCausalLM
 
-from lightning_rl.attention.tree_attention import TreeAttentionMeta, attend_tree, enable_tree_attention
+from lightning_rl.attention import tree_attention
+from lightning_rl.attention.tree_attention import TreeAttentionMeta, attend_tree, choose_backend, enable_tree_attention, tree_blocks
 from lightning_rl.ops.logprobs import LogitTransform, packed_logprobs, token_logprobs
 from lightning_rl.packing import pack_sequences
 
@@ -89,11 +91,13 @@ def test_nested_forks_exact(family, tol):
 
 
 def test_sliding_window_counts_distance_along_the_path():
-    # Window 3 on branches of 10+ tokens: both the self blocks and the ancestor blocks are cut by the window.
+    # Window 3 on branches of 10+ tokens: the self blocks get a band, and the subtrees below segments see only
+    # suffixes of them (queries grouped by depth), so both kinds of block are cut by the window.
     model = build("mistral_sliding")
     meta = TreeAttentionMeta.from_batch(pack_sequences(NESTED))
-    plan = meta.plan(3, torch.float32)
-    assert any(mask is not None for *_, mask in plan)
+    assert any(call.mask is not None for call in meta.plan(3, torch.float32) if not call.merge)
+    spans, levels = tree_blocks(meta.segments, meta.depth, 3)
+    assert any(ks not in {s for s, _ in spans} for blocks in levels for _, ks, _ in blocks)
     assert_exact(model, NESTED)
 
 
@@ -109,14 +113,106 @@ def test_branch_isolation_is_bit_exact(qwen3):
     assert not torch.equal(again[~other], base[~other])
 
 
-def test_backends_agree_on_forward():
+def attention_and_grads(meta, q, k, v, grad_out, window):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = attend_tree(q, k, v, meta, window=window)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+def assert_matches_dense(batch, meta, windows=(None, 3)):
+    """Output and q/k/v gradients of ``meta``'s backend against the dense mask, grouped-query heads."""
     torch.manual_seed(0)
-    batch = pack_sequences(NESTED)
-    meta = {b: TreeAttentionMeta.from_batch(batch, backend=b) for b in ("blocks", "dense")}
+    dense = TreeAttentionMeta.from_batch(batch, backend="dense")
     n = batch.num_tokens
-    q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
-    for window in (None, 3):
-        torch.testing.assert_close(attend_tree(q, k, v, meta["blocks"], window=window), attend_tree(q, k, v, meta["dense"], window=window), atol=1e-6, rtol=0)
+    q, k, v, grad_out = (torch.randn(1, n, h, 8).transpose(1, 2) for h in (4, 2, 2, 4))  # the projections' layout
+    for window in windows:
+        ours, ref = attention_and_grads(meta, q, k, v, grad_out, window), attention_and_grads(dense, q, k, v, grad_out, window)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"window {window}, {name}: {m}")
+
+
+BRANCHY = [[3, 4, 5] + [6 + i] * (1 + i % 5) + [20 + i] * (i % 3) for i in range(12)]  # short branches, many lengths
+
+
+@pytest.mark.parametrize("seqs,pad", [(NESTED, None), (NESTED, 16), (BRANCHY, None)])
+def test_blocks_backend_matches_dense(seqs, pad):
+    # Segments of different lengths share padded kernel calls, equal ones are read as strided views.
+    batch = pack_sequences(seqs, pad_to_multiple_of=pad)
+    assert_matches_dense(batch, TreeAttentionMeta.from_batch(batch, backend="blocks"), windows=(None, 2, 3, 6))
+
+
+def emulated_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch's ``varlen_attn`` on CPU: one call of the CPU SDPA kernel per sequence. Same signature and outputs
+    (lse [H, T]); the window is bottom-right aligned, as the flash kernel does."""
+    outs, lses = [], []
+    for q, k, v, mask in _sequences(query, key, value, cu_seq_q, cu_seq_k, window_size):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def emulated_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state, scale=None, window_size=None):
+    """The backward op of ``varlen_attn`` on CPU, with the signature of ``torch.ops.torch_attn._varlen_attn_backward``."""
+    grads = ([], [], [])
+    per_query = list(zip(_split(grad_out, cu_seq_q), _split(out, cu_seq_q), lse.split(cu_seq_q.diff().tolist(), dim=1)))
+    for (q, k, v, mask), (g, o, l) in zip(_sequences(query, key, value, cu_seq_q, cu_seq_k, window_size), per_query):
+        parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, l[None], 0.0, False, attn_mask=mask, scale=scale)
+        for acc, part in zip(grads, parts):
+            acc.append(part[0].transpose(0, 1))
+    return tuple(torch.cat(acc) for acc in grads)
+
+
+def _split(x, cu):
+    return [part.transpose(0, 1)[None] for part in x.split(cu.diff().tolist())]
+
+
+def _sequences(query, key, value, cu_q, cu_k, window_size):
+    left, right = window_size
+    for q, k, v in zip(_split(query, cu_q), _split(key, cu_k), _split(value, cu_k)):
+        i, j = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2], torch.arange(k.shape[2])[None, :]
+        visible = ((j <= i + right) if right >= 0 else True) & ((j >= i - left) if left >= 0 else True)
+        mask = None if visible is True else torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        yield q, k, v, mask
+
+
+def varlen_meta(batch):
+    """A ``varlen`` meta on CPU (``from_batch`` refuses it there: the real kernel is CUDA-only)."""
+    return TreeAttentionMeta([tuple(s) for s in batch.segments.tolist()], batch.position_ids, batch.subtree_end, backend="varlen")
+
+
+def emulated_varlen():
+    return mock.patch.object(tree_attention, "_varlen_kernels", lambda: (emulated_varlen_attn, emulated_varlen_backward))
+
+
+@pytest.mark.parametrize("seqs,pad", [(NESTED, None), (NESTED, 16), (BRANCHY, None)])
+def test_varlen_backend_plan_against_an_emulated_kernel(seqs, pad):
+    # The real varlen kernel is CUDA-only and is NOT run here. What runs is everything around it: the cu_seqlens and
+    # gathered rows of each call, the log-sum-exp merge and the backward through it, with a CPU emulation of
+    # varlen_attn and of its backward op in place of the kernel.
+    batch = pack_sequences(seqs, pad_to_multiple_of=pad)
+    meta = varlen_meta(batch)
+    with emulated_varlen():
+        assert_matches_dense(batch, meta, windows=(None, 2, 3, 6))
+    calls = meta.plan(None, torch.float32)
+    assert len(calls) == 1 + len(tree_blocks(meta.segments, meta.depth, None)[1])  # one self call, one per level
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests(), st.sampled_from([None, 1, 2, 4]))
+def test_kernel_backends_match_dense_on_random_forests(forest, window):
+    batch = pack_sequences(forest[0])
+    assert_matches_dense(batch, TreeAttentionMeta.from_batch(batch, backend="blocks"), windows=(window,))
+    with emulated_varlen():  # the CPU emulation again: the varlen kernel itself is not run here
+        assert_matches_dense(batch, varlen_meta(batch), windows=(window,))
+
+
+def test_varlen_is_chosen_only_when_asked_and_only_on_cuda():
+    assert choose_backend("auto", torch.device("cuda")) == "flex"
+    assert choose_backend("varlen", torch.device("cuda")) == "varlen"
+    with pytest.raises(ValueError, match="CUDA"):
+        choose_backend("varlen", torch.device("cpu"))
 
 
 def test_flex_backend_forward_matches_on_cpu():

@@ -7,12 +7,25 @@ still generates.
 
 Backends (``TreeAttentionMeta.backend``):
 
-- ``"blocks"`` (CPU, any device): the tree is cut into chain segments. A segment's queries attend causally to
-  the segment itself, and the whole subtree below a segment (a contiguous interval in depth-first order)
-  attends to that segment's keys with no mask at all. Each block is one fused SDPA-kernel call; partial results
-  merge through their log-sum-exp, and the backward reuses the kernel's own backward with the merged output and
-  log-sum-exp (as ring attention does). Work grows with (query, ancestor key) pairs, saved memory with unique
-  tokens: K/V are never gathered per path.
+- ``"blocks"`` (CPU): the tree is cut into chain segments (``tree_blocks``). A segment's queries attend causally
+  to the segment itself, and the whole subtree below a segment (a contiguous interval in depth-first order)
+  attends to that segment's keys with no mask at all. Blocks of about one shape share one call of the CPU flash
+  kernel, right-padded into a [blocks, H, length, D] batch: self blocks of about one length in one causal call
+  (valid queries never see the padded keys), the ancestor blocks of one level (their queries are disjoint) in
+  one call with padded keys masked. Each call merges into the output through its log-sum-exp, and the backward
+  reuses the kernel's own backward with the merged output and log-sum-exp (as ring attention does). The index
+  tensors are built once per row and shared by every layer; evenly spaced rows are read as strided views,
+  others gathered. Under a sliding window a query sees a suffix of each ancestor segment, so queries are
+  grouped by that suffix and still no ancestor block needs a mask. Work grows with (query, ancestor key) pairs,
+  saved memory with unique tokens: K/V are never gathered per path.
+- ``"varlen"`` (CUDA, fp16/bf16, chosen only when asked): the same blocks through torch's varlen flash kernel
+  (``torch.nn.attention.varlen``), with nothing padded: one causal call whose sequences are the segments
+  (cu_seqlens at the segment starts, a sliding window as the kernel's own), then one call per level over the
+  (subtree queries gathered, segment keys) pairs, merged by log-sum-exp as above. ``varlen_attn``'s autograd drops
+  the gradient of the lse it returns, so its registered backward op is called directly with the merged output
+  and lse. Gathered queries live for one call only, at most one copy of each row per level. The planning runs on
+  CPU in tests against an emulation of the kernel; the kernel itself is not run or measured here, so ``auto`` keeps
+  FlexAttention on CUDA.
 - ``"flex"`` (CUDA): FlexAttention with a block-sparse mask built from ``subtree_end``; the same pairs, fused.
 - ``"dense"``: one SDPA call with an N x N boolean mask built from ``subtree_end`` by tensor ops only. The
   reference in tests, and the path for XLA / Neuron, where a kernel call per segment would give every new row
@@ -34,8 +47,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from lightning_rl.packing.tree import PackedBatch
 
 ATTENTION_NAME = "tree"
-AttentionBackend = Literal["auto", "blocks", "flex", "dense"]
-BACKENDS = ("auto", "blocks", "flex", "dense")
+AttentionBackend = Literal["auto", "blocks", "varlen", "flex", "dense"]
+BACKENDS = ("auto", "blocks", "varlen", "flex", "dense")
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _STATIC_SHAPE_DEVICES = ("xla", "neuron")
 
@@ -48,6 +61,8 @@ def choose_backend(requested: str, device: torch.device, *, static_shapes: bool 
     strategy that rehearses them), the block path elsewhere. Anything else is taken as given."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "varlen" and device.type != "cuda":
+        raise ValueError(f"the 'varlen' tree attention runs torch's CUDA varlen kernel; on {device.type} use 'blocks'")
     if requested != "auto":
         return requested
     if static_shapes or device.type in _STATIC_SHAPE_DEVICES:
@@ -80,11 +95,16 @@ class TreeAttentionMeta:
     def num_tokens(self) -> int:
         return int(self.depth.numel())
 
-    def plan(self, window: int | None, dtype: torch.dtype) -> list[tuple[int, int, int, int, bool, Tensor | None]]:
-        """Blocks (q_start, q_end, k_start, k_end, causal, additive mask or None) for one sliding window."""
+    def plan(self, window: int | None, dtype: torch.dtype) -> list[_PaddedCall] | list[_VarlenCall]:
+        """The kernel calls of the ``blocks`` or ``varlen`` backend for one sliding window, in order."""
         key = (window, dtype)
         if key not in self._plans:
-            self._plans[key] = _plan_blocks(self.segments, self.depth.cpu(), window, dtype, self.depth.device)
+            spans, levels = tree_blocks(self.segments, self.depth.cpu(), window)
+            n, device = self.num_tokens, self.depth.device
+            if self.backend == "varlen":
+                self._plans[key] = _varlen_calls(spans, levels, n, window, device)
+            else:
+                self._plans[key] = _padded_calls(spans, levels, n, window, dtype, device)
         return self._plans[key]
 
     def dense_mask(self, window: int | None) -> Tensor:
@@ -95,87 +115,282 @@ class TreeAttentionMeta:
         return mask
 
 
-def _plan_blocks(segments, depth: Tensor, window, dtype, device):
-    blocks = []
+AncestorBlock = tuple[Tensor, int, int]  # (query rows, first key row, end of the keys)
+
+
+def tree_blocks(segments, depth: Tensor, window: int | None) -> tuple[list[tuple[int, int]], list[list[AncestorBlock]]]:
+    """The block decomposition of the kernel backends. Every segment attends causally to itself (its span, within
+    which depth grows by one per token, so a window is a band there); the subtree below a segment attends to the
+    segment's keys with no mask. Ancestor blocks are grouped by level (the number of segments above the key
+    segment): blocks of one level have disjoint queries, so one kernel call can merge them all. Under a window a
+    query at depth d sees the keys deeper than d - window, a suffix of the segment: queries are grouped by the
+    suffix they see, so no block needs a mask."""
+    spans, levels, open_ends = [], [], []
     for start, end, sub_end in segments:
-        causal_mask = None
-        if window is not None and end - start > window:
-            d = torch.arange(end - start)
-            visible = (d[None, :] <= d[:, None]) & (d[:, None] - d[None, :] < window)
-            causal_mask = _additive(visible, dtype, device)
-        blocks.append((start, end, start, end, causal_mask is None, causal_mask))
+        spans.append((start, end))
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
         if sub_end == end:
             continue
-        mask = None
-        if window is not None:
-            dq, dk = depth[end:sub_end], depth[start:end]
-            if int(dq.min()) - int(dk.max()) >= window:
-                continue  # the whole subtree is out of this segment's window
-            if int(dq.max()) - int(dk.min()) >= window:
-                mask = _additive(dq[:, None] - dk[None, :] < window, dtype, device)
-        blocks.append((end, sub_end, start, end, False, mask))
-    return blocks
+        if len(open_ends) == len(levels):
+            levels.append([])
+        blocks = levels[len(open_ends)]
+        open_ends.append(sub_end)
+        queries = torch.arange(end, sub_end)
+        if window is None:
+            blocks.append((queries, start, end))
+            continue
+        first = (depth[end:sub_end] - depth[start] - window + 1).clamp_(min=0)
+        for f in first.unique().tolist():
+            if start + f < end:
+                blocks.append((queries[first == f], start + f, end))
+    return spans, levels
 
 
-def _additive(visible: Tensor, dtype: torch.dtype, device) -> Tensor:
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).to(device)
+@dataclass
+class _Rows:
+    """The rows of the packed row behind a kernel call's [batch, length] query (or key) positions. Evenly spaced runs
+    of rows (equal-length segments side by side, or at a fixed distance) are read and written as strided views;
+    anything else is gathered, with padding read as zeros and written to the scratch row N."""
+
+    batch: int
+    length: int
+    put: Tensor  # [batch * length] row written from each position
+    take: Tensor | None  # row read at each position (padding reads row 0); None for evenly spaced runs
+    pad: Tensor | None  # padded positions
+    first: int  # evenly spaced runs: the first row and the distance between runs
+    stride: int
+
+    @classmethod
+    def build(cls, blocks: list[Tensor], scratch: int, device) -> _Rows:
+        """The rows of each block (on the host), right-padded to the longest."""
+        batch, length = len(blocks), max(len(r) for r in blocks)
+        valid = torch.arange(length) < torch.tensor([len(r) for r in blocks])[:, None]
+        runs = torch.zeros(batch, length, dtype=torch.long)
+        runs[valid] = torch.cat(blocks)
+        rows, valid = runs.flatten().to(device), valid.flatten().to(device)
+        if not bool(valid.all()):
+            pad = torch.nonzero(~valid).flatten()
+            return cls(batch, length, rows.masked_fill(~valid, scratch), rows.masked_fill(~valid, 0), pad, 0, 0)
+        first, stride = int(runs[0, 0]), (int(runs[1, 0] - runs[0, 0]) if batch > 1 else length)
+        if stride >= length and torch.equal(runs, first + stride * torch.arange(batch)[:, None] + torch.arange(length)):
+            return cls(batch, length, rows, None, None, first, stride)
+        return cls(batch, length, rows, rows, None, 0, 0)
+
+    def _view(self, x: Tensor) -> Tensor:
+        span = (self.batch - 1) * self.stride + self.length
+        return x.narrow(0, self.first, span).unfold(0, self.length, self.stride).movedim(-1, 1)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``x`` [rows, ...] -> [batch, length, ...], padding zeroed."""
+        if self.take is None:
+            return self._view(x)
+        picked = x.index_select(0, self.take)
+        if self.pad is not None:
+            picked.index_fill_(0, self.pad, 0)
+        return picked.unflatten(0, (self.batch, self.length))
+
+    def read(self, x: Tensor) -> Tensor:
+        """Like ``gather``, from a buffer with the scratch row (which padding reads)."""
+        return self._view(x) if self.take is None else x.index_select(0, self.put).unflatten(0, (self.batch, self.length))
+
+    def write(self, x: Tensor, values: Tensor) -> None:
+        if self.take is not None:
+            x.index_copy_(0, self.put, values.flatten(0, 1))
+        elif values.data_ptr() != (view := self._view(x)).data_ptr():  # values read as a view of x are in place
+            view.copy_(values)
+
+    def accumulate(self, x: Tensor, values: Tensor) -> None:
+        if self.take is None:
+            self._view(x).add_(values)
+        else:
+            x.index_add_(0, self.put, values.flatten(0, 1))
 
 
-class _BlockTreeAttention(torch.autograd.Function):
-    """Attention over (query interval, key interval) blocks merged by log-sum-exp.
+class _TreeAttention(torch.autograd.Function):
+    """Kernel calls over (query rows, key rows) blocks, merged by log-sum-exp; the backward runs each call's kernel
+    backward with the merged output and log-sum-exp (as ring attention does).
 
-    q is [1, Hq, N, D], k/v [1, Hkv, N, D]; K/V heads are repeated per block only, so what is saved for the
-    backward is the unrepeated K/V. Self blocks (a segment over itself) tile the row, so they are written
-    first and the blocks of ancestor segments are merged into them.
+    Works on rows: q [1, Hq, N, D] is read as [N, Hq, D], the layout the model's projections produce, and the
+    output is returned in it, so the caller's transpose back is free. K/V heads are never repeated: the kernels
+    take grouped-query heads as they are, and what is saved for the backward is the row's own q, k, v.
+    Self calls come first and tile the row (keys included), so they initialise every row of the output and of
+    the gradients; ancestor calls merge into the rows they cover. Buffers have one scratch row, N, for padding.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale):
-        groups = q.shape[1] // k.shape[1]
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for qs, qe, ks, ke, causal, mask in sorted(blocks, key=lambda b: b[0] != b[2]):
-            kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
-            o, l = _flash_cpu(q[:, :, qs:qe], kb, vb, 0.0, causal, attn_mask=mask, scale=scale)
-            if qs == ks:  # a self block: every row sees at least itself
-                out[:, :, qs:qe] = o
-                lse[:, :, qs:qe] = l
+    def forward(ctx, q, k, v, calls, scale):
+        n, hq, d = q.shape[2], q.shape[1], q.shape[3]
+        qr, kr, vr = _rows(q), _rows(k), _rows(v)
+        out = q.new_empty(n + 1, hq, d, dtype=torch.float32)
+        lse = q.new_empty(n + 1, hq, dtype=torch.float32)
+        for call in calls:
+            rq, rk = call.q, call.k
+            o, l = call.forward(rq.gather(qr), rk.gather(kr), rk.gather(vr), scale)
+            if not call.merge:
+                rq.write(out, o.float())
+                rq.write(lse, l)
                 continue
-            if mask is not None:  # the kernel reports lse 0 for rows that see no key of this block
-                l = l.masked_fill(torch.isinf(mask).all(-1), float("-inf"))
-            prev = lse[:, :, qs:qe]
+            prev = rq.read(lse)
             new = torch.logaddexp(prev, l)
-            o = o.float().mul_((l - new).exp_().unsqueeze(-1))
-            out[:, :, qs:qe].mul_((prev - new).exp_().unsqueeze(-1)).add_(o)
-            lse[:, :, qs:qe] = new
+            merged = rq.read(out).mul_((prev - new).exp_().unsqueeze(-1)).addcmul_(o.float(), (l - new).exp_().unsqueeze(-1))
+            rq.write(out, merged)
+            rq.write(lse, new)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.scale = blocks, scale
-        return out
+        ctx.calls, ctx.scale = calls, scale
+        return out[:n].unsqueeze(0).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        groups, hkv = q.shape[1] // k.shape[1], k.shape[1]
-        grad_out = grad_out.contiguous()
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for qs, qe, ks, ke, causal, mask in sorted(ctx.blocks, key=lambda b: b[0] != b[2]):
-            kb, vb = _repeat_kv(k[:, :, ks:ke], groups), _repeat_kv(v[:, :, ks:ke], groups)
-            gq, gk, gv = _flash_cpu_backward(
-                grad_out[:, :, qs:qe], q[:, :, qs:qe], kb, vb,
-                out[:, :, qs:qe], lse[:, :, qs:qe], 0.0, causal, attn_mask=mask, scale=ctx.scale,
-            )  # fmt: skip
-            if groups > 1:
-                gk, gv = gk.unflatten(1, (hkv, groups)).sum(2), gv.unflatten(1, (hkv, groups)).sum(2)
-            if qs == ks:  # self blocks tile the row: they initialise every gradient row
-                dq[:, :, qs:qe], dk[:, :, ks:ke], dv[:, :, ks:ke] = gq, gk, gv
-            else:
-                dq[:, :, qs:qe] += gq
-                dk[:, :, ks:ke] += gk
-                dv[:, :, ks:ke] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        n = q.shape[2]
+        gr, qr, kr, vr = _rows(grad_out), _rows(q), _rows(k), _rows(v)
+        dq = torch.empty(n + 1, *qr.shape[1:], dtype=torch.float32, device=q.device)
+        dk = torch.empty(n + 1, *kr.shape[1:], dtype=torch.float32, device=k.device)
+        dv = torch.empty(n + 1, *vr.shape[1:], dtype=torch.float32, device=v.device)
+        for call in ctx.calls:
+            rq, rk = call.q, call.k
+            inputs = (rq.gather(gr), rq.gather(qr), rk.gather(kr), rk.gather(vr), rq.gather(out), rq.gather(lse))
+            gq, gk, gv = call.backward(*inputs, ctx.scale)
+            for rows, buf, g in ((rq, dq, gq), (rk, dk, gk), (rk, dv, gv)):
+                (rows.accumulate if call.merge else rows.write)(buf, g.float())
+        grads = [g[:n].to(x.dtype).unsqueeze(0).transpose(1, 2) for g, x in ((dq, q), (dk, k), (dv, v))]
+        return *grads, None, None
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x[0].transpose(0, 1)
+
+
+@dataclass
+class _PaddedCall:
+    """Blocks of about one shape, right-padded to a common number of queries and keys: one call of the CPU flash
+    kernel on [blocks, H, length, D]. A self call is causal, so its valid queries never see padded keys; padded
+    queries read zeros (so their gradient is zero) and are written to the scratch row."""
+
+    q: _Rows
+    k: _Rows
+    causal: bool
+    mask: Tensor | None  # additive: a window band [L, L] for self calls, padded keys [B, 1, 1, Lk] otherwise
+    merge: bool
+
+    def forward(self, q, k, v, scale):
+        o, lse = _flash_cpu(*(x.transpose(1, 2) for x in (q, k, v)), 0.0, self.causal, attn_mask=self.mask, scale=scale)
+        return o.transpose(1, 2), lse.transpose(1, 2)
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        inputs = (x.transpose(1, 2) for x in (grad_out, q, k, v, out, lse))
+        grads = _flash_cpu_backward(*inputs, 0.0, self.causal, attn_mask=self.mask, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+# A block joins a padded call while the padding adds no more (query, key) pairs than this: about what the overhead
+# of one more call costs in the kernel (its own calls, gathers and merges). Batching pays for small blocks; big ones
+# of different lengths keep their own calls.
+_PAD_FREE_PAIRS = 64 * 64
+
+
+def _buckets(shapes: list[tuple[int, int]]) -> list[list[int]]:
+    """Indices of ``shapes`` (query length, key length) grouped into padded calls, largest first."""
+    groups: list[list[int]] = []
+    order = sorted(range(len(shapes)), key=lambda i: -shapes[i][0] * shapes[i][1])
+    lq = lk = work = 0
+    for i in order:
+        sq, sk = shapes[i]
+        if groups and (len(groups[-1]) + 1) * max(lq, sq) * max(lk, sk) - work - sq * sk <= _PAD_FREE_PAIRS:
+            groups[-1].append(i)
+            lq, lk, work = max(lq, sq), max(lk, sk), work + sq * sk
+        else:
+            groups.append([i])
+            lq, lk, work = sq, sk, sq * sk
+    return groups
+
+
+def _padded_calls(spans, levels, n: int, window: int | None, dtype, device) -> list[_PaddedCall]:
+    calls = []
+    for group in _buckets([(e - s, e - s) for s, e in spans]):
+        rows = _Rows.build([torch.arange(*spans[i]) for i in group], n, device)
+        band = None
+        if window is not None and rows.length > window:
+            i = torch.arange(rows.length)
+            band = _additive((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window), dtype, device)
+        calls.append(_PaddedCall(rows, rows, band is None, band, merge=False))
+    for blocks in levels:
+        for group in _buckets([(len(qr), ke - ks) for qr, ks, ke in blocks]):
+            keys = [torch.arange(*blocks[i][1:]) for i in group]
+            rq, rk = _Rows.build([blocks[i][0] for i in group], n, device), _Rows.build(keys, n, device)
+            mask = None
+            if rk.pad is not None:
+                lens = torch.tensor([len(r) for r in keys])
+                mask = _additive((torch.arange(rk.length) < lens[:, None]).view(len(keys), 1, 1, -1), dtype, device)
+            calls.append(_PaddedCall(rq, rk, False, mask, merge=True))
+    return calls
+
+
+@dataclass
+class _VarlenCall:
+    """One call of torch's varlen flash kernel (CUDA): sequence b is queries ``cu_q[b]:cu_q[b+1]`` of the call's
+    gathered query rows over keys ``cu_k[b]:cu_k[b+1]`` of its key rows; nothing is padded."""
+
+    q: _Rows
+    k: _Rows
+    cu_q: Tensor  # [sequences + 1] int32
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    window: tuple[int, int]  # the kernel's (left, right): (-1, 0) causal, (w - 1, 0) causal sliding, (-1, -1) full
+    merge: bool
+
+    def forward(self, q, k, v, scale):
+        from torch.nn.attention.varlen import AuxRequest
+
+        attend, _ = _varlen_kernels()
+        o, lse = attend(q[0], k[0], v[0], self.cu_q, self.cu_k, self.max_q, self.max_k, return_aux=AuxRequest(lse=True),
+                        scale=scale, window_size=self.window, enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+        return o.unsqueeze(0), lse.t().unsqueeze(0)  # the kernel's lse is [H, T]
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        _, attend_backward = _varlen_kernels()
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+        grads = attend_backward(grad_out[0], q[0], k[0], v[0], out[0], lse[0].t().contiguous(), self.cu_q, self.cu_k,
+                                self.max_q, self.max_k, self.window == (-1, 0), rng_state, scale, list(self.window))  # fmt: skip
+        return tuple(g.unsqueeze(0) for g in grads)
+
+
+def _varlen_kernels():
+    """torch's varlen flash kernel and its registered backward (tests substitute a CPU emulation of both). The
+    backward is called directly, with the merged output and log-sum-exp: ``varlen_attn``'s own autograd drops the
+    gradient of the lse it returns, so a log-sum-exp merge cannot be differentiated through it."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, torch.ops.torch_attn._varlen_attn_backward
+
+
+def _varlen_calls(spans, levels, n: int, window: int | None, device) -> list[_VarlenCall]:
+    """One causal call over every segment (segments tile the row, so its queries and keys are the row itself), then
+    one call per level over the (subtree queries, segment keys) pairs of that level, queries gathered."""
+
+    def cu_seqlens(lengths: list[int]) -> Tensor:
+        return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+    row = _Rows.build([torch.arange(n)], n, device)
+    lengths = [e - s for s, e in spans]
+    cu, causal = cu_seqlens(lengths), (-1 if window is None else window - 1, 0)
+    calls = [_VarlenCall(row, row, cu, cu, max(lengths), max(lengths), causal, merge=False)]
+    for blocks in levels:
+        if not blocks:
+            continue
+        queries, keys = [qr for qr, _, _ in blocks], [torch.arange(ks, ke) for _, ks, ke in blocks]
+        rq, rk = _Rows.build([torch.cat(queries)], n, device), _Rows.build([torch.cat(keys)], n, device)
+        q_lens, k_lens = [len(r) for r in queries], [len(r) for r in keys]
+        cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+        calls.append(_VarlenCall(rq, rk, cu_q, cu_k, max(q_lens), max(k_lens), (-1, -1), merge=True))
+    return calls
+
+
+def _additive(visible: Tensor, dtype: torch.dtype, device) -> Tensor:
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).to(device)
 
 
 def _repeat_kv(x: Tensor, groups: int) -> Tensor:
@@ -220,9 +435,9 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(window), scale=scale)
-    if q.device.type != "cpu":
-        raise ValueError(f"the 'blocks' tree attention runs on CPU tensors; on {q.device.type} use 'flex'")
-    return _BlockTreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
+    if meta.backend == "blocks" and q.device.type != "cpu":
+        raise ValueError(f"the 'blocks' tree attention runs on CPU tensors; on {q.device.type} use 'flex' or 'varlen'")
+    return _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
 
 
 def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
