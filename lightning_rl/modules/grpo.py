@@ -62,7 +62,7 @@ class GRPOModule(LightningModule):
         kl_bias_correction: weight the KL term by the ratio (unbiased reverse-KL gradient).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
-            fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``dense``).
+            fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
         tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues

@@ -36,7 +36,7 @@ class SFTModule(LightningModule):
             base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
-            SDPA blocks elsewhere), ``blocks``, ``flex`` or ``dense``.
+            SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
         eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.
         max_new_tokens: decode budget for those generations.
     """
