@@ -1,28 +1,15 @@
 """The tiny Muse Spark Open recipe: LoRA SFT with FSDP2 on two CPU processes, exported merged, resumed exactly."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
+from recipe_runs import run_tiny_muse
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def run_recipe(base: Path, out: Path, port: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml",
-        "--trainer.devices=2", f"--model.model_name_or_path={base}", f"--output_dir={out}", *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
 def exported(out: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +26,7 @@ def test_lora_adapts_the_text_model_only(tiny_muse_path):
 
 def test_muse_lora_sft_on_two_fsdp2_processes(tiny_muse_path, tmp_path):
     out = tmp_path / "run"
-    done = run_recipe(tiny_muse_path, out, 29731, "--trainer.max_steps=3")
+    done = run_tiny_muse(tiny_muse_path, out, 29731, "--trainer.max_steps=3")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
@@ -54,16 +41,16 @@ def test_muse_lora_sft_on_two_fsdp2_processes(tiny_muse_path, tmp_path):
 def test_fsdp2_lora_resume_matches_uninterrupted_run(tiny_muse_path, tmp_path):
     """SIGTERM after step 5 of 8 on both ranks, resume from the sharded step-4 checkpoint: bit-identical weights."""
     steps = ("--trainer.max_steps=8", "--checkpoint_every_n_steps=4")
-    reference = run_recipe(tiny_muse_path, tmp_path / "reference", 29732, *steps)
+    reference = run_tiny_muse(tiny_muse_path, tmp_path / "reference", 29732, *steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     killed_dir = tmp_path / "killed"
     sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=5")
-    killed = run_recipe(tiny_muse_path, killed_dir, 29733, *steps, *sigterm)
+    killed = run_tiny_muse(tiny_muse_path, killed_dir, 29733, *steps, *sigterm)
     assert killed.returncode == 143, killed.stderr[-3000:]
     assert not (killed_dir / "hf").exists()
 
-    resumed = run_recipe(tiny_muse_path, killed_dir, 29734, *steps, "--ckpt_path=last")
+    resumed = run_tiny_muse(tiny_muse_path, killed_dir, 29734, *steps, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
     assert json.loads((killed_dir / "summary.json").read_text())["micro_batches"] == 4  # steps 5..8 only

@@ -1,9 +1,6 @@
 """Weights loaded straight into FSDP2 shards equal a plain from_pretrained, and no rank reads the whole model."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +10,12 @@ from safetensors.torch import load_file, save_file
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.sharded_loading import CheckpointMismatchError, load_deferred_weights, pending_checkpoint
 from lightning_rl.strategies.weight_sync import hf_name
-
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+from recipe_runs import run_tiny_muse
 
 
 def run_with_check(base: Path, out: Path, port: int, *extra: str) -> dict:
-    cmd = [
-        str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml", "--trainer.devices=2",
-        "--trainer.max_steps=1", f"--model.model_name_or_path={base}", f"--output_dir={out / 'run'}",
-        "--trainer.callbacks+=sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}", *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    check = ("--trainer.callbacks+=sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}")
+    done = run_tiny_muse(base, out / "run", port, "--trainer.max_steps=1", *check, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     return {
         "diff": json.loads((out / "check" / "load-diff.json").read_text()),

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rl.strategies.weight_sync import hf_name
+from lightning_rl.strategies.weight_sync import hf_name, policy_model
 
 _PENDING = "_lightning_rl_checkpoint"
 
@@ -49,13 +49,8 @@ def defer_weights(model: nn.Module, checkpoint: Path) -> None:
 
 
 def pending_checkpoint(model: nn.Module) -> Path | None:
-    """The folder a deferred model still has to load, or None."""
-    return getattr(_hf_model(model), _PENDING, None)
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+    """The folder a deferred model (a transformers or peft model) still has to load, or None."""
+    return getattr(policy_model(model), _PENDING, None)
 
 
 def _checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -107,7 +102,7 @@ def _tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 @torch.no_grad()
 def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadReport:
     """Fill a sharded, allocated model from the checkpoint ``defer_weights`` recorded; returns this rank's reads."""
-    hf = _hf_model(model)
+    hf = policy_model(model)
     folder: Path = getattr(hf, _PENDING)
     start = time.perf_counter()
     files = _checkpoint_files(folder)
@@ -115,8 +110,9 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
         for name, tensor in _tensors(hf):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            rows = _local_rows(tensor) if isinstance(tensor, DTensor) else (0, tensor.shape[0] if tensor.dim() else 0)
+            sharded = isinstance(tensor, DTensor)
+            local = tensor.to_local() if sharded else tensor
+            rows = _local_rows(tensor) if sharded else (0, tensor.shape[0] if tensor.dim() else 0)
             report.elements_in_model += tensor.numel()
             if ".lora_A." in name or ".lora_B." in name:
                 _lora_init(name, local, tensor.shape, rows, seed)
@@ -131,10 +127,7 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
                     raise CheckpointMismatchError(
                         f"{files[key]}: '{key}' has shape {tuple(stored.get_shape())}, the model expects {tuple(tensor.shape)}"
                     )
-                if tensor.dim() == 0:
-                    part = stored[...]
-                else:
-                    part = stored[rows[0] : rows[0] + rows[1]]
+                part = stored[rows[0] : rows[0] + rows[1]] if sharded else stored[...]
                 local.copy_(part)
                 report.elements_read += part.numel()
             tensor._is_hf_initialized = True
