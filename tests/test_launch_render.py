@@ -85,6 +85,8 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
          "3 node(s) x 4 = 12 ranks, but `trainer.strategy.data_parallel_size: 8` x tensor_parallel_size 2 = 16"),
         ({"strategy": {"class_path": "x.Fsdp", "init_args": {"tensor_parallel_size": 16}}}, (2, 8, 0),
          "must divide the 8 devices of one node"),
+        ({"strategy": {"class_path": "x.Fsdp", "init_args": {"expert_parallel_size": 16}}}, (2, 8, 0),
+         "`trainer.strategy.expert_parallel_size: 16` must divide the 8 devices of one node"),
     ],
 )  # fmt: skip
 def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dict, allocation: tuple, message: str) -> None:

@@ -24,6 +24,16 @@ def test_lora_adapts_the_text_model_only(tiny_muse_path):
     assert any("vision_tower" in name and name.endswith("q_proj.weight") for name, _ in model.named_parameters())
 
 
+def test_full_fine_tuning_trains_the_text_model_only(tiny_muse_path):
+    model = load_causal_lm(str(tiny_muse_path))
+    # Text SFT never reaches the towers; frozen, they get no optimizer state a checkpoint would lack.
+    frozen = {name.split(".")[1] for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"audio_tower", "vision_adapter", "vision_projection", "vision_tower"}, frozen
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert all(name.startswith(("model.language_model.", "lm_head.")) for name in trainable)
+    assert any(".language_model.layers.0.mlp.experts." in name for name in trainable)
+
+
 def test_muse_lora_sft_on_two_fsdp2_processes(tiny_muse_path, tmp_path):
     out = tmp_path / "run"
     done = run_tiny_muse(tiny_muse_path, out, 29731, "--trainer.max_steps=3")

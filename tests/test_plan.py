@@ -63,7 +63,8 @@ def _gib(text: str, label: str) -> float:
 
 
 def test_muse_lora_fits_on_64_h100_with_margin(capsys) -> None:
-    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "8"])
+    # As written: the recipe's own `expert_parallel_size: 8`, no flag.
+    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
     out = capsys.readouterr().out
     assert code == 0, out
     margin = float(re.search(r"FITS: .* margin ([\d.]+) GiB", out).group(1))
@@ -74,11 +75,17 @@ def test_muse_lora_fits_on_64_h100_with_margin(capsys) -> None:
 
 
 def test_one_node_is_refused_with_the_numbers(capsys) -> None:
-    code = plan.main([MUSE_RECIPE, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "8"])
+    code = plan.main([MUSE_RECIPE, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
     out = capsys.readouterr().out
     assert code == 1
     needed = float(re.search(r"DOES NOT FIT: needs ([\d.]+) GiB per GPU, 72.00 GiB usable", out).group(1))
     assert needed > 72 and _gib(out, "frozen weights, sharded") == pytest.approx(822.04e9 * 2 / 8 / GIB, abs=0.01)
+
+
+def test_the_flag_overrides_the_recipe_and_plain_fsdp_is_refused(capsys) -> None:
+    code = plan.main([MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "expert parallel 1" in out and "DOES NOT FIT" in out
 
 
 def test_plain_fsdp_layers_are_too_big_to_gather(muse_census) -> None:

@@ -92,7 +92,7 @@ def _parallel_size(recipe: RecipeView, name: str) -> int | None:
 
 
 def _check_parallel_sizes(recipe: RecipeView, layout: TrainerLayout) -> None:
-    """World = data-parallel x tensor-parallel (the sizes of Lightning's ModelParallelStrategy)."""
+    """World = data-parallel x tensor-parallel (the sizes of Lightning's ModelParallelStrategy); experts split in a node."""
     world = layout.world_size
     ranks = f"{layout.trainer_nodes} node(s) x {layout.devices_per_node} = {world} ranks"
     tensor = _parallel_size(recipe, "tensor_parallel_size") or 1
@@ -106,4 +106,10 @@ def _check_parallel_sizes(recipe: RecipeView, layout: TrainerLayout) -> None:
         raise LaunchError(
             f"{recipe.path}: {ranks}, but `trainer.strategy.data_parallel_size: {data}` x "
             f"tensor_parallel_size {tensor} = {data * tensor}; the node count does not fit this layout"
+        )
+    experts = _parallel_size(recipe, "expert_parallel_size") or 1
+    if experts > layout.devices_per_node or layout.devices_per_node % experts:
+        raise LaunchError(
+            f"{recipe.path}: `trainer.strategy.expert_parallel_size: {experts}` must divide the "
+            f"{layout.devices_per_node} devices of one node (the experts' all-to-all stays inside a node)"
         )

@@ -30,7 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-gb", type=float, required=True)
     parser.add_argument("--model-config", type=Path, help="folder or config.json to read instead of the recipe's model")
     parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens")
-    parser.add_argument("--expert-parallel", type=int, default=1, help="ranks the experts of a layer are split over")
+    parser.add_argument(
+        "--expert-parallel", type=int, default=None,
+        help="ranks the experts of a layer are split over (default: the recipe's trainer.strategy expert_parallel_size, else 1)",
+    )  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="per GPU, dense bf16")
     parser.add_argument("--mfu", type=float, default=Hardware.mfu, help="assumed model FLOP utilisation")
     parser.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node, per GPU")
@@ -80,9 +83,17 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         compute_bytes=compute_bytes,
         activation_checkpointing=checkpointing,
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
-        expert_parallel=args.expert_parallel,
+        expert_parallel=_expert_parallel(recipe, args.expert_parallel),
         logits_chunk=int(recipe.get("model.chunk_size", 1024)),
     )
+
+
+def _expert_parallel(recipe: RecipeView, flag: int | None) -> int:
+    value = flag if flag is not None else recipe.get("trainer.strategy.expert_parallel_size", 1)
+    if not isinstance(value, int) or value < 1:
+        source = "--expert-parallel" if flag is not None else f"{recipe.path}: `trainer.strategy.expert_parallel_size`"
+        raise LaunchError(f"{source} must be a positive integer, got {value!r}")
+    return value
 
 
 def _lora_targets(recipe: RecipeView) -> list[str]:

@@ -34,7 +34,8 @@ def load_causal_lm(
     """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given.
 
     Multimodal checkpoints whose text model has no causal-LM class of its own (Muse Spark Open) load through
-    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``.
+    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``; their
+    vision and audio towers are frozen.
 
     With ``defer_weights`` the model is built on the meta device and reads nothing yet: the FSDP2 strategy
     loads each rank's shards after sharding it (``lightning_rl.models.sharded_loading``)."""
@@ -52,6 +53,10 @@ def load_causal_lm(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if lora is None:
+        towers = _outside_text_model(model)
+        for name, param in model.named_parameters():
+            if towers and re.match(towers, name):
+                param.requires_grad_(False)
         return model
     config = LoraConfig(
         r=lora.r,
@@ -65,10 +70,11 @@ def load_causal_lm(
 
 
 def _outside_text_model(model: torch.nn.Module) -> str | None:
-    """A peft ``exclude_modules`` pattern for the towers of a multimodal model trained on text alone.
+    """A pattern over module (and so parameter) names matching the towers of a multimodal model trained on text.
 
-    Adapters there would never receive a gradient: they would only cost memory, and their optimizer state
-    would never be created, which a sharded checkpoint then cannot restore."""
+    Text training never gives them a gradient. So they are frozen in full fine-tuning and get no adapters
+    with LoRA (peft's ``exclude_modules``): a trainable weight without a gradient gets no optimizer state,
+    which a sharded checkpoint then cannot restore."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     towers: list[str] = []
     node, path = model, []

@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim 0 over an inner Shard(0)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the offsets DCP itself uses
 
 from lightning_rl.strategies.weight_sync import hf_name, policy_model
 
@@ -67,13 +69,17 @@ def _checkpoint_files(folder: Path) -> dict[str, Path]:
 
 
 def _local_rows(tensor: DTensor) -> tuple[int, int]:
-    """The first row and row count of this rank's shard: FSDP2 splits dim 0 as ``torch.chunk`` does."""
-    if tuple(tensor.placements) != (Shard(0),):
+    """The first row and row count of this rank's shard, for layouts that split dim 0 only.
+
+    That is FSDP2's ``Shard(0)``, and FSDP2 over expert parallelism (``Shard(0)`` over the expert group inside
+    the slice each FSDP rank holds); DTensor's own layout arithmetic gives the offset of either.
+    """
+    if any(not (isinstance(p, (Shard, _StridedShard)) and p.dim == 0) and not p.is_replicate() for p in tensor.placements):
         raise CheckpointMismatchError(f"sharded loading reads dim-0 shards only, got placements {tensor.placements}")
-    rows, ranks = tensor.shape[0], tensor.device_mesh.size()
-    per_rank = math.ceil(rows / ranks) if rows else 0
-    start = min(tensor.device_mesh.get_local_rank() * per_rank, rows)
-    return start, tensor.to_local().shape[0]
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape[1:]) != tuple(tensor.shape[1:]) or any(offset[1:]):
+        raise CheckpointMismatchError(f"sharded loading reads whole rows only, got a {tuple(shape)} shard of {tuple(tensor.shape)}")
+    return (offset[0] if shape[0] else 0), shape[0]
 
 
 def _lora_init(name: str, local: Tensor, full_shape: torch.Size, rows: tuple[int, int], seed: int) -> None:

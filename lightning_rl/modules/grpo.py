@@ -29,6 +29,7 @@ from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
+from lightning_rl.strategies.grad_norm import clip_grad_norm
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import lm_head_of, packed_logprobs
@@ -233,7 +234,7 @@ class GRPOModule(LightningModule):
             self.manual_backward(loss)
             stats.add(loss.detach(), terms, entropy, packed)
         if self.hparams.max_grad_norm is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            clip_grad_norm(self.parameters(), self.hparams.max_grad_norm)  # over every mesh the weights live on
         optimizer.step()
         self.lr_schedulers().step()
         self._push_weights(version=step + 1)

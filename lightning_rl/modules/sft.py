@@ -18,6 +18,7 @@ from transformers import get_scheduler
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
+from lightning_rl.strategies.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import packed_logprobs
 from lightning_rl.strategies.devices import requires_static_shapes
@@ -95,9 +96,17 @@ class SFTModule(LightningModule):
         self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+        if any(p.grad is not None for p in self.parameters()):
+            self.log("train/grad_norm", total_grad_norm(self.parameters()))
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        # Lightning's norm clipping stacks every gradient's norm, which fails once experts live on their own mesh.
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm(self.parameters(), gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]

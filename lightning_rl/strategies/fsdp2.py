@@ -20,8 +20,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
+
+from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
 
 if TYPE_CHECKING:
     from lightning_rl.models.sharded_loading import ShardedLoadReport
@@ -98,6 +101,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         sharded_loading: SFT and GRPO build their models on the meta device and each rank reads only its own
             shards from the checkpoint after sharding, so no rank ever holds a whole model. Off: every rank
             loads the whole model first, then shards it.
+        expert_parallel_size: ranks the routed experts of each mixture-of-experts layer are split over
+            (``strategies/expert_parallel.py``): groups of consecutive ranks, so keep it within a node. Each
+            rank holds ``1/expert_parallel_size`` of the experts, sharded further over the ranks holding the
+            same experts; tokens reach their experts by all-to-all. 1: experts are sharded like any weight.
     """
 
     strategy_name = "fsdp2"
@@ -111,6 +118,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         layer_classes: Collection[str] | None = None,
         sharded_loading: bool = True,
+        expert_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -128,6 +136,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.layer_classes = tuple(layer_classes) if layer_classes else None
         self.sharded_loading = sharded_loading
+        if not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+            raise ExpertParallelError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}")
+        self.expert_parallel_size = expert_parallel_size
+        self.expert_mesh: DeviceMesh | None = None
         self.load_reports: list[ShardedLoadReport] = []
 
     @override
@@ -135,6 +147,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if self.expert_parallel_size > 1:
+            self.expert_mesh = expert_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
@@ -165,12 +179,29 @@ class FSDP2Strategy(ModelParallelStrategy):
         for root in roots:
             if self.activation_checkpointing:
                 root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if self.expert_mesh is not None:
+                self._shard_experts(root, kwargs)
             # Children before parents: a unit owns only the parameters no inner unit has claimed.
             for layer in reversed(find_decoder_layers(root, self.layer_classes)):
                 fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
             # The root keeps embeddings, final norm and LM head gathered from forward to backward, so a chunked
             # LM head that runs after the model's forward (packed_logprobs) reads the full weight.
             fully_shard(root, reshard_after_forward=False, **kwargs)
+
+    def _shard_experts(self, root: nn.Module, kwargs: dict[str, Any]) -> None:
+        """Split the experts over the expert-parallel group; each slice is one unit over the ranks that hold it."""
+        assert self.expert_mesh is not None
+        experts_modules = distribute_experts(root, self.expert_mesh)
+        if not experts_modules:
+            raise ExpertParallelError(
+                f"expert_parallel_size={self.expert_parallel_size}, but {type(root).__name__} has no routed-experts "
+                "module to split; use expert_parallel_size=1 for a dense model"
+            )
+        experts_kwargs = {**kwargs, "mesh": self.expert_mesh[EXPERT_MESH_DIMS[0]]}
+        for experts in experts_modules:
+            for norm in experts._expert_row_norms:  # runs on the sending rank: data parallel like the layer
+                fully_shard(norm, reshard_after_forward=self.reshard_after_forward, **kwargs)
+            fully_shard(experts, reshard_after_forward=self.reshard_after_forward, **experts_kwargs)
 
     def load_deferred(self, module: nn.Module) -> None:
         """Allocate the shards of models built on the meta device and read them from their checkpoints."""
