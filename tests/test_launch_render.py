@@ -66,7 +66,8 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     server = next(line for line in script.splitlines() if "vllm.entrypoints.openai.api_server" in line)
     for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
         assert flag in server
-    assert "GlooWeightTransferWorker" in server and "log_path" not in server
+    # GPU nodes: vLLM's own NCCL backend, which the trainer's engine on transport "auto" then follows.
+    assert '"backend": "nccl"' in server and "GlooWeightTransferWorker" not in server and "log_path" not in server
     assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=16 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine_options.url="$SERVER_URL" --model.engine_options.transfer_address="$MASTER_ADDR"' in script
@@ -94,6 +95,17 @@ def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dic
         render(recipe(tmp_path, trainer), *allocation)
     assert message in str(err.value)
     assert str(tmp_path / "recipe.yaml") in str(err.value)
+
+
+def test_a_cpu_grpo_server_runs_the_gloo_backend_and_a_bad_transport_is_named(tmp_path: Path) -> None:
+    view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
+    server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)
+    assert '"backend": "gloo"' in server and "GlooWeightTransferWorker" in server
+    data = yaml.safe_load(view.path.read_text())
+    data["model"]["engine_options"] = {"transport": "mpi"}
+    view.path.write_text(yaml.safe_dump(data))
+    with pytest.raises(LaunchError, match="`model.engine_options.transport` must be one of auto, gloo, nccl, got 'mpi'"):
+        render(RecipeView.load(view.path), nodes=2, gpus=1, inference=1)
 
 
 def test_task_specific_layout_errors(tmp_path: Path) -> None:

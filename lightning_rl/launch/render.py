@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lightning_rl.launch.layout import Allocation, TrainerLayout, resolve_layout
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.rollout.vllm_server import TRANSPORTS
 from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -68,8 +69,16 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
         server_options.pop(local_only, None)
     server_options.setdefault("python", "python")
     extra = list(server_options.pop("extra_args", ())) + ["--tensor-parallel-size", str(layout.devices_per_node)]
+    # The trainer's engine on "auto" follows the backend the server runs: nccl between GPU nodes, else gloo.
+    transport = recipe.get("model.engine_options.transport", "auto")
+    if transport not in TRANSPORTS:
+        raise LaunchError(f"{recipe.path}: `model.engine_options.transport` must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport == "auto":
+        transport = "nccl" if layout.uses_gpus else "gloo"
     try:
-        server = VLLMServer(recipe.model_id, host="0.0.0.0", port=options.vllm_port, extra_args=extra, **server_options)
+        server = VLLMServer(
+            recipe.model_id, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra, **server_options
+        )
     except TypeError as err:
         raise LaunchError(f"{recipe.path}: `model.engine_options.server_options`: {err}") from None
     return shlex.join(server.command)

@@ -4,32 +4,69 @@ Generation goes through vLLM's token-in/token-out route (`/inference/v1/generate
 reports the weight version each token was sampled with. Weights go through vLLM's weight-transfer
 routes: the server is paused (in-flight requests finish on the old weights), each chunk's manifest is
 posted while its bytes are broadcast over the transfer group, and the update is committed under the
-new version before generation resumes. On this CPU build the transfer group is gloo
-(`gloo_transport`, served by `vllm_gloo_backend`).
+new version before generation resumes. The group is one of two transports, with the same checkpoint
+names (`CheckpointLayout`) on both:
 
-The trainer side needs only torch and the standard library: vLLM may live in another environment.
+- gloo (`gloo_transport`, served by `vllm_gloo_backend`): host memory and TCP, so it runs wherever vLLM
+  does (the CPU build too); the trainer side needs only torch, vLLM may live in another environment.
+- nccl (`nccl_transport`, vLLM's own NCCL backend and trainer engine): GPU to GPU; the trainer needs CUDA
+  and vLLM. Untested here for lack of a GPU.
+
 `VLLMServer` (in `vllm_server_process`) starts and stops a server process for a single-machine run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of
-from lightning_rl.rollout.vllm_server_process import VLLMServer, VLLMServerError, request_json
+from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
 
+if TYPE_CHECKING:
+    from lightning_rl.rollout.nccl_transport import NCCLSender
 
 T = TypeVar("T")
+TRANSPORTS = ("auto", *WEIGHT_TRANSFER_BACKENDS)
+
+
+def nccl_unavailable() -> str | None:
+    """Why this process cannot send weights over NCCL, or None if it can."""
+    if importlib.util.find_spec("vllm") is None:
+        return "needs vLLM in the trainer's environment (its NCCL trainer engine sends the weights)"
+    if not torch.cuda.is_available():
+        return "needs CUDA, and torch.cuda.is_available() is False here"
+    return None
+
+
+def resolve_transport(transport: str, server_backend: str | None = None) -> str:
+    """The weight transport to use: "gloo" or "nccl".
+
+    "auto" is nccl when this process can send over it (CUDA and vLLM both here), else gloo. With
+    `server_backend`, the backend a running server was started with, "auto" is that backend and any
+    other choice must equal it: the server's backend cannot change after it starts.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    if server_backend is not None and transport not in ("auto", server_backend):
+        raise ValueError(f"transport {transport!r} asked for, but the server runs the {server_backend!r} backend")
+    transport = server_backend or transport
+    missing = nccl_unavailable()
+    if transport == "auto":
+        return "gloo" if missing else "nccl"
+    if transport == "nccl" and missing:
+        raise ValueError(f"transport 'nccl' {missing}; use transport 'gloo'")
+    return transport
 
 
 class VLLMServerEngine:
@@ -38,7 +75,13 @@ class VLLMServerEngine:
     A server started here (with `server_options` for `VLLMServer`) is stopped by `close`. A server
     given by `url` must run with the flags `VLLMServer` passes. `transfer_address` is the address
     of this (trainer) machine as the server reaches it; the transfer group opens on the first
-    `push_weights`. Chunks of about `chunk_bytes` bound the memory a push holds at once.
+    `push_weights`. Chunks of about `chunk_bytes` bound the memory a push holds at once (over nccl:
+    the size of vLLM's packed buffers, fixed when the group opens).
+
+    `transport` ("auto", "gloo" or "nccl", see `resolve_transport`) picks how the weights travel. A
+    server started here is started with the resolved backend; for a server at `url`, "auto" is the
+    backend it runs (read from its `/server_info`). nccl needs `model`: its config maps the pushed
+    names (`CheckpointLayout`), and a name it lacks is refused with `WeightNameError` before the push.
     """
 
     def __init__(
@@ -53,27 +96,44 @@ class VLLMServerEngine:
         request_timeout: float = 600.0,
         transfer_timeout: float = 300.0,
         max_concurrent_requests: int = 64,
+        transport: str = "auto",
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
-        self.server = VLLMServer(model, seed=seed, **dict(server_options or {})).start() if url is None else None
+        self.request_timeout = request_timeout
+        self.transport = resolve_transport(transport, None if url is None else self._backend_of(url.rstrip("/")))
+        if self.transport == "nccl" and model is None:
+            raise ValueError("transport 'nccl' needs the model, whose config names the tensors the server holds")
+        self.model = model
+        self.server = None
+        if url is None:
+            self.server = VLLMServer(model, seed=seed, transport=self.transport, **dict(server_options or {})).start()
         # A server started here must not outlive this process, even if close is never called.
         self._stop_server = weakref.finalize(self, self.server.stop) if self.server is not None else None
         self.url = (url or self.server.url).rstrip("/")
         self.transfer_address = transfer_address
         self.chunk_bytes = chunk_bytes
-        self.request_timeout = request_timeout
         self.transfer_timeout = timedelta(seconds=transfer_timeout)
         self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-generate")
         # Weight-transfer posts get their own thread: generate requests held by a paused server must not starve them.
         self._control = ThreadPoolExecutor(1, thread_name_prefix="vllm-weights")
         self._group: torch.distributed.ProcessGroupGloo | None = None
+        self._nccl: NCCLSender | None = None
         self._version = 0
         self._seeds = RequestSeeds(seed)
         self._lock = threading.Lock()
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
         return request_json(f"{self.url}/{route}", body, timeout or self.request_timeout)
+
+    def _backend_of(self, url: str) -> str:
+        """The weight-transfer backend the server at `url` was started with."""
+        info = request_json(f"{url}/server_info?config_format=json", None, self.request_timeout, "GET")
+        backend = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+        if backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise VLLMServerError(f"{url} runs weight-transfer backend {backend!r}, not one of "
+                                  f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}: start it with the flags VLLMServer passes")
+        return backend
 
     @property
     def weight_version(self) -> int:
@@ -114,25 +174,44 @@ class VLLMServerEngine:
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stream the weights to the server as `version`.
 
-        A refused chunk (a name or shape the model lacks) is refused whole and the server keeps serving, with
-        the version unchanged; chunks it had already loaded stay loaded, so push the full weights again.
+        Over gloo, a refused chunk (a name or shape the model lacks) is refused whole by the server, which keeps
+        serving with the version unchanged; chunks it had already loaded stay loaded, so push the full weights
+        again. Over nccl, such a name is refused here, before the server pauses, and nothing is sent.
         """
         with self._lock:
-            group = self._group or self._open_group()
-            self._post("pause?mode=wait")
-            try:
-                self._post("start_weight_update")
-                for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
-                    manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
-                    self._while_posting("update_weights", {"update_info": manifest},
-                                        lambda: gloo_transport.send_chunk(group, chunk))
-                self._post("finish_weight_update", {"weight_version": str(version)})
-            except gloo_transport.WeightTransferError:
-                self._group = None  # a broken collective: the next push opens a fresh group
-                raise
-            finally:
-                self._post("resume")
+            if self.transport == "nccl":
+                self._push_nccl(named_tensors, version)
+            else:
+                self._push_gloo(named_tensors, version)
             self._version = version
+
+    def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        group = self._group or self._open_group()
+        self._post("pause?mode=wait")
+        try:
+            self._post("start_weight_update")
+            for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
+                manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
+                self._while_posting("update_weights", {"update_info": manifest},
+                                    lambda: gloo_transport.send_chunk(group, chunk))
+            self._post("finish_weight_update", {"weight_version": str(version)})
+        except gloo_transport.WeightTransferError:
+            self._group = None  # a broken collective: the next push opens a fresh group
+            raise
+        finally:
+            self._post("resume")
+
+    def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        sender = self._nccl or self._open_nccl()
+        tensors = sender.round(named_tensors)  # gathered and checked while the server still generates
+        self._post("pause?mode=wait")
+        try:
+            sender.send(tensors, version)
+        except BaseException:
+            self._nccl = None  # a round that failed once started leaves the group unusable: the next push opens one
+            raise
+        finally:
+            self._post("resume")
 
     def _while_posting(self, route: str, body: Any, action: Callable[[], T]) -> T:
         """Post `route` from a side thread while `action()` runs the collective the server waits in."""
@@ -147,9 +226,20 @@ class VLLMServerEngine:
         reply.result()
         return result
 
+    def _transfer_world_size(self) -> int:
+        """This trainer (rank 0) and the server's workers."""
+        return 1 + int(request_json(f"{self.url}/get_world_size", None, self.request_timeout, "GET")["world_size"])
+
+    def _open_nccl(self) -> NCCLSender:
+        from lightning_rl.rollout.nccl_transport import NCCLSender  # imports vLLM: only for this transport
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._nccl = NCCLSender(self._post, self.model, address=self.transfer_address,
+                                world_size=self._transfer_world_size(), device=device, buffer_bytes=self.chunk_bytes)
+        return self._nccl
+
     def _open_group(self) -> torch.distributed.ProcessGroupGloo:
-        workers = request_json(f"{self.url}/get_world_size", None, self.request_timeout, "GET")["world_size"]
-        world_size = 1 + int(workers)
+        world_size = self._transfer_world_size()
         store = gloo_transport.host_store(self.transfer_address, world_size, self.transfer_timeout)
         init_info = {"master_address": self.transfer_address, "master_port": store.port, "world_size": world_size,
                      "rank_offset": 1, "timeout_s": self.transfer_timeout.total_seconds()}
@@ -160,8 +250,10 @@ class VLLMServerEngine:
         return self._group
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group = None
+        if self._nccl is not None:
+            self._nccl.close()
+        if self._group is not None or self._nccl is not None:
+            self._group = self._nccl = None
             try:
                 self._post("shutdown_weight_transfer_engine", timeout=30)
             except VLLMServerError:

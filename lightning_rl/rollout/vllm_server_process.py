@@ -1,4 +1,4 @@
-"""A `vllm serve` subprocess on loopback, configured for rollouts and gloo weight pushes, and the JSON calls to it."""
+"""A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes, and the JSON calls to it."""
 
 from __future__ import annotations
 
@@ -39,12 +39,17 @@ def request_json(url: str, body: Any | None, timeout: float, method: str = "POST
     return json.loads(payload) if payload else None
 
 
+# The weight-transfer backends a server can be started with: ours over gloo, or vLLM's own over NCCL.
+WEIGHT_TRANSFER_BACKENDS = ("gloo", "nccl")
+
+
 class VLLMServer:
-    """A `vllm serve` subprocess on loopback, configured for rollouts and gloo weight pushes.
+    """A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes over `transport`.
 
     The process runs in its own process group and is stopped by its PID (`stop`, or leaving the
-    `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed
-    (the server imports `vllm_gloo_backend`); it may differ from the trainer's.
+    `with` block). `python` is the interpreter of an environment with vLLM installed; it may differ
+    from the trainer's. `transport` is the server's weight-transfer backend: "gloo" (`vllm_gloo_backend`,
+    so lightning-rl must be installed there too) or "nccl" (vLLM's built-in backend, GPUs only).
     """
 
     def __init__(
@@ -57,12 +62,15 @@ class VLLMServer:
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        transport: str = "gloo",
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike | None = None,
     ) -> None:
+        if transport not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"transport must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {transport!r}")
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -74,10 +82,13 @@ class VLLMServer:
             "--dtype", dtype, "--seed", str(seed),
             "--logprobs-mode", "processed_logprobs",
             "--enable-scale-out",  # mounts the token-in/token-out /inference/v1/generate route
-            "--weight-transfer-config", json.dumps({"backend": "gloo"}),
-            # Importing this class in the server's workers registers the gloo backend there.
-            "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
+            "--weight-transfer-config", json.dumps({"backend": transport}),
         ]
+        if transport == "gloo":
+            # Importing this class in the server's workers registers the gloo backend there.
+            self.command += [
+                "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
+            ]
         if max_model_len is not None:
             self.command += ["--max-model-len", str(max_model_len)]
         if kv_cache_memory_bytes is not None:

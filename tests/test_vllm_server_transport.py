@@ -1,0 +1,87 @@
+"""Which weight transport the vLLM server engine picks, and the server command line for each.
+
+Nothing here starts a server or needs vLLM or a GPU, so it runs in either environment. The NCCL payloads are
+checked against vLLM's own dataclasses in `vllm_engines/test_vllm_server_nccl.py` (in `.venv-vllm`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from lightning_rl.rollout.vllm_server import VLLMServerEngine, resolve_transport
+from lightning_rl.rollout.vllm_server_process import VLLMServer
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_auto_is_nccl_only_where_cuda_and_vllm_both_are():
+    assert resolve_transport("auto") == ("nccl" if HAS_CUDA and HAS_VLLM else "gloo")
+    assert resolve_transport("gloo") == "gloo"
+
+
+def test_an_unknown_transport_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"^transport must be one of auto, gloo, nccl; got 'mpi'$"):
+        resolve_transport("mpi")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is importable in this environment")
+def test_nccl_without_vllm_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^transport 'nccl' needs vLLM in the trainer's environment") as err:
+        resolve_transport("nccl")
+    assert "\n" not in str(err.value) and str(err.value).endswith("use transport 'gloo'")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is importable in this environment")
+def test_an_engine_asked_for_nccl_without_vllm_starts_no_server():
+    # The refusal comes before VLLMServer is built: no process is started for a run that cannot push.
+    with pytest.raises(ValueError, match=r"^transport 'nccl' needs vLLM"):
+        VLLMServerEngine("no/such/model", transport="nccl")
+
+
+def test_a_running_servers_backend_decides_auto_and_must_match_a_choice():
+    assert resolve_transport("auto", server_backend="gloo") == "gloo"
+    assert resolve_transport("gloo", server_backend="gloo") == "gloo"
+    with pytest.raises(ValueError, match=r"^transport 'gloo' asked for, but the server runs the 'nccl' backend$"):
+        resolve_transport("gloo", server_backend="nccl")
+    if not (HAS_CUDA and HAS_VLLM):
+        # An NCCL server is no use to a trainer that cannot send over NCCL: said now, not at the first push.
+        with pytest.raises(ValueError, match=r"^transport 'nccl' needs "):
+            resolve_transport("auto", server_backend="nccl")
+
+
+def server_command(transport: str) -> list[str]:
+    return VLLMServer("some/model", port=8123, python="python", seed=3, transport=transport).command
+
+
+COMMON = [
+    "python", "-m", "vllm.entrypoints.openai.api_server",
+    "--model", "some/model", "--host", "127.0.0.1", "--port", "8123",
+    "--dtype", "auto", "--seed", "3",
+    "--logprobs-mode", "processed_logprobs",
+    "--enable-scale-out",
+]  # fmt: skip
+
+
+def test_a_gloo_server_loads_our_backend_through_the_worker_extension():
+    assert server_command("gloo") == [
+        *COMMON, "--weight-transfer-config", '{"backend": "gloo"}',
+        "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
+    ]  # fmt: skip
+
+
+def test_an_nccl_server_runs_vllms_own_backend_without_our_extension():
+    command = server_command("nccl")
+    assert command == [*COMMON, "--weight-transfer-config", '{"backend": "nccl"}']
+    assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+
+
+def test_the_server_takes_a_resolved_backend_only():
+    # "auto" is the engine's to resolve (it knows the trainer's side); a server started alone names its backend.
+    with pytest.raises(ValueError, match=r"^transport must be one of gloo, nccl; got 'auto'$"):
+        VLLMServer("some/model", transport="auto", python=sys.executable)
