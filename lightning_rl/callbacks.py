@@ -1,4 +1,4 @@
-"""Callbacks every run gets: throughput on the progress bar, summary.json, the final HF export.
+"""Callbacks every run gets: throughput on the progress bar, summary.json, the final HF export, SLURM requeue.
 
 A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
 flat packing would have forwarded); a module may add figures to the summary with ``summary_metrics()``.
@@ -10,12 +10,15 @@ import json
 import math
 import os
 import resource
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -111,3 +114,65 @@ class ExportHuggingFace(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if hasattr(pl_module, "export_hf"):
             pl_module.export_hf(self.path, write=trainer.is_global_zero)
+
+
+class RequeueOnSignal(Callback):
+    """SLURM's requeue signal (``--signal=SIGUSR1@90``) handled at an optimizer-step boundary, on every rank at once.
+
+    Lightning's own handler saves a checkpoint from inside the signal handler, wherever each rank happens to be in
+    its step. A sharded (FSDP2) checkpoint is a collective, so ranks signalled mid-step would enter it at
+    different points, between the all-gathers of their step. Here the handler only records the signal; after
+    each optimizer step the ranks agree on it (one all-reduce of a flag), all save together into
+    ``OUTPUT_DIR/hpc_ckpt_STEP.ckpt`` (written beside it, then renamed whole), and rank 0 asks SLURM to requeue
+    the job. The ranks then wait for the SIGTERM with which SLURM stops the job (training on would only be thrown
+    away), and the requeued job's ``--ckpt_path=last`` takes this checkpoint.
+    Active only when Lightning detected SLURM with auto-requeue on (the default there).
+    """
+
+    def __init__(self, output_dir: str | Path, sigterm_wait_s: float = 300.0) -> None:
+        self.output_dir = Path(output_dir)
+        self.sigterm_wait_s = sigterm_wait_s
+        self.requested = False
+        self.active = False
+        self.done = False
+        self._last_step = -1
+
+    def _signalled(self, signum: int, _frame: Any) -> None:
+        self.requested = True
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning registers its own handler just before training starts; this replaces it for the run (Lightning
+        # restores the original handlers at teardown).
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        self.active = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        if self.active:
+            signal.signal(environment.requeue_signal, self._signalled)
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.active or self.done or trainer.global_step == self._last_step:
+            return  # mid-accumulation: no optimizer step yet, nothing consistent to save
+        self._last_step = trainer.global_step
+        if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+            return
+        self.done = True
+        final = self.output_dir / f"hpc_ckpt_{trainer.global_step}.ckpt"
+        staging = final.with_name(final.name + ".tmp")
+        trainer.save_checkpoint(staging)
+        trainer.strategy.barrier("requeue-checkpoint")
+        if trainer.is_global_zero:
+            os.replace(staging, final)
+            job = os.environ.get("SLURM_JOB_ID", "")
+            if os.environ.get("SLURM_ARRAY_JOB_ID"):
+                job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+            print(f"requeue signal: checkpoint {final} at step {trainer.global_step}; requeueing job {job}", flush=True)
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            # The requeue's own SIGTERM can reach scontrol too (it runs in the job): that is a success.
+            requeued = result.returncode == 0 or trainer.received_sigterm
+            if not requeued:
+                print(f"scontrol requeue {job} failed: {result.stderr.strip()}; training goes on", flush=True)
+        requeued = trainer.strategy.broadcast(requeued if trainer.is_global_zero else None, src=0)
+        # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
+        deadline = time.monotonic() + self.sigterm_wait_s
+        while requeued and not trainer.received_sigterm and time.monotonic() < deadline:
+            time.sleep(0.1)

@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from lightning_rl.callbacks import ExportHuggingFace, RunSummary
+from lightning_rl.callbacks import ExportHuggingFace, RequeueOnSignal, RunSummary
 from lightning_rl.data.sft import DataError
 from lightning_rl.strategies.expert_parallel import ExpertParallelError
 from lightning_rl.strategies import check_strategy_request
@@ -150,6 +150,7 @@ class RecipeCLI(LightningCLI):
         callbacks += [
             RunSummary(output_dir, task=config["task"]),
             ExportHuggingFace(output_dir),
+            RequeueOnSignal(output_dir),
             ModelCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
@@ -182,8 +183,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def resume_path(output_dir: Path, ckpt_path: str | None) -> str | None:
-    """``last`` is the newest of ``checkpoints/last.ckpt`` and the ``hpc_ckpt_N.ckpt`` Lightning writes on SLURM's
-    requeue signal (SIGUSR1); Lightning itself would take ``last.ckpt`` even when the requeue checkpoint is newer."""
+    """``last`` is the newest of ``checkpoints/last.ckpt`` and the ``hpc_ckpt_N.ckpt`` written on SLURM's requeue
+    signal (``RequeueOnSignal``); Lightning itself would take ``last.ckpt`` even when the requeue checkpoint is newer."""
     if ckpt_path != "last":
         return ckpt_path
     candidates = [output_dir / "checkpoints" / "last.ckpt", *output_dir.glob("hpc_ckpt_*.ckpt")]

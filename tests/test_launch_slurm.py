@@ -2,7 +2,8 @@
 
 The script the launcher renders for recipes/tiny/muse_lora_sft.yaml is submitted with sbatch, runs
 one task per node, and trains with a process group spanning both. A second job is requeued
-mid-run (as a preemption does) and must resume from its checkpoint to the same final weights.
+mid-run (as a preemption does), a third gets SLURM's requeue signal (SIGUSR1), and both must resume
+from their checkpoints to the same final weights.
 Both jobs train the recipe as written: a tiny Muse Spark Open, LoRA, FSDP2 across the two nodes.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,8 +32,8 @@ DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     assert slurm_installed(), "SLURM is not installed: `make slurm` installs slurmctld, slurmd and the client"
-    # Two CPUs per node: the uninterrupted and the requeued job run side by side, one task per node each.
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), cpus_per_node=2)
+    # Three CPUs per node: the three jobs run side by side, one task per node each.
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), cpus_per_node=3)
     try:
         cluster.start()
         yield cluster
@@ -72,8 +74,10 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "out" / "summary.json").read_text())
 
 
-def requeue_after_first_checkpoint(cluster: LocalSlurmCluster, job_id: str, run_dir: Path) -> None:
-    """Preempt the job as a scheduler would, once it has saved a checkpoint and is still training."""
+def preempt_after_first_checkpoint(cluster: LocalSlurmCluster, job_id: str, run_dir: Path, signal: bool = False) -> None:
+    """Preempt the job once it has saved a checkpoint and is still training: ``scontrol requeue`` (SIGTERM now),
+    or with ``signal`` the SIGUSR1 that ``--signal=SIGUSR1@90`` sends before the time limit (the job then
+    checkpoints where it is and requeues itself)."""
     checkpoints = run_dir / "out" / "checkpoints"
     deadline = time.monotonic() + 60
     while not (list(checkpoints.glob(f"*step={CHECKPOINT_EVERY}.ckpt")) and (checkpoints / "last.ckpt").exists()):
@@ -81,19 +85,28 @@ def requeue_after_first_checkpoint(cluster: LocalSlurmCluster, job_id: str, run_
         assert time.monotonic() < deadline, "no checkpoint after 60 s"
         time.sleep(0.05)
     time.sleep(0.5)  # let last.ckpt finish writing: the kill should land mid-training, not mid-save
-    cluster.run("scontrol", "requeue", job_id)
-    cluster.wait_for(job_id, {"PENDING"}, timeout=30)
+    if signal:
+        cluster.run("scancel", "--signal=USR1", job_id)  # to every task of the job's steps, as SLURM does
+    else:
+        cluster.run("scontrol", "requeue", job_id)
+
+
+def release_when_requeued(cluster: LocalSlurmCluster, job_id: str) -> None:
+    cluster.wait_for(job_id, {"PENDING"}, timeout=60)
     # SLURM holds a requeued job back for a while before it may start again; skip that wait here.
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
 @pytest.fixture(scope="module")
 def runs(cluster: LocalSlurmCluster, tiny_muse_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Two jobs side by side on the same two nodes: one left alone, one requeued mid-run."""
-    dirs = {name: tmp_path_factory.mktemp(name) for name in ("uninterrupted", "requeued")}
+    """Three jobs side by side on the same two nodes: one left alone, one requeued mid-run, one sent SIGUSR1."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("uninterrupted", "requeued", "signalled")}
     with pytest.MonkeyPatch.context() as monkeypatch:
         jobs = {name: submit(cluster, run_dir, tiny_muse_path, monkeypatch) for name, run_dir in dirs.items()}
-    requeue_after_first_checkpoint(cluster, jobs["requeued"], dirs["requeued"])
+    for name in ("requeued", "signalled"):
+        preempt_after_first_checkpoint(cluster, jobs[name], dirs[name], signal=(name == "signalled"))
+    for name in ("requeued", "signalled"):
+        release_when_requeued(cluster, jobs[name])
     states = {name: cluster.wait_for(job_id, DONE, timeout=120) for name, job_id in jobs.items()}
     return {name: (dirs[name], jobs[name], states[name]) for name in jobs}
 
@@ -121,6 +134,21 @@ def test_requeued_job_resumes_to_the_same_weights(runs, cluster: LocalSlurmClust
     assert read_summary(run_dir)["steps"] == MAX_STEPS
     reference, resumed = final_weights(runs["uninterrupted"][0]), final_weights(run_dir)
     assert reference.keys() == resumed.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=f"{name} differs after resume")
+
+
+def test_requeue_signal_checkpoints_on_every_rank_and_resumes_to_the_same_weights(runs, cluster: LocalSlurmCluster) -> None:
+    run_dir, job_id, state = runs["signalled"]
+    logs = rank_logs(run_dir, job_id)
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n" + "\n".join(logs.values())
+    assert cluster.job_field(job_id, "Restarts") == "1"
+    saved = re.search(r"requeue signal: checkpoint (\S+hpc_ckpt_(\d+)\.ckpt) at step \d+; requeueing job " + job_id, logs[0])
+    assert saved, logs[0][-3000:]
+    assert CHECKPOINT_EVERY <= int(saved[2]) < MAX_STEPS  # saved where the signal found it, after the first checkpoint
+    assert f"Restored all states from the checkpoint at {saved[1]}" in logs[0], "resumed from another checkpoint"
+    assert read_summary(run_dir)["steps"] == MAX_STEPS
+    reference, resumed = final_weights(runs["uninterrupted"][0]), final_weights(run_dir)
     for name, tensor in reference.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=f"{name} differs after resume")
 
