@@ -90,7 +90,7 @@ def distribute_experts(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
         local = experts.num_experts // ep
         for weight_name in weights:
             full = getattr(experts, weight_name)
-            rows = full.detach()[rank * local : (rank + 1) * local]
+            rows = full.detach()[rank * local : (rank + 1) * local].clone()  # its own storage: the rest can go
             shard = DTensor.from_local(rows, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
             setattr(experts, weight_name, nn.Parameter(shard, requires_grad=full.requires_grad))
         experts._expert_weight_names = weights
