@@ -1,7 +1,8 @@
 """Callbacks every run gets: throughput on the progress bar, summary.json, the final HF export, SLURM requeue.
 
 A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
-flat packing would have forwarded); a module may add figures to the summary with ``summary_metrics()``.
+flat packing would have forwarded), and ``reported_loss`` when the ``loss`` it backpropagates is not the
+figure to report (SFT backpropagates a sum); a module may add figures to the summary with ``summary_metrics()``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class RunSummary(Callback):
         self.train_seconds += seconds
         if not isinstance(outputs, dict):
             return
-        self.losses.append(float(outputs["loss"]))
+        self.losses.append(float(outputs.get("reported_loss", outputs["loss"])))
         tokens = int(outputs.get("tokens", 0))
         self.tokens += tokens
         self.flat_tokens += int(outputs.get("flat_tokens", tokens))

@@ -1,6 +1,7 @@
 """SFTModule under a real Trainer: LoRA trains only the adapter and exports folders that from_pretrained
 loads with the same outputs; accumulation and bf16 precision come from Lightning; summary figures."""
 
+import csv
 import json
 
 import pytest
@@ -10,11 +11,15 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from recipe_runs import run_tiny_muse
 from toy_paths import TOY_HELDOUT, TOY_TRAIN
+from lightning.pytorch import Callback
+
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
 from lightning_rl.data.sft import SFTDataModule
-from lightning_rl.models.loading import LoraSettings
+from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.modules.sft import SFTModule
+from lightning_rl.ops.logprobs import packed_logprobs
 
 
 def fit(tmp_path, module, **trainer_kwargs):
@@ -80,3 +85,63 @@ def test_accumulation_and_bf16_precision_from_lightning(tmp_path):
     assert summary["heldout_examples"] == 8 and 0.0 <= summary["heldout_exact_match"] <= 1.0
     assert summary["peak_memory_mb"] > 0 and summary["tokens_per_s"] > 0
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
+
+
+class FirstStepGradients(Callback):
+    """The gradients the first optimizer step used, read before the second step zeroes them."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] | None = None
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        if self.grads is None and trainer.global_step == 1:
+            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+
+def test_an_accumulated_step_trains_on_the_token_mean_of_all_its_rows(tmp_path):
+    data = SFTDataModule(TOY_TRAIN, None, max_tokens=96)
+    capture = FirstStepGradients()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, max_steps=2, accumulate_grad_batches=2, callbacks=[capture])  # fmt: skip
+    trainer.fit(SFTModule(learning_rate=1e-3), datamodule=data)
+
+    # The same two rows, the same initial weights, outside Lightning: one loss over all their trained tokens.
+    rows = [batch for batch, _ in zip(data.train_dataloader(), range(2))]
+    counts = [int(row.loss_targets.numel()) for row in rows]
+    assert counts[0] != counts[1], counts  # rows of unequal size: a mean of row means would weigh them wrongly
+    reference = load_causal_lm("tiny")
+    logprobs = [packed_logprobs(reference, row) for row in rows]
+    (-torch.cat(logprobs).mean()).backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    assert capture.grads is not None and capture.grads.keys() == want.keys()
+    for name, grad in capture.grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # A mean of the two rows' means is a different gradient: the comparison above can tell them apart.
+    reference.zero_grad()
+    (-sum(packed_logprobs(reference, row).mean() for row in rows) / 2).backward()
+    assert not torch.allclose(next(reference.parameters()).grad, next(iter(want.values())), rtol=1e-3, atol=1e-6)
+
+
+def test_two_ranks_train_as_one_rank_accumulating_both_rows(tiny_path, tmp_path):
+    """Step s is rows 2s and 2s+1 either way: one per FSDP2 rank, or both accumulated on a single process."""
+    common = ("--model.lora=null", "--trainer.max_steps=3")
+    two = run_tiny_muse(tiny_path, tmp_path / "two", 29771, *common)
+    one = run_tiny_muse(tiny_path, tmp_path / "one", 29772, *common, "--trainer.devices=1", "--trainer.accumulate_grad_batches=2")
+    assert two.returncode == 0 and one.returncode == 0, (two.stderr + one.stderr)[-3000:]
+    want, got = load_file(tmp_path / "one" / "hf" / "model.safetensors"), load_file(tmp_path / "two" / "hf" / "model.safetensors")
+    initial = load_file(tiny_path / "model.safetensors")
+    assert any(not torch.equal(want[name], initial[name]) for name in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    # Adam would hide a gradient off by a constant factor; the logged step loss and gradient norm do not.
+    steps = {run: step_metrics(tmp_path / run) for run in ("one", "two")}
+    assert len(steps["one"]) == 3 and steps["one"].keys() == steps["two"].keys()
+    for step, (loss, norm) in steps["one"].items():
+        assert steps["two"][step] == pytest.approx((loss, norm), rel=1e-4), step
+
+
+def step_metrics(out) -> dict[int, tuple[float, float]]:
+    """Per optimizer step: the logged token-mean loss and gradient norm (rows of the run's metrics.csv)."""
+    with next(out.glob("csv/*/metrics.csv")).open() as f:
+        return {int(r["step"]): (float(r["train/loss"]), float(r["train/grad_norm"])) for r in csv.DictReader(f) if r["train/grad_norm"]}

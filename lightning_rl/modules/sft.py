@@ -1,8 +1,11 @@
 """Supervised fine-tuning as a LightningModule.
 
 One training step: a packed row (examples side by side, shared prefixes once) goes through the model
-with tree attention, the chunked LM head gives log p(target) for the trained tokens only, and the loss
-is their mean negative. Hardware, precision, accumulation and clipping are the Trainer's business.
+with tree attention, the chunked LM head gives log p(target) for the trained tokens only. The loss of an
+optimizer step is the mean negative log-probability over every trained token of the step: all its
+accumulated micro-batches on all ranks (as transformers' Trainer computes it), not a mean of per-row
+means, which would weigh a token of a short row more than one of a long row. Hardware, precision,
+accumulation and clipping are the Trainer's business.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class SFTModule(LightningModule):
         if export in ("merged", "adapter") and lora is None:
             raise ValueError(f"model.export={export!r} needs a model.lora block")
         self.model: torch.nn.Module | None = None
+        self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
         # LightningCLI hands the block over as a mapping; keep the typed settings, not the hparams copy
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.export = export or ("merged" if lora is not None else "model")
@@ -82,20 +86,34 @@ class SFTModule(LightningModule):
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         logprobs = self._logprobs(batch)
-        loss = -logprobs.mean()
-        self.log("train/loss", loss, prog_bar=True)
+        # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
+        loss_sum = -logprobs.sum()
+        count = torch.tensor(float(logprobs.numel()), device=loss_sum.device)
+        self._step_totals = self._step_totals.to(loss_sum.device) + torch.stack([loss_sum.detach().float(), count])
+        self.log("train/row_loss", -logprobs.mean())
         self.log("train/packing_ratio", batch.packing_ratio)
         self.log("train/unique_tokens", float(batch.num_unique_tokens))
         self.log("train/flat_tokens", float(batch.num_flat_tokens))
         self.log("train/trained_tokens", float(batch.loss_targets.numel()))
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        return {"loss": loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
+        return {"loss": loss_sum, "reported_loss": -logprobs.detach().mean(), "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logprobs = self._logprobs(batch)
         self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning divided each micro-batch's sum by accumulate_grad_batches and the strategy averaged the
+        # gradients over ranks; rescale so the gradient is that of the step's token mean.
+        loss_sum, tokens = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum").tolist()
+        self._step_totals = torch.zeros_like(self._step_totals)
+        if tokens > 0:
+            scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            self.log("train/loss", loss_sum / tokens, prog_bar=True)
+            self.log("train/step_trained_tokens", tokens)
         if any(p.grad is not None for p in self.parameters()):
             self.log("train/grad_norm", total_grad_norm(self.parameters()))
 
