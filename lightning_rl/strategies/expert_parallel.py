@@ -76,7 +76,7 @@ def distribute_experts(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     """Split every experts module of ``module`` over ``mesh['expert_parallel']``, in place.
 
     Works on meta-device models too (no communication: each rank keeps its own rows). Returns the experts
-    modules; their row norms are in ``module._expert_row_norms``.
+    modules; the norms each applies to its output rows, which stay data parallel, are in ``_expert_row_norms``.
     """
     ep_mesh = mesh[EXPERT_MESH_DIMS[1]]
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
