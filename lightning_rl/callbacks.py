@@ -167,11 +167,15 @@ class RequeueOnSignal(Callback):
             if os.environ.get("SLURM_ARRAY_JOB_ID"):
                 job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
             print(f"requeue signal: checkpoint {final} at step {trainer.global_step}; requeueing job {job}", flush=True)
-            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            try:
+                result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+                error = (result.stderr.strip() or f"exit code {result.returncode}") if result.returncode else ""
+            except OSError as err:  # no scontrol on this node: say so, and let the other ranks go on too
+                error = str(err)
             # The requeue's own SIGTERM can reach scontrol too (it runs in the job): that is a success.
-            requeued = result.returncode == 0 or trainer.received_sigterm
+            requeued = not error or trainer.received_sigterm
             if not requeued:
-                print(f"scontrol requeue {job} failed: {result.stderr.strip()}; training goes on", flush=True)
+                print(f"scontrol requeue {job} failed: {error}; training goes on", flush=True)
         requeued = trainer.strategy.broadcast(requeued if trainer.is_global_zero else None, src=0)
         # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
         deadline = time.monotonic() + self.sigterm_wait_s
