@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from jsonargparse import ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -224,6 +225,10 @@ def run(recipe: str, overrides: list[str]) -> int:
         # Lightning stops cleanly on SIGTERM but exits 0; a stopped run must not look finished.
         print(f"stopped by SIGTERM after step {cli.trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
         return EXIT_SIGTERM
+    # Lightning leaves the process groups to the interpreter's exit, where gloo's worker threads can abort the
+    # process (SIGABRT) while a peer is still writing the export. Every collective is done here.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
