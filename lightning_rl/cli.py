@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from lightning_rl.callbacks import ExportHuggingFace, RequeueOnSignal, RunSummary
 from lightning_rl.data.sft import DataError
+from lightning_rl.models.sharded_loading import CheckpointMismatchError
 from lightning_rl.strategies.expert_parallel import ExpertParallelError
 from lightning_rl.strategies import check_strategy_request
 
@@ -221,6 +222,8 @@ def run(recipe: str, overrides: list[str]) -> int:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=resume_path(Path(cli.config["output_dir"]), cli.config["ckpt_path"]))
     except ExpertParallelError as e:  # found once the strategy knows the world size, before any step
         raise RecipeError(f"{recipe}: trainer.strategy: {_one_line(e)}") from None
+    except CheckpointMismatchError as e:  # found when the sharded model reads its weights, before any step
+        raise RecipeError(f"{recipe}: model.model_name_or_path: {_one_line(e)}") from None
     except SIGTERMException:
         # Lightning stops cleanly on SIGTERM but exits 0; a stopped run must not look finished.
         print(f"stopped by SIGTERM after step {cli.trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)

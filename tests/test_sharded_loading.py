@@ -75,3 +75,8 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(tiny_path, tmp_path):
     model = load_causal_lm(str(folder), defer_weights=True).to_empty(device="cpu")
     with pytest.raises(CheckpointMismatchError, match=f"the checkpoint has no tensor '{name}'"):
         load_deferred_weights(model)
+    # Through `lightning-rl run` on two FSDP2 ranks: one line naming the recipe key, the file and the tensor.
+    done = run_tiny_muse(folder, tmp_path / "run", 29743, "--model.lora=null")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"model.model_name_or_path: {folder}: the checkpoint has no tensor '{name}'" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "hf").exists()
