@@ -140,3 +140,16 @@ def test_layouts_expert_parallelism_cannot_split_are_refused(tiny_path, tmp_path
     assert done.returncode == 2, done.stderr[-3000:]
     assert "trainer.strategy: expert_parallel_size=2, but Qwen3ForCausalLM has no routed-experts module" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_split_experts_train_the_same_from_a_whole_model_loaded_first(tiny_muse_path, tmp_path):
+    """sharded_loading=false: every rank loads the whole model, then keeps its experts; same steps, same weights."""
+    common = ("--model.lora=null", "--trainer.max_steps=2", _ep(2))
+    runs = {}
+    for sharded, port in ((True, 29768), (False, 29769)):
+        out = tmp_path / f"sharded-{sharded}"
+        done = run_tiny_muse(tiny_muse_path, out, port, *common, f"--trainer.strategy.init_args.sharded_loading={str(sharded).lower()}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[sharded] = _exported(out)
+    for name, tensor in runs[True].items():
+        torch.testing.assert_close(runs[False][name], tensor, atol=0, rtol=0, msg=name)
