@@ -7,8 +7,6 @@ full attention); the reference is the same layer or the same run with the expert
 import copy
 import json
 import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,18 +16,13 @@ from safetensors.torch import load_file
 from transformers import MuseSparkTextConfig
 from transformers.models.muse_spark.modeling_muse_spark import MuseSparkMoE
 
+from lightning_rl.rollout.vllm_server_process import free_port
 from lightning_rl.strategies.expert_parallel import ExpertParallelError, distribute_experts, expert_mesh
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
-from recipe_runs import run_tiny_muse
+from recipe_runs import exported, run_tiny_muse, stopped_and_resumed
 from test_sharded_loading import checkpoint_elements, run_with_check
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _layer_check(rank: int, port: int, implementation: str) -> None:
@@ -76,11 +69,7 @@ def _layer_check(rank: int, port: int, implementation: str) -> None:
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_split_experts_layer_equals_the_whole_layer(implementation):
-    torch.multiprocessing.spawn(_layer_check, args=(_free_port(), implementation), nprocs=WORLD)
-
-
-def _exported(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "hf" / "model.safetensors")
+    torch.multiprocessing.spawn(_layer_check, args=(free_port(), implementation), nprocs=WORLD)
 
 
 def _ep(size: int) -> str:
@@ -94,7 +83,7 @@ def test_full_fine_tuning_with_split_experts_matches_plain_fsdp2(tiny_muse_path,
     for size, port in ((1, 29761), (2, 29762)):
         done = run_tiny_muse(tiny_muse_path, tmp_path / f"ep{size}", port, *common, _ep(size))
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[size] = _exported(tmp_path / f"ep{size}")
+        runs[size] = exported(tmp_path / f"ep{size}")
     want, got = runs[1], runs[2]
     assert want.keys() == got.keys()
     for name in want:
@@ -107,16 +96,9 @@ def test_full_fine_tuning_with_split_experts_matches_plain_fsdp2(tiny_muse_path,
 def test_split_experts_resume_exactly(tiny_muse_path, tmp_path):
     """SIGTERM after step 3 of 4, resume from the step-2 checkpoint: the distributed checkpoint holds the split experts."""
     common = ("--model.lora=null", "--trainer.max_steps=4", "--checkpoint_every_n_steps=2", _ep(2))
-    reference = run_tiny_muse(tiny_muse_path, tmp_path / "reference", 29763, *common)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    killed_dir = tmp_path / "killed"
-    sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=3")
-    killed = run_tiny_muse(tiny_muse_path, killed_dir, 29764, *common, *sigterm)
-    assert killed.returncode == 143, killed.stderr[-3000:]
-    resumed = run_tiny_muse(tiny_muse_path, killed_dir, 29765, *common, "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference, killed_dir = stopped_and_resumed(tiny_muse_path, tmp_path, (29763, 29764, 29765), 3, *common)
     assert json.loads((killed_dir / "summary.json").read_text())["micro_batches"] == 2  # steps 3 and 4 only
-    want, got = _exported(tmp_path / "reference"), _exported(killed_dir)
+    want, got = exported(reference), exported(killed_dir)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
 
@@ -150,6 +132,6 @@ def test_split_experts_train_the_same_from_a_whole_model_loaded_first(tiny_muse_
         out = tmp_path / f"sharded-{sharded}"
         done = run_tiny_muse(tiny_muse_path, out, port, *common, f"--trainer.strategy.init_args.sharded_loading={str(sharded).lower()}")
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[sharded] = _exported(out)
+        runs[sharded] = exported(out)
     for name, tensor in runs[True].items():
         torch.testing.assert_close(runs[False][name], tensor, atol=0, rtol=0, msg=name)

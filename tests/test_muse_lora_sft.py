@@ -1,19 +1,14 @@
 """The tiny Muse Spark Open recipe: LoRA SFT with FSDP2 on two CPU processes, exported merged, resumed exactly."""
 
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
-from recipe_runs import run_tiny_muse
+from recipe_runs import exported, run_tiny_muse, stopped_and_resumed
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def exported(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "hf" / "model.safetensors")
 
 
 def test_lora_adapts_the_text_model_only(tiny_muse_path):
@@ -51,21 +46,10 @@ def test_muse_lora_sft_on_two_fsdp2_processes(tiny_muse_path, tmp_path):
 def test_fsdp2_lora_resume_matches_uninterrupted_run(tiny_muse_path, tmp_path):
     """SIGTERM after step 5 of 8 on both ranks, resume from the sharded step-4 checkpoint: bit-identical weights."""
     steps = ("--trainer.max_steps=8", "--checkpoint_every_n_steps=4")
-    reference = run_tiny_muse(tiny_muse_path, tmp_path / "reference", 29732, *steps)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
-    killed_dir = tmp_path / "killed"
-    sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=5")
-    killed = run_tiny_muse(tiny_muse_path, killed_dir, 29733, *steps, *sigterm)
-    assert killed.returncode == 143, killed.stderr[-3000:]
-    assert not (killed_dir / "hf").exists()
-
-    resumed = run_tiny_muse(tiny_muse_path, killed_dir, 29734, *steps, "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    reference, killed_dir = stopped_and_resumed(tiny_muse_path, tmp_path, (29732, 29733, 29734), 5, *steps)
     assert json.loads((killed_dir / "summary.json").read_text())["micro_batches"] == 4  # steps 5..8 only
 
-    want, got = exported(tmp_path / "reference"), exported(killed_dir)
+    want, got = exported(reference), exported(killed_dir)
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
