@@ -4,7 +4,6 @@ ranks training on their own rollouts give the gradient of one process training o
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ import torch
 from lightning_rl.losses import StepCounts, group_advantages
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
+from lightning_rl.rollout.vllm_server_process import free_port
 
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # dapo's normaliser is the step's token count over all ranks, which differs from any rank's own
@@ -30,7 +24,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("loss_type", ["dapo"])
 def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, loss_type):
     # tiny_path builds the shared model cache first, so the two ranks only read it.
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(HERE)}
     subprocess.run([sys.executable, str(HERE / "grpo_ddp_worker.py"), str(tmp_path), loss_type], env=env,
                    check=True, timeout=600, cwd=HERE.parent)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from lightning_rl.rollout.vllm_server_process import free_port
 
 SCRIPT = "launch/torchrun.sh"
 RECIPE = "recipes/tiny/muse_lora_sft.yaml"
@@ -17,14 +18,8 @@ def _env(**values: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **values}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_processes_train_one_run(tmp_path: Path, tiny_muse_path: Path) -> None:
-    env = _env(NNODES="1", NODE_RANK="0", GPUS_PER_NODE="2", MASTER_PORT=str(_free_port()), LOG_DIR=str(tmp_path / "logs"))
+    env = _env(NNODES="1", NODE_RANK="0", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), LOG_DIR=str(tmp_path / "logs"))
     args = [f"--output_dir={tmp_path / 'out'}", f"--model.model_name_or_path={tiny_muse_path}", "--trainer.max_steps=2"]
     done = subprocess.run(["bash", SCRIPT, RECIPE, *args], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
