@@ -26,7 +26,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import peak_memory_bytes, saved_for_backward  # noqa: E402
 
-from lightning_rl.ops.logprobs import lm_head_of, packed_hidden_states, token_logprobs  # noqa: E402
+from lightning_rl.ops.logprobs import lm_head_of, token_logprobs  # noqa: E402
+from lightning_rl.ops.packed_forward import packed_hidden_states  # noqa: E402
 from lightning_rl.packing import pack_sequences  # noqa: E402
 
 MB = 2**20

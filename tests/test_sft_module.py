@@ -19,7 +19,7 @@ from lightning_rl.callbacks import ExportHuggingFace, RunSummary
 from lightning_rl.data.sft import SFTDataModule
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.modules.sft import SFTModule
-from lightning_rl.ops.logprobs import packed_logprobs
+from lightning_rl.ops.packed_forward import packed_logprobs
 
 
 def fit(tmp_path, module, **trainer_kwargs):

@@ -78,7 +78,7 @@ def training_rows() -> list[Tensor]:
 
 def packed_loss(model: torch.nn.Module, rows: Tensor) -> Tensor:
     """Mean negative log-prob of a packed row, through the chunked LM head that runs after the forward."""
-    from lightning_rl.ops.logprobs import packed_logprobs
+    from lightning_rl.ops.packed_forward import packed_logprobs
     from lightning_rl.packing.tree import pack_sequences
 
     return -packed_logprobs(model, pack_sequences(rows.tolist())).mean()

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_rl.attention import tree_attention
 from lightning_rl.attention.tree_attention import TreeAttentionMeta, attend_tree, choose_backend, enable_tree_attention, tree_blocks
-from lightning_rl.ops.logprobs import LogitTransform, packed_logprobs, token_logprobs
+from lightning_rl.ops.logprobs import LogitTransform, token_logprobs
+from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing import pack_sequences
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_rl.attention.tree_attention import TreeAttentionMeta
-from lightning_rl.ops.logprobs import packed_logprobs
+from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing import pack_sequences
 from test_tree_attention import BRANCHY, NESTED, attention_and_grads, reference_logprobs
 from tiny_models import build

@@ -35,6 +35,8 @@ Backends (``TreeAttentionMeta.backend``):
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,17 +80,20 @@ class TreeAttentionMeta:
     depth: Tensor  # [N] position ids (depth along the path)
     subtree_end: Tensor  # [N]
     backend: str = "blocks"
+    model_name: str = "the model"  # for refusals
+    layers_called: set = field(default_factory=set, repr=False)  # attention modules that applied this row
     _plans: dict = field(default_factory=dict, repr=False)
     _block_masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_batch(cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None) -> TreeAttentionMeta:
+    def from_batch(cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None, model_name: str = "the model") -> TreeAttentionMeta:
         device = device or batch.input_ids.device
         return cls(
             segments=[tuple(s) for s in batch.segments.tolist()],
             depth=batch.position_ids.to(device),
             subtree_end=batch.subtree_end.to(device),
             backend=choose_backend(backend, device),
+            model_name=model_name,
         )
 
     @property
@@ -222,18 +227,20 @@ class _TreeAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, calls, scale):
         n, hq, d = q.shape[2], q.shape[1], q.shape[3]
         qr, kr, vr = _rows(q), _rows(k), _rows(v)
-        out = q.new_empty(n + 1, hq, d, dtype=torch.float32)
-        lse = q.new_empty(n + 1, hq, dtype=torch.float32)
+        acc = _accumulation_dtype(q.dtype)
+        out = q.new_empty(n + 1, hq, d, dtype=acc)
+        lse = q.new_empty(n + 1, hq, dtype=acc)
         for call in calls:
             rq, rk = call.q, call.k
             o, l = call.forward(rq.gather(qr), rk.gather(kr), rk.gather(vr), scale)
+            o, l = o.to(acc), l.to(acc)
             if not call.merge:
-                rq.write(out, o.float())
+                rq.write(out, o)
                 rq.write(lse, l)
                 continue
             prev = rq.read(lse)
             new = torch.logaddexp(prev, l)
-            merged = rq.read(out).mul_((prev - new).exp_().unsqueeze(-1)).addcmul_(o.float(), (l - new).exp_().unsqueeze(-1))
+            merged = rq.read(out).mul_((prev - new).exp_().unsqueeze(-1)).addcmul_(o, (l - new).exp_().unsqueeze(-1))
             rq.write(out, merged)
             rq.write(lse, new)
         out = out.to(q.dtype)
@@ -246,21 +253,27 @@ class _TreeAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         n = q.shape[2]
         gr, qr, kr, vr = _rows(grad_out), _rows(q), _rows(k), _rows(v)
-        dq = torch.empty(n + 1, *qr.shape[1:], dtype=torch.float32, device=q.device)
-        dk = torch.empty(n + 1, *kr.shape[1:], dtype=torch.float32, device=k.device)
-        dv = torch.empty(n + 1, *vr.shape[1:], dtype=torch.float32, device=v.device)
+        acc = _accumulation_dtype(q.dtype)
+        dq = torch.empty(n + 1, *qr.shape[1:], dtype=acc, device=q.device)
+        dk = torch.empty(n + 1, *kr.shape[1:], dtype=acc, device=k.device)
+        dv = torch.empty(n + 1, *vr.shape[1:], dtype=acc, device=v.device)
         for call in ctx.calls:
             rq, rk = call.q, call.k
             inputs = (rq.gather(gr), rq.gather(qr), rk.gather(kr), rk.gather(vr), rq.gather(out), rq.gather(lse))
             gq, gk, gv = call.backward(*inputs, ctx.scale)
             for rows, buf, g in ((rq, dq, gq), (rk, dk, gk), (rk, dv, gv)):
-                (rows.accumulate if call.merge else rows.write)(buf, g.float())
+                (rows.accumulate if call.merge else rows.write)(buf, g.to(acc))
         grads = [g[:n].to(x.dtype).unsqueeze(0).transpose(1, 2) for g, x in ((dq, q), (dk, k), (dv, v))]
         return *grads, None, None
 
 
 def _rows(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial results merge in fp32, or in fp64 for fp64 inputs (the noise-free reference of the tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -425,19 +438,31 @@ def _compiled_flex():
 
 
 def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, scale: float | None = None, window: int | None = None) -> Tensor:
-    """Attention of a packed tree: q [1, Hq, N, D], k/v [1, Hkv, N, D] -> [1, Hq, N, D]."""
+    """Attention of a packed tree: q [1, Hq, N, D], k/v [1, Hkv, N, D] (v may have its own head dim) -> [1, Hq, N, Dv]."""
     if q.shape[0] != 1:
         raise ValueError(f"a packed tree is one row; got a batch of {q.shape[0]}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if meta.backend == "flex":
-        return _flex(q, k, v, meta, scale, window)
+    # One dtype for the kernels, as SDPA would see them: autocast's, else the common one (a model may hand over
+    # fp32 queries after a rotary embedding beside bf16 values).
+    dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     if meta.backend == "dense":
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(window), scale=scale)
     if meta.backend == "blocks" and q.device.type != "cpu":
         raise ValueError(f"the 'blocks' tree attention runs on CPU tensors; on {q.device.type} use 'flex' or 'varlen'")
-    return _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
+    dv = v.shape[-1]
+    if q.shape[-1] != dv:
+        # The flash kernels take one head dim: zero columns add nothing to q.k (the scale is already fixed), and
+        # the output's extra columns are dropped.
+        d = max(q.shape[-1], dv)
+        q, k, v = (nn.functional.pad(x, (0, d - x.shape[-1])) for x in (q, k, v))
+    if meta.backend == "flex":
+        out = _flex(q, k, v, meta, scale, window)
+    else:
+        out = _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
+    return out if out.shape[-1] == dv else out[..., :dv]
 
 
 def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
@@ -445,6 +470,51 @@ def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
     q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k = torch.arange(kv_len, device=device)[None, :]
     return ((k <= q) & (q - k < window))[None, None]
+
+
+class PackingRefused(ValueError):
+    """A model, setting or row that tree packing cannot compute exactly. The message is one line: the model class
+    and the reason."""
+
+
+# Keyword arguments that attention layers pass along and that carry nothing the tree attention must apply.
+_BOOKKEEPING = {"position_ids", "cache_position", "position_embeddings", "past_key_values", "past_key_value", "use_cache",
+                "output_attentions", "layer_idx", "is_causal", "target_dtype"}  # fmt: skip
+
+_PACKED = threading.local()  # the row being forwarded by this thread, if any (generation may run on another thread)
+
+
+@contextmanager
+def packed_forward(meta: TreeAttentionMeta):
+    """Marks a packed forward: inside it, an attention call that does not carry ``meta`` is an error, never a
+    causal fallback over the whole row (which would let every sequence attend to the others)."""
+    previous = getattr(_PACKED, "meta", None)
+    _PACKED.meta = meta
+    try:
+        yield meta
+    finally:
+        _PACKED.meta = previous
+
+
+def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_mask, sliding_window, dropout, kwargs) -> None:
+    """Everything a layer hands its attention that the tree attention would not apply is refused, never dropped."""
+    layer = f"{meta.model_name}: {type(module).__name__}"
+    if attention_mask is not None:
+        raise PackingRefused(f"{layer} passes an attention mask in a packed forward (a score bias, window or key mask built into the mask); tree packing cannot apply it")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise PackingRefused(f"{layer} is bidirectional (not causal); tree packing computes causal attention only")
+    for name, value in kwargs.items():
+        if value is None or name in _BOOKKEEPING:
+            continue
+        if name in ("s_aux", "sinks", "softcap") or isinstance(value, Tensor):
+            raise PackingRefused(f"{layer} passes {name!r} to its attention; tree packing cannot apply it")
+    config, layer_idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None) if config is not None else None
+    if sliding_window is None and layer_types and isinstance(layer_idx, int) and layer_idx < len(layer_types):
+        if layer_types[layer_idx] == "sliding_attention":
+            raise PackingRefused(f"{layer} is a sliding-window layer that passes no sliding_window to its attention (the window lives in its mask only)")
+    if dropout and module.training:
+        raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's attention_dropout to 0")
 
 
 def tree_attention_forward(
@@ -461,14 +531,17 @@ def tree_attention_forward(
 ) -> tuple[Tensor, None]:
     """The function transformers calls from each attention layer (``attn_implementation="tree"``)."""
     if tree_attention is None:
+        active = getattr(_PACKED, "meta", None)
+        if active is not None:
+            raise PackingRefused(
+                f"{active.model_name}: {type(module).__name__} is called without the packed row's metadata (its decoder "
+                "layer does not pass keyword arguments on to its attention); packed, its sequences would attend to each other"
+            )
         if attention_mask is None and sliding_window is not None and query.shape[2] > 1:
             attention_mask = _causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    for unsupported in ("s_aux", "sinks", "softcap"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{type(module).__name__} passes {unsupported!r} to its attention; tree packing cannot apply it")
-    if dropout and module.training:
-        raise ValueError("tree attention does not apply attention dropout; set the model's attention_dropout to 0")
+    _refuse_packed_call(module, tree_attention, attention_mask, sliding_window, dropout, kwargs)
+    tree_attention.layers_called.add(id(module))
     out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
@@ -483,19 +556,60 @@ def tree_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor |
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, tree_mask)
 
+# Rope types whose frequencies are chosen from the longest position of the forward: in a packed row a short
+# sequence would get the longest one's frequencies, so they are exact only while every position stays below the
+# length at which the choice changes.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_settings(text) -> list[dict]:
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # one set per layer type
+        return list(params.values())
+    return [params] if isinstance(params, dict) else []
+
+
+def row_limits(config) -> list[tuple[str, int, str]]:
+    """What a packed row of this model must stay under to be exact: ``("depth" | "row", limit, why)``."""
+    text, limits = config.get_text_config(), []
+    for params in _rope_settings(text):
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
+            bounds = [b for b in (params.get("original_max_position_embeddings"), getattr(text, "max_position_embeddings", None)) if b]
+            limits.append(("depth", int(min(bounds)), f"its {rope_type} rope picks frequencies from the longest position of a forward"))
+    if getattr(text, "attn_temperature_tuning", False) and getattr(text, "floor_scale", None):
+        limits.append(("row", int(text.floor_scale), "its query temperature grows with the row index, not the position"))
+    return limits
+
+
+def check_row(model: nn.Module, max_depth: int, num_tokens: int) -> None:
+    """Refuse a packed row beyond what ``row_limits`` allows (each sequence alone would be computed differently)."""
+    for kind, limit, why in row_limits(model.config):
+        reach = max_depth + 1 if kind == "depth" else num_tokens
+        if reach >= limit:
+            what = f"positions up to {max_depth}" if kind == "depth" else f"{num_tokens} tokens"
+            raise PackingRefused(f"{type(model).__name__}: a packed row with {what} reaches {limit}, and {why}; pack smaller rows (data.max_tokens) or use packing: none")
+
 
 def enable_tree_attention(model: nn.Module) -> None:
-    """Route ``model``'s attention through tree attention, refusing layers that cannot be packed as a tree."""
+    """Route ``model``'s attention through tree attention, refusing what the config already shows cannot be packed
+    as a tree. Whether every layer really calls it is proved by the self-check of the first packed forward."""
     config = model.config
     if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
         return
-    text = config.get_text_config()
+    text, name = config.get_text_config(), type(model).__name__
     unpackable = sorted(set(getattr(text, "layer_types", None) or []) - _PACKABLE_LAYER_TYPES)
     if unpackable:
-        raise ValueError(
-            f"{type(model).__name__} has {', '.join(unpackable)} layers; tree packing needs every layer to be "
+        raise PackingRefused(
+            f"{name} has {', '.join(unpackable)} layers; tree packing needs every layer to be "
             "full or sliding-window attention (recurrent and linear-attention layers carry state across tokens)"
         )
     if any(hasattr(m, "sinks") for m in model.modules()):
-        raise ValueError(f"{type(model).__name__} uses attention sinks, which tree packing cannot apply")
+        raise PackingRefused(f"{name} uses attention sinks, which tree packing cannot apply")
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        raise PackingRefused(f"{name} is configured for bidirectional attention; tree packing computes causal attention only")
+    if getattr(text, "attention_chunk_size", None):
+        raise PackingRefused(f"{name} uses chunked attention (a query sees only its own chunk of row positions); tree packing cannot apply it")
+    if getattr(text, "attn_temperature_tuning", False) and not getattr(text, "floor_scale", None):
+        raise PackingRefused(f"{name} scales its queries by the row index; tree packing cannot apply it")
     model.set_attn_implementation(ATTENTION_NAME)

@@ -32,7 +32,8 @@ from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm
 from lightning_rl.models.tiny import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
-from lightning_rl.ops.logprobs import lm_head_of, packed_logprobs
+from lightning_rl.ops.logprobs import lm_head_of
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
@@ -64,6 +65,8 @@ class GRPOModule(LightningModule):
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
+        verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
+            one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
         async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
         tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
@@ -101,6 +104,8 @@ class GRPOModule(LightningModule):
         max_tokens_per_row: int | None = None,
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
+        verify_packing: VerifyPacking = "first_step",
+        verify_packing_every: int = 100,
         async_mode: bool = False,
         max_staleness: int = 1,
         tools: Sequence[str] = (),
@@ -136,6 +141,7 @@ class GRPOModule(LightningModule):
             )
         if max_turns > 1 and not tools:
             raise ValueError("max_turns > 1 needs at least one tool")
+        self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
         self.scorer = RewardScorer(specs, on_error=reward_on_error)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
@@ -228,6 +234,8 @@ class GRPOModule(LightningModule):
         stats = _StepStats()
         for row in rows:
             packed = self.pack_rollouts([scored.rollouts[i] for i in row], advantages[row]).to(self.device)
+            if self.packing_verifier.due(step):
+                self._verify_packing(packed, step)
             terms, entropy = self.row_loss(packed)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = (terms.loss * self.loss.token_weights(packed.loss_seq, seq_tokens, counts).to(terms.loss)).sum()
@@ -284,18 +292,28 @@ class GRPOModule(LightningModule):
             tool_failures=failures,
         )
 
+    def _backend(self) -> str:
+        static = self._trainer is not None and requires_static_shapes(self.trainer)
+        return choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
+
     def policy_logprobs(
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature."""
-        temperature = self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
-        static = self._trainer is not None and requires_static_shapes(self.trainer)
-        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
         out = packed_logprobs(
-            model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=temperature,
-            attention_backend=backend,
+            model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
+            attention_backend=self._backend(),
         )  # fmt: skip
         return out if with_entropy else (out, None)
+
+    def _temperature(self) -> float:
+        return self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
+
+    def _verify_packing(self, packed: PackedBatch, step: int) -> None:
+        error = self.packing_verifier.check(
+            self.policy, packed, step=step, backend=self._backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size
+        )
+        self.log("train/packing_error", error)
 
     # -- pieces of the step --------------------------------------------------------------------
 

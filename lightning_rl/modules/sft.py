@@ -23,7 +23,7 @@ from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
-from lightning_rl.ops.logprobs import packed_logprobs
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.strategies.devices import requires_static_shapes
 from lightning_rl.packing.tree import PackedBatch
 
@@ -41,6 +41,9 @@ class SFTModule(LightningModule):
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
+        verify_packing: compare a packed row with its sequences run one by one, on the real backend, device and
+            dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
+            (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
         eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.
         max_new_tokens: decode budget for those generations.
     """
@@ -58,6 +61,8 @@ class SFTModule(LightningModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
+        verify_packing: VerifyPacking = "first_step",
+        verify_packing_every: int = 100,
         eval_generations: int = 0,
         max_new_tokens: int = 32,
     ) -> None:
@@ -70,6 +75,7 @@ class SFTModule(LightningModule):
         # LightningCLI hands the block over as a mapping; keep the typed settings, not the hparams copy
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.export = export or ("merged" if lora is not None else "model")
+        self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -79,12 +85,17 @@ class SFTModule(LightningModule):
             )
             self.model.train()  # from_pretrained returns the model in eval mode
 
-    def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
+    def _backend(self) -> str:
         static = self._trainer is not None and requires_static_shapes(self.trainer)
-        backend = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
-        return packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size, attention_backend=backend)
+        return choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
+
+    def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        return packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size, attention_backend=self._backend())
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
+        if self.packing_verifier.due(self.global_step):
+            error = self.packing_verifier.check(self.model, batch, step=self.global_step, backend=self._backend(), chunk_size=self.hparams.chunk_size)
+            self.log("train/packing_error", error)
         logprobs = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
         loss_sum = -logprobs.sum()

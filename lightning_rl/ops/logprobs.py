@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_rl.attention.tree_attention import TreeAttentionMeta, enable_tree_attention
-from lightning_rl.packing.tree import PackedBatch
 
 
 @dataclass(frozen=True)
@@ -124,47 +122,3 @@ def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tens
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the output head is a {type(head).__name__}; the chunked LM head needs a plain linear layer (do not adapt lm_head with LoRA)")
     return head.weight, head.bias, LogitTransform.of(model.config, temperature)
-
-
-def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
-    """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors.
-
-    The top-level ``forward`` runs (so wrappers such as FSDP or peft see an ordinary call) with a single
-    position's logits kept; the decoder's output is read through a forward hook.
-    """
-    enable_tree_attention(model)
-    meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=batch.input_ids.device)
-    captured: list[Tensor] = []
-    hook = model.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
-    try:
-        model(
-            input_ids=batch.input_ids[None],
-            position_ids=batch.position_ids[None],
-            tree_attention=meta,
-            use_cache=False,
-            logits_to_keep=1,
-        )
-    finally:
-        hook.remove()
-    return captured[-1][0]
-
-
-def packed_logprobs(
-    model: nn.Module,
-    batch: PackedBatch,
-    *,
-    chunk_size: int = 1024,
-    return_entropy: bool = False,
-    temperature: float = 1.0,
-    attention_backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
-    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M], under
-    the sampling ``temperature``."""
-    hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
-    h = hidden.index_select(0, batch.loss_positions)
-    weight, bias, transform = lm_head_of(model, temperature)
-    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
-    if not return_entropy:
-        return logprobs
-    entropy = token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, transform=transform, bias=None if bias is None else bias.detach())
-    return logprobs, entropy

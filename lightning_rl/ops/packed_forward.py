@@ -1,0 +1,275 @@
+"""A model run on a packed row, and the checks that prove, on that very model, that it equals each sequence alone.
+
+Guards in the attention refuse every mechanism known to break packing, but a guard list is never complete and
+some kernels only run on hardware the tests do not have. So the model checks itself where it runs:
+
+- the **probe**: when tree attention is first used on a model (per backend, device and dtype), a few short random
+  sequences forming nested forks and a separate root are scored packed and one by one, without gradients, in
+  eval mode; every decoder layer must have applied the row's tree, and the log-probs must agree within a
+  dtype-aware tolerance, or the model is refused with the measured error;
+- ``verify_row``: the real row of a training step against per-sequence runs of a sample of its sequences.
+
+Both run the same number of forwards on every rank and agree on the error across ranks, so a sharded run checks
+in step and either goes on or stops everywhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
+from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
+from lightning_rl.packing.tree import PackedBatch, pack_sequences
+
+# Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
+# bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+def head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, **forward_kwargs) -> Tensor:
+    """The hidden states [T, hidden] that ``model`` feeds its LM head for one row of tokens.
+
+    The top-level ``forward`` runs, so wrappers (FSDP, peft) see an ordinary call, with only arguments whose meaning
+    is the same for every model. A pre-hook on the output embeddings takes the head's input, which is by definition
+    what the logits are computed from whatever module produced it, and hands the head a single position, so the
+    [tokens x vocab] logits are never built."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise PackingRefused(f"{type(model).__name__} has no output embeddings module to read its final hidden states from")
+    captured: list[Tensor] = []
+
+    def take(module, args):
+        captured.append(args[0])
+        return (args[0][:, -1:], *args[1:])
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **forward_kwargs)
+    finally:
+        handle.remove()
+    name, n = type(model).__name__, input_ids.shape[0]
+    if len(captured) != 1:
+        raise PackingRefused(f"{name} called its output embeddings {len(captured)} times in one forward; its logits cannot be read as one head over hidden states")
+    hidden = captured[0]
+    if hidden.dim() != 3 or hidden.shape[:2] != (1, n):
+        raise PackingRefused(f"{name} feeds its LM head a tensor of shape {tuple(hidden.shape)} for a row of {n} tokens")
+    return hidden[0]
+
+
+def _compute_dtype(hidden: Tensor) -> torch.dtype:
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, TOLERANCE[torch.float16])
+
+
+def _agree(error: float, device: torch.device) -> float:
+    """The largest error of all ranks, so every rank takes the same decision."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return error
+    value = torch.tensor([error], dtype=torch.float64, device=device if torch.distributed.get_backend() != "gloo" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value)
+
+
+def _expected_layers(model: nn.Module) -> int:
+    return int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+
+
+def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
+    """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors."""
+    enable_tree_attention(model)
+    check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens)
+    device = batch.input_ids.device
+    meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__)
+    _probe_once(model, meta.backend, device)
+    with packed_forward(meta):
+        hidden = head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta)
+    _check_every_layer_applied(model, meta)
+    return hidden
+
+
+def _check_every_layer_applied(model: nn.Module, meta: TreeAttentionMeta) -> None:
+    called, expected = len(meta.layers_called), _expected_layers(model)
+    if called < expected:
+        raise PackingRefused(
+            f"{type(model).__name__}: {called} of its {expected} decoder layers applied the tree attention (the others do "
+            "not route their attention through transformers' attention interface)"
+        )
+
+
+def packed_logprobs(
+    model: nn.Module,
+    batch: PackedBatch,
+    *,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+    attention_backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M], under
+    the sampling ``temperature``."""
+    hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
+    h = hidden.index_select(0, batch.loss_positions)
+    weight, bias, transform = lm_head_of(model, temperature)
+    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
+    if not return_entropy:
+        return logprobs
+    entropy = token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, transform=transform, bias=None if bias is None else bias.detach())
+    return logprobs, entropy
+
+
+# -- the probe -------------------------------------------------------------------------------------------------
+
+_PROBED: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()
+
+
+def _special_token_ids(config) -> set[int]:
+    """Ids the probe must not use: image, audio and other placeholders make a model expect more than text."""
+    ids: set[int] = set()
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_index", "_token_ids")):
+                ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return ids
+
+
+def probe_sequences(config, seed: int = 0) -> list[list[int]]:
+    """A shared prefix, forks and a nested fork below it, and an unrelated root placed last in the row (so its row
+    index is far from its depth), in ids of the model's own vocabulary. Seven tokens deep at most."""
+    vocab = int(config.get_text_config().vocab_size)
+    allowed = torch.tensor(sorted(set(range(min(vocab, 4096))) - _special_token_ids(config)))
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: allowed[torch.randint(len(allowed), (n,), generator=g)].tolist()  # noqa: E731
+    prefix, fork = draw(3), draw(2)
+    return [prefix + draw(3), prefix + fork + draw(2), prefix + fork + draw(2), prefix + draw(1), draw(4)]
+
+
+def _probe_once(model: nn.Module, backend: str, device: torch.device) -> None:
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    key = (backend, device.type, autocast)
+    if key in _PROBED.setdefault(model, set()):
+        return
+    error, dtype = probe(model, backend, device)
+    tolerance = _tolerance(dtype)
+    if error > tolerance:
+        raise PackingRefused(
+            f"{type(model).__name__}: the packing self-check measured packed log-probs {error:.2e} away from each sequence "
+            f"run alone ({backend} attention, {str(dtype).removeprefix('torch.')}, tolerance {tolerance:.0e}); this model cannot be tree-packed exactly"
+        )
+    _PROBED[model].add(key)
+
+
+@torch.no_grad()
+def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype]:
+    """Max |packed - per-sequence| log-prob on ``probe_sequences`` (agreed across ranks), and the compute dtype.
+    The reference is the model's own forward and logits, one sequence at a time."""
+    seqs = probe_sequences(model.config)
+    batch = pack_sequences(seqs).to(device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # dropout and router noise off: the comparison is of the computation, not of samples
+    try:
+        meta = TreeAttentionMeta.from_batch(batch, backend=backend, device=device, model_name=type(model).__name__)
+        with packed_forward(meta):
+            hidden = head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta)
+        _check_every_layer_applied(model, meta)
+        weight, bias, transform = lm_head_of(model)
+        packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
+        reference = []
+        for s in seqs:
+            ids = torch.tensor([s], device=device)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0].float()
+            reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1))
+        error = float((packed - torch.cat(reference)).abs().max())
+    finally:
+        for module, training in modes:
+            module.training = training
+    return _agree(error, device), _compute_dtype(hidden)
+
+
+# -- the check of real rows ------------------------------------------------------------------------------------
+
+VerifyPacking = Literal["first_step", "every_n_steps", "never"]
+
+
+def sequence_paths(batch: PackedBatch, sequences: list[int]) -> list[tuple[Tensor, Tensor]]:
+    """For each sequence: its packed rows from the root to its last scored token, and its loss terms."""
+    out = []
+    for s in sequences:
+        terms = torch.nonzero(batch.loss_seq == s).flatten()
+        last = batch.loss_positions[terms].max() if terms.numel() else torch.tensor(0, device=batch.input_ids.device)
+        rows = torch.arange(batch.num_tokens, device=batch.input_ids.device)
+        out.append((rows[(rows <= last) & (batch.subtree_end > last)], terms))
+    return out
+
+
+@torch.no_grad()
+def verify_row(
+    model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", temperature: float = 1.0, chunk_size: int = 1024, samples: int = 2, seed: int = 0
+) -> tuple[float, torch.dtype]:
+    """Max |packed - per-sequence| log-prob of a real row, over ``samples`` of its sequences (the one ending the row,
+    furthest from the row's start, and one drawn with ``seed``), and the compute dtype. In eval mode, so dropout
+    does not count as a difference; the same number of forwards on every rank, the error agreed across ranks."""
+    scored = torch.unique(batch.loss_seq).tolist()
+    g = torch.Generator().manual_seed(seed)
+    chosen = [int(batch.loss_seq[-1])] if scored else [0]
+    while len(chosen) < samples:
+        chosen.append(scored[int(torch.randint(len(scored), (1,), generator=g))] if scored else 0)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        packed = packed_logprobs(model, batch, chunk_size=chunk_size, temperature=temperature, attention_backend=attention_backend)
+        weight, bias, transform = lm_head_of(model, temperature)
+        error, dtype = 0.0, torch.float32
+        for rows, terms in sequence_paths(batch, chosen):
+            ids = batch.input_ids[rows]
+            hidden = head_inputs(model, ids, torch.arange(len(ids), device=ids.device))
+            dtype = _compute_dtype(hidden)
+            if terms.numel():
+                depth = batch.position_ids[batch.loss_positions[terms]]
+                alone = token_logprobs(hidden.index_select(0, depth), weight, batch.loss_targets[terms], chunk_size=chunk_size, transform=transform, bias=bias)
+                error = max(error, float((packed[terms] - alone).abs().max()))
+    finally:
+        for module, training in modes:
+            module.training = training
+    return _agree(error, batch.input_ids.device), dtype
+
+
+@dataclass
+class PackingVerifier:
+    """When a module checks its packed rows (recipe keys ``verify_packing``, ``verify_packing_every``)."""
+
+    mode: VerifyPacking = "first_step"
+    every: int = 100
+    last_step: int | None = None  # the step last checked (once per step, whatever the accumulation)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("first_step", "every_n_steps", "never"):
+            raise ValueError(f"verify_packing must be first_step, every_n_steps or never, got {self.mode!r}")
+        if self.every < 1:
+            raise ValueError(f"verify_packing_every must be a positive number of steps, got {self.every}")
+
+    def due(self, step: int) -> bool:
+        if self.mode == "never" or self.last_step == step:
+            return False
+        return self.last_step is None or (self.mode == "every_n_steps" and step % self.every == 0)
+
+    def check(self, model: nn.Module, batch: PackedBatch, *, step: int, backend: str, **kwargs) -> float:
+        """The row's error; refuses the run (before any weight changes) beyond the tolerance of the compute dtype."""
+        self.last_step = step
+        error, dtype = verify_row(model, batch, attention_backend=backend, seed=step, **kwargs)
+        tolerance = _tolerance(dtype)
+        if error > tolerance:
+            raise PackingRefused(
+                f"{type(model).__name__}: verify_packing at step {step}: packed log-probs are {error:.2e} away from each "
+                f"sequence run alone ({backend} attention, {str(dtype).removeprefix('torch.')}, tolerance {tolerance:.0e}); stopped before any weight changed"
+            )
+        return error
+

@@ -1,0 +1,130 @@
+"""The packing self-checks fire: the probe when tree attention is first used on a model, and ``verify_packing`` on a
+real row of a training step, each fed a deliberately broken attention (a real Trainer run for the latter)."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from tiny_models import build
+from test_tree_attention import NESTED
+from toy_paths import TOY_HELDOUT, TOY_TRAIN
+
+from grpo_helpers import FAST, DIGIT_REWARDS
+from lightning_rl.attention import tree_attention
+from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.data.sft import SFTDataModule
+from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.modules.sft import SFTModule
+from lightning_rl.ops import packed_forward
+from lightning_rl.ops.packed_forward import PackingVerifier, packed_logprobs, probe, probe_sequences, verify_row
+from lightning_rl.packing import pack_sequences
+
+honest_attend_tree = tree_attention.attend_tree
+
+
+def leaky_beyond(tokens: int):
+    """An attention that is right on rows of up to ``tokens`` tokens and, beyond, attends causally over the whole
+    row, as a missing mask would: every sequence then sees the ones packed before it."""
+
+    def attend(q, k, v, meta, *, scale=None, window=None):
+        if meta.num_tokens <= tokens:
+            return honest_attend_tree(q, k, v, meta, scale=scale, window=window)
+        groups = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    return attend
+
+
+def test_probe_refuses_a_leaking_attention_with_the_measured_error(monkeypatch):
+    model = build("qwen3")
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(0))
+    with pytest.raises(PackingRefused, match=r"Qwen3ForCausalLM: the packing self-check measured packed log-probs \d\.\d\de[-+]\d\d away .*blocks attention, float32, tolerance 1e-04"):
+        packed_logprobs(model, pack_sequences(NESTED))
+
+
+def test_probe_passes_an_exact_model_once_per_backend_and_restores_train_mode(monkeypatch):
+    model = build("qwen3").train()
+    calls = []
+    monkeypatch.setattr(packed_forward, "probe", lambda *a: calls.append(a[1]) or probe(*a))
+    batch = pack_sequences(NESTED)
+    for backend in ("blocks", "blocks", "dense", "blocks"):
+        packed_logprobs(model, batch, attention_backend=backend)
+    assert calls == ["blocks", "dense"]
+    assert model.training and all(m.training for m in model.modules())
+    error, dtype = probe(model, "blocks", torch.device("cpu"))
+    assert error < 1e-5 and dtype == torch.float32
+
+
+def test_probe_sequences_fork_and_avoid_special_tokens():
+    model = build("muse_spark")  # an image-text model: its placeholder ids would make it expect pixels
+    seqs = probe_sequences(model.config)
+    specials = packed_forward._special_token_ids(model.config)
+    assert specials and not specials & {t for s in seqs for t in s}
+    batch = pack_sequences(seqs)
+    assert batch.num_unique_tokens < batch.num_flat_tokens  # shared prefixes, so the tree is really exercised
+    assert int(batch.position_ids[-1]) < batch.num_tokens - 1  # the last root sits far from its depth
+
+
+def test_verify_row_measures_real_rows_and_fires_past_the_probe(monkeypatch):
+    model = build("llama")
+    rows = [list(range(3, 3 + 30)), list(range(3, 3 + 20)) + [40, 41, 42], [50, 51, 52, 53, 54, 55]]
+    batch = pack_sequences(rows)
+    error, dtype = verify_row(model, batch)
+    assert error < 1e-5 and dtype == torch.float32
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(20))  # the probe's rows are shorter: it passes
+    packed_logprobs(model, pack_sequences(NESTED))
+    error, _ = verify_row(model, batch)
+    assert error > 1e-3
+    verifier = PackingVerifier("first_step")
+    with pytest.raises(PackingRefused, match=r"verify_packing at step 0: packed log-probs are .* stopped before any weight changed"):
+        verifier.check(model, batch, step=0, backend="blocks")
+
+
+def test_verifier_schedule():
+    first, every, never = PackingVerifier("first_step"), PackingVerifier("every_n_steps", every=3), PackingVerifier("never")
+    due = lambda v: [s for s in range(8) if v.due(s) and not v.__setattr__("last_step", s)]  # noqa: E731
+    assert due(first) == [0] and due(every) == [0, 3, 6] and due(never) == []
+    resumed = PackingVerifier("first_step")
+    assert resumed.due(5)  # a resumed run checks its first step too
+    with pytest.raises(ValueError, match="verify_packing must be"):
+        PackingVerifier("sometimes")
+    with pytest.raises(ValueError, match="verify_packing_every"):
+        PackingVerifier("every_n_steps", every=0)
+
+
+def _trainer(**kwargs):
+    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   limit_val_batches=0, **kwargs)  # fmt: skip
+
+
+def test_sft_run_stops_before_any_weight_changes(tiny_path, monkeypatch):
+    module = SFTModule(learning_rate=1e-2)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(40))
+    with pytest.raises(PackingRefused, match="verify_packing at step 0"):
+        _trainer(max_steps=2).fit(module, datamodule=SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256))
+    assert all(torch.equal(p, before[n]) for n, p in module.model.named_parameters())
+
+
+def test_sft_run_logs_the_packing_error(tiny_path):
+    for mode in ("never", "first_step"):
+        module = SFTModule(learning_rate=1e-2, verify_packing=mode)
+        trainer = _trainer(max_steps=2, log_every_n_steps=1)
+        trainer.fit(module, datamodule=SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256))
+        logged = trainer.logged_metrics
+        assert ("train/packing_error" in logged) == (mode == "first_step")
+    assert float(logged["train/packing_error"]) < 1e-4
+
+
+def test_grpo_run_stops_before_any_weight_changes(tiny_path, monkeypatch):
+    module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS})
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(24))
+    before = {}
+    trainer = _trainer(max_steps=1)
+    with pytest.raises(PackingRefused, match="verify_packing at step 0"):
+        module.configure_model()
+        before.update({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+        trainer.fit(module, PromptDataModule(batch_size=2))
+    assert before and all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())
