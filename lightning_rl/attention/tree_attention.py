@@ -496,6 +496,18 @@ def packed_forward(meta: TreeAttentionMeta):
         _PACKED.meta = previous
 
 
+def _is_sliding_layer(module: nn.Module) -> bool:
+    """Whether the config makes this layer sliding-window: by its entry in ``layer_types``, or, for configs without
+    layer types, by a ``sliding_window`` that applies to every layer."""
+    config, layer_idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or not getattr(config, "sliding_window", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return True
+    return isinstance(layer_idx, int) and layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
+
+
 def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_mask, sliding_window, dropout, kwargs) -> None:
     """Everything a layer hands its attention that the tree attention would not apply is refused, never dropped."""
     layer = f"{meta.model_name}: {type(module).__name__}"
@@ -508,11 +520,8 @@ def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_ma
             continue
         if name in ("s_aux", "sinks", "softcap") or isinstance(value, Tensor):
             raise PackingRefused(f"{layer} passes {name!r} to its attention; tree packing cannot apply it")
-    config, layer_idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
-    layer_types = getattr(config, "layer_types", None) if config is not None else None
-    if sliding_window is None and layer_types and isinstance(layer_idx, int) and layer_idx < len(layer_types):
-        if layer_types[layer_idx] == "sliding_attention":
-            raise PackingRefused(f"{layer} is a sliding-window layer that passes no sliding_window to its attention (the window lives in its mask only)")
+    if sliding_window is None and _is_sliding_layer(module):
+        raise PackingRefused(f"{layer} is a sliding-window layer that passes no sliding_window to its attention (the window lives in its mask only)")
     if dropout and module.training:
         raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's attention_dropout to 0")
 

@@ -33,9 +33,14 @@ class LogitTransform:
         return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None), temperature=temperature)
 
 
+def _logit_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits and log-probs are fp32, or fp64 for fp64 hidden states (the noise-free references of the tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform) -> tuple[Tensor, Tensor | None]:
-    """Logits of one chunk in fp32, and tanh(.) when a soft-cap applies (its gradient needs it)."""
-    z = nn.functional.linear(h, weight, bias).float()
+    """Logits of one chunk in fp32 (fp64 for fp64 inputs), and tanh(.) when a soft-cap applies (its gradient needs it)."""
+    z = nn.functional.linear(h, weight, bias).to(_logit_dtype(h.dtype))
     if transform.scale != 1.0:
         z = z * transform.scale
     if transform.softcap is None:
@@ -47,7 +52,7 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: Log
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, transform):
-        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        logprobs = torch.empty(targets.shape, dtype=_logit_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logprobs)
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk_size):
@@ -64,11 +69,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
+        acc = _logit_dtype(hidden.dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(s, s + ctx.chunk_size)
-            h, go = hidden[rows], grad_out[rows].float()
+            h, go = hidden[rows], grad_out[rows].to(acc)
             logits, t = _chunk_logits(h, weight, bias, transform)
             # d logp(target) / d logits = onehot(target) - softmax(logits), scaled by the upstream gradient
             g = logits.sub_(lse[rows, None]).exp_().mul_(-go[:, None])
@@ -81,9 +87,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[rows])
             if grad_weight is not None:
-                grad_weight.addmm_(g.t(), h) if h.dtype == torch.float32 else grad_weight.add_((g.t() @ h).float())
+                grad_weight.addmm_(g.t(), h) if h.dtype == acc else grad_weight.add_((g.t() @ h).to(acc))
             if grad_bias is not None:
-                grad_bias += g.float().sum(0)
+                grad_bias += g.to(acc).sum(0)
         to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None
 
@@ -97,9 +103,9 @@ def token_logprobs(
     transform: LogitTransform = LogitTransform(),
     bias: Tensor | None = None,
 ) -> Tensor:
-    """log p(targets[i] | hidden[i]) under the LM head, in fp32, computed ``chunk_size`` tokens at a time."""
+    """log p(targets[i] | hidden[i]) under the LM head, in fp32 (fp64 for fp64 inputs), ``chunk_size`` tokens at a time."""
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=torch.float32) + 0 * lm_head_weight.sum()
+        return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)) + 0 * lm_head_weight.sum()
     return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform)
 
 

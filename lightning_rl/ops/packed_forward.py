@@ -185,7 +185,8 @@ def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, 
         reference = []
         for s in seqs:
             ids = torch.tensor([s], device=device)
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0].float()
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1))
         error = float((packed - torch.cat(reference)).abs().max())
     finally:

@@ -1,0 +1,67 @@
+"""Every decoder family of the matrix in ``packing_families.py`` is exact under tree packing or refused with one
+line naming the model class and the mechanism; none is silently wrong. fp32 and fp64, ``blocks`` and ``dense``."""
+
+import re
+
+import pytest
+import torch
+
+from packing_families import FAMILIES, TOLERANCE, measure
+
+NOT_ROUTED = r"0 of its 2 decoder layers applied the tree attention \(the others do not route their attention through transformers' attention interface\)"
+STATEFUL = r"layers; tree packing needs every layer to be full or sliding-window attention"
+# What each refused family is refused for: the mechanism, not only the fact.
+REFUSED = {
+    "llama_dynamic": r"LlamaForCausalLM: a packed row with positions up to 11 reaches 8, and its dynamic rope",
+    "llama_longrope": r"LlamaForCausalLM: a packed row with positions up to 11 reaches 10, and its longrope rope",
+    "phi3_longrope": r"Phi3ForCausalLM: a packed row with positions up to 11 reaches 10, and its longrope rope",
+    "llama4_text": r"Llama4ForCausalLM has chunked_attention layers",
+    "llama4_text_nochunk": r"Llama4ForCausalLM: a packed row with 25 tokens reaches 2, and its query temperature grows with the row index",
+    "gemma2": r"Gemma2Attention passes 'softcap' to its attention",
+    "vaultgemma": r"VaultGemmaAttention passes 'softcap' to its attention",
+    "phimoe": r"PhimoeAttention is a sliding-window layer that passes no sliding_window to its attention \(the window lives in its mask only\)",
+    "stablelm": r"StableLmAttention is called without the packed row's metadata \(its decoder layer does not pass keyword arguments on",
+    "nemotron": r"NemotronAttention is called without the packed row's metadata",
+    "gpt_oss": r"GptOssForCausalLM uses attention sinks",
+    **{f: NOT_ROUTED for f in ("gpt_neo", "bloom", "falcon_alibi", "falcon_rotary", "mpt", "xglm", "rwkv", "openai-gpt")},
+    **{f: STATEFUL for f in ("qwen3_next", "granitemoehybrid", "jamba", "minimax", "mamba", "bamba", "zamba2", "lfm2_conv", "falcon_h1")},
+}
+# Families whose own code has no fp64 path (the model fails on one sequence alone, packing aside).
+NO_FP64 = {"xglm"}
+# Families that round to fp32 inside their layers even in fp64 (Gemma's RMSNorm computes in float32, DeepSeek-V3
+# also routes in float32): their fp64 log-probs carry fp32 rounding, in packed and unpacked runs alike.
+FP32_INSIDE = {"gemma2_nosoftcap", "vaultgemma_nosoftcap", "deepseek_v3", "deepseek_v3_samedim"}
+
+
+@pytest.mark.parametrize("backend", ["blocks", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_is_exact_or_refused(family, dtype, backend):
+    result = measure(family, dtype, backend)
+    if dtype == torch.float64 and family in NO_FP64:
+        assert result["status"] == "model fails", result
+        return
+    if family in REFUSED:
+        assert result["status"] == "refused", result
+        assert re.search(REFUSED[family], result["message"]), result["message"]
+        assert "\n" not in result["message"]
+        return
+    assert result["status"] in ("exact", "WRONG"), result  # never a crash
+    logprob_tol, grad_tol = TOLERANCE[dtype]
+    if family in FP32_INSIDE and dtype == torch.float64:
+        logprob_tol = 1e-7
+    assert result["logprob_error"] <= logprob_tol, result
+    assert result["grad_error"] <= grad_tol, result
+
+
+def test_the_matrix_covers_every_attention_style():
+    model_types = {model_type for model_type, _ in FAMILIES.values()}
+    styles = {
+        "rotary": {"llama", "qwen3"}, "alibi": {"bloom", "mpt"}, "learned absolute positions": {"gpt2", "opt"},
+        "local attention": {"gpt_neo"}, "moe": {"mixtral", "qwen3_moe"}, "mla": {"deepseek_v3"},
+        "soft-capped": {"gemma2"}, "sliding window by keyword": {"mistral", "gemma3_text"}, "sliding window by mask": {"phimoe"},
+        "recurrent hybrids": {"jamba", "mamba"}, "nope and temperature": {"llama4_text", "smollm3"},
+    }  # fmt: skip
+    for style, types in styles.items():
+        assert types <= model_types, style
+    assert len(FAMILIES) >= 90
