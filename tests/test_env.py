@@ -1,7 +1,7 @@
 """`lightning-rl env`: versions, devices, and which strategies can run, for this machine and described ones.
 
-Only the CPU case is real here; CUDA, ROCm and Neuron machines are described through DeviceInventory,
-since none of them exists on the machine the suite runs on.
+This machine is real: a CPU one in CI, or a CUDA GPU machine when the suite runs there (the report must then
+name its GPU). ROCm and Neuron machines, and a multi-GPU CUDA one, are described through DeviceInventory.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lightning_rl import env_report
-from lightning_rl.cli import main as cli_main
 from lightning_rl.strategies.devices import DeviceInventory
+
+GPU = torch.cuda.is_available()
 
 CPU = DeviceInventory(cpu_count=2, machine="x86_64")
 CUDA = DeviceInventory(cpu_count=96, machine="x86_64", cuda_version="12.8", gpu_names=("NVIDIA H100 80GB HBM3",) * 8)
@@ -29,15 +30,32 @@ def usable(report: dict) -> dict[str, bool]:
     return {s["name"]: s["usable"] for s in report["strategies"]}
 
 
+def env_command(argv: list[str]) -> int:
+    """`lightning-rl env` through the CLI; where the CLI does not import (it needs jsonargparse, which the GPU
+    machine lacks), the module the command runs."""
+    try:
+        from lightning_rl.cli import main as cli_main
+    except ImportError:
+        return env_report.main(argv)
+    return cli_main(["env", *argv])
+
+
 def test_env_command_reports_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["env"]) == 0
+    assert env_command([]) == 0
     text = capsys.readouterr().out
     assert f"torch         {torch.__version__}" in text
-    for line in ("cuda          absent", "rocm          absent", "neuron        absent", "xla           absent"):
+    for line in ("rocm          absent", "neuron        absent", "xla           absent"):
         assert line in text
-    assert "yes  fsdp2       CPU" in text and "over gloo" in text
-    assert "no   fsdp        FSDP1 runs on CUDA/ROCm GPUs only" in text
     assert "no   neuron      no Neuron runtime" in text
+    if GPU:
+        count, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+        assert f"cuda          {count} x {name}" in text
+        assert f"yes  fsdp2       {count} CUDA GPU(s) over NCCL" in text
+        assert f"yes  fsdp        {count} GPU(s)" in text
+    else:
+        assert "cuda          absent" in text
+        assert "yes  fsdp2       CPU" in text and "over gloo" in text
+        assert "no   fsdp        FSDP1 runs on CUDA/ROCm GPUs only" in text
 
 
 def test_env_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,8 +64,12 @@ def test_env_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> Non
     assert report["packages"]["lightning"] != env_report.ABSENT
     assert report["optional"]["torch-xla"] == env_report.ABSENT
     assert usable(report) == {
-        "fsdp2": True, "fsdp2_rocm": False, "fsdp": False, "xla_static": False, "neuron": False, "cpu_static": True,
+        "fsdp2": True, "fsdp2_rocm": False, "fsdp": GPU, "xla_static": False, "neuron": False, "cpu_static": True,
     }
+    if GPU:
+        assert torch.cuda.get_device_name(0) in report["devices"]["cuda"]
+    else:
+        assert report["devices"]["cuda"].startswith(env_report.ABSENT)
 
 
 def test_described_machines() -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
-
 
 def _types(schema: dict[str, Any]) -> list[str]:
     declared = schema.get("type", [])
@@ -63,6 +61,8 @@ def coerce(value: Any, schema: dict[str, Any]) -> Any:
 
 def validated_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """Coerced arguments, or a ValueError listing every way they fail the schema."""
+    import jsonschema  # here, not at the top: training without tools must not need it
+
     coerced = coerce(arguments, schema)
     validator = jsonschema.validators.validator_for(schema)(schema)
     problems = sorted(validator.iter_errors(coerced), key=lambda e: list(e.absolute_path))

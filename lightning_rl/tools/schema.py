@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 from transformers.utils import get_json_schema
 
 
@@ -52,6 +51,8 @@ class Tool:
 
     def check_schema(self) -> None:
         """Raise a ValueError naming the tool if `parameters` is not a valid JSON Schema object."""
+        import jsonschema  # here, not at the top: training without tools must not need it
+
         validator = jsonschema.validators.validator_for(self.parameters)
         try:
             validator.check_schema(self.parameters)
