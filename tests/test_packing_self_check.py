@@ -128,3 +128,14 @@ def test_grpo_run_stops_before_any_weight_changes(tiny_path, monkeypatch):
         before.update({n: p.detach().clone() for n, p in module.policy.named_parameters()})
         trainer.fit(module, PromptDataModule(batch_size=2))
     assert before and all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())
+
+
+@pytest.mark.parametrize("backend", ["blocks", "dense"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"])
+def test_every_precision_trains_and_verifies_on_every_cpu_backend(tiny_path, precision, backend):
+    module = SFTModule(learning_rate=1e-3, attention_backend=backend)
+    trainer = _trainer(max_steps=1, precision=precision, log_every_n_steps=1)
+    trainer.fit(module, datamodule=SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256))
+    assert trainer.global_step == 1
+    compute_dtype = {"32-true": torch.float32, "64-true": torch.float64}.get(precision, torch.bfloat16)  # 16-mixed is bf16 on a CPU
+    assert float(trainer.logged_metrics["train/packing_error"]) <= packed_forward.TOLERANCE[compute_dtype]

@@ -290,3 +290,21 @@ def test_temperature_divides_the_final_logits():
         logits = [model(input_ids=torch.tensor([s])).logits[0] / 0.7 for s in NESTED]
     ref = torch.cat([torch.log_softmax(z[:-1], -1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1) for z, s in zip(logits, NESTED)])
     torch.testing.assert_close(hot, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["blocks", "dense"])
+@pytest.mark.parametrize("dtype,mixed", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False), (torch.float16, False)])
+def test_low_precision_runs_on_every_cpu_backend(backend, dtype, mixed):
+    # Under autocast (bf16-mixed, 16-mixed) a model may hand the attention fp32 queries beside low-precision values;
+    # the kernels take one dtype. Low precision against the fp32 reference: close, and every gradient finite.
+    model = build("mistral_sliding")
+    ref = reference_logprobs(copy.deepcopy(model), NESTED, [[1] * len(s) for s in NESTED]).detach()
+    batch = pack_sequences(NESTED)
+    if mixed:
+        with torch.autocast("cpu", dtype=dtype):
+            packed = packed_logprobs(model, batch, attention_backend=backend)
+    else:
+        packed = packed_logprobs(model.to(dtype), batch, attention_backend=backend)
+    torch.testing.assert_close(packed, ref, atol=1e-2, rtol=0)
+    packed.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
