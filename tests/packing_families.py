@@ -189,6 +189,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "modernbert-decoder": ("modernbert-decoder", {}),
     "openai-gpt": ("openai-gpt", {}),
     "ctrl": ("ctrl", {}),
+    "hrm_text": ("hrm_text", {}),  # layers reused across cycles: num_hidden_layers counts the reuses
+    "gemma4_unified_text": ("gemma4_unified_text", {}),  # bidirectional for image tokens only
+    "moshi": ("moshi", {}),
+    "bart": ("bart", {}),  # positions from the row index, not position_ids
+    "bert": ("bert", {}),  # is_decoder False (the default): bidirectional
+    "bert_decoder": ("bert", dict(is_decoder=True)),
+    "electra": ("electra", dict(embedding_size=32, is_decoder=True)),  # a projection between decoder and LM head
+    "doge": ("doge", {}),  # a dynamic score bias in the attention mask
+    "dory": ("dory", {}),  # an LM head with a learned per-vocabulary scale
 }
 
 

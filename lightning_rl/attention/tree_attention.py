@@ -526,6 +526,7 @@ def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_ma
         raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's attention_dropout to 0")
 
 
+@torch.compiler.disable  # a compiled model compiles around it: the row's plan is data (segments), not a graph
 def tree_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -615,7 +616,8 @@ def enable_tree_attention(model: nn.Module) -> None:
         )
     if any(hasattr(m, "sinks") for m in model.modules()):
         raise PackingRefused(f"{name} uses attention sinks, which tree packing cannot apply")
-    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+    # (``use_bidirectional_attention: "vision"`` makes only image tokens bidirectional; text rows stay causal)
+    if getattr(text, "use_bidirectional_attention", False) not in (False, None, "vision") or getattr(text, "is_causal", True) is False:
         raise PackingRefused(f"{name} is configured for bidirectional attention; tree packing computes causal attention only")
     if getattr(text, "attention_chunk_size", None):
         raise PackingRefused(f"{name} uses chunked attention (a query sees only its own chunk of row positions); tree packing cannot apply it")

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from transformers import AutoTokenizer, get_scheduler
 
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
+from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm
 from lightning_rl.models.tiny import resolve_model_path
@@ -65,6 +66,7 @@ class GRPOModule(LightningModule):
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
+        compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
             one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
         async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
@@ -104,6 +106,7 @@ class GRPOModule(LightningModule):
         max_tokens_per_row: int | None = None,
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
+        compile: bool = False,
         verify_packing: VerifyPacking = "first_step",
         verify_packing_every: int = 100,
         async_mode: bool = False,
@@ -167,6 +170,8 @@ class GRPOModule(LightningModule):
         sharded = self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
         self.policy = load_causal_lm(path, lora=self.lora, defer_weights=sharded)
         self.policy.train()
+        if self.hparams.compile:
+            compile_decoder_layers(self.policy)
         if self.hparams.beta != 0.0:
             self.reference = load_causal_lm(path, defer_weights=sharded).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
@@ -193,6 +198,15 @@ class GRPOModule(LightningModule):
         self.producer.start()
 
     def on_fit_end(self) -> None:
+        self.close()
+
+    def configure_callbacks(self) -> list[Callback]:
+        # Lightning calls no module hook when a fit ends by an exception (a SIGTERM stop included); a rollout thread
+        # left running there aborts the interpreter at exit (exit code 134).
+        return [_CloseOnException()]
+
+    def close(self) -> None:
+        """Stop the rollout thread, the tool executor and the engine."""
         if self.producer is not None:
             self.producer.close()
         if self.executor is not None:
@@ -519,6 +533,11 @@ class _StepStats:
         if self.has_kl:
             metrics["kl"] = self.kl / n
         return metrics
+
+
+class _CloseOnException(Callback):
+    def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
+        pl_module.close()
 
 
 def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:

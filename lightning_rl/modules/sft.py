@@ -20,6 +20,7 @@ from transformers import get_scheduler
 
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
@@ -41,6 +42,7 @@ class SFTModule(LightningModule):
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
+        compile: ``torch.compile`` each decoder layer for training (the tree attention inside stays eager).
         verify_packing: compare a packed row with its sequences run one by one, on the real backend, device and
             dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
             (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
@@ -61,6 +63,7 @@ class SFTModule(LightningModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
+        compile: bool = False,
         verify_packing: VerifyPacking = "first_step",
         verify_packing_every: int = 100,
         eval_generations: int = 0,
@@ -84,6 +87,8 @@ class SFTModule(LightningModule):
                 self.hparams.model_name_or_path, lora=self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing, defer_weights=sharded
             )
             self.model.train()  # from_pretrained returns the model in eval mode
+            if self.hparams.compile:
+                compile_decoder_layers(self.model)
 
     def _backend(self) -> str:
         static = self._trainer is not None and requires_static_shapes(self.trainer)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_rl.attention.tree_attention import PackingRefused
+
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,11 @@ def token_entropy(
 def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tensor | None, LogitTransform]:
     """The output projection's weight and bias, and what the model (and sampling ``temperature``) does to its logits."""
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"the output head is a {type(head).__name__}; the chunked LM head needs a plain linear layer (do not adapt lm_head with LoRA)")
+    extra = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"}) if isinstance(head, nn.Module) else []
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
+        what = f" with its own {', '.join(extra)}" if extra else ""
+        raise PackingRefused(
+            f"{type(model).__name__}: the output head is a {type(head).__name__}{what}; the chunked LM head computes a plain linear layer only "
+            "(do not adapt lm_head with LoRA)"
+        )
     return head.weight, head.bias, LogitTransform.of(model.config, temperature)

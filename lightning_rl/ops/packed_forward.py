@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
+from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
@@ -79,10 +80,6 @@ def _agree(error: float, device: torch.device) -> float:
     return float(value)
 
 
-def _expected_layers(model: nn.Module) -> int:
-    return int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
-
-
 def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
     """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors."""
     enable_tree_attention(model)
@@ -97,11 +94,48 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
 
 
 def _check_every_layer_applied(model: nn.Module, meta: TreeAttentionMeta) -> None:
-    called, expected = len(meta.layers_called), _expected_layers(model)
+    """As many attention modules applied the row as in the model's probe (which checked them layer by layer)."""
+    called, expected = len(meta.layers_called), _ATTENTION_MODULES.get(model, 0)
     if called < expected:
         raise PackingRefused(
-            f"{type(model).__name__}: {called} of its {expected} decoder layers applied the tree attention (the others do "
-            "not route their attention through transformers' attention interface)"
+            f"{type(model).__name__}: {called} of its {expected} attention modules applied the tree attention in this "
+            "forward; the others ran without the packed row's structure"
+        )
+
+
+def _outermost_layers_run(model: nn.Module, run) -> list[nn.Module]:
+    """The decoder layers (outermost ``_no_split_modules`` blocks kept in a ``ModuleList``, so not an embedding
+    block) that ran during ``run()``; a vision tower that a text row never runs does not count."""
+    ran: set[int] = set()
+    stacked = {id(child) for module in model.modules() if isinstance(module, nn.ModuleList) for child in module}
+    layers = [layer for layer in find_decoder_layers(model) if id(layer) in stacked]
+    hooks = [layer.register_forward_pre_hook(lambda module, args: ran.add(id(module))) for layer in layers]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+    return [layer for layer in layers if id(layer) in ran and id(layer) not in inner]
+
+
+def _refuse_layers_without_tree(model: nn.Module, meta: TreeAttentionMeta, layers: list[nn.Module]) -> None:
+    """Every decoder layer that ran must have applied the tree through one of its modules (a layer whose attention
+    does not go through transformers' attention interface, or a recurrent layer, runs without it)."""
+    name = type(model).__name__
+    if not layers:  # no decoder-layer classes declared: count against the config instead
+        expected = int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+        if len(meta.layers_called) < expected:
+            raise PackingRefused(
+                f"{name}: {len(meta.layers_called)} of its {expected} decoder layers applied the tree attention (the others "
+                "do not route their attention through transformers' attention interface)"
+            )
+        return
+    missing = [layer for layer in layers if not any(id(sub) in meta.layers_called for sub in layer.modules())]
+    if missing:
+        raise PackingRefused(
+            f"{name}: {len(layers) - len(missing)} of its {len(layers)} decoder layers applied the tree attention (the "
+            f"others, {type(missing[0]).__name__} first, do not route their attention through transformers' attention interface)"
         )
 
 
@@ -129,6 +163,7 @@ def packed_logprobs(
 # -- the probe -------------------------------------------------------------------------------------------------
 
 _PROBED: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()
+_ATTENTION_MODULES: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # found by the probe
 
 
 def _special_token_ids(config) -> set[int]:
@@ -177,9 +212,15 @@ def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, 
     model.eval()  # dropout and router noise off: the comparison is of the computation, not of samples
     try:
         meta = TreeAttentionMeta.from_batch(batch, backend=backend, device=device, model_name=type(model).__name__)
-        with packed_forward(meta):
-            hidden = head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta)
-        _check_every_layer_applied(model, meta)
+        captured: list[Tensor] = []
+
+        def run() -> None:
+            with packed_forward(meta):
+                captured.append(head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta))
+
+        _refuse_layers_without_tree(model, meta, _outermost_layers_run(model, run))
+        _ATTENTION_MODULES[model] = len(meta.layers_called)
+        hidden = captured[0]
         weight, bias, transform = lm_head_of(model)
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         reference = []

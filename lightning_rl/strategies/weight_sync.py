@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_rl.models.structure import find_model_roots
+
 DEFAULT_SYNC_TIMEOUT = timedelta(minutes=5)
 
 # Module-name segments that wrappers insert and Hugging Face names do not have.
@@ -68,8 +70,6 @@ def _is_peft_model(module: nn.Module) -> bool:
 
 def policy_model(module: nn.Module) -> nn.Module:
     """The Hugging Face model whose names an engine knows: unwraps peft, or finds it inside a LightningModule."""
-    from lightning_rl.strategies.fsdp2 import find_model_roots
-
     if _is_peft_model(module):
         return module.get_base_model()
     if hasattr(module, "config") and hasattr(module, "_no_split_modules"):
@@ -265,7 +265,6 @@ def iter_adapter_weights(
 
     peft_model = module if _is_peft_model(module) else None
     if peft_model is None:
-        from lightning_rl.strategies.fsdp2 import find_model_roots
 
         peft_model = next((root for root in find_model_roots(module) if _is_peft_model(root)), None)
     if peft_model is None:

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_rl.strategies.devices import DeviceInventory, detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
-from lightning_rl.strategies.fsdp2 import find_model_roots
+from lightning_rl.models.structure import find_model_roots
 
 
 def xla_unavailable_reason(inventory: DeviceInventory) -> str | None:

@@ -1,0 +1,51 @@
+"""Where things are inside a transformers model: its roots (a policy, a reference model, peft wrappers) and its
+decoder layers, found through each model's own ``_no_split_modules``."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from torch import nn
+
+
+def is_model_root(module: nn.Module) -> bool:
+    """A transformers (or peft-wrapped) model: the unit whose ``forward`` a training step calls."""
+    return hasattr(module, "_no_split_modules") and hasattr(module, "config")
+
+
+def find_model_roots(module: nn.Module) -> list[nn.Module]:
+    """The outermost transformers/peft models inside ``module`` (a policy, a reference model, ...)."""
+    roots: list[nn.Module] = []
+
+    def visit(node: nn.Module) -> None:
+        for child in node.children():
+            if is_model_root(child):
+                roots.append(child)
+            else:
+                visit(child)
+
+    if is_model_root(module):
+        return [module]
+    visit(module)
+    return roots
+
+
+def find_decoder_layers(module: nn.Module, layer_classes: Collection[str] | None = None) -> list[nn.Module]:
+    """The repeated blocks of ``module``: ``layer_classes`` by class name, else the models' ``_no_split_modules``."""
+    names = set(layer_classes or ())
+    if not names:
+        for sub in module.modules():
+            names.update(getattr(sub, "_no_split_modules", None) or ())
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """``torch.compile`` each decoder layer in place (the module stays itself, so hooks, peft, FSDP and the LM-head
+    read keep working); the tree attention inside stays eager, since a row's plan is data, not a graph. Returns
+    the number of layers compiled."""
+    layers = find_decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to compile (no _no_split_modules)")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
