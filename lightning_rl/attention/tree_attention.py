@@ -72,6 +72,17 @@ def choose_backend(requested: str, device: torch.device, *, static_shapes: bool 
     return "flex" if device.type == "cuda" else "blocks"
 
 
+class _RowState:
+    """What every layer of one row shares: kernel plans, block masks, and which attention modules applied the row.
+    A plain object on purpose: FSDP's input casting rebuilds dataclasses, dicts and sets field by field, so state
+    kept in them directly would be copied per layer, and what one layer records would be lost to the others."""
+
+    def __init__(self) -> None:
+        self.plans: dict = {}
+        self.block_masks: dict = {}
+        self.layers_called: set[int] = set()
+
+
 @dataclass
 class TreeAttentionMeta:
     """What the attention needs to know about a packed row (built once per row, shared by every layer)."""
@@ -81,9 +92,7 @@ class TreeAttentionMeta:
     subtree_end: Tensor  # [N]
     backend: str = "blocks"
     model_name: str = "the model"  # for refusals
-    layers_called: set = field(default_factory=set, repr=False)  # attention modules that applied this row
-    _plans: dict = field(default_factory=dict, repr=False)
-    _block_masks: dict = field(default_factory=dict, repr=False)
+    shared: _RowState = field(default_factory=lambda: _RowState(), repr=False)
 
     @classmethod
     def from_batch(cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None, model_name: str = "the model") -> TreeAttentionMeta:
@@ -97,20 +106,24 @@ class TreeAttentionMeta:
         )
 
     @property
+    def layers_called(self) -> set[int]:
+        return self.shared.layers_called
+
+    @property
     def num_tokens(self) -> int:
         return int(self.depth.numel())
 
     def plan(self, window: int | None, dtype: torch.dtype) -> list[_PaddedCall] | list[_VarlenCall]:
         """The kernel calls of the ``blocks`` or ``varlen`` backend for one sliding window, in order."""
         key = (window, dtype)
-        if key not in self._plans:
+        if key not in self.shared.plans:
             spans, levels = tree_blocks(self.segments, self.depth.cpu(), window)
             n, device = self.num_tokens, self.depth.device
             if self.backend == "varlen":
-                self._plans[key] = _varlen_calls(spans, levels, n, window, device)
+                self.shared.plans[key] = _varlen_calls(spans, levels, n, window, device)
             else:
-                self._plans[key] = _padded_calls(spans, levels, n, window, dtype, device)
-        return self._plans[key]
+                self.shared.plans[key] = _padded_calls(spans, levels, n, window, dtype, device)
+        return self.shared.plans[key]
 
     def dense_mask(self, window: int | None) -> Tensor:
         i = torch.arange(self.num_tokens, device=self.depth.device)
@@ -413,7 +426,7 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 def _flex(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float, window: int | None) -> Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if window not in meta._block_masks:
+    if window not in meta.shared.block_masks:
         sub_end, depth = meta.subtree_end, meta.depth
 
         def visible(b, h, qi, ki):
@@ -421,8 +434,8 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float
             return seen & (depth[qi] - depth[ki] < window) if window is not None else seen
 
         n = meta.num_tokens
-        meta._block_masks[window] = create_block_mask(visible, None, None, n, n, device=q.device)
-    return _compiled_flex()(q, k, v, block_mask=meta._block_masks[window], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        meta.shared.block_masks[window] = create_block_mask(visible, None, None, n, n, device=q.device)
+    return _compiled_flex()(q, k, v, block_mask=meta.shared.block_masks[window], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _FLEX = None
@@ -458,11 +471,15 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
         # the output's extra columns are dropped.
         d = max(q.shape[-1], dv)
         q, k, v = (nn.functional.pad(x, (0, d - x.shape[-1])) for x in (q, k, v))
-    if meta.backend == "flex":
-        out = _flex(q, k, v, meta, scale, window)
-    else:
-        out = _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
+    out = _kernel_attention(q, k, v, meta, scale, window)
     return out if out.shape[-1] == dv else out[..., :dv]
+
+
+@torch.compiler.disable  # a compiled model compiles around the kernels: a row's plan is data (segments), not a graph
+def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float, window: int | None) -> Tensor:
+    if meta.backend == "flex":
+        return _flex(q, k, v, meta, scale, window)
+    return _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
 
 
 def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
@@ -526,7 +543,6 @@ def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_ma
         raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's attention_dropout to 0")
 
 
-@torch.compiler.disable  # a compiled model compiles around it: the row's plan is data (segments), not a graph
 def tree_attention_forward(
     module: nn.Module,
     query: Tensor,

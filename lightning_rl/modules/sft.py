@@ -99,7 +99,9 @@ class SFTModule(LightningModule):
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         if self.packing_verifier.due(self.global_step):
-            error = self.packing_verifier.check(self.model, batch, step=self.global_step, backend=self._backend(), chunk_size=self.hparams.chunk_size)
+            error = self.packing_verifier.check(
+                self.model, batch, step=self.global_step, backend=self._backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
+            )
             self.log("train/packing_error", error)
         logprobs = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.

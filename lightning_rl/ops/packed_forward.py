@@ -21,11 +21,13 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
+from lightning_rl.strategies.devices import STATIC_SHAPE_MULTIPLE
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
 # bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.
@@ -71,9 +73,13 @@ def _tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, TOLERANCE[torch.float16])
 
 
-def _agree(error: float, device: torch.device) -> float:
-    """The largest error of all ranks, so every rank takes the same decision."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def _agree(error: float, model: nn.Module, device: torch.device) -> float:
+    """The largest error of all ranks for a sharded model, whose forwards are collectives that every rank runs in
+    step, so every rank takes the same decision. A model each rank holds whole may be checked on one rank alone
+    (a reference kept on rank 0): its probe is deterministic, and callers that need agreement on real rows reduce
+    themselves."""
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if not sharded or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return error
     value = torch.tensor([error], dtype=torch.float64, device=device if torch.distributed.get_backend() != "gloo" else "cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
@@ -187,6 +193,19 @@ def probe_sequences(config, seed: int = 0) -> list[list[int]]:
     return [prefix + draw(3), prefix + fork + draw(2), prefix + fork + draw(2), prefix + draw(1), draw(4)]
 
 
+def _static_pad(backend: str) -> int | None:
+    """The dense backend is the one for static shapes (XLA, Neuron): the checks pad their rows as training rows are
+    padded there, so they add no new shape to compile."""
+    return STATIC_SHAPE_MULTIPLE if backend == "dense" else None
+
+
+def _right_padded(ids: Tensor, multiple: int | None) -> Tensor:
+    """A causal sequence padded at its end: the padding changes nothing before it."""
+    if multiple is None or len(ids) % multiple == 0:
+        return ids
+    return torch.nn.functional.pad(ids, (0, multiple - len(ids) % multiple))
+
+
 def _probe_once(model: nn.Module, backend: str, device: torch.device) -> None:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     key = (backend, device.type, autocast)
@@ -207,7 +226,8 @@ def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, 
     """Max |packed - per-sequence| log-prob on ``probe_sequences`` (agreed across ranks), and the compute dtype.
     The reference is the model's own forward and logits, one sequence at a time."""
     seqs = probe_sequences(model.config)
-    batch = pack_sequences(seqs).to(device)
+    pad = _static_pad(backend)
+    batch = pack_sequences(seqs, pad_to_multiple_of=pad).to(device)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()  # dropout and router noise off: the comparison is of the computation, not of samples
     try:
@@ -225,15 +245,15 @@ def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, 
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         reference = []
         for s in seqs:
-            ids = torch.tensor([s], device=device)
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+            ids = _right_padded(torch.tensor(s, device=device), pad)[None]
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1))
+            reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1 : len(s), None]).squeeze(1))
         error = float((packed - torch.cat(reference)).abs().max())
     finally:
         for module, training in modes:
             module.training = training
-    return _agree(error, device), _compute_dtype(hidden)
+    return _agree(error, model, device), _compute_dtype(hidden)
 
 
 # -- the check of real rows ------------------------------------------------------------------------------------
@@ -271,7 +291,7 @@ def verify_row(
         weight, bias, transform = lm_head_of(model, temperature)
         error, dtype = 0.0, torch.float32
         for rows, terms in sequence_paths(batch, chosen):
-            ids = batch.input_ids[rows]
+            ids = _right_padded(batch.input_ids[rows], _static_pad(attention_backend))
             hidden = head_inputs(model, ids, torch.arange(len(ids), device=ids.device))
             dtype = _compute_dtype(hidden)
             if terms.numel():
@@ -281,7 +301,7 @@ def verify_row(
     finally:
         for module, training in modes:
             module.training = training
-    return _agree(error, batch.input_ids.device), dtype
+    return _agree(error, model, batch.input_ids.device), dtype
 
 
 @dataclass
@@ -303,10 +323,13 @@ class PackingVerifier:
             return False
         return self.last_step is None or (self.mode == "every_n_steps" and step % self.every == 0)
 
-    def check(self, model: nn.Module, batch: PackedBatch, *, step: int, backend: str, **kwargs) -> float:
-        """The row's error; refuses the run (before any weight changes) beyond the tolerance of the compute dtype."""
+    def check(self, model: nn.Module, batch: PackedBatch, *, step: int, backend: str, strategy=None, **kwargs) -> float:
+        """The row's error, the largest over ranks when a Lightning ``strategy`` is given (so all ranks stop or none);
+        refuses the run, before any weight changes, beyond the tolerance of the compute dtype."""
         self.last_step = step
         error, dtype = verify_row(model, batch, attention_backend=backend, seed=step, **kwargs)
+        if strategy is not None:
+            error = float(strategy.reduce(torch.tensor(error, device=batch.input_ids.device), reduce_op="max"))
         tolerance = _tolerance(dtype)
         if error > tolerance:
             raise PackingRefused(
