@@ -57,7 +57,7 @@ from memory import peak_memory_bytes  # noqa: E402
 from lightning_rl.data.sft import Example, PackedCollator  # noqa: E402
 from lightning_rl.losses import StepCounts, group_advantages  # noqa: E402
 from lightning_rl.models.loading import load_causal_lm  # noqa: E402
-from lightning_rl.models.tiny import build_tokenizer  # noqa: E402
+from lightning_rl.toy.model import build_tokenizer  # noqa: E402
 from lightning_rl.modules.grpo import GRPOModule  # noqa: E402
 from lightning_rl.ops.logprobs import token_logprobs  # noqa: E402
 from lightning_rl.ops.packed_forward import packed_logprobs  # noqa: E402

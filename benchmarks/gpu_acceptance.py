@@ -278,7 +278,7 @@ def fit_recipe(recipe_path: Path, setting: Setting, out: Path) -> dict[str, Any]
     from lightning_rl.callbacks import ExportHuggingFace, RunSummary
     from lightning_rl.data.prompts import PromptDataModule
     from lightning_rl.data.sft import SFTDataModule
-    from lightning_rl.models.tiny import resolve_model_path
+    from lightning_rl.models.paths import resolve_model_path
     from lightning_rl.modules.grpo import GRPOModule
     from lightning_rl.modules.sft import SFTModule
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lightning_rl.models.tiny import build_tiny
+from lightning_rl.toy.model import build_tiny
 from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.strategies.weight_sync import iter_full_weights
 

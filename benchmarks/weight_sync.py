@@ -68,7 +68,7 @@ def measure(repeats: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     import lightning_rl.strategies  # noqa: F401  registers "fsdp2"
-    from lightning_rl.models.tiny import tiny_model_path
+    from lightning_rl.toy.model import tiny_model_path
     from lightning_rl.strategies.weight_sync import sync_weights
 
     folder = tiny_model_path()

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     """Folder of the embedded tiny model and tokenizer (built once per pytest run)."""
-    from lightning_rl.models.tiny import tiny_model_path
+    from lightning_rl.toy.model import tiny_model_path
 
     return tiny_model_path()
 

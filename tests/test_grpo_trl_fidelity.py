@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer  # the reference: trl==1.16.0 from the dev extra
 
 from lightning_rl.losses import StepCounts
-from lightning_rl.models.tiny import tiny_model_path
+from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
 

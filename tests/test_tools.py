@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from lightning_rl.models.tiny import tiny_model_path
+from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.rollout.base import SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine

@@ -17,7 +17,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl.data.sft import DataError
-from lightning_rl.data.toy import TRAIN_FILE
+from lightning_rl.toy.task import TRAIN_FILE
 
 TOY_DATASET = "toy"
 

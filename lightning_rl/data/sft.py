@@ -24,7 +24,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.packing.tree import PackedBatch, PrefixCounter, count_unique_tokens, pack_sequences
 from lightning_rl.strategies.devices import resolve_pad_to_multiple_of
 

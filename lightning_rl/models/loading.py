@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerBase
 
 from lightning_rl.models import sharded_loading
-from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.strategies.weight_sync import iter_adapter_weights, iter_full_weights
 
 

@@ -31,7 +31,7 @@ from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm
-from lightning_rl.models.tiny import resolve_model_path
+from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lightning_rl.launch import slurm
-from lightning_rl.models.tiny import build_tiny
+from lightning_rl.toy.model import build_tiny
 from slurm.cluster import PARTITION, LocalSlurmCluster, slurm_installed
 
 STEPS = 2

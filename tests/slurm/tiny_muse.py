@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import MuseSparkConfig, MuseSparkForConditionalGeneration
 
-from lightning_rl.models.tiny import build_tokenizer
+from lightning_rl.toy.model import build_tokenizer
 
 
 def tiny_muse_config(vocab_size: int, pad_token_id: int, eos_token_id: int) -> MuseSparkConfig:

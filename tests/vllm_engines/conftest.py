@@ -21,7 +21,7 @@ if importlib.util.find_spec("vllm") is None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny Qwen3 (head_dim 64) and its tokenizer, saved for `from_pretrained`."""
-    from lightning_rl.models.tiny import build_tiny
+    from lightning_rl.toy.model import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny-qwen3"))
 

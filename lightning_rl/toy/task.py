@@ -6,7 +6,7 @@ default model in a few hundred steps on a CPU (``max`` first, ``add`` with its c
 leaves GRPO room to improve on ``add``. Every conversation starts with the same system prompt, so a
 batch shares a prefix that tree packing forwards once.
 
-Regenerate the bundled files with ``python -m lightning_rl.data.toy``.
+Regenerate the bundled files with ``python -m lightning_rl.toy.task``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from lightning_rl.data.toy import TRAIN_FILE, read_jsonl
+from lightning_rl.toy.task import TRAIN_FILE, read_jsonl
 
 TINY_NAME = "tiny"
 # Bump when the config, template or tokenizer recipe changes so cached builds are rebuilt.
@@ -137,8 +137,3 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Map the embedded default's name to its cached folder; anything else is passed on as given."""
-    return str(tiny_model_path()) if name_or_path == TINY_NAME else name_or_path
