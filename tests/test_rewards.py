@@ -1,13 +1,19 @@
-"""Reward functions: built-ins, dotted paths, async functions, weights, and failures that score 0."""
+"""Reward functions: built-ins, dotted paths, async functions, weights, failures and non-finite scores that
+score 0 (never reaching the advantages), mistakes refused before training, and a reward failing on every
+sample stopping the step."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import pytest
+import torch
 
+from lightning_rl.losses import group_advantages
 from lightning_rl.rewards import RewardScorer, RewardSpec
+from lightning_rl.rewards.scoring import RewardFailedError
 from lightning_rl.rewards.builtin import extract_answer, format_match, math_answer, tool_call_validity
 
 
@@ -81,7 +87,7 @@ def test_wrong_number_of_scores_counts_as_a_failure():
     scorer = RewardScorer([RewardSpec(lambda completions, **_: [1.0], name="short")])
     scores = scorer.score(["a", "b"], ["x", "y"], {})
     assert scores.total.tolist() == [1.0, 1.0]  # retried one sample at a time, where it is right
-    scorer = RewardScorer([RewardSpec(lambda completions, **_: [], name="empty")])
+    scorer = RewardScorer([RewardSpec(lambda completions, **_: [], name="empty")], all_failed="zero")
     scores = scorer.score(["a"], ["x"], {})
     assert scores.total.tolist() == [0.0] and "returned 0 scores for 1 completions" in scores.errors[0].error
 
@@ -93,3 +99,94 @@ def test_bad_reward_specs_are_refused_by_name():
         RewardScorer([RewardSpec("no_such_module.fn")])
     with pytest.raises(ValueError, match="names must be unique"):
         RewardScorer([RewardSpec("math_answer"), RewardSpec("math_answer")])
+
+
+def non_finite(completions, **_):
+    return [{"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "huge": 1e30}.get(c, 1.0) for c in completions]
+
+
+def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_advantages(caplog):
+    completions = ["inf", "a", "-inf", "b", "nan", "c", "huge", "d"]
+    scorer = RewardScorer([RewardSpec(non_finite, weight=1e10), RewardSpec("grpo_helpers:text_length")])
+    with caplog.at_level(logging.WARNING):
+        scores = scorer.score(["p"] * 8, completions, {})
+    assert scores.per_function["non_finite"].tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1e30, 1.0])
+    assert torch.isfinite(scores.total).all()
+    # 1e30 x 1e10 overflows float32: the weighted sum of that sample is a failure too.
+    assert [(e.function, e.sample, e.error, e.kind) for e in scores.errors] == [
+        ("non_finite", 0, "returned inf", "non_finite"), ("non_finite", 2, "returned -inf", "non_finite"),
+        ("non_finite", 4, "returned nan", "non_finite"), ("weighted sum", 6, "overflowed to inf", "non_finite"),
+    ]
+    assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 3}
+    assert "reward 'non_finite' failed on sample 0 ('inf'): returned inf" in caplog.text
+    advantages = group_advantages(scores.total, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "std")
+    assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
+    with pytest.raises(ValueError, match="reward 'non_finite' returned inf for sample 0"):
+        RewardScorer([RewardSpec(non_finite)], on_error="raise").score(["p"], ["inf"], {})
+
+
+def exact(completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def matches(completions, pattern):
+    return [float(re.match(pattern, c) is not None) for c in completions]
+
+
+def positional(completions, /):
+    return [1.0] * len(completions)
+
+
+def test_reward_mistakes_are_refused_before_training_in_one_line():
+    refused = {
+        "reward 'format': kwargs {'pattern': '('} do not work: error: missing ), unterminated subpattern":
+            RewardSpec("format", kwargs={"pattern": "("}),
+        "reward 'format': unknown kwarg 'patern' (it takes pattern)": RewardSpec("format", kwargs={"patern": r"\\d"}),
+        "reward 'math_answer': unknown kwarg 'answers'": RewardSpec("math_answer", kwargs={"answers": "1"}),
+        "reward 'exact': kwarg 'completions' would replace the batch's completions":
+            RewardSpec(exact, kwargs={"completions": []}),
+        "reward 'positional': parameter 'completions' is positional-only": RewardSpec(positional),
+        "reward 'math_answer': weight must be finite, got nan": RewardSpec("math_answer", weight=float("nan")),
+    }  # fmt: skip
+    for message, spec in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)) as caught:
+            RewardScorer([spec])
+        assert "\n" not in str(caught.value)
+    scorer = RewardScorer([RewardSpec("math_answer"), RewardSpec(exact), RewardSpec("tool_call_validity")])
+    scorer.check_arguments(["answer", "kind", "tool_calls"])
+    with pytest.raises(ValueError, match=re.escape(
+        "reward 'math_answer' needs 'answer', which is neither a data column nor a reward argument "
+        "(there are: completions, kind, prompts, tool_calls)"
+    )):
+        scorer.check_arguments(["kind", "tool_calls"])
+    with pytest.raises(ValueError, match="reward 'format': kwarg 'pattern' is also a data column"):
+        RewardScorer([RewardSpec("format", kwargs={"pattern": "a"})]).check_arguments(["pattern"])
+
+
+def test_a_function_gets_only_the_arguments_it_names():
+    # No **kwargs: the data's other columns (`kind`) and the batch's prompts are not passed to it.
+    scorer = RewardScorer([RewardSpec(exact), RewardSpec(matches, kwargs={"pattern": r"\d"})])
+    scores = scorer.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"], "kind": ["add", "add"]})
+    assert scores.per_function["exact"].tolist() == [1.0, 0.0] and scores.per_function["matches"].tolist() == [1.0, 0.0]
+    assert scores.errors == []
+
+
+def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
+    # A user's regex that does not compile fails on every sample: no silent run of zeros.
+    scorer = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})])
+    with pytest.raises(RewardFailedError) as caught:
+        scorer.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]}, step=3)
+    assert str(caught.value) == (
+        "step 3: reward 'matches' failed on all 2 samples, first: error: missing ), unterminated subpattern at "
+        "position 0 (reward_all_failed: zero would train on with 0 instead)"
+    )
+    assert (caught.value.reward, caught.value.step) == ("matches", 3)
+    assert scorer.stopped_by == {"reward": "matches", "step": 3, "error": caught.value.first_error}
+    nan_everywhere = RewardScorer([RewardSpec(non_finite)])
+    with pytest.raises(RewardFailedError, match="reward 'non_finite' failed on all 1 samples, first: returned nan"):
+        nan_everywhere.score(["p"], ["nan"], {})
+    lenient = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})], all_failed="zero")
+    scores = lenient.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]})
+    assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0}
+    # Failing on some samples only is not a stop.
+    assert RewardScorer([RewardSpec(picky)]).score(["a", "b"], ["boom", "ok"], {}).total.tolist() == [0.0, 1.0]

@@ -1,10 +1,17 @@
-"""Tools typed by JSON schema: schemas, argument coercion, every kind of bad call, and multi-turn
-rollouts through a real transformers model that has learned to call a tool."""
+"""Tools typed by JSON schema: schemas, argument coercion, every kind of bad call, tools that exit, raise
+BaseException, flood or hang (each in a real worker process), and multi-turn rollouts through a real
+transformers model that has learned to call a tool."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +21,13 @@ from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.rollout.base import SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine
-from lightning_rl.tools import Tool, ToolExecutor, load_tool, parse_tool_calls
+from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_tool_calls
 from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
-from lightning_rl.tools.conversation import ToolConversation
+from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
+from tool_faults import flooding_calculator, hanging_calculator, slow
+
+TESTS = Path(__file__).resolve().parent
 
 
 def label(key: str, count: int, ratio: float = 1.0, loud: bool = False) -> str:
@@ -69,16 +79,6 @@ def test_quoted_numbers_become_numbers_only_where_the_schema_says_so():
         validated_arguments({"key": "a"}, schema)
 
 
-def slow(seconds: float) -> str:
-    """Sleep.
-
-    Args:
-        seconds: How long.
-    """
-    time.sleep(seconds)
-    return "done"
-
-
 def test_every_kind_of_bad_call_becomes_an_error_message_and_is_counted():
     executor = ToolExecutor([Tool.from_function(calculator), Tool.from_function(slow)], timeout_s=0.2)
     texts = {
@@ -86,6 +86,7 @@ def test_every_kind_of_bad_call_becomes_an_error_message_and_is_counted():
         "malformed": '<tool_call>{"name": "calculator", "arguments": {</tool_call>',
         "unknown_tool": '<tool_call>{"name": "weather", "arguments": {}}</tool_call>',
         "invalid_arguments": '<tool_call>{"name": "calculator", "arguments": {"operation": "pow", "a": 1, "b": 2}}</tool_call>',
+        "invalid_arguments ": '<tool_call>{"name": "calculator", "arguments": {"operation": "add", "a": 1, "b": 2, "c": 3}}</tool_call>',
         "raised": '<tool_call>{"name": "calculator", "arguments": {"operation": "divide", "a": 1, "b": 0}}</tool_call>',
         "timeout": '<tool_call>{"name": "slow", "arguments": {"seconds": 1}}</tool_call>',
     }
@@ -94,11 +95,15 @@ def test_every_kind_of_bad_call_becomes_an_error_message_and_is_counted():
     assert "not valid JSON" in outcomes["malformed"].content
     assert "unknown tool 'weather' (available: calculator, slow)" in outcomes["unknown_tool"].content
     assert "operation: 'pow' is not one of" in outcomes["invalid_arguments"].content
+    # The schema allows extra properties; the function does not: refused before it runs, not a `raised`.
+    assert "unexpected keyword argument 'c'" in outcomes["invalid_arguments "].content
     assert "calculator raised ZeroDivisionError: division by zero" in outcomes["raised"].content
     assert "slow did not finish within 0.2 s" in outcomes["timeout"].content
     for kind, outcome in outcomes.items():
+        kind = kind and kind.strip()
         assert outcome.failure == kind and outcome.content.startswith("Error: ") == (kind is not None)
-    assert executor.calls == 6 and dict(executor.failures) == {k: 1 for k in texts if k is not None}
+    assert executor.calls == 7
+    assert dict(executor.failures) == {"malformed": 1, "unknown_tool": 1, "invalid_arguments": 2, "raised": 1, "timeout": 1}
     assert parse_tool_calls('<tool_call>{"name": "slow"')[0].error == "tool call is not closed with </tool_call>"
     assert parse_tool_calls('<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].arguments == {"a": 1}
     executor.close()
@@ -163,7 +168,8 @@ def test_multi_turn_rollouts_run_tools_and_feed_back_results_and_errors(tool_cal
     good, bad = batch.groups[0][0], batch.groups[1][0]
     assert len(batch.groups[0]) == len(batch.groups[1]) == 2
     assert good.metadata["tool_calls"] == [
-        {"name": "calculator", "arguments": {"operation": "add", "a": 7, "b": 5}, "content": "12", "failure": None}
+        {"call_id": 0, "name": "calculator", "arguments": {"operation": "add", "a": 7, "b": 5}, "content": "12",
+         "failure": None}
     ]
     assert good.metadata["final_reply"] == "12"
     assert bad.metadata["tool_calls"][0]["failure"] == "invalid_arguments"
@@ -180,14 +186,154 @@ def test_multi_turn_rollouts_run_tools_and_feed_back_results_and_errors(tool_cal
 def test_forked_turns_make_nested_forks_that_tree_packing_shares(tool_calling_model):
     model, tokenizer, prompts, _ = tool_calling_model
     engine = HFRolloutEngine(model)
-    conversation = ToolConversation(engine, tokenizer, ToolExecutor([Tool.from_function(calculator)]), max_turns=2)
+    executor = ToolExecutor([Tool.from_function(calculator)])
+    conversation = ToolConversation(engine, tokenizer, executor, max_turns=2)
     sampling = lambda turn: SamplingConfig(max_new_tokens=48, temperature=1.0, seed=turn)  # noqa: E731
     batch = conversation.generate(prompts[:1], [2, 3], sampling)
     leaves = batch.groups[0]
     assert len(leaves) == 6 and {r.group_id for r in leaves} == {0}
+    # Each first reply's call ran once; its 3 continuations share the record, and it is counted once.
+    assert sum(len(r.metadata["tool_calls"]) for r in leaves) == 6
+    assert len(distinct_tool_calls(leaves)) == executor.calls == 2
     first_turns = {tuple(r.completion_ids[: r.completion_mask.index(False)]) for r in leaves}
     assert len(first_turns) <= 2  # 2 first replies, each continued 3 times
     packed = pack_sequences([r.sequence for r in leaves], [r.loss_mask for r in leaves])
     shared = len(prompts[0]) + sum(len(t) for t in first_turns)
     assert packed.num_unique_tokens <= packed.num_flat_tokens - 5 * len(prompts[0])
     assert packed.num_unique_tokens >= shared
+
+
+def _call(name: str, **arguments) -> ToolCall:
+    return parse_tool_calls(f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>")[0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie: dead, waiting to be reaped
+
+
+def test_tools_that_exit_raise_base_exceptions_flood_or_hang_are_contained(tmp_path):
+    faults = ["exits", "raises_base", "interrupts", "dies", "prints_megabytes", "returns_megabytes", "sleeps_forever",
+              "hangs_with_a_child"]  # fmt: skip
+    tools = [Tool.from_function(calculator)] + [load_tool(f"tool_faults:{name}") for name in faults]
+    executor = ToolExecutor(tools, timeout_s=1.0, max_output_chars=500)
+    pid_file = tmp_path / "pids"
+    calls = {
+        "exits": _call("exits", code=3), "raises_base": _call("raises_base"), "interrupts": _call("interrupts"),
+        "dies": _call("dies"), "prints_megabytes": _call("prints_megabytes", megabytes=5),
+        "returns_megabytes": _call("returns_megabytes", megabytes=5), "sleeps_forever": _call("sleeps_forever"),
+        "hangs_with_a_child": _call("hangs_with_a_child", pid_file=str(pid_file)),
+    }  # fmt: skip
+    started = time.monotonic()
+    outcomes = {name: executor.run(call) for name, call in calls.items()}
+    elapsed = time.monotonic() - started
+    assert outcomes["exits"].content == "Error: exits raised SystemExit: 3"
+    assert outcomes["raises_base"].content == "Error: raises_base raised Escape: out of here"
+    assert outcomes["interrupts"].content == "Error: interrupts raised KeyboardInterrupt: "
+    assert outcomes["dies"].content == "Error: dies failed: its worker process exited with code 7"
+    assert outcomes["prints_megabytes"].ok and outcomes["prints_megabytes"].content == "printed"  # prints go nowhere
+    flood = outcomes["returns_megabytes"]
+    kept = flood.content.index("\n[...")
+    assert flood.ok and len(flood.content) == 500 and flood.content[:kept] == "y" * kept and kept > 400
+    assert flood.content.endswith(f"[... {5 * 2**20 - kept} more characters cut]")
+    for name in ("sleeps_forever", "hangs_with_a_child"):
+        assert outcomes[name].failure == "timeout" and outcomes[name].content == f"Error: {name} did not finish within 1 s"
+    assert [o.failure for o in outcomes.values()] == ["raised"] * 4 + [None, None] + ["timeout"] * 2
+    assert dict(executor.failures) == {"raised": 4, "timeout": 2}
+    assert elapsed < 40, elapsed  # two 1 s timeouts and a few worker starts
+    worker, child = (int(pid) for pid in pid_file.read_text().split())
+    deadline = time.monotonic() + 5
+    while not (_gone(worker) and _gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker) and _gone(child), "a timed-out tool's process group must be killed, its children too"
+    # The executor still serves: four hung calls at once are replaced, and ordinary calls go on.
+    started = time.monotonic()
+    mixed = executor.run_all([calls["sleeps_forever"]] * 4 + [_call("calculator", operation="add", a=2, b=3)] * 4)
+    assert [o.failure for o in mixed] == ["timeout"] * 4 + [None] * 4 and mixed[-1].content == "5"
+    assert time.monotonic() - started < 30
+    assert executor.calls == 16
+    executor.close()
+
+
+def test_closing_never_waits_for_a_hung_tool_and_an_exiting_run_leaves_no_worker(tmp_path):
+    executor = ToolExecutor([load_tool("tool_faults:sleeps_forever")], timeout_s=600)
+    outcome: list = []
+    caller = threading.Thread(target=lambda: outcome.append(executor.run(_call("sleeps_forever"))))
+    caller.start()
+    time.sleep(2)  # the call is running (or its worker starting)
+    started = time.monotonic()
+    executor.close()
+    assert time.monotonic() - started < 1
+    caller.join(timeout=10)
+    assert not caller.is_alive() and outcome[0].failure == "raised"
+    assert executor.run(_call("sleeps_forever")).content == "Error: sleeps_forever was not run: the run is ending"
+    # A process that exits (without closing) while a call hangs: it exits at once, and the worker follows it.
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        from lightning_rl.tools import ToolExecutor, load_tool, parse_tool_calls
+        executor = ToolExecutor([load_tool("tool_faults:hangs_with_a_child")], timeout_s=600)
+        call = parse_tool_calls('<tool_call>{{"name": "hangs_with_a_child", "arguments": {{"pid_file": "{pid_file}"}}}}</tool_call>')[0]
+        threading.Thread(target=executor.run_all, args=([call, call],), daemon=True).start()
+        while True:
+            time.sleep(0.1)
+            try:
+                if open("{pid_file}").read():
+                    break
+            except FileNotFoundError:
+                pass
+        print("exiting", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "exiting\n", run.stderr
+    worker, child = (int(pid) for pid in pid_file.read_text().split())
+    deadline = time.monotonic() + 10
+    while not (_gone(worker) and _gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker) and _gone(child)
+
+
+def test_invalid_executor_settings_are_refused():
+    with pytest.raises(ValueError, match="tool_timeout_s must be > 0, got 0"):
+        ToolExecutor([Tool.from_function(calculator)], timeout_s=0)
+    with pytest.raises(ValueError, match="tool_output_max_chars must be >= 1"):
+        ToolExecutor([Tool.from_function(calculator)], max_output_chars=0)
+    with pytest.raises(ValueError, match="tool 'label' runs in a worker process, so its function must be importable"):
+        ToolExecutor([Tool("label", "", {"type": "object"}, lambda: "x")])
+
+
+def test_a_hanging_tool_in_a_conversation_times_out_and_the_executor_serves_on(tool_calling_model):
+    model, tokenizer, prompts, _ = tool_calling_model
+    hanging = Tool.from_function(hanging_calculator, name="calculator")
+    executor = ToolExecutor([hanging, Tool.from_function(calculator, name="real_calculator")], timeout_s=0.5)
+    conversation = ToolConversation(HFRolloutEngine(model), tokenizer, executor, max_turns=2)
+    started = time.monotonic()
+    batch = conversation.generate(prompts, [2], lambda turn: SamplingConfig(max_new_tokens=48, temperature=0))
+    assert time.monotonic() - started < 60  # the four calls ran side by side: one 0.5 s timeout, not four
+    calls = distinct_tool_calls(batch.rollouts)
+    assert len(calls) == executor.calls == 4 and dict(executor.failures) == {"timeout": 2, "invalid_arguments": 2}
+    assert {c["content"] for c in calls if c["failure"] == "timeout"} == {"Error: calculator did not finish within 0.5 s"}
+    assert all(r.metadata["final_reply"] is not None for r in batch.rollouts) and len(batch.rollouts) == 4
+    assert executor.run(_call("real_calculator", operation="multiply", a=6, b=7)).content == "42"
+    executor.close()
+
+
+def test_a_flooding_tool_is_cut_and_a_history_that_outgrows_the_context_ends(tool_calling_model):
+    model, tokenizer, prompts, _ = tool_calling_model
+    executor = ToolExecutor([Tool.from_function(flooding_calculator, name="calculator")], max_output_chars=2000)
+    sampling = lambda turn: SamplingConfig(max_new_tokens=48, temperature=0)  # noqa: E731
+    roomy = ToolConversation(HFRolloutEngine(model), tokenizer, executor, max_turns=2)
+    (long,) = roomy.generate(prompts[:1], [1], sampling).groups[0]
+    response = tokenizer.decode([t for t, m in zip(long.completion_ids, long.completion_mask) if not m])
+    assert "y" * 1000 in response and "more characters cut]" in response and len(response) < 2200
+    limit = len(long.sequence) - 1  # the same history, one token short of fitting
+    tight = ToolConversation(HFRolloutEngine(model), tokenizer, executor, max_turns=2, max_context_tokens=limit)
+    (ended,) = tight.generate(prompts[:1], [1], sampling).groups[0]
+    assert ended.metadata["ended"] == "context_length" and len(ended.sequence) <= limit
+    assert ended.metadata["tool_calls"][0]["content"].endswith("more characters cut]")
+    assert all(ended.completion_mask)  # only the model's first reply: the tool's answer was never appended
+    executor.close()

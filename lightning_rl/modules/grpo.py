@@ -15,6 +15,7 @@ never more than `max_staleness` weight versions behind the trainer.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,7 @@ from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.strategies.grad_norm import clip_grad_norm
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
+from lightning_rl.data.sft import DataError
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
@@ -43,7 +45,9 @@ from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.strategies.devices import requires_static_shapes
 from lightning_rl.strategies.weight_sync import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
-from lightning_rl.tools.conversation import ToolConversation
+from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
+
+ROLLOUT_COLUMNS = ("tool_calls", "transcripts")  # what reward functions get besides prompts, completions and the data
 
 
 class GRPOModule(LightningModule):
@@ -53,7 +57,9 @@ class GRPOModule(LightningModule):
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
         lora: train a LoRA adapter (peft) instead of all weights; the engine gets them merged.
         rewards: reward functions (built-in name or dotted path), each with a weight and kwargs.
-        reward_on_error: ``zero`` scores a sample whose reward raises 0 (and logs it); ``raise`` stops.
+        reward_on_error: ``zero`` scores a sample whose reward raises or is not finite 0 (and logs it); ``raise`` stops.
+        reward_all_failed: ``stop`` (default) ends the run when a reward fails on every sample of a step, naming
+            it; ``zero`` trains on with 0 for it.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
         max_new_tokens, temperature, top_p, top_k: sampling.
         system_prompt: prepended to string prompts.
@@ -73,6 +79,10 @@ class GRPOModule(LightningModule):
         tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
             as 2 samples), giving nested forks; leaves of a prompt are its group.
+        tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.
+        tool_output_max_chars: a tool's answer is cut to this many characters before the model reads it.
+        max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
+            None: the model's ``max_position_embeddings``.
         engine, engine_options: rollout engine alias (``hf``) or dotted path, and its keyword args.
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
@@ -84,6 +94,7 @@ class GRPOModule(LightningModule):
         lora: LoraSettings | None = None,
         rewards: Sequence[RewardSpec] = (RewardSpec("math_answer"),),
         reward_on_error: Literal["zero", "raise"] = "zero",
+        reward_all_failed: Literal["stop", "zero"] = "stop",
         num_generations: int = 8,
         max_new_tokens: int = 32,
         temperature: float = 1.0,
@@ -115,6 +126,8 @@ class GRPOModule(LightningModule):
         max_turns: int = 1,
         samples_per_turn: Sequence[int] = (),
         tool_timeout_s: float = 10.0,
+        tool_output_max_chars: int = 4000,
+        max_context_tokens: int | None = None,
         engine: str = "hf",
         engine_options: dict[str, Any] | None = None,
         seed: int = 0,
@@ -135,6 +148,15 @@ class GRPOModule(LightningModule):
             )
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        counts = {"max_new_tokens": max_new_tokens, "max_turns": max_turns, "tool_output_max_chars": tool_output_max_chars,
+                  **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
+        if max_context_tokens is not None:
+            counts["max_context_tokens"] = max_context_tokens
+        for key, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if importance_sampling_cap is not None and old_logprobs == "engine":
@@ -146,7 +168,7 @@ class GRPOModule(LightningModule):
             raise ValueError("max_turns > 1 needs at least one tool")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
-        self.scorer = RewardScorer(specs, on_error=reward_on_error)
+        self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         self.policy: torch.nn.Module | None = None
@@ -158,9 +180,23 @@ class GRPOModule(LightningModule):
         self.reward_history: list[float] = []
         self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
         self.last_trained: ScoredBatch | None = None
+        self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
         self._restored_queue: dict[str, Any] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # The reward functions' arguments against the data's columns, before a model is loaded: one line now,
+        # rather than a run that scores 0 throughout.
+        datamodule = self.trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "prompt_batch"):
+            return
+        rows = getattr(datamodule, "records", None) or datamodule.prompt_batch(0)
+        columns = set.intersection(*(set(row) for row in rows)) - {"prompt"}
+        try:
+            self.scorer.check_arguments([*sorted(columns), *ROLLOUT_COLUMNS])
+        except ValueError as error:
+            raise DataError(f"{getattr(datamodule, 'path', 'prompt data')}: {error}") from None
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -184,7 +220,9 @@ class GRPOModule(LightningModule):
         self.engine = load_engine(self.hparams.engine, path, seed=self.hparams.seed, **options)
         self._push_weights(version=self.global_step)  # after a resume the engine needs the restored weights
         if self.tools:
-            self.executor = ToolExecutor(self.tools, timeout_s=self.hparams.tool_timeout_s)
+            self.executor = ToolExecutor(
+                self.tools, timeout_s=self.hparams.tool_timeout_s, max_output_chars=self.hparams.tool_output_max_chars
+            )
 
     def on_train_start(self) -> None:
         if not self.hparams.async_mode:
@@ -231,6 +269,7 @@ class GRPOModule(LightningModule):
             raise RuntimeError(f"prompt batch {int(batch_index)} arrived at optimizer step {step}")
         started = time.perf_counter()
         scored = self.producer.take(step) if self.producer is not None else self.generate_and_score(step)
+        self.current_batch = scored
         waited = time.perf_counter() - started
         staleness = step - scored.weight_version
         if staleness > self.hparams.max_staleness and self.hparams.async_mode:
@@ -274,7 +313,9 @@ class GRPOModule(LightningModule):
         prompts = [self._prompt_ids(record) for record in records]
         started = time.perf_counter()
         if self.tools:
-            conversation = ToolConversation(self.engine, self.tokenizer, self.executor, self.hparams.max_turns)
+            conversation = ToolConversation(
+                self.engine, self.tokenizer, self.executor, self.hparams.max_turns, self._max_context_tokens()
+            )
             samples = [self.hparams.num_generations, *self.hparams.samples_per_turn]
             batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn))
         else:
@@ -283,18 +324,14 @@ class GRPOModule(LightningModule):
         rollouts = batch.rollouts
         texts = [self._reply_text(r) for r in rollouts]
         columns = {
-            key: [records[r.group_id][key] for r in rollouts]
+            key: [records[r.group_id].get(key) for r in rollouts]
             for key in records[0] if key != "prompt"
         }
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
         prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
-        scores = self.scorer.score(prompt_texts, texts, columns)
-        failures: dict[str, int] = {}
-        for calls in columns["tool_calls"]:
-            for call in calls:
-                if call["failure"] is not None:
-                    failures[call["failure"]] = failures.get(call["failure"], 0) + 1
+        scores = self.scorer.score(prompt_texts, texts, columns, step=index + 1)
+        failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
         return ScoredBatch(
             index=index,
             records=records,
@@ -303,7 +340,7 @@ class GRPOModule(LightningModule):
             reward_terms={name: values.tolist() for name, values in scores.per_function.items()},
             reward_errors=[vars(e) for e in scores.errors],
             generation_seconds=generation_seconds,
-            tool_failures=failures,
+            tool_failures=dict(failures),
         )
 
     def _backend(self) -> str:
@@ -325,7 +362,8 @@ class GRPOModule(LightningModule):
 
     def _verify_packing(self, packed: PackedBatch, step: int) -> None:
         error = self.packing_verifier.check(
-            self.policy, packed, step=step, backend=self._backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size
+            self.policy, packed, step=step, backend=self._backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size,
+            strategy=self.trainer.strategy,
         )
         self.log("train/packing_error", error)
 
@@ -389,6 +427,12 @@ class GRPOModule(LightningModule):
         if self.producer is not None:
             self.producer.weights_updated()
 
+    def _max_context_tokens(self) -> int | None:
+        if self.hparams.max_context_tokens is not None:
+            return self.hparams.max_context_tokens
+        config = self.policy.config
+        return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "max_position_embeddings", None)
+
     def _sampling(self, index: int, turn: int) -> SamplingConfig:
         # A seed per (batch, turn) makes sampling independent of where and when it runs.
         seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn
@@ -432,13 +476,15 @@ class GRPOModule(LightningModule):
             "lr": self.optimizers().param_groups[0]["lr"],
             **stats.metrics(),
         }
+        failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
         for name, values in scored.reward_terms.items():
             terms = torch.tensor(values)
             metrics[f"reward/{name}/mean"] = terms.mean()
             metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
+            metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
+            metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
         if self.tools:
-            calls = sum(len(r.metadata.get("tool_calls", [])) for r in scored.rollouts)
-            metrics["tools/calls"] = float(calls)
+            metrics["tools/calls"] = float(len(distinct_tool_calls(scored.rollouts)))
             for kind, count in scored.tool_failures.items():
                 metrics[f"tools/failures/{kind}"] = float(count)
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
@@ -470,6 +516,7 @@ class GRPOModule(LightningModule):
             "reward_window": window,
             "grpo_steps": len(history),
             "max_staleness_seen": max((b["index"] - b["weight_version"] for b in self.trained_batches), default=0),
+            "reward_failure": self.scorer.stopped_by,
         }
 
     def export_hf(self, path: Path, write: bool = True) -> Path:

@@ -1,7 +1,9 @@
 """Built-in reward functions.
 
-A reward function takes the batch's `prompts` and `completions` (strings) plus every other column
-of the prompt records as keyword lists, and returns one float per completion.
+A reward function names the arguments it needs (`prompts`, `completions`, a data column such as
+`answer`, `tool_calls`, ...; see `scoring.py`), gets each as a list with one entry per completion, and
+returns one float per completion. The built-ins name exactly what they read, so a recipe kwarg they
+do not take is refused, and each runs on an empty batch (which is how their kwargs are checked).
 """
 
 from __future__ import annotations
@@ -43,23 +45,20 @@ def _matches(completion: str, expected: Any) -> bool:
     )
 
 
-def math_answer(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
+def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float]:
     """1.0 where the completion's answer equals the `answer` column: numerically for a numeric
     answer, as the whole (whitespace-normalised) reply otherwise."""
     return [1.0 if _matches(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
-def format_match(
-    completions: Sequence[str], pattern: str = r"<answer>.*?</answer>", **_: Any
-) -> list[float]:
+def format_match(completions: Sequence[str], pattern: str = r"<answer>.*?</answer>") -> list[float]:
     """1.0 where the regular expression `pattern` matches at the start of the completion."""
     regex = re.compile(pattern, re.DOTALL)
     return [1.0 if regex.match(c) else 0.0 for c in completions]
 
 
 def tool_call_validity(
-    completions: Sequence[str], tool_calls: Sequence[Sequence[Any]], no_call_score: float = 0.0,
-    **_: Any,
+    completions: Sequence[str], tool_calls: Sequence[Sequence[Any]], no_call_score: float = 0.0
 ) -> list[float]:
     """Fraction of a rollout's tool calls that parsed, validated and ran; `no_call_score` if none.
 

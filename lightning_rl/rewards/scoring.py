@@ -1,14 +1,25 @@
-"""Scoring rollouts with several weighted reward functions, sync or async, isolating failures."""
+"""Scoring rollouts with several weighted reward functions, sync or async, isolating failures.
+
+A reward function is called by keyword with those of the batch's arguments it names: `prompts` and
+`completions` (strings), every column of the prompt records, and what the trainer adds (`tool_calls`,
+`transcripts`); a function with `**kwargs` gets them all. Its fixed `kwargs` come from the recipe.
+Mistakes are refused before training: fixed kwargs the function does not take, an argument it needs that
+neither the data nor the trainer provides (`check_arguments`), and, for the built-ins, fixed kwargs
+that do not work (they are called once on an empty batch, which compiles a regular expression).
+
+While training, a function that raises or returns a non-finite score costs only the samples it failed
+on (they score 0, are logged and counted); one that fails on every sample of a step stops the run
+(`all_failed="stop"`), since training on all-zero rewards would silently train on nothing.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import inspect
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +30,9 @@ from lightning_rl.rewards.builtin import BUILTIN_REWARDS
 log = logging.getLogger(__name__)
 
 RewardFunction = Callable[..., Any]
+
+BATCH_ARGUMENTS = ("prompts", "completions")
+"""What every reward function may ask for, whatever the data; the caller's columns come on top."""
 
 
 def load_reward_function(path: str) -> RewardFunction:
@@ -57,103 +71,210 @@ class RewardSpec:
         return {"function": function, "weight": self.weight, "kwargs": dict(self.kwargs), "name": self.name}
 
     def resolve(self) -> tuple[str, RewardFunction]:
+        """Its name and the function itself (without the fixed kwargs)."""
         function = load_reward_function(self.function) if isinstance(self.function, str) else self.function
         name = self.name or (self.function if isinstance(self.function, str) else function.__name__)
-        name = name.rpartition(":")[2].rpartition(".")[2]
-        return name, functools.partial(function, **self.kwargs) if self.kwargs else function
+        return name.rpartition(":")[2].rpartition(".")[2], function
+
+
+class _Reward:
+    """A resolved reward: the function, its weight and fixed kwargs, and which arguments it takes."""
+
+    def __init__(self, spec: RewardSpec) -> None:
+        self.name, self.function = spec.resolve()
+        self.weight = float(spec.weight)
+        self.kwargs = dict(spec.kwargs)
+        if not math.isfinite(self.weight):
+            raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")
+        try:
+            parameters = inspect.signature(self.function).parameters.values()
+        except (TypeError, ValueError):  # no readable signature (a C function): it gets every argument
+            parameters = []
+            self.takes_any = True
+        else:
+            self.takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        for p in parameters:
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+                raise ValueError(f"reward {self.name!r}: parameter {p.name!r} is positional-only; rewards are called by keyword")
+        by_keyword = (p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        self.accepted = {p.name: p.default is p.empty for p in by_keyword}  # name -> required
+        for key in self.kwargs:
+            if key in BATCH_ARGUMENTS:
+                raise ValueError(f"reward {self.name!r}: kwarg {key!r} would replace the batch's {key}")
+            if key not in self.accepted and not self.takes_any:
+                raise ValueError(
+                    f"reward {self.name!r}: unknown kwarg {key!r} (it takes "
+                    f"{', '.join(n for n in self.accepted if n not in BATCH_ARGUMENTS) or 'none'})"
+                )
+        if self.function in BUILTIN_REWARDS.values():  # cheap and total on an empty batch: try the kwargs now
+            try:
+                self.function(**{**{name: [] for name, required in self.accepted.items() if required}, **self.kwargs})
+            except Exception as error:
+                raise ValueError(f"reward {self.name!r}: kwargs {self.kwargs} do not work: {type(error).__name__}: {error}") from None
+
+    def check_arguments(self, available: Iterable[str]) -> None:
+        available = set(available) | set(BATCH_ARGUMENTS)
+        for key in self.kwargs:
+            if key in available:
+                raise ValueError(f"reward {self.name!r}: kwarg {key!r} is also a data column; rename one of them")
+        missing = [n for n, required in self.accepted.items() if required and n not in available and n not in self.kwargs]
+        if missing:
+            raise ValueError(
+                f"reward {self.name!r} needs {', '.join(map(repr, missing))}, which is neither a data column nor a "
+                f"reward argument (there are: {', '.join(sorted(available))})"
+            )
+
+    async def __call__(self, prompts: list[str], completions: list[str], columns: Mapping[str, Sequence[Any]]) -> torch.Tensor:
+        arguments = {"prompts": prompts, "completions": completions, **columns}
+        if not self.takes_any:
+            arguments = {key: value for key, value in arguments.items() if key in self.accepted}
+        result = self.function(**{**arguments, **self.kwargs})
+        if inspect.isawaitable(result):
+            result = await result
+        values = [float(v) for v in result]
+        if len(values) != len(completions):
+            raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
+        return torch.tensor(values, dtype=torch.float32)
 
 
 @dataclass
 class RewardError:
-    """A reward function that raised on one sample: logged, and the sample scores 0."""
+    """A reward function that failed on one sample (`kind`: it ``raised``, or returned a ``non_finite``
+    score): logged, and the sample scores 0."""
 
     function: str
     sample: int
     prompt: str
     completion: str
     error: str
+    kind: Literal["raised", "non_finite"] = "raised"
+
+
+class RewardFailedError(RuntimeError):
+    """A reward function failed on every sample of a step (`RewardScorer(all_failed="stop")`)."""
+
+    def __init__(self, message: str, reward: str, step: int | None, first_error: str) -> None:
+        super().__init__(message)
+        self.reward, self.step, self.first_error = reward, step, first_error
 
 
 @dataclass
 class Scores:
-    """Rewards of N completions: weighted total [N], each function's raw score [N], failures."""
+    """Rewards of N completions: weighted total [N] (always finite), each function's raw score [N]
+    (failed samples at 0), failures."""
 
     total: torch.Tensor
     per_function: dict[str, torch.Tensor]
     errors: list[RewardError]
 
+    def failure_counts(self) -> dict[str, dict[str, int]]:
+        """Per function, how many samples it failed on, by kind (``raised``, ``non_finite``)."""
+        counts = {name: {"raised": 0, "non_finite": 0} for name in self.per_function}
+        for error in self.errors:
+            counts.setdefault(error.function, {"raised": 0, "non_finite": 0})[error.kind] += 1
+        return counts
+
 
 class RewardScorer:
     """Calls every reward function on a batch and sums the weighted scores.
 
-    A function that raises on the batch is retried sample by sample so that only the failing
-    samples score 0 (or, with `on_error="raise"`, the error propagates).
+    A function that raises on the batch is retried sample by sample so that only the failing samples
+    score 0; a non-finite score (NaN, +-inf) is a failure of that sample. With `on_error="raise"` the
+    first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
+    sample raises `RewardFailedError` naming it, the step and its first error.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec], on_error: Literal["zero", "raise"] = "zero") -> None:
+    def __init__(
+        self, specs: Sequence[RewardSpec], on_error: Literal["zero", "raise"] = "zero",
+        all_failed: Literal["stop", "zero"] = "stop",
+    ) -> None:
         if not specs:
             raise ValueError("at least one reward function is needed")
         if on_error not in ("zero", "raise"):
-            raise ValueError(f"on_error must be 'zero' or 'raise', got {on_error!r}")
-        resolved = [spec.resolve() for spec in specs]
-        names = [name for name, _ in resolved]
+            raise ValueError(f"reward_on_error must be 'zero' or 'raise', got {on_error!r}")
+        if all_failed not in ("stop", "zero"):
+            raise ValueError(f"reward_all_failed must be 'stop' or 'zero', got {all_failed!r}")
+        rewards = [_Reward(spec) for spec in specs]
+        names = [reward.name for reward in rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"reward function names must be unique (set `name:`), got {names}")
-        self.functions = dict(resolved)
-        self.weights = {name: float(spec.weight) for (name, _), spec in zip(resolved, specs, strict=True)}
+        self.rewards = {reward.name: reward for reward in rewards}
         self.on_error = on_error
+        self.all_failed = all_failed
+        self.stopped_by: dict[str, Any] | None = None  # the failure that raised RewardFailedError, as plain data
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {name: reward.weight for name, reward in self.rewards.items()}
+
+    def check_arguments(self, columns: Iterable[str]) -> None:
+        """A ValueError naming the first reward that needs an argument neither `columns` nor the batch
+        (`prompts`, `completions`) provides, or whose fixed kwarg shadows a column."""
+        columns = list(columns)
+        for reward in self.rewards.values():
+            reward.check_arguments(columns)
 
     def score(
-        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
+        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+        step: int | None = None,
     ) -> Scores:
-        return asyncio.run(self._score(list(prompts), list(completions), dict(columns)))
+        """Scores of a batch; `step` names it in errors."""
+        scores = asyncio.run(self._score(list(prompts), list(completions), dict(columns)))
+        if self.all_failed == "stop" and completions:
+            for name, counts in scores.failure_counts().items():
+                if sum(counts.values()) == len(completions):
+                    first = next(e for e in scores.errors if e.function == name)
+                    where = f"step {step}: " if step is not None else ""
+                    self.stopped_by = {"reward": name, "step": step, "error": first.error}
+                    raise RewardFailedError(
+                        f"{where}reward {name!r} failed on all {len(completions)} samples, first: {first.error} "
+                        "(reward_all_failed: zero would train on with 0 instead)",
+                        name, step, first.error,
+                    )
+        return scores
 
     async def _score(self, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]]) -> Scores:
         errors: list[RewardError] = []
         results = await asyncio.gather(
-            *(self._score_one(name, fn, prompts, completions, columns, errors) for name, fn in self.functions.items())
+            *(self._score_one(reward, prompts, completions, columns, errors) for reward in self.rewards.values())
         )
-        per_function = dict(zip(self.functions, results, strict=True))
+        per_function = dict(zip(self.rewards, results, strict=True))
         total = torch.zeros(len(completions), dtype=torch.float32)
         for name, values in per_function.items():
-            total += self.weights[name] * values
+            total += self.rewards[name].weight * values
+        for i in torch.nonzero(~torch.isfinite(total)).flatten().tolist():  # finite terms whose weighted sum overflowed
+            self._failed(errors, "weighted sum", i, prompts, completions, f"overflowed to {float(total[i])}", "non_finite")
+            total[i] = 0.0
         return Scores(total=total, per_function=per_function, errors=errors)
 
     async def _score_one(
-        self,
-        name: str,
-        fn: RewardFunction,
-        prompts: list[str],
-        completions: list[str],
-        columns: dict[str, Sequence[Any]],
+        self, reward: _Reward, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]],
         errors: list[RewardError],
     ) -> torch.Tensor:
         try:
-            return await _call(fn, prompts, completions, columns)
-        except Exception:
+            values = await reward(prompts, completions, columns)
+        except (Exception, SystemExit):
             if self.on_error == "raise":
                 raise
-        values = torch.zeros(len(completions), dtype=torch.float32)
-        for i in range(len(completions)):
-            one_columns = {key: [column[i]] for key, column in columns.items()}
-            try:
-                values[i] = (await _call(fn, [prompts[i]], [completions[i]], one_columns))[0]
-            except Exception as error:  # a broken reward must not end the run: the sample scores 0
-                message = f"{type(error).__name__}: {error}"
-                log.warning("reward %r failed on sample %d (%r): %s", name, i, completions[i][:200], message)
-                errors.append(RewardError(name, i, prompts[i], completions[i], message))
+            values = torch.zeros(len(completions), dtype=torch.float32)
+            for i in range(len(completions)):
+                one_columns = {key: [column[i]] for key, column in columns.items()}
+                try:
+                    values[i] = (await reward([prompts[i]], [completions[i]], one_columns))[0]
+                except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0
+                    self._failed(errors, reward.name, i, prompts, completions, f"{type(error).__name__}: {error}", "raised")
+        for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():  # never into the advantages
+            message = f"returned {float(values[i])}"
+            if self.on_error == "raise":
+                raise ValueError(f"reward {reward.name!r} {message} for sample {i}")
+            self._failed(errors, reward.name, i, prompts, completions, message, "non_finite")
+            values[i] = 0.0
         return values
 
-
-async def _call(
-    fn: RewardFunction, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]]
-) -> torch.Tensor:
-    result = fn(prompts=prompts, completions=completions, **columns)
-    if inspect.isawaitable(result):
-        result = await result
-    values = [float(v) for v in result]
-    if len(values) != len(completions):
-        raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
-    if any(math.isnan(v) for v in values):
-        raise ValueError("returned NaN")
-    return torch.tensor(values, dtype=torch.float32)
+    @staticmethod
+    def _failed(
+        errors: list[RewardError], name: str, i: int, prompts: list[str], completions: list[str], message: str,
+        kind: Literal["raised", "non_finite"],
+    ) -> None:
+        log.warning("reward %r failed on sample %d (%r): %s", name, i, completions[i][:200], message)
+        errors.append(RewardError(name, i, prompts[i], completions[i], message, kind))

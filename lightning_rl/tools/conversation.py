@@ -4,12 +4,18 @@ Tool results are rendered by the tokenizer's chat template and appended as token
 not sample (not trained). With `samples_per_turn=[4, 2]`, each of the 4 first replies that calls
 a tool continues as 2 samples, so the histories of one prompt form a tree that forks, and forks
 again: tree packing forwards each shared turn once.
+
+The calls of a turn run together (`ToolExecutor.run_all`). Each is recorded once in its history's
+`metadata["tool_calls"]` with a `call_id` unique in the batch: the histories forked from it share the
+record, and `distinct_tool_calls` counts it once. A history whose tool results and next reply would not
+fit in `max_context_tokens` ends with its reply (`metadata["ended"] = "context_length"`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -44,13 +50,17 @@ class ToolConversation:
         tokenizer: PreTrainedTokenizerBase,
         executor: ToolExecutor,
         max_turns: int,
+        max_context_tokens: int | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.executor = executor
         self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
         self._hidden_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
 
     def text(self, token_ids: Sequence[int]) -> str:
@@ -61,12 +71,15 @@ class ToolConversation:
         self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
         sampling_for_turn: Callable[[int], SamplingConfig],
     ) -> RolloutBatch:
+        if not samples_per_turn or any(n < 1 for n in samples_per_turn):
+            raise ValueError(f"samples per turn must be >= 1, got {list(samples_per_turn)}")
         first = self.engine.generate(prompts, samples_per_turn[0], sampling_for_turn(0))
         # Each live history with the token ids of its latest reply.
         live = [(self._start(r), r.completion_ids) for r in first.rollouts]
         finished: list[Rollout] = []
+        call_ids = itertools.count()
         for turn in range(1, self.max_turns + 1):
-            continuing = []
+            calling = []
             for history, reply in live:
                 text = self.text(reply)
                 history.messages.append({"role": "assistant", "content": text})
@@ -74,15 +87,26 @@ class ToolConversation:
                 if not calls or turn == self.max_turns or history.finish_reason != "stop":
                     history.metadata["final_reply"] = text
                     finished.append(history)
-                    continue
-                outcomes = [self.executor.run(call) for call in calls]
-                results = [{"role": "tool", "name": o.call.name or "", "content": o.content} for o in outcomes]
+                else:
+                    calling.append((history, text, calls))
+            outcomes = iter(self.executor.run_all([call for _, _, calls in calling for call in calls]))
+            continuing = []
+            budget = sampling_for_turn(turn).max_new_tokens
+            for history, text, calls in calling:
+                ran = [next(outcomes) for _ in calls]
                 history.metadata["tool_calls"].extend(
-                    {"name": o.call.name, "arguments": o.arguments, "content": o.content, "failure": o.failure}
-                    for o in outcomes
-                )
+                    {"call_id": next(call_ids), "name": o.call.name, "arguments": o.arguments, "content": o.content,
+                     "failure": o.failure}
+                    for o in ran
+                )  # fmt: skip
+                results = [{"role": "tool", "name": o.call.name or "", "content": o.content} for o in ran]
+                response = tool_response_ids(self.tokenizer, results)
+                if self.max_context_tokens is not None and len(history.sequence) + len(response) + budget > self.max_context_tokens:
+                    history.metadata.update(final_reply=text, ended="context_length")
+                    finished.append(history)
+                    continue
                 history.messages.extend(results)
-                _append(history, tool_response_ids(self.tokenizer, results), sampled=False)
+                _append(history, response, sampled=False)
                 continuing.append(history)
             if not continuing:
                 break
@@ -106,6 +130,15 @@ class ToolConversation:
         fresh = Rollout(**asdict(rollout))
         fresh.metadata.setdefault("tool_calls", [])
         return fresh
+
+
+def distinct_tool_calls(rollouts: Iterable[Rollout]) -> list[dict[str, Any]]:
+    """Every tool call of a batch's rollouts once, though forked histories share those made before the fork."""
+    calls: dict[Any, dict[str, Any]] = {}
+    for rollout in rollouts:
+        for call in rollout.metadata.get("tool_calls", []):
+            calls.setdefault(call.get("call_id", id(call)), call)
+    return list(calls.values())
 
 
 def _append(history: Rollout, token_ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] | None = None) -> None:
