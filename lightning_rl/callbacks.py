@@ -1,4 +1,4 @@
-"""Callbacks every run gets: throughput on the progress bar, summary.json, the final HF export, SLURM requeue.
+"""Callbacks every run gets: throughput and summary.json, the final HF export, signals, non-finite guard, loggers.
 
 A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
 flat packing would have forwarded), and ``reported_loss`` when the ``loss`` it backpropagates is not the
@@ -13,13 +13,20 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_rl.checkpoints import remove
+from lightning_rl.strategies.grad_norm import total_grad_norm
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -31,7 +38,7 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")  # one name: a kill leaves at most this file, reused next time
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
 
@@ -47,9 +54,29 @@ class RunSummary(Callback):
         self.tokens = 0
         self.flat_tokens = 0
         self.train_seconds = 0.0
+        self.earlier_wall_seconds = 0.0  # of the run's parts before a resume
         self._batch_start = 0.0
         self._fit_start = 0.0
         self.extra: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        # In every checkpoint, so that the summary of a resumed run describes the whole run.
+        return {
+            "losses": list(self.losses),
+            "tokens": self.tokens,
+            "flat_tokens": self.flat_tokens,
+            "train_seconds": self.train_seconds,
+            "wall_seconds": self._wall_seconds(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(loss) for loss in state["losses"]]
+        self.tokens, self.flat_tokens = int(state["tokens"]), int(state["flat_tokens"])
+        self.train_seconds = float(state["train_seconds"])
+        self.earlier_wall_seconds = float(state["wall_seconds"])
+
+    def _wall_seconds(self) -> float:
+        return self.earlier_wall_seconds + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -91,7 +118,7 @@ class RunSummary(Callback):
             "peak_memory_mb": memory,
             "peak_memory_kind": memory_kind,
             "train_seconds": self.train_seconds,
-            "wall_seconds": time.perf_counter() - self._fit_start,
+            "wall_seconds": self._wall_seconds(),
             "world_size": trainer.world_size,
         }
 
@@ -117,67 +144,189 @@ class ExportHuggingFace(Callback):
             pl_module.export_hf(self.path, write=trainer.is_global_zero)
 
 
-class RequeueOnSignal(Callback):
-    """SLURM's requeue signal (``--signal=SIGUSR1@90``) handled at an optimizer-step boundary, on every rank at once.
+class LoggerAfterSetup(Callback):
+    """Attaches the run's logger once its model and data are set up: a run that fails before leaves no logger
+    folder behind. Lightning logs the hyperparameters right after this hook."""
 
-    Lightning's own handler saves a checkpoint from inside the signal handler, wherever each rank happens to be in
-    its step. A sharded (FSDP2) checkpoint is a collective, so ranks signalled mid-step would enter it at
-    different points, between the all-gathers of their step. Here the handler only records the signal; after
-    each optimizer step the ranks agree on it (one all-reduce of a flag), all save together into
-    ``OUTPUT_DIR/hpc_ckpt_STEP.ckpt`` (written beside it, then renamed whole), and rank 0 asks SLURM to requeue
-    the job. The ranks then wait for the SIGTERM with which SLURM stops the job (training on would only be thrown
-    away), and the requeued job's ``--ckpt_path=last`` takes this checkpoint.
-    Active only when Lightning detected SLURM with auto-requeue on (the default there).
+    def __init__(self, logger: Logger) -> None:
+        self.logger = logger
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.loggers = [*trainer.loggers, self.logger]
+
+
+class _RecordingSignalConnector(_SignalConnector):
+    """Lightning's signal connector with handlers that only record the signal (``RequeueOnSignal``).
+
+    Lightning's own SIGTERM handler broadcasts a tensor from inside the handler and marks the trainer as stopping
+    on that rank alone. ``received_sigterm`` stays False here: the loops must not stop one rank by itself.
+    """
+
+    def __init__(self, trainer: Trainer, owner: RequeueOnSignal) -> None:
+        super().__init__(trainer)
+        self.owner = owner
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+        self.owner.install()
+        self._original_handlers = dict(self.owner.previous_handlers)  # what `teardown` puts back
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.owner.previous_handlers = {}
+
+
+class RequeueOnSignal(Callback):
+    """SIGTERM and the requeue signal (SIGUSR1) handled at an optimizer-step boundary, on every rank at once, under
+    every strategy.
+
+    Lightning's handlers act inside the signal handler, wherever each rank happens to be in its step: the SIGTERM
+    one broadcasts a tensor, the SLURM one saves a checkpoint, which under a sharded strategy is a collective. Two
+    ranks signalled mid-step (one in backward, the other in a reduce-scatter) then wait on each other forever. Here
+    the handlers only record the signal, and replace Lightning's for the whole fit. After each optimizer step the
+    ranks agree on it (one all-reduce), save ``OUTPUT_DIR/hpc_ckpt_STEP.ckpt`` together (staged and renamed whole;
+    it replaces older ones) and stop with ``SIGTERMException``, which ``lightning-rl run`` ends with exit code 143.
+    A signal that came before the first step stops the run at ``on_train_start``, with nothing new to save.
+
+    Under SLURM with auto-requeue (the default there) the requeue signal comes ahead of the time limit: rank 0 also
+    runs ``scontrol requeue``, and the ranks wait for the SIGTERM with which SLURM then stops the job (the requeued
+    job's ``--ckpt_path=last`` takes this checkpoint). Elsewhere the requeue signal stops the run like SIGTERM.
     """
 
     def __init__(self, output_dir: str | Path, sigterm_wait_s: float = 300.0) -> None:
         self.output_dir = Path(output_dir)
         self.sigterm_wait_s = sigterm_wait_s
-        self.requested = False
-        self.active = False
-        self.done = False
+        self.requeue_signal = signal.SIGUSR1
+        self.received: set[int] = set()
+        self.previous_handlers: dict[int, Any] = {}
+        self.stopped_by: str | None = None  # the signal's name, once the run stopped on it
+        self.checkpoint: Path | None = None
+        self._slurm_requeue = False
         self._last_step = -1
 
-    def _signalled(self, signum: int, _frame: Any) -> None:
-        self.requested = True
+    def install(self) -> None:
+        """Record SIGTERM and the requeue signal from now on; ``restore`` puts the earlier handlers back."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (Lightning skips them there too)
+        for signum in (signal.SIGTERM, self.requeue_signal):
+            if signum not in self.previous_handlers:
+                self.previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._record)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous_handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        self.previous_handlers = {}
+
+    def _record(self, signum: int, _frame: Any) -> None:
+        self.received.add(signum)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        self._slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+            self.requeue_signal = environment.requeue_signal
+        if self._slurm_requeue:
+            print(f"SLURM auto-requeueing enabled: {signal.Signals(self.requeue_signal).name} requeues the job at the next step boundary", flush=True)
+        self.install()
+        # Lightning installs its handlers through this connector just before training starts (a private attribute,
+        # and the only place to keep its collective-running SIGTERM handler out).
+        trainer._signal_connector = _RecordingSignalConnector(trainer, self)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning registers its own handler just before training starts; this replaces it for the run (Lightning
-        # restores the original handlers at teardown).
-        environment = getattr(trainer.strategy, "cluster_environment", None)
-        self.active = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        if self.active:
-            signal.signal(environment.requeue_signal, self._signalled)
         self._last_step = trainer.global_step
+        self._agree_and_stop(trainer, save=False)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self.active or self.done or trainer.global_step == self._last_step:
+        if trainer.global_step == self._last_step:
             return  # mid-accumulation: no optimizer step yet, nothing consistent to save
         self._last_step = trainer.global_step
-        if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+        self._agree_and_stop(trainer, save=True)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.restore()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.restore()
+
+    def _agree_and_stop(self, trainer: Trainer, save: bool) -> None:
+        local = [signal.SIGTERM in self.received, self.requeue_signal in self.received]
+        flags = torch.tensor(local, dtype=torch.float32, device=trainer.strategy.root_device)
+        terminate, requeue = (bool(flag) for flag in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
+        if not (terminate or requeue):
             return
-        self.done = True
-        final = self.output_dir / f"hpc_ckpt_{trainer.global_step}.ckpt"
-        staging = final.with_name(final.name + ".tmp")
-        trainer.save_checkpoint(staging)
-        trainer.strategy.barrier("requeue-checkpoint")
+        step = trainer.global_step
+        if save:
+            self.checkpoint = self.output_dir / f"hpc_ckpt_{step}.ckpt"
+            trainer.save_checkpoint(self.checkpoint)  # a collective under sharded strategies: every rank is here
+            if trainer.is_global_zero:
+                for older in self.output_dir.glob("hpc_ckpt_*.ckpt"):
+                    if older != self.checkpoint:
+                        remove(older)
+        if not terminate and self._slurm_requeue:
+            if not self._requeue(trainer):
+                self.received.discard(self.requeue_signal)
+                return  # no scheduler took the job back: training goes on
+            # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
+            deadline = time.monotonic() + self.sigterm_wait_s
+            while signal.SIGTERM not in self.received and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name
+        raise SIGTERMException
+
+    def _requeue(self, trainer: Trainer) -> bool:
+        """Rank 0 asks SLURM to requeue the job; every rank learns whether it did."""
+        requeued = False
         if trainer.is_global_zero:
-            os.replace(staging, final)
             job = os.environ.get("SLURM_JOB_ID", "")
             if os.environ.get("SLURM_ARRAY_JOB_ID"):
                 job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-            print(f"requeue signal: checkpoint {final} at step {trainer.global_step}; requeueing job {job}", flush=True)
+            saved = f"checkpoint {self.checkpoint}" if self.checkpoint else "before the first step, nothing new to save"
+            print(f"requeue signal: {saved} at step {trainer.global_step}; requeueing job {job}", flush=True)
             try:
                 result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
                 error = (result.stderr.strip() or f"exit code {result.returncode}") if result.returncode else ""
             except OSError as err:  # no scontrol on this node: say so, and let the other ranks go on too
                 error = str(err)
             # The requeue's own SIGTERM can reach scontrol too (it runs in the job): that is a success.
-            requeued = not error or trainer.received_sigterm
+            requeued = not error or signal.SIGTERM in self.received
             if not requeued:
                 print(f"scontrol requeue {job} failed: {error}; training goes on", flush=True)
-        requeued = trainer.strategy.broadcast(requeued if trainer.is_global_zero else None, src=0)
-        # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
-        deadline = time.monotonic() + self.sigterm_wait_s
-        while requeued and not trainer.received_sigterm and time.monotonic() < deadline:
-            time.sleep(0.1)
+        return bool(trainer.strategy.broadcast(requeued, src=0))
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is not finite: the run stopped before that optimizer step, saving nothing for it."""
+
+
+class StopOnNonFinite(Callback):
+    """Never steps, and so never checkpoints, on a non-finite loss or gradient norm.
+
+    Each rank keeps the loss of every backward; before each optimizer step the ranks agree on them and on the
+    gradient norm (the same figure on every rank) with one all-reduce, and if one is not finite all raise
+    ``NonFiniteError`` before the optimizer steps. Checkpoints are written after a step, so the newest stays the
+    last good one (``ModelCheckpoint(save_top_k=1)`` would otherwise have replaced it with the broken one).
+    """
+
+    def __init__(self) -> None:
+        self._losses: list[torch.Tensor] = []
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach().float().reshape(-1))
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        losses = torch.cat(self._losses) if self._losses else torch.zeros(0)
+        self._losses = []
+        bad = losses[~torch.isfinite(losses)].cpu()
+        norm = float(total_grad_norm(pl_module.parameters()))
+        local = [float(bad.numel() > 0), float(not math.isfinite(norm))]
+        flags = trainer.strategy.reduce(torch.tensor(local, device=trainer.strategy.root_device), reduce_op="sum")
+        bad_loss, bad_norm = (bool(flag) for flag in flags.tolist())
+        if not (bad_loss or bad_norm):
+            return
+        if bad_loss:
+            what = f"loss is {float(bad[0])}" if bad.numel() else "loss is not finite on another rank"
+        else:
+            what = f"gradient norm is {norm}"
+        raise NonFiniteError(f"step {trainer.global_step + 1}: {what}; stopped before the optimizer step, no checkpoint written for it")

@@ -2,17 +2,24 @@
 
 A recipe is a LightningCLI config: ``task`` picks the module and datamodule classes, ``model`` and
 ``data`` are their init arguments, ``trainer`` the Trainer's, plus ``output_dir``, ``seed``, ``logger``,
-``checkpoint_every_n_steps`` and ``ckpt_path`` (``last`` resumes from OUTPUT_DIR/checkpoints).
-Mistakes in a recipe end the command with one ``error:`` line naming the key or file, and exit code 2.
+``checkpoint_every_n_steps``, ``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and
+``overwrite``. Mistakes in a recipe end the command with one ``error:`` line naming the key or file, and exit code 2.
+
+The run folder belongs to one run: a folder that already holds outputs is refused unless the run resumes it
+(``--ckpt_path``) or replaces it (``--overwrite``), a lock keeps a concurrent run out, and nothing is written into it
+before the model and data are set up.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import inspect
 import netrc
 import os
 import re
+import shutil
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -21,14 +28,18 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from jsonargparse import ArgumentError
+from jsonargparse import ActionYesNo, ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from lightning_rl.callbacks import ExportHuggingFace, RequeueOnSignal, RunSummary
+from lightning_rl.callbacks import (
+    ExportHuggingFace, LoggerAfterSetup, NonFiniteError, RequeueOnSignal, RunSummary, StopOnNonFinite,
+)
+from lightning_rl.checkpoints import IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, newest_complete
 from lightning_rl.data.sft import DataError
 from lightning_rl.models.sharded_loading import CheckpointMismatchError
 from lightning_rl.strategies.expert_parallel import ExpertParallelError
@@ -44,8 +55,12 @@ SUBCOMMANDS = {
     "plan": "lightning_rl.launch.plan",
 }
 USAGE = "usage: lightning-rl {run RECIPE.yaml [--key=value ...] | env | launch ... | plan ...}"
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + 15  # the shell's code for a process ended by SIGTERM
+LOCK_FILE = ".lock"
+# What a run writes into OUTPUT_DIR, removed by --overwrite (anything else there is left alone).
+RUN_OUTPUTS = ("checkpoints", "hf", "summary.json", "recipe.yaml", "csv", "wandb", "hpc_ckpt_*.ckpt*")
 
 
 class RecipeError(ValueError):
@@ -113,16 +128,31 @@ def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
 
 
 class SaveRecipe(SaveConfigCallback):
-    """Writes the resolved recipe to OUTPUT_DIR/recipe.yaml once the data has been checked (atomically)."""
+    """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's outputs
+    go, then the resolved recipe is written to OUTPUT_DIR/recipe.yaml (atomically)."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pass  # where SaveConfigCallback writes: too early, the model is not set up yet
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        path = Path(self.config["output_dir"]) / "recipe.yaml"
+        output_dir = Path(self.config["output_dir"])
+        if self.config["overwrite"] and self.config["ckpt_path"] is None:
+            remove_run_outputs(output_dir)
+        path = output_dir / "recipe.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self.parser.save(self.config, str(tmp), skip_none=False, overwrite=True, multifile=False)
+        tmp = path.with_name(f".{path.name}.tmp")
+        config = self.config.clone()
+        config.overwrite = False  # rerunning the saved recipe must not replace this run
+        self.parser.save(config, str(tmp), skip_none=False, overwrite=True, multifile=False)
         os.replace(tmp, path)
+
+
+def remove_run_outputs(output_dir: Path) -> None:
+    for pattern in RUN_OUTPUTS:
+        for path in output_dir.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 class RecipeCLI(LightningCLI):
@@ -134,6 +164,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--checkpoint_every_n_steps", type=int, default=100)
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")
         parser.link_arguments("seed", "seed_everything")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
@@ -148,11 +179,15 @@ class RecipeCLI(LightningCLI):
         if isinstance(strategy, str):  # refuse what this machine cannot run before Lightning starts on it
             check_strategy_request(strategy, accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
+        self.requeue = RequeueOnSignal(output_dir)
+        logger = build_logger(config["logger"], output_dir)
         callbacks = list(config["trainer"].get("callbacks") or [])
         callbacks += [
             RunSummary(output_dir, task=config["task"]),
             ExportHuggingFace(output_dir),
-            RequeueOnSignal(output_dir),
+            self.requeue,
+            StopOnNonFinite(),
+            *([LoggerAfterSetup(logger)] if logger else []),
             ModelCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
@@ -161,7 +196,10 @@ class RecipeCLI(LightningCLI):
                 save_last=True,
             ),
         ]
-        return super().instantiate_trainer(callbacks=callbacks, logger=build_logger(config["logger"], output_dir), **kwargs)
+        trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; XLA's own is left alone
+            trainer.strategy.checkpoint_io = StagedCheckpointIO()
+        return trainer
 
 
 _UNKNOWN_KEY = [
@@ -184,14 +222,98 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
-def resume_path(output_dir: Path, ckpt_path: str | None) -> str | None:
-    """``last`` is the newest of ``checkpoints/last.ckpt`` and the ``hpc_ckpt_N.ckpt`` written on SLURM's requeue
-    signal (``RequeueOnSignal``); Lightning itself would take ``last.ckpt`` even when the requeue checkpoint is newer."""
+def is_first_process() -> bool:
+    """Whether this process is rank 0 of the job, read from what launchers set before any process group exists
+    (Lightning's own launcher, torchrun, SLURM)."""
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "SLURM_PROCID", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK"))
+
+
+class RunFolderLock:
+    """OUTPUT_DIR/.lock, held with ``flock`` by a run's first process and naming its pid: a second run into the same
+    folder is refused while the first lives. The kernel drops the lock of a process that dies, so a lock file left
+    by a killed run is simply taken over. Released (and the file removed) when the run ends."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.path = output_dir / LOCK_FILE
+        self._fd: int | None = None
+        self._created_dir = False
+
+    def acquire(self) -> None:
+        self._created_dir = not self.output_dir.exists()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise RecipeError(f"output_dir: {self.output_dir} is in use by another run ({holder}); let it finish or choose another output_dir") from None
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the holder removed the file as we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still holding it, so no one locks a file that is going away
+        os.close(self._fd)
+        self._fd = None
+        if self._created_dir and not any(self.output_dir.iterdir()):
+            self.output_dir.rmdir()  # a run that failed before writing anything leaves no folder either
+
+
+def check_run_folder(output_dir: Path, resuming: bool, overwrite: bool) -> None:
+    """A folder that holds an earlier run's outputs is only reused to resume it or, explicitly, to replace it."""
+    if resuming or overwrite or not output_dir.is_dir():
+        return
+    held = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_FILE)
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise RecipeError(f"output_dir: {output_dir} already holds a run ({shown}); resume it with --ckpt_path=last, or replace it with --overwrite")
+
+
+def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> str | None:
+    """The checkpoint to resume from, verified complete (``lightning_rl/checkpoints.py``).
+
+    ``last`` is the newest complete checkpoint of the run, whatever its name, and one line says which it is, with
+    what was passed over (incomplete checkpoints) or cleaned up (what a killed write left). A checkpoint named
+    outright must be complete. Only the ``first`` process, which holds the run folder's lock, cleans up and speaks.
+    """
+    if ckpt_path is None:
+        return None
+    cleaned = clean_staging(output_dir) if first else []
     if ckpt_path != "last":
+        path = Path(ckpt_path)
+        if not path.exists():
+            raise RecipeError(f"ckpt_path: no such checkpoint: {path}")
+        try:
+            checkpoint_step(path)
+        except IncompleteCheckpointError as e:
+            raise RecipeError(f"ckpt_path: {path} is incomplete ({e}); --ckpt_path=last takes the newest complete one") from None
         return ckpt_path
-    candidates = [output_dir / "checkpoints" / "last.ckpt", *output_dir.glob("hpc_ckpt_*.ckpt")]
-    found = [path for path in candidates if path.exists()]
-    return str(max(found, key=lambda path: path.stat().st_mtime_ns)) if found else "last"
+    found, passed_over = newest_complete(output_dir)
+    notes = [f"passed over {path.relative_to(output_dir)}: incomplete, {reason}" for path, reason in passed_over] + cleaned
+    said = "".join(f"; {note}" for note in notes)
+    if first and found is None:
+        print(f"resume: no complete checkpoint in {output_dir}, starting from step 0{said}", file=sys.stderr)
+    elif first:
+        print(f"resume: step {found.step} from {found.path.relative_to(output_dir)}, the newest complete checkpoint{said}", file=sys.stderr)
+    return str(found.path) if found else None
+
+
+def _destroy_process_groups() -> None:
+    # Lightning leaves the process groups to the interpreter's exit, where gloo's worker threads can abort the
+    # process (SIGABRT) while a peer is still writing the export. Called once every collective is done.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def run(recipe: str, overrides: list[str]) -> int:
@@ -218,20 +340,41 @@ def run(recipe: str, overrides: list[str]) -> int:
         if isinstance(e, DataError):
             raise
         raise RecipeError(f"{recipe}: {_one_line(e)}") from None
+    output_dir, ckpt_path = Path(cli.config["output_dir"]), cli.config["ckpt_path"]
+    first = is_first_process()
+    lock = RunFolderLock(output_dir) if first else None
+    cli.requeue.install()  # from here on a SIGTERM is recorded, and acted on at a step boundary
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=resume_path(Path(cli.config["output_dir"]), cli.config["ckpt_path"]))
+        if lock is not None:
+            lock.acquire()
+        check_run_folder(output_dir, resuming=ckpt_path is not None, overwrite=cli.config["overwrite"])
+        return _fit(cli, recipe, resume_path(output_dir, ckpt_path, first))
+    finally:
+        cli.requeue.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _fit(cli: RecipeCLI, recipe: str, ckpt_path: str | None) -> int:
+    trainer = cli.trainer
+    try:
+        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     except ExpertParallelError as e:  # found once the strategy knows the world size, before any step
         raise RecipeError(f"{recipe}: trainer.strategy: {_one_line(e)}") from None
     except CheckpointMismatchError as e:  # found when the sharded model reads its weights, before any step
         raise RecipeError(f"{recipe}: model.model_name_or_path: {_one_line(e)}") from None
     except SIGTERMException:
-        # Lightning stops cleanly on SIGTERM but exits 0; a stopped run must not look finished.
-        print(f"stopped by SIGTERM after step {cli.trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
+        # Every rank stopped at the same step boundary (RequeueOnSignal); a stopped run must not look finished.
+        if trainer.is_global_zero:
+            print(f"stopped by {cli.requeue.stopped_by or 'SIGTERM'} after step {trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
+        _destroy_process_groups()
         return EXIT_SIGTERM
-    # Lightning leaves the process groups to the interpreter's exit, where gloo's worker threads can abort the
-    # process (SIGABRT) while a peer is still writing the export. Every collective is done here.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    except NonFiniteError as e:  # every rank stopped before the same optimizer step (StopOnNonFinite)
+        if trainer.is_global_zero:
+            print(f"error: {e}", file=sys.stderr)
+        _destroy_process_groups()
+        return EXIT_FAILED
+    _destroy_process_groups()
     return 0
 
 

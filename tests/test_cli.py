@@ -12,6 +12,7 @@ import yaml
 
 from toy_paths import REPO
 from lightning_rl import cli
+from lightning_rl.checkpoints import StagedCheckpointIO
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"
 
@@ -83,7 +84,8 @@ def test_bad_data_row_stops_before_anything_is_written_and_keeps_earlier_outputs
     earlier = {out / "summary.json": '{"steps": 7}\n', out / "checkpoints" / "last.ckpt": "earlier run", out / "recipe.yaml": "task: sft\n"}
     for path, text in earlier.items():
         path.write_text(text)
-    line = error_line(capsys, ["run", str(recipe)])
+    # --overwrite: the earlier outputs would be replaced, but only once the data has been checked.
+    line = error_line(capsys, ["run", str(recipe), "--overwrite"])
     assert line == f"error: {bad}: row 1: `messages[0]`: `content` must be a string, got list"
     assert {p: p.read_text() for p in earlier} == earlier
     assert {p for p in out.rglob("*") if p.is_file()} == set(earlier)  # no new file, none half-written
@@ -137,18 +139,15 @@ def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
-def test_resume_last_takes_the_newest_of_last_and_the_requeue_checkpoint(tmp_path):
-    assert cli.resume_path(tmp_path, "last") == "last"  # nothing saved yet: Lightning starts fresh and says so
+def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_checkpoint(tmp_path):
+    assert cli.resume_path(tmp_path, "last") is None  # nothing saved yet: it starts fresh and says so
     assert cli.resume_path(tmp_path, None) is None
     last = tmp_path / "checkpoints" / "last.ckpt"
-    last.parent.mkdir()
-    last.write_text("step 4")
+    StagedCheckpointIO().save_checkpoint({"global_step": 4}, last)
     assert cli.resume_path(tmp_path, "last") == str(last)
-    hpc = tmp_path / "hpc_ckpt_1.ckpt"  # written by Lightning on SIGUSR1, after last.ckpt
-    hpc.mkdir()  # a sharded checkpoint is a folder
-    os.utime(last, ns=(1, 1))
+    hpc = tmp_path / "hpc_ckpt_5.ckpt"  # written by RequeueOnSignal on SIGTERM or SIGUSR1, after last.ckpt
+    StagedCheckpointIO().save_checkpoint({"global_step": 5}, hpc)
     assert cli.resume_path(tmp_path, "last") == str(hpc)
-    os.utime(hpc, ns=(1, 1))
-    os.utime(last, ns=(2, 2))
-    assert cli.resume_path(tmp_path, "last") == str(last)
-    assert cli.resume_path(tmp_path, str(hpc)) == str(hpc)
+    os.utime(hpc, ns=(1, 1))  # the higher step wins, not the newer file
+    assert cli.resume_path(tmp_path, "last") == str(hpc)
+    assert cli.resume_path(tmp_path, str(last)) == str(last)

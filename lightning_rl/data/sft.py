@@ -267,6 +267,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.skip: dict[int, int] = {}
         self._cache: tuple[int, list[list[int]]] | None = None
+        self.sampler = self  # Lightning calls `set_epoch` on a batch sampler's `sampler`, never on the batch sampler
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -402,6 +403,7 @@ class SFTDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         loader, self._sampler = self._loader(self.train_examples, self.shuffle, self.seed)
         if self._resume is not None:
+            self._sampler.set_epoch(self._resume[0])  # Lightning draws a resumed run's first batch before it sets the epoch
             self._sampler.skip_batches(*self._resume)
             self._resume = None
         return loader

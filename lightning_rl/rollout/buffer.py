@@ -71,6 +71,7 @@ class RolloutProducer:
         self._next_index = start_index
         self._error: BaseException | None = None
         self._stopping = False
+        self._generating = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -92,10 +93,12 @@ class RolloutProducer:
                     if self._stopping:
                         return
                     index = self._next_index
+                    self._generating = True
                 batch = self._produce(index)
                 with self._changed:
                     self._ready[index] = batch
                     self._next_index = index + 1
+                    self._generating = False
                     self._changed.notify_all()
         except BaseException as error:  # handed to the trainer thread by `take`
             with self._changed:
@@ -115,10 +118,19 @@ class RolloutProducer:
             self._changed.notify_all()  # room in the queue again
             return self._ready.pop(index)
 
+    def _settled(self) -> bool:
+        """Nothing is being generated, and nothing may be until the weights change."""
+        if self._thread is None or self._stopping or self._error is not None:
+            return True
+        return not self._generating and not self._may_generate(self._next_index)
+
     def state_dict(self) -> dict[str, Any]:
-        """Finished batches not yet trained. A batch being generated is not included: its index is
-        produced again after a restore, so no prompt is lost or trained twice."""
+        """Finished batches not yet trained, once every batch the current weights allow is finished (at most
+        ``max_staleness + 1`` generations away). So what a checkpoint holds does not depend on the producer's
+        timing, and a resumed run finds its next batch in the queue (its engine reports version 0 until the first
+        weight push after the resume, so the producer would not generate that batch)."""
         with self._changed:
+            self._changed.wait_for(self._settled)
             return {"ready": [self._ready[i].state() for i in sorted(self._ready)]}
 
     def load_state_dict(self, state: dict[str, Any], next_step: int) -> None:

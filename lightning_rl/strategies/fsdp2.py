@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -24,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
 
+from lightning_rl.checkpoints import commit, remove, staging_path, write_manifest
+from lightning_rl.models.structure import find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
 
 if TYPE_CHECKING:
@@ -43,37 +46,6 @@ def mixed_precision_policy(value: MixedPrecision) -> MixedPrecisionPolicy:
     if value not in _PARAM_DTYPES:
         raise ValueError(f"mixed_precision must be one of {sorted(_PARAM_DTYPES)} or None, got {value!r}")
     return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[value], reduce_dtype=torch.float32)
-
-
-def _is_model_root(module: nn.Module) -> bool:
-    """A transformers (or peft-wrapped) model: the unit whose ``forward`` a training step calls."""
-    return hasattr(module, "_no_split_modules") and hasattr(module, "config")
-
-
-def find_model_roots(module: nn.Module) -> list[nn.Module]:
-    """The outermost transformers/peft models inside ``module`` (a policy, a reference model, ...)."""
-    roots: list[nn.Module] = []
-
-    def visit(node: nn.Module) -> None:
-        for child in node.children():
-            if _is_model_root(child):
-                roots.append(child)
-            else:
-                visit(child)
-
-    if _is_model_root(module):
-        return [module]
-    visit(module)
-    return roots
-
-
-def find_decoder_layers(module: nn.Module, layer_classes: Collection[str] | None = None) -> list[nn.Module]:
-    """Submodules to shard one by one: ``layer_classes`` by class name, else the models' ``_no_split_modules``."""
-    names = set(layer_classes or ())
-    if not names:
-        for sub in module.modules():
-            names.update(getattr(sub, "_no_split_modules", None) or ())
-    return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
 def loads_weights_sharded(strategy: object) -> bool:
@@ -233,6 +205,23 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """A sharded checkpoint is staged like a single file (``lightning_rl/checkpoints.py``): every rank writes its
+        shards into ``NAME.staging``, then rank 0 adds the manifest and renames the folder to ``NAME``."""
+        if not self._save_distributed_checkpoint:  # one file, through the strategy's CheckpointIO
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = Path(self.broadcast(str(filepath)))
+        staging = staging_path(final)
+        step = checkpoint["global_step"]
+        if self.is_global_zero:
+            remove(staging)  # a partial one left by a kill
+        self.barrier("stage-checkpoint")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        if self.is_global_zero:  # the save returns once every rank's shards are written
+            write_manifest(staging, step)
+            commit(staging, final)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,144 @@
+"""Staged checkpoints (lightning_rl/checkpoints.py): what a kill at each moment of a write leaves, which checkpoint
+`--ckpt_path=last` then takes, and the one line it says. Checkpoints here are small real files and folders in the
+layouts Lightning writes (a torch.save file; a sharded folder with meta.pt and shard files)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from lightning_rl import cli
+from lightning_rl.checkpoints import (
+    IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, commit, newest_complete, remove,
+    staging_path, write_manifest,
+)  # fmt: skip
+
+
+def single(path, step: int) -> None:
+    StagedCheckpointIO().save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((4,), float(step))}}, path)
+
+
+def sharded(path, step: int, shards: int = 2) -> None:
+    """A sharded checkpoint written the staged way, as FSDP2Strategy.save_checkpoint does."""
+    staging = staging_path(path)
+    staging.mkdir(parents=True)
+    for rank in range(shards):
+        (staging / f"__{rank}_0.distcp").write_bytes(bytes([step]) * (100 + rank))
+    torch.save({"global_step": step}, staging / "meta.pt")
+    write_manifest(staging, step)
+    commit(staging, path)
+
+
+def set_mtime(path, ns: int) -> None:
+    os.utime(path, ns=(ns, ns))
+
+
+def test_a_staged_single_file_replaces_the_old_one_whole(tmp_path):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    single(path, 3)
+    single(path, 4)
+    assert checkpoint_step(path) == 4
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no staging file left behind
+    StagedCheckpointIO().remove_checkpoint(path)
+    assert not path.parent.exists() or not any(path.parent.iterdir())
+
+
+def test_a_sharded_checkpoint_is_complete_only_as_its_manifest_says(tmp_path):
+    path = tmp_path / "last.ckpt"
+    sharded(path, 5)
+    sharded(path, 6)  # replaces a folder: the old one is moved aside, then removed
+    assert checkpoint_step(path) == 6 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["global_step"] == 6 and set(manifest["files"]) == {"__0_0.distcp", "__1_0.distcp", "meta.pt"}
+
+    (path / "__1_0.distcp").write_bytes(b"x")  # a shard of another step, or truncated
+    with pytest.raises(IncompleteCheckpointError, match="__1_0.distcp has 1 bytes, the manifest says 101"):
+        checkpoint_step(path)
+    (path / "__1_0.distcp").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="__1_0.distcp is missing"):
+        checkpoint_step(path)
+    (path / "manifest.json").unlink()  # what an in-place write killed midway leaves: no marker
+    with pytest.raises(IncompleteCheckpointError, match="no manifest.json"):
+        checkpoint_step(path)
+
+
+def test_a_truncated_single_file_is_incomplete(tmp_path):
+    path = tmp_path / "step=3.ckpt"
+    single(path, 3)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IncompleteCheckpointError, match="unreadable"):
+        checkpoint_step(path)
+
+
+def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    single(checkpoints / "step=3.ckpt", 3)
+    single(checkpoints / "last.ckpt", 3)
+    single(checkpoints / "last-v1.ckpt", 6)
+    sharded(tmp_path / "hpc_ckpt_5.ckpt", 5)
+    found, passed_over = newest_complete(tmp_path)
+    assert (found.path.name, found.step, passed_over) == ("last-v1.ckpt", 6, [])
+
+    # A newer, higher-named one that is broken is passed over, and named with the reason.
+    broken = checkpoints / "step=9.ckpt"
+    broken.write_bytes(b"PK\x03\x04 cut short")
+    found, passed_over = newest_complete(tmp_path)
+    assert found.path.name == "last-v1.ckpt"
+    assert [(p.name, reason.split(" (")[0]) for p, reason in passed_over] == [("step=9.ckpt", "unreadable")]
+
+
+def test_a_kill_in_the_first_last_ckpt_write_resumes_from_the_complete_step_checkpoint(tmp_path, capsys):
+    """The two in-place failures of before: a `last.ckpt/` mixing two steps and a half-written first `last.ckpt`."""
+    checkpoints = tmp_path / "checkpoints"
+    sharded(checkpoints / "step=3.ckpt", 3)
+    mixed = checkpoints / "last.ckpt"  # an in-place write of step 6 killed after one shard: no manifest
+    (mixed / "__0_0.distcp").parent.mkdir(parents=True)
+    (mixed / "__0_0.distcp").write_bytes(b"6" * 100)
+    (mixed / "__1_0.distcp").write_bytes(b"3" * 101)
+    torch.save({"global_step": 3}, mixed / "meta.pt")
+    assert cli.resume_path(tmp_path, "last") == str(checkpoints / "step=3.ckpt")
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["resume: step 3 from checkpoints/step=3.ckpt, the newest complete checkpoint; passed over "
+                    "checkpoints/last.ckpt: incomplete, no manifest.json: the write did not finish"]  # fmt: skip
+
+
+def test_leftovers_of_a_kill_are_removed_or_finished_never_kept(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    single(checkpoints / "step=4.ckpt", 4)
+    # Killed while writing: a partial staging file beside a complete final one.
+    (checkpoints / "last.ckpt.staging").write_bytes(b"PK\x03\x04 partial")
+    # Killed between the two renames of a folder: the old one moved aside, the complete new one not yet in place.
+    sharded(tmp_path / "hpc_ckpt_6.ckpt", 6)
+    os.replace(tmp_path / "hpc_ckpt_6.ckpt", staging_path(tmp_path / "hpc_ckpt_6.ckpt"))
+    (tmp_path / "hpc_ckpt_5.ckpt.trash").mkdir()
+    done = clean_staging(tmp_path)
+    assert done == [
+        "removed checkpoints/last.ckpt.staging, left by a killed write",
+        "renamed the complete hpc_ckpt_6.ckpt.staging into place",
+        "removed hpc_ckpt_5.ckpt.trash, left by a killed write",
+    ]
+    assert sorted(p.name for p in tmp_path.rglob("*.ckpt*") if p.parent in (tmp_path, checkpoints)) == ["hpc_ckpt_6.ckpt", "step=4.ckpt"]
+    assert newest_complete(tmp_path)[0].step == 6
+    remove(tmp_path / "hpc_ckpt_6.ckpt")
+    assert not (tmp_path / "hpc_ckpt_6.ckpt").exists() and clean_staging(tmp_path) == []
+
+
+def test_resume_names_what_it_cannot_use(tmp_path, capsys):
+    assert cli.resume_path(tmp_path, None) is None
+    assert cli.resume_path(tmp_path, "last") is None  # a first run under `--ckpt_path=last` (SLURM) starts fresh
+    assert capsys.readouterr().err.strip() == f"resume: no complete checkpoint in {tmp_path}, starting from step 0"
+    broken = tmp_path / "checkpoints" / "last.ckpt"
+    broken.parent.mkdir()
+    broken.write_bytes(b"")
+    with pytest.raises(cli.RecipeError, match=r"ckpt_path: .*last.ckpt is incomplete \(unreadable"):
+        cli.resume_path(tmp_path, str(broken))
+    with pytest.raises(cli.RecipeError, match="ckpt_path: no such checkpoint"):
+        cli.resume_path(tmp_path, str(tmp_path / "nope.ckpt"))
+    set_mtime(broken, 10**18)
+    single(tmp_path / "checkpoints" / "step=2.ckpt", 2)
+    assert cli.resume_path(tmp_path, "last", first=False).endswith("step=2.ckpt")  # other ranks stay quiet
+    assert capsys.readouterr().err == ""

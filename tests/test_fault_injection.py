@@ -1,0 +1,259 @@
+"""Faults at random moments of real `lightning-rl run`s: SIGTERM and SIGUSR1 sent mid-step to a 2-rank FSDP2 SFT run
+(gloo) and to an asynchronous GRPO run, SIGKILL in the middle of a checkpoint write.
+
+A signalled run exits 143 within a bound, having saved where the signal found it, and its resume ends with the
+same weights as an uninterrupted run, bit for bit. A killed run leaves no half-written checkpoint under a final
+name; its resume takes the newest complete checkpoint and says so in one line. No staging file survives a resume.
+The moments are drawn from a seeded generator, so a failure can be replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lightning_rl.checkpoints import checkpoint_step
+from lightning_rl.rollout.vllm_server_process import free_port
+from recipe_runs import exported
+from toy_paths import REPO, TOY_TRAIN
+
+TESTS = Path(__file__).resolve().parent
+EXIT_BOUND_S = 60  # from the signal to the exit of the signalled process; a step here takes well under a second
+MAX_STEPS = 14
+
+
+class Progress(Callback):
+    """Appends each finished optimizer step to $PROGRESS_FILE (rank 0), so the test can aim its signals."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero:
+            with open(os.environ["PROGRESS_FILE"], "a") as f:
+                f.write(f"{trainer.global_step} {time.monotonic()}\n")
+
+
+@dataclass
+class Recipe:
+    """One of the runs under test: its recipe arguments and how many processes it uses."""
+
+    args: list[str]
+    ranks: int
+
+    def start(self, out: Path, *extra: str) -> subprocess.Popen:
+        """Start the run in a session of its own (so a signal can go to every rank at once), output to files."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        progress = out.with_name(out.name + ".progress")
+        progress.unlink(missing_ok=True)
+        env = {
+            **os.environ, "MASTER_PORT": str(free_port()), "PROGRESS_FILE": str(progress),
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        }  # fmt: skip
+        cmd = [str(Path(sys.executable).parent / "lightning-rl"), "run", *self.args, f"--output_dir={out}",
+               "--trainer.callbacks+=test_fault_injection.Progress", *extra]  # fmt: skip
+        log = open(out.with_name(out.name + ".log"), "a")
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def run(self, out: Path, *extra: str) -> str:
+        """Run to the end; returns its output."""
+        proc = self.start(out, *extra)
+        assert proc.wait(timeout=600) == 0, log_of(out)[-4000:]
+        return log_of(out)
+
+
+def log_of(out: Path) -> str:
+    return out.with_name(out.name + ".log").read_text()
+
+
+def progress(out: Path) -> list[tuple[int, float]]:
+    """(step, when) of each finished optimizer step of the run."""
+    path = out.with_name(out.name + ".progress")
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(step), float(when)) for step, when in (line.split() for line in lines if line.count(" ") == 1)]
+
+
+def steps_done(out: Path) -> int:
+    return max((step for step, _ in progress(out)), default=0)
+
+
+def step_seconds(out: Path) -> float:
+    """How long the run's last step took."""
+    (_, before), (_, last) = progress(out)[-2:]
+    return last - before
+
+
+def wait_until(condition, proc: subprocess.Popen, out: Path, timeout: float = 300, poll: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the fault:\n{log_of(out)[-3000:]}"
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(poll)
+
+
+def leftovers(out: Path) -> list[Path]:
+    return [p for p in out.rglob("*") if p.name.endswith((".staging", ".trash"))]
+
+
+def assert_same_weights(reference: Path, resumed: Path) -> None:
+    want, got = exported(reference), exported(resumed)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, to_group: bool, resume: bool) -> int:
+    """Signal the run at a random moment of a random step; it must exit 143 within the bound, having saved a complete
+    checkpoint of the step it stopped after. Returns that step."""
+    name = signal.Signals(signum).name
+    proc = recipe.start(out, *(["--ckpt_path=last"] if resume else []))
+    wait_until(lambda: progress(out), proc, out)
+    first = progress(out)[0][0]
+    after = min(first + rng.randint(1, 2), MAX_STEPS - 3)
+    assert after > first, "too many faults for MAX_STEPS"
+    wait_until(lambda: steps_done(out) >= after, proc, out)
+    time.sleep(rng.uniform(0.0, step_seconds(out)))  # somewhere inside the next step: forward, backward, a collective, a save
+    if to_group:
+        os.killpg(proc.pid, signum)  # as a scheduler does: every rank at once
+    else:
+        proc.send_signal(signum)  # rank 0 only: the others learn it at the next step boundary
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"{name} after step {after}: no exit within {EXIT_BOUND_S}s\n{log_of(out)[-3000:]}")
+    assert time.monotonic() - sent < EXIT_BOUND_S
+    log = log_of(out)
+    assert code == 143, f"{name} after step {after}: exit {code}\n{log[-3000:]}"
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
+    assert stopped[-1].startswith(f"stopped by {name} after step"), stopped
+    step = int(stopped[-1].split("after step ")[1].split(";")[0])
+    assert after <= step < MAX_STEPS and not (out / "hf").exists()
+    assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / f"hpc_ckpt_{step}.ckpt"]  # it replaced the earlier one
+    assert checkpoint_step(out / f"hpc_ckpt_{step}.ckpt") == step  # saved where the signal found it, complete
+    return step
+
+
+def signalled_again_and_again(recipe: Recipe, reference: Path, out: Path, rng: random.Random, faults: list[tuple[int, bool]]) -> None:
+    """A run stopped by each of ``faults`` in turn, resumed after each; it ends with the reference's weights."""
+    for attempt, (signum, to_group) in enumerate(faults):
+        step = signal_mid_step(recipe, out, rng, signum, to_group, resume=attempt > 0)
+    log = recipe.run(out, "--ckpt_path=last")
+    assert f"resume: step {step} from hpc_ckpt_{step}.ckpt, the newest complete checkpoint" in log
+    assert leftovers(out) == []
+    assert_same_weights(reference, out)
+    # summary.json describes the whole run, not only its last part
+    summary, want = (json.loads((folder / "summary.json").read_text()) for folder in (out, reference))
+    for key in ("steps", "micro_batches", "tokens", "first_loss", "last_loss"):
+        assert summary[key] == want[key], key
+
+
+def kill_mid_write_and_resume(recipe: Recipe, reference: Path, out: Path, rng: random.Random) -> None:
+    """SIGKILL every process of the run while a checkpoint is being written (a staging entry exists)."""
+    proc = recipe.start(out, "--checkpoint_every_n_steps=1")
+    checkpoints = out / "checkpoints"
+    after = rng.randint(2, MAX_STEPS - 3)
+    wait_until(lambda: steps_done(out) >= after, proc, out)
+    wait_until(lambda: checkpoints.is_dir() and any(p.name.endswith(".staging") for p in checkpoints.iterdir()), proc, out, poll=0.0005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert leftovers(out), "the kill should have landed in a write"
+    finals = sorted(checkpoints.glob("*.ckpt"))
+    steps = {path.name: checkpoint_step(path) for path in finals}  # whatever the kill hit, every final name is whole
+    newest = max(steps.values())
+
+    log = recipe.run(out, "--ckpt_path=last")
+    said = [line for line in log.splitlines() if line.startswith("resume:")]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"resume: step {newest} from checkpoints/"), said
+    assert "left by a killed write" in said[0], said
+    assert f"Restored all states from the checkpoint at {out / 'checkpoints'}" in log
+    assert leftovers(out) == []
+    assert_same_weights(reference, out)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_sft(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tuple[Recipe, Path]:
+    """2 FSDP2 ranks on gloo; 60 rows, so that the run crosses several epochs. Returns it and its reference run."""
+    root = tmp_path_factory.mktemp("fsdp2-sft")
+    data = root / "rows.jsonl"
+    data.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:60]))
+    recipe = Recipe([
+        str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--data.train_data={data}", "--data.val_data=null",
+        "--data.max_tokens=256", "--model.eval_generations=0", "--model.warmup_steps=2", f"--trainer.max_steps={MAX_STEPS}",
+        "--checkpoint_every_n_steps=4", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--logger.kind=none",
+        "--trainer.devices=2", "--trainer.strategy=fsdp2",
+    ], ranks=2)  # fmt: skip
+    recipe.run(root / "reference")
+    return recipe, root / "reference"
+
+
+@pytest.fixture(scope="module")
+def async_grpo(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tuple[Recipe, Path]:
+    """The tiny GRPO recipe with rollouts on a background thread (k=0, so the run is deterministic)."""
+    root = tmp_path_factory.mktemp("async-grpo")
+    recipe = Recipe([
+        str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={MAX_STEPS}", "--checkpoint_every_n_steps=4",
+        "--model.async_mode=true", "--model.max_staleness=0", "--model.num_generations=4", "--model.max_new_tokens=4",
+        "--data.batch_size=2", "--trainer.enable_progress_bar=false", "--logger.kind=none",
+    ], ranks=1)  # fmt: skip
+    recipe.run(root / "reference")
+    return recipe, root / "reference"
+
+
+# (signal, to every process of the run at once): SIGTERM as schedulers send it, SIGUSR1 as SLURM's early warning.
+FAULTS = [(signal.SIGTERM, True), (signal.SIGUSR1, False), (signal.SIGTERM, False), (signal.SIGUSR1, True)]
+
+
+def test_fsdp2_run_signalled_at_random_moments_exits_143_each_time_and_resumes_exactly(fsdp2_sft, tmp_path):
+    recipe, reference = fsdp2_sft
+    signalled_again_and_again(recipe, reference, tmp_path / "run", random.Random(100), FAULTS[:3])
+
+
+def test_async_grpo_signalled_at_random_moments_exits_143_each_time_and_resumes_exactly(async_grpo, tmp_path):
+    recipe, reference = async_grpo
+    signalled_again_and_again(recipe, reference, tmp_path / "run", random.Random(200), FAULTS[1:])
+
+
+def test_fsdp2_kill_during_a_sharded_checkpoint_write_resumes_from_the_newest_complete(fsdp2_sft, tmp_path):
+    recipe, reference = fsdp2_sft
+    kill_mid_write_and_resume(recipe, reference, tmp_path / "run", random.Random(300))
+
+
+def test_kill_during_a_single_file_checkpoint_write_resumes_from_the_newest_complete(async_grpo, tmp_path):
+    recipe, reference = async_grpo
+    kill_mid_write_and_resume(recipe, reference, tmp_path / "run", random.Random(400))
+
+
+class SignalDuringSetup(Callback):
+    """Sends this process SIGTERM while the model is being set up, before any step."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_before_the_first_step_stops_the_run_at_its_start(tmp_path, capsys):
+    """Recorded during setup, acted on by every rank as training starts: exit 143, nothing new saved."""
+    from lightning_rl import cli
+
+    out = tmp_path / "run"
+    code = cli.main([
+        "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}", "--data.val_data=null",
+        "--model.eval_generations=0", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null",
+        "--trainer.enable_progress_bar=false", "--trainer.callbacks+=test_fault_injection.SignalDuringSetup",
+    ])  # fmt: skip
+    assert code == 143
+    assert "stopped by SIGTERM after step 0; resume with --ckpt_path=last" in capsys.readouterr().err
+    assert not list(out.rglob("*.ckpt")) and not (out / "hf").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back after the run

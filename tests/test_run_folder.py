@@ -1,0 +1,144 @@
+"""A run folder belongs to one run, and a broken step never reaches it.
+
+`lightning-rl run` refuses a folder that holds an earlier run unless it resumes it or is told `--overwrite`, keeps a
+concurrent run out with a lock (a lock left by a killed run is taken over), writes nothing before the model and
+data are set up, and stops on a non-finite loss or gradient norm with one line, before the optimizer step, so the
+newest checkpoint stays the last good one. Real runs of the tiny SFT recipe, in this process unless noted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lightning_rl import cli
+from lightning_rl.checkpoints import newest_complete
+from toy_paths import REPO, TOY_TRAIN
+
+TINY_SFT = [
+    str(REPO / "recipes" / "tiny" / "sft.yaml"), "--data.val_data=null", "--data.max_tokens=256",
+    "--model.eval_generations=0", "--model.warmup_steps=1", "--trainer.val_check_interval=null",
+    "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+]  # fmt: skip
+
+
+class PoisonAtStep(Callback):
+    """Makes step ``step`` (1-based) non-finite: NaN weights, so a NaN loss; or an infinite gradient, finite loss."""
+
+    def __init__(self, step: int, what: str = "loss") -> None:
+        self.step, self.what = step, what
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.what == "loss" and trainer.global_step + 1 == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.what == "gradient" and trainer.global_step + 1 == self.step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+
+def run(capsys, out: Path, *extra: str) -> tuple[int, list[str]]:
+    """`lightning-rl run` in this process; its exit code and its `error:` lines."""
+    code = cli.main(["run", *TINY_SFT, f"--output_dir={out}", *extra])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture
+def rows(tmp_path: Path) -> Path:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:60]))
+    return data
+
+
+@pytest.mark.parametrize("what, expected", [("loss", "loss is nan"), ("gradient", "gradient norm is inf")])
+def test_non_finite_step_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys, rows, what, expected):
+    out = tmp_path / "run"
+    code, errors = run(
+        capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=8", "--checkpoint_every_n_steps=1",
+        "--trainer.callbacks+=test_run_folder.PoisonAtStep", "--trainer.callbacks.step=5", f"--trainer.callbacks.what={what}",
+    )  # fmt: skip
+    assert code == 1
+    assert errors == [f"error: step 5: {expected}; stopped before the optimizer step, no checkpoint written for it"]
+    # save_top_k=1 used to replace step 4 with a NaN step 5; now step 5 never happened.
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["last.ckpt", "step=4.ckpt"]
+    for name in checkpoints:
+        state = torch.load(out / "checkpoints" / name, weights_only=True)
+        assert state["global_step"] == 4
+        assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+    assert not (out / "hf").exists() and not (out / "summary.json").exists()
+
+
+def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys, rows):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    earlier = {out / "summary.json": '{"steps": 7}\n', out / "recipe.yaml": "task: sft\n", out / "checkpoints" / "step=7.ckpt": "x"}
+    for path, text in earlier.items():
+        path.write_text(text)
+    (out / "notes.txt").write_text("mine")  # not a run output: --overwrite leaves it
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2")
+    assert code == 2
+    assert errors == [f"error: output_dir: {out} already holds a run (checkpoints, notes.txt, recipe.yaml, summary.json); "
+                      "resume it with --ckpt_path=last, or replace it with --overwrite"]  # fmt: skip
+    assert {p: p.read_text() for p in earlier} == earlier
+
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2", "--overwrite")
+    assert code == 0 and errors == []
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]  # step=7.ckpt went with the old run
+    assert (out / "notes.txt").read_text() == "mine"
+    assert "overwrite: false" in (out / "recipe.yaml").read_text()  # rerunning the saved recipe replaces nothing
+    assert not (out / ".lock").exists()
+
+
+def test_a_run_that_fails_during_setup_writes_nothing(tmp_path, capsys, rows):
+    fresh = tmp_path / "fresh"
+    code, errors = run(capsys, fresh, f"--data.train_data={rows}", "--data.max_tokens=8")  # every row too long
+    assert code == 2 and len(errors) == 1 and "longer than max_length=8" in errors[0]
+    assert not fresh.exists()  # no logger folder, no lock, no recipe.yaml
+
+    resumed = tmp_path / "resumed"  # a resume whose model cannot be loaded leaves the earlier recipe.yaml alone
+    resumed.mkdir()
+    (resumed / "recipe.yaml").write_text("task: sft\n")
+    with pytest.raises(OSError):
+        cli.main(["run", *TINY_SFT, f"--output_dir={resumed}", f"--data.train_data={rows}", "--ckpt_path=last",
+                  f"--model.model_name_or_path={tmp_path / 'no-model'}"])  # fmt: skip
+    assert sorted(p.name for p in resumed.iterdir()) == ["recipe.yaml"] and (resumed / "recipe.yaml").read_text() == "task: sft\n"
+
+
+def test_a_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, capsys, rows):
+    out = tmp_path / "run"
+    progress = tmp_path / "progress"
+    env = {**os.environ, "PROGRESS_FILE": str(progress), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "lightning_rl.cli", "run", *TINY_SFT, f"--output_dir={out}", f"--data.train_data={rows}",
+         "--trainer.max_steps=100000", "--checkpoint_every_n_steps=2", "--trainer.callbacks+=test_fault_injection.Progress"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (progress.exists() and len(progress.read_text().split()) >= 6):  # a few steps in, checkpoints written
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read()[-3000:]
+            time.sleep(0.05)
+        code, errors = run(capsys, out, f"--data.train_data={rows}", "--ckpt_path=last")
+        assert code == 2
+        assert errors == [f"error: output_dir: {out} is in use by another run (pid {holder.pid} on {os.uname().nodename}); "
+                          "let it finish or choose another output_dir"]  # fmt: skip
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # dies holding the lock: its lock file stays behind
+        holder.wait()
+    assert (out / ".lock").read_text().startswith(f"pid {holder.pid} ")
+    saved = newest_complete(out)[0].step
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--ckpt_path=last", f"--trainer.max_steps={saved + 2}")
+    assert code == 0 and errors == []
+    assert newest_complete(out)[0].step == saved + 2 and not (out / ".lock").exists()
