@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lightning_rl.toy.model import build_tiny
 from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_rl.strategies.weight_sync import iter_full_weights
+from lightning_rl.models.weights import iter_full_weights
 
 KV_CACHE_BYTES = 64 * 2**20
 

@@ -69,7 +69,7 @@ def measure(repeats: int, out: Path) -> None:
 
     import lightning_rl.strategies  # noqa: F401  registers "fsdp2"
     from lightning_rl.toy.model import tiny_model_path
-    from lightning_rl.strategies.weight_sync import sync_weights
+    from lightning_rl.models.weights import sync_weights
 
     folder = tiny_model_path()
 

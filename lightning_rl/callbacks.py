@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rl.checkpoints import remove
-from lightning_rl.strategies.grad_norm import total_grad_norm
+from lightning_rl.ops.grad_norm import total_grad_norm
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

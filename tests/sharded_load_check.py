@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_rl.models.loading import load_causal_lm
-from lightning_rl.strategies.weight_sync import iter_full_weights, policy_model
+from lightning_rl.models.weights import iter_full_weights, policy_model
 
 
 class CompareWithFullLoad(Callback):

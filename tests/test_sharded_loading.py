@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.sharded_loading import CheckpointMismatchError, load_deferred_weights, pending_checkpoint
-from lightning_rl.strategies.weight_sync import hf_name
+from lightning_rl.models.weights import hf_name
 from recipe_runs import run_tiny_muse
 
 

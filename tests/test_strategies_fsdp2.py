@@ -131,7 +131,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
 
     from lightning_rl.rollout.hf import HFRolloutEngine
     from lightning_rl.strategies import FSDP2Strategy  # importing the package registers "fsdp2"
-    from lightning_rl.strategies.weight_sync import (
+    from lightning_rl.models.weights import (
         WeightSyncError, WeightSyncTimeoutError, hf_name, iter_adapter_weights, iter_full_weights, sync_weights,
     )
 

@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing.tree import pack_sequences
-from lightning_rl.strategies import StaticShapeCPUStrategy, resolve_pad_to_multiple_of
-from lightning_rl.strategies.devices import requires_static_shapes
+from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
+from lightning_rl.strategies import StaticShapeCPUStrategy
 
 LENGTHS = [9, 40, 71, 130, 200]  # five distinct lengths, two 128-buckets
 

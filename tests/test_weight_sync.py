@@ -16,7 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_rl.rollout.hf import HFRolloutEngine
 
-from lightning_rl.strategies.weight_sync import (
+from lightning_rl.models.weights import (
     WeightSyncError,
     hf_name,
     iter_adapter_weights,

@@ -46,13 +46,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lightning_rl.device_policy import STATIC_SHAPE_DEVICE_TYPES
 from lightning_rl.packing.tree import PackedBatch
 
 ATTENTION_NAME = "tree"
 AttentionBackend = Literal["auto", "blocks", "varlen", "flex", "dense"]
 BACKENDS = ("auto", "blocks", "varlen", "flex", "dense")
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
-_STATIC_SHAPE_DEVICES = ("xla", "neuron")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -67,7 +67,7 @@ def choose_backend(requested: str, device: torch.device, *, static_shapes: bool 
         raise ValueError(f"the 'varlen' tree attention runs torch's CUDA varlen kernel; on {device.type} use 'blocks'")
     if requested != "auto":
         return requested
-    if static_shapes or device.type in _STATIC_SHAPE_DEVICES:
+    if static_shapes or device.type in STATIC_SHAPE_DEVICE_TYPES:
         return "dense"
     return "flex" if device.type == "cuda" else "blocks"
 

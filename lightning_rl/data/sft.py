@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.packing.tree import PackedBatch, PrefixCounter, count_unique_tokens, pack_sequences
-from lightning_rl.strategies.devices import resolve_pad_to_multiple_of
+from lightning_rl.device_policy import resolve_pad_to_multiple_of
 
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")

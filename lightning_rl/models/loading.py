@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
-from lightning_rl.strategies.weight_sync import iter_adapter_weights, iter_full_weights
+from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -26,9 +27,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim 0 over an inner Shard(0)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the offsets DCP itself uses
 
-from lightning_rl.strategies.weight_sync import hf_name, policy_model
+from lightning_rl.models.weights import hf_name, policy_model
 
-_PENDING = "_lightning_rl_checkpoint"
+# Models built on the meta device -> the folder their weights still have to come from. A registry beside the models,
+# not an attribute on them: the strategy asks ``pending_checkpoint``, the loader answers.
+_PENDING: weakref.WeakKeyDictionary[nn.Module, Path] = weakref.WeakKeyDictionary()
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -47,12 +50,12 @@ class ShardedLoadReport:
 
 def defer_weights(model: nn.Module, checkpoint: Path) -> None:
     """Mark a meta-device model as waiting for the weights in ``checkpoint`` (a from_pretrained folder)."""
-    setattr(model, _PENDING, Path(checkpoint))
+    _PENDING[model] = Path(checkpoint)
 
 
 def pending_checkpoint(model: nn.Module) -> Path | None:
     """The folder a deferred model (a transformers or peft model) still has to load, or None."""
-    return getattr(policy_model(model), _PENDING, None)
+    return _PENDING.get(policy_model(model))
 
 
 def _checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -109,7 +112,7 @@ def _tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadReport:
     """Fill a sharded, allocated model from the checkpoint ``defer_weights`` recorded; returns this rank's reads."""
     hf = policy_model(model)
-    folder: Path = getattr(hf, _PENDING)
+    folder = _PENDING[hf]
     start = time.perf_counter()
     files = _checkpoint_files(folder)
     report = ShardedLoadReport()
@@ -139,6 +142,6 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
             tensor._is_hf_initialized = True
             report.tensors += 1
     hf.initialize_weights()  # only what is not marked above: the non-persistent buffers
-    delattr(hf, _PENDING)
+    del _PENDING[hf]
     report.seconds = time.perf_counter() - start
     return report

@@ -31,7 +31,7 @@ from lightning_rl.losses.grpo import LossType, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
-from lightning_rl.strategies.grad_norm import clip_grad_norm
+from lightning_rl.ops.grad_norm import clip_grad_norm
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.data.sft import DataError
@@ -42,8 +42,8 @@ from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, load_engine
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
-from lightning_rl.strategies.devices import requires_static_shapes
-from lightning_rl.strategies.weight_sync import sync_weights
+from lightning_rl.device_policy import requires_static_shapes
+from lightning_rl.models.weights import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
 

@@ -22,10 +22,10 @@ from lightning_rl.data.sft import GenerationCase
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
-from lightning_rl.strategies.grad_norm import clip_grad_norm, total_grad_norm
+from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
-from lightning_rl.strategies.devices import requires_static_shapes
+from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.packing.tree import PackedBatch
 
 

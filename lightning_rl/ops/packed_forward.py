@@ -27,7 +27,7 @@ from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionM
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
-from lightning_rl.strategies.devices import STATIC_SHAPE_MULTIPLE
+from lightning_rl.device_policy import STATIC_SHAPE_MULTIPLE
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
 # bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.

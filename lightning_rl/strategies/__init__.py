@@ -4,11 +4,10 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_rl.strategies.availability import check_strategy_request, strategy_statuses
-from lightning_rl.strategies.devices import detect_devices, resolve_pad_to_multiple_of
+from lightning_rl.strategies.devices import detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
 from lightning_rl.strategies.rocm import ROCmFSDP2Strategy
-from lightning_rl.strategies.weight_sync import iter_adapter_weights, iter_full_weights, sync_weights
 from lightning_rl.strategies.xla import NeuronAccelerator, NeuronStrategy, StaticShapeCPUStrategy, XLAStaticStrategy
 
 _STRATEGIES = {
@@ -33,9 +32,5 @@ __all__ = [
     "XLAStaticStrategy",
     "check_strategy_request",
     "detect_devices",
-    "iter_adapter_weights",
-    "iter_full_weights",
-    "resolve_pad_to_multiple_of",
     "strategy_statuses",
-    "sync_weights",
 ]

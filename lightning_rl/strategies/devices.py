@@ -1,4 +1,4 @@
-"""What hardware this process can see, and the shape policy that follows from it.
+"""What hardware this process can see (the shape policy that follows from it is ``lightning_rl.device_policy``).
 
 Detection reads torch's own answers (``torch.cuda``, ``torch.version.hip``, ``torch.accelerator``) and
 looks for optional runtimes (``torch_neuronx``, ``torch_xla``) by import spec, so an absent backend is a
@@ -12,16 +12,8 @@ import importlib.util
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
-
-#: Neuron and XLA compile one graph per input shape; 128 matches the Neuron tiling of the sequence axis.
-STATIC_SHAPE_MULTIPLE = 128
-STATIC_SHAPE_DEVICE_TYPES = frozenset({"xla", "neuron"})
-
-PadToMultipleOf = int | Literal["auto"] | None
-
 
 @dataclass(frozen=True)
 class DeviceInventory:
@@ -80,44 +72,3 @@ def detect_devices() -> DeviceInventory:
         has_torch_xla=module_installed("torch_xla"),
         env={key: os.environ[key] for key in visible if key in os.environ},
     )
-
-
-def _device_type_of(trainer_or_device: Any) -> str:
-    """The device type ("cpu", "cuda", "xla", "neuron", ...) a trainer, strategy, accelerator or device runs on."""
-    if isinstance(trainer_or_device, str):
-        # Not torch.device(): "neuron" is only a device type once the Neuron runtime has registered it.
-        return trainer_or_device.split(":", 1)[0]
-    if isinstance(trainer_or_device, torch.device):
-        return trainer_or_device.type
-    strategy = getattr(trainer_or_device, "strategy", trainer_or_device)
-    if getattr(strategy, "requires_static_shapes", False):
-        return strategy.static_shape_device_type
-    root_device = getattr(strategy, "root_device", None)
-    if isinstance(root_device, torch.device):
-        return root_device.type
-    raise TypeError(
-        f"cannot tell the device of {type(trainer_or_device).__name__}; pass a Trainer, a Strategy or a torch.device"
-    )
-
-
-def requires_static_shapes(trainer_or_device: Any) -> bool:
-    """Whether every new input shape costs a compile (XLA, Neuron, or a strategy that rehearses them)."""
-    return _device_type_of(trainer_or_device) in STATIC_SHAPE_DEVICE_TYPES
-
-
-def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -> int | None:
-    """Turn a recipe's ``pad_to_multiple_of`` into a number: ``"auto"`` is 128 on XLA/Neuron, None elsewhere."""
-    if value == "auto":
-        return STATIC_SHAPE_MULTIPLE if requires_static_shapes(trainer_or_device) else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}")
-    return value
-
-
-def padded_length(length: int, multiple: int | None) -> int:
-    """The smallest multiple of ``multiple`` that holds ``length`` (``length`` itself when None)."""
-    if multiple is None:
-        return length
-    return -(-length // multiple) * multiple

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -26,11 +26,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from typing_extensions import override
 
 from lightning_rl.checkpoints import commit, remove, staging_path, write_manifest
+from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.structure import find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
 
-if TYPE_CHECKING:
-    from lightning_rl.models.sharded_loading import ShardedLoadReport
 
 MixedPrecision = Literal["bf16", "fp16", "fp32"] | MixedPrecisionPolicy | None
 
@@ -177,7 +176,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def load_deferred(self, module: nn.Module) -> None:
         """Allocate the shards of models built on the meta device and read them from their checkpoints."""
-        from lightning_rl.models.sharded_loading import load_deferred_weights, pending_checkpoint  # models import strategies
 
         for root in find_model_roots(module):
             if pending_checkpoint(root) is not None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
-from lightning_rl.strategies.weight_sync import iter_full_weights
+from lightning_rl.models.weights import iter_full_weights
 from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

@@ -9,7 +9,7 @@ from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, p
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
-from lightning_rl.strategies.weight_sync import iter_full_weights
+from lightning_rl.models.weights import iter_full_weights
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 SAMPLING = SamplingConfig(max_new_tokens=10, seed=5)

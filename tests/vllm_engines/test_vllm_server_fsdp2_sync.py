@@ -32,7 +32,7 @@ def run_worker(folder: str, url: str, out: Path) -> None:
     from lightning_rl.rollout.base import SamplingConfig
     from lightning_rl.rollout.vllm_server import VLLMServerEngine
     from lightning_rl.strategies import FSDP2Strategy  # noqa: F401  importing the package registers "fsdp2"
-    from lightning_rl.strategies.weight_sync import sync_weights
+    from lightning_rl.models.weights import sync_weights
 
     class CausalLM(L.LightningModule):
         def __init__(self, model: torch.nn.Module) -> None:

@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitI
 from lightning_rl.rollout.checkpoint_layout import WeightNameError
 from lightning_rl.rollout.nccl_transport import NCCLSender
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, resolve_transport
-from lightning_rl.strategies.weight_sync import iter_full_weights
+from lightning_rl.models.weights import iter_full_weights
 
 BUFFER_BYTES = 4096
 

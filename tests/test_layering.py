@@ -1,0 +1,99 @@
+"""The package's layers run one way. Each top-level part of ``lightning_rl`` may import only the parts listed for it
+below, the parts form no circle, and no import of ours hides inside a function (where it would dodge a circle)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from toy_paths import REPO
+
+PACKAGE = REPO / "lightning_rl"
+
+# part -> the parts it may import. A part is a subpackage or a top-level module of lightning_rl.
+ALLOWED = {
+    "packing": set(),
+    "device_policy": set(),
+    "toy": set(),
+    "checkpoints": set(),
+    "losses": set(),
+    "rewards": set(),
+    "rollout": set(),
+    "tools": {"rollout"},
+    "attention": {"packing", "device_policy"},
+    "models": {"toy"},
+    "ops": {"attention", "packing", "device_policy", "models"},
+    "data": {"packing", "device_policy", "models", "toy"},
+    "strategies": {"models", "checkpoints", "device_policy", "ops"},
+    "modules": {"attention", "data", "device_policy", "losses", "models", "ops", "packing", "rewards", "rollout", "strategies", "tools"},
+    "callbacks": {"checkpoints", "ops", "strategies"},
+    "launch": {"rollout"},
+    "env_report": {"strategies"},
+    "cli": {"callbacks", "checkpoints", "data", "models", "modules", "strategies", "launch", "env_report"},
+}
+# Imports of ours inside a function, each for a reason other than a circle.
+DEFERRED = {
+    ("rollout/vllm_server.py", "lightning_rl.rollout.nccl_transport"): "needs vLLM, an optional dependency, at import",
+}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(module of ours imported, whether the import sits inside a function or class body) for one file."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [(n, node.col_offset > 0) for n in names if n and n.startswith("lightning_rl.")]
+    return found
+
+
+def violations(files: list[Path]) -> list[str]:
+    problems, edges = [], {}
+    for path in files:
+        part = part_of(path)
+        for module, deferred in imports(path):
+            target = module.split(".")[1]
+            if target == part or target == "__init__":
+                continue
+            edges.setdefault(part, set()).add(target)
+            if target not in ALLOWED.get(part, set()):
+                problems.append(f"{path.relative_to(PACKAGE)}: {part} imports {module}")
+            rel = str(path.relative_to(PACKAGE))
+            if deferred and (rel, module) not in DEFERRED:
+                problems.append(f"{rel}: imports {module} inside a function")
+    for start in edges:  # a circle among parts
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in edges.get(node, ()):
+                if nxt == start:
+                    problems.append("circle: " + " -> ".join(trail + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+    return problems
+
+
+def test_layers_run_one_way():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert {part_of(f) for f in files} - {"__init__"} <= set(ALLOWED), "a new part of the package needs a rule here"
+    assert violations(files) == []
+
+
+def test_the_check_catches_a_forbidden_direction_and_a_circle(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "models" / "loading.py").write_text("from lightning_rl.strategies.fsdp2 import FSDP2Strategy\n")
+    (tmp_path / "strategies" / "fsdp2.py").write_text("def f():\n    from lightning_rl.models.loading import x\n")
+    found = violations(sorted(tmp_path.rglob("*.py")))
+    assert "models/loading.py: models imports lightning_rl.strategies.fsdp2" in found
+    assert "strategies/fsdp2.py: imports lightning_rl.models.loading inside a function" in found
+    assert any(p.startswith("circle: ") for p in found)
