@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 run: venv
-	$(VENV)/bin/lightning-rl run $(RECIPE)
+	$(VENV)/bin/lightning-rl run $(RECIPE) --overwrite
 
 test: venv slurm vllm-venv
 	$(PY) -m pytest -q tests

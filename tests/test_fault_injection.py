@@ -66,7 +66,12 @@ class Recipe:
     def run(self, out: Path, *extra: str) -> str:
         """Run to the end; returns its output."""
         proc = self.start(out, *extra)
-        assert proc.wait(timeout=600) == 0, log_of(out)[-4000:]
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # never leave a hung run behind
+            raise AssertionError(f"the run did not finish within 300 s:\n{log_of(out)[-4000:]}") from None
+        assert code == 0, log_of(out)[-4000:]
         return log_of(out)
 
 

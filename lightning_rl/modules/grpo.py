@@ -218,13 +218,14 @@ class GRPOModule(LightningModule):
             options.setdefault("device", str(self.device))
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.engine = load_engine(self.hparams.engine, path, seed=self.hparams.seed, **options)
-        self._push_weights(version=self.global_step)  # after a resume the engine needs the restored weights
         if self.tools:
             self.executor = ToolExecutor(
                 self.tools, timeout_s=self.hparams.tool_timeout_s, max_output_chars=self.hparams.tool_output_max_chars
             )
 
     def on_train_start(self) -> None:
+        # Here, not in on_fit_start: a resume has restored global_step by now, so the engine's version is the step's.
+        self._push_weights(version=self.global_step)
         if not self.hparams.async_mode:
             return
         self.producer = RolloutProducer(
