@@ -204,17 +204,26 @@ def fsdp2_sft(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tupl
     return recipe, root / "reference"
 
 
-@pytest.fixture(scope="module")
-def async_grpo(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tuple[Recipe, Path]:
-    """The tiny GRPO recipe with rollouts on a background thread (k=0, so the run is deterministic)."""
-    root = tmp_path_factory.mktemp("async-grpo")
+def grpo_recipe(root: Path, *mode: str) -> tuple[Recipe, Path]:
     recipe = Recipe([
         str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={MAX_STEPS}", "--checkpoint_every_n_steps=4",
-        "--model.async_mode=true", "--model.max_staleness=0", "--model.num_generations=4", "--model.max_new_tokens=4",
+        *mode, "--model.num_generations=4", "--model.max_new_tokens=4",
         "--data.batch_size=2", "--trainer.enable_progress_bar=false", "--logger.kind=none",
     ], ranks=1)  # fmt: skip
     recipe.run(root / "reference")
     return recipe, root / "reference"
+
+
+@pytest.fixture(scope="module")
+def async_grpo(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tuple[Recipe, Path]:
+    """The tiny GRPO recipe with rollouts on a background thread (k=0, so the run is deterministic)."""
+    return grpo_recipe(tmp_path_factory.mktemp("async-grpo"), "--model.async_mode=true", "--model.max_staleness=0")
+
+
+@pytest.fixture(scope="module")
+def sync_grpo(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tuple[Recipe, Path]:
+    """The tiny GRPO recipe, rollouts generated in the training step."""
+    return grpo_recipe(tmp_path_factory.mktemp("sync-grpo"))
 
 
 # (signal, to every process of the run at once): SIGTERM as schedulers send it, SIGUSR1 as SLURM's early warning.
@@ -229,6 +238,11 @@ def test_fsdp2_run_signalled_at_random_moments_exits_143_each_time_and_resumes_e
 def test_async_grpo_signalled_at_random_moments_exits_143_each_time_and_resumes_exactly(async_grpo, tmp_path):
     recipe, reference = async_grpo
     signalled_again_and_again(recipe, reference, tmp_path / "run", random.Random(200), FAULTS[1:])
+
+
+def test_sync_grpo_signalled_at_random_moments_exits_143_each_time_and_resumes_exactly(sync_grpo, tmp_path):
+    recipe, reference = sync_grpo
+    signalled_again_and_again(recipe, reference, tmp_path / "run", random.Random(500), FAULTS[:2])
 
 
 def test_fsdp2_kill_during_a_sharded_checkpoint_write_resumes_from_the_newest_complete(fsdp2_sft, tmp_path):
