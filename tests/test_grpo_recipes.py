@@ -45,7 +45,7 @@ def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
     [
         ("--model.num_generations=1", "num_generations=1: GRPO needs G >= 2"),
         ("--model.rewards=[{function: nowhere.module:score}]", "reward function 'nowhere.module:score': cannot import"),
-        ("--model.tools=[nowhere.tools:calc]", "tool 'nowhere.tools:calc' does not import"),
+        ("--model.tools=[nowhere.tools:calc]", "tool 'nowhere.tools:calc': cannot import module 'nowhere.tools'"),
         ("--data.path=tests/missing.jsonl", "prompt file tests/missing.jsonl does not exist"),
     ],
 )

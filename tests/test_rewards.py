@@ -13,7 +13,7 @@ import torch
 
 from lightning_rl.losses import group_advantages
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rewards.scoring import RewardFailedError
+from lightning_rl.rewards.scoring import RewardFailedError, load_reward_function
 from lightning_rl.rewards.builtin import extract_answer, format_match, math_answer, tool_call_validity
 
 
@@ -93,7 +93,7 @@ def test_wrong_number_of_scores_counts_as_a_failure():
 
 
 def test_bad_reward_specs_are_refused_by_name():
-    with pytest.raises(ValueError, match="neither a built-in"):
+    with pytest.raises(ValueError, match="is neither one of format, math_answer, tool_call_validity or a dotted path"):
         RewardScorer([RewardSpec("nonsense")])
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         RewardScorer([RewardSpec("no_such_module.fn")])
@@ -190,3 +190,11 @@ def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
     assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0}
     # Failing on some samples only is not a stop.
     assert RewardScorer([RewardSpec(picky)]).score(["a", "b"], ["boom", "ok"], {}).total.tolist() == [0.0, 1.0]
+
+
+def test_a_reward_module_that_does_not_parse_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text("def score(completions, **_):\n    return [1.0 for c in completions\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^reward function 'broken_rewards:score': .*broken_rewards.py:\d+: ") as caught:
+        load_reward_function("broken_rewards:score")
+    assert "\n" not in str(caught.value)

@@ -15,7 +15,6 @@ on (they score 0, are logged and counted); one that fails on every sample of a s
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -25,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_rl.dotted import load_object
 from lightning_rl.rewards.builtin import BUILTIN_REWARDS
 
 log = logging.getLogger(__name__)
@@ -37,20 +37,9 @@ BATCH_ARGUMENTS = ("prompts", "completions")
 
 def load_reward_function(path: str) -> RewardFunction:
     """A built-in by name (`math_answer`) or any callable by dotted path (`pkg.module:fn` or `pkg.module.fn`)."""
-    if path in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[path]
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"reward function {path!r} is neither a built-in {sorted(BUILTIN_REWARDS)} nor a dotted path"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {error}") from error
-    function = getattr(module, attr, None)
+    function = load_object(path, "reward function", BUILTIN_REWARDS)
     if not callable(function):
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"reward function {path!r} is not callable")
     return function
 
 

@@ -7,12 +7,13 @@ version that produced it, which is what bounded staleness in asynchronous traini
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from lightning_rl.dotted import load_object
 
 
 @dataclass(frozen=True)
@@ -157,14 +158,7 @@ class RequestSeeds:
 def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:
     """Build an engine by alias or `pkg.module:Class`; the class is called as
     `Class(model_name_or_path, **options)`."""
-    path = ENGINE_ALIASES.get(name, name)
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep:
-        raise ValueError(f"rollout engine {name!r} is neither one of {sorted(ENGINE_ALIASES)} nor a dotted path")
-    try:
-        engine_class = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"rollout engine {name!r} does not import: {error}") from error
+    engine_class = load_object(ENGINE_ALIASES.get(name, name), "rollout engine")
     engine = engine_class(model_name_or_path, **options)
     if not isinstance(engine, RolloutEngine):
         raise TypeError(f"rollout engine {name!r} does not implement RolloutEngine")

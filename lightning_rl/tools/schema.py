@@ -7,12 +7,13 @@ JSON Schema, checked with jsonschema before training starts.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from transformers.utils import get_json_schema
+
+from lightning_rl.dotted import load_object
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,5 @@ class Tool:
 
 def load_tool(path: str, parameters: Mapping[str, Any] | None = None) -> Tool:
     """A tool from a dotted path to a function (`pkg.module:fn` or `pkg.module.fn`)."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep:
-        raise ValueError(f"tool {path!r} is not a dotted path to a function")
-    try:
-        function = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"tool {path!r} does not import: {error}") from error
+    function = load_object(path, "tool")
     return Tool.from_function(function, parameters)
