@@ -14,6 +14,7 @@ PACKAGE = REPO / "lightning_rl"
 ALLOWED = {
     "packing": set(),
     "dotted": set(),
+    "console": set(),
     "device_policy": set(),
     "toy": set(),
     "checkpoints": set(),
@@ -30,7 +31,7 @@ ALLOWED = {
     "callbacks": {"checkpoints", "ops", "strategies"},
     "launch": {"rollout"},
     "env_report": {"strategies"},
-    "cli": {"callbacks", "checkpoints", "data", "models", "modules", "strategies", "launch", "env_report"},
+    "cli": {"callbacks", "checkpoints", "console", "data", "models", "modules", "strategies", "launch", "env_report"},
 }
 # Imports of ours inside a function, each for a reason other than a circle.
 DEFERRED = {

@@ -51,7 +51,7 @@ def load_causal_lm(
     else:
         model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     if lora is None:
         towers = _outside_text_model(model)
         for name, param in model.named_parameters():

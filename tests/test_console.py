@@ -1,0 +1,35 @@
+"""What a run prints: the progress bar counts optimizer steps across epochs, under short names; Lightning's tips
+are dropped."""
+
+import logging
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from toy_paths import TOY_HELDOUT, TOY_TRAIN
+
+from lightning_rl.callbacks import RunSummary
+from lightning_rl.console import StepProgressBar, quiet_third_party_noise
+from lightning_rl.data.sft import SFTDataModule
+from lightning_rl.modules.sft import SFTModule
+
+
+def test_the_bar_counts_optimizer_steps_across_epochs(tmp_path, tiny_path):
+    bar = StepProgressBar()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:8]))  # a few rows: several epochs
+    trainer = Trainer(accelerator="cpu", max_steps=5, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[bar, RunSummary(tmp_path, task="sft")])  # fmt: skip
+    trainer.fit(SFTModule(learning_rate=1e-3, eval_generations=0), datamodule=SFTDataModule(rows, TOY_HELDOUT, max_tokens=128))
+    assert trainer.current_epoch > 1
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (5, 5)
+    assert bar.train_progress_bar.desc.startswith("step")
+    shown = bar.get_metrics(trainer, trainer.lightning_module)
+    assert {"loss", "tok/s"} <= set(shown) and "v_num" not in shown and not any(k.startswith("train/") for k in shown)
+
+
+def test_lightning_tips_are_dropped(caplog):
+    quiet_third_party_noise()
+    with caplog.at_level(logging.INFO):
+        rank_zero_info("💡 Tip: For seamless cloud logging, try installing something")
+        rank_zero_info("GPU available: False")
+    assert "Tip" not in caplog.text and "GPU available" in caplog.text
