@@ -27,7 +27,6 @@ from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionM
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
-from lightning_rl.device_policy import STATIC_SHAPE_MULTIPLE
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
 # bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.
@@ -92,7 +91,7 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
     check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens)
     device = batch.input_ids.device
     meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__)
-    _probe_once(model, meta.backend, device)
+    _probe_once(model, meta.backend, device, batch.pad_to_multiple_of)
     with packed_forward(meta):
         hidden = head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta)
     _check_every_layer_applied(model, meta)
@@ -193,25 +192,20 @@ def probe_sequences(config, seed: int = 0) -> list[list[int]]:
     return [prefix + draw(3), prefix + fork + draw(2), prefix + fork + draw(2), prefix + draw(1), draw(4)]
 
 
-def _static_pad(backend: str) -> int | None:
-    """The dense backend is the one for static shapes (XLA, Neuron): the checks pad their rows as training rows are
-    padded there, so they add no new shape to compile."""
-    return STATIC_SHAPE_MULTIPLE if backend == "dense" else None
-
-
 def _right_padded(ids: Tensor, multiple: int | None) -> Tensor:
-    """A causal sequence padded at its end: the padding changes nothing before it."""
+    """A causal sequence padded at its end, as the row being trained is padded (static-shape devices compile once
+    per shape, so the checks bring no new one): the padding changes nothing before it."""
     if multiple is None or len(ids) % multiple == 0:
         return ids
     return torch.nn.functional.pad(ids, (0, multiple - len(ids) % multiple))
 
 
-def _probe_once(model: nn.Module, backend: str, device: torch.device) -> None:
+def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> None:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     key = (backend, device.type, autocast)
     if key in _PROBED.setdefault(model, set()):
         return
-    error, dtype = probe(model, backend, device)
+    error, dtype = probe(model, backend, device, pad_to_multiple_of)
     tolerance = _tolerance(dtype)
     if error > tolerance:
         raise PackingRefused(
@@ -222,12 +216,12 @@ def _probe_once(model: nn.Module, backend: str, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype]:
+def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> tuple[float, torch.dtype]:
     """Max |packed - per-sequence| log-prob on ``probe_sequences`` (agreed across ranks), and the compute dtype.
-    The reference is the model's own forward and logits, one sequence at a time."""
+    The reference is the model's own forward and logits, one sequence at a time. Rows are padded to
+    ``pad_to_multiple_of`` as the training rows are, so a static-shape device compiles no new shape for them."""
     seqs = probe_sequences(model.config)
-    pad = _static_pad(backend)
-    batch = pack_sequences(seqs, pad_to_multiple_of=pad).to(device)
+    batch = pack_sequences(seqs, pad_to_multiple_of=pad_to_multiple_of).to(device)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()  # dropout and router noise off: the comparison is of the computation, not of samples
     try:
@@ -245,7 +239,7 @@ def probe(model: nn.Module, backend: str, device: torch.device) -> tuple[float, 
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         reference = []
         for s in seqs:
-            ids = _right_padded(torch.tensor(s, device=device), pad)[None]
+            ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1 : len(s), None]).squeeze(1))
@@ -291,7 +285,7 @@ def verify_row(
         weight, bias, transform = lm_head_of(model, temperature)
         error, dtype = 0.0, torch.float32
         for rows, terms in sequence_paths(batch, chosen):
-            ids = _right_padded(batch.input_ids[rows], _static_pad(attention_backend))
+            ids = _right_padded(batch.input_ids[rows], batch.pad_to_multiple_of)
             hidden = head_inputs(model, ids, torch.arange(len(ids), device=ids.device))
             dtype = _compute_dtype(hidden)
             if terms.numel():

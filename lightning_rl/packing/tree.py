@@ -38,6 +38,7 @@ class PackedBatch:
     num_sequences: int = 0
     num_flat_tokens: int = 0  # what flat packing would forward: the sum of sequence lengths
     num_unique_tokens: int = 0  # real tokens forwarded here (padding excluded)
+    pad_to_multiple_of: int | None = None  # the row's length is a multiple of this (static-shape devices)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +63,7 @@ class PackedBatch:
             num_sequences=self.num_sequences,
             num_flat_tokens=self.num_flat_tokens,
             num_unique_tokens=self.num_unique_tokens,
+            pad_to_multiple_of=self.pad_to_multiple_of,
         )
 
     def visibility_mask(self) -> Tensor:
@@ -186,6 +188,7 @@ def pack_sequences(
         num_sequences=len(seqs),
         num_flat_tokens=sum(len(s) for s in seqs),
         num_unique_tokens=num_unique,
+        pad_to_multiple_of=pad_to_multiple_of,
     )
 
 
