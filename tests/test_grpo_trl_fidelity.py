@@ -1,10 +1,20 @@
-"""Fidelity to TRL 1.16: on one batch (same rollouts, advantages, old and reference log-probs) our
-tree-packed GRPO loss and its gradients equal what TRL's `GRPOTrainer._compute_loss` computes on
-the same batch, padded and unpacked, for each loss type. TRL is a test-only reference."""
+"""Fidelity to TRL 1.16: on one batch (same rollouts, advantages, old, engine and reference log-probs)
+our tree-packed GRPO loss and its gradients equal what TRL's `GRPOTrainer._compute_loss` computes on
+the same batch, padded and unpacked, for each loss type and each option of `GRPOLoss`. TRL is a
+test-only reference.
+
+The batch is one TRL micro-batch (no gradient accumulation, one process): TRL normalises grpo, bnpo,
+dr_grpo, sapo and luspo, its entropy bonus and its top-entropy quantile per micro-batch, we over the
+whole optimizer step, and the two agree when the step is one micro-batch."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
+import math
+import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +22,9 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer  # the reference: trl==1.16.0 from the dev extra
 
-from lightning_rl.losses import StepCounts
+from lightning_rl.losses import GRPOLoss, StepCounts
+from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, token_logprobs
+from lightning_rl.ops.packed_forward import packed_hidden_states
 from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
@@ -20,6 +32,15 @@ from lightning_rl.rollout.base import Rollout
 G = 3
 MAX_NEW = 6
 TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to share: on a busy machine, intra-op threads only wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +163,201 @@ def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old
 
     if old == "engine":
         assert float(terms.low_clipped.sum() + terms.high_clipped.sum()) > 0, "the clipped branch must be exercised"
+    _assert_same_loss_and_gradients(our_loss, ours.policy, their_loss, trainer.model)
+
+
+def _assert_same_loss_and_gradients(our_loss, our_model, their_loss, their_model) -> None:
     torch.testing.assert_close(our_loss, their_loss.float(), rtol=1e-5, atol=1e-6)
-    theirs = dict(trainer.model.named_parameters())
+    theirs = dict(their_model.named_parameters())
     compared = 0
-    for name, param in ours.policy.named_parameters():
+    for name, param in our_model.named_parameters():
         torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         compared += 1
     assert compared > 10
+
+
+# -- every option of GRPOLoss --------------------------------------------------------------------------------
+
+# Our GRPOLoss field -> TRL 1.16's GRPOConfig field. kl_estimator has none: TRL's KL estimate is k3, so the k1
+# and k2 estimators are checked against their closed forms in test_grpo_loss.py instead.
+TRL_NAMES = {
+    "loss_type": "loss_type",
+    "epsilon_low": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "beta": "beta",
+    "importance_sampling_cap": "vllm_importance_sampling_clip_max",
+    "kl_bias_correction": "use_bias_correction_kl",
+    "importance_sampling_level": "importance_sampling_level",
+    "delta": "delta",
+    "sapo_temperature_pos": "sapo_temperature_pos",
+    "sapo_temperature_neg": "sapo_temperature_neg",
+    "vespo_k_pos": "vespo_k_pos",
+    "vespo_lambda_pos": "vespo_lambda_pos",
+    "vespo_k_neg": "vespo_k_neg",
+    "vespo_lambda_neg": "vespo_lambda_neg",
+    "importance_sampling_mode": "vllm_importance_sampling_mode",
+    "importance_sampling_floor": "vllm_importance_sampling_clip_min",
+    "off_policy_mask_threshold": "off_policy_mask_threshold",
+    "top_entropy_quantile": "top_entropy_quantile",
+    "entropy_coef": "entropy_coef",
+}
+
+
+def test_every_loss_field_has_its_trl_counterpart():
+    assert {f.name for f in dataclasses.fields(GRPOLoss)} - {"kl_estimator"} == set(TRL_NAMES)
+    assert set(TRL_NAMES.values()) <= {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+def _trl_options(loss: GRPOLoss) -> dict:
+    assert loss.kl_estimator == "k3", "TRL has no other KL estimator"
+    options = {theirs: getattr(loss, ours) for ours, theirs in TRL_NAMES.items()}
+    options["vllm_importance_sampling_correction"] = loss.corrects_engine
+    return options
+
+
+@pytest.fixture(scope="module")
+def batch(model_path):
+    """Rollouts whose engine log-probs are the trainer's plus noise (so the clip range, the engine-vs-trainer
+    bounds and the off-policy mask all bite), padded for TRL and packed for us, with a reference model's
+    log-probs and a pristine copy of the policy (TRL patches the model it is given; we switch ours to tree attention)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    module = GRPOModule(model_name_or_path=str(model_path), num_generations=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE)
+    module.configure_model()
+    pristine = copy.deepcopy(module.policy)
+    reference = copy.deepcopy(module.policy)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    rollouts = _rollouts(len(tokenizer))
+    trainer_logprobs = _unpacked_logprobs(pristine, _padded(rollouts, tokenizer.pad_token_id))
+    noise = 0.4 * torch.randn(trainer_logprobs.shape, generator=gen)
+    rollouts = [
+        dataclasses.replace(r, logprobs=(trainer_logprobs[i] + noise[i])[: len(r.completion_ids)].tolist())
+        for i, r in enumerate(rollouts)
+    ]
+    padded = _padded(rollouts, tokenizer.pad_token_id)
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 1.2, -1.5])
+    packed = module.pack_rollouts(rollouts, advantages)
+    mask = padded["completion_mask"].bool()
+    # Our terms come in the order of the padded batch's trained tokens, so a padded [B, T] tensor maps onto them by [mask].
+    assert torch.equal(packed.loss_targets, padded["completion_ids"][mask])
+    assert torch.equal(packed.loss_seq, mask.nonzero()[:, 0])
+    return SimpleNamespace(
+        tokenizer=tokenizer, module=module, pristine=pristine, padded=padded, packed=packed, mask=mask,
+        advantages=advantages, trainer_logprobs=trainer_logprobs, ref_logprobs=_unpacked_logprobs(reference, padded),
+    )  # fmt: skip
+
+
+def _logprobs_and_entropy(module: GRPOModule, packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our packed forward, with the entropy differentiable (TRL's is; the entropy bonus needs its gradient)."""
+    h = packed_hidden_states(module.policy, packed, attention_backend=module._backend()).index_select(0, packed.loss_positions)
+    weight, bias, transform = lm_head_of(module.policy, TEMPERATURE)
+    assert transform == LogitTransform(temperature=TEMPERATURE)  # the tiny model: logits / temperature
+    logprobs = token_logprobs(h, weight, packed.loss_targets, transform=transform, bias=bias)
+    logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / TEMPERATURE, -1)
+    return logprobs, -(logp.exp() * logp).sum(-1)
+
+
+def _trl_engine_ratio(trainer: GRPOTrainer, padded: dict[str, torch.Tensor], old_logprobs: torch.Tensor) -> torch.Tensor:
+    """TRL builds the engine-vs-trainer ratio in its generation step, which needs a model that generates: this runs
+    that block of TRL's own source on our batch."""
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    start = source.rindex("\n", 0, source.index("# Compute the importance sampling ratio when using vLLM")) + 1
+    end = source.index("# Compute the per-token log probabilities for the reference model")
+    scope = {
+        "self": trainer, "torch": torch, "math": math, "tool_mask": None, "completion_mask": padded["completion_mask"],
+        "old_per_token_logps": old_logprobs, "sampling_per_token_logps": padded["sampling_per_token_logps"],
+    }  # fmt: skip
+    exec(textwrap.dedent(source[start:end]), scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def _control(options: dict) -> dict:
+    """The case without its last option (a dapo loss in place of its loss type), which must give another loss or
+    gradient on this batch: the option is exercised."""
+    *rest, (key, _) = options.items()
+    return {**dict(rest), "loss_type": "dapo"} if key == "loss_type" else dict(rest)
+
+
+IS = dict(importance_sampling_floor=0.8, importance_sampling_cap=1.3)
+OPTION_CASES = [  # (GRPOLoss options, the last one the one the case is about; what the ratio is taken against)
+    pytest.param(dict(epsilon_high=1.1, loss_type="cispo"), "engine", id="cispo"),
+    pytest.param(dict(loss_type="sapo"), "engine", id="sapo"),
+    pytest.param(dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0), "engine", id="sapo-temperatures"),
+    pytest.param(dict(importance_sampling_level="sequence", loss_type="luspo"), "engine", id="luspo"),
+    pytest.param(dict(loss_type="vespo"), "engine", id="vespo"),
+    pytest.param(dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=1.5, vespo_k_neg=2.0, vespo_lambda_neg=4.0),
+                 "engine", id="vespo-parameters"),
+    pytest.param(dict(loss_type="vespo", **IS, importance_sampling_mode="token_mask"), "trainer", id="vespo-engine-mask"),
+    pytest.param(dict(loss_type="vespo", beta=0.05), "engine", id="vespo-kl"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence"), "engine", id="gspo"),
+    pytest.param(dict(loss_type="sapo", importance_sampling_level="sequence"), "engine", id="sapo-sequence"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05), "engine", id="gspo-kl"),
+    pytest.param(dict(loss_type="dapo", delta=1.35), "engine", id="dapo-two-sided"),
+    pytest.param(dict(loss_type="grpo", **IS), "trainer", id="grpo-engine-token-truncate"),
+    pytest.param(dict(loss_type="bnpo", **IS, importance_sampling_mode="token_mask"), "trainer", id="bnpo-engine-token-mask"),
+    pytest.param(dict(loss_type="dapo", **IS, importance_sampling_mode="sequence_truncate"), "trainer",
+                 id="dapo-engine-sequence-truncate"),
+    pytest.param(dict(loss_type="dr_grpo", **IS, importance_sampling_mode="sequence_mask"), "trainer",
+                 id="dr_grpo-engine-sequence-mask"),
+    pytest.param(dict(loss_type="dapo", off_policy_mask_threshold=0.05), "engine", id="dapo-off-policy-mask"),
+    pytest.param(dict(loss_type="grpo", top_entropy_quantile=0.3), "engine", id="grpo-top-entropy"),
+    pytest.param(dict(loss_type="dapo", entropy_coef=0.1), "engine", id="dapo-entropy-bonus"),
+    pytest.param(dict(loss_type="sapo", top_entropy_quantile=0.3, entropy_coef=0.1), "engine", id="sapo-top-entropy-bonus"),
+]
+
+
+@pytest.mark.parametrize("options,old", OPTION_CASES)
+def test_loss_options_match_trl(batch, tmp_path, options, old):
+    options = {"epsilon_high": 0.28, **options}
+    loss = GRPOLoss(**options)
+    module, packed, mask = batch.module, batch.packed, batch.mask
+    module.policy.zero_grad(set_to_none=True)
+
+    logprobs, entropy = _logprobs_and_entropy(module, packed)
+    engine = packed.token_values["engine_logprobs"]
+    seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
+    tokens = int(mask.sum())
+
+    def step_loss(loss: GRPOLoss) -> torch.Tensor:
+        terms = loss.token_loss(
+            logprobs, logprobs.detach() if old == "trainer" else engine, batch.advantages[packed.loss_seq],
+            ref_logprobs=batch.ref_logprobs[mask], engine_logprobs=engine, loss_seq=packed.loss_seq,
+            seq_num_tokens=seq_tokens, entropy=entropy,
+        )  # fmt: skip
+        kept = None if terms.entropy_mask is None else int(terms.entropy_mask.sum())
+        counts = StepCounts(num_sequences=packed.num_sequences, num_tokens=tokens, rank_tokens=tokens,
+                            max_completion_length=MAX_NEW, entropy_tokens=kept)  # fmt: skip
+        return loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
+
+    def value_and_slopes(value: torch.Tensor) -> torch.Tensor:
+        slopes = torch.autograd.grad(value, [logprobs, entropy], retain_graph=True, allow_unused=True, materialize_grads=True)
+        return torch.cat([value.detach()[None], *slopes])
+
+    control = value_and_slopes(step_loss(GRPOLoss(**_control(options))))
+    our_loss = step_loss(loss)
+    assert not torch.allclose(value_and_slopes(our_loss), control, rtol=1e-3, atol=1e-5), "the option must matter on this batch"
+    our_loss.backward()
+
+    theirs_model = copy.deepcopy(batch.pristine)
+    config = GRPOConfig(
+        output_dir=str(tmp_path), num_generations=G, per_device_train_batch_size=packed.num_sequences,
+        max_completion_length=MAX_NEW, temperature=TEMPERATURE, report_to=[], use_cpu=True, bf16=False, **_trl_options(loss),
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=theirs_model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * packed.num_sequences), processing_class=batch.tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {**batch.padded, "advantages": batch.advantages, "num_items_in_batch": torch.tensor(float(tokens))}
+    if old == "engine":
+        inputs["old_per_token_logps"] = batch.padded["sampling_per_token_logps"]
+    if loss.beta:
+        inputs["ref_per_token_logps"] = batch.ref_logprobs
+    if loss.corrects_engine:  # TRL corrects only the engine it knows, vLLM
+        trainer.use_vllm = True
+        inputs["importance_sampling_ratio"] = _trl_engine_ratio(trainer, batch.padded, batch.trainer_logprobs)
+    their_loss = trainer._compute_loss(trainer.model, inputs)
+    their_loss.backward()
+    _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
