@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.models.structure import enable_activation_checkpointing
 from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 
 
@@ -51,7 +52,7 @@ def load_causal_lm(
     else:
         model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
     if lora is None:
         towers = _outside_text_model(model)
         for name, param in model.named_parameters():

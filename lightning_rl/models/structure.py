@@ -49,3 +49,13 @@ def compile_decoder_layers(model: nn.Module) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def enable_activation_checkpointing(model: nn.Module, **checkpoint_kwargs) -> None:
+    """Recompute each decoder layer in backward. transformers 5.20 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable``; the versions we support (5.16 on) have one or the other."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs or None)

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_rl.checkpoints import commit, remove, staging_path, write_manifest
 from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
-from lightning_rl.models.structure import find_decoder_layers, find_model_roots
+from lightning_rl.models.structure import enable_activation_checkpointing, find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
 
 
@@ -149,7 +149,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         }
         for root in roots:
             if self.activation_checkpointing:
-                root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(root, use_reentrant=False)
             if self.expert_mesh is not None:
                 self._shard_experts(root, kwargs)
             # Children before parents: a unit owns only the parameters no inner unit has claimed.
