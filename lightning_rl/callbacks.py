@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rl.checkpoints import remove
+from lightning_rl.errors import UserError
 from lightning_rl.ops.grad_norm import total_grad_norm
 
 
@@ -296,8 +297,12 @@ class RequeueOnSignal(Callback):
         return bool(trainer.strategy.broadcast(requeued, src=0))
 
 
-class NonFiniteError(RuntimeError):
-    """A loss or gradient norm that is not finite: the run stopped before that optimizer step, saving nothing for it."""
+class NonFiniteError(UserError, RuntimeError):
+    """A loss or gradient norm that is not finite: the run stopped before that optimizer step, saving nothing for it.
+    Every rank raises it at the same step; the run ends with exit code 1 (the recipe ran, the training diverged)."""
+
+    exit_code = 1
+    on_every_rank = True
 
 
 class StopOnNonFinite(Callback):

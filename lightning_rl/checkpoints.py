@@ -24,6 +24,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_rl.errors import UserError
+
 STAGING = ".staging"  # being written
 TRASH = ".trash"  # being replaced or removed
 MANIFEST = "manifest.json"
@@ -31,6 +33,12 @@ MANIFEST = "manifest.json"
 
 class IncompleteCheckpointError(ValueError):
     """A checkpoint that was not written completely (or was damaged since)."""
+
+
+class ForeignCheckpointError(UserError, ValueError):
+    """A checkpoint to resume from that holds another module's weights (another task, model or LoRA layout)."""
+
+    key = "ckpt_path"
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,30 @@ def checkpoint_step(path: Path) -> int:
     if not isinstance(checkpoint, dict) or "global_step" not in checkpoint:
         raise IncompleteCheckpointError("not a Lightning checkpoint (no global_step)")
     return int(checkpoint["global_step"])
+
+
+def check_weights_fit(checkpoint: dict[str, Any], module: torch.nn.Module, path: Any) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose weights are not exactly ``module``'s: the same names and
+    shapes, as only a checkpoint of the same task, model and LoRA layout has. (A sharded checkpoint is read by its
+    strategy, which names what it misses itself.)"""
+    found = checkpoint.get("state_dict")
+    if not isinstance(found, dict):
+        return
+    expected = module.state_dict()
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected]
+    reshaped = [name for name in expected if name in found and tuple(found[name].shape) != tuple(expected[name].shape)]
+    if not (missing or unexpected or reshaped):
+        return
+    said = [f"{len(names)} {what} (first: {names[0]})" for what, names in
+            (("of the model's weights missing", missing), ("weights the model does not have", unexpected)) if names]  # fmt: skip
+    if reshaped:
+        name = reshaped[0]
+        said.append(f"{len(reshaped)} of another shape (first: {name}, {list(found[name].shape)} there, {list(expected[name].shape)} here)")
+    raise ForeignCheckpointError(
+        f"ckpt_path: {path} holds another module's weights ({'; '.join(said)}): it was written by another task, model "
+        "or LoRA layout than this recipe's"
+    )
 
 
 def checkpoint_folders(output_dir: Path) -> list[Path]:

@@ -50,10 +50,10 @@ RECIPE_MISTAKES = {
     "typo in a model key": (set_key("model.learnin_rate", 1.0), "unknown key 'model.learnin_rate'"),
     "typo in a trainer key": (set_key("trainer.max_stepz", 3), "unknown key 'trainer.max_stepz'"),
     "unknown top-level block": (set_key("lora.r", 4), "unknown key 'lora.r'"),
-    "wrong type": (set_key("model.learning_rate", "fast"), 'key "model.learning_rate": Expected a <class \'float\'>. Got value: fast'),
-    "bad choice": (set_key("data.packing", "zip"), '"data.packing"'),
+    "wrong type": (set_key("model.learning_rate", "fast"), "model.learning_rate must be a number, got fast"),
+    "bad choice": (set_key("data.packing", "zip"), "data.packing must be one of auto, tree, flat, none, got zip"),
     "missing data file": (set_key("data.train_data", "no/such.jsonl"), "data.train_data: no such file or folder: no/such.jsonl"),
-    "unknown task": (set_key("task", "dpo"), "task: unknown task 'dpo' (expected one of sft, grpo)"),
+    "unknown task": (set_key("task", "dpo"), "task must be one of sft, grpo, got 'dpo'"),
     "export without lora": (set_key("model.export", "adapter"), "model.export='adapter' needs a model.lora block"),
 }
 
@@ -86,7 +86,7 @@ def test_bad_data_row_stops_before_anything_is_written_and_keeps_earlier_outputs
         path.write_text(text)
     # --overwrite: the earlier outputs would be replaced, but only once the data has been checked.
     line = error_line(capsys, ["run", str(recipe), "--overwrite"])
-    assert line == f"error: {bad}: row 1: `messages[0]`: `content` must be a string, got list"
+    assert line == f"error: {bad}: line 2: `messages[0]`: `content` must be a string, got list"
     assert {p: p.read_text() for p in earlier} == earlier
     assert {p for p in out.rglob("*") if p.is_file()} == set(earlier)  # no new file, none half-written
 

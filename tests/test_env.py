@@ -7,12 +7,18 @@ name its GPU). ROCm and Neuron machines, and a multi-GPU CUDA one, are described
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from lightning_rl import env_report
+from lightning_rl.cli import main as cli_main
 from lightning_rl.strategies.devices import DeviceInventory
+from test_gpu_acceptance import WITHOUT_THEM
+from toy_paths import REPO
 
 GPU = torch.cuda.is_available()
 
@@ -31,12 +37,7 @@ def usable(report: dict) -> dict[str, bool]:
 
 
 def env_command(argv: list[str]) -> int:
-    """`lightning-rl env` through the CLI; where the CLI does not import (it needs jsonargparse, which the GPU
-    machine lacks), the module the command runs."""
-    try:
-        from lightning_rl.cli import main as cli_main
-    except ImportError:
-        return env_report.main(argv)
+    """`lightning-rl env` through the CLI."""
     return cli_main(["env", *argv])
 
 
@@ -56,6 +57,17 @@ def test_env_command_reports_this_machine(capsys: pytest.CaptureFixture[str]) ->
         assert "cuda          absent" in text
         assert "yes  fsdp2       CPU" in text and "over gloo" in text
         assert "no   fsdp        FSDP1 runs on CUDA/ROCm GPUs only" in text
+
+
+def test_env_runs_without_jsonargparse_jsonschema_and_wandb(tmp_path) -> None:
+    """As on the GPU machine, which lacks them: `run` needs jsonargparse, `env` must not."""
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_THEM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "env"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"torch         {torch.__version__}" in done.stdout
+    hidden = subprocess.run([sys.executable, "-c", "import jsonargparse"], env=env, capture_output=True, text=True, timeout=300)
+    assert hidden.returncode != 0 and "ModuleNotFoundError" in hidden.stderr  # the finder did hide it
 
 
 def test_env_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:

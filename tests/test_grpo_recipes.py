@@ -46,7 +46,7 @@ def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
         ("--model.num_generations=1", "num_generations=1: GRPO needs G >= 2"),
         ("--model.rewards=[{function: nowhere.module:score}]", "reward function 'nowhere.module:score': cannot import"),
         ("--model.tools=[nowhere.tools:calc]", "tool 'nowhere.tools:calc': cannot import module 'nowhere.tools'"),
-        ("--data.path=tests/missing.jsonl", "prompt file tests/missing.jsonl does not exist"),
+        ("--data.path=tests/missing.jsonl", "data.path: no such file or folder: tests/missing.jsonl"),
     ],
 )
 def test_bad_recipe_input_fails_before_training_with_one_error_line(tmp_path, capsys, override, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from lightning_rl.launch import slurm
 from lightning_rl.launch.layout import Allocation
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
 from lightning_rl.launch.render import SlurmOptions, render_slurm_script
+from toy_paths import TOY_TRAIN
 
 MUSE_RECIPE = Path("recipes/muse_spark_open/lora_sft_8x8.yaml")
 MUSE_SCRIPT = Path("launch/slurm/muse_spark_open_lora_sft_8x8.sbatch")
@@ -21,10 +23,13 @@ MUSE_RENDER = ["slurm", str(MUSE_RECIPE), "--nodes", "8", "--gpus-per-node", "8"
 
 
 def recipe(tmp_path: Path, trainer: dict | None = None, task: str = "sft") -> RecipeView:
+    """A recipe the launcher renders from (``RecipeView.parse`` reads it as ``run`` would, overrides applied)."""
     data = {"task": task, "model": {"model_name_or_path": "org/model"}, "trainer": {"accelerator": "gpu", **(trainer or {})}}
+    if task == "sft":
+        data["data"] = {"train_data": str(TOY_TRAIN)}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
-    return RecipeView.load(path)
+    return RecipeView(path, data)
 
 
 def render(view: RecipeView, nodes: int = 2, gpus: int = 8, inference: int = 0, **options) -> str:
@@ -61,8 +66,7 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     view = recipe(tmp_path, task="grpo")
     data = yaml.safe_load(view.path.read_text())
     data["model"]["engine_options"] = {"server_options": {"dtype": "bfloat16", "max_model_len": 4096, "log_path": "x.log"}}
-    view.path.write_text(yaml.safe_dump(data))
-    script = render(RecipeView.load(view.path), nodes=3, gpus=8, inference=1)
+    script = render(RecipeView(view.path, data), nodes=3, gpus=8, inference=1)
     server = next(line for line in script.splitlines() if "vllm.entrypoints.openai.api_server" in line)
     for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
         assert flag in server
@@ -103,9 +107,8 @@ def test_a_cpu_grpo_server_runs_the_gloo_backend_and_a_bad_transport_is_named(tm
     assert '"backend": "gloo"' in server and "GlooWeightTransferWorker" in server
     data = yaml.safe_load(view.path.read_text())
     data["model"]["engine_options"] = {"transport": "mpi"}
-    view.path.write_text(yaml.safe_dump(data))
     with pytest.raises(LaunchError, match="`model.engine_options.transport` must be one of auto, gloo, nccl, got 'mpi'"):
-        render(RecipeView.load(view.path), nodes=2, gpus=1, inference=1)
+        render(RecipeView(view.path, data), nodes=2, gpus=1, inference=1)
 
 
 def test_task_specific_layout_errors(tmp_path: Path) -> None:
@@ -127,15 +130,69 @@ def test_missing_partition_and_bad_time_fail_before_anything_is_written(tmp_path
         render(view, time="two days")
 
 
-def test_bad_recipe_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match="recipe file not found"):
-        RecipeView.load(tmp_path / "absent.yaml")
+def launch(capsys, *args: str) -> tuple[int, str, list[str]]:
+    """`lightning-rl launch slurm ... --dry-run`: its exit code, the script and the `error:` lines."""
+    own = list(args[: args.index("--")] if "--" in args else args)
+    code = slurm.main(["slurm", *own, "--dry-run", *args[len(own) :]])
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.startswith("error:")]
+
+
+def test_bad_recipe_files_are_named(tmp_path: Path, capsys) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n")
-    with pytest.raises(LaunchError, match="a recipe is a YAML mapping"):
-        RecipeView.load(tmp_path / "list.yaml")
     (tmp_path / "notask.yaml").write_text("model: {}\n")
-    with pytest.raises(LaunchError, match="missing key `task`"):
-        render(RecipeView.load(tmp_path / "notask.yaml"))
+    for name, expected in {"absent.yaml": "no such recipe file", "list.yaml": "missing key 'task'", "notask.yaml": "missing key 'task'"}.items():
+        assert launch(capsys, str(tmp_path / name), "--nodes", "1", "--gpus-per-node", "1", "--partition", "p") == (
+            2, "", [f"error: {tmp_path / name}: {expected} (one of sft, grpo)" if "task" in expected else f"error: {tmp_path / name}: {expected}"]
+        )
+
+
+def test_the_recipe_is_read_by_the_run_parser_with_the_overrides_applied(tmp_path: Path, capsys) -> None:
+    view = recipe(tmp_path, {"accelerator": "cpu"})
+    allocation = ("--nodes", "2", "--gpus-per-node", "8", "--partition", "p")
+    assert launch(capsys, str(view.path), *allocation)[0] == 0
+    data = yaml.safe_load(view.path.read_text())
+    data["model"]["learnin_rate"] = 1e-3  # the job would fail on the cluster, after its wait in the queue
+    view.path.write_text(yaml.safe_dump(data))
+    assert launch(capsys, str(view.path), *allocation) == (2, "", [f"error: {view.path}: unknown key 'model.learnin_rate'"])
+    del data["model"]["learnin_rate"]
+    view.path.write_text(yaml.safe_dump(data))
+    # An override is part of the recipe the job runs: one that undoes the allocation check is refused like the recipe.
+    code, script, errors = launch(capsys, str(view.path), *allocation, "--", "--trainer.devices=4")
+    assert code == 2 and script == "" and errors == [
+        f"error: {view.path}: `trainer.devices: 4` would leave 4 of 8 devices per node idle (--gpus-per-node = 8); "
+        "set `trainer.devices: auto` or match the allocation"
+    ]
+    assert launch(capsys, str(view.path), *allocation, "--", "--trainer.max_stepz=3")[2] == [f"error: {view.path}: unknown key 'trainer.max_stepz'"]
+    assert launch(capsys, str(view.path), *allocation, "--", "--model.learning_rat=3")[2] == [f"error: {view.path}: unknown key 'model.learning_rat'"]
+    assert launch(capsys, str(view.path), *allocation, "--", "--trainer.accumulate_grad_batches=0")[2] == [
+        "error: trainer.accumulate_grad_batches must be >= 1, got 0"
+    ]
+
+
+def test_every_value_is_rendered_quoted(tmp_path: Path, capsys) -> None:
+    """Flags and overrides with spaces, quotes and `$(...)` reach sbatch, the shell and `lightning-rl run` as given."""
+    view = recipe(tmp_path, {"accelerator": "cpu"})
+    (tmp_path / "job").mkdir()
+    partition, job, log_dir = "gpu a", 'it\'s "mine" $(touch job/pwned)', str(tmp_path / "job" / "logs $(touch job/pwned) `x` \\ end")
+    override = "--output_dir=runs/a b'c\"d $(touch job/pwned)"
+    code, script, errors = launch(capsys, str(view.path), "--nodes", "2", "--gpus-per-node", "1", "--partition", partition,
+                                  "--job-name", job, "--log-dir", log_dir, "--", override)  # fmt: skip
+    assert code == 0 and errors == [], errors
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    directives = dict(shlex.split(line)[1].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH --") and "=" in line)
+    assert directives["--partition"] == partition and directives["--job-name"] == job
+    assert directives["--output"] == f"{log_dir}/%x-%j.out"
+    srun = shlex.split(script.split("srun --kill-on-bad-exit=1", 1)[1].replace("\\\n", " "))
+    assert srun[srun.index("run") + 1 :] == [str(view.path), "--trainer.num_nodes=2", "--trainer.devices=1", "--ckpt_path=last", override]
+    rank_logs = next(line for line in script.splitlines() if line.startswith("RANK_LOGS="))
+    shell = subprocess.run(["bash", "-c", f'SLURM_JOB_NAME=j SLURM_JOB_ID=7; {rank_logs}; printf %s "$RANK_LOGS"'],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip
+    assert shell.stdout == f"{log_dir}/j-7"
+    assert not (tmp_path / "job" / "pwned").exists()
+    assert launch(capsys, str(view.path), "--nodes", "2", "--gpus-per-node", "1", "--partition", "p", "--log-dir", "a\nb")[2] == [
+        "error: --log-dir 'a\\nb' holds a line break, which a script line cannot hold"
+    ]
 
 
 def test_checked_in_muse_script_is_what_the_launcher_renders(capsys) -> None:

@@ -97,12 +97,12 @@ def test_plain_fsdp_layers_are_too_big_to_gather(muse_census) -> None:
 
 def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("task: sft\nmodel: {model_name_or_path: nobody/none}\ndata: {max_tokens: 64}\n")
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: nobody/none}\ndata: {train_data: rows.jsonl, max_tokens: 64}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
     assert "`model.model_name_or_path: nobody/none` has no config.json" in capsys.readouterr().err
     args = [MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "3"]
     assert plan.main(args) == 2
     assert "expert parallel 3 must divide both the 256 experts and the 64 GPUs" in capsys.readouterr().err
-    recipe.write_text("task: sft\nmodel: {model_name_or_path: x}\n")
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: x}\ndata: {train_data: rows.jsonl}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
     assert "`data.max_tokens` is missing" in capsys.readouterr().err

@@ -110,9 +110,8 @@ def test_a_run_that_fails_during_setup_writes_nothing(tmp_path, capsys, rows):
     resumed = tmp_path / "resumed"  # a resume whose model cannot be loaded leaves the earlier recipe.yaml alone
     resumed.mkdir()
     (resumed / "recipe.yaml").write_text("task: sft\n")
-    with pytest.raises(OSError):
-        cli.main(["run", *TINY_SFT, f"--output_dir={resumed}", f"--data.train_data={rows}", "--ckpt_path=last",
-                  f"--model.model_name_or_path={tmp_path / 'no-model'}"])  # fmt: skip
+    code, errors = run(capsys, resumed, f"--data.train_data={rows}", "--ckpt_path=last", f"--model.model_name_or_path={tmp_path / 'no-model'}")
+    assert code == 2 and errors == [f"error: model.model_name_or_path: no model folder at {tmp_path / 'no-model'}"]
     assert sorted(p.name for p in resumed.iterdir()) == ["recipe.yaml"] and (resumed / "recipe.yaml").read_text() == "task: sft\n"
 
 

@@ -79,12 +79,13 @@ def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
 
 
 BAD_ROWS = {
-    "missing messages": ({"conversation": []}, "row 1: missing `messages`"),
-    "unknown role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "row 1: `messages[0]`: unknown role 'robot'"),
-    "empty completion": ({"prompt": "1+1=", "completion": "  "}, "row 1: `completion` is empty"),
-    "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "row 1: `messages[0]`: `content` must be a string, got int"),
-    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "row 1: `messages` has no assistant turn"),
-    "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "row 1: `prompt` and `completion` must both be"),
+    "missing messages": ({"conversation": []}, "line 2: missing `messages`"),
+    "unknown role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: unknown role 'robot'"),
+    "empty completion": ({"prompt": "1+1=", "completion": "  "}, "line 2: `completion` is empty"),
+    "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: `content` must be a string, got int"),
+    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: `messages` has no assistant turn"),
+    "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "line 2: `prompt` and `completion` must both be"),
+    "empty assistant turn": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "line 2: `messages[1]`: the assistant turn is empty"),
 }
 
 
@@ -98,6 +99,43 @@ def test_bad_row_names_file_and_row(case, tiny_tokenizer, tmp_path):
     assert expected in str(error.value)
 
 
+def test_rows_are_named_by_their_line_in_the_file(tiny_tokenizer, tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({"prompt": "1+1=", "completion": ""}) + "\n")
+    with pytest.raises(DataError, match=r"gaps.jsonl: line 3: `completion` is empty"):  # the blank line 2 counts
+        load_examples(path, Renderer(tiny_tokenizer, "tiny"), 512)
+    (tmp_path / "rows.json").write_text(json.dumps([GOOD, {"conversation": []}]))
+    with pytest.raises(DataError, match=r"rows.json: row 2: missing `messages`"):  # no lines: rows count from 1
+        load_examples(tmp_path / "rows.json", Renderer(tiny_tokenizer, "tiny"), 512)
+
+
+def test_a_parquet_file_may_mix_the_row_shapes_as_jsonl_may(tiny_tokenizer, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [GOOD, {"prompt": "3+4=", "completion": "7"}]
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    columns = {key: [row.get(key) for row in rows] for key in ("messages", "prompt", "completion")}  # null where a row lacks it
+    pyarrow.parquet.write_table(pyarrow.Table.from_pydict(columns), tmp_path / "mixed.parquet")
+    assert load_examples(tmp_path / "mixed.parquet", renderer, 512)[0] == load_examples(write_jsonl(tmp_path / "mixed.jsonl", rows), renderer, 512)[0]
+
+
+def test_unreadable_files_are_one_error_naming_the_file(tiny_tokenizer, tmp_path):
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(GOOD).encode() + b"\n" + '{"prompt": "caf\xe9", "completion": "x"}\n'.encode("latin-1"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    (tmp_path / "broken.json").write_text('[{"messages": []},\n {')
+    (tmp_path / "folder").mkdir()
+    for name, message in {
+        "latin1.jsonl": r"latin1.jsonl: line 2: not valid UTF-8 \(byte 0xe9 at column 16\)",
+        "broken.parquet": r"broken.parquet: cannot be read \(ArrowInvalid: ",
+        "broken.json": r"broken.json: line 2: invalid JSON",
+        "folder": r"folder: a folder, but not one `datasets.save_to_disk` wrote",
+    }.items():
+        with pytest.raises(DataError, match=message):
+            load_examples(tmp_path / name, renderer, 512)
+
+
 def test_invalid_json_names_line(tiny_tokenizer, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(GOOD) + "\n{not json\n")
@@ -108,7 +146,7 @@ def test_invalid_json_names_line(tiny_tokenizer, tmp_path):
 def test_example_longer_than_max_length(tiny_tokenizer, tmp_path):
     long_row = {"prompt": "1+" * 200 + "1=", "completion": "201"}
     path = write_jsonl(tmp_path / "long.jsonl", [GOOD, GOOD, long_row])
-    with pytest.raises(DataError, match=r"long.jsonl: row 2: \d+ tokens, longer than max_length=64"):
+    with pytest.raises(DataError, match=r"long.jsonl: line 3: \d+ tokens, longer than max_length=64"):
         load_examples(path, Renderer(tiny_tokenizer, "tiny"), 64)
 
 

@@ -47,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lightning_rl.device_policy import STATIC_SHAPE_DEVICE_TYPES
+from lightning_rl.errors import UserError
 from lightning_rl.packing.tree import PackedBatch
 
 ATTENTION_NAME = "tree"
@@ -489,7 +490,7 @@ def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
     return ((k <= q) & (q - k < window))[None, None]
 
 
-class PackingRefused(ValueError):
+class PackingRefused(UserError, ValueError):
     """A model, setting or row that tree packing cannot compute exactly. The message is one line: the model class
     and the reason."""
 

@@ -1,4 +1,4 @@
-"""Prompts for GRPO: records read from a JSON Lines file, served one batch per optimizer step.
+"""Prompts for GRPO: records read from a data file, served one batch per optimizer step.
 
 Batch `i` is a pure function of the seed and `i` (a fresh shuffle per pass over the data), so a
 resumed run continues with exactly the prompts it would have seen, and the asynchronous rollout
@@ -7,50 +7,38 @@ producer can look batches up ahead of the trainer.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_rl.data.sft import DataError
+from lightning_rl import validation
+from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
 from lightning_rl.toy.task import TRAIN_FILE
 
 TOY_DATASET = "toy"
 
 
-def read_prompt_records(path: str | Path, prompt_field: str) -> list[dict[str, Any]]:
-    """Every row of a `.jsonl` file; each must hold a non-empty `prompt_field` (a string, or a
-    list of chat messages whose trailing assistant turns are dropped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist")
+def read_prompt_records(source: DataSource, prompt_field: str) -> list[dict[str, Any]]:
+    """Every row of a data file (JSONL, JSON, Parquet or a saved dataset, read as for SFT); each must hold a non-empty
+    `prompt_field` (a string, or a list of chat messages whose trailing assistant turns are dropped)."""
+    name, rows = read_rows(source)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict) or prompt_field not in row:
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise DataError(f"{path}:{line_number}: no field {prompt_field!r} (row has {keys})")
-            prompt = row[prompt_field]
-            if isinstance(prompt, list):
-                while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
-                    prompt = prompt[:-1]
-            if not prompt or not isinstance(prompt, (str, list)):
-                raise DataError(
-                    f"{path}:{line_number}: field {prompt_field!r} must be a non-empty string or message list"
-                )
-            records.append({**row, "prompt": prompt})
+    for where, row in rows:
+        if not isinstance(row, dict) or row.get(prompt_field) is None:
+            keys = sorted(k for k, v in row.items() if v is not None) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"{name}: {where}: no field {prompt_field!r} (row has {keys})")
+        prompt = row[prompt_field]
+        if isinstance(prompt, list):
+            while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+                prompt = prompt[:-1]
+        if not prompt or not isinstance(prompt, (str, list)):
+            raise DataError(f"{name}: {where}: field {prompt_field!r} must be a non-empty string or message list")
+        records.append({**row, "prompt": prompt})
     if not records:
-        raise DataError(f"prompt file {path} holds no rows")
+        raise DataError(f"{name}: no rows")
     return records
 
 
@@ -70,14 +58,16 @@ class _StepIndices(IterableDataset):
 
 class PromptDataModule(L.LightningDataModule):
     """Serves `batch_size` prompt records per step and rank (each expanded into `num_generations`
-    rollouts by the GRPO module). `path: toy` is the bundled digit task."""
+    rollouts by the GRPO module). `path`: a data file (JSONL, JSON, Parquet) or saved dataset folder; `toy` is the
+    bundled digit task."""
 
     def __init__(
         self, path: str = TOY_DATASET, prompt_field: str = "prompt", batch_size: int = 8, seed: int = 0
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        validation.positive_int("batch_size", batch_size)
+        if path != TOY_DATASET:
+            check_source("path", path)
         self.path = str(TRAIN_FILE) if path == TOY_DATASET else path
         self.prompt_field = "messages" if path == TOY_DATASET else prompt_field
         self.batch_size = batch_size

@@ -6,7 +6,7 @@ Two row shapes are accepted:
   is trained.
 
 Every row is checked and tokenized in ``setup`` before any training step runs, so a bad row stops
-the run with one message naming the file and row index, before anything is written.
+the run with one message naming the file and line (or row), before anything is written.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_rl import validation
+from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.packing.tree import PackedBatch, PrefixCounter, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
@@ -33,8 +35,8 @@ _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Packing = Literal["auto", "tree", "flat", "none"]
 
 
-class DataError(ValueError):
-    """A problem with the training data, with the file and row it was found in."""
+class DataError(UserError, ValueError):
+    """A problem with the training data, with the file and line (or row) it was found in."""
 
 
 @dataclass
@@ -55,37 +57,93 @@ class GenerationCase:
 DataSource = Any
 
 
-def read_rows(source: DataSource) -> tuple[str, list[Any]]:
-    """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset."""
+def _folder_problem(path: Path) -> str | None:
+    """Why a folder is not one ``datasets.save_to_disk`` wrote for a single split, or None."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        return f"a dataset of several splits ({', '.join(splits)}); give one split's folder"
+    if not (path / "dataset_info.json").is_file():
+        return "a folder, but not one `datasets.save_to_disk` wrote (no dataset_info.json); give a .jsonl, .json or .parquet file, or such a folder"
+    return None
+
+
+def check_source(key: str, source: DataSource) -> None:
+    """A data file or folder that exists and is one ``read_rows`` reads (checked before anything loads)."""
     if not isinstance(source, (str, os.PathLike)):
-        info = getattr(source, "info", None)
-        return (getattr(info, "dataset_name", None) or type(source).__name__), list(source)
+        return
     path = Path(source)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
-    if path.is_dir():
-        import datasets
+        raise DataError(f"{key}: no such file or folder: {source}", key)
+    if path.is_dir() and (problem := _folder_problem(path)):
+        raise DataError(f"{key}: {source}: {problem}", key)
 
-        return str(path), list(datasets.load_from_disk(str(path)))
-    if path.suffix == ".parquet":
-        import pyarrow.parquet
 
-        return str(path), pyarrow.parquet.read_table(path).to_pylist()
-    if path.suffix == ".json":
-        rows = json.loads(path.read_text())
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json data file must hold a list of rows")
-        return str(path), rows
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {line_no}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((f"line {line_no}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
-    return str(path), rows
+    return rows
+
+
+def _read_json(path: Path) -> list[Any]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: line {line_no}: not valid UTF-8") from None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: a .json data file must hold a list of rows")
+    return rows
+
+
+def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
+    """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset. Each row
+    comes with where it is, for messages: its line in a JSONL file, else ``row N`` counted from 1."""
+    if not isinstance(source, (str, os.PathLike)):
+        info = getattr(source, "info", None)
+        return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(source, start=1)]
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir() and (problem := _folder_problem(path)):
+        raise DataError(f"{path}: {problem}")
+    if path.suffix == ".jsonl" or (path.is_file() and path.suffix not in (".json", ".parquet")):
+        return str(path), _read_jsonl(path)
+    try:
+        if path.is_dir():
+            import datasets
+
+            rows = list(datasets.load_from_disk(str(path)))
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet
+
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            rows = _read_json(path)
+    except (OSError, ValueError) as e:  # a damaged Parquet or Arrow file (pyarrow's errors are ValueErrors)
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    return str(path), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
 def _check_messages(messages: Any, field: str) -> list[dict]:
@@ -103,6 +161,8 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             continue
         if not isinstance(content, str):
             raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
+        if role == "assistant" and not content.strip():
+            raise ValueError(f"{where}: the assistant turn is empty")
     return messages
 
 
@@ -110,6 +170,7 @@ def _check_row(row: Any) -> dict:
     """The row with its shape checked; raises ValueError with a message naming the field."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
     if "messages" in row:
         messages = _check_messages(row["messages"], "messages")
         if not any(m["role"] == "assistant" for m in messages):
@@ -205,16 +266,16 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
     if not rows:
         raise DataError(f"{name}: no rows")
     examples, cases = [], []
-    for i, raw in enumerate(rows):
+    for where, raw in rows:
         try:
             row = _check_row(raw)
             example = renderer.example(row)
         except DataError:
             raise
         except ValueError as e:
-            raise DataError(f"{name}: row {i}: {e}") from None
+            raise DataError(f"{name}: {where}: {e}") from None
         if len(example.input_ids) > max_length:
-            raise DataError(f"{name}: row {i}: {len(example.input_ids)} tokens, longer than max_length={max_length}")
+            raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than max_length={max_length}")
         examples.append(example)
         case = renderer.generation_case(row)
         if case is not None:
@@ -357,15 +418,17 @@ class SFTDataModule(LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for key, source in (("data.train_data", train_data), ("data.val_data", val_data)):
-            if isinstance(source, (str, os.PathLike)) and not Path(source).exists():
-                raise DataError(f"{key}: no such file or folder: {source}")
+        check_source("train_data", train_data)
+        check_source("val_data", val_data)
         self.train_data, self.val_data = train_data, val_data
         self.tokenizer_name = tokenizer
-        self.max_tokens = max_tokens
-        self.max_length = max_length or max_tokens
+        self.max_tokens = validation.positive_int("max_tokens", max_tokens)
+        self.max_length = max_tokens if max_length is None else validation.positive_int("max_length", max_length)
         if self.max_length > max_tokens:
-            raise DataError(f"data.max_length={self.max_length} is larger than data.max_tokens={max_tokens}: such an example fits no row")
+            raise RecipeError(f"max_length={self.max_length} is larger than max_tokens={max_tokens}: such an example fits no row", "max_length")
+        if isinstance(pad_to_multiple_of, int):
+            validation.positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        validation.non_negative_int("num_workers", num_workers)
         self.packing = packing
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers

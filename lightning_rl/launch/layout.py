@@ -69,6 +69,8 @@ def _check_matches(recipe: RecipeView, key: str, available: int, flag: str, what
     asked = recipe.get(key)
     if asked in _FILL_FROM_ALLOCATION:
         return
+    if isinstance(asked, str) and asked.isdigit():  # `--trainer.devices=8` on the command line
+        asked = int(asked)
     if isinstance(asked, bool) or not isinstance(asked, int):
         raise LaunchError(f"{recipe.path}: `{key}` must be an integer or 'auto' for a launch, got {asked!r}")
     if asked > available:

@@ -14,7 +14,9 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from lightning_rl.launch.memory_plan import Hardware, Training, format_plan, plan_memory
 from lightning_rl.launch.model_census import count_model
-from lightning_rl.launch.recipe_view import MODEL_KEY, LaunchError, RecipeView
+from lightning_rl import validation
+from lightning_rl.errors import UserError, report
+from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView
 
 # Where configs of models too large to download for planning are checked in, by model id.
 LOCAL_CONFIGS = Path("launch/models")
@@ -23,7 +25,7 @@ _PRECISION_BYTES = {"bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-rl plan", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="lightning-rl plan", description=__doc__.splitlines()[0])
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True)
@@ -104,12 +106,26 @@ def _lora_targets(recipe: RecipeView) -> list[str]:
     return [targets] if isinstance(targets, str) else list(targets)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--tokens-per-micro-batch", args.tokens_per_micro_batch), ("--expert-parallel", args.expert_parallel)):  # fmt: skip
+        if value is not None:
+            validation.positive_int(flag, value)
+    for flag, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--peak-tflops", args.peak_tflops), ("--mfu", args.mfu),
+                        ("--network-gbps", args.network_gbps), ("--nvlink-gbps", args.nvlink_gbps)):  # fmt: skip
+        validation.finite_positive(flag, value)
+    validation.finite_non_negative("--reserved-gb", args.reserved_gb)
+    if args.mfu > 1:
+        raise LaunchError(f"--mfu is a fraction of the peak, at most 1, got {args.mfu}")
+    if args.reserved_gb >= args.gpu_memory_gb:
+        raise LaunchError(f"--reserved-gb {args.reserved_gb} leaves nothing of --gpu-memory-gb {args.gpu_memory_gb}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
-            raise LaunchError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
-        recipe = RecipeView.load(args.recipe)
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        _check_flags(args)
+        recipe = RecipeView.parse(args.recipe)
         training = _training(recipe, args)
         census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe))
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
@@ -117,9 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"expert parallel {training.expert_parallel} must divide both the {census.num_experts} experts "
                 f"and the {training.world_size} GPUs"
             )
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UserError as error:
+        return report(error)
     hardware = Hardware(
         gpu_memory_gb=args.gpu_memory_gb,
         peak_tflops=args.peak_tflops,

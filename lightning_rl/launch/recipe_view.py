@@ -1,16 +1,27 @@
-"""Read-only view of the recipe fields a launch needs, addressed by dotted keys."""
+"""Read-only view of the recipe fields a launch needs, addressed by dotted keys: the recipe as ``lightning-rl run``
+reads it (``lightning_rl/recipe.py``: the same parser, checks and overrides), holding what the user gave."""
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lightning_rl.errors import RecipeError
+from lightning_rl.recipe import parse
 
 
-class LaunchError(ValueError):
+class LaunchError(RecipeError):
     """A launch request that cannot run; the message names the flag or recipe key at fault."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose mistakes are a ``LaunchError`` (one ``error:`` line, exit 2) rather than its usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise LaunchError(message)
 
 
 _MISSING = object()
@@ -23,17 +34,10 @@ class RecipeView:
     data: dict[str, Any]
 
     @classmethod
-    def load(cls, path: str | Path) -> RecipeView:
-        path = Path(path)
-        if not path.is_file():
-            raise LaunchError(f"{path}: recipe file not found")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise LaunchError(f"{path}: not valid YAML: {err}") from err
-        if not isinstance(data, dict):
-            raise LaunchError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
-        return cls(path, data)
+    def parse(cls, path: str | Path, overrides: Sequence[str] = ()) -> RecipeView:
+        """The recipe at ``path`` with the ``run`` overrides a launch passes on applied, refused as ``run`` would
+        refuse it (an unknown key, a wrong type, a bad choice)."""
+        return cls(Path(path), parse(str(path), list(overrides)))
 
     def get(self, dotted_key: str, default: Any = None) -> Any:
         """Value at `a.b.c`; a strategy or module given as `{class_path, init_args}` is looked into too."""

@@ -16,6 +16,8 @@ from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+# What an `#SBATCH` value may hold unquoted.
+_PLAIN = re.compile(r"[\w@%+=:,./-]+")
 
 
 class _ScriptTemplate(string.Template):
@@ -51,6 +53,22 @@ def _check_options(options: SlurmOptions) -> None:
         raise LaunchError("no partition given: pass --partition NAME (`sinfo -s` lists the partitions)")
     if not _SLURM_TIME.match(options.time):
         raise LaunchError(f"--time {options.time!r} is not a SLURM time (e.g. 04:00:00 or 1-12:00:00)")
+    for flag, value in (("--partition", options.partition), ("--job-name", options.job_name), ("--log-dir", options.log_dir)):
+        if value is not None and ("\n" in value or "\0" in value):
+            raise LaunchError(f"{flag} {value!r} holds a line break, which a script line cannot hold")
+
+
+def _sbatch(value: str) -> str:
+    """A value for an ``#SBATCH`` line, which sbatch splits itself: double-quoted when it needs to be (sbatch reads
+    double quotes and backslashes as a shell does, and expands nothing)."""
+    if _PLAIN.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _in_double_quotes(value: str) -> str:
+    """``value`` as the shell reads it inside double quotes: nothing in it expands or ends the string."""
+    return re.sub(r'([\\"$`])', r"\\\1", value)
 
 
 def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
@@ -97,10 +115,12 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
     gpu_request = f"\n#SBATCH --gpus-per-node={allocation.gpus_per_node}" if layout.uses_gpus else ""
     if options.cpus_per_task:
         gpu_request += f"\n#SBATCH --cpus-per-task={options.cpus_per_task}"
+    if "\n" in str(recipe.path):
+        raise LaunchError(f"the recipe path {str(recipe.path)!r} holds a line break, which a script line cannot hold")
     values = {
         "recipe": shlex.quote(str(recipe.path)),
-        "job_name": job_name(recipe, options),
-        "partition": options.partition,
+        "job_name": _sbatch(job_name(recipe, options)),
+        "partition": _sbatch(options.partition),
         "nodes": str(allocation.nodes),
         "trainer_nodes": str(layout.trainer_nodes),
         "inference_nodes": str(layout.inference_nodes),
@@ -108,7 +128,8 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
         "tasks_per_node": str(layout.devices_per_node),
         "gpu_request": gpu_request,
         "time": options.time,
-        "log_dir": options.log_dir,
+        "job_output": _sbatch(f"{options.log_dir}/%x-%j.out"),
+        "log_dir": _in_double_quotes(options.log_dir),
         "vllm_port": str(options.vllm_port),
         "server_command": _server_command(recipe, layout, options) if recipe.task == "grpo" else "",
         "trainer_overrides": _trainer_overrides(layout, options),

@@ -9,13 +9,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_rl import validation
+from lightning_rl.errors import UserError, report
 from lightning_rl.launch.layout import Allocation
-from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.launch.recipe_view import FlagParser, LaunchError, RecipeView
 from lightning_rl.launch.render import SlurmOptions, job_name, render_slurm_script, write_script
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="lightning-rl launch slurm",
         description="Render an sbatch script for a recipe and submit it. Arguments after `--` are passed to "
         "`lightning-rl run` (e.g. -- --output_dir=runs/a --trainer.max_steps=100).",
@@ -61,20 +63,31 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
     return argv, ()
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--cpus-per-task", args.cpus_per_task)):
+        if value is not None:
+            validation.positive_int(flag, value)
+    validation.non_negative_int("--inference-nodes", args.inference_nodes)
+    if not 1 <= args.vllm_port <= 65535:
+        raise LaunchError(f"--vllm-port must be a port number (1 to 65535), got {args.vllm_port}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     own_args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(own_args)
-    options = SlurmOptions(
-        partition=args.partition,
-        time=args.time,
-        job_name=args.job_name,
-        log_dir=args.log_dir,
-        cpus_per_task=args.cpus_per_task,
-        vllm_port=args.vllm_port,
-        run_overrides=overrides,
-    )
     try:
-        recipe = RecipeView.load(args.recipe)
+        args = _parser().parse_args(own_args)
+        _check_flags(args)
+        options = SlurmOptions(
+            partition=args.partition,
+            time=args.time,
+            job_name=args.job_name,
+            log_dir=args.log_dir,
+            cpus_per_task=args.cpus_per_task,
+            vllm_port=args.vllm_port,
+            run_overrides=overrides,
+        )
+        # The recipe as `lightning-rl run` will read it in the job: the same parser, the overrides applied.
+        recipe = RecipeView.parse(args.recipe, overrides)
         script = render_slurm_script(recipe, Allocation(args.nodes, args.gpus_per_node, args.inference_nodes), options)
         if args.dry_run:
             print(script, end="")
@@ -83,9 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = args.script or Path(args.log_dir) / f"{job_name(recipe, options)}.sbatch"
         write_script(script, path)
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UserError as error:
+        return report(error)
     submitted = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False)
     if submitted.returncode != 0:
         print(f"error: sbatch {path} failed: {submitted.stderr.strip()}", file=sys.stderr)

@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerBase
 
+from lightning_rl import validation
+from lightning_rl.errors import RecipeError
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.models.structure import enable_activation_checkpointing
@@ -21,12 +23,31 @@ from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 
 @dataclass
 class LoraSettings:
-    """The ``lora:`` block of a recipe. ``target_modules`` is a list of module names or "all-linear"."""
+    """The ``lora:`` block of a recipe. ``target_modules`` is a list of module names or "all-linear"; every name must
+    match modules of the model (checked when it loads)."""
 
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
+
+    @classmethod
+    def checked(cls, lora: LoraSettings | dict | None) -> LoraSettings | None:
+        """The block as settings (LightningCLI may hand it over as a mapping), its values checked."""
+        if lora is None:
+            return None
+        lora = cls(**lora) if isinstance(lora, dict) else lora
+        lora.check()
+        return lora
+
+    def check(self) -> None:
+        validation.positive_int("lora.r", self.r)
+        validation.finite_positive("lora.alpha", self.alpha)
+        validation.fraction("lora.dropout", self.dropout)
+        if not self.target_modules:
+            raise RecipeError("lora.target_modules must name at least one module (or be all-linear)", "lora.target_modules")
+        if isinstance(self.target_modules, list):
+            validation.unique("lora.target_modules", self.target_modules)
 
 
 def load_causal_lm(
@@ -59,6 +80,7 @@ def load_causal_lm(
             if towers and re.match(towers, name):
                 param.requires_grad_(False)
         return model
+    _check_lora_targets(model, lora.target_modules)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -68,6 +90,21 @@ def load_causal_lm(
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
+    """Every name of a list must match modules of the model (as peft matches: the name, or its last parts); peft
+    itself refuses only a list that matches nothing, and adapts the rest silently."""
+    if isinstance(targets, str):
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if missing:
+        leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        raise RecipeError(
+            f"lora.target_modules: {', '.join(map(repr, missing))} {'matches' if len(missing) == 1 else 'match'} no module of {type(model).__name__} "
+            f"(its linear layers: {', '.join(leaves)}; or all-linear)", "lora.target_modules",
+        )
 
 
 def _outside_text_model(model: torch.nn.Module) -> str | None:

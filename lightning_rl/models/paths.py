@@ -1,10 +1,57 @@
-"""Where a recipe's ``model_name_or_path`` points."""
+"""Where a recipe's ``model_name_or_path`` points: a from_pretrained folder, a Hugging Face Hub id, or ``tiny``."""
 
 from __future__ import annotations
 
+import functools
+import re
+from pathlib import Path
+
+from lightning_rl.errors import RecipeError
 from lightning_rl.toy.model import TINY_NAME, tiny_model_path
 
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
-def resolve_model_path(name_or_path: str) -> str:
-    """A from_pretrained folder or hub id, as given; ``tiny``, the embedded default, is built once and cached."""
-    return str(tiny_model_path()) if name_or_path == TINY_NAME else name_or_path
+
+def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> str:
+    """A from_pretrained folder or hub id, as given once ``check_model_source`` found it; ``tiny``, the embedded
+    default, is built once and cached."""
+    if name_or_path == TINY_NAME:
+        return str(tiny_model_path())
+    check_model_source(name_or_path, key)
+    return name_or_path
+
+
+def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:
+    """Refuse, naming ``key``, a model that is neither a from_pretrained folder nor a hub id in the local cache or on
+    the Hub. The Hub is asked once, without retries, so a wrong id fails in seconds (offline: at once)."""
+    if name_or_path == TINY_NAME:
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
+        return
+    if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
+        raise RecipeError(f"{key}: no model folder at {name_or_path}", key)
+    if problem := _hub_problem(name_or_path):
+        raise RecipeError(f"{key}: {name_or_path} is neither a local folder nor {problem}", key)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_problem(repo_id: str) -> str | None:
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "a model in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)
+    except GatedRepoError:
+        return None  # it exists; from_pretrained asks for the access it needs
+    except RepositoryNotFoundError:
+        return "a model on the Hugging Face Hub (none by that id, or it is private and no token gives access)"
+    except Exception as error:  # the Hub cannot be reached: no network, a proxy, a timeout
+        return f"a model in the local Hugging Face cache, and the Hub cannot be reached ({type(error).__name__}: {error})"
+    return None

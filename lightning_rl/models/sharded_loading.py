@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim 0 over an inner Shard(0)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the offsets DCP itself uses
 
+from lightning_rl.errors import UserError
 from lightning_rl.models.weights import hf_name, policy_model
 
 # Models built on the meta device -> the folder their weights still have to come from. A registry beside the models,
@@ -34,8 +35,10 @@ from lightning_rl.models.weights import hf_name, policy_model
 _PENDING: weakref.WeakKeyDictionary[nn.Module, Path] = weakref.WeakKeyDictionary()
 
 
-class CheckpointMismatchError(RuntimeError):
+class CheckpointMismatchError(UserError, RuntimeError):
     """The checkpoint on disk does not hold a tensor the model needs, or holds it in another shape."""
+
+    key = "model_name_or_path"
 
 
 @dataclass

@@ -23,8 +23,10 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from transformers import AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer
 
+from lightning_rl import validation
+from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
 from lightning_rl.losses.grpo import LossType, TokenLoss
@@ -32,8 +34,10 @@ from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.ops.grad_norm import clip_grad_norm
-from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.models.paths import check_model_source, resolve_model_path
+from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
+from lightning_rl.checkpoints import check_weights_fit
 from lightning_rl.data.sft import DataError
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
@@ -112,7 +116,7 @@ class GRPOModule(LightningModule):
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
-        lr_schedule: str = "constant_with_warmup",
+        lr_schedule: LrSchedule = "constant_with_warmup",
         max_grad_norm: float | None = 1.0,
         max_tokens_per_row: int | None = None,
         chunk_size: int = 1024,
@@ -139,37 +143,44 @@ class GRPOModule(LightningModule):
         self.save_hyperparameters(ignore=["rewards", "lora"])
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
-        self.hparams["lora"] = None if lora is None else asdict(lora)
-        self.lora = lora
+        self.lora = LoraSettings.checked(lora)
+        self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
+        check_model_source(model_name_or_path)
         if num_generations < 2:
-            raise ValueError(
-                f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)"
+            raise RecipeError(
+                f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
+                "num_generations",
             )
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         counts = {"max_new_tokens": max_new_tokens, "max_turns": max_turns, "tool_output_max_chars": tool_output_max_chars,
+                  "chunk_size": chunk_size, "verify_packing_every": verify_packing_every, "summary_window": summary_window,
                   **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
-        if max_context_tokens is not None:
-            counts["max_context_tokens"] = max_context_tokens
-        for key, value in counts.items():
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if not tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
+            if value is not None:
+                validation.positive_int(key, value)
+        for key, value in {"max_staleness": max_staleness, "top_k": top_k, "warmup_steps": warmup_steps,
+                           "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
+            validation.non_negative_int(key, value)
+        for key, value in {"temperature": temperature, "epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
+                           "beta": beta, "weight_decay": weight_decay}.items():  # fmt: skip
+            validation.finite_non_negative(key, value)
+        for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s,
+                           "importance_sampling_cap": importance_sampling_cap, "max_grad_norm": max_grad_norm}.items():  # fmt: skip
+            if value is not None:
+                validation.finite_positive(key, value)
+        validation.fraction("top_p", top_p, low_open=True, high_open=False)
         if importance_sampling_cap is not None and old_logprobs == "engine":
-            raise ValueError(
+            raise RecipeError(
                 "importance_sampling_cap corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio "
-                "already uses the engine's, so the correction would apply twice"
+                "already uses the engine's, so the correction would apply twice", "importance_sampling_cap",
             )
         if max_turns > 1 and not tools:
-            raise ValueError("max_turns > 1 needs at least one tool")
+            raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
+        validation.unique("tools", [tool.name for tool in self.tools])
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
@@ -254,13 +265,11 @@ class GRPOModule(LightningModule):
             self.engine.close()
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
-        scheduler = get_scheduler(
-            self.hparams.lr_schedule, optimizer, num_warmup_steps=self.hparams.warmup_steps,
-            num_training_steps=max(int(self.trainer.max_steps), 1),
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        hp = self.hparams
+        return adamw_with_schedule(
+            [p for p in self.policy.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
+        )  # fmt: skip
 
     # -- the algorithm -------------------------------------------------------------------------
 
@@ -532,6 +541,7 @@ class GRPOModule(LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
         state = checkpoint.get("grpo", {})
         self._restored_queue = state.get("rollout_queue")
         self.reward_history = list(state.get("reward_history", []))

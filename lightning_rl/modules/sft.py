@@ -16,11 +16,15 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from transformers import get_scheduler
 
+from lightning_rl import validation
+from lightning_rl.checkpoints import check_weights_fit
 from lightning_rl.data.sft import GenerationCase
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.models.paths import check_model_source
 from lightning_rl.models.structure import compile_decoder_layers
+from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
@@ -35,7 +39,8 @@ class SFTModule(LightningModule):
     Args:
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
         learning_rate, weight_decay, betas: AdamW settings.
-        warmup_steps: linear warmup; then ``lr_schedule`` (any ``transformers.get_scheduler`` name).
+        warmup_steps: linear warmup; then ``lr_schedule``, a ``transformers.get_scheduler`` schedule (``linear``,
+            ``cosine``, ``cosine_with_restarts`` and ``polynomial`` run over the run's length, so need ``max_steps``).
         lora: adapt with LoRA through peft instead of full fine-tuning.
         export: the final Hugging Face folder: ``model`` (full model), ``merged`` (LoRA merged into the
             base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
@@ -57,7 +62,7 @@ class SFTModule(LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
-        lr_schedule: str = "cosine",
+        lr_schedule: LrSchedule = "cosine",
         lora: LoraSettings | None = None,
         export: Literal["model", "merged", "adapter"] | None = None,
         chunk_size: int = 1024,
@@ -71,12 +76,21 @@ class SFTModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_model_source(model_name_or_path)
+        validation.finite_positive("learning_rate", learning_rate)
+        validation.finite_non_negative("weight_decay", weight_decay)
+        for i, beta in enumerate(betas):
+            validation.fraction(f"betas[{i}]", beta)
+        validation.non_negative_int("warmup_steps", warmup_steps)
+        validation.positive_int("chunk_size", chunk_size)
+        validation.positive_int("verify_packing_every", verify_packing_every)
+        validation.non_negative_int("eval_generations", eval_generations)
+        validation.positive_int("max_new_tokens", max_new_tokens)
         if export in ("merged", "adapter") and lora is None:
-            raise ValueError(f"model.export={export!r} needs a model.lora block")
+            raise RecipeError(f"export={export!r} needs a model.lora block", "export")
         self.model: torch.nn.Module | None = None
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
-        # LightningCLI hands the block over as a mapping; keep the typed settings, not the hparams copy
-        self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
+        self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         self.export = export or ("merged" if lora is not None else "model")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
 
@@ -145,15 +159,14 @@ class SFTModule(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas))
-        scheduler = get_scheduler(
-            self.hparams.lr_schedule,
-            optimizer,
-            num_warmup_steps=self.hparams.warmup_steps,
-            num_training_steps=max(int(self.trainer.estimated_stepping_batches), 1),
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        hp = self.hparams
+        return adamw_with_schedule(
+            [p for p in self.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay, betas=hp.betas, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
+        )  # fmt: skip
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
 
     def exact_match_accuracy(self, cases: list[GenerationCase], tokenizer: Any) -> dict[str, float]:
         """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_rl.dotted import load_object
+from lightning_rl.errors import UserError
 from lightning_rl.rewards.builtin import BUILTIN_REWARDS
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,10 @@ class RewardError:
     kind: Literal["raised", "non_finite"] = "raised"
 
 
-class RewardFailedError(RuntimeError):
+class RewardFailedError(UserError, RuntimeError):
     """A reward function failed on every sample of a step (`RewardScorer(all_failed="stop")`)."""
+
+    key = "rewards"
 
     def __init__(self, message: str, reward: str, step: int | None, first_error: str) -> None:
         super().__init__(message)

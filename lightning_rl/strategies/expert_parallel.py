@@ -29,13 +29,17 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_rl.errors import UserError
+
 EXPERT_MESH_DIMS = ("expert_data_parallel", "expert_parallel")
 # Submodules of an experts module that act on each expert output row and so can run on the sending rank.
 _ROW_NORMS = ("post_expert_norm",)
 
 
-class ExpertParallelError(ValueError):
+class ExpertParallelError(UserError, ValueError):
     """A model or layout that expert parallelism cannot split; the message names the module or size."""
+
+    key = "trainer.strategy"
 
 
 def is_experts_module(module: nn.Module) -> bool:

@@ -1,0 +1,41 @@
+"""The optimizer both training modules build: AdamW with a per-step learning-rate schedule from transformers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Trainer
+from transformers import get_scheduler
+
+from lightning_rl.errors import RecipeError
+
+# The transformers schedules that need nothing beyond warmup and the run's length.
+LrSchedule = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt"]
+# Those that run over the run's length: past its end transformers' cosine climbs again, so they need a run that ends.
+_OVER_THE_RUN = ("linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+def adamw_with_schedule(
+    params: Iterable[torch.nn.Parameter],
+    trainer: Trainer,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    lr_schedule: LrSchedule,
+    warmup_steps: int,
+    betas: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """What ``configure_optimizers`` returns: AdamW and its schedule, stepped every optimizer step."""
+    total = trainer.estimated_stepping_batches  # max_steps, else what the epochs come to; -1 or inf: no end
+    ends = math.isfinite(total) and total >= 1
+    if lr_schedule in _OVER_THE_RUN and not ends:
+        raise RecipeError(
+            f"trainer.max_steps is {trainer.max_steps} (no end), but lr_schedule {lr_schedule!r} runs over the run's "
+            "length: set trainer.max_steps, or use constant or constant_with_warmup", "trainer.max_steps",
+        )
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, **({"betas": tuple(betas)} if betas else {}))
+    scheduler = get_scheduler(lr_schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=int(total) if ends else 1)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,327 @@
+"""The one recipe reader: ``lightning-rl run`` builds its run with it (``build``); ``launch`` and ``plan`` check a
+recipe with it (``parse``), with the same keys, types and checks and the command-line overrides applied.
+
+A recipe is a LightningCLI config: ``task`` picks the module and datamodule classes, ``model`` and ``data`` are their
+init arguments, ``trainer`` the Trainer's, plus ``output_dir``, ``seed``, ``logger``, ``checkpoint_every_n_steps``,
+``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and ``overwrite``. Parsing refuses an
+unknown (or abbreviated) key and a wrong type, ``check_trainer`` the Trainer values a run relies on, and the module and
+datamodule check their own values as they are built. Every mistake is a ``UserError`` keyed from the recipe's top.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import netrc
+import os
+import re
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from jsonargparse import ActionYesNo, ArgumentError
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_rl import validation
+from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, StopOnNonFinite
+from lightning_rl.checkpoints import StagedCheckpointIO
+from lightning_rl.console import StepProgressBar, quiet_third_party_noise
+from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.strategies import check_strategy_request
+
+TASKS = {
+    "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
+    "grpo": ("lightning_rl.modules.grpo:GRPOModule", "lightning_rl.data.prompts:PromptDataModule"),
+}
+# The precisions every backend runs (README); Lightning's short aliases of them are accepted too.
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# What a run writes into OUTPUT_DIR, removed by --overwrite (anything else there is left alone).
+RUN_OUTPUTS = ("checkpoints", "hf", "summary.json", "recipe.yaml", "csv", "wandb", "hpc_ckpt_*.ckpt*")
+
+
+@dataclass
+class LoggerSettings:
+    """The ``logger:`` block. ``wandb`` logs offline when no credentials are configured."""
+
+    kind: Literal["csv", "wandb", "none"] = "csv"
+    project: str = "lightning-rl"
+    name: str | None = None
+    offline: bool | None = None
+
+
+def _import(target: str) -> Any:
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def task_classes(task: str) -> tuple[type[LightningModule], type[LightningDataModule]]:
+    validation.one_of("task", task, TASKS)
+    try:
+        return _import(TASKS[task][0]), _import(TASKS[task][1])
+    except ImportError as e:
+        raise RecipeError(f"task: {task!r} is not available in this install ({e})", "task") from None
+
+
+def read_task(recipe: Path, overrides: list[str]) -> str:
+    """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes."""
+    for arg in overrides:
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
+    if not recipe.is_file():
+        raise RecipeError(f"{recipe}: no such recipe file")
+    try:
+        config = yaml.safe_load(recipe.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict) or "task" not in config:
+        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
+    return str(config["task"])
+
+
+def check_trainer(trainer: Any) -> None:
+    """The ``trainer`` values a run relies on that Lightning's types leave open (or refuses only mid-run)."""
+    precision = trainer.get("precision")
+    if precision is not None and _PRECISION_ALIASES.get(str(precision), str(precision)) not in PRECISIONS:
+        raise RecipeError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}", "trainer.precision")
+    if trainer.get("accumulate_grad_batches") is not None:
+        validation.positive_int("trainer.accumulate_grad_batches", trainer["accumulate_grad_batches"])
+    for key in ("max_steps", "max_epochs"):
+        value = trainer.get(key)
+        if value is not None and value != -1 and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RecipeError(f"trainer.{key} must be -1 (no limit) or >= 1, got {value!r}", f"trainer.{key}")
+    if trainer.get("gradient_clip_val") is not None:
+        validation.finite_non_negative("trainer.gradient_clip_val", trainer["gradient_clip_val"])
+
+
+def has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None  # NETRC as wandb reads it
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
+    if settings.kind == "none":
+        return False
+    if settings.kind == "csv":
+        return CSVLogger(save_dir=output_dir, name="csv")
+    offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") == "offline" or not has_wandb_credentials())
+    if offline:
+        print(f"W&B: logging offline to {output_dir}/wandb; upload later with `wandb sync {output_dir}/wandb/offline-run-*`", file=sys.stderr)
+    return WandbLogger(project=settings.project, name=settings.name, save_dir=str(output_dir), offline=offline)
+
+
+def remove_run_outputs(output_dir: Path) -> None:
+    for pattern in RUN_OUTPUTS:
+        for path in output_dir.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+class SaveRecipe(SaveConfigCallback):
+    """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's outputs
+    go, then the resolved recipe is written to OUTPUT_DIR/recipe.yaml (atomically)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pass  # where SaveConfigCallback writes: too early, the model is not set up yet
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        output_dir = Path(self.config["output_dir"])
+        if self.config["overwrite"] and self.config["ckpt_path"] is None:
+            remove_run_outputs(output_dir)
+        path = output_dir / "recipe.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        config = self.config.clone()
+        config.overwrite = False  # rerunning the saved recipe must not replace this run
+        self.parser.save(config, str(tmp), skip_none=False, overwrite=True, multifile=False)
+        os.replace(tmp, path)
+
+
+class RecipeCLI(LightningCLI):
+    """LightningCLI with the recipe's top-level keys, its checks, and the callbacks every run gets. With
+    ``build=False`` it parses and checks the recipe and builds nothing."""
+
+    def __init__(self, *args: Any, build: bool = True, **kwargs: Any) -> None:
+        self.build = build
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--task", type=Literal[tuple(TASKS)], required=True, help="what to train: " + ", ".join(TASKS))
+        parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100)
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
+        parser.add_class_arguments(LoggerSettings, "logger")
+        parser.link_arguments("seed", "seed_everything")
+        parser.link_arguments("output_dir", "trainer.default_root_dir")
+        if "seed" in inspect.signature(self.datamodule_class).parameters:
+            parser.link_arguments("seed", "data.seed")
+        if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in inspect.signature(self.model_class).parameters:
+            parser.link_arguments("model.model_name_or_path", "data.tokenizer")
+
+    def before_instantiate_classes(self) -> None:
+        validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
+        check_trainer(self.config["trainer"])
+
+    def instantiate_classes(self) -> None:
+        if not self.build:
+            return
+        try:
+            super().instantiate_classes()
+        except UserError:
+            raise
+        except (ValueError, MisconfigurationException) as error:  # a recipe class refusing its arguments as it is built
+            raise RecipeError(" ".join(str(error).split())) from None
+
+    def keyed(self, error: UserError) -> UserError:
+        return keyed(error, self.model_class, self.datamodule_class)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init
+        strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
+        if isinstance(strategy, str):  # refuse what this machine cannot run before Lightning starts on it
+            check_strategy_request(strategy, accelerator if isinstance(accelerator, str) else None)
+        output_dir = Path(config["output_dir"])
+        self.requeue = RequeueOnSignal(output_dir)
+        logger = build_logger(config["logger"], output_dir)
+        callbacks = list(config["trainer"].get("callbacks") or [])
+        if config["trainer"].get("enable_progress_bar") is not False:
+            callbacks.append(StepProgressBar())
+        callbacks += [
+            RunSummary(output_dir, task=config["task"]),
+            ExportHuggingFace(output_dir),
+            self.requeue,
+            StopOnNonFinite(),
+            *([LoggerAfterSetup(logger)] if logger else []),
+            ModelCheckpoint(
+                dirpath=output_dir / "checkpoints",
+                filename="{step}",
+                every_n_train_steps=config["checkpoint_every_n_steps"],
+                save_top_k=1,
+                save_last=True,
+            ),
+        ]
+        trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; XLA's own is left alone
+            trainer.strategy.checkpoint_io = StagedCheckpointIO()
+        return trainer
+
+
+_UNKNOWN_KEY = [
+    (re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'"), lambda m: f"{m[1]}.{m[2]}"),
+    (re.compile(r"Option '([\w.]+)' is not accepted"), lambda m: m[1]),
+    (re.compile(r"unrecognized arguments: --([\w.]+)"), lambda m: m[1]),
+]
+_PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
+_EXPECTED = re.compile(r"Expected a (?:typing\.Literal\[(?P<options>[^\]]*)\]|<class '(?P<type>[\w.]+)'>)\. Got value: (?P<value>.*?)(?: - |$)")
+_LITERAL = re.compile(r"typing\.Literal\[([^\]]*)\]")
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _choices(options: str) -> list[str]:
+    return [option.strip().strip("'\"") for option in options.split(",")]
+
+
+def _one_line(error: BaseException) -> str:
+    """jsonargparse spreads a problem over several lines and type reprs; say it on one, in the recipe's words: an
+    unknown key by name, a bad value as ``KEY must be ..., got VALUE``."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    keys = _PARSER_KEY.findall(text)
+    for pattern, key in _UNKNOWN_KEY:
+        if match := pattern.search(text):
+            name = key(match)
+            if keys and not name.startswith(keys[0]):  # an init argument of a class given by class_path
+                name = f"{keys[0]}{'.init_args.' if 'class_path' in text else '.'}{name}"
+            return f"unknown key '{name}'"
+    if keys:
+        key = keys[0] + "".join(f".{inner}" for inner in keys[1:] if not inner.startswith(keys[0]))  # a dataclass's field
+        if match := _EXPECTED.search(text[text.rindex('Parser key "') :]):
+            if match["options"] is not None:
+                expected = f"one of {', '.join(_choices(match['options']))}"
+            else:
+                expected = _TYPE_WORDS.get(match["type"], f"a {match['type']}")
+            return f"{key} must be {expected}, got {match['value']}"
+        if (given := re.search(r"Given value: (.*)$", text)) and (options := _LITERAL.findall(text)):
+            choices = list(dict.fromkeys(choice for found in options for choice in _choices(found)))
+            return f"{key} must be one of {', '.join(choices)}, got {given[1]}"
+    return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserError:
+    """``error`` with its key read from the recipe's top: a key the module or datamodule raised about one of its own
+    arguments (``learning_rate``) gets its block in front (``model.learning_rate``)."""
+    name = re.match(r"\w+", error.key or "")
+    for block, cls in (("model", model_class), ("data", datamodule_class)):
+        if name and name[0] in inspect.signature(cls).parameters:
+            return error.within(block)
+    return error
+
+
+def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
+    model_class, datamodule_class = task_classes(read_task(Path(recipe), overrides))
+    try:
+        with warnings.catch_warnings():
+            # The recipe goes in as `args` on purpose; LightningCLI warns when sys.argv is also set.
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
+            return RecipeCLI(
+                model_class,
+                datamodule_class,
+                build=build,
+                run=False,
+                args=["--config", recipe, *overrides],
+                save_config_callback=SaveRecipe,
+                parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run", "allow_abbrev": False},
+                auto_configure_optimizers=False,
+                # Packed rows are dealt to ranks by the datamodule's own sampler.
+                trainer_defaults={"use_distributed_sampler": False},
+            )
+    except ArgumentError as e:
+        raise RecipeError(f"{recipe}: {_one_line(e)}") from None
+    except UserError as error:
+        raise keyed(error, model_class, datamodule_class) from None
+
+
+def build(recipe: str, overrides: list[str]) -> RecipeCLI:
+    """The run a recipe describes: its module, datamodule and trainer (``.model``, ``.datamodule``, ``.trainer``)."""
+    quiet_third_party_noise()
+    return _cli(recipe, overrides, build=True)
+
+
+def parse(recipe: str, overrides: list[str]) -> dict[str, Any]:
+    """The recipe as ``run`` reads it, ``overrides`` applied, once it passed every check of ``build`` that needs
+    nothing built (keys, types, choices, the Trainer's values): a plain nested dict of the values the user wrote, in
+    the recipe or an override (the defaults left out, so a launch can tell "not said" from a value)."""
+    config = _cli(recipe, overrides, build=False).config.as_dict()
+    written = yaml.safe_load(Path(recipe).read_text())
+    for override in overrides:  # `--a.b=value`: a.b is written
+        node = written
+        *parents, last = override.lstrip("-").split("=", 1)[0].rstrip("+").split(".")
+        for part in parents:
+            node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
+        node[last] = True
+    return _written(config, written)
+
+
+def _written(parsed: Any, written: Any) -> Any:
+    """The part of ``parsed`` whose keys appear in ``written``; a class's arguments may be written beside its
+    ``class_path`` rather than under ``init_args``."""
+    if not isinstance(parsed, dict) or not isinstance(written, dict):
+        return parsed
+    if "init_args" in parsed and "init_args" not in written:
+        written = {**written, "init_args": {key: value for key, value in written.items() if key != "class_path"}}
+    return {key: _written(parsed[key], written[key]) for key in parsed if key in written}

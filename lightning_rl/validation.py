@@ -1,0 +1,69 @@
+"""Checks of recipe values that their types do not say: bounds, finiteness, known names, no duplicates.
+
+The modules and datamodules run them in ``__init__``, so a bad value is refused as the recipe is read, before
+anything loads or is written. Each raises a ``RecipeError`` whose message starts with the key it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lightning_rl.errors import RecipeError
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{key} must be >= 1, got {value!r}", key)
+    return value
+
+
+def non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecipeError(f"{key} must be >= 0, got {value!r}", key)
+    return value
+
+
+def finite_positive(key: str, value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise RecipeError(f"{key} must be a finite number > 0, got {value!r}", key)
+    if value <= 0:
+        raise RecipeError(f"{key} must be > 0, got {value!r}", key)
+    return value
+
+
+def finite_non_negative(key: str, value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise RecipeError(f"{key} must be a finite number >= 0, got {value!r}", key)
+    if value < 0:
+        raise RecipeError(f"{key} must be >= 0, got {value!r}", key)
+    return value
+
+
+def fraction(key: str, value: Any, *, low_open: bool = False, high_open: bool = True) -> float:
+    """A number in [0, 1), or (0, 1] etc. as the open ends say."""
+    ok = _is_number(value) and math.isfinite(value)
+    ok = ok and (value > 0 if low_open else value >= 0) and (value < 1 if high_open else value <= 1)
+    if not ok:
+        interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        raise RecipeError(f"{key} must be in {interval}, got {value!r}", key)
+    return value
+
+
+def one_of(key: str, value: Any, names: Iterable[Any]) -> Any:
+    names = list(names)
+    if value not in names:
+        raise RecipeError(f"{key} must be one of {', '.join(map(str, names))}, got {value!r}", key)
+    return value
+
+
+def unique(key: str, values: Sequence[Any]) -> Sequence[Any]:
+    repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise RecipeError(f"{key} must not repeat a name, got {', '.join(repeated)} more than once", key)
+    return values

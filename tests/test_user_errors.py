@@ -1,0 +1,180 @@
+"""Every mistake is one line. Each class of mistake, made on a tiny recipe through the real `lightning-rl` command in
+this process, ends with exit code 2 and exactly one `error:` line that names the key (or the file and line), without
+a traceback, and writes nothing into output_dir. A negative control shows the same run without the mistake gets
+past every check."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+import yaml
+
+from lightning_rl import cli
+from toy_paths import REPO
+
+SFT, SFT_LORA, GRPO = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "sft_lora.yaml", "grpo.yaml"))
+MUSE = str(REPO / "recipes" / "muse_spark_open" / "lora_sft_8x8.yaml")
+SHORT = ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+SHORT_SFT = [*SHORT, "--data.val_data=null", "--data.max_tokens=256", "--model.eval_generations=0",
+             "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
+SHORT_GRPO = [*SHORT, "--model.num_generations=2", "--data.batch_size=1"]
+GOOD_ROW = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+
+
+def always_raises(completions: list[str], **_) -> list[float]:
+    raise KeyError("score")
+
+
+def recipe_with(tmp_path: Path, recipe: str, **model: object) -> str:
+    """A copy of ``recipe`` with ``model`` keys set as YAML values (for what an override cannot spell, like NaN)."""
+    config = yaml.safe_load(Path(recipe).read_text())
+    config["model"].update(model)
+    for key in ("train_data", "val_data"):
+        if key in config.get("data", {}):
+            config["data"][key] = str(REPO / config["data"][key])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def checkpoint(path: Path, state_dict: dict[str, torch.Tensor]) -> str:
+    torch.save({"epoch": 0, "global_step": 1, "pytorch-lightning_version": lightning.__version__, "state_dict": state_dict,
+                "loops": {}, "callbacks": {}, "optimizer_states": [], "lr_schedulers": []}, path)  # fmt: skip
+    return str(path)
+
+
+def lora_checkpoint(path: Path, r: int) -> str:
+    from lightning_rl.modules.sft import SFTModule
+
+    module = SFTModule(lora={"r": r})
+    module.configure_model()
+    return checkpoint(path, module.state_dict())
+
+
+def data_file(tmp_path: Path, name: str, content: bytes) -> str:
+    (tmp_path / name).write_bytes(content)
+    return str(tmp_path / name)
+
+
+GOOD = json.dumps(GOOD_ROW).encode() + b"\n"
+EMPTY_TURN = json.dumps({"messages": [GOOD_ROW["messages"][0], {"role": "assistant", "content": ""}]}).encode() + b"\n"
+# name -> (recipe, overrides given the test's tmp_path, what the error line starts with after "error: "; {t} is
+# tmp_path, {r} the recipe, which a mistake the parser finds is said in)
+MISTAKES = {
+    "train_data a folder": (SFT, lambda t: [f"--data.train_data={t}"], "data.train_data: "),
+    "unknown model folder": (SFT, lambda t: [f"--model.model_name_or_path={t / 'no-model'}"], "model.model_name_or_path: no model folder"),
+    "unknown hub id": (SFT, lambda t: ["--model.model_name_or_path=nobody-at-all/no-such-model"], "model.model_name_or_path: nobody-at-all/no-such-model is neither"),
+    "learning_rate NaN": (lambda t: recipe_with(t, SFT, learning_rate=float("nan")), lambda t: [], "model.learning_rate must be a finite number > 0, got nan"),
+    "learning_rate negative": (SFT, lambda t: ["--model.learning_rate=-1e-3"], "model.learning_rate must be > 0, got -0.001"),
+    "unknown lr_schedule": (SFT, lambda t: ["--model.lr_schedule=cosin"], "{r}: model.lr_schedule must be one of constant,"),
+    "warmup_steps negative": (SFT, lambda t: ["--model.warmup_steps=-5"], "model.warmup_steps must be >= 0, got -5"),
+    "accumulate_grad_batches 0": (SFT, lambda t: ["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
+    "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
+    "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
+    "max_new_tokens 0 (grpo)": (GRPO, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
+    "max_turns 0": (GRPO, lambda t: ["--model.max_turns=0"], "model.max_turns must be >= 1, got 0"),
+    "max_steps -1 under a decaying schedule": (GRPO, lambda t: ["--trainer.max_steps=-1", "--model.lr_schedule=cosine"], "trainer.max_steps is -1 (no end), but lr_schedule 'cosine'"),
+    "duplicate tool": (GRPO, lambda t: ["--model.tools=[lightning_rl.tools.builtin:calculator, lightning_rl.tools.builtin.calculator]"], "model.tools must not repeat a name, got calculator"),
+    "lora r 0": (SFT_LORA, lambda t: ["--model.lora.r=0"], "model.lora.r must be >= 1, got 0"),
+    "lora targets none exist": (SFT_LORA, lambda t: ["--model.lora.target_modules=[qproj]"], "model.lora.target_modules: 'qproj' matches no module of Qwen3ForCausalLM"),
+    "lora targets some exist": (SFT_LORA, lambda t: ["--model.lora.target_modules=[q_proj, vproj, o_prj]"], "model.lora.target_modules: 'vproj', 'o_prj' match no module"),
+    "unsupported precision": (SFT, lambda t: ["--trainer.precision=transformer-engine"], "trainer.precision must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 64-true, got 'transformer-engine'"),
+    "unknown precision": (SFT, lambda t: ["--trainer.precision=8-mixed"], "{r}: trainer.precision must be one of"),
+    "abbreviated key": (SFT, lambda t: ["--model.learning_rat=1e-3"], "{r}: unknown key 'model.learning_rat'"),
+    "output_dir unwritable": (SFT, lambda t: [f"--output_dir={data_file(t, 'a-file', b'')}/run"], "output_dir: cannot write into"),
+    "ckpt_path missing": (SFT, lambda t: [f"--ckpt_path={t / 'none.ckpt'}"], "ckpt_path: no such checkpoint"),
+    "ckpt_path a folder": (SFT, lambda t: [f"--ckpt_path={t}"], "ckpt_path: {t} is incomplete (no manifest.json"),
+    "ckpt_path corrupt": (SFT, lambda t: ["--ckpt_path=" + data_file(t, "bad.ckpt", b"PK not a zip")], "ckpt_path: {t}/bad.ckpt is incomplete (unreadable"),
+    "ckpt_path of another task": (SFT, lambda t: ["--ckpt_path=" + checkpoint(t / "grpo.ckpt", {"policy.model.norm.weight": torch.ones(128)})],
+                                  "ckpt_path: {t}/grpo.ckpt holds another module's weights"),
+    "ckpt_path of another lora layout": (SFT_LORA, lambda t: ["--model.lora.r=8", "--ckpt_path=" + lora_checkpoint(t / "r16.ckpt", 16)],
+                                         "ckpt_path: {t}/r16.ckpt holds another module's weights (28 of another shape"),
+    "data not UTF-8": (SFT, lambda t: ["--data.train_data=" + data_file(t, "d.jsonl", GOOD + GOOD + b'{"prompt": "caf\xe9"}')],
+                       "{t}/d.jsonl: line 3: not valid UTF-8"),
+    "data a corrupt Parquet file": (SFT, lambda t: ["--data.train_data=" + data_file(t, "d.parquet", b"PAR1 truncated")], "{t}/d.parquet: cannot be read"),
+    "data a corrupt JSON file": (SFT, lambda t: ["--data.train_data=" + data_file(t, "d.json", b"[" + GOOD + b"," + GOOD)], "{t}/d.json: line 3: invalid JSON"),
+    "data row named by its line": (SFT, lambda t: ["--data.train_data=" + data_file(t, "d.jsonl", GOOD + b"\n" + EMPTY_TURN)],
+                                   "{t}/d.jsonl: line 3: `messages[1]`: the assistant turn is empty"),
+    "reward module with a syntax error": (GRPO, lambda t: ['--model.rewards=[{"function": "broken_reward:score"}]'], "reward function 'broken_reward:score': {t}/broken_reward.py:1: "),
+}
+
+
+def run(capsys, recipe: str, overrides: list[str], out: Path) -> tuple[int, str]:
+    fast = SHORT_GRPO if "task: grpo" in Path(recipe).read_text() else SHORT_SFT
+    code = cli.main(["run", recipe, *fast, f"--output_dir={out}", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, monkeypatch):
+    recipe, overrides, expected = MISTAKES[case]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "broken_reward.py").write_text("def score(completions:\n    return [0.0]\n")
+    recipe = recipe(tmp_path) if callable(recipe) else recipe
+    out = tmp_path / "out"
+    started = time.monotonic()
+    code, err = run(capsys, recipe, overrides(tmp_path), out)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("error: " + expected.format(t=tmp_path, r=recipe)), lines[0]
+    assert "Traceback" not in err
+    assert not out.exists()  # no lock, no logger folder, no recipe.yaml
+    assert time.monotonic() - started < 30  # a hub id is looked up once, not retried for a minute
+
+
+def test_the_negative_control_gets_past_every_check(tmp_path, capsys):
+    """The tiny recipe with none of the mistakes above trains its step: the checks refuse mistakes only."""
+    code, err = run(capsys, SFT_LORA, [f"--data.train_data={data_file(tmp_path, 'd.jsonl', GOOD * 4)}", "--model.lora.target_modules=[q_proj, v_proj]"], tmp_path / "out")
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_reward_failing_on_every_sample_is_one_line_naming_the_reward(tmp_path, capsys):
+    code, err = run(capsys, GRPO, ['--model.rewards=[{"function": "test_user_errors:always_raises"}]'], tmp_path / "out")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("error: model.rewards: step 1: reward 'always_raises' failed on all 2 samples, first: KeyError: 'score'")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+        (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a finite number > 0, got nan"),
+        (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0, got 0.0"),
+        (["--mfu", "0"], "--mfu must be > 0, got 0.0"),
+        (["--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0, got inf"),
+        (["--network-gbps", "nan"], "--network-gbps must be a finite number > 0, got nan"),
+        (["--gpus-per-node", "x"], "argument --gpus-per-node: invalid int value: 'x'"),
+    ],
+)
+def test_plan_refuses_a_zero_or_non_finite_figure_in_one_line(flags, expected, capsys):
+    base = {"--nodes": "8", "--gpus-per-node": "8", "--gpu-memory-gb": "80"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    assert cli.main(["plan", MUSE, *[part for item in base.items() for part in item]]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"error: {expected}"] and captured.out == ""
+
+
+def test_rows_of_prompts_are_named_by_their_line(tmp_path, capsys):
+    prompts = data_file(tmp_path, "p.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n\n{"question": "2+2="}\n')
+    code, err = run(capsys, GRPO, [f"--data.path={prompts}"], tmp_path / "out")
+    assert code == 2 and f"error: {prompts}: line 3: no field 'prompt' (row has ['question'])" in err.splitlines()
+
+
+
+def test_a_model_tree_packing_cannot_compute_exactly_is_one_line(tmp_path, capsys, monkeypatch):
+    from lightning_rl.attention import tree_attention
+    from test_packing_self_check import leaky_beyond
+
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(0))  # attention that leaks across packed sequences
+    code, err = run(capsys, SFT, ["--data.train_data=" + data_file(tmp_path, "d.jsonl", GOOD * 4)], tmp_path / "out")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("error: Qwen3ForCausalLM: the packing self-check measured packed log-probs") and "Traceback" not in err
