@@ -39,6 +39,7 @@ class ForeignCheckpointError(UserError, ValueError):
     """A checkpoint to resume from that holds another module's weights (another task, model or LoRA layout)."""
 
     key = "ckpt_path"
+    on_every_rank = True  # every rank reads the same checkpoint and finds the same mismatch
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,25 @@ def test_a_model_tree_packing_cannot_compute_exactly_is_one_line(tmp_path, capsy
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: Qwen3ForCausalLM: the packing self-check measured packed log-probs") and "Traceback" not in err
+
+
+def test_a_sharded_checkpoint_of_another_lora_layout_is_one_line(tmp_path):
+    """Two FSDP2 ranks save a sharded checkpoint of full fine-tuning; resuming it with LoRA is one line, said once."""
+    import os
+    import subprocess
+    import sys
+
+    from lightning_rl.rollout.vllm_server_process import free_port
+
+    def lightning_rl_run(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [str(Path(sys.executable).parent / "lightning-rl"), "run", SFT, f"--output_dir={tmp_path / 'run'}", *SHORT_SFT,
+               "--checkpoint_every_n_steps=1", "--trainer.devices=2", "--trainer.strategy=fsdp2", "--logger.kind=none", *extra]  # fmt: skip
+        env = {**os.environ, "MASTER_PORT": str(free_port())}
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    assert lightning_rl_run().returncode == 0
+    resumed = lightning_rl_run("--trainer.max_steps=2", "--ckpt_path=last", "--model.lora={r: 4, alpha: 8, target_modules: [q_proj]}")
+    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert errors[0].startswith("error: ckpt_path: ") and "does not fit this recipe's model (Missing key" in errors[0]

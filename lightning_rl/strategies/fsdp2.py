@@ -21,11 +21,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
 
-from lightning_rl.checkpoints import commit, remove, staging_path, write_manifest
+from lightning_rl.checkpoints import ForeignCheckpointError, commit, remove, staging_path, write_manifest
 from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.structure import enable_activation_checkpointing, find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
@@ -55,6 +56,10 @@ def loads_weights_sharded(strategy: object) -> bool:
 def _uncovered_parameters(module: nn.Module, covered: Iterable[nn.Module]) -> list[str]:
     inside = {id(p) for root in covered for p in root.parameters()}
     return [name for name, p in module.named_parameters() if id(p) not in inside]
+
+
+# How torch's distributed checkpoint reader says that a checkpoint holds other tensors than the model.
+_FOREIGN_CHECKPOINT = ("Missing key in checkpoint state_dict", "Size mismatch between saved", "Missing key:")
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -203,6 +208,23 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A sharded checkpoint whose tensors are not this model's (another task, model or LoRA layout) is one line:
+        torch's distributed reader says which tensor it misses, or which has another size, on every rank alike."""
+        try:
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        except (RuntimeError, CheckpointException) as error:
+            failures = getattr(error, "failures", None)  # the reader's per-rank errors, gathered on every rank
+            cause = next(iter(failures.values()))[0] if failures else error
+            said = str(cause).splitlines()[0] if str(cause) else ""
+            if not said.startswith(_FOREIGN_CHECKPOINT):
+                raise
+            raise ForeignCheckpointError(
+                f"ckpt_path: {checkpoint_path} does not fit this recipe's model ({said.rstrip('.')}): it was written by "
+                "another task, model or LoRA layout"
+            ) from None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
