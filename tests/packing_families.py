@@ -272,16 +272,31 @@ def measure(name: str, dtype: torch.dtype = torch.float32, backend: str = "block
 
 
 def matrix(names, backends=("blocks", "dense")) -> list[str]:
+    """The table, then what it comes to: families exact in every case, refused, or neither; the largest errors of
+    the exact cases."""
+    results: dict[str, list[dict]] = {}
     lines = ["| family | backend | fp32 | fp32 log-prob err | fp32 grad rel err | fp64 | fp64 log-prob err | fp64 grad rel err | refusal |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     fmt = lambda r, k: f"{r[k]:.1e}" if k in r else "-"  # noqa: E731
     for name in names:
         for backend in backends:
             r32, r64 = measure(name, torch.float32, backend), measure(name, torch.float64, backend)
+            results.setdefault(name, []).extend([r32 | {"dtype": "fp32"}, r64 | {"dtype": "fp64"}])
             refusal = re.sub(r"\s+", " ", r32.get("message") or r64.get("message") or "")[:160]
             lines.append(f"| {name} | {backend} | {r32['status']} | {fmt(r32, 'logprob_error')} | {fmt(r32, 'grad_error')} | "
                          f"{r64['status']} | {fmt(r64, 'logprob_error')} | {fmt(r64, 'grad_error')} | {refusal} |")  # fmt: skip
             print(lines[-1], flush=True)
+    statuses = {name: {r["status"] for r in rs} for name, rs in results.items()}
+    exact = [n for n, s in statuses.items() if s == {"exact"}]
+    refused = [n for n, s in statuses.items() if "refused" in s]
+    lines.append(f"families: {len(statuses)}; exact in every case: {len(exact)}; refused: {len(refused)}; "
+                 f"other: {sorted(set(statuses) - set(exact) - set(refused))}")  # fmt: skip
+    for dtype in ("fp32", "fp64"):
+        cases = [r for rs in results.values() for r in rs if r["dtype"] == dtype and "logprob_error" in r]
+        if cases:
+            lines.append(f"{dtype}: largest log-prob error {max(r['logprob_error'] for r in cases):.1e}, largest gradient "
+                         f"error {max(r['grad_error'] for r in cases):.1e} (over every case that ran to the end)")  # fmt: skip
+    print("\n".join(lines[-3:]), flush=True)
     return lines
 
 

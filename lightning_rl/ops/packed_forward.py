@@ -202,7 +202,8 @@ def _right_padded(ids: Tensor, multiple: int | None) -> Tensor:
 
 def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> None:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    key = (backend, device.type, autocast)
+    weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # a model cast later is probed again
+    key = (backend, device.type, autocast, weights)
     if key in _PROBED.setdefault(model, set()):
         return
     error, dtype = probe(model, backend, device, pad_to_multiple_of)
