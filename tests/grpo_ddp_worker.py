@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from grpo_helpers import FAST, LENGTH_REWARD, GradientRecorder
+from support.distributed import leave_worker
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
@@ -36,7 +37,7 @@ def main(out: Path, loss_type: str) -> None:
         },
         out / f"rank{trainer.global_rank}.pt",
     )
-    torch.distributed.destroy_process_group()
+    leave_worker()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from transformers.models.muse_spark.modeling_muse_spark import MuseSparkMoE
 from lightning_rl.rollout.vllm_server_process import free_port
 from lightning_rl.strategies.expert_parallel import ExpertParallelError, distribute_experts, expert_mesh
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
+from support.distributed import leave_worker
 from recipe_runs import exported, run_tiny_muse, stopped_and_resumed
 from test_sharded_loading import checkpoint_elements, run_with_check
 
@@ -63,8 +64,10 @@ def _layer_check(rank: int, port: int, implementation: str) -> None:
                 grad = p.grad.clone()
                 dist.all_reduce(grad)
             torch.testing.assert_close(grad, dense_grads[name].grad, rtol=1e-5, atol=1e-5, msg=name)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_worker()
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])

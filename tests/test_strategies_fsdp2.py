@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from support.distributed import leave_worker
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 SGD_LR = 1.0
@@ -242,7 +244,7 @@ def run_worker(mode: str, folder: str, out: str) -> None:
             result["stall_error"] = str(error)
         result["stall_seconds"] = time.perf_counter() - started
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    leave_worker()
 
 
 # ----------------------------------------------------------------------------------------------- test side

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error
+from support.distributed import leave_worker
 
 from lightning_rl.rollout.base import Rollout
 
@@ -62,12 +63,12 @@ def run_worker(folder: str, url: str, out: Path) -> None:
         rollouts = [{"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids, "logprobs": r.logprobs,
                      "weight_version": r.weight_version} for r in batch.rollouts]
         (out / "rank0.json").write_text(json.dumps({"rollouts": rollouts, "sent": report.names}))
-    torch.distributed.destroy_process_group()
+    leave_worker()
 
 
 def test_fsdp2_sync_puts_the_gathered_model_on_the_server(server_engine, tiny_model_dir: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in {"MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK"}}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, __file__, str(tiny_model_dir), server_engine.url, str(tmp_path)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
