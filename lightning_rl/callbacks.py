@@ -173,8 +173,9 @@ class _RecordingSignalConnector(_SignalConnector):
         self._original_handlers = dict(self.owner.previous_handlers)  # what `teardown` puts back
 
     def teardown(self) -> None:
-        super().teardown()
-        self.owner.previous_handlers = {}
+        # Lightning calls this before ``on_fit_end``: the handlers keep recording through the final export, which a
+        # signal must not cut on one rank while another gathers; ``RequeueOnSignal.teardown`` puts them back.
+        self._original_handlers = {}
 
 
 class RequeueOnSignal(Callback):
@@ -187,7 +188,9 @@ class RequeueOnSignal(Callback):
     the handlers only record the signal, and replace Lightning's for the whole fit. After each optimizer step the
     ranks agree on it (one all-reduce), save ``OUTPUT_DIR/hpc_ckpt_STEP.ckpt`` together (staged and renamed whole;
     it replaces older ones) and stop with ``SIGTERMException``, which ``lightning-rl run`` ends with exit code 143.
-    A signal that came before the first step stops the run at ``on_train_start``, with nothing new to save.
+    A signal that came before the first step stops the run at ``on_train_start``, with nothing new to save. One that
+    comes after the last step's boundary lets the final checkpoint and ``hf/`` be written whole (both staged): the run
+    ends finished, exit 0, and says so in one line.
 
     Under SLURM with auto-requeue (the default there) the requeue signal comes ahead of the time limit: rank 0 also
     runs ``scontrol requeue``, and the ranks wait for the SIGTERM with which SLURM then stops the job (the requeued

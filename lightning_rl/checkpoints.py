@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.plugins.io.xla import XLACheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_rl.errors import UserError
@@ -216,26 +219,61 @@ def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Pat
     return Checkpoint(path, step), [(p, reason) for m, p, reason in sorted(incomplete, reverse=True) if m >= mtime]
 
 
+def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
+    """Write a single-file checkpoint as ``final.staging``, flush it to disk, then rename it to ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(final)
+    _delete(staging)
+    with open(staging, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    commit(staging, final)
+
+
+def _local(path: Any, storage_options: Any | None = None) -> bool:
+    return storage_options is None and "://" not in str(path)
+
+
 class StagedCheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints written as ``NAME.staging``, flushed to disk, then renamed to ``NAME``; removed
-    through a rename too. Local paths only; other URLs go through Lightning's own writer."""
+    """Lightning's default writer, staged: single-file checkpoints written by ``write_staged`` and removed through a
+    rename. Local paths only; other URLs go through Lightning's own writer."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or "://" in str(path):
+        if not _local(path, storage_options):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = staging_path(final)
-        _delete(staging)
-        with open(staging, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        commit(staging, final)
+        write_staged(checkpoint, Path(path))
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        if "://" in str(path):
+        if not _local(path):
             return super().remove_checkpoint(path)
         remove(Path(path))
+
+
+class StagedXLACheckpointIO(XLACheckpointIO):
+    """Lightning's XLA writer, staged: every tensor copied to the host (an XLA tensor is not serialised from the
+    device), then written by ``write_staged``. Needs torch_xla, like the writer it replaces; untested here."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if not _local(path, storage_options):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        write_staged(apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().cpu()), Path(path))
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        if not _local(path):
+            return super().remove_checkpoint(path)
+        remove(Path(path))
+
+
+def staged_checkpoint_io(current: CheckpointIO) -> CheckpointIO:
+    """The staged writer that replaces a strategy's stock one (Lightning's default, or its XLA writer). A writer the
+    user chose is kept as it is."""
+    if type(current) is TorchCheckpointIO:
+        return StagedCheckpointIO()
+    if type(current) is XLACheckpointIO:
+        return StagedXLACheckpointIO()
+    return current

@@ -16,6 +16,7 @@ import fcntl
 import importlib
 import os
 import socket
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,6 +172,11 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
         return EXIT_SIGTERM
     finally:
         _destroy_process_groups()
+    if cli.requeue.received and trainer.is_global_zero:
+        # After the last step's boundary nothing is left to save but the final checkpoint and hf/, both staged and
+        # bounded like any checkpoint: they are finished rather than cut, so the run ends finished.
+        names = " and ".join(sorted(signal.Signals(s).name for s in cli.requeue.received))
+        print(f"{names} arrived after the last step: the final checkpoint and hf/ were written whole; the run is finished", file=sys.stderr)
     return 0
 
 

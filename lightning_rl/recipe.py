@@ -28,12 +28,11 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_rl import validation
 from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, StopOnNonFinite
-from lightning_rl.checkpoints import StagedCheckpointIO
+from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.strategies import check_strategy_request
@@ -217,8 +216,7 @@ class RecipeCLI(LightningCLI):
             ),
         ]
         trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; XLA's own is left alone
-            trainer.strategy.checkpoint_io = StagedCheckpointIO()
+        trainer.strategy.checkpoint_io = staged_checkpoint_io(trainer.strategy.checkpoint_io)
         return trainer
 
 

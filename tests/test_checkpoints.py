@@ -142,3 +142,28 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
     single(tmp_path / "checkpoints" / "step=2.ckpt", 2)
     assert cli.resume_path(tmp_path, "last", first=False).endswith("step=2.ckpt")  # other ranks stay quiet
     assert capsys.readouterr().err == ""
+
+
+def test_the_stock_writers_are_replaced_by_staged_ones_and_a_chosen_one_is_kept(tmp_path, monkeypatch):
+    from lightning.fabric.plugins.io import xla as lightning_xla
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.plugins.io.xla import XLACheckpointIO
+
+    from lightning_rl.checkpoints import StagedXLACheckpointIO, staged_checkpoint_io
+
+    assert type(staged_checkpoint_io(TorchCheckpointIO())) is StagedCheckpointIO
+    # XLACheckpointIO refuses to be built without torch_xla, which cannot be installed beside this torch: the test
+    # says it is there (a mock). The staged save below needs nothing from torch_xla; these are CPU tensors.
+    monkeypatch.setattr(lightning_xla, "_XLA_AVAILABLE", True)
+    xla = staged_checkpoint_io(XLACheckpointIO())
+    assert type(xla) is StagedXLACheckpointIO and isinstance(xla, XLACheckpointIO)  # what XLAStrategy accepts
+    chosen = StagedCheckpointIO()
+    assert staged_checkpoint_io(chosen) is chosen
+
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    weight = torch.arange(4.0, requires_grad=True)
+    xla.save_checkpoint({"global_step": 2, "state_dict": {"w": weight}}, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"] and checkpoint_step(path) == 2
+    assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], weight.detach())
+    xla.remove_checkpoint(path)
+    assert not path.exists()

@@ -276,3 +276,29 @@ def test_a_signal_before_the_first_step_stops_the_run_at_its_start(tmp_path, cap
     assert "stopped by SIGTERM after step 0; resume with --ckpt_path=last" in capsys.readouterr().err
     assert not list(out.rglob("*.ckpt")) and not (out / "hf").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back after the run
+
+
+class SignalAfterTheLastStep(Callback):
+    """Sends this process SIGTERM once training has ended, just before the final export."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_finished(tmp_path, capsys):
+    """Nothing is left to stop: the export (staged like a checkpoint) is written whole, exit 0, said in one line."""
+    from lightning_rl import cli
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code = cli.main([
+        "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}", "--data.val_data=null",
+        "--model.eval_generations=0", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null",
+        "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=test_fault_injection.SignalAfterTheLastStep",
+    ])  # fmt: skip
+    assert code == 0
+    assert "SIGTERM arrived after the last step: the final checkpoint and hf/ were written whole" in capsys.readouterr().err
+    assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 3 and leftovers(out) == []
+    AutoModelForCausalLM.from_pretrained(out / "hf")  # the export is complete
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

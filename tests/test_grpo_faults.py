@@ -50,6 +50,7 @@ def test_the_cli_says_a_broken_recipe_in_one_line(tmp_path, capsys):
         "--model.tool_timeout_s=0": "tool_timeout_s must be > 0, got 0.0",
         "--model.samples_per_turn=[2, 0]": "samples_per_turn[1] must be >= 1, got 0",
         '--model.rewards=[{"function": "test_grpo_faults:needs_solution"}]': "reward 'needs_solution' needs 'solution'",
+        "--model.reward_timeout_s=-1": "reward_timeout_s must be > 0, got -1.0",
     }
     for i, (override, expected) in enumerate(cases.items()):
         assert main(["run", recipe, override, f"--output_dir={tmp_path / str(i)}"]) == 2
@@ -106,3 +107,21 @@ def test_non_finite_rewards_in_a_run_score_zero_are_logged_and_never_reach_the_a
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
     assert math.isfinite(float(run.callback_metrics["train/loss"]))
     assert recorder.steps and all(torch.isfinite(g).all() for step in recorder.steps for g in step.values())
+
+
+def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_line(tmp_path):
+    """Past the model's positions an engine fails or samples from positions never trained: one line, no step taken."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "2+2"}\n\n{"prompt": "%s"}\n' % ("1+1 " * 40))  # the long one is on line 3
+    for limit, said in ((60, "max_context_tokens"), (None, "the model's max_position_embeddings")):
+        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": limit, "max_new_tokens": 8})
+        if limit is None:  # the embedded model's own context, made short
+            module.configure_model()
+            module.policy.config.max_position_embeddings = 60
+        run = trainer(2)
+        with pytest.raises(DataError) as caught:
+            run.fit(module, PromptDataModule(str(data), batch_size=2))
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith(f"{data}: line 3: the prompt is "), message
+        assert f"with max_new_tokens=8 it does not fit the context of 60 tokens ({said})" in message
+        assert run.global_step == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_adv
         ("non_finite", 0, "returned inf", "non_finite"), ("non_finite", 2, "returned -inf", "non_finite"),
         ("non_finite", 4, "returned nan", "non_finite"), ("weighted sum", 6, "overflowed to inf", "non_finite"),
     ]
-    assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 3}
+    assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 3, "timeout": 0}
     assert "reward 'non_finite' failed on sample 0 ('inf'): returned inf" in caplog.text
     advantages = group_advantages(scores.total, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "std")
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
@@ -187,7 +188,7 @@ def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
         nan_everywhere.score(["p"], ["nan"], {})
     lenient = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})], all_failed="zero")
     scores = lenient.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]})
-    assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0}
+    assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0, "timeout": 0}
     # Failing on some samples only is not a stop.
     assert RewardScorer([RewardSpec(picky)]).score(["a", "b"], ["boom", "ok"], {}).total.tolist() == [0.0, 1.0]
 
@@ -198,3 +199,59 @@ def test_a_reward_module_that_does_not_parse_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^reward function 'broken_rewards:score': .*broken_rewards.py:\d+: ") as caught:
         load_reward_function("broken_rewards:score")
     assert "\n" not in str(caught.value)
+
+
+def hangs_on(word: str):
+    def reward(completions, **_):
+        if word in completions:
+            time.sleep(3600)  # never returns within the test
+        return [1.0] * len(completions)
+
+    return reward
+
+
+async def never_answers(completions, **_):
+    await asyncio.sleep(3600)
+
+
+def shares_state(completions, **_):
+    """Fails if another call of a plain reward runs at the same time (as a shared fast tokenizer would)."""
+    global _inside
+    _inside += 1
+    try:
+        time.sleep(0.05)
+        assert _inside == 1, "two plain reward calls ran at once"
+        return [1.0] * len(completions)
+    finally:
+        _inside -= 1
+
+
+_inside = 0
+
+
+def test_a_reward_that_never_returns_fails_its_samples_within_the_limit_and_the_run_can_stop():
+    stuck = RewardSpec(hangs_on("stuck"), name="stuck")
+    scorer = RewardScorer([stuck, RewardSpec(never_answers), RewardSpec("grpo_helpers:text_length")],
+                          all_failed="zero", timeout_s=0.3)  # fmt: skip
+    started = time.monotonic()
+    scores = scorer.score(["p"] * 3, ["a", "stuck", "bb"], {})
+    assert time.monotonic() - started < 5  # one limit per function and batch, not one per sample
+    counts = scores.failure_counts()
+    assert counts["stuck"] == counts["never_answers"] == {"raised": 0, "non_finite": 0, "timeout": 3}
+    assert scores.per_function["text_length"].tolist() == pytest.approx([0.1, 0.5, 0.2])  # the others still score
+    assert {e.error for e in scores.errors} == {"did not return within 0.3s (reward_timeout_s)"}
+    # The next step is not held up by the abandoned call, and the default stops the run naming the reward.
+    with pytest.raises(RewardFailedError, match=r"step 4: reward 'stuck' failed on all 2 samples, first: did not return within 0.3s"):
+        RewardScorer([stuck], timeout_s=0.3).score(["p"] * 2, ["stuck", "a"], {}, step=4)
+    with pytest.raises(ValueError, match="reward_timeout_s must be a finite number > 0 or null, got 0"):
+        RewardScorer([stuck], timeout_s=0)
+
+
+def test_plain_rewards_run_one_at_a_time_and_exit_like_a_failure():
+    def exits(completions, **_):
+        raise SystemExit(3)
+
+    specs = [RewardSpec(shares_state, name=f"shared{i}") for i in range(3)] + [RewardSpec(exits)]
+    scores = RewardScorer(specs, all_failed="zero").score(["p"] * 2, ["a", "b"], {})
+    assert [scores.per_function[f"shared{i}"].tolist() for i in range(3)] == [[1.0, 1.0]] * 3
+    assert scores.failure_counts()["exits"]["raised"] == 2 and scores.errors[0].error == "SystemExit: 3"

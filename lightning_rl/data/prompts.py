@@ -21,9 +21,10 @@ from lightning_rl.toy.task import TRAIN_FILE
 TOY_DATASET = "toy"
 
 
-def read_prompt_records(source: DataSource, prompt_field: str) -> list[dict[str, Any]]:
-    """Every row of a data file (JSONL, JSON, Parquet or a saved dataset, read as for SFT); each must hold a non-empty
-    `prompt_field` (a string, or a list of chat messages whose trailing assistant turns are dropped)."""
+def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every row of a data file (JSONL, JSON, Parquet or a saved dataset, read as for SFT), with where it is (``FILE:
+    line N`` or ``FILE: row N``); each must hold a non-empty `prompt_field` (a string, or a list of chat messages
+    whose trailing assistant turns are dropped)."""
     name, rows = read_rows(source)
     records = []
     for where, row in rows:
@@ -36,7 +37,7 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[dict[str,
                 prompt = prompt[:-1]
         if not prompt or not isinstance(prompt, (str, list)):
             raise DataError(f"{name}: {where}: field {prompt_field!r} must be a non-empty string or message list")
-        records.append({**row, "prompt": prompt})
+        records.append((f"{name}: {where}", {**row, "prompt": prompt}))
     if not records:
         raise DataError(f"{name}: no rows")
     return records
@@ -73,11 +74,18 @@ class PromptDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.seed = seed
         self.records: list[dict[str, Any]] = []
+        self._locations: dict[int, str] = {}  # id of a record -> where it is in the data
         self._orders: dict[int, list[int]] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
-            self.records = read_prompt_records(self.path, self.prompt_field)
+            located = read_prompt_records(self.path, self.prompt_field)
+            self.records = [record for _, record in located]
+            self._locations = {id(record): where for where, record in located}
+
+    def location(self, record: dict[str, Any]) -> str:
+        """Where a record of ``prompt_batch`` is in the data: ``FILE: line N`` (JSONL) or ``FILE: row N``."""
+        return self._locations.get(id(record), self.path)
 
     @property
     def _rank_and_world(self) -> tuple[int, int]:

@@ -64,6 +64,8 @@ class GRPOModule(LightningModule):
         reward_on_error: ``zero`` scores a sample whose reward raises or is not finite 0 (and logs it); ``raise`` stops.
         reward_all_failed: ``stop`` (default) ends the run when a reward fails on every sample of a step, naming
             it; ``zero`` trains on with 0 for it.
+        reward_timeout_s: a reward call running longer fails the samples it was given (kind ``timeout``); null: no
+            limit.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
         max_new_tokens, temperature, top_p, top_k: sampling.
         system_prompt: prepended to string prompts.
@@ -99,6 +101,7 @@ class GRPOModule(LightningModule):
         rewards: Sequence[RewardSpec] = (RewardSpec("math_answer"),),
         reward_on_error: Literal["zero", "raise"] = "zero",
         reward_all_failed: Literal["stop", "zero"] = "stop",
+        reward_timeout_s: float | None = 600.0,
         num_generations: int = 8,
         max_new_tokens: int = 32,
         temperature: float = 1.0,
@@ -164,7 +167,7 @@ class GRPOModule(LightningModule):
         for key, value in {"temperature": temperature, "epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
                            "beta": beta, "weight_decay": weight_decay}.items():  # fmt: skip
             validation.finite_non_negative(key, value)
-        for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s,
+        for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s, "reward_timeout_s": reward_timeout_s,
                            "importance_sampling_cap": importance_sampling_cap, "max_grad_norm": max_grad_norm}.items():  # fmt: skip
             if value is not None:
                 validation.finite_positive(key, value)
@@ -178,7 +181,7 @@ class GRPOModule(LightningModule):
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
-        self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed)
+        self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         validation.unique("tools", [tool.name for tool in self.tools])
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -321,6 +324,7 @@ class GRPOModule(LightningModule):
         """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode)."""
         records = self.trainer.datamodule.prompt_batch(index)
         prompts = [self._prompt_ids(record) for record in records]
+        self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
         if self.tools:
             conversation = ToolConversation(
@@ -443,6 +447,21 @@ class GRPOModule(LightningModule):
         config = self.policy.config
         return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "max_position_embeddings", None)
 
+    def _check_prompts_fit(self, records: list[dict[str, Any]], prompts: list[list[int]]) -> None:
+        """A prompt that leaves no room for ``max_new_tokens`` in the context is refused, naming its row: past the
+        model's positions an engine either fails or samples from positions the model never learned."""
+        limit = self._max_context_tokens()
+        if limit is None:
+            return
+        for record, ids in zip(records, prompts, strict=True):
+            if len(ids) + self.sampling.max_new_tokens > limit:
+                where = self.trainer.datamodule.location(record) if hasattr(self.trainer.datamodule, "location") else "prompt data"
+                said = "max_context_tokens" if self.hparams.max_context_tokens is not None else "the model's max_position_embeddings"
+                raise DataError(
+                    f"{where}: the prompt is {len(ids)} tokens; with max_new_tokens={self.sampling.max_new_tokens} it "
+                    f"does not fit the context of {limit} tokens ({said}): shorten it or lower max_new_tokens"
+                )
+
     def _sampling(self, index: int, turn: int) -> SamplingConfig:
         # A seed per (batch, turn) makes sampling independent of where and when it runs.
         seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn
@@ -493,6 +512,7 @@ class GRPOModule(LightningModule):
             metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
             metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
             metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
+            metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
         if self.tools:
             metrics["tools/calls"] = float(len(distinct_tool_calls(scored.rollouts)))
             for kind, count in scored.tool_failures.items():

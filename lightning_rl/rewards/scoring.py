@@ -9,7 +9,9 @@ that do not work (they are called once on an empty batch, which compiles a regul
 
 While training, a function that raises or returns a non-finite score costs only the samples it failed
 on (they score 0, are logged and counted); one that fails on every sample of a step stops the run
-(`all_failed="stop"`), since training on all-zero rewards would silently train on nothing.
+(`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
+past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
+its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import inspect
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -114,30 +117,69 @@ class _Reward:
                 f"reward argument (there are: {', '.join(sorted(available))})"
             )
 
-    async def __call__(self, prompts: list[str], completions: list[str], columns: Mapping[str, Sequence[Any]]) -> torch.Tensor:
+    async def __call__(
+        self, prompts: list[str], completions: list[str], columns: Mapping[str, Sequence[Any]],
+        timeout_s: float | None = None, one_at_a_time: asyncio.Lock | None = None,
+    ) -> torch.Tensor:
         arguments = {"prompts": prompts, "completions": completions, **columns}
         if not self.takes_any:
             arguments = {key: value for key, value in arguments.items() if key in self.accepted}
-        result = self.function(**{**arguments, **self.kwargs})
-        if inspect.isawaitable(result):
-            result = await result
+        arguments.update(self.kwargs)
+        try:
+            if inspect.iscoroutinefunction(self.function):
+                result = await asyncio.wait_for(self.function(**arguments), timeout_s)
+            else:  # plain functions one at a time, as if called in turn (a shared tokenizer is not thread-safe)
+                async with one_at_a_time or asyncio.Lock():
+                    result = await asyncio.wait_for(_on_thread(self.function, arguments, self.name), timeout_s)
+                if inspect.isawaitable(result):
+                    result = await asyncio.wait_for(result, timeout_s)
+        except TimeoutError:
+            raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
         values = [float(v) for v in result]
         if len(values) != len(completions):
             raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
         return torch.tensor(values, dtype=torch.float32)
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call that ran past its time limit."""
+
+
+def _on_thread(function: RewardFunction, arguments: dict[str, Any], name: str) -> asyncio.Future[Any]:
+    """``function(**arguments)`` on a daemon thread of its own; the future gets its result or its exception."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def work() -> None:
+        value, error = None, None
+        try:
+            value = function(**arguments)
+        except BaseException as caught:  # SystemExit included: it fails the samples, not the run
+            error = caught
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the step gave up on this call (a timeout) and its loop is closed
+            pass
+
+    threading.Thread(target=work, name=f"reward {name}", daemon=True).start()
+    return future
+
+
 @dataclass
 class RewardError:
-    """A reward function that failed on one sample (`kind`: it ``raised``, or returned a ``non_finite``
-    score): logged, and the sample scores 0."""
+    """A reward function that failed on one sample (`kind`: it ``raised``, returned a ``non_finite`` score, or
+    its call hit the ``timeout``): logged, and the sample scores 0."""
 
     function: str
     sample: int
     prompt: str
     completion: str
     error: str
-    kind: Literal["raised", "non_finite"] = "raised"
+    kind: Literal["raised", "non_finite", "timeout"] = "raised"
 
 
 class RewardFailedError(UserError, RuntimeError):
@@ -160,10 +202,11 @@ class Scores:
     errors: list[RewardError]
 
     def failure_counts(self) -> dict[str, dict[str, int]]:
-        """Per function, how many samples it failed on, by kind (``raised``, ``non_finite``)."""
-        counts = {name: {"raised": 0, "non_finite": 0} for name in self.per_function}
+        """Per function, how many samples it failed on, by kind (``raised``, ``non_finite``, ``timeout``)."""
+        kinds = {"raised": 0, "non_finite": 0, "timeout": 0}
+        counts = {name: dict(kinds) for name in self.per_function}
         for error in self.errors:
-            counts.setdefault(error.function, {"raised": 0, "non_finite": 0})[error.kind] += 1
+            counts.setdefault(error.function, dict(kinds))[error.kind] += 1
         return counts
 
 
@@ -173,12 +216,13 @@ class RewardScorer:
     A function that raises on the batch is retried sample by sample so that only the failing samples
     score 0; a non-finite score (NaN, +-inf) is a failure of that sample. With `on_error="raise"` the
     first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
-    sample raises `RewardFailedError` naming it, the step and its first error.
+    sample raises `RewardFailedError` naming it, the step and its first error. A call that runs past
+    `timeout_s` (None: no limit) fails every sample it was given, without a retry sample by sample.
     """
 
     def __init__(
         self, specs: Sequence[RewardSpec], on_error: Literal["zero", "raise"] = "zero",
-        all_failed: Literal["stop", "zero"] = "stop",
+        all_failed: Literal["stop", "zero"] = "stop", timeout_s: float | None = 600.0,
     ) -> None:
         if not specs:
             raise ValueError("at least one reward function is needed")
@@ -191,8 +235,11 @@ class RewardScorer:
         if len(set(names)) != len(names):
             raise ValueError(f"reward function names must be unique (set `name:`), got {names}")
         self.rewards = {reward.name: reward for reward in rewards}
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"reward_timeout_s must be a finite number > 0 or null, got {timeout_s}")
         self.on_error = on_error
         self.all_failed = all_failed
+        self.timeout_s = timeout_s
         self.stopped_by: dict[str, Any] | None = None  # the failure that raised RewardFailedError, as plain data
 
     @property
@@ -227,9 +274,10 @@ class RewardScorer:
 
     async def _score(self, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]]) -> Scores:
         errors: list[RewardError] = []
-        results = await asyncio.gather(
-            *(self._score_one(reward, prompts, completions, columns, errors) for reward in self.rewards.values())
-        )
+        one_at_a_time = asyncio.Lock()
+        results = await asyncio.gather(*(
+            self._score_one(reward, prompts, completions, columns, errors, one_at_a_time) for reward in self.rewards.values()
+        ))
         per_function = dict(zip(self.rewards, results, strict=True))
         total = torch.zeros(len(completions), dtype=torch.float32)
         for name, values in per_function.items():
@@ -241,10 +289,16 @@ class RewardScorer:
 
     async def _score_one(
         self, reward: _Reward, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]],
-        errors: list[RewardError],
+        errors: list[RewardError], one_at_a_time: asyncio.Lock,
     ) -> torch.Tensor:
         try:
-            values = await reward(prompts, completions, columns)
+            values = await reward(prompts, completions, columns, self.timeout_s, one_at_a_time)
+        except RewardTimeout as error:
+            if self.on_error == "raise":
+                raise ValueError(f"reward {reward.name!r} {error}") from None
+            values = torch.zeros(len(completions), dtype=torch.float32)
+            for i in range(len(completions)):  # a retry per sample could cost the limit once per sample
+                self._failed(errors, reward.name, i, prompts, completions, str(error), "timeout")
         except (Exception, SystemExit):
             if self.on_error == "raise":
                 raise
@@ -252,7 +306,9 @@ class RewardScorer:
             for i in range(len(completions)):
                 one_columns = {key: [column[i]] for key, column in columns.items()}
                 try:
-                    values[i] = (await reward([prompts[i]], [completions[i]], one_columns))[0]
+                    values[i] = (await reward([prompts[i]], [completions[i]], one_columns, self.timeout_s, one_at_a_time))[0]
+                except RewardTimeout as error:
+                    self._failed(errors, reward.name, i, prompts, completions, str(error), "timeout")
                 except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0
                     self._failed(errors, reward.name, i, prompts, completions, f"{type(error).__name__}: {error}", "raised")
         for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():  # never into the advantages
@@ -266,7 +322,7 @@ class RewardScorer:
     @staticmethod
     def _failed(
         errors: list[RewardError], name: str, i: int, prompts: list[str], completions: list[str], message: str,
-        kind: Literal["raised", "non_finite"],
+        kind: Literal["raised", "non_finite", "timeout"],
     ) -> None:
         log.warning("reward %r failed on sample %d (%r): %s", name, i, completions[i][:200], message)
         errors.append(RewardError(name, i, prompts[i], completions[i], message, kind))
