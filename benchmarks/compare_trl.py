@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from memory import peak_memory_bytes  # noqa: E402
 
 from lightning_rl.data.sft import Example, PackedCollator  # noqa: E402
-from lightning_rl.losses import StepCounts, group_advantages  # noqa: E402
+from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages  # noqa: E402
 from lightning_rl.models.loading import load_causal_lm  # noqa: E402
 from lightning_rl.toy.model import build_tokenizer  # noqa: E402
 from lightning_rl.modules.grpo import GRPOModule  # noqa: E402
@@ -334,7 +334,7 @@ class GRPOSides:
         self.pad = tokenizer.pad_token_id
         self.rollouts, self.advantages = grpo_rollouts(sizes, random.Random("grpo"))
         self.module = GRPOModule(model_name_or_path=str(model_path), num_generations=sizes.grpo_group,
-                                 max_new_tokens=sizes.grpo_completion_len, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2)  # fmt: skip
+                                 max_new_tokens=sizes.grpo_completion_len, loss=GRPOLoss("dapo", epsilon_low=0.2, epsilon_high=0.2))  # fmt: skip
         self.module.configure_model()
         # The module reads its device and static-shape needs from the Trainer it belongs to.
         self.module.trainer = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,

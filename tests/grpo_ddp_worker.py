@@ -20,7 +20,7 @@ from lightning_rl.modules.grpo import GRPOModule
 
 def main(out: Path, loss_type: str) -> None:
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "loss_type": loss_type, "max_grad_norm": None})
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "loss": {"loss_type": loss_type}, "max_grad_norm": None})
     recorder = GradientRecorder()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,

@@ -269,7 +269,7 @@ def test_splitting_a_step_into_rows_keeps_every_gradient(options):
     ],
 )
 def test_bad_loss_settings_are_refused(options, message):
-    with pytest.raises(ValueError, match="^" + message):
+    with pytest.raises(ValueError, match="^loss." + message):  # named as the recipe names it, under `loss:`
         GRPOLoss(**options)
 
 

@@ -11,21 +11,44 @@ import torch
 from grpo_helpers import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.losses import GRPOLoss
 from lightning_rl.models.loading import LoraSettings
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.tools import Tool
 
 
-# grpo normalises per sequence, dr_grpo by a constant times the step's sequences; dapo and bnpo
-# (token-level) are covered through the same code path by test_grpo_loss.py's weight checks.
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
-def test_one_micro_batch_or_four_give_the_same_gradients(loss_type):
+# Every option whose normaliser spans the step (per-sequence and constant normalisers, sequence-level ratios and
+# masks, the top-entropy threshold and the entropy bonus's token count) must not depend on how the step is cut
+# into micro-batches, in the synchronous and the asynchronous trainer alike. The loss values themselves are
+# checked against TRL in test_grpo_trl_fidelity.py.
+MICRO_BATCH_CASES = [
+    pytest.param(dict(loss_type="grpo"), "trainer", False, id="grpo"),
+    pytest.param(dict(loss_type="dr_grpo"), "trainer", False, id="dr_grpo"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence"), "engine", False, id="gspo"),
+    pytest.param(dict(loss_type="sapo"), "engine", False, id="sapo"),
+    pytest.param(dict(loss_type="cispo", epsilon_high=5.0), "engine", False, id="cispo"),
+    pytest.param(dict(loss_type="vespo"), "engine", False, id="vespo"),
+    pytest.param(dict(loss_type="luspo", importance_sampling_level="sequence"), "engine", False, id="luspo"),
+    # The transformers engine samples with the trainer's own weights, so its log-probs differ from the trainer's by
+    # float noise only: bounds away from that noise (what is masked is then the same however the step is cut).
+    pytest.param(dict(loss_type="dapo", importance_sampling_cap=2.0, importance_sampling_floor=0.5,
+                      importance_sampling_mode="sequence_mask", off_policy_mask_threshold=0.5), "trainer", False,
+                 id="engine-correction-and-off-policy-mask"),
+    pytest.param(dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01), "trainer", False, id="top-entropy-bonus"),
+    pytest.param(dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01), "trainer", True, id="top-entropy-bonus-async"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence"), "engine", True, id="gspo-async"),
+]
+
+
+@pytest.mark.parametrize("loss,old,async_mode", MICRO_BATCH_CASES)
+def test_one_micro_batch_or_four_give_the_same_gradients(loss, old, async_mode):
     grads, rows, rollouts = [], [], []
     for max_tokens in (None, 48):
         recorder, trained = GradientRecorder(), TrainedRollouts()
-        module, trainer = fit(1, [recorder, trained], batch_size=4, loss_type=loss_type, max_grad_norm=None,
-                              max_tokens_per_row=max_tokens, rewards=LENGTH_REWARD)
+        module, trainer = fit(1, [recorder, trained], batch_size=4, loss=GRPOLoss(**loss), old_logprobs=old,
+                              max_grad_norm=None, max_tokens_per_row=max_tokens, rewards=LENGTH_REWARD,
+                              async_mode=async_mode, max_staleness=0)  # fmt: skip
         grads.append(recorder.steps[0])
         rows.append(float(trainer.callback_metrics["train/rows"]))
         rollouts.append(trained.batches[0]["completions"])
@@ -33,7 +56,25 @@ def test_one_micro_batch_or_four_give_the_same_gradients(loss_type):
     assert rollouts[0] == rollouts[1]  # the same rollouts, split differently
     assert any(g.abs().sum() > 0 for g in grads[0].values())
     for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_loss_group_reaches_the_step_and_its_mistakes_are_refused_by_key():
+    """Options that change the step change its gradient; a wrong value is refused before any model loads."""
+    recorders = {}
+    for name, loss in {"plain": {}, "entropy_bonus": {"entropy_coef": 0.5}, "kl": {"beta": 0.5}}.items():
+        recorders[name] = GradientRecorder()
+        module, _ = fit(2, [recorders[name]], batch_size=2, rewards=LENGTH_REWARD, loss=loss)  # a mapping, as a recipe gives it
+        assert isinstance(module.loss, GRPOLoss) and module.hparams["loss"]["entropy_coef"] == loss.get("entropy_coef", 0.0)
+    plain = recorders["plain"].steps[1]  # the second step: at the first the policy is its reference, and the KL flat
+    for name in ("entropy_bonus", "kl"):
+        assert any(not torch.allclose(g, plain[n]) for n, g in recorders[name].steps[1].items()), name
+    with pytest.raises(ValueError, match=r"^loss.top_entropy_quantile must be in \[0, 1\], got 2"):
+        GRPOModule(loss={"top_entropy_quantile": 2})
+    with pytest.raises(ValueError, match=r"^loss.entropy_cof: not a loss option"):
+        GRPOModule(loss={"entropy_cof": 0.1})
+    with pytest.raises(ValueError, match=r"^loss.importance_sampling_floor corrects trainer vs engine log-probs"):
+        GRPOModule(loss={"importance_sampling_floor": 0.5}, old_logprobs="engine")
 
 
 def test_one_generation_per_prompt_is_refused():

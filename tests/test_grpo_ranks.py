@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_rl.losses import StepCounts, group_advantages
+from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
 from lightning_rl.rollout.vllm_server_process import free_port
@@ -36,7 +36,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
             rollouts.append(Rollout(**r))
             groups.append(rank * 100 + r["group_id"])
         rewards += saved["rewards"]
-    module = GRPOModule(num_generations=4, max_new_tokens=6, loss_type=loss_type)
+    module = GRPOModule(num_generations=4, max_new_tokens=6, loss=GRPOLoss(loss_type))
     module.configure_model()
     advantages = group_advantages(torch.tensor(rewards), torch.tensor(groups))
     packed = module.pack_rollouts(rollouts, advantages)

@@ -110,8 +110,8 @@ def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ours = GRPOModule(
         model_name_or_path=str(model_path), num_generations=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
-        loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, old_logprobs=old,
-        importance_sampling_cap=is_cap, kl_bias_correction=kl_correction,
+        loss=GRPOLoss(loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta, importance_sampling_cap=is_cap,
+                      kl_bias_correction=kl_correction), old_logprobs=old,
     )
     ours.configure_model()
     if ours.reference is not None:  # a reference that differs from the policy, so the KL term matters
@@ -246,6 +246,7 @@ def batch(model_path):
     return SimpleNamespace(
         tokenizer=tokenizer, module=module, pristine=pristine, padded=padded, packed=packed, mask=mask,
         advantages=advantages, trainer_logprobs=trainer_logprobs, ref_logprobs=_unpacked_logprobs(reference, padded),
+        reference=reference,
     )  # fmt: skip
 
 
@@ -361,3 +362,16 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     their_loss = trainer._compute_loss(trainer.model, inputs)
     their_loss.backward()
     _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
+
+    # The module's own step with these options (its `loss:` group) gives the same loss and gradients: what a
+    # recipe sets reaches the loss whole, sequences, entropy (differentiable) and the reference included.
+    module.loss, module.hparams.old_logprobs = loss, old
+    module.reference = batch.reference if loss.beta else None
+    module.policy.zero_grad(set_to_none=True)
+    terms, _ = module.row_loss(packed)
+    kept = None if terms.entropy_mask is None else int(terms.entropy_mask.sum())
+    counts = StepCounts(num_sequences=packed.num_sequences, num_tokens=tokens, rank_tokens=tokens,
+                        max_completion_length=MAX_NEW, entropy_tokens=kept)  # fmt: skip
+    module_loss = module.loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
+    module_loss.backward()
+    _assert_same_loss_and_gradients(module_loss, module.policy, their_loss, trainer.model)

@@ -20,7 +20,7 @@ ALLOWED = {
     "device_policy": set(),
     "toy": set(),
     "checkpoints": {"errors"},
-    "losses": set(),
+    "losses": {"errors"},
     "rewards": {"dotted", "errors"},
     "rollout": {"dotted"},
     "tools": {"rollout", "dotted"},

@@ -17,6 +17,8 @@ from typing import Literal, get_args
 
 import torch
 
+from lightning_rl.errors import UserError
+
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -74,6 +76,14 @@ class _Sequences:
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         return self.sum(values) / self.num_tokens.clamp(min=1).to(values)[self.index]
+
+
+class LossSettingError(UserError, ValueError):
+    """A `GRPOLoss` field that cannot be used as given; the message and key name it as the recipe does
+    (``loss.FIELD``, inside the module's block)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"loss.{field} {problem}", f"loss.{field}")
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ class GRPOLoss:
             ("importance_sampling_mode", get_args(EngineCorrection)),
         ):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise LossSettingError(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         bounds = (  # each checked when set
             ("epsilon_low", lambda v: 0 <= v <= 1, "in [0, 1]"),
             ("epsilon_high", lambda v: v >= 0, ">= 0"),
@@ -171,23 +181,23 @@ class GRPOLoss:
         for name, ok, bound in bounds:
             value = getattr(self, name)
             if value is not None and not ok(value):
-                raise ValueError(f"{name} must be {bound}, got {value}")
+                raise LossSettingError(name, f"must be {bound}, got {value}")
         if self.importance_sampling_floor == self.importance_sampling_cap == 1:
-            raise ValueError("importance_sampling_floor must be below importance_sampling_cap, both are 1")
+            raise LossSettingError("importance_sampling_floor", "must be below importance_sampling_cap, both are 1")
         if self.loss_type == "cispo" and self.epsilon_high < 1:
-            raise ValueError(
-                f"epsilon_high must be >= 1 for loss_type='cispo', got {self.epsilon_high}: it caps the ratio itself, "
+            raise LossSettingError(
+                "epsilon_high", f"must be >= 1 for loss_type='cispo', got {self.epsilon_high}: it caps the ratio itself, "
                 "and below 1 it caps every on-policy token (ScaleRL uses 5)"
             )
         if self.delta is not None and self.loss_type not in CLIPPED:
-            raise ValueError(f"delta caps the clipped ratio of {CLIPPED}; loss_type={self.loss_type!r} has none")
+            raise LossSettingError("delta", f"caps the clipped ratio of {CLIPPED}; loss_type={self.loss_type!r} has none")
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            raise ValueError("importance_sampling_level must be 'sequence' for loss_type='luspo' (a length-scaled GSPO loss)")
+            raise LossSettingError("importance_sampling_level", "must be 'sequence' for loss_type='luspo' (a length-scaled GSPO loss)")
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError("importance_sampling_level must be 'token' for loss_type='vespo' (it builds its own sequence weight)")
+            raise LossSettingError("importance_sampling_level", "must be 'token' for loss_type='vespo' (it builds its own sequence weight)")
         if self.loss_type == "vespo" and self.corrects_engine and self.importance_sampling_mode.startswith("sequence"):
-            raise ValueError(
-                "importance_sampling_mode must be 'token_truncate' or 'token_mask' for loss_type='vespo' "
+            raise LossSettingError(
+                "importance_sampling_mode", "must be 'token_truncate' or 'token_mask' for loss_type='vespo' "
                 "(the per-token ratios enter its sequence weight)"
             )
 

@@ -14,6 +14,7 @@ never more than `max_staleness` weight versions behind the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardScaling
-from lightning_rl.losses.grpo import LossType, TokenLoss
+from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
@@ -69,12 +70,11 @@ class GRPOModule(LightningModule):
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
         max_new_tokens, temperature, top_p, top_k: sampling.
         system_prompt: prepended to string prompts.
-        loss_type, epsilon_low, epsilon_high, beta: see `GRPOLoss`; beta > 0 keeps a frozen reference.
+        loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
+            correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
         scale_rewards: ``std`` divides group-centred rewards by the group std, ``none`` does not.
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
-        importance_sampling_cap: truncated importance sampling of trainer vs engine log-probs.
-        kl_bias_correction: weight the KL term by the ratio (unbiased reverse-KL gradient).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
@@ -108,14 +108,9 @@ class GRPOModule(LightningModule):
         top_p: float = 1.0,
         top_k: int = 0,
         system_prompt: str | None = None,
-        loss_type: LossType = "dapo",
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        beta: float = 0.0,
+        loss: GRPOLoss = GRPOLoss(),
         scale_rewards: RewardScaling = "std",
         old_logprobs: Literal["trainer", "engine"] = "trainer",
-        importance_sampling_cap: float | None = None,
-        kl_bias_correction: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -143,7 +138,9 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         specs = [_reward_spec(r) for r in rewards]
-        self.save_hyperparameters(ignore=["rewards", "lora"])
+        self.loss = _loss_settings(loss)
+        self.save_hyperparameters(ignore=["rewards", "lora", "loss"])
+        self.hparams["loss"] = asdict(self.loss)
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
         self.lora = LoraSettings.checked(lora)
@@ -164,23 +161,22 @@ class GRPOModule(LightningModule):
         for key, value in {"max_staleness": max_staleness, "top_k": top_k, "warmup_steps": warmup_steps,
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
-        for key, value in {"temperature": temperature, "epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
-                           "beta": beta, "weight_decay": weight_decay}.items():  # fmt: skip
+        for key, value in {"temperature": temperature, "weight_decay": weight_decay}.items():
             validation.finite_non_negative(key, value)
         for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s, "reward_timeout_s": reward_timeout_s,
-                           "importance_sampling_cap": importance_sampling_cap, "max_grad_norm": max_grad_norm}.items():  # fmt: skip
+                           "max_grad_norm": max_grad_norm}.items():  # fmt: skip
             if value is not None:
                 validation.finite_positive(key, value)
         validation.fraction("top_p", top_p, low_open=True, high_open=False)
-        if importance_sampling_cap is not None and old_logprobs == "engine":
+        if self.loss.corrects_engine and old_logprobs == "engine":
+            key = "importance_sampling_cap" if self.loss.importance_sampling_cap is not None else "importance_sampling_floor"
             raise RecipeError(
-                "importance_sampling_cap corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio "
-                "already uses the engine's, so the correction would apply twice", "importance_sampling_cap",
+                f"loss.{key} corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio already uses "
+                "the engine's, so the correction would apply twice", f"loss.{key}",
             )
         if max_turns > 1 and not tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
-        self.loss = GRPOLoss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_cap, kl_bias_correction)
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         validation.unique("tools", [tool.name for tool in self.tools])
@@ -222,7 +218,7 @@ class GRPOModule(LightningModule):
         self.policy.train()
         if self.hparams.compile:
             compile_decoder_layers(self.policy)
-        if self.hparams.beta != 0.0:
+        if self.loss.beta != 0.0:
             self.reference = load_causal_lm(path, defer_weights=sharded).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
@@ -298,13 +294,16 @@ class GRPOModule(LightningModule):
         optimizer.zero_grad()
         train_started = time.perf_counter()
         stats = _StepStats()
-        for row in rows:
-            packed = self.pack_rollouts([scored.rollouts[i] for i in row], advantages[row]).to(self.device)
+        packed_rows = [self.pack_rollouts([scored.rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
+        threshold = None
+        if self.loss.top_entropy_quantile < 1:
+            threshold, counts = self._entropy_threshold(packed_rows, counts)
+        for packed in packed_rows:
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
-            terms, entropy = self.row_loss(packed)
+            terms, entropy = self.row_loss(packed, entropy_threshold=threshold)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
-            loss = (terms.loss * self.loss.token_weights(packed.loss_seq, seq_tokens, counts).to(terms.loss)).sum()
+            loss = self.loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
             stats.add(loss.detach(), terms, entropy, packed)
         if self.hparams.max_grad_norm is not None:
@@ -362,12 +361,13 @@ class GRPOModule(LightningModule):
         return choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
 
     def policy_logprobs(
-        self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False
+        self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log p(target) of every trained token of a packed row under the sampling temperature."""
+        """log p(target) of every trained token of a packed row under the sampling temperature (and the entropy
+        there, differentiable with ``entropy_grad``)."""
         out = packed_logprobs(
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
-            attention_backend=self._backend(),
+            attention_backend=self._backend(), entropy_grad=entropy_grad,
         )  # fmt: skip
         return out if with_entropy else (out, None)
 
@@ -383,8 +383,14 @@ class GRPOModule(LightningModule):
 
     # -- pieces of the step --------------------------------------------------------------------
 
-    def row_loss(self, packed: PackedBatch) -> tuple[TokenLoss, torch.Tensor | None]:
-        logprobs, entropy = self.policy_logprobs(self.policy, packed, with_entropy=True)
+    def row_loss(
+        self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None
+    ) -> tuple[TokenLoss, torch.Tensor | None]:
+        """The loss terms of one packed row and its per-token entropy. ``entropy_threshold``: the step's, for
+        ``loss.top_entropy_quantile < 1`` (by default this row's own quantile)."""
+        logprobs, entropy = self.policy_logprobs(
+            self.policy, packed, with_entropy=True, entropy_grad=self.loss.entropy_coef != 0
+        )
         engine_logprobs = packed.token_values["engine_logprobs"]
         ref_logprobs = None
         if self.reference is not None:
@@ -393,9 +399,27 @@ class GRPOModule(LightningModule):
         old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
         terms = self.loss.token_loss(
             logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
-            ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
+            ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, loss_seq=packed.loss_seq,
+            seq_num_tokens=torch.bincount(packed.loss_seq, minlength=packed.num_sequences), entropy=entropy,
+            entropy_threshold=entropy_threshold,
         )
-        return terms, entropy
+        return terms, None if entropy is None else entropy.detach()
+
+    @torch.no_grad()
+    def _entropy_threshold(self, rows: list[PackedBatch], counts: StepCounts) -> tuple[torch.Tensor, StepCounts]:
+        """The entropy a token must reach to be trained (the ``1 - top_entropy_quantile`` quantile of every trained
+        token of the step, on every rank, as TRL takes it), and the step's counts with the tokens it keeps."""
+        local = torch.cat([self.policy_logprobs(self.policy, row, with_entropy=True)[1].float() for row in rows])
+        strategy = self.trainer.strategy
+        longest = int(strategy.reduce(torch.tensor(local.numel(), device=self.device), reduce_op="max"))
+        padded = torch.full((max(longest, 1),), float("nan"), device=self.device)
+        padded[: local.numel()] = local
+        every = strategy.all_gather(padded).reshape(-1)
+        every = every[~torch.isnan(every)]
+        if every.numel() == 0:
+            return local.new_tensor(float("inf")), counts
+        threshold = torch.quantile(every, 1 - self.loss.top_entropy_quantile)
+        return threshold, dataclasses.replace(counts, entropy_tokens=int((every >= threshold).sum()))
 
     def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
         pad = self.tokenizer.pad_token_id or 0
@@ -616,6 +640,17 @@ class _StepStats:
 class _CloseOnException(Callback):
     def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
         pl_module.close()
+
+
+def _loss_settings(loss: GRPOLoss | dict[str, Any] | None) -> GRPOLoss:
+    """The ``loss:`` group as `GRPOLoss` (LightningCLI may hand it over as a mapping)."""
+    if isinstance(loss, GRPOLoss):
+        return loss
+    values = dict(loss or {})
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(GRPOLoss)})
+    if unknown:
+        raise RecipeError(f"loss.{unknown[0]}: not a loss option (see GRPOLoss)", f"loss.{unknown[0]}")
+    return GRPOLoss(**values)
 
 
 def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:

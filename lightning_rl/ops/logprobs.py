@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 
 from lightning_rl.attention.tree_attention import PackingRefused
@@ -111,17 +112,26 @@ def token_logprobs(
     return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform)
 
 
-@torch.no_grad()
 def token_entropy(
-    hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(), bias: Tensor | None = None
+    hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(),
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """Entropy of the next-token distribution at each row of ``hidden`` (for logging; no gradient)."""
+    """Entropy of the next-token distribution at each row of ``hidden``, ``chunk_size`` rows at a time.
+
+    Differentiable when its inputs require grad (an entropy bonus): each chunk is recomputed in backward
+    (activation checkpointing), so no [tokens x vocab] logits outlive their chunk, as in the log-prob head.
+    """
+    def chunk_entropy(h: Tensor, weight: Tensor, b: Tensor | None) -> Tensor:
+        logits, _ = _chunk_logits(h, weight, b, transform)
+        logp = torch.log_softmax(logits, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
     out = []
     for s in range(0, hidden.shape[0], chunk_size):
-        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, transform)
-        logp = torch.log_softmax(logits, dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+        h = hidden[s : s + chunk_size]
+        out.append(checkpoint(chunk_entropy, h, lm_head_weight, bias, use_reentrant=False) if grad else chunk_entropy(h, lm_head_weight, bias))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype))
 
 
 def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tensor | None, LogitTransform]:

@@ -152,17 +152,20 @@ def packed_logprobs(
     return_entropy: bool = False,
     temperature: float = 1.0,
     attention_backend: str = "auto",
+    entropy_grad: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log p(target) for every loss term of a packed row (and the entropy there when asked), shape [M], under
-    the sampling ``temperature``."""
+    """log p(target) for every loss term of a packed row (and the entropy there when asked, differentiable with
+    ``entropy_grad``), shape [M], under the sampling ``temperature``."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
     h = hidden.index_select(0, batch.loss_positions)
     weight, bias, transform = lm_head_of(model, temperature)
     logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
     if not return_entropy:
         return logprobs
-    entropy = token_entropy(h.detach(), weight.detach(), chunk_size=chunk_size, transform=transform, bias=None if bias is None else bias.detach())
-    return logprobs, entropy
+    if entropy_grad:
+        return logprobs, token_entropy(h, weight, chunk_size=chunk_size, transform=transform, bias=bias)
+    with torch.no_grad():
+        return logprobs, token_entropy(h, weight, chunk_size=chunk_size, transform=transform, bias=bias)
 
 
 # -- the probe -------------------------------------------------------------------------------------------------
