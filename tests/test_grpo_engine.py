@@ -41,3 +41,28 @@ def test_sampling_is_reproducible_and_pushed_weights_take_effect(tiny_path):
     after = first.generate([[1, 40, 41]], 4, sampling).rollouts
     assert first.weight_version == 7 and all(r.weight_version == 7 for r in after)
     assert [r.logprobs for r in after] != [r.logprobs for r in before]
+
+
+def test_min_p_and_repetition_penalty_reach_the_sampler(tiny_path):
+    engine = HFRolloutEngine(str(tiny_path))
+    prompts = [[1, 40, 41, 42], [1, 50, 51]]
+    greedy = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
+    # min_p keeps the tokens at least min_p times as likely as the likeliest: at 0.999, only the likeliest.
+    nearly_greedy = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=8, min_p=0.999, seed=5)).rollouts
+    assert all(r.completion_ids == greedy[r.group_id].completion_ids for r in nearly_greedy)
+    # Greedy with a repetition penalty: each step takes the likeliest token once every token already in the sequence
+    # has its logit divided by the penalty (multiplied, where negative), as the CTRL paper defines it.
+    prompt, penalty = [1, 40, 41, 42], 1.5
+    (penalised,) = engine.generate([prompt], 1, SamplingConfig(max_new_tokens=8, temperature=0, repetition_penalty=penalty)).rollouts
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            logits = engine.model(torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] < 0, logits[seen] * penalty, logits[seen] / penalty)
+            ids.append(int(logits.argmax()))
+            if ids[-1] in engine.eos_token_ids:
+                break
+    assert penalised.completion_ids == ids[len(prompt):]
+    (plain,) = engine.generate([prompt], 1, SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
+    assert plain.completion_ids != penalised.completion_ids  # the penalty changed what greedy picks

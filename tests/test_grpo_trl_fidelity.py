@@ -375,3 +375,37 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     module_loss = module.loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
     module_loss.backward()
     _assert_same_loss_and_gradients(module_loss, module.policy, their_loss, trainer.model)
+
+
+# -- advantages ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "aggregation,scale",
+    [("sum_then_normalize", "group"), ("sum_then_normalize", "batch"), ("sum_then_normalize", "none"),
+     ("normalize_then_sum", "group")],
+)  # fmt: skip
+def test_advantages_match_trl(aggregation, scale):
+    """TRL builds its advantages inside its generation step: that block of its own source runs on our rewards."""
+    from trl.trainer.utils import nanstd
+
+    from lightning_rl.losses.advantages import group_advantages, normalize_then_sum
+
+    gen = torch.Generator().manual_seed(3)
+    per_function = torch.randn(4 * G, 3, generator=gen) * torch.tensor([1.0, 5.0, 0.2])
+    per_function[:G, 1] = 2.0  # one reward tied within a group
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    groups = torch.arange(4).repeat_interleave(G)
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    start = source.rindex("\n", 0, source.index('if self.multi_objective_aggregation == "sum_then_normalize":')) + 1
+    end = source.index("# Unscorable completions")
+    trainer = SimpleNamespace(multi_objective_aggregation=aggregation, scale_rewards=scale, reward_weights=weights,
+                              reward_funcs=[None] * 3)  # fmt: skip
+    scope = {"self": trainer, "torch": torch, "nanstd": nanstd, "rewards_per_func": per_function, "device": "cpu",
+             "num_generations": G, "unscorable_mask": torch.zeros(4 * G, dtype=torch.bool)}  # fmt: skip
+    exec(textwrap.dedent(source[start:end]), scope)
+    if aggregation == "normalize_then_sum":
+        ours = normalize_then_sum(per_function, weights, groups)
+    else:
+        ours = group_advantages((per_function * weights).sum(1), groups, scale)
+    torch.testing.assert_close(ours, scope["advantages"], rtol=1e-5, atol=1e-6)

@@ -255,3 +255,17 @@ def test_plain_rewards_run_one_at_a_time_and_exit_like_a_failure():
     scores = RewardScorer(specs, all_failed="zero").score(["p"] * 2, ["a", "b"], {})
     assert [scores.per_function[f"shared{i}"].tolist() for i in range(3)] == [[1.0, 1.0]] * 3
     assert scores.failure_counts()["exits"]["raised"] == 2 and scores.errors[0].error == "SystemExit: 3"
+
+
+def test_the_overlong_penalty_is_dapos_soft_punishment():
+    from trl.rewards import get_soft_overlong_punishment
+
+    from lightning_rl.rewards.builtin import overlong_penalty
+
+    lengths = [0, 5, 6, 7, 9, 10, 11, 30]
+    ids = [[1] * n for n in lengths]
+    theirs = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)(completion_ids=ids)
+    assert overlong_penalty(ids, max_length=10, cache=4) == pytest.approx(theirs)
+    assert overlong_penalty(ids, max_length=10, cache=4)[-3:] == [pytest.approx(-1.0), -1.0, -1.0]
+    with pytest.raises(ValueError, match="reward 'overlong_penalty': kwargs .* do not work: ValueError: cache must be in"):
+        RewardScorer([RewardSpec("overlong_penalty", kwargs={"max_length": 10, "cache": 0})])

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
-from lightning_rl.losses.advantages import RewardScaling
+from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, normalize_then_sum
 from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
@@ -52,7 +52,7 @@ from lightning_rl.models.weights import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
 
-ROLLOUT_COLUMNS = ("tool_calls", "transcripts")  # what reward functions get besides prompts, completions and the data
+ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids")  # what reward functions get besides prompts, completions and the data
 
 
 class GRPOModule(LightningModule):
@@ -68,11 +68,17 @@ class GRPOModule(LightningModule):
         reward_timeout_s: a reward call running longer fails the samples it was given (kind ``timeout``); null: no
             limit.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
-        max_new_tokens, temperature, top_p, top_k: sampling.
+        max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty: sampling (TRL's names).
         system_prompt: prepended to string prompts.
         loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
             correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
-        scale_rewards: ``std`` divides group-centred rewards by the group std, ``none`` does not.
+        scale_rewards: ``group`` divides group-centred rewards by the group's std (``std``: its earlier name),
+            ``batch`` by the std of every reward of the step (all ranks), ``none`` does not. TRL: `scale_rewards`.
+        reward_aggregation: ``sum_then_normalize`` (the weighted sum of the rewards is normalised) or
+            ``normalize_then_sum`` (each reward normalised per group, their weighted sum over the step; GDPO).
+            TRL: `multi_objective_aggregation`.
+        mask_truncated_completions: completions cut at ``max_new_tokens`` (no end of sequence) train on no token;
+            they still count in their group's advantages. TRL: `mask_truncated_completions`.
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
@@ -107,9 +113,13 @@ class GRPOModule(LightningModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         system_prompt: str | None = None,
         loss: GRPOLoss = GRPOLoss(),
-        scale_rewards: RewardScaling = "std",
+        scale_rewards: RewardScaling = "group",
+        reward_aggregation: RewardAggregation = "sum_then_normalize",
+        mask_truncated_completions: bool = False,
         old_logprobs: Literal["trainer", "engine"] = "trainer",
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
@@ -168,11 +178,19 @@ class GRPOModule(LightningModule):
             if value is not None:
                 validation.finite_positive(key, value)
         validation.fraction("top_p", top_p, low_open=True, high_open=False)
+        validation.fraction("min_p", min_p)
+        validation.finite_positive("repetition_penalty", repetition_penalty)
         if self.loss.corrects_engine and old_logprobs == "engine":
             key = "importance_sampling_cap" if self.loss.importance_sampling_cap is not None else "importance_sampling_floor"
             raise RecipeError(
                 f"loss.{key} corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio already uses "
                 "the engine's, so the correction would apply twice", f"loss.{key}",
+            )
+        if reward_aggregation == "normalize_then_sum" and scale_rewards not in ("group", "std"):
+            raise RecipeError(
+                f"scale_rewards={scale_rewards!r} with reward_aggregation='normalize_then_sum': that aggregation "
+                "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
+                "scale_rewards",
             )
         if max_turns > 1 and not tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
@@ -180,7 +198,10 @@ class GRPOModule(LightningModule):
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         validation.unique("tools", [tool.name for tool in self.tools])
-        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.sampling = SamplingConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty,
+        )
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
@@ -285,16 +306,18 @@ class GRPOModule(LightningModule):
             raise RuntimeError(f"batch {step} is {staleness} versions stale (max_staleness={self.hparams.max_staleness})")
 
         rewards = torch.tensor(scored.rewards)
-        groups = torch.tensor([r.group_id for r in scored.rollouts])
-        advantages = group_advantages(rewards, groups, self.hparams.scale_rewards)
-        rows = self._plan_rows(scored.rollouts)
-        counts = self._step_counts(scored.rollouts)
+        advantages = self._advantages(scored)
+        rollouts = scored.rollouts
+        if self.hparams.mask_truncated_completions:
+            rollouts = [_untrained(r) if r.finish_reason == "length" else r for r in rollouts]
+        rows = self._plan_rows(rollouts)
+        counts = self._step_counts(rollouts)
 
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
         stats = _StepStats()
-        packed_rows = [self.pack_rollouts([scored.rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
+        packed_rows = [self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
         threshold = None
         if self.loss.top_entropy_quantile < 1:
             threshold, counts = self._entropy_threshold(packed_rows, counts)
@@ -342,6 +365,7 @@ class GRPOModule(LightningModule):
         }
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
+        columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
         prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
         scores = self.scorer.score(prompt_texts, texts, columns, step=index + 1)
         failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
@@ -432,6 +456,20 @@ class GRPOModule(LightningModule):
             seq_values={"advantage": advantages.tolist()},
             pad_token_id=pad,
         )
+
+    def _advantages(self, scored: ScoredBatch) -> torch.Tensor:
+        """Each rollout's advantage; the statistics that span the step are summed over every rank."""
+        groups = torch.tensor([r.group_id for r in scored.rollouts])
+
+        def over_ranks(t: torch.Tensor) -> torch.Tensor:
+            return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu()
+
+        if self.hparams.reward_aggregation == "normalize_then_sum":
+            names = list(self.scorer.rewards)
+            per_function = torch.tensor([scored.reward_terms[name] for name in names], dtype=torch.float32).T
+            weights = torch.tensor([self.scorer.weights[name] for name in names])
+            return normalize_then_sum(per_function.reshape(len(groups), len(names)), weights, groups, over_ranks)
+        return group_advantages(torch.tensor(scored.rewards), groups, self.hparams.scale_rewards, over_ranks)
 
     def _plan_rows(self, rollouts: list[Rollout]) -> list[list[int]]:
         """Micro-batches of this rank; every rank runs the same number (padded with empty rows)."""
@@ -528,6 +566,7 @@ class GRPOModule(LightningModule):
             "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
             "lr": self.optimizers().param_groups[0]["lr"],
             **stats.metrics(),
+            "completions/truncated_fraction": sum(r.finish_reason == "length" for r in scored.rollouts) / max(len(scored.rollouts), 1),
         }
         failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
         for name, values in scored.reward_terms.items():
@@ -640,6 +679,11 @@ class _StepStats:
 class _CloseOnException(Callback):
     def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
         pl_module.close()
+
+
+def _untrained(rollout: Rollout) -> Rollout:
+    """The rollout with none of its tokens trained (``mask_truncated_completions``)."""
+    return dataclasses.replace(rollout, completion_mask=[False] * len(rollout.completion_ids))
 
 
 def _loss_settings(loss: GRPOLoss | dict[str, Any] | None) -> GRPOLoss:

@@ -73,8 +73,24 @@ def tool_call_validity(
     return scores
 
 
+def overlong_penalty(completion_ids: Sequence[Sequence[int]], max_length: int, cache: int) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - cache`` completion tokens, then falling linearly to
+    -1 at ``max_length``, and -1 beyond (set ``max_length`` to the run's ``max_new_tokens``). TRL:
+    ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``."""
+    if not (isinstance(max_length, int) and isinstance(cache, int)):
+        raise ValueError(f"max_length and cache must be integers (kwargs), got {max_length!r} and {cache!r}")
+    if not 0 < cache <= max_length:
+        raise ValueError(f"cache must be in [1, max_length={max_length}], got {cache}")
+    scores = []
+    for ids in completion_ids:
+        free = max_length - cache
+        scores.append(0.0 if len(ids) <= free else -1.0 if len(ids) > max_length else (free - len(ids)) / cache)
+    return scores
+
+
 BUILTIN_REWARDS = {
     "math_answer": math_answer,
     "format": format_match,
     "tool_call_validity": tool_call_validity,
+    "overlong_penalty": overlong_penalty,
 }

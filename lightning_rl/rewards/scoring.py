@@ -2,7 +2,7 @@
 
 A reward function is called by keyword with those of the batch's arguments it names: `prompts` and
 `completions` (strings), every column of the prompt records, and what the trainer adds (`tool_calls`,
-`transcripts`); a function with `**kwargs` gets them all. Its fixed `kwargs` come from the recipe.
+`transcripts`, `completion_ids`); a function with `**kwargs` gets them all. Its fixed `kwargs` come from the recipe.
 Mistakes are refused before training: fixed kwargs the function does not take, an argument it needs that
 neither the data nor the trainer provides (`check_arguments`), and, for the built-ins, fixed kwargs
 that do not work (they are called once on an empty batch, which compiles a regular expression).

@@ -18,12 +18,15 @@ from lightning_rl.dotted import load_object
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How completions are sampled. `top_k=0` and `top_p=1.0` switch those filters off."""
+    """How completions are sampled. `top_k=0`, `top_p=1.0`, `min_p=0.0` and `repetition_penalty=1.0` switch those
+    filters off; every engine here supports all four."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 

@@ -100,6 +100,8 @@ class HFRolloutEngine:
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
             top_k=None if greedy else sampling.top_k,  # 0 switches top-k off (transformers would default to 50)
+            min_p=None if greedy or not sampling.min_p else sampling.min_p,
+            repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             output_logits=True,

@@ -27,7 +27,8 @@ def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str,
     """vLLM `SamplingParams` fields for one request; `logprobs=0` returns the sampled token's log-prob."""
     return {
         "n": n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
+        "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": list(sampling.stop_token_ids),
         "seed": seed, "logprobs": 0,
     }
 

@@ -95,3 +95,16 @@ def test_a_refused_push_names_the_tensor_and_keeps_the_old_weights(engine, tiny_
     assert engine.weight_version == version
     batch = engine.generate(PROMPTS, n=1, sampling=SamplingConfig(max_new_tokens=6, seed=2))
     assert max_logprob_error(trainer, batch.rollouts) < LOGPROB_ATOL
+
+
+def test_min_p_and_repetition_penalty_reach_vllm(engine):
+    from vllm import SamplingParams
+
+    from lightning_rl.rollout.vllm_engine import sampling_params_of
+
+    params = SamplingParams(**sampling_params_of(SamplingConfig(min_p=0.2, repetition_penalty=1.3), n=2, seed=1))
+    assert params.min_p == 0.2 and params.repetition_penalty == 1.3
+    # min_p at 0.999 keeps only the likeliest token: sampling then gives the greedy completion.
+    greedy = engine.generate(PROMPTS[:1], n=1, sampling=SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
+    nearly = engine.generate(PROMPTS[:1], n=3, sampling=SamplingConfig(max_new_tokens=8, min_p=0.999, seed=4)).rollouts
+    assert all(r.completion_ids == greedy[0].completion_ids for r in nearly)
