@@ -4,6 +4,7 @@ before training with an error that names what is wrong."""
 from __future__ import annotations
 
 import json
+import logging
 
 import lightning as L
 import pytest
@@ -121,3 +122,71 @@ def test_lora_policy_pushes_merged_weights_to_the_engine():
     assert engine.version == 2
     assert not torch.allclose(merged, q_proj.base_layer.weight)  # the adapter has learned something
     torch.testing.assert_close(engine.q_proj, merged.detach(), rtol=1e-5, atol=1e-6)
+
+
+class Snapshots(L.Callback):
+    """The policy's and the reference's weights at the start and after every step."""
+
+    def __init__(self) -> None:
+        self.policy, self.reference = [], []
+
+    def _take(self, pl_module) -> None:
+        self.policy.append({n: p.detach().clone() for n, p in pl_module.policy.named_parameters()})
+        self.reference.append({n: p.detach().clone() for n, p in pl_module.reference.named_parameters()})
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._take(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._take(pl_module)
+
+
+def test_the_reference_moves_towards_the_policy_every_n_steps():
+    snapshots = Snapshots()
+    fit(4, [snapshots], batch_size=2, rewards=LENGTH_REWARD, loss={"beta": 0.1}, ref_sync_every=2, ref_mixup_alpha=0.25)
+    policy, reference = snapshots.policy, snapshots.reference
+    want = dict(policy[0])  # the reference starts as the policy
+    for step in range(1, 5):
+        if step % 2 == 0:
+            want = {n: 0.75 * want[n] + 0.25 * policy[step][n] for n in want}
+        for name, value in reference[step].items():
+            torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} {name}: {m}")
+    assert any(not torch.equal(reference[4][n], policy[0][n]) for n in want)
+    with pytest.raises(ValueError, match="ref_sync_every: loss.beta is 0"):
+        GRPOModule(ref_sync_every=2)
+
+
+def tied_on_odd_prompts(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """Ties within the group of every prompt of odd length (no signal there), differs elsewhere."""
+    return [1.0 if len(p) % 2 else len(c) / 10 for p, c in zip(prompts, completions, strict=True)]
+
+
+def always_one(completions: list[str], **_) -> list[float]:
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_dynamic_sampling_trains_only_groups_with_signal_and_fills_the_batch(async_mode, caplog):
+    trained = TrainedRollouts()
+    module, trainer = fit(3, [trained], batch_size=4, rewards=[RewardSpec("test_grpo_module:tied_on_odd_prompts")],
+                          dynamic_sampling=True, dynamic_sampling_max_rounds=8, async_mode=async_mode, max_staleness=0)  # fmt: skip
+    last = module.last_trained
+    assert len(last.records) == 4 and last.sampling_rounds > 1 and last.filtered_groups > 0
+    for group in range(4):
+        rewards = [last.rewards[i] for i, r in enumerate(last.rollouts) if r.group_id == group]
+        assert len(rewards) == 4 and max(rewards) > min(rewards), rewards
+    assert float(trainer.callback_metrics["train/dynamic_sampling/filtered_fraction"]) > 0
+    # The same steps again draw the same extra prompts: a resumed run trains on what it would have.
+    again = TrainedRollouts()
+    fit(3, [again], batch_size=4, rewards=[RewardSpec("test_grpo_module:tied_on_odd_prompts")],
+        dynamic_sampling=True, dynamic_sampling_max_rounds=8, async_mode=async_mode, max_staleness=0)  # fmt: skip
+    assert [b["prompts"] for b in again.batches] == [b["prompts"] for b in trained.batches]
+
+
+def test_dynamic_sampling_says_when_its_bound_is_hit(caplog):
+    with caplog.at_level(logging.WARNING):
+        module, trainer = fit(1, batch_size=2, rewards=[RewardSpec("test_grpo_module:always_one")],
+                              dynamic_sampling=True, dynamic_sampling_max_rounds=3)  # fmt: skip
+    assert "step 1: dynamic sampling found 0 of 2 groups with differing rewards after 3 rounds" in caplog.text
+    assert module.last_trained.sampling_rounds == 3 and module.last_trained.filtered_groups == 6
+    assert float(trainer.callback_metrics["train/dynamic_sampling/filtered_fraction"]) == 1.0  # every group sampled tied

@@ -104,6 +104,14 @@ class PromptDataModule(L.LightningDataModule):
             picked.append(self.records[self._epoch_order(epoch)[offset]])
         return picked
 
+    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
+        """``count`` more records for step `index` (dynamic sampling's round ``round``, from 1): drawn without
+        replacement by a generator seeded by the step, the round and this rank, so a resumed run draws the same."""
+        self.setup()
+        rank, _ = self._rank_and_world
+        rng = random.Random(((self.seed * 100_003 + index) * 1_009 + round) * 65_537 + rank)
+        return [self.records[i] for i in rng.sample(range(len(self.records)), min(count, len(self.records)))]
+
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             order = list(range(len(self.records)))

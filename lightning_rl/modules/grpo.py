@@ -15,6 +15,7 @@ never more than `max_staleness` weight versions behind the trainer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -52,6 +53,8 @@ from lightning_rl.models.weights import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
 
+log = logging.getLogger(__name__)
+
 ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids")  # what reward functions get besides prompts, completions and the data
 
 
@@ -77,8 +80,14 @@ class GRPOModule(LightningModule):
         reward_aggregation: ``sum_then_normalize`` (the weighted sum of the rewards is normalised) or
             ``normalize_then_sum`` (each reward normalised per group, their weighted sum over the step; GDPO).
             TRL: `multi_objective_aggregation`.
+        dynamic_sampling, dynamic_sampling_max_rounds: DAPO's dynamic sampling: groups whose rewards all tie are
+            dropped and more prompts sampled (at most that many rounds in all) until the step has ``batch_size``
+            groups; the filtered fraction is logged (``train/dynamic_sampling/...``).
         mask_truncated_completions: completions cut at ``max_new_tokens`` (no end of sequence) train on no token;
             they still count in their group's advantages. TRL: `mask_truncated_completions`.
+        ref_sync_every, ref_mixup_alpha: every ``ref_sync_every`` optimizer steps the reference moves towards the
+            policy, ``ref = alpha * policy + (1 - alpha) * ref`` (TR-DPO; None: a frozen reference). TRL:
+            `sync_ref_model`, `ref_model_sync_steps`, `ref_model_mixup_alpha`.
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
@@ -120,7 +129,11 @@ class GRPOModule(LightningModule):
         scale_rewards: RewardScaling = "group",
         reward_aggregation: RewardAggregation = "sum_then_normalize",
         mask_truncated_completions: bool = False,
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_rounds: int = 4,
         old_logprobs: Literal["trainer", "engine"] = "trainer",
+        ref_sync_every: int | None = None,
+        ref_mixup_alpha: float = 0.6,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -162,7 +175,7 @@ class GRPOModule(LightningModule):
                 f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
                 "num_generations",
             )
-        counts = {"max_new_tokens": max_new_tokens, "max_turns": max_turns, "tool_output_max_chars": tool_output_max_chars,
+        counts = {"max_new_tokens": max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
                   "chunk_size": chunk_size, "verify_packing_every": verify_packing_every, "summary_window": summary_window,
                   **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
         for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
@@ -192,6 +205,16 @@ class GRPOModule(LightningModule):
                 "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
                 "scale_rewards",
             )
+        if ref_sync_every is not None:
+            validation.positive_int("ref_sync_every", ref_sync_every)
+            validation.fraction("ref_mixup_alpha", ref_mixup_alpha, low_open=True, high_open=False)
+            if self.loss.beta == 0:
+                raise RecipeError("ref_sync_every: loss.beta is 0, so there is no reference model to refresh", "ref_sync_every")
+            if self.lora is not None:
+                raise RecipeError(
+                    "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
+                    "separate reference to refresh", "ref_sync_every",
+                )
         if max_turns > 1 and not tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
@@ -333,6 +356,8 @@ class GRPOModule(LightningModule):
             clip_grad_norm(self.parameters(), self.hparams.max_grad_norm)  # over every mesh the weights live on
         optimizer.step()
         self.lr_schedulers().step()
+        if self.hparams.ref_sync_every is not None and (step + 1) % self.hparams.ref_sync_every == 0:
+            self._refresh_reference()
         self._push_weights(version=step + 1)
         train_seconds = time.perf_counter() - train_started
 
@@ -343,8 +368,34 @@ class GRPOModule(LightningModule):
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 
     def generate_and_score(self, index: int) -> ScoredBatch:
-        """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode)."""
-        records = self.trainer.datamodule.prompt_batch(index)
+        """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode).
+
+        With ``dynamic_sampling`` the groups whose rewards all tie (no signal) are dropped and more prompts are
+        sampled, up to ``dynamic_sampling_max_rounds`` rounds, until the batch has as many groups as prompts."""
+        datamodule = self.trainer.datamodule
+        scored = self._sample_and_score(index, 0, datamodule.prompt_batch(index))
+        if not self.hparams.dynamic_sampling:
+            return scored
+        wanted, sampled = len(scored.records), len(scored.records)
+        kept = _groups_with_signal(scored)
+        rounds = 1
+        while len(kept.records) < wanted and rounds < self.hparams.dynamic_sampling_max_rounds:
+            extra = self._sample_and_score(index, rounds, datamodule.extra_prompts(index, rounds, wanted - len(kept.records)))
+            sampled += len(extra.records)
+            kept = _merged(kept, _groups_with_signal(extra))
+            rounds += 1
+        if len(kept.records) < wanted:
+            log.warning(
+                "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
+                "(dynamic_sampling_max_rounds); training on those", index + 1, len(kept.records), wanted, rounds,
+            )
+        filtered = sampled - len(kept.records)
+        if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
+            kept = scored
+        kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
+        return kept
+
+    def _sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
         prompts = [self._prompt_ids(record) for record in records]
         self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
@@ -353,9 +404,9 @@ class GRPOModule(LightningModule):
                 self.engine, self.tokenizer, self.executor, self.hparams.max_turns, self._max_context_tokens()
             )
             samples = [self.hparams.num_generations, *self.hparams.samples_per_turn]
-            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn))
+            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn, round))
         else:
-            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0))
+            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round))
         generation_seconds = time.perf_counter() - started
         rollouts = batch.rollouts
         texts = [self._reply_text(r) for r in rollouts]
@@ -457,6 +508,15 @@ class GRPOModule(LightningModule):
             pad_token_id=pad,
         )
 
+    @torch.no_grad()
+    def _refresh_reference(self) -> None:
+        """TR-DPO: the reference moves ``ref_mixup_alpha`` of the way to the policy (shard by shard under FSDP2,
+        where both are sharded alike)."""
+        alpha = self.hparams.ref_mixup_alpha
+        policy = dict(self.policy.named_parameters())
+        for name, ref in self.reference.named_parameters():
+            ref.lerp_(policy[name].to(ref.dtype), alpha)
+
     def _advantages(self, scored: ScoredBatch) -> torch.Tensor:
         """Each rollout's advantage; the statistics that span the step are summed over every rank."""
         groups = torch.tensor([r.group_id for r in scored.rollouts])
@@ -524,9 +584,9 @@ class GRPOModule(LightningModule):
                     f"does not fit the context of {limit} tokens ({said}): shorten it or lower max_new_tokens"
                 )
 
-    def _sampling(self, index: int, turn: int) -> SamplingConfig:
-        # A seed per (batch, turn) makes sampling independent of where and when it runs.
-        seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn
+    def _sampling(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
+        # A seed per (batch, turn, dynamic-sampling round) makes sampling independent of where and when it runs.
+        seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
         return SamplingConfig(**{**vars(self.sampling), "seed": seed})
 
     def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
@@ -566,6 +626,8 @@ class GRPOModule(LightningModule):
             "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
             "lr": self.optimizers().param_groups[0]["lr"],
             **stats.metrics(),
+            "dynamic_sampling/rounds": float(scored.sampling_rounds),
+            "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
             "completions/truncated_fraction": sum(r.finish_reason == "length" for r in scored.rollouts) / max(len(scored.rollouts), 1),
         }
         failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
@@ -679,6 +741,46 @@ class _StepStats:
 class _CloseOnException(Callback):
     def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
         pl_module.close()
+
+
+def _groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
+    """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered."""
+    by_group: dict[int, list[int]] = {}
+    for i, rollout in enumerate(scored.rollouts):
+        by_group.setdefault(rollout.group_id, []).append(i)
+    keep = [g for g, members in sorted(by_group.items())
+            if max(scored.rewards[i] for i in members) - min(scored.rewards[i] for i in members) > 1e-6]  # fmt: skip
+    return _select_groups(scored, keep)
+
+
+def _select_groups(scored: ScoredBatch, groups: list[int]) -> ScoredBatch:
+    new_id = {g: k for k, g in enumerate(groups)}
+    picked = [i for i, r in enumerate(scored.rollouts) if r.group_id in new_id]
+    position = {i: k for k, i in enumerate(picked)}
+    return dataclasses.replace(
+        scored,
+        records=[scored.records[g] for g in groups],
+        rollouts=[dataclasses.replace(scored.rollouts[i], group_id=new_id[scored.rollouts[i].group_id]) for i in picked],
+        rewards=[scored.rewards[i] for i in picked],
+        reward_terms={name: [values[i] for i in picked] for name, values in scored.reward_terms.items()},
+        reward_errors=[{**e, "sample": position[e["sample"]]} for e in scored.reward_errors if e["sample"] in position],
+    )
+
+
+def _merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
+    """Two batches of the same step as one, the second's groups numbered after the first's."""
+    offset = len(first.records)
+    failures = Counter(first.tool_failures) + Counter(second.tool_failures)
+    return dataclasses.replace(
+        first,
+        records=first.records + second.records,
+        rollouts=first.rollouts + [dataclasses.replace(r, group_id=r.group_id + offset) for r in second.rollouts],
+        rewards=first.rewards + second.rewards,
+        reward_terms={name: first.reward_terms[name] + second.reward_terms[name] for name in first.reward_terms},
+        reward_errors=first.reward_errors + [{**e, "sample": e["sample"] + len(first.rollouts)} for e in second.reward_errors],
+        generation_seconds=first.generation_seconds + second.generation_seconds,
+        tool_failures=dict(failures),
+    )
 
 
 def _untrained(rollout: Rollout) -> Rollout:

@@ -32,6 +32,9 @@ class ScoredBatch:
     reward_errors: list[dict[str, Any]] = field(default_factory=list)
     generation_seconds: float = 0.0
     tool_failures: dict[str, int] = field(default_factory=dict)
+    sampling_rounds: int = 1  # dynamic sampling: how many rounds of prompts this batch took,
+    sampled_groups: int = 0  # ... how many groups they sampled,
+    filtered_groups: int = 0  # ... and how many of those it dropped for tied rewards
 
     @property
     def weight_version(self) -> int:
