@@ -190,3 +190,56 @@ def test_dynamic_sampling_says_when_its_bound_is_hit(caplog):
     assert "step 1: dynamic sampling found 0 of 2 groups with differing rewards after 3 rounds" in caplog.text
     assert module.last_trained.sampling_rounds == 3 and module.last_trained.filtered_groups == 6
     assert float(trainer.callback_metrics["train/dynamic_sampling/filtered_fraction"]) == 1.0  # every group sampled tied
+
+
+class StepMetrics(L.Callback):
+    """Every step's logged clip fraction and mean ratio."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        self.steps.append({k: float(metrics[f"train/{k}"]) for k in ("clip/fraction", "ratio/mean")})
+
+
+def test_several_passes_over_a_batch_take_the_ratio_against_the_sampling_policy():
+    """num_iterations=2: each batch trains two optimizer steps; the second's ratio is against the policy that
+    sampled (so it moves and, with a tight clip range, clipping bites); new weights reach the engine per batch."""
+    trained, metrics = TrainedRollouts(), StepMetrics()
+    module, trainer = fit(4, [trained, metrics], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2,
+                          loss={"epsilon_low": 1e-3, "epsilon_high": 1e-3}, learning_rate=1e-2)  # fmt: skip
+    assert [b["index"] for b in module.trained_batches] == [0, 0, 1, 1]
+    assert [b["iteration"] for b in module.trained_batches] == [0, 1, 0, 1]
+    assert trained.batches[0]["completions"] == trained.batches[1]["completions"] != trained.batches[2]["completions"]
+    assert module.engine.weight_version == 2 and trainer.global_step == 4
+    first_pass, second_pass = metrics.steps[0], metrics.steps[1]
+    assert first_pass["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and first_pass["clip/fraction"] == 0
+    assert second_pass["clip/fraction"] > 0 and second_pass["ratio/mean"] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_resume_inside_a_batchs_passes_finishes_them_exactly(tmp_path):
+    whole = GradientRecorder()
+    reference, _ = fit(4, [whole], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2, max_grad_norm=None)
+    first = GradientRecorder()
+    _, trainer = fit(3, [first], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2, max_grad_norm=None)
+    checkpoint = tmp_path / "step3.ckpt"
+    trainer.save_checkpoint(checkpoint)  # after the first pass over batch 1
+    assert torch.load(checkpoint, weights_only=True)["grpo"]["batch"]["index"] == 1
+    second = GradientRecorder()
+    resumed, _ = fit(4, [second], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2, max_grad_norm=None,
+                     ckpt_path=str(checkpoint))  # fmt: skip
+    assert [b["index"] for b in resumed.trained_batches] == [0, 0, 1, 1]
+    for name, grad in whole.steps[3].items():
+        torch.testing.assert_close(second.steps[0][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_several_passes_are_the_same_in_the_asynchronous_trainer():
+    grads = []
+    for async_mode in (False, True):
+        recorder = GradientRecorder()
+        fit(4, [recorder], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2, async_mode=async_mode, max_staleness=0)
+        grads.append(recorder.steps)
+    for step, (sync, background) in enumerate(zip(*grads, strict=True)):
+        for name, grad in sync.items():
+            torch.testing.assert_close(background[name], grad, rtol=0, atol=0, msg=f"step {step} {name}")

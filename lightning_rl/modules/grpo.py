@@ -88,6 +88,9 @@ class GRPOModule(LightningModule):
         ref_sync_every, ref_mixup_alpha: every ``ref_sync_every`` optimizer steps the reference moves towards the
             policy, ``ref = alpha * policy + (1 - alpha) * ref`` (TR-DPO; None: a frozen reference). TRL:
             `sync_ref_model`, `ref_model_sync_steps`, `ref_model_mixup_alpha`.
+        num_iterations: optimizer steps taken on each batch of rollouts (PPO epochs). The old log-probs are the
+            sampling policy's, computed once before the first of them, so the ratio moves and clipping bites; the
+            engine gets new weights (and the next batch is generated) once per batch. TRL: `num_iterations`.
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
@@ -132,6 +135,7 @@ class GRPOModule(LightningModule):
         dynamic_sampling: bool = False,
         dynamic_sampling_max_rounds: int = 4,
         old_logprobs: Literal["trainer", "engine"] = "trainer",
+        num_iterations: int = 1,
         ref_sync_every: int | None = None,
         ref_mixup_alpha: float = 0.6,
         learning_rate: float = 1e-6,
@@ -175,7 +179,7 @@ class GRPOModule(LightningModule):
                 f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
                 "num_generations",
             )
-        counts = {"max_new_tokens": max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
+        counts = {"num_iterations": num_iterations, "max_new_tokens": max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
                   "chunk_size": chunk_size, "verify_packing_every": verify_packing_every, "summary_window": summary_window,
                   **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
         for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
@@ -236,6 +240,8 @@ class GRPOModule(LightningModule):
         self.last_trained: ScoredBatch | None = None
         self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
         self._restored_queue: dict[str, Any] | None = None
+        self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
+        self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -278,16 +284,18 @@ class GRPOModule(LightningModule):
             )
 
     def on_train_start(self) -> None:
-        # Here, not in on_fit_start: a resume has restored global_step by now, so the engine's version is the step's.
-        self._push_weights(version=self.global_step)
+        # Here, not in on_fit_start: a resume has restored global_step by now. Versions count batches of rollouts
+        # (one per num_iterations optimizer steps).
+        index, iteration = divmod(self.global_step, self.hparams.num_iterations)
+        self._push_weights(version=index)
         if not self.hparams.async_mode:
             return
+        first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
         self.producer = RolloutProducer(
-            self.generate_and_score, lambda: self.engine.weight_version, self.hparams.max_staleness,
-            start_index=self.global_step,
+            self.generate_and_score, lambda: self.engine.weight_version, self.hparams.max_staleness, start_index=first,
         )
         if self._restored_queue is not None:
-            self.producer.load_state_dict(self._restored_queue, next_step=self.global_step)
+            self.producer.load_state_dict(self._restored_queue, next_step=first)
         self.producer.start()
 
     def on_fit_end(self) -> None:
@@ -320,13 +328,17 @@ class GRPOModule(LightningModule):
         step = self.global_step
         if int(batch_index) != step:
             raise RuntimeError(f"prompt batch {int(batch_index)} arrived at optimizer step {step}")
+        index, iteration = divmod(step, self.hparams.num_iterations)
         started = time.perf_counter()
-        scored = self.producer.take(step) if self.producer is not None else self.generate_and_score(step)
+        if iteration == 0 or self._batch is None:
+            self._batch = self.producer.take(index) if self.producer is not None else self.generate_and_score(index)
+            self._old_logprobs = None
+        scored = self._batch
         self.current_batch = scored
         waited = time.perf_counter() - started
-        staleness = step - scored.weight_version
+        staleness = index - scored.weight_version
         if staleness > self.hparams.max_staleness and self.hparams.async_mode:
-            raise RuntimeError(f"batch {step} is {staleness} versions stale (max_staleness={self.hparams.max_staleness})")
+            raise RuntimeError(f"batch {index} is {staleness} versions stale (max_staleness={self.hparams.max_staleness})")
 
         rewards = torch.tensor(scored.rewards)
         advantages = self._advantages(scored)
@@ -341,13 +353,17 @@ class GRPOModule(LightningModule):
         train_started = time.perf_counter()
         stats = _StepStats()
         packed_rows = [self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
+        if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":
+            with torch.no_grad():  # the sampling policy's, before the first of this batch's updates
+                self._old_logprobs = [self.policy_logprobs(self.policy, packed)[0].cpu() for packed in packed_rows]
         threshold = None
         if self.loss.top_entropy_quantile < 1:
             threshold, counts = self._entropy_threshold(packed_rows, counts)
-        for packed in packed_rows:
+        for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
-            terms, entropy = self.row_loss(packed, entropy_threshold=threshold)
+            old = None if self._old_logprobs is None else self._old_logprobs[k].to(self.device)
+            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = self.loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
@@ -358,10 +374,12 @@ class GRPOModule(LightningModule):
         self.lr_schedulers().step()
         if self.hparams.ref_sync_every is not None and (step + 1) % self.hparams.ref_sync_every == 0:
             self._refresh_reference()
-        self._push_weights(version=step + 1)
+        if iteration == self.hparams.num_iterations - 1:
+            self._push_weights(version=index + 1)
+            self._batch = self._old_logprobs = None
         train_seconds = time.perf_counter() - train_started
 
-        self.trained_batches.append({"index": step, "weight_version": scored.weight_version})
+        self.trained_batches.append({"index": index, "iteration": iteration, "weight_version": scored.weight_version})
         self.last_trained = scored
         self.reward_history.append(float(rewards.mean()))
         self._log_step(scored, stats, staleness, waited, train_seconds)
@@ -459,10 +477,11 @@ class GRPOModule(LightningModule):
     # -- pieces of the step --------------------------------------------------------------------
 
     def row_loss(
-        self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None
+        self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None
     ) -> tuple[TokenLoss, torch.Tensor | None]:
         """The loss terms of one packed row and its per-token entropy. ``entropy_threshold``: the step's, for
-        ``loss.top_entropy_quantile < 1`` (by default this row's own quantile)."""
+        ``loss.top_entropy_quantile < 1`` (by default this row's own quantile). ``old_logprobs``: the policy the
+        ratio is taken against, when not this step's own (``num_iterations``) or the engine's."""
         logprobs, entropy = self.policy_logprobs(
             self.policy, packed, with_entropy=True, entropy_grad=self.loss.entropy_coef != 0
         )
@@ -471,7 +490,10 @@ class GRPOModule(LightningModule):
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = self.policy_logprobs(self.reference, packed)
-        old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
+        if old_logprobs is not None:
+            old = old_logprobs
+        else:
+            old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
         terms = self.loss.token_loss(
             logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
             ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, loss_seq=packed.loss_seq,
@@ -683,6 +705,9 @@ class GRPOModule(LightningModule):
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
             "reward_history": list(self.reward_history),
             "trained_batches": list(self.trained_batches),
+            # Saved inside a batch's num_iterations passes: the batch and its old log-probs, to finish them.
+            "batch": None if self._batch is None else self._batch.state(),
+            "old_logprobs": None if self._old_logprobs is None else list(self._old_logprobs),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -691,6 +716,8 @@ class GRPOModule(LightningModule):
         self._restored_queue = state.get("rollout_queue")
         self.reward_history = list(state.get("reward_history", []))
         self.trained_batches = list(state.get("trained_batches", []))
+        self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
+        self._old_logprobs = state.get("old_logprobs")
 
 
 class _StepStats:
