@@ -243,3 +243,32 @@ def test_several_passes_are_the_same_in_the_asynchronous_trainer():
     for step, (sync, background) in enumerate(zip(*grads, strict=True)):
         for name, grad in sync.items():
             torch.testing.assert_close(background[name], grad, rtol=0, atol=0, msg=f"step {step} {name}")
+
+
+class EntropyLog(L.Callback):
+    def __init__(self) -> None:
+        self.entropy, self.coef = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.entropy.append(float(trainer.callback_metrics["train/entropy"]))
+        self.coef.append(float(trainer.callback_metrics["train/entropy_coef"]))
+
+
+def test_adaptive_entropy_control_follows_its_rule_and_gates_the_bonus():
+    """The coefficient after each step is the rule applied to that step's mean entropy (TRL's: up by delta at or
+    below the target, down otherwise, clamped); the bonus acts only after a step at or below the target."""
+    log_, recorder = EntropyLog(), GradientRecorder()
+    target = 5.0  # about the tiny model's entropy, so the controller goes both ways
+    loss = {"adaptive_entropy": True, "entropy_coef": 0.05, "entropy_coef_delta": 0.02, "entropy_target": target,
+            "entropy_coef_max": 0.08}  # fmt: skip
+    module, _ = fit(5, [log_, recorder], batch_size=2, rewards=LENGTH_REWARD, loss=loss)
+    coef, last = 0.05, float("inf")
+    for step, entropy in enumerate(log_.entropy):
+        coef = min(coef + 0.02, 0.08) if entropy <= target else max(coef - 0.02, 0.0)
+        assert log_.coef[step] == pytest.approx(coef), step
+    assert module.entropy_control.last_entropy == pytest.approx(log_.entropy[-1], rel=1e-5)
+    # The first step has no earlier entropy: no bonus, so its gradient is the plain loss's.
+    plain = GradientRecorder()
+    fit(1, [plain], batch_size=2, rewards=LENGTH_REWARD)
+    for name, grad in plain.steps[0].items():
+        torch.testing.assert_close(recorder.steps[0][name], grad, rtol=0, atol=0)

@@ -200,6 +200,11 @@ TRL_NAMES = {
     "off_policy_mask_threshold": "off_policy_mask_threshold",
     "top_entropy_quantile": "top_entropy_quantile",
     "entropy_coef": "entropy_coef",
+    "adaptive_entropy": "use_adaptive_entropy",
+    "entropy_coef_min": "entropy_coef_min",
+    "entropy_coef_max": "entropy_coef_max",
+    "entropy_coef_delta": "entropy_coef_delta",
+    "entropy_target": "entropy_target",
 }
 
 

@@ -127,6 +127,12 @@ class GRPOLoss:
         top_entropy_quantile: train only the tokens whose entropy is in this top quantile (1: all). TRL:
             `top_entropy_quantile`.
         entropy_coef: weight of the entropy bonus, the mean entropy of the tokens trained. TRL: `entropy_coef`.
+        adaptive_entropy: adaptive entropy control (Skywork-OR1): after each optimizer step the coefficient moves
+            by `entropy_coef_delta` (up while the step's mean entropy is at or below `entropy_target`, down
+            otherwise, within `entropy_coef_min`/`entropy_coef_max`), and the bonus applies only while the last
+            step's entropy was at or below the target (`EntropyControl`). TRL: `use_adaptive_entropy`.
+        entropy_coef_min, entropy_coef_max, entropy_coef_delta, entropy_target: its bounds, step and target (nats).
+            TRL: the same names.
     """
 
     # The first six keep their order: GRPOModule passes them by position.
@@ -150,6 +156,11 @@ class GRPOLoss:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -177,6 +188,9 @@ class GRPOLoss:
             ("importance_sampling_floor", lambda v: 0 <= v <= 1, "in [0, 1]"),
             ("off_policy_mask_threshold", lambda v: v >= 0, ">= 0"),
             ("top_entropy_quantile", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("entropy_coef_delta", lambda v: v >= 0, ">= 0"),
+            ("entropy_target", lambda v: v >= 0, ">= 0"),
+            ("entropy_coef_max", lambda v: v >= self.entropy_coef_min, f">= entropy_coef_min ({self.entropy_coef_min})"),
         )
         for name, ok, bound in bounds:
             value = getattr(self, name)
@@ -219,7 +233,7 @@ class GRPOLoss:
     @property
     def needs_entropy(self) -> bool:
         """Whether `token_loss` needs the per-token entropy (differentiable when `entropy_coef != 0`)."""
-        return self.top_entropy_quantile < 1 or self.entropy_coef != 0
+        return self.top_entropy_quantile < 1 or self.entropy_coef != 0 or self.adaptive_entropy
 
     def token_loss(
         self,
@@ -377,3 +391,25 @@ def _kl(log_ratio: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     if estimator == "k2":
         return 0.5 * log_ratio**2
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+@dataclass
+class EntropyControl:
+    """The state of adaptive entropy control (`GRPOLoss.adaptive_entropy`): the coefficient, and the mean entropy
+    of the last optimizer step (over every rank, of the tokens the bonus acts on)."""
+
+    coef: float
+    last_entropy: float = math.inf
+
+    def applied(self, loss: GRPOLoss) -> float:
+        """The coefficient this step's bonus uses: the current one while the last step's entropy was at or below
+        the target, else none."""
+        return self.coef if self.last_entropy <= loss.entropy_target else 0.0
+
+    def update(self, loss: GRPOLoss, step_entropy: float) -> None:
+        """After an optimizer step whose mean entropy was ``step_entropy``."""
+        if step_entropy <= loss.entropy_target:
+            self.coef = min(self.coef + loss.entropy_coef_delta, loss.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - loss.entropy_coef_delta, loss.entropy_coef_min)
+        self.last_entropy = step_entropy

@@ -31,7 +31,7 @@ from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, normalize_then_sum
-from lightning_rl.losses.grpo import TokenLoss
+from lightning_rl.losses.grpo import EntropyControl, TokenLoss
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
@@ -240,6 +240,7 @@ class GRPOModule(LightningModule):
         self.last_trained: ScoredBatch | None = None
         self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
         self._restored_queue: dict[str, Any] | None = None
+        self.entropy_control = EntropyControl(self.loss.entropy_coef) if self.loss.adaptive_entropy else None
         self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
         self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
 
@@ -359,19 +360,29 @@ class GRPOModule(LightningModule):
         threshold = None
         if self.loss.top_entropy_quantile < 1:
             threshold, counts = self._entropy_threshold(packed_rows, counts)
+        step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
+        if self.entropy_control is not None:
+            step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
+        bonus_entropy = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed entropy, tokens
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
             old = None if self._old_logprobs is None else self._old_logprobs[k].to(self.device)
-            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old)
+            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old, loss=step_loss)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
-            loss = self.loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
+            loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
             stats.add(loss.detach(), terms, entropy, packed)
+            if self.entropy_control is not None:
+                kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
+                bonus_entropy += torch.stack([kept.double().sum(), kept.new_tensor(kept.numel(), dtype=torch.float64)])
         if self.hparams.max_grad_norm is not None:
             clip_grad_norm(self.parameters(), self.hparams.max_grad_norm)  # over every mesh the weights live on
         optimizer.step()
         self.lr_schedulers().step()
+        if self.entropy_control is not None:  # over every rank, for the next step's coefficient
+            total, tokens = self.trainer.strategy.reduce(bonus_entropy, reduce_op="sum").tolist()
+            self.entropy_control.update(self.loss, total / max(tokens, 1.0))
         if self.hparams.ref_sync_every is not None and (step + 1) % self.hparams.ref_sync_every == 0:
             self._refresh_reference()
         if iteration == self.hparams.num_iterations - 1:
@@ -477,14 +488,15 @@ class GRPOModule(LightningModule):
     # -- pieces of the step --------------------------------------------------------------------
 
     def row_loss(
-        self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None
+        self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
+        loss: GRPOLoss | None = None,
     ) -> tuple[TokenLoss, torch.Tensor | None]:
         """The loss terms of one packed row and its per-token entropy. ``entropy_threshold``: the step's, for
         ``loss.top_entropy_quantile < 1`` (by default this row's own quantile). ``old_logprobs``: the policy the
-        ratio is taken against, when not this step's own (``num_iterations``) or the engine's."""
-        logprobs, entropy = self.policy_logprobs(
-            self.policy, packed, with_entropy=True, entropy_grad=self.loss.entropy_coef != 0
-        )
+        ratio is taken against, when not this step's own (``num_iterations``) or the engine's. ``loss``: the
+        step's settings, when they are not ``self.loss`` (adaptive entropy control)."""
+        loss = self.loss if loss is None else loss
+        logprobs, entropy = self.policy_logprobs(self.policy, packed, with_entropy=True, entropy_grad=loss.entropy_coef != 0)
         engine_logprobs = packed.token_values["engine_logprobs"]
         ref_logprobs = None
         if self.reference is not None:
@@ -494,7 +506,7 @@ class GRPOModule(LightningModule):
             old = old_logprobs
         else:
             old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
-        terms = self.loss.token_loss(
+        terms = loss.token_loss(
             logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
             ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, loss_seq=packed.loss_seq,
             seq_num_tokens=torch.bincount(packed.loss_seq, minlength=packed.num_sequences), entropy=entropy,
@@ -647,6 +659,7 @@ class GRPOModule(LightningModule):
             "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in scored.rollouts) / max(scored.generation_seconds, 1e-9),
             "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
             "lr": self.optimizers().param_groups[0]["lr"],
+            **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
             **stats.metrics(),
             "dynamic_sampling/rounds": float(scored.sampling_rounds),
             "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
@@ -708,6 +721,7 @@ class GRPOModule(LightningModule):
             # Saved inside a batch's num_iterations passes: the batch and its old log-probs, to finish them.
             "batch": None if self._batch is None else self._batch.state(),
             "old_logprobs": None if self._old_logprobs is None else list(self._old_logprobs),
+            "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -718,6 +732,8 @@ class GRPOModule(LightningModule):
         self.trained_batches = list(state.get("trained_batches", []))
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
         self._old_logprobs = state.get("old_logprobs")
+        if self.entropy_control is not None and state.get("entropy_control") is not None:
+            self.entropy_control = EntropyControl(**state["entropy_control"])
 
 
 class _StepStats:
