@@ -21,7 +21,7 @@ ALLOWED = {
     "toy": set(),
     "checkpoints": {"errors"},
     "losses": {"errors"},
-    "rewards": {"dotted", "errors"},
+    "rewards": {"dotted", "errors", "models"},
     "rollout": {"dotted"},
     "tools": {"rollout", "dotted"},
     "attention": {"packing", "device_policy", "errors"},

@@ -55,7 +55,7 @@ from lightning_rl.tools.conversation import ToolConversation, distinct_tool_call
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids")  # what reward functions get besides prompts, completions and the data
+ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")  # what reward functions get besides prompts, completions and the data
 
 
 class GRPOModule(LightningModule):
@@ -279,6 +279,7 @@ class GRPOModule(LightningModule):
             options.setdefault("device", str(self.device))
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.engine = load_engine(self.hparams.engine, path, seed=self.hparams.seed, **options)
+        self.scorer.to(self.device)  # reward models score on the trainer's device
         if self.tools:
             self.executor = ToolExecutor(
                 self.tools, timeout_s=self.hparams.tool_timeout_s, max_output_chars=self.hparams.tool_output_max_chars
@@ -446,6 +447,8 @@ class GRPOModule(LightningModule):
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
         columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
+        messages = [self._prompt_messages(record) for record in records]
+        columns["prompt_messages"] = [messages[r.group_id] for r in rollouts]
         prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
         scores = self.scorer.score(prompt_texts, texts, columns, step=index + 1)
         failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
@@ -623,11 +626,16 @@ class GRPOModule(LightningModule):
         seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
         return SamplingConfig(**{**vars(self.sampling), "seed": seed})
 
-    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
+    def _prompt_messages(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat messages of a record's prompt, as the policy reads them (``system_prompt`` in front)."""
         prompt = record["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.hparams.system_prompt and isinstance(prompt, str):
             messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
+        return messages
+
+    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
+        messages = self._prompt_messages(record)
         tools = [tool.chat_template_spec() for tool in self.tools] or None
         return list(
             self.tokenizer.apply_chat_template(

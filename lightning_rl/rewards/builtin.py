@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_rl.rewards.model import RewardModel
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -93,4 +95,5 @@ BUILTIN_REWARDS = {
     "format": format_match,
     "tool_call_validity": tool_call_validity,
     "overlong_penalty": overlong_penalty,
+    "reward_model": RewardModel,
 }

@@ -77,6 +77,12 @@ class _Reward:
         self.name, self.function = spec.resolve()
         self.weight = float(spec.weight)
         self.kwargs = dict(spec.kwargs)
+        if inspect.isclass(self.function):  # a reward with state (a reward model): built once from its kwargs
+            try:
+                self.function = self.function(**self.kwargs)
+            except (TypeError, ValueError, OSError) as error:
+                raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {error}") from None
+            self.kwargs = {}
         if not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")
         try:
@@ -241,6 +247,13 @@ class RewardScorer:
         self.all_failed = all_failed
         self.timeout_s = timeout_s
         self.stopped_by: dict[str, Any] | None = None  # the failure that raised RewardFailedError, as plain data
+
+    def to(self, device: torch.device | str) -> RewardScorer:
+        """Moves the rewards that hold a model (``RewardModel``) to ``device``."""
+        for reward in self.rewards.values():
+            if callable(getattr(reward.function, "to", None)):
+                reward.function.to(device)
+        return self
 
     @property
     def weights(self) -> dict[str, float]:

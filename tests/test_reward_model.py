@@ -1,0 +1,69 @@
+"""A reward model as a reward: a real from_pretrained sequence-classification model (a tiny Qwen3 with one label,
+the embedded tokenizer and its chat template), batched against one at a time, and inside a GRPO run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from grpo_helpers import LENGTH_REWARD, fit
+from lightning_rl.rewards import RewardScorer, RewardSpec
+from lightning_rl.rewards.model import RewardModel
+
+
+@pytest.fixture(scope="module")
+def reward_model_path(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("reward-model")
+    config = AutoConfig.from_pretrained(tiny_path, num_labels=1)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores that differ between texts
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(folder)
+    return folder
+
+
+PROMPTS = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "system", "content": "Be brief."},
+           {"role": "user", "content": "And 3+5, please?"}]]  # fmt: skip
+
+
+def test_batched_scores_equal_one_text_at_a_time_under_the_models_own_template(reward_model_path):
+    reward = RewardModel(str(reward_model_path), batch_size=3)
+    messages = [PROMPTS[i % 2] for i in range(5)]
+    completions = ["4", "8, which is the sum of three and five", "four", "", "8"]
+    scores = reward(messages, completions)
+    assert len(scores) == 5 and len(set(scores)) == 5
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
+    for m, c, score in zip(messages, completions, scores, strict=True):
+        text = tokenizer.apply_chat_template([*m, {"role": "assistant", "content": c}], tokenize=False)
+        assert "<|im_start|>assistant" in text or c in text
+        with torch.no_grad():
+            want = model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+        assert score == pytest.approx(float(want), abs=1e-5)
+
+
+def test_a_reward_model_is_a_recipe_reward_and_its_mistakes_are_one_line(reward_model_path, tmp_path):
+    scorer = RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batch_size": 2})])
+    scores = scorer.score(["p", "p"], ["4", "5"], {"prompt_messages": [PROMPTS[0], PROMPTS[0]]})
+    assert scores.errors == [] and scores.per_function["reward_model"][0] != scores.per_function["reward_model"][1]
+    with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*batch_size must be an integer >= 1"):
+        RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batch_size": 0})])
+    with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*unexpected keyword argument 'batchsize'"):
+        RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batchsize": 2})])
+    classifier = tmp_path / "three-labels"  # a classifier, not a reward model
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(reward_model_path, num_labels=3)).save_pretrained(classifier)
+    AutoTokenizer.from_pretrained(reward_model_path).save_pretrained(classifier)
+    with pytest.raises(ValueError, match="it has 3 labels; a reward model has 1"):
+        RewardModel(str(classifier))
+
+
+def test_a_grpo_run_scores_with_a_reward_model_beside_a_function(reward_model_path):
+    rewards = [RewardSpec("reward_model", weight=0.5, kwargs={"path": str(reward_model_path)}), *LENGTH_REWARD]
+    module, trainer = fit(2, batch_size=2, rewards=rewards)
+    terms = module.last_trained.reward_terms
+    assert set(terms) == {"reward_model", "text_length"} and len(set(terms["reward_model"])) > 1
+    assert float(trainer.callback_metrics["train/reward/reward_model/errors"]) == 0
