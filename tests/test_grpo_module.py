@@ -272,3 +272,20 @@ def test_adaptive_entropy_control_follows_its_rule_and_gates_the_bonus():
     fit(1, [plain], batch_size=2, rewards=LENGTH_REWARD)
     for name, grad in plain.steps[0].items():
         torch.testing.assert_close(recorder.steps[0][name], grad, rtol=0, atol=0)
+
+
+def test_option_combinations_that_make_no_sense_are_one_line_naming_the_key():
+    cases = [
+        (dict(num_iterations=2, async_mode=True, max_staleness=1), "num_iterations=2 with async_mode and max_staleness=1"),
+        (dict(loss={"loss_type": "luspo"}), "loss.importance_sampling_level must be 'sequence' for loss_type='luspo'"),
+        (dict(loss={"loss_type": "vespo", "importance_sampling_level": "sequence"}),
+         "loss.importance_sampling_level must be 'token' for loss_type='vespo'"),
+        (dict(reward_aggregation="normalize_then_sum", scale_rewards="batch"), "scale_rewards='batch' with reward_aggregation"),
+        (dict(dynamic_sampling=True, num_generations=1), "num_generations=1: GRPO needs G >= 2"),
+        (dict(rewards=[{"function": "reward_model", "kwargs": {"path": "/no/such/reward/model"}}]),
+         "reward 'reward_model': cannot be built from kwargs"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as caught:
+            GRPOModule(**kwargs)
+        assert message in str(caught.value) and "\n" not in str(caught.value), (kwargs, str(caught.value))

@@ -209,6 +209,12 @@ class GRPOModule(LightningModule):
                 "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
                 "scale_rewards",
             )
+        if num_iterations > 1 and async_mode and max_staleness > 0 and old_logprobs == "trainer":
+            raise RecipeError(
+                f"num_iterations={num_iterations} with async_mode and max_staleness={max_staleness}: a batch may come "
+                "from weights older than the trainer's, whose log-probs only the engine has; set old_logprobs: engine "
+                "or max_staleness: 0", "num_iterations",
+            )
         if ref_sync_every is not None:
             validation.positive_int("ref_sync_every", ref_sync_every)
             validation.fraction("ref_mixup_alpha", ref_mixup_alpha, low_open=True, high_open=False)
