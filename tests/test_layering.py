@@ -29,7 +29,7 @@ ALLOWED = {
     "ops": {"attention", "packing", "device_policy", "models"},
     "data": {"packing", "device_policy", "models", "toy", "errors", "validation"},
     "strategies": {"models", "checkpoints", "device_policy", "ops", "errors"},
-    "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards",
+    "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
                 "rollout", "strategies", "tools", "validation"},
     "callbacks": {"checkpoints", "ops", "strategies", "errors"},
     "recipe": {"callbacks", "checkpoints", "console", "errors", "strategies", "validation"},

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
 from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
-from lightning_rl.toy.task import TRAIN_FILE
+from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
 
@@ -69,7 +69,7 @@ class PromptDataModule(L.LightningDataModule):
         validation.positive_int("batch_size", batch_size)
         if path != TOY_DATASET:
             check_source("path", path)
-        self.path = str(TRAIN_FILE) if path == TOY_DATASET else path
+        self.path = str(PROBLEMS_FILE) if path == TOY_DATASET else path
         self.prompt_field = "messages" if path == TOY_DATASET else prompt_field
         self.batch_size = batch_size
         self.seed = seed

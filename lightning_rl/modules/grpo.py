@@ -40,7 +40,10 @@ from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
 from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
 from lightning_rl.checkpoints import check_weights_fit
-from lightning_rl.data.sft import DataError
+from lightning_rl.data.prompts import TOY_DATASET
+from lightning_rl.data.sft import DataError, check_source
+from lightning_rl.modules.evaluation import exact_match, heldout_cases
+from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
@@ -108,6 +111,10 @@ class GRPOModule(LightningModule):
         max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
             None: the model's ``max_position_embeddings``.
         engine, engine_options: rollout engine alias (``hf``) or dotted path, and its keyword args.
+        eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
+            embedded task's) of which the first ``eval_generations`` are decoded greedily before training and after,
+            by the SFT module's evaluator: ``summary.json`` reports ``heldout_exact_match_before`` and
+            ``heldout_exact_match``.
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
     """
@@ -160,6 +167,9 @@ class GRPOModule(LightningModule):
         engine: str = "hf",
         engine_options: dict[str, Any] | None = None,
         seed: int = 0,
+        eval_data: str | None = None,
+        eval_generations: int = 0,
+        eval_max_new_tokens: int = 16,
         log_rollouts_every_n_steps: int = 10,
         summary_window: int = 10,
     ) -> None:
@@ -185,7 +195,12 @@ class GRPOModule(LightningModule):
         for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
             if value is not None:
                 validation.positive_int(key, value)
-        for key, value in {"max_staleness": max_staleness, "top_k": top_k, "warmup_steps": warmup_steps,
+        validation.positive_int("eval_max_new_tokens", eval_max_new_tokens)
+        if eval_generations and eval_data is None:
+            raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
+        if eval_data not in (None, TOY_DATASET):
+            check_source("eval_data", eval_data)
+        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "top_k": top_k, "warmup_steps": warmup_steps,
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
         for key, value in {"temperature": temperature, "weight_decay": weight_decay}.items():
@@ -247,6 +262,7 @@ class GRPOModule(LightningModule):
         self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
         self._restored_queue: dict[str, Any] | None = None
         self.entropy_control = EntropyControl(self.loss.entropy_coef) if self.loss.adaptive_entropy else None
+        self.heldout_before: dict[str, Any] | None = None  # the evaluator's figures before the first step
         self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
         self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
 
@@ -294,6 +310,8 @@ class GRPOModule(LightningModule):
     def on_train_start(self) -> None:
         # Here, not in on_fit_start: a resume has restored global_step by now. Versions count batches of rollouts
         # (one per num_iterations optimizer steps).
+        if self.hparams.eval_generations and self.heldout_before is None:  # not on a resume: it has them
+            self.heldout_before = self.evaluate()
         index, iteration = divmod(self.global_step, self.hparams.num_iterations)
         self._push_weights(version=index)
         if not self.hparams.async_mode:
@@ -709,12 +727,25 @@ class GRPOModule(LightningModule):
             key="rollouts", columns=["step", "prompt", "completion", "reward", "weight_version", *names], data=rows
         )
 
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
+        if not hasattr(self, "_heldout_cases"):
+            path = resolve_model_path(self.hparams.model_name_or_path)
+            source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else self.hparams.eval_data
+            self._heldout_cases = heldout_cases(source, self.tokenizer, str(path))[: self.hparams.eval_generations]
+        return exact_match(self.policy, self.tokenizer, self._heldout_cases, max_new_tokens=self.hparams.eval_max_new_tokens)
+
     def summary_metrics(self) -> dict[str, Any]:
-        """Reward means of the first and last `summary_window` steps, for summary.json."""
+        """Reward means of the first and last `summary_window` steps, and held-out accuracy before and after
+        training when ``eval_generations`` is set, for summary.json."""
         history = self.reward_history
         window = max(1, min(self.hparams.summary_window, len(history) // 2 or 1))
         mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+        heldout = {}
+        if self.hparams.eval_generations:
+            heldout = {**self.evaluate(), "heldout_exact_match_before": (self.heldout_before or {}).get("heldout_exact_match")}
         return {
+            **heldout,
             "reward_first_window_mean": mean(history[:window]),
             "reward_last_window_mean": mean(history[-window:]),
             "reward_window": window,
@@ -736,6 +767,7 @@ class GRPOModule(LightningModule):
             "batch": None if self._batch is None else self._batch.state(),
             "old_logprobs": None if self._old_logprobs is None else list(self._old_logprobs),
             "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
+            "heldout_before": self.heldout_before,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -746,6 +778,7 @@ class GRPOModule(LightningModule):
         self.trained_batches = list(state.get("trained_batches", []))
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
         self._old_logprobs = state.get("old_logprobs")
+        self.heldout_before = state.get("heldout_before")
         if self.entropy_control is not None and state.get("entropy_control") is not None:
             self.entropy_control = EntropyControl(**state["entropy_control"])
 

@@ -10,7 +10,6 @@ accumulation and clipping are the Trainer's business.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,8 @@ from lightning_rl import validation
 from lightning_rl.checkpoints import check_weights_fit
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
-from lightning_rl.models.loading import LoraSettings, export_hf, generate_greedy, load_causal_lm
+from lightning_rl.modules.evaluation import exact_match
+from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.paths import check_model_source
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
@@ -170,14 +170,7 @@ class SFTModule(LightningModule):
 
     def exact_match_accuracy(self, cases: list[GenerationCase], tokenizer: Any) -> dict[str, float]:
         """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""
-        start = time.perf_counter()
-        texts = generate_greedy(self.model, tokenizer, [c.prompt_ids for c in cases], max_new_tokens=self.hparams.max_new_tokens)
-        correct = sum(text.strip() == case.reference.strip() for text, case in zip(texts, cases))
-        return {
-            "heldout_exact_match": correct / len(cases),
-            "heldout_examples": len(cases),
-            "heldout_generation_seconds": time.perf_counter() - start,
-        }
+        return exact_match(self.model, tokenizer, cases, max_new_tokens=self.hparams.max_new_tokens)
 
     def summary_metrics(self) -> dict[str, Any]:
         """Figures for summary.json beyond the generic ones: held-out accuracy and packing used."""

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from lightning_rl.toy.task import TRAIN_FILE, read_jsonl
+from lightning_rl.toy.task import PROBLEMS_FILE, read_jsonl
 
 TINY_NAME = "tiny"
 # Bump when the config, template or tokenizer recipe changes so cached builds are rebuilt.
@@ -55,7 +55,7 @@ CHAT_TEMPLATE = (
 def _training_text() -> list[str]:
     # Role names and tool-call markup repeated so BPE learns them as whole tokens.
     texts = ["system\nuser\nassistant\ntool\n" * 50, '{"name": "calculator", "arguments": {"expression": "1+2"}}' * 50]
-    for row in read_jsonl(TRAIN_FILE):
+    for row in read_jsonl(PROBLEMS_FILE):
         texts.extend(m["content"] for m in row["messages"])
     return texts
 

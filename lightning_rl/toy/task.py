@@ -1,10 +1,18 @@
 """The bundled toy task: short, verifiable digit problems in chat form.
 
 Two kinds of problem, each with exactly one correct answer so a run can be scored by exact match:
-``add`` ("37+8=" -> "45") and ``max`` ("max 4 0 7 1 3" -> "7"). Both are within reach of the tiny
-default model in a few hundred steps on a CPU (``max`` first, ``add`` with its carries later), which
-leaves GRPO room to improve on ``add``. Every conversation starts with the same system prompt, so a
-batch shares a prefix that tree packing forwards once.
+``add`` ("37+8=" -> "45") and ``max`` ("max 4 0 7 1 3" -> "7"). Every conversation starts with the same
+system prompt, so a batch shares a prefix that tree packing forwards once.
+
+Three files, as a post-training project has them:
+
+- ``problems.jsonl``: every training problem with its answer, 900 of each kind: GRPO's prompts (the answer is the
+  reward's reference) and the tokenizer's corpus.
+- ``train.jsonl``: the demonstrations SFT learns from: every ``add`` problem, but only the first
+  ``MAX_DEMONSTRATIONS`` ``max`` problems. Demonstrations are scarce where verifiable prompts are not, so SFT leaves
+  ``max`` half learnt and GRPO, from the SFT model, learns it from the reward (``recipes/tiny/grpo_from_sft.yaml``).
+- ``heldout.jsonl``: 100 problems of each kind that are in neither, for the one evaluator both recipes use (greedy
+  decoding, exact match).
 
 Regenerate the bundled files with ``python -m lightning_rl.toy.task``.
 """
@@ -18,8 +26,10 @@ from pathlib import Path
 
 SYSTEM_PROMPT = "You are a careful calculator. Reply with the answer only, nothing else."
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "toy"
+PROBLEMS_FILE = ASSETS_DIR / "problems.jsonl"
 TRAIN_FILE = ASSETS_DIR / "train.jsonl"
 HELDOUT_FILE = ASSETS_DIR / "heldout.jsonl"
+MAX_DEMONSTRATIONS = 40
 
 
 def _add_problem(rng: random.Random) -> tuple[str, str]:
@@ -67,6 +77,18 @@ def generate(per_kind_train: int, per_kind_heldout: int, seed: int = 0) -> tuple
     return train, heldout
 
 
+def demonstrations(problems: list[dict], max_demonstrations: int = MAX_DEMONSTRATIONS) -> list[dict]:
+    """The SFT split: every ``add`` problem and the first ``max_demonstrations`` ``max`` ones, in their order."""
+    kept, seen_max = [], 0
+    for row in problems:
+        if row["kind"] == "max":
+            seen_max += 1
+            if seen_max > max_demonstrations:
+                continue
+        kept.append(row)
+    return kept
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """Write rows atomically: a reader never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,10 +105,13 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def main() -> None:
-    train, heldout = generate(per_kind_train=900, per_kind_heldout=100)  # `add` has 1000 problems in all
+    problems, heldout = generate(per_kind_train=900, per_kind_heldout=100)  # `add` has 1000 problems in all
+    train = demonstrations(problems)
+    write_jsonl(problems, PROBLEMS_FILE)
     write_jsonl(train, TRAIN_FILE)
     write_jsonl(heldout, HELDOUT_FILE)
-    print(f"wrote {len(train)} train rows to {TRAIN_FILE} and {len(heldout)} held-out rows to {HELDOUT_FILE}")
+    print(f"wrote {len(problems)} problems to {PROBLEMS_FILE}, {len(train)} demonstrations to {TRAIN_FILE} and "
+          f"{len(heldout)} held-out rows to {HELDOUT_FILE}")
 
 
 if __name__ == "__main__":

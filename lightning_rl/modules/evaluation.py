@@ -1,0 +1,33 @@
+"""The one held-out evaluator of SFT and GRPO: each held-out conversation's prompt decoded greedily, and the share
+whose reply equals the reference reply exactly (whitespace at the ends aside)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lightning_rl.data.sft import DataSource, GenerationCase, Renderer, load_examples
+from lightning_rl.models.loading import generate_greedy
+
+
+def heldout_cases(source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str) -> list[GenerationCase]:
+    """The held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks them)."""
+    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name), max_length=1 << 30)
+    return cases
+
+
+def exact_match(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cases: list[GenerationCase], *, max_new_tokens: int
+) -> dict[str, Any]:
+    """``heldout_exact_match`` (a fraction), ``heldout_examples`` and ``heldout_generation_seconds``."""
+    start = time.perf_counter()
+    texts = generate_greedy(model, tokenizer, [c.prompt_ids for c in cases], max_new_tokens=max_new_tokens)
+    correct = sum(text.strip() == case.reference.strip() for text, case in zip(texts, cases, strict=True))
+    return {
+        "heldout_exact_match": correct / len(cases),
+        "heldout_examples": len(cases),
+        "heldout_generation_seconds": time.perf_counter() - start,
+    }
