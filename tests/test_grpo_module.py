@@ -44,17 +44,20 @@ MICRO_BATCH_CASES = [
 
 @pytest.mark.parametrize("loss,old,async_mode", MICRO_BATCH_CASES)
 def test_one_micro_batch_or_four_give_the_same_gradients(loss, old, async_mode):
+    """The step in one row, in several rows, and (for each option) through the asynchronous trainer at staleness 0."""
     grads, rows, rollouts = [], [], []
-    for max_tokens in (None, 48):
+    for max_tokens, background in ((None, async_mode), (48, async_mode), (48, not async_mode)):
         recorder, trained = GradientRecorder(), TrainedRollouts()
         module, trainer = fit(1, [recorder, trained], batch_size=4, loss=GRPOLoss(**loss), old_logprobs=old,
                               max_grad_norm=None, max_tokens_per_row=max_tokens, rewards=LENGTH_REWARD,
-                              async_mode=async_mode, max_staleness=0)  # fmt: skip
+                              async_mode=background, max_staleness=0)  # fmt: skip
         grads.append(recorder.steps[0])
         rows.append(float(trainer.callback_metrics["train/rows"]))
         rollouts.append(trained.batches[0]["completions"])
-    assert rows[0] == 1 and rows[1] >= 4, rows
-    assert rollouts[0] == rollouts[1]  # the same rollouts, split differently
+    assert rows[0] == 1 and rows[1] >= 4 and rows[2] == rows[1], rows
+    assert rollouts[0] == rollouts[1] == rollouts[2]  # the same rollouts, split differently
+    for name, grad in grads[1].items():  # the other trainer, the same split: the same step, bit for bit
+        torch.testing.assert_close(grads[2][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     assert any(g.abs().sum() > 0 for g in grads[0].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -289,3 +292,41 @@ def test_option_combinations_that_make_no_sense_are_one_line_naming_the_key():
         with pytest.raises(ValueError) as caught:
             GRPOModule(**kwargs)
         assert message in str(caught.value) and "\n" not in str(caught.value), (kwargs, str(caught.value))
+
+
+def test_truncated_completions_can_be_left_out_of_the_loss():
+    """mask_truncated_completions: a completion cut at max_new_tokens trains no token, but still counts in its
+    group's advantages; with every completion cut (max_new_tokens=1), nothing is trained at all."""
+    recorder = GradientRecorder()
+    module, trainer = fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, max_new_tokens=1, mask_truncated_completions=True)
+    assert all(r.finish_reason == "length" for r in module.last_trained.rollouts)
+    assert float(trainer.callback_metrics["train/trained_tokens"]) == 0
+    assert float(trainer.callback_metrics["train/completions/truncated_fraction"]) == 1.0
+    assert all(g.abs().sum() == 0 for g in recorder.steps[0].values())
+    recorder = GradientRecorder()
+    fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, max_new_tokens=1)
+    assert any(g.abs().sum() > 0 for g in recorder.steps[0].values())  # the same step, trained on
+
+
+class HalfFinished(GRPOModule):
+    """Says every other rollout ended on its own: the untrained tiny model hardly ever ends a reply by itself."""
+
+    def generate_and_score(self, index):
+        scored = super().generate_and_score(index)
+        for i, rollout in enumerate(scored.rollouts):
+            rollout.finish_reason = "stop" if i % 2 else "length"
+        return scored
+
+
+def test_only_the_truncated_completions_are_left_out():
+    from grpo_helpers import FAST, trainer as make_trainer
+    from lightning_rl.data.prompts import PromptDataModule as Prompts
+
+    L.seed_everything(0, verbose=False)
+    module = HalfFinished(**{**FAST, "rewards": LENGTH_REWARD, "mask_truncated_completions": True})
+    run = make_trainer(1)
+    run.fit(module, Prompts(batch_size=2))
+    finished = [r for r in module.last_trained.rollouts if r.finish_reason == "stop"]
+    assert len(finished) * 2 == len(module.last_trained.rollouts)
+    assert float(run.callback_metrics["train/trained_tokens"]) == sum(len(r.completion_ids) for r in finished)
+    assert float(run.callback_metrics["train/completions/truncated_fraction"]) == 0.5
