@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, MuseSparkConfig
 
 from lightning_rl.launch import plan
+from lightning_rl.launch.plan import LOCAL_CONFIGS
 from lightning_rl.launch.memory_plan import GIB, Hardware, Training, plan_memory
 from lightning_rl.launch.model_census import count_model
 from slurm.tiny_muse import build_tiny_muse
@@ -20,7 +21,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 @pytest.fixture(scope="module")
 def muse_census():
-    return count_model(AutoConfig.from_pretrained("launch/models/meta-models/Muse-Spark-Open-816B-A42B"), ATTENTION)
+    return count_model(AutoConfig.from_pretrained(LOCAL_CONFIGS / "meta-models" / "Muse-Spark-Open-816B-A42B"), ATTENTION)
 
 
 @pytest.mark.parametrize("targets", [ATTENTION, "all-linear"])
@@ -106,3 +107,11 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     recipe.write_text("task: sft\nmodel: {model_name_or_path: x}\ndata: {train_data: rows.jsonl}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
     assert "`data.max_tokens` is missing" in capsys.readouterr().err
+
+
+def test_the_planner_finds_its_model_configs_from_any_working_directory(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The checked-in configs are package data, not files beside the working directory."""
+    monkeypatch.chdir(tmp_path)
+    code = plan.main([str(Path(__file__).resolve().parents[1] / MUSE_RECIPE), "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
+    assert code == 0, capsys.readouterr()
+    assert "FITS" in capsys.readouterr().out

@@ -19,7 +19,7 @@ from lightning_rl.errors import UserError, report
 from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView
 
 # Where configs of models too large to download for planning are checked in, by model id.
-LOCAL_CONFIGS = Path("launch/models")
+LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: found from any working directory
 # trainer.precision -> (bytes of stored weights, bytes of compute copies)
 _PRECISION_BYTES = {"bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "32-true": (4, 4), "32": (4, 4)}
 
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedConfig:
-    """The model's own config class, from a local folder, the local HF cache, or `launch/models/<model id>`."""
+    """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/launch/models/<model id>`."""
     if override is not None:
         source = override.parent if override.name == "config.json" else override
         if not (source / "config.json").is_file():
