@@ -330,3 +330,20 @@ def test_only_the_truncated_completions_are_left_out():
     assert len(finished) * 2 == len(module.last_trained.rollouts)
     assert float(run.callback_metrics["train/trained_tokens"]) == sum(len(r.completion_ids) for r in finished)
     assert float(run.callback_metrics["train/completions/truncated_fraction"]) == 0.5
+
+
+def test_engine_options_are_checked_against_the_engines_signature_before_any_model_loads():
+    cases = [
+        (dict(engine_options={"devise": "cpu"}),
+         "engine_options.devise: not an option of HFRolloutEngine (it takes device, dtype, pad_token_id, eos_token_id)"),
+        (dict(engine="vllm", engine_options={"gpu_memory_utilization": "high"}), "engine_options.gpu_memory_utilization: Expected a"),
+        (dict(engine="vllm_server", engine_options={"transprt": "gloo"}), "engine_options.transprt: not an option of VLLMServerEngine"),
+        (dict(engine_options={"seed": 3}), "engine_options.seed: set by the run"),
+        (dict(engine="vlm"), "rollout engine 'vlm' is neither one of hf, vllm, vllm_server nor a dotted path"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as caught:
+            GRPOModule(**kwargs)
+        assert str(caught.value).startswith(message), str(caught.value)
+    module = GRPOModule(engine="vllm", engine_options={"dtype": "bfloat16", "max_model_len": 512})  # nothing of vLLM loads
+    assert module.engine is None

@@ -49,7 +49,7 @@ from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, pack
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, load_engine
+from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, check_engine_options, load_engine
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.models.weights import sync_weights
@@ -240,6 +240,11 @@ class GRPOModule(LightningModule):
                     "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
                     "separate reference to refresh", "ref_sync_every",
                 )
+        try:
+            check_engine_options(engine, dict(engine_options or {}))
+        except ValueError as error:  # a wrong engine name, or option, before any model loads
+            key = "engine" if str(error).startswith(("rollout engine", engine)) else f"engine_options.{str(error).split(':', 1)[0]}"
+            raise RecipeError(str(error) if key == "engine" else f"engine_options.{error}", key) from None
         if max_turns > 1 and not tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)

@@ -7,6 +7,8 @@ version that produced it, which is what bounded staleness in asynchronous traini
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -158,11 +160,50 @@ class RequestSeeds:
         return seed
 
 
+def engine_class(name: str) -> type:
+    """The engine class an alias (``hf``, ``vllm``, ``vllm_server``) or ``pkg.module:Class`` names (nothing of vLLM
+    is imported yet: the engines import it when built)."""
+    if name not in ENGINE_ALIASES and ":" not in name and "." not in name:
+        raise ValueError(f"rollout engine {name!r} is neither one of {', '.join(ENGINE_ALIASES)} nor a dotted path (pkg.module:Class)")
+    return load_object(ENGINE_ALIASES.get(name, name), "rollout engine")
+
+
+def check_engine_options(name: str, options: dict[str, Any]) -> None:
+    """Refuse, before any model loads, engine options the engine's constructor does not take or whose values do not
+    have its parameter types (checked by jsonargparse against the signature). A ``ValueError`` whose message starts
+    with the option's name; the model path and ``seed`` come from the run, not from the options."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+
+    cls = engine_class(name)
+    parameters = list(inspect.signature(cls).parameters)
+    given_by_run = {parameters[0], "seed"} if parameters else {"seed"}
+    for key in options:
+        if key in given_by_run:
+            raise ValueError(f"{key}: set by the run (the model path, the recipe's seed), not an engine option")
+    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        return  # it takes any keyword: nothing to check it against
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, skip=given_by_run)
+    try:
+        parser.parse_object(dict(options))
+    except Exception as error:  # jsonargparse says an unknown key or a bad value over several lines
+        text = " ".join(str(error).split())
+        unknown = re.search(r"Option '([\w.]+)' is not accepted", text)
+        if unknown:
+            takes = ", ".join(p for p in parameters if p not in given_by_run)
+            raise ValueError(f"{unknown[1]}: not an option of {cls.__name__} (it takes {takes})") from None
+        bad = re.search(r'Parser key "([\w.]+)": (.*)', text)
+        if bad:
+            raise ValueError(f"{bad[1]}: {bad[2][:300]}") from None
+        raise ValueError(f"{cls.__name__}: {text[:300]}") from None
+
+
 def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:
     """Build an engine by alias or `pkg.module:Class`; the class is called as
     `Class(model_name_or_path, **options)`."""
-    engine_class = load_object(ENGINE_ALIASES.get(name, name), "rollout engine")
-    engine = engine_class(model_name_or_path, **options)
+    engine = engine_class(name)(model_name_or_path, **options)
     if not isinstance(engine, RolloutEngine):
         raise TypeError(f"rollout engine {name!r} does not implement RolloutEngine")
     return engine
