@@ -50,7 +50,13 @@ RUN_OUTPUTS = ("checkpoints", "hf", "summary.json", "recipe.yaml", "csv", "wandb
 
 @dataclass
 class LoggerSettings:
-    """The ``logger:`` block. ``wandb`` logs offline when no credentials are configured."""
+    """The ``logger:`` block. ``wandb`` logs offline when no credentials are configured.
+
+    Args:
+        kind: ``csv`` (OUTPUT_DIR/csv), ``wandb`` or ``none``.
+        project, name: the W&B project and run name (default: the output folder's name).
+        offline: force W&B offline (None: offline when no credentials are configured).
+    """
 
     kind: Literal["csv", "wandb", "none"] = "csv"
     project: str = "lightning-rl"
@@ -161,8 +167,8 @@ class RecipeCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--task", type=Literal[tuple(TASKS)], required=True, help="what to train: " + ", ".join(TASKS))
         parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100)
+        parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling")
+        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
         parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")

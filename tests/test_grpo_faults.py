@@ -38,7 +38,7 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_before_the_model_lo
         trainer(1).fit(module, PromptDataModule(batch_size=2))
     message = str(caught.value)
     assert "\n" not in message and message.endswith(
-        "train.jsonl: reward 'needs_solution' needs 'solution', which is neither a data column nor a reward argument "
+        "problems.jsonl: reward 'needs_solution' needs 'solution', which is neither a data column nor a reward argument "
         "(there are: answer, completion_ids, completions, kind, messages, prompt_messages, prompts, tool_calls, transcripts)"
     )
     assert module.policy is None and module.engine is None

@@ -35,6 +35,7 @@ ALLOWED = {
     "recipe": {"callbacks", "checkpoints", "console", "errors", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "env_report": {"strategies"},
+    "recipe_reference": {"recipe"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe"},
 }
 # Imports of ours inside a function, each for a reason other than a circle.

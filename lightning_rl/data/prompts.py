@@ -58,9 +58,16 @@ class _StepIndices(IterableDataset):
 
 
 class PromptDataModule(L.LightningDataModule):
-    """Serves `batch_size` prompt records per step and rank (each expanded into `num_generations`
-    rollouts by the GRPO module). `path`: a data file (JSONL, JSON, Parquet) or saved dataset folder; `toy` is the
-    bundled digit task."""
+    """Serves `batch_size` prompt records per step and rank (each expanded into `num_generations` rollouts by the
+    GRPO module).
+
+    Args:
+        path: a data file (JSONL, JSON, Parquet) or saved dataset folder; ``toy``: the embedded task's problems.
+        prompt_field: the column holding the prompt: a string, or chat messages (trailing assistant turns dropped);
+            every other column reaches the reward functions.
+        batch_size: prompts per optimizer step and rank.
+        seed: the order of the prompts, a fresh shuffle per pass (a recipe's top-level ``seed``).
+    """
 
     def __init__(
         self, path: str = TOY_DATASET, prompt_field: str = "prompt", batch_size: int = 8, seed: int = 0

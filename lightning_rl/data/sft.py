@@ -402,6 +402,9 @@ class SFTDataModule(LightningDataModule):
         packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
             (one example per row), or ``auto``: tree when the data shares prefixes, else flat.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
+        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order).
+        seed: the shuffle's seed (a recipe's top-level ``seed``).
+        num_workers: DataLoader worker processes.
     """
 
     def __init__(

@@ -96,20 +96,26 @@ class GRPOModule(LightningModule):
             engine gets new weights (and the next batch is generated) once per batch. TRL: `num_iterations`.
         old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
             detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
+        learning_rate, weight_decay: AdamW settings.
+        warmup_steps, lr_schedule: linear warmup, then a ``transformers.get_scheduler`` schedule (as for SFT).
+        max_grad_norm: clip the gradient norm (over every mesh the weights live on); None: no clipping.
+        chunk_size: tokens per LM-head chunk (bounds the logits memory).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
             one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
-        async_mode: generate on a background thread; ``max_staleness`` bounds how old a rollout may be.
-        tools: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
+        async_mode, max_staleness: generate on a background thread; ``max_staleness`` bounds how many weight
+            versions old a trained rollout may be (0: the synchronous run's rollouts).
+        tools, max_turns: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
             as 2 samples), giving nested forks; leaves of a prompt are its group.
         tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.
         tool_output_max_chars: a tool's answer is cut to this many characters before the model reads it.
         max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
             None: the model's ``max_position_embeddings``.
+        seed: sampling's seed (a recipe's top-level ``seed``): one per batch and turn, so runs repeat.
         engine, engine_options: rollout engine alias (``hf``) or dotted path, and its keyword args.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily before training and after,

@@ -39,16 +39,18 @@ class SFTModule(LightningModule):
     Args:
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
         learning_rate, weight_decay, betas: AdamW settings.
-        warmup_steps: linear warmup; then ``lr_schedule``, a ``transformers.get_scheduler`` schedule (``linear``,
-            ``cosine``, ``cosine_with_restarts`` and ``polynomial`` run over the run's length, so need ``max_steps``).
+        warmup_steps, lr_schedule: linear warmup; then ``lr_schedule``, a ``transformers.get_scheduler`` schedule
+            (``linear``, ``cosine``, ``cosine_with_restarts`` and ``polynomial`` run over the run's length, so need
+            ``max_steps``).
         lora: adapt with LoRA through peft instead of full fine-tuning.
         export: the final Hugging Face folder: ``model`` (full model), ``merged`` (LoRA merged into the
             base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
+        gradient_checkpointing: recompute each decoder layer's activations in backward (less memory, more time).
         compile: ``torch.compile`` each decoder layer for training (the tree attention inside stays eager).
-        verify_packing: compare a packed row with its sequences run one by one, on the real backend, device and
+        verify_packing, verify_packing_every: compare a packed row with its sequences run one by one, on the real backend, device and
             dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
             (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
         eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.

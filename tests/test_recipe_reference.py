@@ -1,0 +1,12 @@
+"""docs/recipe_reference.md is what the recipe schema says today: regenerated and compared."""
+
+from lightning_rl import recipe_reference
+
+
+def test_the_recipe_reference_is_up_to_date(capsys):
+    assert recipe_reference.main(["--check"]) == 0, capsys.readouterr().err
+    text = recipe_reference.OUTPUT.read_text()
+    for key in ("`model.loss.loss_type`", "`model.num_iterations`", "`model.dynamic_sampling`", "`data.max_tokens`",
+                "`logger.kind`", "`checkpoint_every_n_steps`"):  # fmt: skip
+        assert key in text
+    assert "|  |" not in text, "every key has its docstring"
