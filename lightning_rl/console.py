@@ -51,8 +51,13 @@ class _DropTips(logging.Filter):
 
 
 def quiet_third_party_noise() -> None:
-    """Lightning's advertising tips, its hint to use ``srun`` on any machine where SLURM is installed, and
-    deprecation warnings raised inside libraries by their own calls: none is about the user's run."""
+    """Lightning's advertising tips, its hint to use ``srun`` on any machine where SLURM is installed, deprecation
+    warnings raised inside libraries by their own calls, and two warnings about GRPO's own design: none is about the
+    user's run."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Both about GRPO's own design, not the user's run: its reference model is frozen in eval mode, and its step
+    # (manual optimization) is checkpointed after the optimizer step on purpose.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toy_paths import REPO
+from support.paths import REPO
 from lightning_rl import cli
 from lightning_rl.checkpoints import StagedCheckpointIO
 

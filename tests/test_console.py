@@ -5,7 +5,7 @@ import logging
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from toy_paths import TOY_HELDOUT, TOY_TRAIN
+from support.paths import TOY_HELDOUT, TOY_TRAIN
 
 from lightning_rl.callbacks import RunSummary
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
@@ -33,3 +33,18 @@ def test_lightning_tips_are_dropped(caplog):
         rank_zero_info("💡 Tip: For seamless cloud logging, try installing something")
         rank_zero_info("GPU available: False")
     assert "Tip" not in caplog.text and "GPU available" in caplog.text
+
+
+def test_a_grpo_run_with_a_reference_model_says_nothing_about_lightnings_defaults(tmp_path):
+    """The frozen reference (eval mode) and checkpoints after a manual optimizer step are by design: no warning."""
+    import warnings
+
+    from lightning_rl.cli import main
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["run", "recipes/tiny/grpo.yaml", f"--output_dir={tmp_path}", "--trainer.max_steps=2",
+                     "--checkpoint_every_n_steps=1", "--model.loss.beta=0.05", "--trainer.enable_progress_bar=false"])  # fmt: skip
+    assert code == 0
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "in eval mode" in m or "ModelCheckpoint with manual optimization" in m], said

@@ -16,21 +16,10 @@ import torch
 
 from lightning_rl import env_report
 from lightning_rl.cli import main as cli_main
-from lightning_rl.strategies.devices import DeviceInventory
-from test_gpu_acceptance import WITHOUT_THEM
-from toy_paths import REPO
+from support.machines import CPU, CUDA, NEURON, NEURONX, ROCM, WITHOUT_THEM
+from support.paths import REPO
 
 GPU = torch.cuda.is_available()
-
-CPU = DeviceInventory(cpu_count=2, machine="x86_64")
-CUDA = DeviceInventory(cpu_count=96, machine="x86_64", cuda_version="12.8", gpu_names=("NVIDIA H100 80GB HBM3",) * 8)
-ROCM = DeviceInventory(
-    cpu_count=64, machine="x86_64", hip_version="6.4.1", gpu_names=("AMD Instinct MI300X",) * 8,
-    env={"HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
-)
-NEURON = DeviceInventory(cpu_count=128, machine="x86_64", accelerator_type="neuron", accelerator_count=32)
-NEURONX = DeviceInventory(cpu_count=128, machine="x86_64", has_torch_neuronx=True, has_torch_xla=True)
-
 
 def usable(report: dict) -> dict[str, bool]:
     return {s["name"]: s["usable"] for s in report["strategies"]}

@@ -20,8 +20,7 @@ from lightning_rl.rollout.vllm_server_process import free_port
 from lightning_rl.strategies.expert_parallel import ExpertParallelError, distribute_experts, expert_mesh
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
 from support.distributed import leave_worker
-from recipe_runs import exported, run_tiny_muse, stopped_and_resumed
-from test_sharded_loading import checkpoint_elements, run_with_check
+from support.recipe_runs import checkpoint_elements, exported, run_tiny_muse, run_with_check, stopped_and_resumed
 
 WORLD = 2
 
@@ -83,8 +82,8 @@ def test_full_fine_tuning_with_split_experts_matches_plain_fsdp2(tiny_muse_path,
     """4 ranks: experts split over pairs and sharded over the two pairs, against every weight sharded 4-way."""
     common = ("--trainer.devices=4", "--model.lora=null", "--trainer.max_steps=3")
     runs = {}
-    for size, port in ((1, 29761), (2, 29762)):
-        done = run_tiny_muse(tiny_muse_path, tmp_path / f"ep{size}", port, *common, _ep(size))
+    for size in (1, 2):
+        done = run_tiny_muse(tiny_muse_path, tmp_path / f"ep{size}", *common, _ep(size))
         assert done.returncode == 0, done.stderr[-3000:]
         runs[size] = exported(tmp_path / f"ep{size}")
     want, got = runs[1], runs[2]
@@ -99,7 +98,7 @@ def test_full_fine_tuning_with_split_experts_matches_plain_fsdp2(tiny_muse_path,
 def test_split_experts_resume_exactly(tiny_muse_path, tmp_path):
     """SIGTERM after step 3 of 4, resume from the checkpoint saved on it: the distributed checkpoint holds the split experts."""
     common = ("--model.lora=null", "--trainer.max_steps=4", "--checkpoint_every_n_steps=2", _ep(2))
-    reference, killed_dir = stopped_and_resumed(tiny_muse_path, tmp_path, (29763, 29764, 29765), 3, *common)
+    reference, killed_dir = stopped_and_resumed(tiny_muse_path, tmp_path, 3, *common)
     assert json.loads((killed_dir / "summary.json").read_text())["micro_batches"] == 4  # the whole run, across the resume
     want, got = exported(reference), exported(killed_dir)
     for name in want:
@@ -107,7 +106,7 @@ def test_split_experts_resume_exactly(tiny_muse_path, tmp_path):
 
 
 def test_each_rank_reads_only_its_experts(tiny_muse_path, tmp_path):
-    result = run_with_check(tiny_muse_path, tmp_path, 29766, _ep(2))
+    result = run_with_check(tiny_muse_path, tmp_path, _ep(2))
     diff = result["diff"]
     assert diff["compared"] > 0 and diff["differ"] == [] and diff["missing"] == [], diff
     total = checkpoint_elements(tiny_muse_path)
@@ -121,7 +120,7 @@ def test_layouts_expert_parallelism_cannot_split_are_refused(tiny_path, tmp_path
     with pytest.raises(ExpertParallelError, match="must be a positive integer"):
         FSDP2Strategy(expert_parallel_size=0)
     # A dense model: one clear line before any step, naming the recipe key.
-    done = run_tiny_muse(tiny_path, tmp_path / "dense", 29767, "--model.lora=null", _ep(2))
+    done = run_tiny_muse(tiny_path, tmp_path / "dense", "--model.lora=null", _ep(2))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "trainer.strategy: expert_parallel_size=2, but Qwen3ForCausalLM has no routed-experts module" in done.stderr
     assert "Traceback" not in done.stderr
@@ -131,9 +130,9 @@ def test_split_experts_train_the_same_from_a_whole_model_loaded_first(tiny_muse_
     """sharded_loading=false: every rank loads the whole model, then keeps its experts; same steps, same weights."""
     common = ("--model.lora=null", "--trainer.max_steps=2", _ep(2))
     runs = {}
-    for sharded, port in ((True, 29768), (False, 29769)):
+    for sharded in (True, False):
         out = tmp_path / f"sharded-{sharded}"
-        done = run_tiny_muse(tiny_muse_path, out, port, *common, f"--trainer.strategy.init_args.sharded_loading={str(sharded).lower()}")
+        done = run_tiny_muse(tiny_muse_path, out, *common, f"--trainer.strategy.init_args.sharded_loading={str(sharded).lower()}")
         assert done.returncode == 0, done.stderr[-3000:]
         runs[sharded] = exported(out)
     for name, tensor in runs[True].items():

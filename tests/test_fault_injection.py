@@ -25,8 +25,8 @@ from lightning.pytorch import Callback
 
 from lightning_rl.checkpoints import checkpoint_step
 from lightning_rl.rollout.vllm_server_process import free_port
-from recipe_runs import exported
-from toy_paths import REPO, TOY_TRAIN
+from support.recipe_runs import exported
+from support.paths import REPO, TOY_TRAIN
 
 TESTS = Path(__file__).resolve().parent
 EXIT_BOUND_S = 60  # from the signal to the exit of the signalled process; a step here takes well under a second

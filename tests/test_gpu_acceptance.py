@@ -11,38 +11,11 @@ import textwrap
 import pytest
 
 from lightning_rl.modules.sft import SFTModule
-from toy_paths import REPO
+from support.machines import GPU_MACHINE_LACKS, WITHOUT_THEM
+from support.paths import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_acceptance.py"
 CASES = {"no_sharing", "shared_prompt_long", "shared_prompt_short", "nested_forks"}
-GPU_MACHINE_LACKS = ("jsonargparse", "jsonschema", "wandb", "vllm", "trl", "datasets", "pyarrow")
-
-# Makes the packages the GPU machine lacks look not installed (find_spec answers None, import raises
-# ModuleNotFoundError, no distribution metadata), as they are there.
-WITHOUT_THEM = textwrap.dedent(f"""
-    import sys
-    HIDDEN = {set(GPU_MACHINE_LACKS)!r}
-
-    class Absent:
-        def __init__(self, finder):
-            self.finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in HIDDEN or not hasattr(self.finder, "find_spec"):
-                return None
-            return self.finder.find_spec(name, path, target)
-
-        def find_distributions(self, context=None):
-            found = getattr(self.finder, "find_distributions", lambda context: [])(context)
-            return [d for d in found if (d.metadata["Name"] or "").lower().replace("_", "-") not in HIDDEN]
-
-        def __getattr__(self, attribute):
-            return getattr(self.finder, attribute)
-
-    sys.meta_path[:] = [Absent(finder) for finder in sys.meta_path]
-""")
-
-
 def python_without_them(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", WITHOUT_THEM + textwrap.dedent(code), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -136,3 +109,16 @@ def test_a_failing_part_fails_the_run_and_hides_no_other_part(tmp_path):
     assert parts["tree_packing"]["status"] == "failed" and "RuntimeError: kernel mismatch" in parts["tree_packing"]["error"]
     assert [parts[name]["status"] for name in ("cuda_tests", "trainer_steps", "logprob_memory")] == ["skipped", "ok", "ok"]
     assert "| tree_packing | failed |" in (tmp_path / "gpu_acceptance.md").read_text()
+
+
+def test_engine_options_are_still_checked_by_name_without_jsonargparse():
+    done = python_without_them("""
+        from lightning_rl.modules.grpo import GRPOModule
+        try:
+            GRPOModule(engine_options={"devise": "cpu"})
+        except ValueError as error:
+            print(error)
+        GRPOModule(engine_options={"device": "cpu"})
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine_options.devise: not an option of HFRolloutEngine" in done.stdout

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from grpo_helpers import LENGTH_REWARD, TrainedRollouts, fit
+from support.grpo import LENGTH_REWARD, TrainedRollouts, fit
 from transformers import AutoModelForCausalLM
 
 from lightning_rl.data.prompts import PromptDataModule

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from grpo_helpers import DIGIT_REWARDS, FAST, LENGTH_REWARD, GradientRecorder, fit, trainer
+from support.grpo import DIGIT_REWARDS, FAST, LENGTH_REWARD, GradientRecorder, fit, trainer
 from lightning_rl.cli import main
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.data.sft import DataError
@@ -17,7 +17,7 @@ from lightning_rl.losses import group_advantages
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.rewards.scoring import RewardFailedError
-from toy_paths import REPO
+from support.paths import REPO
 
 
 def needs_solution(completions: list[str], solution: list[str]) -> list[float]:

@@ -9,7 +9,7 @@ import logging
 import lightning as L
 import pytest
 import torch
-from grpo_helpers import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
+from support.grpo import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.losses import GRPOLoss
@@ -319,7 +319,7 @@ class HalfFinished(GRPOModule):
 
 
 def test_only_the_truncated_completions_are_left_out():
-    from grpo_helpers import FAST, trainer as make_trainer
+    from support.grpo import FAST, trainer as make_trainer
     from lightning_rl.data.prompts import PromptDataModule as Prompts
 
     L.seed_everything(0, verbose=False)

@@ -3,6 +3,7 @@ ranks training on their own rollouts give the gradient of one process training o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
+from lightning_rl.losses import StepCounts, group_advantages
+from lightning_rl.losses.advantages import normalize_then_sum
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
 from lightning_rl.rollout.vllm_server_process import free_port
@@ -19,32 +21,52 @@ from lightning_rl.rollout.vllm_server_process import free_port
 HERE = Path(__file__).parent
 
 
-# dapo's normaliser is the step's token count over all ranks, which differs from any rank's own
-# count; (bnpo normalises per rank by design, so it is not expected to match.)
-@pytest.mark.parametrize("loss_type", ["dapo"])
-def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, loss_type):
+DIGITS_AND_LENGTH = [{"function": "support.grpo:text_length"}, {"function": "support.grpo:digit_count", "weight": 2.0}]
+
+
+# Every statistic that spans the step is taken over both ranks: dapo's token count, the std of every reward of the
+# step (scale_rewards: batch), GDPO's step normalisation, the top-entropy threshold. (bnpo normalises per rank by
+# design, so it is not expected to match.)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss": {"loss_type": "dapo"}},
+        {"scale_rewards": "batch"},
+        {"reward_aggregation": "normalize_then_sum", "rewards": DIGITS_AND_LENGTH},
+        {"loss": {"loss_type": "grpo", "top_entropy_quantile": 0.5}},
+    ],
+    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy"],
+)
+def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, options):
     # tiny_path builds the shared model cache first, so the two ranks only read it.
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(HERE)}
-    subprocess.run([sys.executable, str(HERE / "grpo_ddp_worker.py"), str(tmp_path), loss_type], env=env,
+    subprocess.run([sys.executable, str(HERE / "support" / "grpo_ddp_worker.py"), str(tmp_path), json.dumps(options)], env=env,
                    check=True, timeout=600, cwd=HERE.parent)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["prompts"] != ranks[1]["prompts"]  # each rank trained its own prompts
 
-    rollouts, rewards, groups = [], [], []
+    rollouts, rewards, groups, terms_by_reward = [], [], [], {}
     for rank, saved in enumerate(ranks):
         for r in saved["rollouts"]:
             rollouts.append(Rollout(**r))
             groups.append(rank * 100 + r["group_id"])
         rewards += saved["rewards"]
-    module = GRPOModule(num_generations=4, max_new_tokens=6, loss=GRPOLoss(loss_type))
+        for name, values in saved["reward_terms"].items():
+            terms_by_reward.setdefault(name, []).extend(values)
+    module = GRPOModule(num_generations=4, max_new_tokens=6, **{k: v for k, v in options.items() if k != "rewards"})
     module.configure_model()
-    advantages = group_advantages(torch.tensor(rewards), torch.tensor(groups))
+    if options.get("reward_aggregation") == "normalize_then_sum":
+        weights = torch.tensor([spec.get("weight", 1.0) for spec in options["rewards"]])
+        per_function = torch.tensor([terms_by_reward[name] for name in ("text_length", "digit_count")]).T
+        advantages = normalize_then_sum(per_function, weights, torch.tensor(groups))
+    else:
+        advantages = group_advantages(torch.tensor(rewards), torch.tensor(groups), options.get("scale_rewards", "group"))
     packed = module.pack_rollouts(rollouts, advantages)
-    terms, _ = module.row_loss(packed)
+    terms, _ = module.row_loss(packed)  # one row of every rollout: its entropy quantile is the step's
     tokens = sum(sum(r.completion_mask) for r in rollouts)
     counts = StepCounts(num_sequences=len(rollouts), num_tokens=tokens, rank_tokens=tokens, max_completion_length=6)
     seq_tokens = torch.bincount(packed.loss_seq, minlength=len(rollouts))
-    (terms.loss * module.loss.token_weights(packed.loss_seq, seq_tokens, counts)).sum().backward()
+    module.loss.reduce(terms, packed.loss_seq, seq_tokens, counts).backward()
 
     assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())
     for name, param in module.named_parameters():

@@ -13,7 +13,7 @@ from lightning_rl.launch import slurm
 from lightning_rl.launch.layout import Allocation
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
 from lightning_rl.launch.render import SlurmOptions, render_slurm_script
-from toy_paths import TOY_TRAIN
+from support.paths import TOY_TRAIN
 
 MUSE_RECIPE = Path("recipes/muse_spark_open/lora_sft_8x8.yaml")
 MUSE_SCRIPT = Path("launch/slurm/muse_spark_open_lora_sft_8x8.sbatch")

@@ -4,9 +4,10 @@ below, the parts form no circle, and no import of ours hides inside a function (
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-from toy_paths import REPO
+from support.paths import REPO
 
 PACKAGE = REPO / "lightning_rl"
 
@@ -105,3 +106,15 @@ def test_the_check_catches_a_forbidden_direction_and_a_circle(tmp_path, monkeypa
     assert "models/loading.py: models imports lightning_rl.strategies.fsdp2" in found
     assert "strategies/fsdp2.py: imports lightning_rl.models.loading inside a function" in found
     assert any(p.startswith("circle: ") for p in found)
+
+
+def test_no_test_module_imports_another_and_no_port_is_hard_coded():
+    """What tests share lives in tests/support; a test picks a free port rather than a number of its own."""
+    imports, ports = [], []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        text = path.read_text()
+        imports += [f"{path.relative_to(REPO)}: {line.strip()}" for line in text.splitlines()
+                    if re.match(r"\s*(from|import) test_\w+", line)]  # fmt: skip
+        ports += [f"{path.relative_to(REPO)}: {m[0]}" for m in re.finditer(r"(?<![\w.])(?:29\d{3}|MASTER_PORT\W+\d+)\b", text)]
+    assert imports == [], imports
+    assert ports == [], ports

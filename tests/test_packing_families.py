@@ -1,4 +1,4 @@
-"""Every decoder family of the matrix in ``packing_families.py`` is exact under tree packing or refused with one
+"""Every decoder family of the matrix in ``support/packing_families.py`` is exact under tree packing or refused with one
 line naming the model class and the mechanism; none is silently wrong. fp32 and fp64, ``blocks`` and ``dense``."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from packing_families import FAMILIES, TOLERANCE, measure
+from support.packing_families import FAMILIES, TOLERANCE, measure
 
 NOT_ROUTED = r"0 of its 2 decoder layers applied the tree attention \(the others(, \w+ first,)? do not route their attention through transformers' attention interface\)"
 STATEFUL = r"layers; tree packing needs every layer to be full or sliding-window attention"

@@ -4,11 +4,11 @@ real row of a training step, each fed a deliberately broken attention (a real Tr
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from tiny_models import build
-from test_tree_attention import NESTED
-from toy_paths import TOY_HELDOUT, TOY_TRAIN
+from support.tiny_models import build
+from support.trees import NESTED, leaky_beyond
+from support.paths import TOY_HELDOUT, TOY_TRAIN
 
-from grpo_helpers import FAST, DIGIT_REWARDS
+from support.grpo import FAST, DIGIT_REWARDS
 from lightning_rl.attention import tree_attention
 from lightning_rl.attention.tree_attention import PackingRefused
 from lightning_rl.data.prompts import PromptDataModule
@@ -18,23 +18,6 @@ from lightning_rl.modules.sft import SFTModule
 from lightning_rl.ops import packed_forward
 from lightning_rl.ops.packed_forward import PackingVerifier, packed_logprobs, probe, probe_sequences, verify_row
 from lightning_rl.packing import pack_sequences
-
-honest_attend_tree = tree_attention.attend_tree
-
-
-def leaky_beyond(tokens: int):
-    """An attention that is right on rows of up to ``tokens`` tokens and, beyond, attends causally over the whole
-    row, as a missing mask would: every sequence then sees the ones packed before it."""
-
-    def attend(q, k, v, meta, *, scale=None, window=None):
-        if meta.num_tokens <= tokens:
-            return honest_attend_tree(q, k, v, meta, scale=scale, window=window)
-        groups = q.shape[1] // k.shape[1]
-        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-    return attend
-
 
 def test_probe_refuses_a_leaking_attention_with_the_measured_error(monkeypatch):
     model = build("qwen3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from grpo_helpers import LENGTH_REWARD, fit
+from support.grpo import LENGTH_REWARD, fit
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rewards.model import RewardModel
 

@@ -108,7 +108,7 @@ def non_finite(completions, **_):
 
 def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_advantages(caplog):
     completions = ["inf", "a", "-inf", "b", "nan", "c", "huge", "d"]
-    scorer = RewardScorer([RewardSpec(non_finite, weight=1e10), RewardSpec("grpo_helpers:text_length")])
+    scorer = RewardScorer([RewardSpec(non_finite, weight=1e10), RewardSpec("support.grpo:text_length")])
     with caplog.at_level(logging.WARNING):
         scores = scorer.score(["p"] * 8, completions, {})
     assert scores.per_function["non_finite"].tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1e30, 1.0])
@@ -231,7 +231,7 @@ _inside = 0
 
 def test_a_reward_that_never_returns_fails_its_samples_within_the_limit_and_the_run_can_stop():
     stuck = RewardSpec(hangs_on("stuck"), name="stuck")
-    scorer = RewardScorer([stuck, RewardSpec(never_answers), RewardSpec("grpo_helpers:text_length")],
+    scorer = RewardScorer([stuck, RewardSpec(never_answers), RewardSpec("support.grpo:text_length")],
                           all_failed="zero", timeout_s=0.3)  # fmt: skip
     started = time.monotonic()
     scores = scorer.score(["p"] * 3, ["a", "stuck", "bb"], {})

@@ -21,7 +21,7 @@ from lightning.pytorch import Callback
 
 from lightning_rl import cli
 from lightning_rl.checkpoints import newest_complete
-from toy_paths import REPO, TOY_TRAIN
+from support.paths import REPO, TOY_TRAIN
 
 TINY_SFT = [
     str(REPO / "recipes" / "tiny" / "sft.yaml"), "--data.val_data=null", "--data.max_tokens=256",

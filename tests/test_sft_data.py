@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from toy_paths import TOY_TRAIN
+from support.paths import TOY_TRAIN
 from lightning_rl.data.sft import DataError, Renderer, TokenBudgetBatchSampler, load_examples, plan_batches
 from lightning_rl.packing.tree import count_unique_tokens
 

@@ -11,8 +11,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from recipe_runs import run_tiny_muse
-from toy_paths import TOY_HELDOUT, TOY_TRAIN
+from support.recipe_runs import run_tiny_muse
+from support.paths import TOY_HELDOUT, TOY_TRAIN
 from lightning.pytorch import Callback
 
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
@@ -126,8 +126,8 @@ def test_an_accumulated_step_trains_on_the_token_mean_of_all_its_rows(tmp_path):
 def test_two_ranks_train_as_one_rank_accumulating_both_rows(tiny_path, tmp_path):
     """Step s is rows 2s and 2s+1 either way: one per FSDP2 rank, or both accumulated on a single process."""
     common = ("--model.lora=null", "--trainer.max_steps=3")
-    two = run_tiny_muse(tiny_path, tmp_path / "two", 29771, *common)
-    one = run_tiny_muse(tiny_path, tmp_path / "one", 29772, *common, "--trainer.devices=1", "--trainer.accumulate_grad_batches=2")
+    two = run_tiny_muse(tiny_path, tmp_path / "two", *common)
+    one = run_tiny_muse(tiny_path, tmp_path / "one", *common, "--trainer.devices=1", "--trainer.accumulate_grad_batches=2")
     assert two.returncode == 0 and one.returncode == 0, (two.stderr + one.stderr)[-3000:]
     want, got = load_file(tmp_path / "one" / "hf" / "model.safetensors"), load_file(tmp_path / "two" / "hf" / "model.safetensors")
     initial = load_file(tiny_path / "model.safetensors")

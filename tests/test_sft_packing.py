@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from toy_paths import TOY_TRAIN
+from support.paths import TOY_TRAIN
 from lightning_rl.data.sft import Renderer, load_examples
 from lightning_rl.models.loading import load_causal_lm
 from lightning_rl.ops.packed_forward import packed_logprobs

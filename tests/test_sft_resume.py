@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback
 from safetensors.torch import load_file
 
-from toy_paths import REPO, TOY_TRAIN
+from support.paths import REPO, TOY_TRAIN
 
 TESTS = Path(__file__).resolve().parent
 

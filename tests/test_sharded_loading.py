@@ -10,27 +10,13 @@ from safetensors.torch import load_file, save_file
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.sharded_loading import CheckpointMismatchError, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.weights import hf_name
-from recipe_runs import run_tiny_muse
-
-
-def run_with_check(base: Path, out: Path, port: int, *extra: str) -> dict:
-    check = ("--trainer.callbacks+=sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}")
-    done = run_tiny_muse(base, out / "run", port, "--trainer.max_steps=1", *check, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {
-        "diff": json.loads((out / "check" / "load-diff.json").read_text()),
-        "ranks": [json.loads((out / "check" / f"load-rank-{r}.json").read_text()) for r in (0, 1)],
-    }
-
-
-def checkpoint_elements(folder: Path) -> int:
-    return sum(t.numel() for t in load_file(folder / "model.safetensors").values())
+from support.recipe_runs import checkpoint_elements, run_tiny_muse, run_with_check
 
 
 @pytest.mark.parametrize("case", ["muse_lora", "qwen3_full"])
 def test_two_ranks_each_read_their_half(case, tiny_muse_path, tiny_path, tmp_path):
     base, extra = (tiny_muse_path, ()) if case == "muse_lora" else (tiny_path, ("--model.lora=null",))
-    result = run_with_check(base, tmp_path, 29741 if case == "muse_lora" else 29742, *extra)
+    result = run_with_check(base, tmp_path, *extra)
     diff = result["diff"]
     assert diff["compared"] > 0 and diff["differ"] == [] and diff["missing"] == [], diff
     if case == "muse_lora":
@@ -76,7 +62,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(tiny_path, tmp_path):
     with pytest.raises(CheckpointMismatchError, match=f"the checkpoint has no tensor '{name}'"):
         load_deferred_weights(model)
     # Through `lightning-rl run` on two FSDP2 ranks: one line naming the recipe key, the file and the tensor.
-    done = run_tiny_muse(folder, tmp_path / "run", 29743, "--model.lora=null")
+    done = run_tiny_muse(folder, tmp_path / "run", "--model.lora=null")
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"model.model_name_or_path: {folder}: the checkpoint has no tensor '{name}'" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "hf").exists()

@@ -17,7 +17,7 @@ from lightning_rl.strategies.devices import detect_devices
 from lightning_rl.models.structure import find_decoder_layers, find_model_roots
 from lightning_rl.strategies.fsdp2 import mixed_precision_policy
 from lightning_rl.strategies.rocm import engine_visible_devices, rocm_attention_implementation
-from test_env import CPU, CUDA, NEURONX, ROCM  # the machines described for the env report
+from support.machines import CPU, CUDA, NEURONX, ROCM  # the machines described for the env report
 
 
 def one_line(error: pytest.ExceptionInfo) -> str:

@@ -25,7 +25,7 @@ from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_to
 from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
 from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
-from tool_faults import flooding_calculator, hanging_calculator, slow
+from support.tool_faults import flooding_calculator, hanging_calculator, slow
 
 TESTS = Path(__file__).resolve().parent
 
@@ -259,7 +259,7 @@ def test_tools_that_exit_raise_base_exceptions_flood_or_hang_are_contained(tmp_p
 
 
 def test_closing_never_waits_for_a_hung_tool_and_an_exiting_run_leaves_no_worker(tmp_path):
-    executor = ToolExecutor([load_tool("tool_faults:sleeps_forever")], timeout_s=600)
+    executor = ToolExecutor([load_tool("support.tool_faults:sleeps_forever")], timeout_s=600)
     outcome: list = []
     caller = threading.Thread(target=lambda: outcome.append(executor.run(_call("sleeps_forever"))))
     caller.start()
@@ -275,7 +275,7 @@ def test_closing_never_waits_for_a_hung_tool_and_an_exiting_run_leaves_no_worker
     script = textwrap.dedent(f"""
         import sys, threading, time
         from lightning_rl.tools import ToolExecutor, load_tool, parse_tool_calls
-        executor = ToolExecutor([load_tool("tool_faults:hangs_with_a_child")], timeout_s=600)
+        executor = ToolExecutor([load_tool("support.tool_faults:hangs_with_a_child")], timeout_s=600)
         call = parse_tool_calls('<tool_call>{{"name": "hangs_with_a_child", "arguments": {{"pid_file": "{pid_file}"}}}}</tool_call>')[0]
         threading.Thread(target=executor.run_all, args=([call, call],), daemon=True).start()
         while True:

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import VOCAB, build
+from support.tiny_models import VOCAB, build
+from support.trees import BRANCHY, NESTED, attention_and_grads, reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from lightning_rl.attention import tree_attention
@@ -15,16 +16,6 @@ from lightning_rl.attention.tree_attention import TreeAttentionMeta, attend_tree
 from lightning_rl.ops.logprobs import LogitTransform, token_logprobs
 from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing import pack_sequences
-
-
-def reference_logprobs(model, seqs, masks):
-    """Each sequence alone, through the model's own forward and logits."""
-    out = []
-    for s, m in zip(seqs, masks):
-        logits = model(input_ids=torch.tensor([s])).logits[0].float()
-        logp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1)
-        out.append(logp[torch.tensor(m[1:], dtype=torch.bool)])
-    return torch.cat(out)
 
 
 def assert_exact(model, seqs, masks=None, tol=1e-5):
@@ -71,17 +62,6 @@ def test_random_forests_exact_qwen3(qwen3, forest):
     assert_exact(qwen3, seqs, masks)
 
 
-NESTED = [
-    [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # system + user turn, answer A, then a tool turn ...
-    [3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23],  # ... that forks
-    [3, 4, 5, 6, 7, 8, 30, 31, 32, 33, 34],  # answer B forks earlier
-    [3, 4, 5, 6, 7, 8, 30, 31, 40, 41],  # and forks again (nested fork)
-    [3, 4, 5, 6, 7, 8, 30, 31, 40, 41],  # identical rollout
-    [50, 51],  # another prompt, no sharing
-    [3, 60],  # single-token branch right after the root
-]
-
-
 # Muse Spark scales q.k by 5.47 and routes through grouped expert matmuls (no fp64 kernel to check against):
 # its fp32 gradients differ from the unpacked ones by ~1.3e-5 relative, the summation-order noise of those ops.
 @pytest.mark.parametrize("family,tol", [("qwen3", 1e-5), ("llama", 1e-5), ("mistral_sliding", 1e-5), ("muse_spark", 3e-5)])
@@ -114,12 +94,6 @@ def test_branch_isolation_is_bit_exact(qwen3):
     assert not torch.equal(again[~other], base[~other])
 
 
-def attention_and_grads(meta, q, k, v, grad_out, window):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = attend_tree(q, k, v, meta, window=window)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-
-
 def assert_matches_dense(batch, meta, windows=(None, 3)):
     """Output and q/k/v gradients of ``meta``'s backend against the dense mask, grouped-query heads."""
     torch.manual_seed(0)
@@ -132,7 +106,6 @@ def assert_matches_dense(batch, meta, windows=(None, 3)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"window {window}, {name}: {m}")
 
 
-BRANCHY = [[3, 4, 5] + [6 + i] * (1 + i % 5) + [20 + i] * (i % 3) for i in range(12)]  # short branches, many lengths
 
 
 @pytest.mark.parametrize("seqs,pad", [(NESTED, None), (NESTED, 16), (BRANCHY, None)])

@@ -14,8 +14,8 @@ import torch
 from lightning_rl.attention.tree_attention import TreeAttentionMeta
 from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing import pack_sequences
-from test_tree_attention import BRANCHY, NESTED, attention_and_grads, reference_logprobs
-from tiny_models import build
+from support.trees import BRANCHY, NESTED, attention_and_grads, reference_logprobs
+from support.tiny_models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels: needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from lightning_rl import cli
-from toy_paths import REPO
+from support.paths import REPO
 
 SFT, SFT_LORA, GRPO = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "sft_lora.yaml", "grpo.yaml"))
 MUSE = str(REPO / "recipes" / "muse_spark_open" / "lora_sft_8x8.yaml")
@@ -171,7 +171,7 @@ def test_rows_of_prompts_are_named_by_their_line(tmp_path, capsys):
 
 def test_a_model_tree_packing_cannot_compute_exactly_is_one_line(tmp_path, capsys, monkeypatch):
     from lightning_rl.attention import tree_attention
-    from test_packing_self_check import leaky_beyond
+    from support.trees import leaky_beyond
 
     monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(0))  # attention that leaks across packed sequences
     code, err = run(capsys, SFT, ["--data.train_data=" + data_file(tmp_path, "d.jsonl", GOOD * 4)], tmp_path / "out")

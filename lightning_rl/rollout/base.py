@@ -174,8 +174,6 @@ def check_engine_options(name: str, options: dict[str, Any]) -> None:
     with the option's name; the model path and ``seed`` come from the run, not from the options."""
     import inspect
 
-    from jsonargparse import ArgumentParser
-
     cls = engine_class(name)
     parameters = list(inspect.signature(cls).parameters)
     given_by_run = {parameters[0], "seed"} if parameters else {"seed"}
@@ -184,6 +182,14 @@ def check_engine_options(name: str, options: dict[str, Any]) -> None:
             raise ValueError(f"{key}: set by the run (the model path, the recipe's seed), not an engine option")
     if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
         return  # it takes any keyword: nothing to check it against
+    try:
+        from jsonargparse import ArgumentParser  # the recipe parser's; a bare install (e.g. a GPU image) may lack it
+    except ImportError:
+        unknown = sorted(set(options) - set(parameters))
+        if unknown:
+            takes = ", ".join(p for p in parameters if p not in given_by_run)
+            raise ValueError(f"{unknown[0]}: not an option of {cls.__name__} (it takes {takes})") from None
+        return
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, skip=given_by_run)
     try:

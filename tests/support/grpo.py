@@ -20,7 +20,12 @@ def text_length(completions: list[str], **_: Any) -> list[float]:
     return [len(c) / 10 for c in completions]
 
 
-LENGTH_REWARD = [RewardSpec("grpo_helpers:text_length")]
+def digit_count(completions: list[str], **_: Any) -> list[float]:
+    """A second reward, unlike the length: how many digits a completion has."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+LENGTH_REWARD = [RewardSpec("support.grpo:text_length")]
 
 
 class GradientRecorder(L.Callback):

@@ -3,7 +3,7 @@ style (rotary and its length-dependent variants, ALiBi, learned absolute positio
 soft-capped, sliding windows by keyword and by mask, hybrids with recurrent layers), random weights.
 
 Each family is exact (packed log-probs and gradients equal each sequence alone) or refused with one line; never
-silently wrong. ``tests/test_packing_families.py`` asserts it; ``python tests/packing_families.py`` prints the
+silently wrong. ``tests/test_packing_families.py`` asserts it; ``python tests/support/packing_families.py`` prints the
 matrix with the measured errors.
 """
 

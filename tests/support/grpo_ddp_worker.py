@@ -1,26 +1,27 @@
 """One GRPO step on two gloo ranks (Lightning DDP on CPU); each rank saves its rollouts and gradients.
 
-Run by test_grpo_ranks.py as `python tests/grpo_ddp_worker.py OUT_DIR LOSS_TYPE`.
+Run by test_grpo_ranks.py as `python tests/support/grpo_ddp_worker.py OUT_DIR OPTIONS_JSON` (tests/ on PYTHONPATH).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
 import torch
-from grpo_helpers import FAST, LENGTH_REWARD, GradientRecorder
+from support.grpo import FAST, LENGTH_REWARD, GradientRecorder
 from support.distributed import leave_worker
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
 
 
-def main(out: Path, loss_type: str) -> None:
+def main(out: Path, options: str) -> None:
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "loss": {"loss_type": loss_type}, "max_grad_norm": None})
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_grad_norm": None, **json.loads(options)})
     recorder = GradientRecorder()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
@@ -33,6 +34,7 @@ def main(out: Path, loss_type: str) -> None:
             "grads": recorder.steps[0],
             "rollouts": [asdict(r) for r in scored.rollouts],
             "rewards": scored.rewards,
+            "reward_terms": scored.reward_terms,
             "prompts": [r["prompt"] for r in scored.records],
         },
         out / f"rank{trainer.global_rank}.pt",

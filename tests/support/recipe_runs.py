@@ -1,0 +1,69 @@
+"""`lightning-rl run` of the tiny Muse Spark LoRA recipe on two FSDP2 processes, as the tests start it.
+
+Also: its exported weights, the same run stopped by SIGTERM and resumed beside an uninterrupted one, and a run with
+the sharded loader's check (support/sharded_load_check.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lightning_rl.rollout.vllm_server_process import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def run_tiny_muse(base: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run recipes/tiny/muse_lora_sft.yaml on ``base`` into ``out`` (a free port of its own); tests/ is importable for
+    test callbacks."""
+    cmd = [
+        str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml",
+        "--trainer.devices=2", f"--model.model_name_or_path={base}", f"--output_dir={out}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    """The final Hugging Face export of a run into ``out``."""
+    return load_file(out / "hf" / "model.safetensors")
+
+
+def stopped_and_resumed(base: Path, root: Path, stop_after: int, *extra: str) -> tuple[Path, Path]:
+    """An uninterrupted run, and one sent SIGTERM after step ``stop_after`` then resumed with ``--ckpt_path=last``.
+
+    Returns their output folders (``root/reference``, ``root/killed``). The stopped run must exit 143 without an
+    export, and the resumed one must restore its checkpoint.
+    """
+    reference, killed_dir = root / "reference", root / "killed"
+    done = run_tiny_muse(base, reference, *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", f"--trainer.callbacks.step={stop_after}")
+    killed = run_tiny_muse(base, killed_dir, *extra, *sigterm)
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert not (killed_dir / "hf").exists()
+    resumed = run_tiny_muse(base, killed_dir, *extra, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    return reference, killed_dir
+
+
+def run_with_check(base: Path, out: Path, *extra: str) -> dict:
+    """One step with the check that every rank loaded exactly its shards; its findings."""
+    check = ("--trainer.callbacks+=support.sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}")
+    done = run_tiny_muse(base, out / "run", "--trainer.max_steps=1", *check, *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {
+        "diff": json.loads((out / "check" / "load-diff.json").read_text()),
+        "ranks": [json.loads((out / "check" / f"load-rank-{r}.json").read_text()) for r in (0, 1)],
+    }
+
+
+def checkpoint_elements(folder: Path) -> int:
+    """How many numbers a from_pretrained folder's weights hold."""
+    return sum(t.numel() for t in load_file(folder / "model.safetensors").values())
