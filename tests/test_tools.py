@@ -218,7 +218,7 @@ def _gone(pid: int) -> bool:
 def test_tools_that_exit_raise_base_exceptions_flood_or_hang_are_contained(tmp_path):
     faults = ["exits", "raises_base", "interrupts", "dies", "prints_megabytes", "returns_megabytes", "sleeps_forever",
               "hangs_with_a_child"]  # fmt: skip
-    tools = [Tool.from_function(calculator)] + [load_tool(f"tool_faults:{name}") for name in faults]
+    tools = [Tool.from_function(calculator)] + [load_tool(f"support.tool_faults:{name}") for name in faults]
     executor = ToolExecutor(tools, timeout_s=1.0, max_output_chars=500)
     pid_file = tmp_path / "pids"
     calls = {
