@@ -134,7 +134,7 @@ class GRPOModule(LightningModule):
         reward_all_failed: Literal["stop", "zero"] = "stop",
         reward_timeout_s: float | None = 600.0,
         num_generations: int = 8,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = SamplingConfig.max_new_tokens,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -23,7 +23,7 @@ class SamplingConfig:
     """How completions are sampled. `top_k=0`, `top_p=1.0`, `min_p=0.0` and `repetition_penalty=1.0` switch those
     filters off; every engine here supports all four."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = 32  # GRPOModule's default too: it reads this one
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
