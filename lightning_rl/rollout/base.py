@@ -7,6 +7,7 @@ version that produced it, which is what bounded staleness in asynchronous traini
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from collections.abc import Iterable, Sequence
@@ -169,41 +170,34 @@ def engine_class(name: str) -> type:
 
 
 def check_engine_options(name: str, options: dict[str, Any]) -> None:
-    """Refuse, before any model loads, engine options the engine's constructor does not take or whose values do not
-    have its parameter types (checked by jsonargparse against the signature). A ``ValueError`` whose message starts
-    with the option's name; the model path and ``seed`` come from the run, not from the options."""
-    import inspect
-
+    """Refuse, before any model loads, engine options the engine's constructor does not take (read from its
+    signature) or whose values do not have its parameter types (checked by jsonargparse, where installed). A
+    ``ValueError`` whose message starts with the option's name; the model path and ``seed`` come from the run."""
     cls = engine_class(name)
-    parameters = list(inspect.signature(cls).parameters)
+    signature = inspect.signature(cls)
+    parameters = list(signature.parameters)
     given_by_run = {parameters[0], "seed"} if parameters else {"seed"}
     for key in options:
         if key in given_by_run:
             raise ValueError(f"{key}: set by the run (the model path, the recipe's seed), not an engine option")
-    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return  # it takes any keyword: nothing to check it against
+    unknown = [key for key in options if key not in parameters]
+    if unknown:
+        takes = ", ".join(p for p in parameters if p not in given_by_run)
+        raise ValueError(f"{unknown[0]}: not an option of {cls.__name__} (it takes {takes})")
     try:
         from jsonargparse import ArgumentParser  # the recipe parser's; a bare install (e.g. a GPU image) may lack it
     except ImportError:
-        unknown = sorted(set(options) - set(parameters))
-        if unknown:
-            takes = ", ".join(p for p in parameters if p not in given_by_run)
-            raise ValueError(f"{unknown[0]}: not an option of {cls.__name__} (it takes {takes})") from None
         return
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, skip=given_by_run)
     try:
         parser.parse_object(dict(options))
-    except Exception as error:  # jsonargparse says an unknown key or a bad value over several lines
+    except Exception as error:  # jsonargparse says a bad value over several lines
         text = " ".join(str(error).split())
-        unknown = re.search(r"Option '([\w.]+)' is not accepted", text)
-        if unknown:
-            takes = ", ".join(p for p in parameters if p not in given_by_run)
-            raise ValueError(f"{unknown[1]}: not an option of {cls.__name__} (it takes {takes})") from None
         bad = re.search(r'Parser key "([\w.]+)": (.*)', text)
-        if bad:
-            raise ValueError(f"{bad[1]}: {bad[2][:300]}") from None
-        raise ValueError(f"{cls.__name__}: {text[:300]}") from None
+        raise ValueError(f"{bad[1]}: {bad[2][:300]}" if bad else f"{cls.__name__}: {text[:300]}") from None
 
 
 def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:
