@@ -255,6 +255,18 @@ def test_kill_during_a_single_file_checkpoint_write_resumes_from_the_newest_comp
     kill_mid_write_and_resume(recipe, reference, tmp_path / "run", random.Random(400))
 
 
+def run_tiny_sft_in_process(out: Path, callback: str, *extra: str) -> int:
+    """The tiny SFT recipe through `lightning-rl run` in this process, without validation, with a callback of this
+    module; its exit code."""
+    from lightning_rl import cli
+
+    return cli.main([
+        "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}", "--data.val_data=null",
+        "--model.eval_generations=0", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null",
+        "--trainer.enable_progress_bar=false", f"--trainer.callbacks+=test_fault_injection.{callback}", *extra,
+    ])  # fmt: skip
+
+
 class SignalDuringSetup(Callback):
     """Sends this process SIGTERM while the model is being set up, before any step."""
 
@@ -264,15 +276,8 @@ class SignalDuringSetup(Callback):
 
 def test_a_signal_before_the_first_step_stops_the_run_at_its_start(tmp_path, capsys):
     """Recorded during setup, acted on by every rank as training starts: exit 143, nothing new saved."""
-    from lightning_rl import cli
-
     out = tmp_path / "run"
-    code = cli.main([
-        "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}", "--data.val_data=null",
-        "--model.eval_generations=0", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null",
-        "--trainer.enable_progress_bar=false", "--trainer.callbacks+=test_fault_injection.SignalDuringSetup",
-    ])  # fmt: skip
-    assert code == 143
+    assert run_tiny_sft_in_process(out, "SignalDuringSetup") == 143
     assert "stopped by SIGTERM after step 0; resume with --ckpt_path=last" in capsys.readouterr().err
     assert not list(out.rglob("*.ckpt")) and not (out / "hf").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back after the run
@@ -287,17 +292,10 @@ class SignalAfterTheLastStep(Callback):
 
 def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_finished(tmp_path, capsys):
     """Nothing is left to stop: the export (staged like a checkpoint) is written whole, exit 0, said in one line."""
-    from lightning_rl import cli
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    code = cli.main([
-        "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}", "--data.val_data=null",
-        "--model.eval_generations=0", "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null",
-        "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks+=test_fault_injection.SignalAfterTheLastStep",
-    ])  # fmt: skip
-    assert code == 0
+    assert run_tiny_sft_in_process(out, "SignalAfterTheLastStep", "--trainer.max_steps=3") == 0
     assert "SIGTERM arrived after the last step: the final checkpoint and hf/ were written whole" in capsys.readouterr().err
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 3 and leftovers(out) == []
     AutoModelForCausalLM.from_pretrained(out / "hf")  # the export is complete
