@@ -50,8 +50,6 @@ def _docstring_args(cls: type) -> dict[str, str]:
         elif names and line.strip():
             for name in names:
                 entries[name] += " " + line.strip()
-        elif not line.strip() and names:
-            continue
     return entries
 
 

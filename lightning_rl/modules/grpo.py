@@ -461,7 +461,8 @@ class GRPOModule(LightningModule):
         return kept
 
     def _sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
-        prompts = [self._prompt_ids(record) for record in records]
+        messages = [self._prompt_messages(record) for record in records]
+        prompts = [self._prompt_ids(m) for m in messages]
         self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
         if self.tools:
@@ -482,7 +483,6 @@ class GRPOModule(LightningModule):
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
         columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
-        messages = [self._prompt_messages(record) for record in records]
         columns["prompt_messages"] = [messages[r.group_id] for r in rollouts]
         prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
         scores = self.scorer.score(prompt_texts, texts, columns, step=index + 1)
@@ -669,8 +669,8 @@ class GRPOModule(LightningModule):
             messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
         return messages
 
-    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
-        messages = self._prompt_messages(record)
+    def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's tokens: its messages (``_prompt_messages``) under the chat template, with the tools."""
         tools = [tool.chat_template_spec() for tool in self.tools] or None
         return list(
             self.tokenizer.apply_chat_template(
