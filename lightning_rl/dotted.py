@@ -15,8 +15,9 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
         return aliases[path]
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
-        known = f"one of {', '.join(sorted(aliases))} or " if aliases else ""
-        raise ValueError(f"{what} {path!r} is neither {known}a dotted path (pkg.module:name)")
+        if aliases:
+            raise ValueError(f"{what} {path!r} is neither one of {', '.join(sorted(aliases))} nor a dotted path (pkg.module:name)")
+        raise ValueError(f"{what} {path!r} is not a dotted path (pkg.module:name)")
     try:
         module = importlib.import_module(module_name)
     except SyntaxError as error:

@@ -232,7 +232,7 @@ _UNKNOWN_KEY = [
     (re.compile(r"unrecognized arguments: --([\w.]+)"), lambda m: m[1]),
 ]
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
-_EXPECTED = re.compile(r"Expected a (?:typing\.Literal\[(?P<options>[^\]]*)\]|<class '(?P<type>[\w.]+)'>)\. Got value: (?P<value>.*?)(?: - |$)")
+_EXPECTED = re.compile(r"Expected a (?:typing\.Literal\[(?P<options>[^\]]*)\]|<class '(?P<type>[\w.]+)'>)\. Got value: (?P<value>.*?)(?: - |\. Got value: |$)")
 _LITERAL = re.compile(r"typing\.Literal\[([^\]]*)\]")
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 
@@ -295,7 +295,13 @@ def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
                 trainer_defaults={"use_distributed_sampler": False},
             )
     except ArgumentError as e:
-        raise RecipeError(f"{recipe}: {_one_line(e)}") from None
+        message = _one_line(e)
+        if message.startswith("model.engine must be one of"):
+            short, got = message.removeprefix("model.engine must be one of ").split(", got ", 1)
+            message = (f"model.engine must be one of {short} or an engine's class_path, got {got}" if got.isidentifier() else
+                       f"model.engine: a short name ({short}) takes no options; with options give the engine's class_path "
+                       "(its class name, e.g. VLLMEngine, or pkg.module.Class) and init_args")  # fmt: skip
+        raise RecipeError(f"{recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
 

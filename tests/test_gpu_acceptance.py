@@ -115,10 +115,10 @@ def test_engine_options_are_still_checked_by_name_without_jsonargparse():
     done = python_without_them("""
         from lightning_rl.modules.grpo import GRPOModule
         try:
-            GRPOModule(engine_options={"devise": "cpu"})
+            GRPOModule(engine={"class_path": "hf", "init_args": {"devise": "cpu"}})
         except ValueError as error:
-            print(error)
-        GRPOModule(engine_options={"device": "cpu"})
+            print(error.key, error)
+        GRPOModule(engine={"class_path": "hf", "init_args": {"device": "cpu"}})
     """)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "engine_options.devise: not an option of HFRolloutEngine" in done.stdout
+    assert "engine.init_args.devise devise: not an option of HFRolloutEngine" in done.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lightning_rl.modules.grpo import GRPOModule
-from lightning_rl.rollout.base import RolloutEngine, SamplingConfig, load_engine
+from lightning_rl.rollout.base import EngineSpec, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine
 
 # fp32 on both sides; the trainer forwards a packed tree, the engine a KV-cached padded batch.
@@ -14,7 +14,7 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 def test_engine_logprobs_match_the_trainers_packed_logprobs(tiny_path):
-    engine = load_engine("hf", str(tiny_path), seed=3)
+    engine = EngineSpec.of("hf").build(str(tiny_path), seed=3)
     assert isinstance(engine, RolloutEngine)
     prompts = [[1, 40, 41, 42], [1, 50, 51]]
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, top_k=20, top_p=0.9)

@@ -3,6 +3,7 @@ before training with an error that names what is wrong."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -12,10 +13,12 @@ import torch
 from support.grpo import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss
 from lightning_rl.models.loading import LoraSettings
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
+from lightning_rl.rollout.vllm_server import VLLMServerEngine
 from lightning_rl.tools import Tool
 
 
@@ -333,17 +336,24 @@ def test_only_the_truncated_completions_are_left_out():
 
 
 def test_engine_options_are_checked_against_the_engines_signature_before_any_model_loads():
+    """A Python caller's engine is checked as the module is built (a recipe's already when it is parsed:
+    ``test_user_errors``); the error carries the recipe key."""
     cases = [
-        (dict(engine_options={"devise": "cpu"}),
-         "engine_options.devise: not an option of HFRolloutEngine (it takes device, dtype, pad_token_id, eos_token_id)"),
-        (dict(engine="vllm", engine_options={"gpu_memory_utilization": "high"}), "engine_options.gpu_memory_utilization: Expected a"),
-        (dict(engine="vllm_server", engine_options={"transprt": "gloo"}), "engine_options.transprt: not an option of VLLMServerEngine"),
-        (dict(engine_options={"seed": 3}), "engine_options.seed: set by the run"),
-        (dict(engine="vlm"), "rollout engine 'vlm' is neither one of hf, vllm, vllm_server nor a dotted path"),
+        ({"class_path": "hf", "init_args": {"devise": "cpu"}}, "engine.init_args.devise",
+         "devise: not an option of HFRolloutEngine (it takes device, dtype, pad_token_id, eos_token_id)"),
+        ({"class_path": "vllm", "init_args": {"gpu_memory_utilization": "high"}}, "engine.init_args.gpu_memory_utilization",
+         "gpu_memory_utilization: Expected a"),
+        (functools.partial(VLLMServerEngine, transprt="gloo"), "engine.init_args.transprt", "transprt: not an option of VLLMServerEngine"),
+        ({"class_path": "hf", "init_args": {"seed": 3}}, "engine.init_args.seed", "seed: set by the run"),
+        ("vlm", "engine", "rollout engine 'vlm' is neither one of hf, vllm, vllm_server nor a dotted path"),
+        ("collections.OrderedDict", "engine", "rollout engine 'collections.OrderedDict' is not a RolloutEngine subclass"),
     ]
-    for kwargs, message in cases:
-        with pytest.raises(ValueError) as caught:
-            GRPOModule(**kwargs)
-        assert str(caught.value).startswith(message), str(caught.value)
-    module = GRPOModule(engine="vllm", engine_options={"dtype": "bfloat16", "max_model_len": 512})  # nothing of vLLM loads
+    for engine, key, message in cases:
+        with pytest.raises(RecipeError) as caught:
+            GRPOModule(engine=engine)
+        assert caught.value.key == key and str(caught.value).startswith(message), (caught.value.key, str(caught.value))
+    module = GRPOModule(engine={"class_path": "vllm", "init_args": {"dtype": "bfloat16", "max_model_len": 512}})  # nothing of vLLM loads
     assert module.engine is None
+    assert module.hparams["engine"] == {"class_path": "lightning_rl.rollout.vllm_engine.VLLMEngine",
+                                        "init_args": {"dtype": "bfloat16", "max_model_len": 512}}  # fmt: skip
+    assert GRPOModule(engine=module.hparams["engine"]).engine_spec == module.engine_spec  # a checkpoint's hparams rebuild it

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lightning_rl.errors import RecipeError
 from lightning_rl.launch import slurm
 from lightning_rl.launch.layout import Allocation
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
@@ -27,6 +28,8 @@ def recipe(tmp_path: Path, trainer: dict | None = None, task: str = "sft") -> Re
     data = {"task": task, "model": {"model_name_or_path": "org/model"}, "trainer": {"accelerator": "gpu", **(trainer or {})}}
     if task == "sft":
         data["data"] = {"train_data": str(TOY_TRAIN)}
+    else:  # a GRPO launch puts the rollouts on a server node
+        data["model"]["engine"] = {"class_path": "lightning_rl.rollout.vllm_server.VLLMServerEngine", "init_args": {}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return RecipeView(path, data)
@@ -65,7 +68,7 @@ def test_cpu_recipe_requests_no_gpus_and_overrides_pass_through(tmp_path: Path) 
 def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     view = recipe(tmp_path, task="grpo")
     data = yaml.safe_load(view.path.read_text())
-    data["model"]["engine_options"] = {"server_options": {"dtype": "bfloat16", "max_model_len": 4096, "log_path": "x.log"}}
+    data["model"]["engine"]["init_args"] = {"server_options": {"dtype": "bfloat16", "max_model_len": 4096, "log_path": "x.log"}}
     script = render(RecipeView(view.path, data), nodes=3, gpus=8, inference=1)
     server = next(line for line in script.splitlines() if "vllm.entrypoints.openai.api_server" in line)
     for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
@@ -74,7 +77,7 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     assert '"backend": "nccl"' in server and "GlooWeightTransferWorker" not in server and "log_path" not in server
     assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=16 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
-    assert '--model.engine_options.url="$SERVER_URL" --model.engine_options.transfer_address="$MASTER_ADDR"' in script
+    assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
@@ -101,13 +104,16 @@ def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dic
     assert str(tmp_path / "recipe.yaml") in str(err.value)
 
 
-def test_a_cpu_grpo_server_runs_the_gloo_backend_and_a_bad_transport_is_named(tmp_path: Path) -> None:
+def test_a_cpu_grpo_server_runs_the_gloo_backend_and_the_engine_is_checked_by_the_run_parser(tmp_path: Path) -> None:
     view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
     server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)
     assert '"backend": "gloo"' in server and "GlooWeightTransferWorker" in server
+    # The engine's options are typed by its signature: the launcher's parse (run's parser) refuses a bad transport.
+    with pytest.raises(RecipeError, match="model.engine.transport must be one of auto, gloo, nccl, got mpi"):
+        RecipeView.parse(view.path, ["--model.engine.init_args.transport=mpi"])
     data = yaml.safe_load(view.path.read_text())
-    data["model"]["engine_options"] = {"transport": "mpi"}
-    with pytest.raises(LaunchError, match="`model.engine_options.transport` must be one of auto, gloo, nccl, got 'mpi'"):
+    data["model"]["engine"] = "hf"
+    with pytest.raises(LaunchError, match="`model.engine` must be VLLMServerEngine \\(class_path\\), got HFRolloutEngine"):
         render(RecipeView(view.path, data), nodes=2, gpus=1, inference=1)
 
 

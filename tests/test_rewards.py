@@ -94,7 +94,7 @@ def test_wrong_number_of_scores_counts_as_a_failure():
 
 
 def test_bad_reward_specs_are_refused_by_name():
-    with pytest.raises(ValueError, match="is neither one of format, math_answer, overlong_penalty, reward_model, tool_call_validity or a dotted path"):
+    with pytest.raises(ValueError, match="is neither one of format, math_answer, overlong_penalty, reward_model, tool_call_validity nor a dotted path"):
         RewardScorer([RewardSpec("nonsense")])
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         RewardScorer([RewardSpec("no_such_module.fn")])

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from lightning_rl.launch.layout import Allocation, TrainerLayout, resolve_layout
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
-from lightning_rl.rollout.vllm_server import TRANSPORTS
+from lightning_rl.rollout.base import EngineSpec
+from lightning_rl.rollout.vllm_server import VLLMServerEngine
 from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -82,23 +83,31 @@ def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
 
 def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOptions) -> str:
     """The engine's own server command line, tensor-parallel over the server node's devices."""
-    server_options = dict(recipe.get("model.engine_options.server_options") or {})
+    engine = recipe.get("model.engine") or "hf"
+    try:
+        spec = EngineSpec.of(engine)
+    except ValueError as err:
+        raise LaunchError(f"{recipe.path}: `model.engine`: {err}") from None
+    if not issubclass(spec.engine_class, VLLMServerEngine):
+        raise LaunchError(
+            f"{recipe.path}: a GRPO launch runs the rollouts on a vLLM server node, so `model.engine` must be "
+            f"VLLMServerEngine (class_path), got {spec.engine_class.__name__}"
+        )
+    server_options = dict(spec.init_args.get("server_options") or {})
     for local_only in ("env", "log_path", "port", "host"):
         server_options.pop(local_only, None)
     server_options.setdefault("python", "python")
     extra = list(server_options.pop("extra_args", ())) + ["--tensor-parallel-size", str(layout.devices_per_node)]
     # The trainer's engine on "auto" follows the backend the server runs: nccl between GPU nodes, else gloo.
-    transport = recipe.get("model.engine_options.transport", "auto")
-    if transport not in TRANSPORTS:
-        raise LaunchError(f"{recipe.path}: `model.engine_options.transport` must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    transport = spec.init_args.get("transport", "auto")
     if transport == "auto":
         transport = "nccl" if layout.uses_gpus else "gloo"
     try:
         server = VLLMServer(
             recipe.model_id, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra, **server_options
         )
-    except TypeError as err:
-        raise LaunchError(f"{recipe.path}: `model.engine_options.server_options`: {err}") from None
+    except (TypeError, ValueError) as err:
+        raise LaunchError(f"{recipe.path}: `model.engine.init_args.server_options`: {err}") from None
     return shlex.join(server.command)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -49,8 +50,10 @@ from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, pack
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import Rollout, RolloutEngine, SamplingConfig, check_engine_options, load_engine
+from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.rollout.hf import HFRolloutEngine
+from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
 from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.models.weights import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
@@ -116,7 +119,9 @@ class GRPOModule(LightningModule):
         max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
             None: the model's ``max_position_embeddings``.
         seed: sampling's seed (a recipe's top-level ``seed``): one per batch and turn, so runs repeat.
-        engine, engine_options: rollout engine alias (``hf``) or dotted path, and its keyword args.
+        engine: the rollout engine: a short name (``hf``, ``vllm``, ``vllm_server``) or ``class_path`` (an engine's
+            class name or dotted path) with its ``init_args``, checked against the engine's signature when the
+            recipe is read; the run gives it the model path and ``seed``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily before training and after,
             by the SFT module's evaluator: ``summary.json`` reports ``heldout_exact_match_before`` and
@@ -170,8 +175,7 @@ class GRPOModule(LightningModule):
         tool_timeout_s: float = 10.0,
         tool_output_max_chars: int = 4000,
         max_context_tokens: int | None = None,
-        engine: str = "hf",
-        engine_options: dict[str, Any] | None = None,
+        engine: EngineName | EngineFactory = "hf",
         seed: int = 0,
         eval_data: str | None = None,
         eval_generations: int = 0,
@@ -182,7 +186,13 @@ class GRPOModule(LightningModule):
         super().__init__()
         specs = [_reward_spec(r) for r in rewards]
         self.loss = _loss_settings(loss)
-        self.save_hyperparameters(ignore=["rewards", "lora", "loss"])
+        try:
+            self.engine_spec = EngineSpec.of(engine)
+        except ValueError as error:  # a wrong engine or option (a Python caller's: the recipe parser checked a recipe's)
+            option = re.match(r"(\w+): ", str(error))
+            raise RecipeError(str(error), "engine" if option is None else f"engine.init_args.{option[1]}") from None
+        self.save_hyperparameters(ignore=["rewards", "lora", "loss", "engine"])
+        self.hparams["engine"] = self.engine_spec.as_config()
         self.hparams["loss"] = asdict(self.loss)
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
@@ -246,11 +256,6 @@ class GRPOModule(LightningModule):
                     "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
                     "separate reference to refresh", "ref_sync_every",
                 )
-        try:
-            check_engine_options(engine, dict(engine_options or {}))
-        except ValueError as error:  # a wrong engine name, or option, before any model loads
-            key = "engine" if str(error).startswith(("rollout engine", engine)) else f"engine_options.{str(error).split(':', 1)[0]}"
-            raise RecipeError(str(error) if key == "engine" else f"engine_options.{error}", key) from None
         if max_turns > 1 and not tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
@@ -307,11 +312,10 @@ class GRPOModule(LightningModule):
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:
-        options = dict(self.hparams.engine_options or {})
-        if self.hparams.engine == "hf":
-            options.setdefault("device", str(self.device))
-        path = resolve_model_path(self.hparams.model_name_or_path)
-        self.engine = load_engine(self.hparams.engine, path, seed=self.hparams.seed, **options)
+        spec = self.engine_spec
+        if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
+            spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
+        self.engine = spec.build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
         self.scorer.to(self.device)  # reward models score on the trainer's device
         if self.tools:
             self.executor = ToolExecutor(

@@ -7,12 +7,15 @@ version that produced it, which is what bounded staleness in asynchronous traini
 
 from __future__ import annotations
 
+import abc
+import functools
 import inspect
 import re
+import threading
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 
@@ -103,40 +106,47 @@ class RolloutBatch:
         return len(self.groups)
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """A source of sampled completions whose weights the trainer updates.
+class RolloutEngine(abc.ABC):
+    """A source of sampled completions whose weights the trainer updates; every engine subclasses it.
 
-    Implementations must be safe to call `generate` from a background thread while the trainer
-    runs (asynchronous mode); `push_weights` may be called between two `generate` calls from any
-    thread, and a `generate` already running finishes on the weights it started with.
+    An engine is built as ``Engine(model, seed, **init_args)``: the run gives the model path and its seed, the
+    recipe the rest (``model.engine``: a short name, or ``class_path`` + ``init_args``, checked against the
+    engine's signature when the recipe is parsed). Implementations must be safe to call `generate` from a
+    background thread while the trainer runs (asynchronous mode); `push_weights` may be called between two
+    `generate` calls from any thread, and a `generate` already running finishes on the weights it started with.
     """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seeds = RequestSeeds(seed)
+        self._version = 0
+        self._lock = threading.Lock()  # held by generate and push_weights: they exclude each other
 
     @property
     def weight_version(self) -> int:
         """Version of the weights `generate` currently samples with (0 = initial weights)."""
-        ...
+        return self._version
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
-    ) -> RolloutBatch:
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
         """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt."""
-        ...
 
+    @abc.abstractmethod
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the trainer's weights (names as in the HF model's `state_dict`) as `version`."""
-        ...
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release processes, threads and memory held by the engine."""
-        ...
 
 
-# Engines selectable by short name; any other engine is given as a dotted path to its class.
-ENGINE_ALIASES = {
-    "hf": "lightning_rl.rollout.hf:HFRolloutEngine",
-    "vllm": "lightning_rl.rollout.vllm_engine:VLLMEngine",
-    "vllm_server": "lightning_rl.rollout.vllm_server:VLLMServerEngine",
+# How a recipe gives its engine: ``Engine(model, seed, **init_args)`` (`EngineSpec` reads it).
+EngineFactory = Callable[[str, int], RolloutEngine]
+# The engines shipped here, by short name (``model.engine: vllm``); their class names work too.
+EngineName = Literal["hf", "vllm", "vllm_server"]
+SHORT_NAMES: dict[str, str] = {
+    "hf": "lightning_rl.rollout.hf.HFRolloutEngine",
+    "vllm": "lightning_rl.rollout.vllm_engine.VLLMEngine",
+    "vllm_server": "lightning_rl.rollout.vllm_server.VLLMServerEngine",
 }
 
 
@@ -161,49 +171,82 @@ class RequestSeeds:
         return seed
 
 
-def engine_class(name: str) -> type:
-    """The engine class an alias (``hf``, ``vllm``, ``vllm_server``) or ``pkg.module:Class`` names (nothing of vLLM
-    is imported yet: the engines import it when built)."""
-    if name not in ENGINE_ALIASES and ":" not in name and "." not in name:
-        raise ValueError(f"rollout engine {name!r} is neither one of {', '.join(ENGINE_ALIASES)} nor a dotted path (pkg.module:Class)")
-    return load_object(ENGINE_ALIASES.get(name, name), "rollout engine")
+def _engine_class(path: str) -> type[RolloutEngine]:
+    if path not in SHORT_NAMES and "." not in path and ":" not in path:
+        raise ValueError(f"rollout engine {path!r} is neither one of {', '.join(SHORT_NAMES)} nor a dotted path (pkg.module.Class)")
+    cls = load_object(SHORT_NAMES.get(path, path), "rollout engine")
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ValueError(f"rollout engine {path!r} is not a RolloutEngine subclass")
+    return cls
 
 
-def check_engine_options(name: str, options: dict[str, Any]) -> None:
-    """Refuse, before any model loads, engine options the engine's constructor does not take (read from its
-    signature) or whose values do not have its parameter types (checked by jsonargparse, where installed). A
-    ``ValueError`` whose message starts with the option's name; the model path and ``seed`` come from the run."""
-    cls = engine_class(name)
-    signature = inspect.signature(cls)
-    parameters = list(signature.parameters)
-    given_by_run = {parameters[0], "seed"} if parameters else {"seed"}
-    for key in options:
-        if key in given_by_run:
-            raise ValueError(f"{key}: set by the run (the model path, the recipe's seed), not an engine option")
-    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-        return  # it takes any keyword: nothing to check it against
-    unknown = [key for key in options if key not in parameters]
-    if unknown:
-        takes = ", ".join(p for p in parameters if p not in given_by_run)
-        raise ValueError(f"{unknown[0]}: not an option of {cls.__name__} (it takes {takes})")
-    try:
-        from jsonargparse import ArgumentParser  # the recipe parser's; a bare install (e.g. a GPU image) may lack it
-    except ImportError:
-        return
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, skip=given_by_run)
-    try:
-        parser.parse_object(dict(options))
-    except Exception as error:  # jsonargparse says a bad value over several lines
-        text = " ".join(str(error).split())
-        bad = re.search(r'Parser key "([\w.]+)": (.*)', text)
-        raise ValueError(f"{bad[1]}: {bad[2][:300]}" if bad else f"{cls.__name__}: {text[:300]}") from None
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine a run builds: its class and the keyword arguments the recipe gave it."""
 
+    engine_class: type[RolloutEngine]
+    init_args: dict[str, Any] = field(default_factory=dict)
 
-def load_engine(name: str, model_name_or_path: str, **options: Any) -> RolloutEngine:
-    """Build an engine by alias or `pkg.module:Class`; the class is called as
-    `Class(model_name_or_path, **options)`."""
-    engine = engine_class(name)(model_name_or_path, **options)
-    if not isinstance(engine, RolloutEngine):
-        raise TypeError(f"rollout engine {name!r} does not implement RolloutEngine")
-    return engine
+    @classmethod
+    def of(cls, value: Any) -> EngineSpec:
+        """The spec of what ``model.engine`` holds: a short name or dotted path, an engine class, a
+        ``{"class_path", "init_args"}`` mapping (a saved recipe or checkpoint), or a ``functools.partial`` of an
+        engine class (what the recipe parser builds from ``class_path`` + ``init_args``). Option names and types
+        are checked against the engine's signature; a ``ValueError`` names the option."""
+        if isinstance(value, str):
+            spec = cls(_engine_class(value))
+        elif isinstance(value, type):
+            if not issubclass(value, RolloutEngine):
+                raise ValueError(f"rollout engine {value.__qualname__} is not a RolloutEngine subclass")
+            spec = cls(value)
+        elif isinstance(value, Mapping) and "class_path" in value:
+            spec = cls(_engine_class(str(value["class_path"])), dict(value.get("init_args") or {}))
+        elif isinstance(value, functools.partial):
+            found = [a for a in (value.func, *value.args) if isinstance(a, type) and issubclass(a, RolloutEngine)]
+            if not found:
+                raise ValueError(f"rollout engine {value!r} builds no RolloutEngine subclass")
+            spec = cls(found[0], dict(value.keywords))
+        else:
+            raise ValueError(f"rollout engine {value!r}: give a short name ({', '.join(SHORT_NAMES)}), a class, or class_path + init_args")
+        spec.check()
+        return spec
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.engine_class.__module__}.{self.engine_class.__qualname__}"
+
+    def as_config(self) -> dict[str, Any]:
+        """Plain data (a checkpoint's hyperparameters load with ``weights_only=True``)."""
+        return {"class_path": self.class_path, "init_args": dict(self.init_args)}
+
+    def check(self) -> None:
+        """Refuse init arguments the engine does not take (read from its signature) or whose values do not have
+        its parameter types (checked by jsonargparse where installed: the recipe parser already checked a recipe's
+        own). A ``ValueError`` whose message starts with the option's name."""
+        cls = self.engine_class
+        parameters = list(inspect.signature(cls).parameters.values())
+        given_by_run = {p.name for p in parameters[:2]}  # the model path and the run's seed
+        for key in self.init_args:
+            if key in given_by_run:
+                raise ValueError(f"{key}: set by the run (the model path, the recipe's seed), not an engine option")
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return  # it takes any keyword: nothing to check it against
+        unknown = [key for key in self.init_args if key not in {p.name for p in parameters}]
+        if unknown:
+            takes = ", ".join(p.name for p in parameters if p.name not in given_by_run)
+            raise ValueError(f"{unknown[0]}: not an option of {cls.__name__} (it takes {takes})")
+        try:
+            from jsonargparse import ArgumentParser  # the recipe parser's; a bare install (e.g. a GPU image) may lack it
+        except ImportError:
+            return
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(cls, skip=given_by_run)
+        try:
+            parser.parse_object(dict(self.init_args))
+        except Exception as error:  # jsonargparse says a bad value over several lines
+            text = " ".join(str(error).split())
+            bad = re.search(r'Parser key "([\w.]+)": (.*)', text)
+            raise ValueError(f"{bad[1]}: {bad[2][:300]}" if bad else f"{cls.__name__}: {text[:300]}") from None
+
+    def build(self, model_name_or_path: Any, seed: int = 0) -> RolloutEngine:
+        return self.engine_class(model_name_or_path, seed, **self.init_args)

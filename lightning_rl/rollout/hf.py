@@ -7,16 +7,15 @@ copies the trainer's tensors in between two `generate` calls.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Samples with `model.generate` and reports the log-prob of each sampled token.
 
     Log-probs are those of the temperature-scaled distribution before top-k/top-p filtering,
@@ -28,29 +27,23 @@ class HFRolloutEngine:
     def __init__(
         self,
         model_name_or_path: str | PreTrainedModel,
-        *,
         seed: int = 0,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
         pad_token_id: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> None:
         if isinstance(model_name_or_path, PreTrainedModel):
             model = model_name_or_path
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        self._seeds = RequestSeeds(seed)
-        self._version = 0
-        self._lock = threading.Lock()
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
+        super().__init__(seed)
 
     @property
     def device(self) -> torch.device:

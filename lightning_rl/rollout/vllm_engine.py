@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -33,7 +32,7 @@ def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str,
     }
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """`RolloutEngine` on a colocated vLLM engine.
 
     Log-probs are vLLM's `processed_logprobs`: those of the temperature-scaled distribution the token
@@ -45,8 +44,8 @@ class VLLMEngine:
     def __init__(
         self,
         model: str | os.PathLike,
-        *,
         seed: int = 0,
+        *,
         dtype: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
@@ -73,13 +72,7 @@ class VLLMEngine:
             else:
                 os.environ[_IN_PROCESS] = previous
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
-        self._seeds = RequestSeeds(seed)
-        self._version = 0
-        self._lock = threading.Lock()
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
+        super().__init__(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
         from vllm import SamplingParams

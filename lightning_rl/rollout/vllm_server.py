@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import torch
 
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import RequestSeeds, Rollout, RolloutBatch, SamplingConfig, check_request
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
 
@@ -37,7 +36,8 @@ if TYPE_CHECKING:
     from lightning_rl.rollout.nccl_transport import NCCLSender
 
 T = TypeVar("T")
-TRANSPORTS = ("auto", *WEIGHT_TRANSFER_BACKENDS)
+Transport = Literal["auto", "gloo", "nccl"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 
 def nccl_unavailable() -> str | None:
@@ -69,7 +69,7 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     return transport
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(RolloutEngine):
     """`RolloutEngine` over a vLLM server: the one at `url`, or without it one started here for `model`.
 
     A server started here (with `server_options` for `VLLMServer`) is stopped by `close`. A server
@@ -87,16 +87,16 @@ class VLLMServerEngine:
     def __init__(
         self,
         model: str | os.PathLike | None = None,
+        seed: int = 0,
         *,
         url: str | None = None,
-        seed: int = 0,
         server_options: Mapping[str, Any] | None = None,
         transfer_address: str = "127.0.0.1",
         chunk_bytes: int = gloo_transport.DEFAULT_CHUNK_BYTES,
         request_timeout: float = 600.0,
         transfer_timeout: float = 300.0,
         max_concurrent_requests: int = 64,
-        transport: str = "auto",
+        transport: Transport = "auto",
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
@@ -119,9 +119,7 @@ class VLLMServerEngine:
         self._control = ThreadPoolExecutor(1, thread_name_prefix="vllm-weights")
         self._group: torch.distributed.ProcessGroupGloo | None = None
         self._nccl: NCCLSender | None = None
-        self._version = 0
-        self._seeds = RequestSeeds(seed)
-        self._lock = threading.Lock()
+        super().__init__(seed)
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
         return request_json(f"{self.url}/{route}", body, timeout or self.request_timeout)
@@ -134,10 +132,6 @@ class VLLMServerEngine:
             raise VLLMServerError(f"{url} runs weight-transfer backend {backend!r}, not one of "
                                   f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}: start it with the flags VLLMServer passes")
         return backend
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
         check_request(prompts, n)

@@ -31,9 +31,11 @@ def grpo_recipe(path: Path, model_dir: Path, output_dir: Path) -> Path:
             "num_generations": 4,
             "max_new_tokens": 12,
             "learning_rate": 1.0e-3,
-            "engine": "lightning_rl.rollout.vllm_server:VLLMServerEngine",
-            "engine_options": {
-                "server_options": {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True}
+            "engine": {
+                "class_path": "VLLMServerEngine",
+                "init_args": {
+                    "server_options": {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True}
+                },
             },
         },
         "data": {"path": "toy", "batch_size": 2},
