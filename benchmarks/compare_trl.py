@@ -334,7 +334,7 @@ class GRPOSides:
         self.pad = tokenizer.pad_token_id
         self.rollouts, self.advantages = grpo_rollouts(sizes, random.Random("grpo"))
         self.module = GRPOModule(model_name_or_path=str(model_path), num_generations=sizes.grpo_group,
-                                 max_new_tokens=sizes.grpo_completion_len, loss=GRPOLoss("dapo", epsilon_low=0.2, epsilon_high=0.2))  # fmt: skip
+                                 sampling={"max_new_tokens": sizes.grpo_completion_len}, loss=GRPOLoss("dapo", epsilon_low=0.2, epsilon_high=0.2))  # fmt: skip
         self.module.configure_model()
         # The module reads its device and static-shape needs from the Trainer it belongs to.
         self.module.trainer = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,

@@ -57,7 +57,7 @@ def run(async_mode: bool, args: argparse.Namespace) -> dict[str, list[float]]:
     L.seed_everything(0, verbose=False)
     module = GRPOModule(
         rewards=[RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})],
-        num_generations=args.generations, max_new_tokens=args.max_new_tokens, learning_rate=1e-3,
+        num_generations=args.generations, sampling={"max_new_tokens": args.max_new_tokens}, learning_rate=1e-3,
         async_mode=async_mode, max_staleness=args.max_staleness, log_rollouts_every_n_steps=0,
     )
     clock = StepClock()

@@ -50,7 +50,7 @@ class StepTimes(L.Callback):
 
 def measure(options: dict, steps: int) -> dict[str, float]:
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(num_generations=8, max_new_tokens=4, learning_rate=2e-3, rewards=REWARDS, log_rollouts_every_n_steps=0, **options)
+    module = GRPOModule(num_generations=8, sampling={"max_new_tokens": 4}, learning_rate=2e-3, rewards=REWARDS, log_rollouts_every_n_steps=0, **options)
     times = StepTimes()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[times])  # fmt: skip

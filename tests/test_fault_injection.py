@@ -207,7 +207,7 @@ def fsdp2_sft(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> tupl
 def grpo_recipe(root: Path, *mode: str) -> tuple[Recipe, Path]:
     recipe = Recipe([
         str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={MAX_STEPS}", "--checkpoint_every_n_steps=4",
-        *mode, "--model.num_generations=4", "--model.max_new_tokens=4",
+        *mode, "--model.num_generations=4", "--model.sampling.max_new_tokens=4",
         "--data.batch_size=2", "--trainer.enable_progress_bar=false", "--logger.kind=none",
     ], ranks=1)  # fmt: skip
     recipe.run(root / "reference")

@@ -22,7 +22,7 @@ def test_engine_logprobs_match_the_trainers_packed_logprobs(tiny_path):
     assert [len(g) for g in batch.groups] == [3, 3]
     assert all(r.prompt_ids == prompts[r.group_id] and r.weight_version == 0 for r in batch.rollouts)
 
-    trainer = GRPOModule(model_name_or_path=str(tiny_path), num_generations=3, temperature=0.7)
+    trainer = GRPOModule(model_name_or_path=str(tiny_path), num_generations=3, sampling={"temperature": 0.7})
     trainer.configure_model()
     packed = trainer.pack_rollouts(batch.rollouts, torch.zeros(6))
     with torch.no_grad():

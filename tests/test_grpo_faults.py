@@ -66,7 +66,7 @@ def test_the_cli_says_a_broken_recipe_in_one_line(tmp_path, capsys):
         ({"samples_per_turn": [2, 0]}, r"samples_per_turn\[1\] must be >= 1, got 0"),
         ({"samples_per_turn": [-1]}, r"samples_per_turn\[0\] must be >= 1, got -1"),
         ({"max_turns": 0}, "max_turns must be >= 1, got 0"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"sampling": {"max_new_tokens": 0}}, "sampling.max_new_tokens must be >= 1, got 0"),
         ({"num_generations": 1}, "num_generations=1: GRPO needs G >= 2"),
         ({"tool_output_max_chars": 0}, "tool_output_max_chars must be >= 1, got 0"),
         ({"max_context_tokens": 0}, "max_context_tokens must be >= 1, got 0"),
@@ -114,7 +114,7 @@ def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_l
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "2+2"}\n\n{"prompt": "%s"}\n' % ("1+1 " * 40))  # the long one is on line 3
     for limit, said in ((60, "max_context_tokens"), (None, "the model's max_position_embeddings")):
-        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": limit, "max_new_tokens": 8})
+        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": limit, "sampling": {"max_new_tokens": 8}})
         if limit is None:  # the embedded model's own context, made short
             module.configure_model()
             module.policy.config.max_position_embeddings = 60
@@ -123,5 +123,5 @@ def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_l
             run.fit(module, PromptDataModule(str(data), batch_size=2))
         message = str(caught.value)
         assert "\n" not in message and message.startswith(f"{data}: line 3: the prompt is "), message
-        assert f"with max_new_tokens=8 it does not fit the context of 60 tokens ({said})" in message
+        assert f"with sampling.max_new_tokens=8 it does not fit the context of 60 tokens ({said})" in message
         assert run.global_step == 0

@@ -301,13 +301,13 @@ def test_truncated_completions_can_be_left_out_of_the_loss():
     """mask_truncated_completions: a completion cut at max_new_tokens trains no token, but still counts in its
     group's advantages; with every completion cut (max_new_tokens=1), nothing is trained at all."""
     recorder = GradientRecorder()
-    module, trainer = fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, max_new_tokens=1, mask_truncated_completions=True)
+    module, trainer = fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, mask_truncated_completions=True)
     assert all(r.finish_reason == "length" for r in module.last_trained.rollouts)
     assert float(trainer.callback_metrics["train/trained_tokens"]) == 0
     assert float(trainer.callback_metrics["train/completions/truncated_fraction"]) == 1.0
     assert all(g.abs().sum() == 0 for g in recorder.steps[0].values())
     recorder = GradientRecorder()
-    fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, max_new_tokens=1)
+    fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1})
     assert any(g.abs().sum() > 0 for g in recorder.steps[0].values())  # the same step, trained on
 
 

@@ -53,7 +53,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         rewards += saved["rewards"]
         for name, values in saved["reward_terms"].items():
             terms_by_reward.setdefault(name, []).extend(values)
-    module = GRPOModule(num_generations=4, max_new_tokens=6, **{k: v for k, v in options.items() if k != "rewards"})
+    module = GRPOModule(num_generations=4, sampling={"max_new_tokens": 6}, **{k: v for k, v in options.items() if k != "rewards"})
     module.configure_model()
     if options.get("reward_aggregation") == "normalize_then_sum":
         weights = torch.tensor([spec.get("weight", 1.0) for spec in options["rewards"]])

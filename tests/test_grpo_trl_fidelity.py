@@ -32,6 +32,7 @@ from lightning_rl.rollout.base import Rollout
 G = 3
 MAX_NEW = 6
 TEMPERATURE = 0.8
+SAMPLING = {"max_new_tokens": MAX_NEW, "temperature": TEMPERATURE}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,7 +110,7 @@ CASES = [
 def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old, is_cap, kl_correction):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ours = GRPOModule(
-        model_name_or_path=str(model_path), num_generations=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
+        model_name_or_path=str(model_path), num_generations=G, sampling=SAMPLING,
         loss=GRPOLoss(loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta, importance_sampling_cap=is_cap,
                       kl_bias_correction=kl_correction), old_logprobs=old,
     )
@@ -226,7 +227,7 @@ def batch(model_path):
     bounds and the off-policy mask all bite), padded for TRL and packed for us, with a reference model's
     log-probs and a pristine copy of the policy (TRL patches the model it is given; we switch ours to tree attention)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    module = GRPOModule(model_name_or_path=str(model_path), num_generations=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE)
+    module = GRPOModule(model_name_or_path=str(model_path), num_generations=G, sampling=SAMPLING)
     module.configure_model()
     pristine = copy.deepcopy(module.policy)
     reference = copy.deepcopy(module.policy)

@@ -76,7 +76,7 @@ MISTAKES = {
     "accumulate_grad_batches 0": (SFT, lambda t: ["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
     "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
     "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
-    "max_new_tokens 0 (grpo)": (GRPO, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
+    "max_new_tokens 0 (grpo)": (GRPO, lambda t: ["--model.sampling.max_new_tokens=0"], "model.sampling.max_new_tokens must be >= 1, got 0"),
     "max_turns 0": (GRPO, lambda t: ["--model.max_turns=0"], "model.max_turns must be >= 1, got 0"),
     "unknown engine": (GRPO, lambda t: ["--model.engine=vlm"], "{r}: model.engine must be one of hf, vllm, vllm_server or an engine's class_path, got vlm"),
     "engine option typo": (GRPO, lambda t: ["--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilisation=0.5"], "{r}: unknown key 'model.engine.init_args.gpu_memory_utilisation'"),

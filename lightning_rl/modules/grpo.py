@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -50,7 +50,7 @@ from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, pack
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
@@ -77,7 +77,8 @@ class GRPOModule(LightningModule):
         reward_timeout_s: a reward call running longer fails the samples it was given (kind ``timeout``); null: no
             limit.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
-        max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty: sampling (TRL's names).
+        sampling: the ``sampling:`` group, every field of `SamplingSettings` (``max_new_tokens``, ``temperature``,
+            ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``: TRL's names).
         system_prompt: prepended to string prompts.
         loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
             correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
@@ -139,12 +140,7 @@ class GRPOModule(LightningModule):
         reward_all_failed: Literal["stop", "zero"] = "stop",
         reward_timeout_s: float | None = 600.0,
         num_generations: int = 8,
-        max_new_tokens: int = SamplingConfig.max_new_tokens,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
+        sampling: SamplingSettings = SamplingSettings(),
         system_prompt: str | None = None,
         loss: GRPOLoss = GRPOLoss(),
         scale_rewards: RewardScaling = "group",
@@ -185,15 +181,17 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         specs = [_reward_spec(r) for r in rewards]
-        self.loss = _loss_settings(loss)
+        self.loss = _group(GRPOLoss, loss, "loss")
         try:
             self.engine_spec = EngineSpec.of(engine)
         except ValueError as error:  # a wrong engine or option (a Python caller's: the recipe parser checked a recipe's)
             option = re.match(r"(\w+): ", str(error))
             raise RecipeError(str(error), "engine" if option is None else f"engine.init_args.{option[1]}") from None
-        self.save_hyperparameters(ignore=["rewards", "lora", "loss", "engine"])
+        sampling = _group(SamplingSettings, sampling, "sampling")
+        self.save_hyperparameters(ignore=["rewards", "lora", "loss", "engine", "sampling"])
         self.hparams["engine"] = self.engine_spec.as_config()
         self.hparams["loss"] = asdict(self.loss)
+        self.hparams["sampling"] = asdict(sampling)
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
         self.lora = LoraSettings.checked(lora)
@@ -205,7 +203,7 @@ class GRPOModule(LightningModule):
                 f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
                 "num_generations",
             )
-        counts = {"num_iterations": num_iterations, "max_new_tokens": max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
+        counts = {"num_iterations": num_iterations, "sampling.max_new_tokens": sampling.max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
                   "chunk_size": chunk_size, "verify_packing_every": verify_packing_every, "summary_window": summary_window,
                   **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
         for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
@@ -216,18 +214,18 @@ class GRPOModule(LightningModule):
             raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
         if eval_data not in (None, TOY_DATASET):
             check_source("eval_data", eval_data)
-        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "top_k": top_k, "warmup_steps": warmup_steps,
+        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "sampling.top_k": sampling.top_k, "warmup_steps": warmup_steps,
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
-        for key, value in {"temperature": temperature, "weight_decay": weight_decay}.items():
+        for key, value in {"sampling.temperature": sampling.temperature, "weight_decay": weight_decay}.items():
             validation.finite_non_negative(key, value)
         for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s, "reward_timeout_s": reward_timeout_s,
                            "max_grad_norm": max_grad_norm}.items():  # fmt: skip
             if value is not None:
                 validation.finite_positive(key, value)
-        validation.fraction("top_p", top_p, low_open=True, high_open=False)
-        validation.fraction("min_p", min_p)
-        validation.finite_positive("repetition_penalty", repetition_penalty)
+        validation.fraction("sampling.top_p", sampling.top_p, low_open=True, high_open=False)
+        validation.fraction("sampling.min_p", sampling.min_p)
+        validation.finite_positive("sampling.repetition_penalty", sampling.repetition_penalty)
         if self.loss.corrects_engine and old_logprobs == "engine":
             key = "importance_sampling_cap" if self.loss.importance_sampling_cap is not None else "importance_sampling_floor"
             raise RecipeError(
@@ -262,10 +260,7 @@ class GRPOModule(LightningModule):
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         validation.unique("tools", [tool.name for tool in self.tools])
-        self.sampling = SamplingConfig(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty,
-        )
+        self.sampling = SamplingConfig(**asdict(sampling))
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
@@ -518,7 +513,7 @@ class GRPOModule(LightningModule):
         return out if with_entropy else (out, None)
 
     def _temperature(self) -> float:
-        return self.hparams.temperature or 1.0  # greedy sampling scores under the plain distribution
+        return self.sampling.temperature or 1.0  # greedy sampling scores under the plain distribution
 
     def _verify_packing(self, packed: PackedBatch, step: int) -> None:
         error = self.packing_verifier.check(
@@ -632,7 +627,7 @@ class GRPOModule(LightningModule):
     @property
     def _max_completion_length(self) -> int:
         """Dr.GRPO's constant: the most tokens a completion can be trained on."""
-        return self.hparams.max_new_tokens * max(self.hparams.max_turns, 1)
+        return self.sampling.max_new_tokens * max(self.hparams.max_turns, 1)
 
     def _push_weights(self, version: int) -> None:
         sync_weights(self.policy, self.engine, version=version)  # LoRA merged, FSDP2 shards gathered
@@ -656,8 +651,8 @@ class GRPOModule(LightningModule):
                 where = self.trainer.datamodule.location(record) if hasattr(self.trainer.datamodule, "location") else "prompt data"
                 said = "max_context_tokens" if self.hparams.max_context_tokens is not None else "the model's max_position_embeddings"
                 raise DataError(
-                    f"{where}: the prompt is {len(ids)} tokens; with max_new_tokens={self.sampling.max_new_tokens} it "
-                    f"does not fit the context of {limit} tokens ({said}): shorten it or lower max_new_tokens"
+                    f"{where}: the prompt is {len(ids)} tokens; with sampling.max_new_tokens={self.sampling.max_new_tokens} it "
+                    f"does not fit the context of {limit} tokens ({said}): shorten it or lower sampling.max_new_tokens"
                 )
 
     def _sampling(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
@@ -893,15 +888,18 @@ def _untrained(rollout: Rollout) -> Rollout:
     return dataclasses.replace(rollout, completion_mask=[False] * len(rollout.completion_ids))
 
 
-def _loss_settings(loss: GRPOLoss | dict[str, Any] | None) -> GRPOLoss:
-    """The ``loss:`` group as `GRPOLoss` (LightningCLI may hand it over as a mapping)."""
-    if isinstance(loss, GRPOLoss):
-        return loss
-    values = dict(loss or {})
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(GRPOLoss)})
+T = TypeVar("T")
+
+
+def _group(cls: type[T], value: T | dict[str, Any] | None, key: str) -> T:
+    """A recipe group (``loss:``, ``sampling:``) as its dataclass (LightningCLI may hand it over as a mapping)."""
+    if isinstance(value, cls):
+        return value
+    values = dict(value or {})
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise RecipeError(f"loss.{unknown[0]}: not a loss option (see GRPOLoss)", f"loss.{unknown[0]}")
-    return GRPOLoss(**values)
+        raise RecipeError(f"{key}.{unknown[0]}: not a {key} option (see {cls.__name__})", f"{key}.{unknown[0]}")
+    return cls(**values)
 
 
 def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:

@@ -23,16 +23,31 @@ from lightning_rl.dotted import load_object
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    """How completions are sampled. `top_k=0`, `top_p=1.0`, `min_p=0.0` and `repetition_penalty=1.0` switch those
-    filters off; every engine here supports all four."""
+class SamplingSettings:
+    """The recipe's ``sampling:`` group: how completions are sampled (TRL's names). `top_k=0`, `top_p=1.0`,
+    `min_p=0.0` and `repetition_penalty=1.0` switch those filters off; every engine here supports all four.
 
-    max_new_tokens: int = 32  # GRPOModule's default too: it reads this one
+    Args:
+        max_new_tokens: tokens sampled per completion (per turn, with tools) at most.
+        temperature: softmax temperature (0: greedy); the trainer scores under the same temperature.
+        top_p: nucleus filter: the smallest set of tokens whose probability reaches it.
+        top_k: keep the k most likely tokens (0: off).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off).
+        repetition_penalty: CTRL's penalty on tokens already in the prompt or completion (1: off).
+    """
+
+    max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class SamplingConfig(SamplingSettings):
+    """One generation request's sampling: the recipe's settings, plus what the run sets per request."""
+
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 

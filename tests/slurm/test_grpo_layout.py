@@ -29,7 +29,7 @@ def grpo_recipe(path: Path, model_dir: Path, output_dir: Path) -> Path:
         "model": {
             "model_name_or_path": str(model_dir),
             "num_generations": 4,
-            "max_new_tokens": 12,
+            "sampling": {"max_new_tokens": 12},
             "learning_rate": 1.0e-3,
             "engine": {
                 "class_path": "VLLMServerEngine",

@@ -11,7 +11,7 @@ from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 
-FAST = dict(num_generations=4, max_new_tokens=6, learning_rate=1e-3, log_rollouts_every_n_steps=0)
+FAST = dict(num_generations=4, sampling={"max_new_tokens": 6}, learning_rate=1e-3, log_rollouts_every_n_steps=0)
 DIGIT_REWARDS = [RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})]
 
 

@@ -82,7 +82,7 @@ def test_grpo_training_keeps_the_server_on_the_trainer_weights(server_engine, ti
     from lightning_rl.modules.grpo import GRPOModule
 
     module = GRPOModule(
-        model_name_or_path=str(tiny_model_dir), num_generations=4, max_new_tokens=12, learning_rate=1e-3,
+        model_name_or_path=str(tiny_model_dir), num_generations=4, sampling={"max_new_tokens": 12}, learning_rate=1e-3,
         engine={"class_path": "lightning_rl.rollout.vllm_server.VLLMServerEngine", "init_args": {"url": server_engine.url}},
     )
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
