@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import Callback
 from transformers import AutoTokenizer
 
 from lightning_rl import validation
@@ -33,14 +33,11 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, normalize_then_sum
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
-from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
-from lightning_rl.models.structure import compile_decoder_layers
-from lightning_rl.strategies.fsdp2 import loads_weights_sharded
-from lightning_rl.ops.grad_norm import clip_grad_norm
+from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
-from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
-from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
-from lightning_rl.checkpoints import check_weights_fit
+from lightning_rl.modules.optim import LrSchedule
+from lightning_rl.modules.policy import PolicyModule
+from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET
 from lightning_rl.data.sft import DataError, check_source
 from lightning_rl.modules.evaluation import exact_match, heldout_cases
@@ -54,7 +51,6 @@ from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rol
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
-from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.models.weights import sync_weights
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
@@ -64,7 +60,7 @@ log = logging.getLogger(__name__)
 ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")  # what reward functions get besides prompts, completions and the data
 
 
-class GRPOModule(LightningModule):
+class GRPOModule(PolicyModule):
     """Group Relative Policy Optimization with optional asynchronous rollouts and tool calls.
 
     Args:
@@ -261,7 +257,6 @@ class GRPOModule(LightningModule):
         self.tools: list[Tool] = [load_tool(path) for path in tools]
         validation.unique("tools", [tool.name for tool in self.tools])
         self.sampling = SamplingConfig(**asdict(sampling))
-        self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
@@ -297,13 +292,9 @@ class GRPOModule(LightningModule):
             return
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        sharded = self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
-        self.policy = load_causal_lm(path, lora=self.lora, defer_weights=sharded)
-        self.policy.train()
-        if self.hparams.compile:
-            compile_decoder_layers(self.policy)
+        self.policy = self.load_policy(path, self.lora)
         if self.loss.beta != 0.0:
-            self.reference = load_causal_lm(path, defer_weights=sharded).eval().requires_grad_(False)
+            self.reference = load_causal_lm(path, defer_weights=self.loads_sharded()).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:
@@ -350,13 +341,6 @@ class GRPOModule(LightningModule):
             self.executor.close()
         if self.engine is not None:
             self.engine.close()
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        return adamw_with_schedule(
-            [p for p in self.policy.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
-            weight_decay=hp.weight_decay, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
-        )  # fmt: skip
 
     # -- the algorithm -------------------------------------------------------------------------
 
@@ -412,7 +396,7 @@ class GRPOModule(LightningModule):
                 kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
                 bonus_entropy += torch.stack([kept.double().sum(), kept.new_tensor(kept.numel(), dtype=torch.float64)])
         if self.hparams.max_grad_norm is not None:
-            clip_grad_norm(self.parameters(), self.hparams.max_grad_norm)  # over every mesh the weights live on
+            self.clip_gradients_over_meshes(self.hparams.max_grad_norm)
         optimizer.step()
         self.lr_schedulers().step()
         if self.entropy_control is not None:  # over every rank, for the next step's coefficient
@@ -497,10 +481,6 @@ class GRPOModule(LightningModule):
             tool_failures=dict(failures),
         )
 
-    def _backend(self) -> str:
-        static = self._trainer is not None and requires_static_shapes(self.trainer)
-        return choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
-
     def policy_logprobs(
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -508,7 +488,7 @@ class GRPOModule(LightningModule):
         there, differentiable with ``entropy_grad``)."""
         out = packed_logprobs(
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
-            attention_backend=self._backend(), entropy_grad=entropy_grad,
+            attention_backend=self.attention_backend(), entropy_grad=entropy_grad,
         )  # fmt: skip
         return out if with_entropy else (out, None)
 
@@ -517,7 +497,7 @@ class GRPOModule(LightningModule):
 
     def _verify_packing(self, packed: PackedBatch, step: int) -> None:
         error = self.packing_verifier.check(
-            self.policy, packed, step=step, backend=self._backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size,
+            self.policy, packed, step=step, backend=self.attention_backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size,
             strategy=self.trainer.strategy,
         )
         self.log("train/packing_error", error)
@@ -766,7 +746,7 @@ class GRPOModule(LightningModule):
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return export_hf(self.policy, self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
+        return self.export_policy(self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = {
@@ -781,7 +761,7 @@ class GRPOModule(LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("grpo", {})
         self._restored_queue = state.get("rollout_queue")
         self.reward_history = list(state.get("reward_history", []))

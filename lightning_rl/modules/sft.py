@@ -14,26 +14,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
 
 from lightning_rl import validation
-from lightning_rl.checkpoints import check_weights_fit
+from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
-from lightning_rl.modules.evaluation import exact_match
-from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
+from lightning_rl.models.loading import LoraSettings
 from lightning_rl.models.paths import check_model_source
-from lightning_rl.models.structure import compile_decoder_layers
-from lightning_rl.modules.optim import LrSchedule, adamw_with_schedule
-from lightning_rl.strategies.fsdp2 import loads_weights_sharded
-from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
-from lightning_rl.attention.tree_attention import AttentionBackend, choose_backend
+from lightning_rl.modules.evaluation import exact_match
+from lightning_rl.modules.optim import LrSchedule
+from lightning_rl.modules.policy import PolicyModule
+from lightning_rl.ops.grad_norm import total_grad_norm
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
-from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.packing.tree import PackedBatch
 
 
-class SFTModule(LightningModule):
+class SFTModule(PolicyModule):
     """SFT on packed rows with loss on assistant / completion tokens only.
 
     Args:
@@ -90,33 +86,29 @@ class SFTModule(LightningModule):
         validation.positive_int("max_new_tokens", max_new_tokens)
         if export in ("merged", "adapter") and lora is None:
             raise RecipeError(f"export={export!r} needs a model.lora block", "export")
-        self.model: torch.nn.Module | None = None
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         self.export = export or ("merged" if lora is not None else "model")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            sharded = self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
-            self.model = load_causal_lm(
-                self.hparams.model_name_or_path, lora=self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing, defer_weights=sharded
-            )
-            self.model.train()  # from_pretrained returns the model in eval mode
-            if self.hparams.compile:
-                compile_decoder_layers(self.model)
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model being trained (the policy)."""
+        return self.policy
 
-    def _backend(self) -> str:
-        static = self._trainer is not None and requires_static_shapes(self.trainer)
-        return choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy = self.load_policy(
+                self.hparams.model_name_or_path, self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing
+            )
 
     def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        return packed_logprobs(self.model, batch, chunk_size=self.hparams.chunk_size, attention_backend=self._backend())
+        return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend())
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         if self.packing_verifier.due(self.global_step):
             error = self.packing_verifier.check(
-                self.model, batch, step=self.global_step, backend=self._backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
+                self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
             )
             self.log("train/packing_error", error)
         logprobs = self._logprobs(batch)
@@ -151,28 +143,9 @@ class SFTModule(LightningModule):
         if any(p.grad is not None for p in self.parameters()):
             self.log("train/grad_norm", total_grad_norm(self.parameters()))
 
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
-    ) -> None:
-        # Lightning's norm clipping stacks every gradient's norm, which fails once experts live on their own mesh.
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            clip_grad_norm(self.parameters(), gradient_clip_val)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        return adamw_with_schedule(
-            [p for p in self.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
-            weight_decay=hp.weight_decay, betas=hp.betas, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
-        )  # fmt: skip
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
-
     def exact_match_accuracy(self, cases: list[GenerationCase], tokenizer: Any) -> dict[str, float]:
         """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""
-        return exact_match(self.model, tokenizer, cases, max_new_tokens=self.hparams.max_new_tokens)
+        return exact_match(self.policy, tokenizer, cases, max_new_tokens=self.hparams.max_new_tokens)
 
     def summary_metrics(self) -> dict[str, Any]:
         """Figures for summary.json beyond the generic ones: held-out accuracy and packing used."""
@@ -185,4 +158,4 @@ class SFTModule(LightningModule):
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
-        return export_hf(self.model, self.trainer.datamodule.tokenizer, path, mode=self.export, write=write)
+        return self.export_policy(self.trainer.datamodule.tokenizer, path, mode=self.export, write=write)

@@ -1,0 +1,79 @@
+"""What SFT and GRPO share: the policy being trained and how it is built, its attention backend, the optimizer and
+its schedule, gradient clipping over every mesh, the weights-fit check on resume, and the Hugging Face export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_rl.attention.tree_attention import choose_backend
+from lightning_rl.checkpoints import check_weights_fit
+from lightning_rl.device_policy import requires_static_shapes
+from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
+from lightning_rl.models.structure import compile_decoder_layers
+from lightning_rl.modules.optim import adamw_with_schedule
+from lightning_rl.ops.grad_norm import clip_grad_norm
+from lightning_rl.strategies.fsdp2 import loads_weights_sharded
+
+
+class PolicyModule(LightningModule):
+    """A training module around one policy. Subclasses keep in ``hparams`` the keys read here:
+    ``attention_backend``, ``compile``, ``learning_rate``, ``weight_decay``, ``lr_schedule``, ``warmup_steps``
+    (and ``betas``, if they have it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy: torch.nn.Module | None = None
+        self._backends: dict[torch.device, str] = {}
+
+    def load_policy(self, path: str, lora: LoraSettings | None, gradient_checkpointing: bool = False) -> torch.nn.Module:
+        """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
+        strategy loads them sharded, each decoder layer compiled when ``compile`` is set."""
+        policy = load_causal_lm(path, lora=lora, gradient_checkpointing=gradient_checkpointing, defer_weights=self.loads_sharded())
+        policy.train()  # from_pretrained returns the model in eval mode
+        if self.hparams.compile:
+            compile_decoder_layers(policy)
+        return policy
+
+    def loads_sharded(self) -> bool:
+        """Whether each rank reads only its own shards of the weights (the strategy's choice)."""
+        return self._trainer is not None and loads_weights_sharded(self.trainer.strategy)
+
+    def attention_backend(self) -> str:
+        """The tree-attention kernel for this model where it now lives: chosen once per device (and the trainer's
+        static-shape policy), not per row."""
+        if self.device not in self._backends:
+            static = self._trainer is not None and requires_static_shapes(self.trainer)
+            self._backends[self.device] = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
+        return self._backends[self.device]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        return adamw_with_schedule(
+            [p for p in self.policy.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
+        )  # fmt: skip
+
+    def clip_gradients_over_meshes(self, max_norm: float) -> None:
+        """Clip the gradient norm of every weight together, wherever it lives (expert slices have a mesh of their own)."""
+        clip_grad_norm(self.parameters(), max_norm)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        # Lightning's norm clipping stacks every gradient's norm, which fails once experts live on their own mesh.
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            self.clip_gradients_over_meshes(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
+
+    def export_policy(self, tokenizer: Any, path: Path, mode: Literal["model", "merged", "adapter"], write: bool = True) -> Path:
+        """Write the trained policy (``model``, LoRA ``merged`` into it, or the ``adapter`` alone) and its tokenizer
+        as a Hugging Face folder."""
+        return export_hf(self.policy, tokenizer, path, mode=mode, write=write)
