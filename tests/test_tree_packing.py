@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
+from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_ordered_rows, plan_rows
+from lightning_rl.packing.tree import PrefixCounter
 
 
 @st.composite
@@ -138,3 +139,31 @@ def test_plan_rows_splits_a_group_larger_than_a_row():
     plan = plan_rows(seqs, max_tokens=60, groups=[0] * 6)
     rows = [row for row in plan.ranks[0] if row]
     assert len(rows) == 3 and all(n <= 60 for n in plan.unique_tokens[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(forests(), forests(max_sequences=4))
+def test_prefix_counter_counts_what_a_set_of_sequences_adds_without_changing_the_tree(tree_seqs, added):
+    tree = PrefixCounter()
+    for seq in tree_seqs:
+        tree.add(seq)
+    size = tree.size
+    assert tree.added_by_all(added) == count_unique_tokens(tree_seqs + added) - count_unique_tokens(tree_seqs)
+    assert tree.size == size == count_unique_tokens(tree_seqs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests(), st.integers(8, 40), st.sampled_from(["tree", "flat"]))
+def test_both_planners_fill_rows_within_the_budget_counted_as_the_packed_row_counts(seqs, budget, packing):
+    """Every sequence placed once; a row over budget only when it is one sequence longer than the budget."""
+    ordered = plan_ordered_rows(seqs, budget, packing)
+    assert [i for row in ordered for i in row] == list(range(len(seqs)))  # the order kept
+    for row in ordered:
+        cost = count_unique_tokens([seqs[i] for i in row]) if packing == "tree" else sum(len(seqs[i]) for i in row)
+        assert cost <= budget or len(row) == 1
+    fitting = [s for s in seqs if len(s) <= budget]
+    plan = plan_rows(fitting, budget, num_ranks=2, groups=[len(s) % 3 for s in fitting])
+    assert sorted(i for rank in plan.ranks for row in rank for i in row) == list(range(len(fitting)))
+    for rank, tokens in zip(plan.ranks, plan.unique_tokens):
+        for row, n in zip(rank, tokens):
+            assert n == count_unique_tokens([fitting[i] for i in row]) <= budget

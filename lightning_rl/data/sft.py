@@ -27,7 +27,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.paths import resolve_model_path
-from lightning_rl.packing.tree import PackedBatch, PrefixCounter, count_unique_tokens, pack_sequences
+from lightning_rl.packing.planner import plan_ordered_rows
+from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -284,30 +285,11 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
 
 
 def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: int, packing: Packing) -> list[list[int]]:
-    """Group example indices, in ``order``, into rows that fit ``max_tokens`` forwarded tokens.
-
-    Under tree packing a row's budget counts unique tokens (shared prefixes once); under flat packing it
-    counts every token; ``none`` puts one example in each row.
-    """
-    if packing == "none":
-        return [[i] for i in order]
-    batches: list[list[int]] = []
-    current: list[int] = []
-    trie, used = PrefixCounter(), 0
-    for i in order:
-        ids = examples[i].input_ids
-        cost = trie.added_by(ids) if packing == "tree" else len(ids)
-        if current and used + cost > max_tokens:
-            batches.append(current)
-            current, trie, used = [], PrefixCounter(), 0
-            cost = len(ids)
-        current.append(i)
-        used += cost
-        if packing == "tree":
-            trie.add(ids)
-    if current:
-        batches.append(current)
-    return batches
+    """Example indices, in ``order``, grouped into rows that fit ``max_tokens`` forwarded tokens (the packing
+    planner's ordered rows: a tree row counts shared prefixes once)."""
+    order = list(order)
+    rows = plan_ordered_rows([examples[i].input_ids for i in order], max_tokens, packing)
+    return [[order[k] for k in row] for row in rows]
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):

@@ -1,5 +1,9 @@
-"""Row planning: split a batch of sequences into packed rows under a budget of unique tokens, and deal the rows
-to data-parallel ranks so that every rank gets the same number of rows and about the same attention work.
+"""Row planning, for SFT and GRPO alike: split sequences into packed rows under a token budget, counted with
+`PrefixCounter` (a row's tree grows one sequence at a time, never rebuilt).
+
+- `plan_ordered_rows` keeps the sequences' order (SFT: a seeded epoch order, so a resumed run sees the same rows).
+- `plan_rows` packs a batch first-fit decreasing and deals the rows to data-parallel ranks so that every rank gets
+  the same number of rows and about the same attention work (GRPO).
 
 Sequences of one group (the G completions of a prompt) stay in one row where they fit, so their shared prompt is
 forwarded once. A group too large for one row is split into sub-groups that each keep the prompt.
@@ -9,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from lightning_rl.packing.tree import count_unique_tokens, pack_sequences
+from lightning_rl.packing.tree import PrefixCounter, count_unique_tokens, pack_sequences
 
 
 @dataclass
@@ -67,28 +72,29 @@ def plan_rows(
     # Units: a whole group, or the largest slices of it that fit in one row.
     units: list[list[int]] = []
     for idx in members.values():
-        current: list[int] = []
+        current, tree = [], PrefixCounter()
         for i in idx:
-            if current and count_unique_tokens([sequences[j] for j in current + [i]]) > max_tokens:
+            if current and tree.size + tree.added_by(sequences[i]) > max_tokens:
                 units.append(current)
-                current = []
+                current, tree = [], PrefixCounter()
             current.append(i)
+            tree.add(sequences[i])
         units.append(current)
 
     # First-fit decreasing on unique tokens; a unit joining a row costs what it adds to the row's tree.
     sized = sorted(units, key=lambda u: count_unique_tokens([sequences[j] for j in u]), reverse=True)
     rows: list[list[int]] = []
-    row_tokens: list[int] = []
+    trees: list[PrefixCounter] = []
     for unit in sized:
-        for k, row in enumerate(rows):
-            merged = count_unique_tokens([sequences[j] for j in row + unit])
-            if merged <= max_tokens:
-                rows[k] = row + unit
-                row_tokens[k] = merged
-                break
-        else:
-            rows.append(list(unit))
-            row_tokens.append(count_unique_tokens([sequences[j] for j in unit]))
+        seqs = [sequences[j] for j in unit]
+        k = next((k for k, tree in enumerate(trees) if tree.size + tree.added_by_all(seqs) <= max_tokens), len(rows))
+        if k == len(rows):
+            rows.append([])
+            trees.append(PrefixCounter())
+        rows[k] += unit
+        for seq in seqs:
+            trees[k].add(seq)
+    row_tokens = [tree.size for tree in trees]
 
     costs = [attention_pairs([sequences[j] for j in row]) for row in rows]
     per_rank = -(-len(rows) // num_ranks) if rows else 0
@@ -111,3 +117,27 @@ def plan_rows(
         num_flat_tokens=sum(len(s) for s in sequences),
         num_unique_tokens=sum(row_tokens),
     )
+
+
+def plan_ordered_rows(sequences: Sequence[Sequence[int]], max_tokens: int, packing: Literal["tree", "flat", "none"]) -> list[list[int]]:
+    """Indices of ``sequences``, in their order, grouped into rows of at most ``max_tokens`` forwarded tokens: under
+    ``tree`` packing a row counts unique tokens (shared prefixes once), under ``flat`` every token; ``none`` puts
+    one sequence in each row. A sequence longer than the budget gets a row of its own."""
+    if packing == "none":
+        return [[i] for i in range(len(sequences))]
+    rows: list[list[int]] = []
+    current: list[int] = []
+    tree, used = PrefixCounter(), 0
+    for i, seq in enumerate(sequences):
+        cost = tree.added_by(seq) if packing == "tree" else len(seq)
+        if current and used + cost > max_tokens:
+            rows.append(current)
+            current, tree, used = [], PrefixCounter(), 0
+            cost = len(seq)
+        current.append(i)
+        used += cost
+        if packing == "tree":
+            tree.add(seq)
+    if current:
+        rows.append(current)
+    return rows

@@ -222,6 +222,23 @@ class PrefixCounter:
             node, shared = node[token], shared + 1
         return len(seq) - shared
 
+    def added_by_all(self, seqs: Sequence[Sequence[int]]) -> int:
+        """Tokens ``seqs`` together would add to the tree (what they share among themselves counted once); the
+        tree is left as it is."""
+        grown: dict[int, dict] = {}  # per tree node where a sequence leaves the tree: the new tokens hung under it
+        added = 0
+        for seq in seqs:
+            node, depth = self.root, 0
+            while depth < len(seq) and seq[depth] in node:
+                node, depth = node[seq[depth]], depth + 1
+            branch = grown.setdefault(id(node), {})
+            for token in seq[depth:]:
+                if token not in branch:
+                    branch[token] = {}
+                    added += 1
+                branch = branch[token]
+        return added
+
     def add(self, seq: Sequence[int]) -> int:
         """Add ``seq``; returns the tokens it added."""
         added = self.added_by(seq)
