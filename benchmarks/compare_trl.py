@@ -62,7 +62,7 @@ from lightning_rl.modules.grpo import GRPOModule  # noqa: E402
 from lightning_rl.ops.logprobs import token_logprobs  # noqa: E402
 from lightning_rl.ops.packed_forward import packed_logprobs  # noqa: E402
 from lightning_rl.packing import pack_sequences  # noqa: E402
-from lightning_rl.rollout.base import Rollout  # noqa: E402
+from lightning_rl.rollout.base import Rollout, padded_rollouts  # noqa: E402
 
 MB = 2**20
 LEARNING_RATE = 1e-5
@@ -307,21 +307,8 @@ def bench_sft(model_path: Path, sizes: Sizes, workdir: Path) -> dict:
 
 
 def trl_grpo_inputs(rollouts: list[Rollout], advantages: torch.Tensor, pad: int) -> dict[str, torch.Tensor]:
-    """The batch GRPOTrainer trains on: prompts left-padded, completions right-padded, per-sequence advantages."""
-    width_p = max(len(r.prompt_ids) for r in rollouts)
-    width_c = max(len(r.completion_ids) for r in rollouts)
-    batch = {
-        "prompt_ids": torch.full((len(rollouts), width_p), pad), "prompt_mask": torch.zeros(len(rollouts), width_p, dtype=torch.long),
-        "completion_ids": torch.full((len(rollouts), width_c), pad), "completion_mask": torch.zeros(len(rollouts), width_c, dtype=torch.long),
-        "sampling_per_token_logps": torch.zeros(len(rollouts), width_c),
-    }  # fmt: skip
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        batch["prompt_ids"][i, width_p - p :] = torch.tensor(r.prompt_ids)
-        batch["prompt_mask"][i, width_p - p :] = 1
-        batch["completion_ids"][i, :c] = torch.tensor(r.completion_ids)
-        batch["completion_mask"][i, :c] = 1
-        batch["sampling_per_token_logps"][i, :c] = torch.tensor(r.logprobs)
+    """The batch GRPOTrainer trains on: the padded rollouts, per-sequence advantages, the step's token count."""
+    batch = padded_rollouts(rollouts, pad)
     tokens = float(batch["completion_mask"].sum())
     return {**batch, "advantages": advantages, "num_items_in_batch": torch.tensor(tokens)}
 

@@ -27,7 +27,7 @@ from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, token_logprobs
 from lightning_rl.ops.packed_forward import packed_hidden_states
 from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.modules.grpo import GRPOModule
-from lightning_rl.rollout.base import Rollout
+from lightning_rl.rollout.base import Rollout, padded_rollouts
 
 G = 3
 MAX_NEW = 6
@@ -62,27 +62,6 @@ def _rollouts(vocab: int) -> list[Rollout]:
             engine = (-3.0 - torch.rand(length, generator=gen)).tolist()
             rollouts.append(Rollout(prompt, completion, engine, weight_version=0, group_id=g))
     return rollouts
-
-
-def _padded(rollouts: list[Rollout], pad: int) -> dict[str, torch.Tensor]:
-    """TRL's batch layout: prompts left-padded, completions right-padded."""
-    width_p = max(len(r.prompt_ids) for r in rollouts)
-    width_c = max(len(r.completion_ids) for r in rollouts)
-    out = {
-        "prompt_ids": torch.full((len(rollouts), width_p), pad),
-        "prompt_mask": torch.zeros(len(rollouts), width_p, dtype=torch.long),
-        "completion_ids": torch.full((len(rollouts), width_c), pad),
-        "completion_mask": torch.zeros(len(rollouts), width_c, dtype=torch.long),
-        "sampling_per_token_logps": torch.zeros(len(rollouts), width_c),
-    }
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        out["prompt_ids"][i, width_p - p:] = torch.tensor(r.prompt_ids)
-        out["prompt_mask"][i, width_p - p:] = 1
-        out["completion_ids"][i, :c] = torch.tensor(r.completion_ids)
-        out["completion_mask"][i, :c] = 1
-        out["sampling_per_token_logps"][i, :c] = torch.tensor(r.logprobs)
-    return out
 
 
 @torch.no_grad()
@@ -123,7 +102,7 @@ def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old
 
     rollouts = _rollouts(len(tokenizer))
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 1.2, -1.5])
-    batch = _padded(rollouts, tokenizer.pad_token_id)
+    batch = padded_rollouts(rollouts, tokenizer.pad_token_id)
     # Computed before our packed forward switches the models to tree attention.
     ref_logprobs = _unpacked_logprobs(ours.reference, batch) if beta else None
     trainer_logprobs = _unpacked_logprobs(theirs_model, batch)
@@ -236,13 +215,13 @@ def batch(model_path):
         for p in reference.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     rollouts = _rollouts(len(tokenizer))
-    trainer_logprobs = _unpacked_logprobs(pristine, _padded(rollouts, tokenizer.pad_token_id))
+    trainer_logprobs = _unpacked_logprobs(pristine, padded_rollouts(rollouts, tokenizer.pad_token_id))
     noise = 0.4 * torch.randn(trainer_logprobs.shape, generator=gen)
     rollouts = [
         dataclasses.replace(r, logprobs=(trainer_logprobs[i] + noise[i])[: len(r.completion_ids)].tolist())
         for i, r in enumerate(rollouts)
     ]
-    padded = _padded(rollouts, tokenizer.pad_token_id)
+    padded = padded_rollouts(rollouts, tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 1.2, -1.5])
     packed = module.pack_rollouts(rollouts, advantages)
     mask = padded["completion_mask"].bool()
@@ -258,7 +237,7 @@ def batch(model_path):
 
 def _logprobs_and_entropy(module: GRPOModule, packed) -> tuple[torch.Tensor, torch.Tensor]:
     """Our packed forward, with the entropy differentiable (TRL's is; the entropy bonus needs its gradient)."""
-    h = packed_hidden_states(module.policy, packed, attention_backend=module._backend()).index_select(0, packed.loss_positions)
+    h = packed_hidden_states(module.policy, packed, attention_backend=module.attention_backend()).index_select(0, packed.loss_positions)
     weight, bias, transform = lm_head_of(module.policy, TEMPERATURE)
     assert transform == LogitTransform(temperature=TEMPERATURE)  # the tiny model: logits / temperature
     logprobs = token_logprobs(h, weight, packed.loss_targets, transform=transform, bias=bias)

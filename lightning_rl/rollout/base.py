@@ -121,6 +121,27 @@ class RolloutBatch:
         return len(self.groups)
 
 
+def padded_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The rollouts in the padded layout of generate-style trainers (TRL's GRPOTrainer among them): prompts
+    left-padded, completions right-padded, each with its mask, and the engine's log-probs per completion token."""
+    n = len(rollouts)
+    width_p = max(len(r.prompt_ids) for r in rollouts)
+    width_c = max(len(r.completion_ids) for r in rollouts)
+    batch = {
+        "prompt_ids": torch.full((n, width_p), pad_token_id), "prompt_mask": torch.zeros(n, width_p, dtype=torch.long),
+        "completion_ids": torch.full((n, width_c), pad_token_id), "completion_mask": torch.zeros(n, width_c, dtype=torch.long),
+        "sampling_per_token_logps": torch.zeros(n, width_c),
+    }  # fmt: skip
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        batch["prompt_ids"][i, width_p - p :] = torch.tensor(r.prompt_ids)
+        batch["prompt_mask"][i, width_p - p :] = 1
+        batch["completion_ids"][i, :c] = torch.tensor(r.completion_ids)
+        batch["completion_mask"][i, :c] = 1
+        batch["sampling_per_token_logps"][i, :c] = torch.tensor(r.logprobs)
+    return batch
+
+
 class RolloutEngine(abc.ABC):
     """A source of sampled completions whose weights the trainer updates; every engine subclasses it.
 
