@@ -28,8 +28,10 @@ REFUSED = {
     "bert": r"BertSelfAttention is bidirectional \(not causal\)",
     "doge": r"DogeAttention passes an attention mask in a packed forward",
     "dory": r"DoryForCausalLM: the output head is a DoryLMHead with its own logit_scale",
+    "granite_swa": r"GraniteSWAForCausalLM uses attention sinks",
+    "blenderbot": r"BlenderbotForCausalLM: the packing self-check measured packed log-probs \d\.\d\de-\d\d away from each sequence run alone",
     **{f: NOT_ROUTED for f in ("gpt_neo", "bloom", "falcon_alibi", "falcon_rotary", "mpt", "xglm", "rwkv", "openai-gpt")},
-    **{f: STATEFUL for f in ("qwen3_next", "granitemoehybrid", "jamba", "minimax", "mamba", "bamba", "zamba2", "lfm2_conv", "falcon_h1")},
+    **{f: STATEFUL for f in ("qwen3_next", "qwen3_5_text", "nemotron_h", "granitemoehybrid", "jamba", "minimax", "mamba", "bamba", "zamba2", "lfm2_conv", "falcon_h1")},
 }
 # Families whose own code has no fp64 path (the model fails on one sequence alone, packing aside).
 NO_FP64 = {"xglm"}
@@ -65,7 +67,8 @@ def test_the_matrix_covers_every_attention_style():
         "rotary": {"llama", "qwen3"}, "alibi": {"bloom", "mpt"}, "learned absolute positions": {"gpt2", "opt"},
         "local attention": {"gpt_neo"}, "moe": {"mixtral", "qwen3_moe"}, "mla": {"deepseek_v3"},
         "soft-capped": {"gemma2"}, "sliding window by keyword": {"mistral", "gemma3_text"}, "sliding window by mask": {"phimoe"},
-        "recurrent hybrids": {"jamba", "mamba"}, "nope and temperature": {"llama4_text", "smollm3"},
+        "recurrent hybrids": {"jamba", "mamba", "nemotron_h"}, "linear-attention hybrids": {"qwen3_next", "qwen3_5_text"},
+        "attention sinks": {"gpt_oss", "granite_swa"}, "nope and temperature": {"llama4_text", "smollm3"},
     }  # fmt: skip
     for style, types in styles.items():
         assert types <= model_types, style

@@ -53,7 +53,8 @@ from lightning_rl.packing.tree import PackedBatch
 ATTENTION_NAME = "tree"
 AttentionBackend = Literal["auto", "blocks", "varlen", "flex", "dense"]
 BACKENDS = ("auto", "blocks", "varlen", "flex", "dense")
-_PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Layer kinds a packed row computes exactly: attention (full or windowed) and layers that work token by token.
+_PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention", "mlp", "moe"}
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

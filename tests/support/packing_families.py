@@ -198,6 +198,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "electra": ("electra", dict(embedding_size=32, is_decoder=True)),  # a projection between decoder and LM head
     "doge": ("doge", {}),  # a dynamic score bias in the attention mask
     "dory": ("dory", {}),  # an LM head with a learned per-vocabulary scale
+    "qwen3_5_text": ("qwen3_5_text", {}),  # gated delta-net layers beside full attention
+    "nemotron_h": ("nemotron_h", {}),  # mamba, MoE and MLP-only blocks beside attention
+    "granite_swa": ("granite_swa", {}),  # attention sinks on sliding layers
+    "exaone_moe": ("exaone_moe", {}),
+    "nanochat": ("nanochat", {}),
+    "cohere2_moe": ("cohere2_moe", {}),
+    "blenderbot": ("blenderbot", {}),  # learned positions from the row index
 }
 
 
