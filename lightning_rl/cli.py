@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 SUBCOMMANDS = {
     "env": "lightning_rl.env_report",
     "launch": "lightning_rl.launch.slurm",
-    "plan": "lightning_rl.launch.plan",
+    "plan": "lightning_rl.planner.plan",
 }
 USAGE = "usage: lightning-rl {run RECIPE.yaml [--key=value ...] | env | launch ... | plan ...}"
 EXIT_USAGE = 2

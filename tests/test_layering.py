@@ -35,6 +35,7 @@ ALLOWED = {
     "callbacks": {"checkpoints", "ops", "strategies", "errors"},
     "recipe": {"callbacks", "checkpoints", "console", "errors", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
+    "planner": {"launch", "errors", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe"},

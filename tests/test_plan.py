@@ -9,10 +9,10 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, MuseSparkConfig
 
-from lightning_rl.launch import plan
-from lightning_rl.launch.plan import LOCAL_CONFIGS
-from lightning_rl.launch.memory_plan import GIB, Hardware, Training, plan_memory
-from lightning_rl.launch.model_census import count_model
+from lightning_rl.planner import plan
+from lightning_rl.planner.plan import LOCAL_CONFIGS
+from lightning_rl.planner.memory_plan import GIB, Hardware, Training, plan_memory
+from lightning_rl.planner.model_census import count_model
 from slurm.tiny_muse import build_tiny_muse
 
 MUSE_RECIPE = "recipes/muse_spark_open/lora_sft_8x8.yaml"

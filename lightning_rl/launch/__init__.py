@@ -1,1 +1,1 @@
-"""Multi-node launch: SLURM scripts rendered from recipes, and a memory/step-time planner."""
+"""Multi-node launch: SLURM and torchrun scripts rendered from recipes (the capacity planner is `lightning_rl.planner`)."""

@@ -1,10 +1,10 @@
 """Write the configs of models too large to download for planning, from their transformers classes.
 
-`lightning-rl plan` reads `lightning_rl/launch/models/<model id>/config.json` (package data) when the model is neither a local
+`lightning-rl plan` reads `lightning_rl/planner/models/<model id>/config.json` (package data) when the model is neither a local
 folder nor in the Hugging Face cache. Muse Spark Open's class defaults are the released sizes
 (62 layers, hidden 8192, 256 experts top-8, vocabulary 202,048).
 
-    python lightning_rl/launch/models/regenerate.py
+    python lightning_rl/planner/models/regenerate.py
 """
 
 from pathlib import Path

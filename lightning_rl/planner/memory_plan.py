@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_rl.launch.model_census import LayerCensus, ModelCensus
+from lightning_rl.planner.model_census import LayerCensus, ModelCensus
 
 GIB = 1024**3
 # Adam keeps two states per trainable parameter; peft keeps LoRA adapters in fp32.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from lightning_rl.launch.memory_plan import Hardware, Training, format_plan, plan_memory
-from lightning_rl.launch.model_census import count_model
+from lightning_rl.planner.memory_plan import Hardware, Training, format_plan, plan_memory
+from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
 from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedConfig:
-    """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/launch/models/<model id>`."""
+    """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/planner/models/<model id>`."""
     if override is not None:
         source = override.parent if override.name == "config.json" else override
         if not (source / "config.json").is_file():
