@@ -49,10 +49,3 @@ def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}")
     return value
-
-
-def padded_length(length: int, multiple: int | None) -> int:
-    """The smallest multiple of ``multiple`` that holds ``length`` (``length`` itself when None)."""
-    if multiple is None:
-        return length
-    return -(-length // multiple) * multiple

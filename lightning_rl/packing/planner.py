@@ -30,10 +30,6 @@ class RowPlan:
     def packing_ratio(self) -> float:
         return self.num_flat_tokens / max(self.num_unique_tokens, 1)
 
-    @property
-    def rows_per_rank(self) -> int:
-        return len(self.ranks[0]) if self.ranks else 0
-
 
 def attention_pairs(sequences: Sequence[Sequence[int]]) -> int:
     """(query, visible key) pairs of the packed tree: each unique token sees its depth + 1 keys."""
