@@ -52,8 +52,8 @@ class _DropTips(logging.Filter):
 
 def quiet_third_party_noise() -> None:
     """Lightning's advertising tips, its hint to use ``srun`` on any machine where SLURM is installed, deprecation
-    warnings raised inside libraries by their own calls, and two warnings about GRPO's own design: none is about the
-    user's run."""
+    warnings raised inside libraries by their own calls, two warnings about GRPO's own design, and the non-empty
+    checkpoint folder the CLI has already ruled on: none is about the user's run."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -61,3 +61,6 @@ def quiet_third_party_noise() -> None:
     # (manual optimization) is checkpointed after the optimizer step on purpose.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
+    # The run folder is checked by the CLI itself (a folder with outputs is resumed or replaced, never mixed), before
+    # Lightning looks: its warning about a non-empty checkpoint folder would only ever describe a resume or --overwrite.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")

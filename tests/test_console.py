@@ -9,6 +9,7 @@ from support.paths import TOY_HELDOUT, TOY_TRAIN
 
 from lightning_rl.callbacks import RunSummary
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
+from support.paths import REPO
 from lightning_rl.data.sft import SFTDataModule
 from lightning_rl.modules.sft import SFTModule
 
@@ -36,15 +37,17 @@ def test_lightning_tips_are_dropped(caplog):
 
 
 def test_a_grpo_run_with_a_reference_model_says_nothing_about_lightnings_defaults(tmp_path):
-    """The frozen reference (eval mode) and checkpoints after a manual optimizer step are by design: no warning."""
+    """The frozen reference (eval mode) and checkpoints after a manual optimizer step are by design, and a rerun
+    with --overwrite replaces the folder the CLI has ruled on: no warning about any of it."""
     import warnings
 
     from lightning_rl.cli import main
 
+    args = ["run", str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--output_dir={tmp_path}", "--trainer.max_steps=2",
+            "--checkpoint_every_n_steps=1", "--model.loss.beta=0.05", "--trainer.enable_progress_bar=false"]  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        code = main(["run", "recipes/tiny/grpo.yaml", f"--output_dir={tmp_path}", "--trainer.max_steps=2",
-                     "--checkpoint_every_n_steps=1", "--model.loss.beta=0.05", "--trainer.enable_progress_bar=false"])  # fmt: skip
-    assert code == 0
+        assert main(args) == 0
+        assert main([*args, "--overwrite"]) == 0
     said = [str(w.message) for w in caught]
-    assert not [m for m in said if "in eval mode" in m or "ModelCheckpoint with manual optimization" in m], said
+    assert not [m for m in said if "in eval mode" in m or "ModelCheckpoint with manual optimization" in m or "is not empty" in m], said
