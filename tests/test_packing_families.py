@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from support.packing_families import FAMILIES, TOLERANCE, measure
+from support.packing_families import FAMILIES, FP32_INSIDE, FP32_INSIDE_LOGPROB_TOLERANCE, TOLERANCE, measure
 
 NOT_ROUTED = r"0 of its 2 decoder layers applied the tree attention \(the others(, \w+ first,)? do not route their attention through transformers' attention interface\)"
 STATEFUL = r"layers; tree packing needs every layer to be full or sliding-window attention"
@@ -35,9 +35,6 @@ REFUSED = {
 }
 # Families whose own code has no fp64 path (the model fails on one sequence alone, packing aside).
 NO_FP64 = {"xglm"}
-# Families that round to fp32 inside their layers even in fp64 (Gemma's RMSNorm computes in float32, DeepSeek-V3
-# also routes in float32): their fp64 log-probs carry fp32 rounding, in packed and unpacked runs alike.
-FP32_INSIDE = {"gemma2_nosoftcap", "vaultgemma_nosoftcap", "deepseek_v3", "deepseek_v3_samedim"}
 
 
 @pytest.mark.parametrize("backend", ["blocks", "dense"])
@@ -56,7 +53,7 @@ def test_family_is_exact_or_refused(family, dtype, backend):
     assert result["status"] in ("exact", "WRONG"), result  # never a crash
     logprob_tol, grad_tol = TOLERANCE[dtype]
     if family in FP32_INSIDE and dtype == torch.float64:
-        logprob_tol = 1e-7
+        logprob_tol = FP32_INSIDE_LOGPROB_TOLERANCE
     assert result["logprob_error"] <= logprob_tol, result
     assert result["grad_error"] <= grad_tol, result
 

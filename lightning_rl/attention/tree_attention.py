@@ -38,7 +38,7 @@ import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -623,9 +623,9 @@ def enable_tree_attention(model: nn.Module) -> None:
     """Route ``model``'s attention through tree attention, refusing what the config already shows cannot be packed
     as a tree. Whether every layer really calls it is proved by the self-check of the first packed forward."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
-        return
     text, name = config.get_text_config(), type(model).__name__
+    if getattr(text, "_attn_implementation", None) == ATTENTION_NAME:
+        return
     unpackable = sorted(set(getattr(text, "layer_types", None) or []) - _PACKABLE_LAYER_TYPES)
     if unpackable:
         raise PackingRefused(
@@ -641,4 +641,11 @@ def enable_tree_attention(model: nn.Module) -> None:
         raise PackingRefused(f"{name} uses chunked attention (a query sees only its own chunk of row positions); tree packing cannot apply it")
     if getattr(text, "attn_temperature_tuning", False) and not getattr(text, "floor_scale", None):
         raise PackingRefused(f"{name} scales its queries by the row index; tree packing cannot apply it")
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(_tree_for_text_only(config, text))
+
+
+def _tree_for_text_only(config: Any, text: Any) -> str | dict[str, str]:
+    """The implementation to set: tree attention for the language model; a composite model's other towers (vision,
+    audio) keep theirs, since they attend within one image or clip, not along the row's tree."""
+    key = next((key for key in (getattr(config, "sub_configs", None) or {}) if getattr(config, key, None) is text), None)
+    return ATTENTION_NAME if key is None or text is config else {key: ATTENTION_NAME}

@@ -51,7 +51,8 @@ def head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, **for
 
     handle = head.register_forward_pre_hook(take)
     try:
-        model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **forward_kwargs)
+        positions = position_ids[None] if position_ids.dim() == 1 else position_ids  # [1, T], or [axes, 1, T]
+        model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **forward_kwargs)
     finally:
         handle.remove()
     name, n = type(model).__name__, input_ids.shape[0]
@@ -92,8 +93,11 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
     device = batch.input_ids.device
     meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__)
     _probe_once(model, meta.backend, device, batch.pad_to_multiple_of)
+    # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
+    # its forward encodes once each and writes into the row's placeholders.
+    positions = batch.position_ids if batch.rope_position_ids is None else batch.rope_position_ids[:, None]
     with packed_forward(meta):
-        hidden = head_inputs(model, batch.input_ids, batch.position_ids, tree_attention=meta)
+        hidden = head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
     _check_every_layer_applied(model, meta)
     return hidden
 

@@ -39,6 +39,11 @@ class PackedBatch:
     num_flat_tokens: int = 0  # what flat packing would forward: the sum of sequence lengths
     num_unique_tokens: int = 0  # real tokens forwarded here (padding excluded)
     pad_to_multiple_of: int | None = None  # the row's length is a multiple of this (static-shape devices)
+    # Models with multi-axis rotary positions (images in Qwen-VL style): [A, N], each token's along its own path.
+    rope_position_ids: Tensor | None = None
+    # Image inputs of the row's image placeholders, in row order: the keyword arguments of the model's
+    # ``get_image_features``; each image of a shared prefix is in the row, and so here, once.
+    image_inputs: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,8 @@ class PackedBatch:
             num_flat_tokens=self.num_flat_tokens,
             num_unique_tokens=self.num_unique_tokens,
             pad_to_multiple_of=self.pad_to_multiple_of,
+            rope_position_ids=None if self.rope_position_ids is None else move(self.rope_position_ids),
+            image_inputs={k: move(v) for k, v in self.image_inputs.items()},
         )
 
     def visibility_mask(self) -> Tensor:
@@ -105,12 +112,15 @@ def pack_sequences(
     share_prefixes: bool = True,
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
+    rope_positions: Sequence[Tensor] | None = None,
 ) -> PackedBatch:
     """Pack ``sequences`` into one row as a prefix tree.
 
     ``loss_masks[i][t]`` marks token ``t`` of sequence ``i`` as trained (predicted from token ``t-1``; token 0 is
     never trained). Without masks every token but the first is trained. ``token_values[name][i][t]`` is carried
-    for each trained token, ``seq_values[name][i]`` per sequence.
+    for each trained token, ``seq_values[name][i]`` per sequence. ``rope_positions[i]`` ([A, len]) are sequence
+    ``i``'s multi-axis positions; a token shared by several sequences must have the same ones in each (they depend
+    only on its path), or the sequences are refused.
     """
     _validate(sequences, loss_masks, token_values, seq_values)
     seqs = [list(map(int, s)) for s in sequences]
@@ -146,6 +156,8 @@ def pack_sequences(
     for i, path in enumerate(paths):
         position_ids[path] = torch.arange(len(path))
 
+    rope = None if rope_positions is None else _rope_positions(rope_positions, paths, seqs, num_unique)
+
     pad = 0
     if pad_to_multiple_of and num_unique % pad_to_multiple_of:
         pad = pad_to_multiple_of - num_unique % pad_to_multiple_of
@@ -153,6 +165,8 @@ def pack_sequences(
         starts.append(num_unique)
         input_ids = torch.cat([input_ids, torch.full((pad,), pad_token_id, dtype=torch.long)])
         position_ids = torch.cat([position_ids, torch.arange(pad)])
+        if rope is not None:
+            rope = torch.cat([rope, torch.arange(pad).expand(rope.shape[0], pad)], dim=1)
     total = num_unique + pad
 
     segments = _segments(sorted(set(starts)), position_ids, total)
@@ -189,7 +203,27 @@ def pack_sequences(
         num_flat_tokens=sum(len(s) for s in seqs),
         num_unique_tokens=num_unique,
         pad_to_multiple_of=pad_to_multiple_of,
+        rope_position_ids=rope,
     )
+
+
+def _rope_positions(per_sequence: Sequence[Tensor], paths: list[Tensor], seqs: list[list[int]], num_unique: int) -> Tensor:
+    """[A, num_unique] multi-axis positions of the packed tokens, checked to agree wherever sequences share one."""
+    if len(per_sequence) != len(seqs):
+        raise ValueError(f"{len(per_sequence)} rope position tensors for {len(seqs)} sequences")
+    axes = {tuple(p.shape[:-1]) for p in per_sequence}
+    for i, (positions, seq) in enumerate(zip(per_sequence, seqs)):
+        if positions.dim() != 2 or positions.shape[1] != len(seq):
+            raise ValueError(f"sequence {i}: rope positions of shape {tuple(positions.shape)} for {len(seq)} tokens (want [axes, tokens])")
+    if len(axes) != 1:
+        raise ValueError(f"rope positions with different numbers of axes: {sorted(axes)}")
+    rope = torch.empty(per_sequence[0].shape[0], num_unique, dtype=torch.long)
+    for positions, path in zip(per_sequence, paths):
+        rope[:, path] = positions.long()
+    for i, (positions, path) in enumerate(zip(per_sequence, paths)):
+        if not torch.equal(rope[:, path], positions.long()):
+            raise ValueError(f"sequence {i}: its rope positions differ from those of a sequence it shares a prefix with")
+    return rope
 
 
 def _segments(starts: list[int], depth: Tensor, total: int) -> Tensor:

@@ -35,6 +35,10 @@ NESTED = [
 # because most families round to fp32 inside their own layers even in fp64 (Llama-style RMSNorm casts its input to
 # float32), so rounding-boundary noise of ~1e-7 reaches the gradients of packed and unpacked runs alike.
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-6)}
+# Families that round to fp32 inside their layers even in fp64 (Gemma's RMSNorm computes in float32, DeepSeek-V3
+# also routes in float32): their fp64 log-probs carry fp32 rounding, in packed and unpacked runs alike.
+FP32_INSIDE = {"gemma2_nosoftcap", "vaultgemma_nosoftcap", "deepseek_v3", "deepseek_v3_samedim"}
+FP32_INSIDE_LOGPROB_TOLERANCE = 1e-7
 # Gradients that are zero in exact arithmetic (a key bias under softmax) are noise: each parameter's error is
 # measured against its own gradient norm plus this fraction of the whole gradient's norm.
 GRAD_FLOOR = {torch.float32: 1e-2, torch.float64: 1e-6}
@@ -274,6 +278,8 @@ def measure(name: str, dtype: torch.dtype = torch.float32, backend: str = "block
     grad_error = max(float((ours - theirs).norm() / (theirs.norm() + GRAD_FLOOR[dtype] * total)) for ours, theirs in grads)
     logprob_error = float((packed.detach() - ref.detach()).abs().max())
     lp_tol, grad_tol = TOLERANCE[dtype]
+    if name in FP32_INSIDE and dtype == torch.float64:
+        lp_tol = FP32_INSIDE_LOGPROB_TOLERANCE
     exact = logprob_error <= lp_tol and grad_error <= grad_tol
     return {"status": "exact" if exact else "WRONG", "logprob_error": logprob_error, "grad_error": grad_error}
 
@@ -298,12 +304,13 @@ def matrix(names, backends=("blocks", "dense")) -> list[str]:
     refused = [n for n, s in statuses.items() if "refused" in s]
     lines.append(f"families: {len(statuses)}; exact in every case: {len(exact)}; refused: {len(refused)}; "
                  f"other: {sorted(set(statuses) - set(exact) - set(refused))}")  # fmt: skip
-    for dtype in ("fp32", "fp64"):
-        cases = [r for rs in results.values() for r in rs if r["dtype"] == dtype and "logprob_error" in r]
+    for dtype, which, names_in in (("fp32", "every family", set(results)), ("fp64", "every family but those rounding to fp32 inside", set(results) - FP32_INSIDE),
+                                   ("fp64", f"the families rounding to fp32 inside ({', '.join(sorted(FP32_INSIDE))})", FP32_INSIDE)):  # fmt: skip
+        cases = [r for n, rs in results.items() if n in names_in for r in rs if r["dtype"] == dtype and "logprob_error" in r]
         if cases:
-            lines.append(f"{dtype}: largest log-prob error {max(r['logprob_error'] for r in cases):.1e}, largest gradient "
-                         f"error {max(r['grad_error'] for r in cases):.1e} (over every case that ran to the end)")  # fmt: skip
-    print("\n".join(lines[-3:]), flush=True)
+            lines.append(f"{dtype}, {which}: largest log-prob error {max(r['logprob_error'] for r in cases):.1e}, largest "
+                         f"gradient error {max(r['grad_error'] for r in cases):.1e} (over every case that ran to the end)")  # fmt: skip
+    print("\n".join(lines[-4:]), flush=True)
     return lines
 
 

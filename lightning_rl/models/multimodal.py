@@ -1,0 +1,32 @@
+"""What packing needs to know about an image-text model: its image placeholder token and its own position rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def image_token_id(config: Any) -> int | None:
+    """The token the model's processor repeats where an image's features go (None: a text-only model)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A sequence's multi-axis rotary positions [axes, len] by the model's own rule (Qwen-VL style: image tokens
+    on a (time, height, width) grid), or None for a model whose positions are the plain 1-D ones."""
+    owner = next((m for m in (model, getattr(model, "model", None)) if m is not None and hasattr(m, "get_rope_index")), None)
+    if owner is None:
+        return None
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long)[None]
+    token = image_token_id(model.config)
+    kinds = (ids == token).int() if token is not None else torch.zeros_like(ids, dtype=torch.int)
+    grid = image_inputs.get("image_grid_thw")
+    positions, _ = owner.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid if grid is not None and len(grid) else None)
+    return positions[:, 0]

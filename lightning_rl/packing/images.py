@@ -1,0 +1,65 @@
+"""Packing sequences with images: a placeholder token stands for one image's features, so two placeholders may share
+a tree node only when they are the same placeholder of the same image after the same prefix. The G completions of
+an image prompt then share its image tokens, and the row holds (and the vision encoder sees) each image of a shared
+prefix once."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_rl.packing.tree import PackedBatch, pack_sequences
+
+
+def _runs(seq: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of ``token`` in ``seq``."""
+    runs, start = [], None
+    for t, tok in enumerate([*seq, None]):
+        if tok == token and start is None:
+            start = t
+        elif tok != token and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
+def pack_image_sequences(
+    sequences: Sequence[Sequence[int]],
+    images: Sequence[Sequence[Hashable]],
+    image_token_id: int,
+    loss_masks: Sequence[Sequence[bool]] | None = None,
+    **pack_options: Any,
+) -> tuple[PackedBatch, list[Hashable]]:
+    """Pack ``sequences`` whose runs of ``image_token_id`` are images: ``images[i][j]`` is the key of sequence
+    ``i``'s ``j``-th image (equal keys: the same image, e.g. a hash of its pixels). Placeholders are never trained.
+
+    Returns the packed row (placeholders back as ``image_token_id``) and the image keys in the row's order, one per
+    image the row holds: the caller stacks those images' inputs into ``batch.image_inputs``. ``pack_options`` go to
+    `pack_sequences` (``rope_positions``, ``token_values``, ...)."""
+    if len(images) != len(sequences):
+        raise ValueError(f"{len(images)} image lists for {len(sequences)} sequences")
+    slots: dict[Hashable, int] = {}
+    longest = max((end - start for seq in sequences for start, end in _runs(seq, image_token_id)), default=0)
+    keyed, masks = [], []
+    for i, seq in enumerate(sequences):
+        runs = _runs(seq, image_token_id)
+        if len(runs) != len(images[i]):
+            raise ValueError(f"sequence {i}: {len(runs)} runs of image placeholders for {len(images[i])} images")
+        ids = [int(t) for t in seq]
+        mask = [True] * len(ids) if loss_masks is None else [bool(m) for m in loss_masks[i]]
+        if loss_masks is None:
+            mask[0] = False
+        for (start, end), key in zip(runs, images[i]):
+            slot = slots.setdefault(key, len(slots))
+            for k in range(start, end):  # negative ids: apart from every real token and every other image
+                ids[k] = -(1 + slot * (longest + 1) + (k - start))
+                mask[k] = False
+        keyed.append(ids)
+        masks.append(mask)
+    batch = pack_sequences(keyed, masks, **pack_options)
+    keys = list(slots)
+    row_images = [keys[(-int(t) - 1) // (longest + 1)] for t in batch.input_ids.tolist() if t < 0 and (-t - 1) % (longest + 1) == 0]
+    batch.input_ids = torch.where(batch.input_ids < 0, torch.full_like(batch.input_ids, image_token_id), batch.input_ids)
+    return batch, row_images

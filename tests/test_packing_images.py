@@ -1,0 +1,169 @@
+"""Tree packing with images: the G completions of an image prompt share its image tokens, the row holds each image
+of a shared prefix once (so the vision encoder sees it once), and per-token log-probs and every gradient, vision
+tower included, equal each sequence run alone. A Qwen-VL-style model (multi-axis rotary positions for images) and
+a LLaVA-style one (plain 1-D positions), and Muse Spark, tiny configs with random weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.models.multimodal import image_token_id, rope_positions
+from lightning_rl.ops.packed_forward import packed_logprobs
+from lightning_rl.packing.images import pack_image_sequences
+
+IMAGE, START, END = 60, 62, 63
+
+
+def qwen2_vl(dtype):
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3),
+        image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2VLForConditionalGeneration(config).to(dtype).eval()
+
+
+def qwen2_vl_image(seed: int, dtype, side: int = 4):
+    """An image of side x side patches (4 x 4: 16 patches, 4 placeholder tokens after the 2 x 2 merge)."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(side * side, 3 * 2 * 4 * 4, generator=g).to(dtype)
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}, side * side // 4
+
+
+def llava(dtype):
+    config = transformers.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=32),
+        image_token_index=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+
+
+def llava_image(seed: int, dtype):
+    """An 8 x 8 image: 2 x 2 patches of 4, so 4 placeholder tokens (the CLS feature dropped)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
+
+
+def muse_spark(dtype):
+    """Muse Spark Open's classes at toy size (sliding and full layers, NoPE, MoE, soft-cap), with its vision tower."""
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, sliding_window=4, moe_intermediate_size=16, moe_hidden_size=16, num_local_experts=4, num_experts_per_tok=2,
+                bos_token_id=0, eos_token_id=1, pad_token_id=2)  # fmt: skip
+    config = transformers.MuseSparkConfig(
+        text_config=text,
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, out_hidden_size=32, patch_size=2),
+        audio_config=dict(num_hidden_layers=1, out_hidden_size=32, patch_sizes=[4], hidden_sizes=[16], depths=[1]),
+        out_hidden_size=64, projector_hidden_size=32, image_token_id=IMAGE, video_token_id=61, audio_token_id=59,
+        experts_implementation="eager",  # transformers' grouped expert matmuls have no fp64 kernel
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.MuseSparkForConditionalGeneration(config).to(dtype).eval()
+
+
+def muse_spark_image(seed: int, dtype):
+    """4 x 4 patches of 2 x 2 pixels over 2 frames, merged 2 x 2: 4 placeholder tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(16, 2 * 3 * 2 * 2, generator=g).to(dtype), "image_grid_thw": torch.tensor([[1, 4, 4]])}, 4
+
+
+# Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
+FP32_INSIDE = {"muse_spark"}
+FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image)}
+
+
+def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.cat([i[key] for i in inputs]) for key in inputs[0]} if inputs else {}
+
+
+def conversations(make_image, dtype):
+    """An image prompt with four completions (two fork again), a second prompt with another image, and a
+    two-turn conversation with an image in each turn."""
+    a, n = make_image(1, dtype)
+    b, _ = make_image(2, dtype)
+    c, _ = make_image(3, dtype)
+    img = lambda: [START] + [IMAGE] * n + [END]  # noqa: E731
+    prompt = [1, 5, *img(), 6, 7]
+    seqs = [prompt + [20, 21, 22], prompt + [20, 21, 23, 24], prompt + [30, 31], prompt + [40],
+            [1, 8, *img(), 9, 10, 11], [1, 5, *img(), 6, 12, *img(), 13, 14]]  # fmt: skip
+    images = [["a"], ["a"], ["a"], ["a"], ["b"], ["a", "c"]]
+    return seqs, images, {"a": a, "b": b, "c": c}
+
+
+def reference_logprobs(model, seqs, images, inputs):
+    out = []
+    for seq, keys in zip(seqs, images):
+        ids = torch.tensor([seq])
+        extra = stacked([inputs[k] for k in keys])
+        if "image_grid_thw" in extra:
+            extra["mm_token_type_ids"] = (ids == IMAGE).int()
+        logits = model(input_ids=ids, use_cache=False, **extra).logits[0].float() if model.dtype != torch.float64 else \
+            model(input_ids=ids, use_cache=False, **extra).logits[0]  # fmt: skip
+        lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1)
+        out.append(lp[ids[0, 1:] != IMAGE])
+    return torch.cat(out)
+
+
+def packed(model, seqs, images, inputs):
+    rope = [rope_positions(model, s, stacked([inputs[k] for k in keys])) for s, keys in zip(seqs, images)]
+    batch, row_images = pack_image_sequences(seqs, images, image_token_id(model.config),
+                                             rope_positions=None if rope[0] is None else rope)  # fmt: skip
+    batch.image_inputs = stacked([inputs[k] for k in row_images])
+    return batch, row_images
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("backend", ["blocks", "dense"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_image_rows_equal_each_sequence_alone(family, backend, dtype):
+    build, make_image = FAMILIES[family]
+    model = build(dtype)
+    model.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    seqs, images, inputs = conversations(make_image, dtype)
+    batch, row_images = packed(model, seqs, images, inputs)
+    if family in FP32_INSIDE and dtype == torch.float64:  # fp32 rounding inside: the fp64 self-check refuses it
+        with pytest.raises(PackingRefused, match=r"the packing self-check measured packed log-probs \d\.\d\de-\d\d away"):
+            packed_logprobs(model, batch, attention_backend=backend)
+        return
+    # The image prompt's image once for its four completions; the two-turn conversation shares it too.
+    assert row_images.count("a") == 1 and sorted(row_images) == ["a", "b", "c"]
+    assert (batch.input_ids == IMAGE).sum() * len(seqs) < sum(s.count(IMAGE) for s in seqs) * 3
+    ours = packed_logprobs(model, batch, chunk_size=7, attention_backend=backend)
+    theirs = reference_logprobs(reference, seqs, images, inputs)
+    assert ours.shape == theirs.shape
+    tol = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-6)}[dtype]
+    assert float((ours.detach() - theirs.detach()).abs().max()) <= tol[0]
+    ours.sum().backward()
+    theirs.sum().backward()
+    vision_grads = 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None or float(p.grad.abs().max()) == 0, name
+            continue
+        vision_grads += "visual" in name or "vision" in name
+        scale = float(q.grad.norm()) + 1e-2 * (1 if dtype == torch.float32 else 1e-4)
+        assert float((p.grad - q.grad).norm()) / scale <= tol[1], name
+    assert vision_grads > 0  # the vision tower trained through the packed row
+
+
+def test_placeholders_are_never_trained_and_a_mismatch_is_refused():
+    seqs = [[1, IMAGE, IMAGE, 5, 6], [1, IMAGE, IMAGE, 5, 7]]
+    batch, keys = pack_image_sequences(seqs, [["x"], ["y"]], IMAGE)
+    assert sorted(keys) == ["x", "y"] and (batch.loss_targets != IMAGE).all()  # different images: nothing shared
+    assert batch.num_unique_tokens == 9
+    with pytest.raises(ValueError, match="sequence 0: 1 runs of image placeholders for 2 images"):
+        pack_image_sequences([[1, IMAGE, 5]], [["x", "y"]], IMAGE)
