@@ -13,7 +13,7 @@ import transformers
 
 from lightning_rl.attention.tree_attention import PackingRefused
 from lightning_rl.models.multimodal import image_token_id, rope_positions
-from lightning_rl.ops.packed_forward import packed_logprobs
+from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
 from lightning_rl.packing.images import pack_image_sequences
 
 IMAGE, START, END = 60, 62, 63
@@ -167,3 +167,14 @@ def test_placeholders_are_never_trained_and_a_mismatch_is_refused():
     assert batch.num_unique_tokens == 9
     with pytest.raises(ValueError, match="sequence 0: 1 runs of image placeholders for 2 images"):
         pack_image_sequences([[1, IMAGE, 5]], [["x", "y"]], IMAGE)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_packing_checks_image_rows_against_each_sequence_with_its_own_images(family):
+    """Six samples of six sequences: every one is run alone with the images on its own path (and its own positions)."""
+    build, make_image = FAMILIES[family]
+    model = build(torch.float32)
+    seqs, images, inputs = conversations(make_image, torch.float32)
+    batch, _ = packed(model, seqs, images, inputs)
+    error, _ = verify_row(model, batch, attention_backend="blocks", samples=6, seed=1)
+    assert error <= 1e-5

@@ -63,3 +63,31 @@ def pack_image_sequences(
     row_images = [keys[(-int(t) - 1) // (longest + 1)] for t in batch.input_ids.tolist() if t < 0 and (-t - 1) % (longest + 1) == 0]
     batch.input_ids = torch.where(batch.input_ids < 0, torch.full_like(batch.input_ids, image_token_id), batch.input_ids)
     return batch, row_images
+
+
+def split_images(image_inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The inputs of each image of ``image_inputs``, in order: per-image tensors stacked along dim 0, or, with an
+    ``image_grid_thw`` (Qwen-VL layout), flattened patches, ``grid.prod()`` rows per image."""
+    if not image_inputs:
+        return []
+    grid = image_inputs.get("image_grid_thw")
+    if grid is None:
+        count = len(next(iter(image_inputs.values())))
+        return [{key: value[i : i + 1] for key, value in image_inputs.items()} for i in range(count)]
+    sizes = grid.prod(-1).tolist()
+    pixels = torch.split(image_inputs["pixel_values"], sizes)
+    return [{"pixel_values": p, "image_grid_thw": grid[i : i + 1]} for i, p in enumerate(pixels)]
+
+
+def stack_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One input dict for several images (the inverse of `split_images`)."""
+    return {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
+
+
+def images_on_path(input_ids: torch.Tensor, rows: torch.Tensor, image_token_id: int) -> list[int]:
+    """Which of the row's images (by their order in the row) the tokens ``rows`` of a path pass through."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])  # a run of placeholders starts here
+    occurrence = torch.cumsum(starts.long(), 0) - 1
+    on_path = rows[starts[rows]]
+    return occurrence[on_path].tolist()
