@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +26,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.models.multimodal import load_processor
 from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.toy.shapes import toy_source
+from lightning_rl.data.images import ImageRenderer, image_key, images_of, keyed_image_ids, load_images, row_has_images
+from lightning_rl.packing.images import pack_image_sequences, stack_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
@@ -44,6 +48,14 @@ class DataError(UserError, ValueError):
 class Example:
     input_ids: list[int]
     loss_mask: list[bool]
+    # Each image of the row, in order: (a key naming its pixels, its processor inputs).
+    images: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    image_token_id: int | None = None
+
+    @property
+    def packing_ids(self) -> list[int]:
+        """The ids the row planner counts: each image's placeholders apart from any other image's."""
+        return keyed_image_ids(self.input_ids, [key for key, _ in self.images], self.image_token_id) if self.images else self.input_ids
 
 
 @dataclass
@@ -52,6 +64,7 @@ class GenerationCase:
 
     prompt_ids: list[int]
     reference: str
+    images: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the prompt's images' processor inputs
 
 
 # A file, a `datasets.save_to_disk` folder, or a `datasets.Dataset` (typed Any so recipes may give null).
@@ -160,6 +173,17 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
         content = message.get("content")
         if role == "assistant" and message.get("tool_calls") and content in (None, ""):
             continue
+        if isinstance(content, list) and role in ("user", "system"):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    continue
+                if kind == "image" and part.get("image") is not None:
+                    continue
+                raise ValueError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": \"image\", \"image\": PATH}}")
+            continue
+        if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "image" for part in content):
+            raise ValueError(f"{where}: an image in a {role} turn; images go in user (or system) turns")
         if not isinstance(content, str):
             raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
         if role == "assistant" and not content.strip():
@@ -195,9 +219,33 @@ def _check_row(row: Any) -> dict:
 class Renderer:
     """Turns checked rows into token ids and a loss mask with the tokenizer's own chat template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, processor: Any = None, image_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.name = name
+        self.images = ImageRenderer(processor) if processor is not None and image_token_id is not None else None
+        self.image_token_id = image_token_id
+
+    def _image_example(self, row: dict) -> Example:
+        """A row with images, rendered by the processor (its template must mark assistant turns with
+        ``{% generation %}``, the only way to find them among expanded image tokens)."""
+        if self.images is None:
+            raise ValueError(f"the row has images, but {self.name} is a text-only model (it has no image processor)")
+        template = getattr(self.images.processor, "chat_template", None) or ""
+        if not _GENERATION_BLOCK.search(template):
+            raise ValueError(f"the processor of {self.name} has a chat template without {{% generation %}} blocks, which rows with images need to find the assistant turns")
+        messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+        ids, mask, inputs = self.images.render(messages, assistant_mask=True)
+        if "prompt" in row:
+            prompt, _, _ = self.images.render(row["prompt"])
+            mask[: len(prompt)] = [False] * len(prompt)
+        mask = [m and t != self.image_token_id for m, t in zip(mask, ids)]
+        keys = [image_key(image) for image in images_of(messages)]
+        runs = sum(1 for k, t in enumerate(ids) if t == self.image_token_id and (k == 0 or ids[k - 1] != t))
+        if runs != len(keys) or len(inputs) != len(keys):
+            raise ValueError(f"{len(keys)} images but {runs} runs of image placeholders after rendering")
+        if not any(mask[1:]):
+            raise ValueError("no trained tokens after rendering")
+        return Example(ids, mask, images=list(zip(keys, inputs)), image_token_id=self.image_token_id)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)["input_ids"])
@@ -231,6 +279,8 @@ class Renderer:
         return ids, mask
 
     def example(self, row: dict) -> Example:
+        if row_has_images(row):
+            return self._image_example(row)
         if "messages" in row:
             self._require_template()
             ids, mask = self._assistant_mask(row["messages"])
@@ -257,6 +307,9 @@ class Renderer:
             last = messages[-1]
             if last["role"] != "assistant" or last.get("tool_calls"):
                 return None
+            if row_has_images(row) and self.images is not None:
+                ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)
+                return GenerationCase(ids, last["content"], images=inputs)
             return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True), last["content"])
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
@@ -267,9 +320,12 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
     if not rows:
         raise DataError(f"{name}: no rows")
     examples, cases = [], []
+    base = Path(name).parent if Path(name).is_file() else None  # image paths are relative to the data file
     for where, raw in rows:
         try:
             row = _check_row(raw)
+            if row_has_images(row):
+                row = load_images(row, base)
             example = renderer.example(row)
         except DataError:
             raise
@@ -288,7 +344,7 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
     """Example indices, in ``order``, grouped into rows that fit ``max_tokens`` forwarded tokens (the packing
     planner's ordered rows: a tree row counts shared prefixes once)."""
     order = list(order)
-    rows = plan_ordered_rows([examples[i].input_ids for i in order], max_tokens, packing)
+    rows = plan_ordered_rows([examples[i].packing_ids for i in order], max_tokens, packing)
     return [[order[k] for k in row] for row in rows]
 
 
@@ -340,10 +396,20 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 class PackedCollator:
     """Packs the examples of one batch into a single PackedBatch row."""
 
-    def __init__(self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int) -> None:
+    def __init__(self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None) -> None:
         self.share_prefixes, self.pad_to_multiple_of, self.pad_token_id = share_prefixes, pad_to_multiple_of, pad_token_id
+        self.image_token_id = image_token_id
 
     def __call__(self, examples: list[Example]) -> PackedBatch:
+        if any(e.images for e in examples):  # each image of a shared prefix once, its inputs in the row's order
+            batch, keys = pack_image_sequences(
+                [e.input_ids for e in examples], [[key for key, _ in e.images] for e in examples], self.image_token_id,
+                [e.loss_mask for e in examples], share_prefixes=self.share_prefixes, pad_to_multiple_of=self.pad_to_multiple_of,
+                pad_token_id=self.pad_token_id,
+            )  # fmt: skip
+            inputs = {key: value for e in examples for key, value in e.images}
+            batch.image_inputs = stack_images([inputs[key] for key in keys])
+            return batch
         return pack_sequences(
             [e.input_ids for e in examples],
             [e.loss_mask for e in examples],
@@ -368,7 +434,7 @@ def prefix_sharing_ratio(examples: Sequence[Example], max_tokens: int) -> float:
     """Flat over unique tokens of the first tree-packed rows: how much tree packing would save."""
     rows = plan_batches(examples, range(min(len(examples), 256)), max_tokens, "tree")
     flat = sum(len(examples[i].input_ids) for row in rows for i in row)
-    unique = sum(count_unique_tokens([examples[i].input_ids for i in row]) for row in rows)
+    unique = sum(count_unique_tokens([examples[i].packing_ids for i in row]) for row in rows)
     return flat / max(unique, 1)
 
 
@@ -376,7 +442,9 @@ class SFTDataModule(LightningDataModule):
     """SFT rows from files or a ``datasets.Dataset``, packed into rows of at most ``max_tokens`` tokens.
 
     Args:
-        train_data: JSONL / JSON / Parquet file, a ``save_to_disk`` folder, or a ``datasets.Dataset``.
+        train_data: JSONL / JSON / Parquet file, a ``save_to_disk`` folder, or a ``datasets.Dataset``; rows whose user turns
+            hold image parts (``{"type": "image", "image": PATH}``, a path relative to the file) need an image-text model.
+            ``toy_shapes`` (and ``toy_shapes_heldout``): the embedded image task.
         val_data: the same for the held-out split (validation loss and exact-match generation).
         tokenizer: a tokenizer folder; by default the model's (``model.model_name_or_path`` in a recipe).
         max_tokens: tokens forwarded per packed row (unique tokens under tree packing).
@@ -403,6 +471,7 @@ class SFTDataModule(LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        train_data, val_data = toy_source(train_data), toy_source(val_data)
         check_source("train_data", train_data)
         check_source("val_data", val_data)
         self.train_data, self.val_data = train_data, val_data
@@ -418,6 +487,8 @@ class SFTDataModule(LightningDataModule):
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.processor: Any = None  # an image-text model's (None for a text-only one)
+        self.image_token_id: int | None = None
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
         self.generation_cases: list[GenerationCase] = []
@@ -431,7 +502,8 @@ class SFTDataModule(LightningDataModule):
             return
         path = resolve_model_path(self.tokenizer_name)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        renderer = Renderer(self.tokenizer, path)
+        self.processor, self.image_token_id = load_processor(path)
+        renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id)
         self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length)
         if self.val_data is not None:
             self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, self.max_length)
@@ -445,6 +517,7 @@ class SFTDataModule(LightningDataModule):
             share_prefixes=self.resolved_packing == "tree",
             pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")),
             pad_token_id=self.tokenizer.pad_token_id or 0,
+            image_token_id=self.image_token_id,
         )
         return DataLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers), sampler
 

@@ -125,8 +125,12 @@ def _outside_text_model(model: torch.nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def generate_greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64) -> list[str]:
-    """Greedy completions of token-id prompts, decoded without special tokens."""
+def generate_greedy(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64,
+    images: list[list[dict[str, torch.Tensor]]] | None = None,
+) -> list[str]:
+    """Greedy completions of token-id prompts, decoded without special tokens; ``images[i]``: the processor inputs
+    of prompt ``i``'s images, in order."""
     was_training = model.training
     model.eval()
     # Packed training switches attention to the tree kernel; generation runs ordinary causal attention.
@@ -140,9 +144,12 @@ def generate_greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
             width = max(len(p) for p in chunk)
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            pictures = [image for own in (images or [])[start : start + batch_size] for image in own]
+            pixels = {key: torch.cat([image[key] for image in pictures]).to(device) for key in pictures[0]} if pictures else {}
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                **pixels,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoProcessor
 
 
 def image_token_id(config: Any) -> int | None:
@@ -30,3 +31,12 @@ def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dic
     grid = image_inputs.get("image_grid_thw")
     positions, _ = owner.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid if grid is not None and len(grid) else None)
     return positions[:, 0]
+
+
+def load_processor(path: str) -> tuple[Any, int | None]:
+    """The model's processor and image token, for an image-text model (one whose config names an image token);
+    (None, None) for a text-only one."""
+    token = image_token_id(AutoConfig.from_pretrained(path))
+    if token is None:
+        return None, None
+    return AutoProcessor.from_pretrained(path), token

@@ -24,7 +24,7 @@ def exact_match(
 ) -> dict[str, Any]:
     """``heldout_exact_match`` (a fraction), ``heldout_examples`` and ``heldout_generation_seconds``."""
     start = time.perf_counter()
-    texts = generate_greedy(model, tokenizer, [c.prompt_ids for c in cases], max_new_tokens=max_new_tokens)
+    texts = generate_greedy(model, tokenizer, [c.prompt_ids for c in cases], max_new_tokens=max_new_tokens, images=[c.images for c in cases])
     correct = sum(text.strip() == case.reference.strip() for text, case in zip(texts, cases, strict=True))
     return {
         "heldout_exact_match": correct / len(cases),

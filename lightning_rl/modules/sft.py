@@ -158,4 +158,5 @@ class SFTModule(PolicyModule):
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
-        return self.export_policy(self.trainer.datamodule.tokenizer, path, mode=self.export, write=write)
+        datamodule = self.trainer.datamodule  # an image-text model ships its processor (tokenizer included)
+        return self.export_policy(getattr(datamodule, "processor", None) or datamodule.tokenizer, path, mode=self.export, write=write)

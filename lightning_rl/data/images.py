@@ -1,0 +1,106 @@
+"""Rows with images: their image parts read with Pillow (a path relative to the data file, or bytes in the row),
+and conversations rendered by the model's processor, which expands each image into its placeholder tokens and
+gives each image's inputs (pixel values, grids)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_rl.packing.images import split_images
+
+# Processor outputs that are not an image's inputs.
+_NOT_IMAGE_INPUTS = {"input_ids", "attention_mask", "assistant_masks", "mm_token_type_ids", "token_type_ids"}
+
+
+def row_has_images(row: dict) -> bool:
+    messages = row.get("messages") or [*(row.get("prompt") or []), *(row.get("completion") or [])]
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages if isinstance(messages, list))  # fmt: skip
+
+
+def _open(image: Any, base: Path | None) -> Any:
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, dict) and isinstance(image.get("bytes"), (bytes, bytearray)):  # a datasets / Parquet Image cell
+        data: Any = io.BytesIO(image["bytes"])
+        shown = "the row's image bytes"
+    elif isinstance(image, (bytes, bytearray)):
+        data, shown = io.BytesIO(image), "the row's image bytes"
+    elif isinstance(image, str):
+        path = Path(image)
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        if not path.is_file():
+            raise ValueError(f"image {image}: no such file ({path})")
+        data, shown = path, f"image {image}"
+    else:
+        raise ValueError(f"an image part must hold a path or bytes, got {type(image).__name__}")
+    try:
+        with Image.open(data) as opened:
+            return opened.convert("RGB")
+    except Exception as error:  # Pillow's UnidentifiedImageError, a truncated file, ...
+        raise ValueError(f"{shown} cannot be read as an image ({type(error).__name__})") from None
+
+
+def load_images(row: dict, base: Path | None) -> dict:
+    """``row`` with each image part's image opened (RGB); a missing or unreadable image is a ValueError naming it."""
+    def parts(messages: list[dict]) -> list[dict]:
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = [{**part, "image": _open(part["image"], base)} if part.get("type") == "image" else part for part in content]
+            out.append({**m, "content": content})
+        return out
+
+    return {key: parts(value) if key in ("messages", "prompt", "completion") and isinstance(value, list) else value for key, value in row.items()}
+
+
+def image_key(image: Any) -> str:
+    """A name for an image's pixels: two images with the same key are the same image."""
+    return hashlib.sha1(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
+
+
+def keyed_image_ids(input_ids: list[int], keys: list[str], image_token_id: int | None) -> list[int]:
+    """``input_ids`` with each image's placeholders replaced by negative ids of that image (for counting what a
+    prefix tree of such sequences holds)."""
+    out, k, inside, count = [], -1, False, 0
+    for token in input_ids:
+        if token == image_token_id:
+            if not inside:
+                k, count, inside = k + 1, 0, True
+            out.append(-(1 + (int(keys[k][:12], 16) % (1 << 40)) * 4096 + count))
+            count += 1
+        else:
+            inside = False
+            out.append(token)
+    return out
+
+
+def images_of(messages: list[dict]) -> list[Any]:
+    return [part["image"] for m in messages if isinstance(m.get("content"), list) for part in m["content"] if part.get("type") == "image"]
+
+
+class ImageRenderer:
+    """Renders conversations with images through the model's processor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False, assistant_mask: bool = False) -> tuple[list[int], list[bool] | None, list[dict[str, torch.Tensor]]]:
+        """(token ids, the assistant mask if asked, each image's inputs)."""
+        out = self.processor.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=assistant_mask,
+        )  # fmt: skip
+        ids = out["input_ids"][0].tolist()
+        mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
+        inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
+        return ids, mask, split_images(inputs)
