@@ -183,7 +183,7 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
                 raise ValueError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": \"image\", \"image\": PATH}}")
             continue
         if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "image" for part in content):
-            raise ValueError(f"{where}: an image in a {role} turn; images go in user (or system) turns")
+            raise ValueError(f"{where}: an image in {'an' if role[0] in 'aeiou' else 'a'} {role} turn; images go in user (or system) turns")
         if not isinstance(content, str):
             raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
         if role == "assistant" and not content.strip():

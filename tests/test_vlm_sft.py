@@ -1,0 +1,64 @@
+"""SFT of an image-text model on images, through the real `lightning-rl run`: the embedded tiny LLaVA-style model
+learns the embedded image task well above chance, and every bad image row is one error line naming the file and
+line, with nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lightning_rl import cli
+from lightning_rl.toy.shapes import COLOURS
+from support.paths import REPO
+
+VLM_SFT = str(REPO / "recipes" / "tiny" / "vlm_sft.yaml")
+SHORT = ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+         "--data.val_data=null", "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
+
+
+def test_the_tiny_vlm_learns_the_image_task_well_above_chance(tmp_path):
+    assert cli.main(["run", VLM_SFT, f"--output_dir={tmp_path}", "--trainer.enable_progress_bar=false"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    chance = 1 / len(COLOURS)
+    assert summary["heldout_examples"] == 100 and summary["heldout_exact_match"] >= 2 * chance, summary
+    assert summary["packing"] == "tree" and summary["last_10_mean_loss"] < summary["first_10_mean_loss"] / 4
+
+
+def _row(image: str, answer: str = "red", text: str = "What colour is the square?", where: str = "user") -> dict:
+    part = {"type": "image", "image": image}
+    user = {"role": "user", "content": [part, {"type": "text", "text": text}] if where == "user" else text}
+    assistant = {"role": "assistant", "content": [part, {"type": "text", "text": answer}] if where == "assistant" else answer}
+    return {"messages": [user, assistant]}
+
+
+def _data(tmp_path: Path, bad: dict) -> str:
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "good.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [_row("good.png"), _row("good.png", "blue"), bad]) + "\n")
+    return str(path)
+
+
+BAD_ROWS = {
+    "missing image": (VLM_SFT, _row("nowhere.png"), "line 3: image nowhere.png: no such file"),
+    "corrupt image": (VLM_SFT, _row("broken.png"), "line 3: image broken.png cannot be read as an image"),
+    "image in an assistant turn": (VLM_SFT, _row("good.png", where="assistant"), "line 3: `messages[1]`: an image in an assistant turn"),
+    "more placeholders than images": (VLM_SFT, _row("good.png", text="<image> and this?"), "line 3: The total number of <image> tokens in the prompts should be the same as the number of images"),
+    "text-only model": (str(REPO / "recipes" / "tiny" / "sft.yaml"), _row("good.png"), "line 1: the row has images, but"),  # the first row with one
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_a_bad_image_row_is_one_line_naming_the_file_and_line(case, tmp_path, capsys):
+    recipe, bad, expected = BAD_ROWS[case]
+    data = _data(tmp_path, bad)
+    out = tmp_path / "out"
+    code = cli.main(["run", recipe, *SHORT, f"--output_dir={out}", f"--data.train_data={data}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: {data}: {expected}"), lines[0]
+    assert "Traceback" not in err and not out.exists()
