@@ -15,6 +15,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
+from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
 from lightning_rl.toy.task import PROBLEMS_FILE
 
@@ -74,6 +75,7 @@ class PromptDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         validation.positive_int("batch_size", batch_size)
+        path = toy_source(path)  # toy_shapes: the embedded image task's prompts
         if path != TOY_DATASET:
             check_source("path", path)
         self.path = str(PROBLEMS_FILE) if path == TOY_DATASET else path

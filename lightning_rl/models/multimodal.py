@@ -40,3 +40,18 @@ def load_processor(path: str) -> tuple[Any, int | None]:
     if token is None:
         return None, None
     return AutoProcessor.from_pretrained(path), token
+
+
+_MEDIA_WORDS = ("image", "video", "audio", "vision", "boi", "eoi", "boa", "eoa", "media")
+
+
+def multimodal_token_ids(config: Any) -> tuple[int, ...]:
+    """The ids of a model's multimodal special tokens (image, video and audio placeholders, vision start and end
+    markers): tokens a processor writes and the model must never sample."""
+    ids: set[int] = set()
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_index", "_token_ids")) and any(word in key for word in _MEDIA_WORDS):
+                ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    vocab = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
+    return tuple(sorted(i for i in ids if 0 <= i < vocab))

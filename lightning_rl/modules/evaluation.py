@@ -13,9 +13,12 @@ from lightning_rl.data.sft import DataSource, GenerationCase, Renderer, load_exa
 from lightning_rl.models.loading import generate_greedy
 
 
-def heldout_cases(source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str) -> list[GenerationCase]:
-    """The held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks them)."""
-    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name), max_length=1 << 30)
+def heldout_cases(
+    source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, processor: Any = None, image_token_id: int | None = None
+) -> list[GenerationCase]:
+    """The held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks them; rows
+    with images rendered by an image-text model's ``processor``)."""
+    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30)
     return cases
 
 

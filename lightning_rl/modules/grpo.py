@@ -39,12 +39,16 @@ from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET
+from lightning_rl.data.images import ImageRenderer, image_key, images_of, load_images
 from lightning_rl.data.sft import DataError, check_source
 from lightning_rl.modules.evaluation import exact_match, heldout_cases
+from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
+from lightning_rl.models.multimodal import load_processor, multimodal_token_ids
+from lightning_rl.packing.images import pack_image_sequences, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
@@ -209,7 +213,7 @@ class GRPOModule(PolicyModule):
         if eval_generations and eval_data is None:
             raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
         if eval_data not in (None, TOY_DATASET):
-            check_source("eval_data", eval_data)
+            check_source("eval_data", toy_source(eval_data))
         for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "sampling.top_k": sampling.top_k, "warmup_steps": warmup_steps,
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
@@ -260,6 +264,8 @@ class GRPOModule(PolicyModule):
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
+        self.processor: Any = None  # an image-text model's
+        self.image_token_id: int | None = None
         self.executor: ToolExecutor | None = None
         self.producer: RolloutProducer | None = None
         self.reward_history: list[float] = []
@@ -293,6 +299,11 @@ class GRPOModule(PolicyModule):
         path = resolve_model_path(self.hparams.model_name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.policy = self.load_policy(path, self.lora)
+        # An image-text model: its processor renders image prompts, and its multimodal tokens are never sampled.
+        self.processor, self.image_token_id = load_processor(path)
+        suppressed = multimodal_token_ids(self.policy.config)
+        if suppressed:
+            self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed)
         if self.loss.beta != 0.0:
             self.reference = load_causal_lm(path, defer_weights=self.loads_sharded()).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
@@ -445,10 +456,18 @@ class GRPOModule(PolicyModule):
 
     def _sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
         messages = [self._prompt_messages(record) for record in records]
-        prompts = [self._prompt_ids(m) for m in messages]
+        rendered = [self._prompt(m, record) for m, record in zip(messages, records)]
+        prompts = [ids for ids, _ in rendered]
+        images = [own for _, own in rendered]
         self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
-        if self.tools:
+        if any(images) and self.tools:
+            raise DataError("image prompts with tools: multi-turn tool conversations are text only")
+        if any(images):
+            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=[[i for _, i in own] for own in images])
+            for rollout in batch.rollouts:  # each rollout trains with its prompt's images
+                rollout.metadata["images"] = images[rollout.group_id]
+        elif self.tools:
             conversation = ToolConversation(
                 self.engine, self.tokenizer, self.executor, self.hparams.max_turns, self._max_context_tokens()
             )
@@ -488,7 +507,7 @@ class GRPOModule(PolicyModule):
         there, differentiable with ``entropy_grad``)."""
         out = packed_logprobs(
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
-            attention_backend=self.attention_backend(), entropy_grad=entropy_grad,
+            attention_backend=self.attention_backend(), entropy_grad=entropy_grad, suppressed=self.sampling.suppress_token_ids,
         )  # fmt: skip
         return out if with_entropy else (out, None)
 
@@ -498,7 +517,7 @@ class GRPOModule(PolicyModule):
     def _verify_packing(self, packed: PackedBatch, step: int) -> None:
         error = self.packing_verifier.check(
             self.policy, packed, step=step, backend=self.attention_backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size,
-            strategy=self.trainer.strategy,
+            strategy=self.trainer.strategy, suppressed=self.sampling.suppress_token_ids,
         )
         self.log("train/packing_error", error)
 
@@ -551,13 +570,14 @@ class GRPOModule(PolicyModule):
         pad = self.tokenizer.pad_token_id or 0
         if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
-        return pack_sequences(
-            [r.sequence for r in rollouts],
-            [r.loss_mask for r in rollouts],
-            token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]},
-            seq_values={"advantage": advantages.tolist()},
-            pad_token_id=pad,
-        )
+        options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad)
+        if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
+            keys = [[key for key, _ in r.metadata.get("images", [])] for r in rollouts]
+            batch, row_images = pack_image_sequences([r.sequence for r in rollouts], keys, self.image_token_id, [r.loss_mask for r in rollouts], **options)
+            inputs = {key: value for r in rollouts for key, value in r.metadata.get("images", [])}
+            batch.image_inputs = stack_images([inputs[key] for key in row_images])
+            return batch
+        return pack_sequences([r.sequence for r in rollouts], [r.loss_mask for r in rollouts], **options)
 
     @torch.no_grad()
     def _refresh_reference(self) -> None:
@@ -648,6 +668,25 @@ class GRPOModule(PolicyModule):
             messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
         return messages
 
+    def _prompt(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> tuple[list[int], list[tuple[str, dict[str, torch.Tensor]]]]:
+        """The prompt's tokens and its images (key, processor inputs), rendered by the processor when it has any."""
+        if not any(isinstance(m.get("content"), list) for m in messages):
+            return self._prompt_ids(messages), []
+        where = self.trainer.datamodule.location(record) if self._trainer is not None and hasattr(self.trainer.datamodule, "location") else "a prompt"
+        if self.processor is None:
+            raise DataError(f"{where}: the prompt has images, but {self.hparams.model_name_or_path} is a text-only model (it has no image processor)")
+        try:
+            loaded = load_images({"prompt": messages}, self._prompt_base())["prompt"]
+        except ValueError as error:
+            raise DataError(f"{where}: {error}") from None
+        ids, _, inputs = ImageRenderer(self.processor).render(loaded, add_generation_prompt=True)
+        return ids, list(zip([image_key(image) for image in images_of(loaded)], inputs))
+
+    def _prompt_base(self) -> Path | None:
+        """The folder image paths of prompts are relative to: the prompt file's."""
+        path = getattr(self.trainer.datamodule, "path", None) if self._trainer is not None else None
+        return Path(path).parent if isinstance(path, (str, Path)) and Path(path).is_file() else None
+
     def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt's tokens: its messages (``_prompt_messages``) under the chat template, with the tools."""
         tools = [tool.chat_template_spec() for tool in self.tools] or None
@@ -721,8 +760,8 @@ class GRPOModule(PolicyModule):
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
         if not hasattr(self, "_heldout_cases"):
             path = resolve_model_path(self.hparams.model_name_or_path)
-            source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else self.hparams.eval_data
-            self._heldout_cases = heldout_cases(source, self.tokenizer, str(path))[: self.hparams.eval_generations]
+            source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else toy_source(self.hparams.eval_data)
+            self._heldout_cases = heldout_cases(source, self.tokenizer, str(path), self.processor, self.image_token_id)[: self.hparams.eval_generations]
         return exact_match(self.policy, self.tokenizer, self._heldout_cases, max_new_tokens=self.hparams.eval_max_new_tokens)
 
     def summary_metrics(self) -> dict[str, Any]:
@@ -746,7 +785,7 @@ class GRPOModule(PolicyModule):
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return self.export_policy(self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
+        return self.export_policy(self.processor or self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo"] = {

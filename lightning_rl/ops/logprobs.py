@@ -24,16 +24,17 @@ class LogitTransform:
     scale: float = 1.0
     softcap: float | None = None
     temperature: float = 1.0
+    suppressed: tuple[int, ...] = ()  # tokens that are never sampled: out of the distribution altogether
 
     @classmethod
-    def of(cls, config, temperature: float = 1.0) -> LogitTransform:
+    def of(cls, config, temperature: float = 1.0, suppressed: tuple[int, ...] = ()) -> LogitTransform:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive to score tokens, got {temperature}")
         text = config.get_text_config()
         scale = float(getattr(text, "output_multiplier", None) or getattr(text, "logit_scale", None) or 1.0)
         if getattr(text, "logits_scaling", None):
             scale /= float(text.logits_scaling)
-        return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None), temperature=temperature)
+        return cls(scale=scale, softcap=getattr(text, "final_logit_softcapping", None), temperature=temperature, suppressed=tuple(suppressed))
 
 
 def _logit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,9 +48,19 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: Log
     if transform.scale != 1.0:
         z = z * transform.scale
     if transform.softcap is None:
-        return (z / transform.temperature if transform.temperature != 1.0 else z), None
+        return _suppress(z / transform.temperature if transform.temperature != 1.0 else z, transform), None
     t = torch.tanh(z / transform.softcap)
-    return t * (transform.softcap / transform.temperature), t
+    return _suppress(t * (transform.softcap / transform.temperature), transform), t
+
+
+# A logit no token of the vocabulary reaches: exp() of it (less any log-sum-exp) is 0, and it stays finite.
+_NEVER = -1e30
+
+
+def _suppress(logits: Tensor, transform: LogitTransform) -> Tensor:
+    if transform.suppressed:
+        logits = logits.index_fill(1, torch.tensor(transform.suppressed, device=logits.device), _NEVER)
+    return logits
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -134,8 +145,9 @@ def token_entropy(
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype))
 
 
-def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tensor | None, LogitTransform]:
-    """The output projection's weight and bias, and what the model (and sampling ``temperature``) does to its logits."""
+def lm_head_of(model: nn.Module, temperature: float = 1.0, suppressed: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None, LogitTransform]:
+    """The output projection's weight and bias, and what the model (and sampling: its ``temperature``, the
+    ``suppressed`` tokens it never samples) does to its logits."""
     head = model.get_output_embeddings()
     extra = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"}) if isinstance(head, nn.Module) else []
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
@@ -144,4 +156,4 @@ def lm_head_of(model: nn.Module, temperature: float = 1.0) -> tuple[Tensor, Tens
             f"{type(model).__name__}: the output head is a {type(head).__name__}{what}; the chunked LM head computes a plain linear layer only "
             "(do not adapt lm_head with LoRA)"
         )
-    return head.weight, head.bias, LogitTransform.of(model.config, temperature)
+    return head.weight, head.bias, LogitTransform.of(model.config, temperature, suppressed)

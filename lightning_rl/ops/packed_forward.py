@@ -159,12 +159,13 @@ def packed_logprobs(
     temperature: float = 1.0,
     attention_backend: str = "auto",
     entropy_grad: bool = False,
+    suppressed: tuple[int, ...] = (),
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log p(target) for every loss term of a packed row (and the entropy there when asked, differentiable with
-    ``entropy_grad``), shape [M], under the sampling ``temperature``."""
+    ``entropy_grad``), shape [M], under the sampling ``temperature``, without the ``suppressed`` tokens."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
     h = hidden.index_select(0, batch.loss_positions)
-    weight, bias, transform = lm_head_of(model, temperature)
+    weight, bias, transform = lm_head_of(model, temperature, suppressed)
     logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
     if not return_entropy:
         return logprobs
@@ -278,7 +279,8 @@ def sequence_paths(batch: PackedBatch, sequences: list[int]) -> list[tuple[Tenso
 
 @torch.no_grad()
 def verify_row(
-    model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", temperature: float = 1.0, chunk_size: int = 1024, samples: int = 2, seed: int = 0
+    model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", temperature: float = 1.0, chunk_size: int = 1024, samples: int = 2, seed: int = 0,
+    suppressed: tuple[int, ...] = (),
 ) -> tuple[float, torch.dtype]:
     """Max |packed - per-sequence| log-prob of a real row, over ``samples`` of its sequences (the one ending the row,
     furthest from the row's start, and one drawn with ``seed``), and the compute dtype. In eval mode, so dropout
@@ -291,8 +293,8 @@ def verify_row(
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        packed = packed_logprobs(model, batch, chunk_size=chunk_size, temperature=temperature, attention_backend=attention_backend)
-        weight, bias, transform = lm_head_of(model, temperature)
+        packed = packed_logprobs(model, batch, chunk_size=chunk_size, temperature=temperature, attention_backend=attention_backend, suppressed=suppressed)
+        weight, bias, transform = lm_head_of(model, temperature, suppressed)
         error, dtype = 0.0, torch.float32
         images = split_images(batch.image_inputs)
         for rows, terms in sequence_paths(batch, chosen):

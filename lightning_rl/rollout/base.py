@@ -50,6 +50,9 @@ class SamplingConfig(SamplingSettings):
 
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Tokens that must never be sampled (an image-text model's image placeholders and markers): removed from the
+    # distribution before sampling, and from the log-probs the engine reports.
+    suppress_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -163,8 +166,11 @@ class RolloutEngine(abc.ABC):
         return self._version
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
-        """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
+    ) -> RolloutBatch:
+        """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt. ``images[i]``:
+        the processor inputs of prompt ``i``'s images, in order (an engine that cannot take images refuses them)."""
 
     @abc.abstractmethod
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -192,6 +198,14 @@ def check_request(prompts: Sequence[Sequence[int]], n: int) -> None:
         raise ValueError(f"n must be >= 1, got {n}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+
+
+def refuse_multimodal(engine: str, images: Any, sampling: SamplingConfig) -> None:
+    """What an engine without image support refuses: image prompts, and tokens it would have to keep out of sampling."""
+    if images is not None and any(images):
+        raise ValueError(f"{engine} does not take image prompts yet; use the hf engine for image-text models")
+    if sampling.suppress_token_ids:
+        raise ValueError(f"{engine} cannot keep an image-text model's multimodal tokens out of sampling yet; use the hf engine")
 
 
 class RequestSeeds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
 
 from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 
@@ -37,7 +37,9 @@ class HFRolloutEngine(RolloutEngine):
         if isinstance(model_name_or_path, PreTrainedModel):
             model = model_name_or_path
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+            config = AutoConfig.from_pretrained(model_name_or_path)
+            auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+            model = auto.from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
@@ -49,14 +51,17 @@ class HFRolloutEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
+    ) -> RolloutBatch:
         check_request(prompts, n)
+        repeated = [list(own) for own in images for _ in range(n)] if images is not None else None
         with self._lock:
             version = self._version
             seed = self._seeds.next(sampling)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling)
+                completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling, repeated)
         groups = []
         for g, prompt in enumerate(prompts):
             group = []
@@ -76,7 +81,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _sample(
-        self, prompts: list[list[int]], sampling: SamplingConfig
+        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None = None
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, where generation continues.
@@ -97,15 +102,20 @@ class HFRolloutEngine(RolloutEngine):
             repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
+            suppress_tokens=list(sampling.suppress_token_ids) or None,
             output_logits=True,
             return_dict_in_generate=True,
         )
+        pictures = [image for own in images or [] for image in own]
+        pixels = {key: torch.cat([image[key] for image in pictures]).to(self.device) for key in pictures[0]} if pictures else {}
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=config,
+            generation_config=config, **pixels,
         )
         new_tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
+        if sampling.suppress_token_ids:  # the distribution actually sampled holds none of them
+            logits[..., list(sampling.suppress_token_ids)] = torch.finfo(logits.dtype).min
         scale = 1.0 if greedy else sampling.temperature
         token_logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
         completions, logprobs, finished = [], [], []

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request, refuse_multimodal
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -74,10 +74,13 @@ class VLLMEngine(RolloutEngine):
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
         super().__init__(seed)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
+    ) -> RolloutBatch:
         from vllm import SamplingParams
 
         check_request(prompts, n)
+        refuse_multimodal(type(self).__name__, images, sampling)
         with self._lock:
             seed = self._seeds.next(sampling)
             version = self._version

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import torch
 
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
+from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request, refuse_multimodal
 from lightning_rl.rollout.vllm_engine import sampling_params_of
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
 
@@ -133,8 +133,11 @@ class VLLMServerEngine(RolloutEngine):
                                   f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}: start it with the flags VLLMServer passes")
         return backend
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> RolloutBatch:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
+    ) -> RolloutBatch:
         check_request(prompts, n)
+        refuse_multimodal(type(self).__name__, images, sampling)
         with self._lock:
             seed = self._seeds.next(sampling)
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
