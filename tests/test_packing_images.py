@@ -178,3 +178,43 @@ def test_verify_packing_checks_image_rows_against_each_sequence_with_its_own_ima
     batch, _ = packed(model, seqs, images, inputs)
     error, _ = verify_row(model, batch, attention_backend="blocks", samples=6, seed=1)
     assert error <= 1e-5
+
+
+def test_an_image_row_without_the_models_multi_axis_positions_is_refused():
+    model = qwen2_vl(torch.float32)
+    seqs, images, inputs = conversations(qwen2_vl_image, torch.float32)
+    batch, row_images = pack_image_sequences(seqs, images, IMAGE)  # no rope_positions: depth positions only
+    batch.image_inputs = stacked([inputs[k] for k in row_images])
+    with pytest.raises(PackingRefused, match="Qwen2VLForConditionalGeneration places image tokens on multi-axis rotary positions"):
+        packed_logprobs(model, batch)
+
+
+def test_sft_and_grpo_rows_of_a_multi_axis_model_carry_its_own_positions(tmp_path):
+    """The SFT collator packs with the positions of the model's own rule (read from a weightless skeleton before
+    any model loads), GRPO with the policy's: both rows are exact against each sequence alone (verify_row)."""
+    from lightning_rl.data.sft import Example, PackedCollator
+    from lightning_rl.models.multimodal import position_rule
+    from lightning_rl.modules.grpo import GRPOModule
+    from lightning_rl.rollout.base import Rollout
+    from support.tiny_vlms import END, PAD, START, build_qwen2_vl, image_inputs
+
+    path = build_qwen2_vl(tmp_path / "qwen2_vl")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    token = {t: model.config.to_dict().get(k) for t, k in ((START, "vision_start_token_id"), (PAD, "image_token_id"), (END, "vision_end_token_id"))}
+    image = {"a": image_inputs(1), "b": image_inputs(2)}
+    prompt = lambda: [3, 4, token[START], *[token[PAD]] * 4, token[END], 5]  # noqa: E731
+    seqs = [prompt() + [20, 21], prompt() + [20, 22, 23], prompt() + [30], [3, 9, token[START], *[token[PAD]] * 4, token[END], 6, 7]]
+    keys = [["a"], ["a"], ["a"], ["b"]]
+    examples = [Example(s, [False] * 9 + [True] * (len(s) - 9), images=[(k[0], image[k[0]])], image_token_id=token[PAD]) for s, k in zip(seqs, keys)]
+    collate = PackedCollator(share_prefixes=True, pad_to_multiple_of=None, pad_token_id=0, image_token_id=token[PAD], position_rule=position_rule(str(path)))
+    batch = collate(examples)
+    assert batch.rope_position_ids is not None and batch.image_inputs["image_grid_thw"].shape[0] == 2
+    assert verify_row(model, batch, attention_backend="blocks", samples=6, seed=0)[0] <= 1e-5
+
+    module = GRPOModule(model_name_or_path=str(path), num_generations=2)
+    module.policy, module.image_token_id, module.tokenizer = model, token[PAD], transformers.AutoTokenizer.from_pretrained(path)
+    rollouts = [Rollout(prompt_ids=s[:9], completion_ids=s[9:], logprobs=[0.0] * (len(s) - 9), weight_version=0, group_id=i // 3,
+                        metadata={"images": [(k[0], image[k[0]])]}) for i, (s, k) in enumerate(zip(seqs, keys))]  # fmt: skip
+    packed_rollouts = module.pack_rollouts(rollouts, torch.zeros(len(rollouts)))
+    assert torch.equal(packed_rollouts.rope_position_ids, batch.rope_position_ids)
+    assert verify_row(model, packed_rollouts, attention_backend="blocks", samples=6, seed=0)[0] <= 1e-5

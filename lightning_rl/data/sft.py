@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.models.multimodal import load_processor
+from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import ImageRenderer, image_key, images_of, keyed_image_ids, load_images, row_has_images
@@ -396,9 +396,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 class PackedCollator:
     """Packs the examples of one batch into a single PackedBatch row."""
 
-    def __init__(self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None) -> None:
+    def __init__(
+        self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None,
+        position_rule: Any = None,
+    ) -> None:
         self.share_prefixes, self.pad_to_multiple_of, self.pad_token_id = share_prefixes, pad_to_multiple_of, pad_token_id
-        self.image_token_id = image_token_id
+        self.image_token_id, self.position_rule = image_token_id, position_rule
 
     def __call__(self, examples: list[Example]) -> PackedBatch:
         if any(e.images for e in examples):  # each image of a shared prefix once, its inputs in the row's order
@@ -406,6 +409,7 @@ class PackedCollator:
                 [e.input_ids for e in examples], [[key for key, _ in e.images] for e in examples], self.image_token_id,
                 [e.loss_mask for e in examples], share_prefixes=self.share_prefixes, pad_to_multiple_of=self.pad_to_multiple_of,
                 pad_token_id=self.pad_token_id,
+                rope_positions=None if self.position_rule is None else [self.position_rule(e.input_ids, stack_images([i for _, i in e.images])) for e in examples],
             )  # fmt: skip
             inputs = {key: value for e in examples for key, value in e.images}
             batch.image_inputs = stack_images([inputs[key] for key in keys])
@@ -489,6 +493,7 @@ class SFTDataModule(LightningDataModule):
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.processor: Any = None  # an image-text model's (None for a text-only one)
         self.image_token_id: int | None = None
+        self.position_rule: Any = None
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
         self.generation_cases: list[GenerationCase] = []
@@ -503,6 +508,7 @@ class SFTDataModule(LightningDataModule):
         path = resolve_model_path(self.tokenizer_name)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.processor, self.image_token_id = load_processor(path)
+        self.position_rule = position_rule(path) if self.processor is not None else None  # multi-axis rotary positions
         renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id)
         self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length)
         if self.val_data is not None:
@@ -518,6 +524,7 @@ class SFTDataModule(LightningDataModule):
             pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")),
             pad_token_id=self.tokenizer.pad_token_id or 0,
             image_token_id=self.image_token_id,
+            position_rule=self.position_rule,
         )
         return DataLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers), sampler
 

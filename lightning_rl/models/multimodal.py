@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 
 def image_token_id(config: Any) -> int | None:
@@ -19,10 +19,19 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
+def _position_rule_owner(model: nn.Module) -> nn.Module | None:
+    return next((m for m in (model, getattr(model, "model", None)) if m is not None and hasattr(m, "get_rope_index")), None)
+
+
+def uses_multi_axis_positions(model: nn.Module) -> bool:
+    """Whether the model places image tokens on rotary positions of several axes (Qwen-VL style)."""
+    return _position_rule_owner(model) is not None
+
+
 def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """A sequence's multi-axis rotary positions [axes, len] by the model's own rule (Qwen-VL style: image tokens
     on a (time, height, width) grid), or None for a model whose positions are the plain 1-D ones."""
-    owner = next((m for m in (model, getattr(model, "model", None)) if m is not None and hasattr(m, "get_rope_index")), None)
+    owner = _position_rule_owner(model)
     if owner is None:
         return None
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)[None]
@@ -55,3 +64,17 @@ def multimodal_token_ids(config: Any) -> tuple[int, ...]:
                 ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     vocab = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
     return tuple(sorted(i for i in ids if 0 <= i < vocab))
+
+
+def position_rule(path: str) -> Callable[[Sequence[int], dict[str, torch.Tensor]], torch.Tensor] | None:
+    """``rope_positions`` of the model at ``path`` without its weights (the model built on the meta device: its rule
+    reads only the config and the tokens), for data code that packs rows before any model is loaded; None for a
+    model with plain 1-D positions."""
+    config = AutoConfig.from_pretrained(path)
+    if image_token_id(config) is None:
+        return None
+    with torch.device("meta"):
+        skeleton = AutoModelForImageTextToText.from_config(config)
+    if not uses_multi_axis_positions(skeleton):
+        return None
+    return lambda input_ids, image_inputs: rope_positions(skeleton, input_ids, image_inputs)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
-from lightning_rl.models.multimodal import image_token_id
+from lightning_rl.models.multimodal import image_token_id, uses_multi_axis_positions
 from lightning_rl.packing.images import images_on_path, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
@@ -95,6 +95,11 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
     device = batch.input_ids.device
     meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__)
     _probe_once(model, meta.backend, device, batch.pad_to_multiple_of)
+    if batch.image_inputs and batch.rope_position_ids is None and uses_multi_axis_positions(model):
+        raise PackingRefused(
+            f"{type(model).__name__} places image tokens on multi-axis rotary positions; this row of images carries no "
+            "such positions (pack it with rope_positions from the model's own rule)"
+        )
     # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
     # its forward encodes once each and writes into the row's placeholders.
     positions = batch.position_ids if batch.rope_position_ids is None else batch.rope_position_ids[:, None]
