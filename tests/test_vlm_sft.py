@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from lightning_rl import cli
@@ -62,3 +63,27 @@ def test_a_bad_image_row_is_one_line_naming_the_file_and_line(case, tmp_path, ca
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith(f"error: {data}: {expected}"), lines[0]
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("towers", ["frozen", "train", "lora"])
+def test_the_vision_tower_is_frozen_trained_or_adapted_as_the_recipe_says(towers, tmp_path):
+    lora = ["--model.lora.r=4", "--model.lora.target_modules=all-linear"] if towers == "lora" else []
+    assert cli.main(["run", VLM_SFT, *SHORT, "--trainer.max_steps=2", f"--output_dir={tmp_path}", f"--model.towers={towers}", *lora]) == 0
+    from safetensors.torch import load_file
+
+    from lightning_rl.toy.vlm import tiny_vlm_path
+
+    before = load_file(tiny_vlm_path() / "model.safetensors")
+    after = load_file(tmp_path / "hf" / "model.safetensors")  # lora: merged into the weights
+    tower = [k for k in before if "vision_tower" in k and k.endswith("q_proj.weight")]
+    decoder = [k for k in before if "language_model" in k and k.endswith("q_proj.weight")]
+    assert tower and decoder
+    moved = lambda keys: any(not torch.equal(before[k], after[k]) for k in keys)  # noqa: E731
+    assert moved(decoder)
+    assert moved(tower) == (towers != "frozen")
+
+
+def test_towers_that_do_not_go_with_the_fine_tuning_are_refused(tmp_path, capsys):
+    code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.towers=lora"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: model.towers: lora puts LoRA adapters on the towers too, and needs a lora block" in err

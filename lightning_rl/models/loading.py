@@ -50,14 +50,31 @@ class LoraSettings:
             validation.unique("lora.target_modules", self.target_modules)
 
 
+# What an image-text model's towers (vision, audio, and their projectors into the text model) do in training.
+TowerTraining = Literal["frozen", "train", "lora"]
+
+
+def check_towers(towers: TowerTraining, lora: LoraSettings | None) -> None:
+    """Refuse a ``towers`` setting that does not go with the fine-tuning (``lora`` or full)."""
+    if towers not in ("frozen", "train", "lora"):
+        raise RecipeError(f"towers must be one of frozen, train, lora, got {towers!r}", "towers")
+    if towers == "lora" and lora is None:
+        raise RecipeError("towers: lora puts LoRA adapters on the towers too, and needs a lora block", "towers")
+    if towers == "train" and lora is not None:
+        raise RecipeError("towers: train trains the towers in full, which LoRA fine-tuning does not; give them adapters (towers: lora) or keep them frozen", "towers")
+
+
 def load_causal_lm(
-    name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False, defer_weights: bool = False
+    name_or_path: str, *, lora: LoraSettings | None = None, gradient_checkpointing: bool = False, defer_weights: bool = False,
+    towers: TowerTraining = "frozen",
 ) -> torch.nn.Module:
     """The model in fp32 (precision is the Trainer's), adapted with LoRA when ``lora`` is given.
 
-    Multimodal checkpoints whose text model has no causal-LM class of its own (Muse Spark Open) load through
-    their image-text-to-text class, which is a causal LM over text when given only ``input_ids``; their
-    vision and audio towers are frozen.
+    Multimodal checkpoints whose text model has no causal-LM class of its own (Muse Spark Open, image-text models)
+    load through their image-text-to-text class, which is a causal LM over text when given only ``input_ids``. Their
+    towers are frozen by default; ``towers="train"`` trains them in full (full fine-tuning only), ``"lora"`` gives
+    them adapters too (with ``lora``). Train them only on data that reaches them (images): a trainable weight that
+    never gets a gradient has no optimizer state for a sharded checkpoint to restore.
 
     With ``defer_weights`` the model is built on the meta device and reads nothing yet: the FSDP2 strategy
     loads each rank's shards after sharding it (``lightning_rl.models.sharded_loading``)."""
@@ -74,10 +91,11 @@ def load_causal_lm(
         model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
+    check_towers(towers, lora)
+    outside = _outside_text_model(model)
     if lora is None:
-        towers = _outside_text_model(model)
         for name, param in model.named_parameters():
-            if towers and re.match(towers, name):
+            if towers == "frozen" and outside and re.match(outside, name):
                 param.requires_grad_(False)
         return model
     _check_lora_targets(model, lora.target_modules)
@@ -86,7 +104,7 @@ def load_causal_lm(
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
-        exclude_modules=_outside_text_model(model),
+        exclude_modules=None if towers == "lora" else outside,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,12 +43,19 @@ def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dic
     return positions[:, 0]
 
 
+# What a saved processor leaves in a model folder (one of them at least).
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 def load_processor(path: str) -> tuple[Any, int | None]:
-    """The model's processor and image token, for an image-text model (one whose config names an image token);
-    (None, None) for a text-only one."""
+    """The model's processor and image token, for an image-text model (one whose config names an image token and
+    whose folder holds a processor); (None, None) for a text-only one, or one saved without its processor."""
     token = image_token_id(AutoConfig.from_pretrained(path))
     if token is None:
         return None, None
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in _PROCESSOR_FILES):
+        return None, None  # a checkpoint saved without its processor: it trains on text only
     return AutoProcessor.from_pretrained(path), token
 
 

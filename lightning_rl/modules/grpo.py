@@ -33,7 +33,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
 from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, normalize_then_sum
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
-from lightning_rl.models.loading import LoraSettings, load_causal_lm
+from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
@@ -108,6 +108,8 @@ class GRPOModule(PolicyModule):
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
+        towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
+            full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
             one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
         async_mode, max_staleness: generate on a background thread; ``max_staleness`` bounds how many weight
@@ -161,6 +163,7 @@ class GRPOModule(PolicyModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         compile: bool = False,
+        towers: TowerTraining = "frozen",
         verify_packing: VerifyPacking = "first_step",
         verify_packing_every: int = 100,
         async_mode: bool = False,
@@ -195,6 +198,7 @@ class GRPOModule(PolicyModule):
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
         self.lora = LoraSettings.checked(lora)
+        check_towers(towers, self.lora)
         self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
         check_model_source(model_name_or_path)

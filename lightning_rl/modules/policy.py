@@ -21,8 +21,8 @@ from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 
 class PolicyModule(LightningModule):
     """A training module around one policy. Subclasses keep in ``hparams`` the keys read here:
-    ``attention_backend``, ``compile``, ``learning_rate``, ``weight_decay``, ``lr_schedule``, ``warmup_steps``
-    (and ``betas``, if they have it)."""
+    ``attention_backend``, ``compile``, ``towers``, ``learning_rate``, ``weight_decay``, ``lr_schedule``,
+    ``warmup_steps`` (and ``betas``, if they have it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,8 +31,11 @@ class PolicyModule(LightningModule):
 
     def load_policy(self, path: str, lora: LoraSettings | None, gradient_checkpointing: bool = False) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
-        strategy loads them sharded, each decoder layer compiled when ``compile`` is set."""
-        policy = load_causal_lm(path, lora=lora, gradient_checkpointing=gradient_checkpointing, defer_weights=self.loads_sharded())
+        strategy loads them sharded, an image-text model's towers as ``towers`` says, each decoder layer compiled
+        when ``compile`` is set."""
+        policy = load_causal_lm(
+            path, lora=lora, gradient_checkpointing=gradient_checkpointing, defer_weights=self.loads_sharded(), towers=self.hparams.towers
+        )
         policy.train()  # from_pretrained returns the model in eval mode
         if self.hparams.compile:
             compile_decoder_layers(policy)

@@ -19,7 +19,7 @@ from lightning_rl import validation
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
-from lightning_rl.models.loading import LoraSettings
+from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
 from lightning_rl.models.paths import check_model_source
 from lightning_rl.modules.evaluation import exact_match
 from lightning_rl.modules.optim import LrSchedule
@@ -46,6 +46,8 @@ class SFTModule(PolicyModule):
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
         gradient_checkpointing: recompute each decoder layer's activations in backward (less memory, more time).
         compile: ``torch.compile`` each decoder layer for training (the tree attention inside stays eager).
+        towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
+            full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: compare a packed row with its sequences run one by one, on the real backend, device and
             dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
             (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
@@ -67,6 +69,7 @@ class SFTModule(PolicyModule):
         attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
         compile: bool = False,
+        towers: TowerTraining = "frozen",
         verify_packing: VerifyPacking = "first_step",
         verify_packing_every: int = 100,
         eval_generations: int = 0,
@@ -88,6 +91,7 @@ class SFTModule(PolicyModule):
             raise RecipeError(f"export={export!r} needs a model.lora block", "export")
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
+        check_towers(towers, self.lora)
         self.export = export or ("merged" if lora is not None else "model")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
 
