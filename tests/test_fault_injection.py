@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -91,9 +92,10 @@ def steps_done(out: Path) -> int:
 
 
 def step_seconds(out: Path) -> float:
-    """How long the run's last step took."""
-    (_, before), (_, last) = progress(out)[-2:]
-    return last - before
+    """How long a step of the run takes: the median of its steps so far (one slow step, a checkpoint's, say, must
+    not stretch the wait for "somewhere inside the next step" over several steps)."""
+    times = [when for _, when in progress(out)]
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
 def wait_until(condition, proc: subprocess.Popen, out: Path, timeout: float = 300, poll: float = 0.02) -> None:
