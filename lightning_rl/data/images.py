@@ -17,10 +17,14 @@ from lightning_rl.packing.images import split_images
 _NOT_IMAGE_INPUTS = {"input_ids", "attention_mask", "assistant_masks", "mm_token_type_ids", "token_type_ids"}
 
 
+def _turns(row: dict) -> list:
+    turns = [row.get(key) for key in ("messages", "prompt", "completion")]
+    return [m for value in turns if isinstance(value, list) for m in value if isinstance(m, dict)]
+
+
 def row_has_images(row: dict) -> bool:
-    messages = row.get("messages") or [*(row.get("prompt") or []), *(row.get("completion") or [])]
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
-               for m in messages if isinstance(messages, list))  # fmt: skip
+    """Whether any turn of the row holds an image part."""
+    return any(isinstance(part, dict) and part.get("type") == "image" for m in _turns(row) if isinstance(m.get("content"), list) for part in m["content"])
 
 
 def _open(image: Any, base: Path | None) -> Any:
@@ -56,7 +60,9 @@ def load_images(row: dict, base: Path | None) -> dict:
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
-                content = [{**part, "image": _open(part["image"], base)} if part.get("type") == "image" else part for part in content]
+                if not all(isinstance(part, dict) for part in content):
+                    raise ValueError('a content part must be {"type": "text", "text": ...} or {"type": "image", "image": PATH}')
+                content = [{**part, "image": _open(part.get("image"), base)} if part.get("type") == "image" else part for part in content]
             out.append({**m, "content": content})
         return out
 
