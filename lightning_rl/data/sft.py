@@ -30,7 +30,7 @@ from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import ImageRenderer, image_key, images_of, keyed_image_ids, load_images, row_has_images
-from lightning_rl.packing.images import pack_image_sequences, stack_images
+from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
@@ -405,15 +405,11 @@ class PackedCollator:
 
     def __call__(self, examples: list[Example]) -> PackedBatch:
         if any(e.images for e in examples):  # each image of a shared prefix once, its inputs in the row's order
-            batch, keys = pack_image_sequences(
-                [e.input_ids for e in examples], [[key for key, _ in e.images] for e in examples], self.image_token_id,
-                [e.loss_mask for e in examples], share_prefixes=self.share_prefixes, pad_to_multiple_of=self.pad_to_multiple_of,
+            return pack_with_images(
+                [e.input_ids for e in examples], [e.images for e in examples], self.image_token_id, [e.loss_mask for e in examples],
+                position_rule=self.position_rule, share_prefixes=self.share_prefixes, pad_to_multiple_of=self.pad_to_multiple_of,
                 pad_token_id=self.pad_token_id,
-                rope_positions=None if self.position_rule is None else [self.position_rule(e.input_ids, stack_images([i for _, i in e.images])) for e in examples],
             )  # fmt: skip
-            inputs = {key: value for e in examples for key, value in e.images}
-            batch.image_inputs = stack_images([inputs[key] for key in keys])
-            return batch
         return pack_sequences(
             [e.input_ids for e in examples],
             [e.loss_mask for e in examples],

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError
+from lightning_rl.packing.images import stack_images
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.models.structure import enable_activation_checkpointing
@@ -163,7 +164,7 @@ def generate_greedy(
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             pictures = [image for own in (images or [])[start : start + batch_size] for image in own]
-            pixels = {key: torch.cat([image[key] for image in pictures]).to(device) for key in pictures[0]} if pictures else {}
+            pixels = {key: value.to(device) for key, value in stack_images(pictures).items()}
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

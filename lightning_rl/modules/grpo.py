@@ -15,6 +15,7 @@ never more than `max_staleness` weight versions behind the trainer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -48,7 +49,7 @@ from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, rope_positions, uses_multi_axis_positions
-from lightning_rl.packing.images import pack_image_sequences, stack_images
+from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
@@ -576,13 +577,9 @@ class GRPOModule(PolicyModule):
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
         options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad)
         if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
-            keys = [[key for key, _ in r.metadata.get("images", [])] for r in rollouts]
-            if uses_multi_axis_positions(self.policy):  # each rollout's positions by the model's own rule
-                options["rope_positions"] = [rope_positions(self.policy, r.sequence, stack_images([i for _, i in r.metadata.get("images", [])])) for r in rollouts]
-            batch, row_images = pack_image_sequences([r.sequence for r in rollouts], keys, self.image_token_id, [r.loss_mask for r in rollouts], **options)
-            inputs = {key: value for r in rollouts for key, value in r.metadata.get("images", [])}
-            batch.image_inputs = stack_images([inputs[key] for key in row_images])
-            return batch
+            rule = functools.partial(rope_positions, self.policy) if uses_multi_axis_positions(self.policy) else None  # the model's own
+            images = [r.metadata.get("images", []) for r in rollouts]
+            return pack_with_images([r.sequence for r in rollouts], images, self.image_token_id, [r.loss_mask for r in rollouts], position_rule=rule, **options)
         return pack_sequences([r.sequence for r in rollouts], [r.loss_mask for r in rollouts], **options)
 
     @torch.no_grad()

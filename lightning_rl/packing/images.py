@@ -5,7 +5,7 @@ prefix once."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -91,3 +91,23 @@ def images_on_path(input_ids: torch.Tensor, rows: torch.Tensor, image_token_id: 
     occurrence = torch.cumsum(starts.long(), 0) - 1
     on_path = rows[starts[rows]]
     return occurrence[on_path].tolist()
+
+
+def pack_with_images(
+    sequences: Sequence[Sequence[int]],
+    images: Sequence[Sequence[tuple[Hashable, dict[str, torch.Tensor]]]],
+    image_token_id: int,
+    loss_masks: Sequence[Sequence[bool]] | None = None,
+    *,
+    position_rule: Callable[[Sequence[int], dict[str, torch.Tensor]], torch.Tensor] | None = None,
+    **pack_options: Any,
+) -> PackedBatch:
+    """`pack_image_sequences` for sequences whose images come as (key, inputs): the row's ``image_inputs`` are those
+    of the images it holds, in its order, and with a ``position_rule`` (the model's, for multi-axis rotary positions)
+    each sequence is packed with its own positions."""
+    if position_rule is not None:
+        pack_options["rope_positions"] = [position_rule(seq, stack_images([inputs for _, inputs in own])) for seq, own in zip(sequences, images)]
+    batch, row_images = pack_image_sequences(sequences, [[key for key, _ in own] for own in images], image_token_id, loss_masks, **pack_options)
+    by_key = {key: inputs for own in images for key, inputs in own}
+    batch.image_inputs = stack_images([by_key[key] for key in row_images])
+    return batch

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
 
+from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 
 
@@ -107,7 +108,7 @@ class HFRolloutEngine(RolloutEngine):
             return_dict_in_generate=True,
         )
         pictures = [image for own in images or [] for image in own]
-        pixels = {key: torch.cat([image[key] for image in pictures]).to(self.device) for key in pictures[0]} if pictures else {}
+        pixels = {key: value.to(self.device) for key, value in stack_images(pictures).items()}
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
             generation_config=config, **pixels,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,21 +120,27 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LIGHTNING_RL_CACHE", Path.home() / ".cache" / "lightning_rl"))
 
 
-def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cached tiny model folder, built on first use (into a temporary folder, then renamed)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / f"tiny-v{TINY_VERSION}"
-    if (target / "config.json").exists():
+def cached_build(target: Path, marker: str, build: Callable[[Path], object]) -> Path:
+    """``target``, a folder of the cache, built by ``build(folder)`` on first use: into a temporary folder beside it,
+    then renamed, so no reader ever sees half of it (concurrent first uses each build one; the first rename wins).
+    ``marker`` is a file the complete folder holds."""
+    if (target / marker).exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_tiny(staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:  # another process finished the same build first
-            if not (target / "config.json").exists():
+            if not (target / marker).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached tiny model folder, built on first use."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cached_build(cache / f"tiny-v{TINY_VERSION}", "config.json", build_tiny)

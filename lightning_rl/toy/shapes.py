@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-from lightning_rl.toy.model import default_cache_dir
+from lightning_rl.toy.model import cached_build, default_cache_dir
 
 SHAPES_NAMES = {"toy_shapes": "train", "toy_shapes_heldout": "heldout"}
 SHAPES_VERSION = 1
@@ -47,22 +45,9 @@ def shapes_path(name: str, cache_dir: str | Path | None = None) -> Path:
     """The cached JSONL of ``toy_shapes`` (train) or ``toy_shapes_heldout``, drawn on first use."""
     split = SHAPES_NAMES[name]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / f"shapes-v{SHAPES_VERSION}" / split
-    if (target / "rows.jsonl").exists():
-        return target / "rows.jsonl"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{split}-", dir=target.parent))
-    try:
-        count, seed = SIZES[split]
-        write_shapes(staging, count, seed)
-        try:
-            staging.rename(target)
-        except OSError:  # another process drew the same split first
-            if not (target / "rows.jsonl").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target / "rows.jsonl"
+    count, seed = SIZES[split]
+    folder = cached_build(cache / f"shapes-v{SHAPES_VERSION}" / split, "rows.jsonl", lambda staging: write_shapes(staging, count, seed))
+    return folder / "rows.jsonl"
 
 
 def toy_source(source):

@@ -6,14 +6,12 @@ load it through ``AutoModelForImageTextToText`` / ``AutoProcessor``."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForImageTextToText, CLIPImageProcessor, LlavaConfig, LlavaProcessor
 
-from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, default_cache_dir
+from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir
 
 TINY_VLM_NAME = "tiny-vlm"
 TINY_VLM_VERSION = 1  # bump when the config, processor or template changes
@@ -66,20 +64,6 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def tiny_vlm_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cached tiny image-text model folder, built on first use (into a temporary folder, then renamed)."""
+    """The cached tiny image-text model folder, built on first use."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / f"tiny-vlm-v{TINY_VLM_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-vlm-", dir=cache))
-    try:
-        build_tiny_vlm(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished the same build first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return cached_build(cache / f"tiny-vlm-v{TINY_VLM_VERSION}", "config.json", build_tiny_vlm)
