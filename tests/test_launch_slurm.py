@@ -74,21 +74,34 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "out" / "summary.json").read_text())
 
 
-def preempt_after_first_checkpoint(cluster: LocalSlurmCluster, job_id: str, run_dir: Path, signal: bool = False) -> None:
-    """Preempt the job once it has saved a checkpoint and is still training: ``scontrol requeue`` (SIGTERM now),
-    or with ``signal`` the SIGUSR1 that ``--signal=SIGUSR1@90`` sends before the time limit (the job then
-    checkpoints where it is and requeues itself)."""
+def has_first_checkpoint(run_dir: Path) -> bool:
     checkpoints = run_dir / "out" / "checkpoints"
-    deadline = time.monotonic() + 60
-    while not (list(checkpoints.glob(f"*step={CHECKPOINT_EVERY}.ckpt")) and (checkpoints / "last.ckpt").exists()):
-        assert cluster.job_state(job_id) not in DONE, f"job {job_id} ended before its first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint after 60 s"
+    return bool(list(checkpoints.glob(f"*step={CHECKPOINT_EVERY}.ckpt"))) and (checkpoints / "last.ckpt").exists()
+
+
+def preempt_after_first_checkpoint(cluster: LocalSlurmCluster, jobs: dict[str, tuple[str, Path, bool]]) -> None:
+    """Preempt each job once it has saved a checkpoint and is still training: ``scontrol requeue`` (SIGTERM now),
+    or with its ``signal`` flag the SIGUSR1 that ``--signal=SIGUSR1@90`` sends before the time limit (the job then
+    checkpoints where it is and requeues itself). The jobs are watched together, so one that reaches its
+    checkpoint while another is still starting is preempted then, not after it has trained on to the end."""
+    waiting = dict(jobs)
+    deadline = time.monotonic() + 120
+    while waiting:
+        for name, (job_id, run_dir, signal) in list(waiting.items()):
+            if has_first_checkpoint(run_dir):
+                time.sleep(0.5)  # let last.ckpt finish writing: the kill should land mid-training, not mid-save
+                if signal:
+                    cluster.run("scancel", "--signal=USR1", job_id)  # to every task of the job's steps, as SLURM does
+                else:
+                    cluster.run("scontrol", "requeue", job_id)
+                del waiting[name]
+                continue
+            state = cluster.job_state(job_id)
+            if state in DONE:
+                logs = "\n".join(rank_logs(run_dir, job_id).values()) if any((run_dir / "logs").glob(f"*-{job_id}")) else ""
+                raise AssertionError(f"job {job_id} ({name}) ended {state} before its first checkpoint:\n{logs[-3000:]}")
+        assert time.monotonic() < deadline, f"no checkpoint after 120 s from {', '.join(waiting)}"
         time.sleep(0.05)
-    time.sleep(0.5)  # let last.ckpt finish writing: the kill should land mid-training, not mid-save
-    if signal:
-        cluster.run("scancel", "--signal=USR1", job_id)  # to every task of the job's steps, as SLURM does
-    else:
-        cluster.run("scontrol", "requeue", job_id)
 
 
 def release_when_requeued(cluster: LocalSlurmCluster, job_id: str) -> None:
@@ -103,8 +116,7 @@ def runs(cluster: LocalSlurmCluster, tiny_muse_path: Path, tmp_path_factory: pyt
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("uninterrupted", "requeued", "signalled")}
     with pytest.MonkeyPatch.context() as monkeypatch:
         jobs = {name: submit(cluster, run_dir, tiny_muse_path, monkeypatch) for name, run_dir in dirs.items()}
-    for name in ("requeued", "signalled"):
-        preempt_after_first_checkpoint(cluster, jobs[name], dirs[name], signal=(name == "signalled"))
+    preempt_after_first_checkpoint(cluster, {name: (jobs[name], dirs[name], name == "signalled") for name in ("requeued", "signalled")})
     for name in ("requeued", "signalled"):
         release_when_requeued(cluster, jobs[name])
     states = {name: cluster.wait_for(job_id, DONE, timeout=120) for name, job_id in jobs.items()}

@@ -23,7 +23,7 @@ ALLOWED = {
     "checkpoints": {"errors"},
     "losses": {"errors"},
     "rewards": {"dotted", "errors", "models"},
-    "rollout": {"dotted", "packing"},
+    "rollout": {"dotted", "models", "packing"},
     "tools": {"rollout", "dotted"},
     "attention": {"packing", "device_policy", "errors"},
     "models": {"toy", "errors", "validation", "packing"},

@@ -14,7 +14,7 @@ from lightning_rl import cli
 from lightning_rl.data.images import ImageRenderer, image_key, images_of
 from lightning_rl.models.multimodal import load_processor
 from lightning_rl.modules.grpo import GRPOModule
-from lightning_rl.rollout.base import SamplingConfig
+from lightning_rl.rollout.base import PromptImages, SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.toy.shapes import COLOURS, QUESTION
 from lightning_rl.toy.vlm import tiny_vlm_path
@@ -24,10 +24,23 @@ VLM_GRPO = str(REPO / "recipes" / "tiny" / "vlm_grpo.yaml")
 
 
 def image_prompt(processor, colour: str):
+    """(prompt ids, each image's key and inputs for packing, the images as engines take them)."""
     image = Image.new("RGB", (16, 16), COLOURS[colour])
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
-    ids, _, inputs = ImageRenderer(processor).render(messages, add_generation_prompt=True)
-    return ids, list(zip([image_key(i) for i in images_of(messages)], inputs))
+    renderer = ImageRenderer(processor)
+    ids, _, inputs = renderer.render(messages, add_generation_prompt=True)
+    engine_images = PromptImages(inputs, images_of(messages), renderer.template_ids(messages, add_generation_prompt=True))
+    return ids, list(zip([image_key(i) for i in images_of(messages)], inputs)), engine_images
+
+
+def test_template_ids_are_the_prompt_before_the_processor_expands_its_placeholders():
+    processor, image_token = load_processor(str(tiny_vlm_path()))
+    ids, _, engine_images = image_prompt(processor, "red")
+    template = engine_images.template_ids
+    assert template.count(image_token) == 1 and ids.count(image_token) > 1
+    at = template.index(image_token)
+    expanded = template[:at] + [image_token] * ids.count(image_token) + template[at + 1 :]
+    assert expanded == ids
 
 
 def test_no_multimodal_token_is_sampled_and_engine_logprobs_are_the_trainers(tmp_path):
@@ -40,11 +53,11 @@ def test_no_multimodal_token_is_sampled_and_engine_logprobs_are_the_trainers(tmp
         head.weight[image_token] = head.weight[image_token] * 0 + head.weight.abs().max() * 50 * torch.sign(head.weight.mean(0) + 1e-3)
     prompts = [image_prompt(processor, "red"), image_prompt(processor, "blue")]
     hot = SamplingConfig(max_new_tokens=12, temperature=3.0, seed=1)
-    unguarded = engine.generate([p for p, _ in prompts], 8, hot, images=[[i for _, i in own] for _, own in prompts])
+    unguarded = engine.generate([p for p, _, _ in prompts], 8, hot, images=[own for _, _, own in prompts])
     assert any(image_token in r.completion_ids for r in unguarded.rollouts)  # the bias works: the guard is needed
 
     guarded_sampling = SamplingConfig(max_new_tokens=12, temperature=3.0, seed=1, suppress_token_ids=(image_token,))
-    batch = engine.generate([p for p, _ in prompts], 8, guarded_sampling, images=[[i for _, i in own] for _, own in prompts])
+    batch = engine.generate([p for p, _, _ in prompts], 8, guarded_sampling, images=[own for _, _, own in prompts])
     assert not any(image_token in r.completion_ids for r in batch.rollouts)
 
     # The trainer, on the same weights, scores the rollouts tree-packed with their images under the same rule.

@@ -110,3 +110,12 @@ class ImageRenderer:
         mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
         inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
         return ids, mask, split_images(inputs)
+
+    def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False) -> list[int]:
+        """The conversation's tokens as the chat template writes them, one placeholder per image, before the
+        processor expands the placeholders (what vLLM is given: it expands them with its own copy of the processor).
+        Special tokens are added as the processor adds them when it tokenizes its template."""
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        tokenizer = self.processor.tokenizer
+        starts_with_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+        return list(tokenizer(text, add_special_tokens=not starts_with_bos)["input_ids"])

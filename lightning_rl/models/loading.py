@@ -11,14 +11,14 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.packing.images import stack_images
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
-from lightning_rl.models.structure import enable_activation_checkpointing
+from lightning_rl.models.structure import auto_model_class, enable_activation_checkpointing
 from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 
 
@@ -81,7 +81,7 @@ def load_causal_lm(
     loads each rank's shards after sharding it (``lightning_rl.models.sharded_loading``)."""
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+    auto = auto_model_class(config)
     if defer_weights:
         with torch.device("meta"):
             model = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)

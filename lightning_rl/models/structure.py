@@ -6,6 +6,13 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+
+
+def auto_model_class(config: PretrainedConfig) -> type:
+    """The auto class a checkpoint of ``config`` loads with: its causal-LM class, else its image-text-to-text class
+    (image-text models, Muse Spark Open), which is a causal LM over text when given only ``input_ids``."""
+    return AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
 
 
 def is_model_root(module: nn.Module) -> bool:

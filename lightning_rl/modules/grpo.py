@@ -52,7 +52,7 @@ from lightning_rl.models.multimodal import load_processor, multimodal_token_ids,
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
+from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, PromptImages, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
@@ -462,14 +462,14 @@ class GRPOModule(PolicyModule):
     def _sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
         messages = [self._prompt_messages(record) for record in records]
         rendered = [self._prompt(m, record) for m, record in zip(messages, records)]
-        prompts = [ids for ids, _ in rendered]
-        images = [own for _, own in rendered]
+        prompts = [ids for ids, _, _ in rendered]
+        images = [own for _, own, _ in rendered]
         self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
         if any(images) and self.tools:
             raise DataError("image prompts with tools: multi-turn tool conversations are text only")
         if any(images):
-            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=[[i for _, i in own] for own in images])
+            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=[engine for _, _, engine in rendered])
             for rollout in batch.rollouts:  # each rollout trains with its prompt's images
                 rollout.metadata["images"] = images[rollout.group_id]
         elif self.tools:
@@ -671,10 +671,11 @@ class GRPOModule(PolicyModule):
             messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
         return messages
 
-    def _prompt(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> tuple[list[int], list[tuple[str, dict[str, torch.Tensor]]]]:
-        """The prompt's tokens and its images (key, processor inputs), rendered by the processor when it has any."""
+    def _prompt(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> tuple[list[int], list[tuple[str, dict[str, torch.Tensor]]], PromptImages | None]:
+        """The prompt's tokens, its images (key, processor inputs) for packing, and the images as engines take
+        them; rendered by the processor when the prompt has any."""
         if not any(isinstance(m.get("content"), list) for m in messages):
-            return self._prompt_ids(messages), []
+            return self._prompt_ids(messages), [], None
         where = self.trainer.datamodule.location(record) if self._trainer is not None and hasattr(self.trainer.datamodule, "location") else "a prompt"
         if self.processor is None:
             raise DataError(f"{where}: the prompt has images, but {self.hparams.model_name_or_path} is a text-only model (it has no image processor)")
@@ -682,8 +683,11 @@ class GRPOModule(PolicyModule):
             loaded = load_images({"prompt": messages}, self._prompt_base())["prompt"]
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
-        ids, _, inputs = ImageRenderer(self.processor).render(loaded, add_generation_prompt=True)
-        return ids, list(zip([image_key(image) for image in images_of(loaded)], inputs))
+        renderer = ImageRenderer(self.processor)
+        ids, _, inputs = renderer.render(loaded, add_generation_prompt=True)
+        pictures = images_of(loaded)
+        engine_images = PromptImages(inputs, pictures, renderer.template_ids(loaded, add_generation_prompt=True))
+        return ids, list(zip([image_key(image) for image in pictures], inputs)), engine_images
 
     def _prompt_base(self) -> Path | None:
         """The folder image paths of prompts are relative to: the prompt file's."""

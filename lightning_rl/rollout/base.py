@@ -145,6 +145,29 @@ def padded_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> dict[str,
     return batch
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's images, in the two forms engines take them.
+
+    Args:
+        inputs: each image's processor inputs (pixel values, grids), what a transformers model is given.
+        images: the images themselves (RGB ``PIL.Image``s), in order, what vLLM's own processor is given.
+        template_ids: the prompt as the chat template wrote it, one placeholder per image, before the processor
+            expanded the placeholders (vLLM expands them itself; the engine checks it wrote the same prompt).
+    """
+
+    inputs: list[dict[str, torch.Tensor]]
+    images: list[Any]
+    template_ids: list[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs)
+
+
+# What `generate` takes with image prompts: ``images[i]`` for prompt ``i`` (None or empty for a text prompt).
+ImagesArg = Sequence[PromptImages | None] | None
+
+
 class RolloutEngine(abc.ABC):
     """A source of sampled completions whose weights the trainer updates; every engine subclasses it.
 
@@ -166,11 +189,10 @@ class RolloutEngine(abc.ABC):
         return self._version
 
     @abc.abstractmethod
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
-    ) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt. ``images[i]``:
-        the processor inputs of prompt ``i``'s images, in order (an engine that cannot take images refuses them)."""
+        prompt ``i``'s images (`PromptImages`), whose placeholders ``prompts[i]`` holds expanded. Tokens in
+        ``sampling.suppress_token_ids`` are never sampled, and leave the distribution whose log-probs are reported."""
 
     @abc.abstractmethod
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -200,12 +222,20 @@ def check_request(prompts: Sequence[Sequence[int]], n: int) -> None:
         raise ValueError("every prompt needs at least one token")
 
 
-def refuse_multimodal(engine: str, images: Any, sampling: SamplingConfig) -> None:
-    """What an engine without image support refuses: image prompts, and tokens it would have to keep out of sampling."""
-    if images is not None and any(images):
-        raise ValueError(f"{engine} does not take image prompts yet; use the hf engine for image-text models")
-    if sampling.suppress_token_ids:
-        raise ValueError(f"{engine} cannot keep an image-text model's multimodal tokens out of sampling yet; use the hf engine")
+def check_expanded(engine: str, group: int, expanded: Sequence[int], prompt: Sequence[int]) -> None:
+    """Refuse a prompt the engine expanded otherwise than the processor did: the trainer scores ``prompt``."""
+    if list(expanded) != list(prompt):
+        at = next((t for t, (a, b) in enumerate(zip(expanded, prompt)) if a != b), min(len(expanded), len(prompt)))
+        raise ValueError(
+            f"{engine}: prompt {group} expands to {len(expanded)} tokens in vLLM but {len(prompt)} in the model's processor "
+            f"(first difference at token {at}): vLLM would sample after another prompt than the one the trainer scores"
+        )
+
+
+def suppressing_bias(sampling: SamplingConfig) -> dict[int, float] | None:
+    """vLLM's ``logit_bias`` that keeps ``sampling.suppress_token_ids`` out of the sampled distribution: -inf added
+    before temperature and filtering, so the processed log-probs vLLM reports are those of what it sampled from."""
+    return {int(t): float("-inf") for t in sampling.suppress_token_ids} or None
 
 
 class RequestSeeds:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
+
+from lightning_rl.models.structure import auto_model_class
 
 
 class WeightNameError(ValueError):
@@ -19,11 +21,11 @@ class WeightNameError(ValueError):
 
 
 class CheckpointLayout:
-    """Names, shapes and tied names of the causal LM `config` describes (read off a meta-device model)."""
+    """Names, shapes and tied names of the checkpoint `config` describes (read off a meta-device model)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
         self.architecture = type(model).__name__
         self.shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         self.aliases: dict[str, list[str]] = {}

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
+from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -39,8 +40,7 @@ class HFRolloutEngine(RolloutEngine):
             model = model_name_or_path
         else:
             config = AutoConfig.from_pretrained(model_name_or_path)
-            auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
-            model = auto.from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+            model = auto_model_class(config).from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
@@ -52,11 +52,9 @@ class HFRolloutEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
-    ) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         check_request(prompts, n)
-        repeated = [list(own) for own in images for _ in range(n)] if images is not None else None
+        repeated = [list(own.inputs if own else ()) for own in images for _ in range(n)] if images is not None else None
         with self._lock:
             version = self._version
             seed = self._seeds.next(sampling)

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request, refuse_multimodal
+from lightning_rl.rollout.base import (
+    ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request, suppressing_bias,
+)
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -28,8 +30,16 @@ def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str,
         "n": n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
         "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
         "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": list(sampling.stop_token_ids),
-        "seed": seed, "logprobs": 0,
+        "seed": seed, "logprobs": 0, "logit_bias": suppressing_bias(sampling),
     }
+
+
+def vllm_prompt(prompt: Sequence[int], images: PromptImages | None) -> dict[str, Any]:
+    """One prompt in vLLM's input format: its tokens, or with images the template's tokens (vLLM expands each
+    image's placeholder with its own copy of the model's processor) and the images as ``multi_modal_data``."""
+    if not images:
+        return {"prompt_token_ids": list(prompt)}
+    return {"prompt_token_ids": list(images.template_ids), "multi_modal_data": {"image": list(images.images)}}
 
 
 class VLLMEngine(RolloutEngine):
@@ -74,22 +84,22 @@ class VLLMEngine(RolloutEngine):
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
         super().__init__(seed)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
-    ) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         from vllm import SamplingParams
 
         check_request(prompts, n)
-        refuse_multimodal(type(self).__name__, images, sampling)
+        own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)
             version = self._version
             # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
             params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n), detokenize=False)
                       for g in range(len(prompts))]
-            outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            outputs = self._llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False)
         groups = []
         for g, (prompt, output) in enumerate(zip(prompts, outputs)):
+            if own[g]:
+                check_expanded(type(self).__name__, g, output.prompt_token_ids, prompt)
             groups.append([
                 Rollout(
                     prompt_ids=list(prompt),
@@ -115,8 +125,10 @@ class VLLMEngine(RolloutEngine):
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(())})
                 raise
             finally:
-                # Cached prefixes hold keys and values computed with the old weights.
+                # Cached prefixes hold keys and values computed with the old weights, cached encoder outputs image
+                # features: both are dropped (the worker's reload drops its encoder outputs, not the scheduler's record of them).
                 self._llm.reset_prefix_cache()
+                self._llm.llm_engine.reset_encoder_cache()
             self._version = version
 
     def close(self) -> None:

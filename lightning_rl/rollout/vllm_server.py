@@ -17,7 +17,9 @@ names (`CheckpointLayout`) on both:
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import torch
 
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request, refuse_multimodal
+from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
 
@@ -67,6 +69,19 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     if transport == "nccl" and missing:
         raise ValueError(f"transport 'nccl' {missing}; use transport 'gloo'")
     return transport
+
+
+def _request_prompt(prompt: Sequence[int], images: PromptImages | None) -> dict[str, Any]:
+    """The prompt fields of a generate request: its tokens, or with images the template's tokens and each image as
+    a PNG data URL (the server's processor expands the placeholders and reports the prompt it expanded)."""
+    if not images:
+        return {"token_ids": list(prompt)}
+    parts = []
+    for image in images.images:
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()})
+    return {"token_ids": list(images.template_ids), "content_parts": parts, "return_token_ids": True}
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -133,22 +148,23 @@ class VLLMServerEngine(RolloutEngine):
                                   f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}: start it with the flags VLLMServer passes")
         return backend
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: Sequence[Sequence[dict[str, torch.Tensor]]] | None = None
-    ) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         check_request(prompts, n)
-        refuse_multimodal(type(self).__name__, images, sampling)
+        own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
-            {"token_ids": list(prompt), "sampling_params": sampling_params_of(sampling, n, seed + g * n),
+            {**_request_prompt(prompt, own[g]), "sampling_params": sampling_params_of(sampling, n, seed + g * n),
              "output_mode": "tokens"}
             for g, prompt in enumerate(prompts)
         ]
         requests = [self._pool.submit(self._post, "inference/v1/generate", body) for body in bodies]
-        return RolloutBatch([self._group_of(g, list(prompt), request.result()) for g, (prompt, request)
-                             in enumerate(zip(prompts, requests))])
+        responses = [request.result() for request in requests]
+        for g, (prompt, response) in enumerate(zip(prompts, responses)):
+            if own[g]:
+                check_expanded(type(self).__name__, g, response.get("prompt_token_ids") or (), prompt)
+        return RolloutBatch([self._group_of(g, list(prompt), response) for g, (prompt, response) in enumerate(zip(prompts, responses))])
 
     def _group_of(self, group_id: int, prompt: list[int], response: dict[str, Any]) -> list[Rollout]:
         rollouts = []
