@@ -80,9 +80,28 @@ def muse_spark_image(seed: int, dtype):
     return {"pixel_values": torch.randn(16, 2 * 3 * 2 * 2, generator=g).to(dtype), "image_grid_thw": torch.tensor([[1, 4, 4]])}, 4
 
 
+def idefics3(dtype):
+    """Idefics3 (SmolVLM's family): a SigLIP-style tower, a pixel-shuffle connector, a Llama decoder."""
+    config = transformers.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
+        image_token_id=IMAGE, scale_factor=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Idefics3ForConditionalGeneration(config).to(dtype).eval()
+
+
+def idefics3_image(seed: int, dtype):
+    """An 8 x 8 image in Idefics' [samples, images, ...] layout: 4 x 4 patches, 2 x 2 pixel shuffle, 4 placeholders."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(1, 1, 3, 8, 8, generator=g).to(dtype), "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}, 4
+
+
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
-FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image)}
+FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
+            "idefics3": (idefics3, idefics3_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -218,3 +237,72 @@ def test_sft_and_grpo_rows_of_a_multi_axis_model_carry_its_own_positions(tmp_pat
     packed_rollouts = module.pack_rollouts(rollouts, torch.zeros(len(rollouts)))
     assert torch.equal(packed_rollouts.rope_position_ids, batch.rope_position_ids)
     assert verify_row(model, packed_rollouts, attention_backend="blocks", samples=6, seed=0)[0] <= 1e-5
+
+
+def gemma3(dtype):
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
+        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config).to(dtype).eval()
+
+
+def paligemma(dtype):
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=4,
+                           projection_dim=32),
+        image_token_index=IMAGE, projection_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.PaliGemmaForConditionalGeneration(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize(("build", "text_packs"), [(gemma3, True), (paligemma, False)], ids=["gemma3", "paligemma"])
+def test_image_rows_of_a_model_whose_image_tokens_attend_both_ways_are_refused(build, text_packs):
+    """Gemma 3's image tokens attend to each other in both directions (PaliGemma's whole prefix does): a tree-packed
+    row computes causal attention, so an image row of theirs is refused in one line. Gemma 3's text rows are causal
+    and pack exactly; PaliGemma is configured bidirectional throughout, so its text rows are refused too."""
+    model = build(torch.float32)
+    pixels = {"pixel_values": torch.randn(1, 3, 8, 8)}
+    n = 4
+    seqs = [[1, 5, START, *[IMAGE] * n, END, 6, 20, 21], [1, 5, START, *[IMAGE] * n, END, 6, 30]]
+    batch, row_images = pack_image_sequences(seqs, [["a"], ["a"]], IMAGE)
+    batch.image_inputs = stacked([pixels for _ in row_images])
+    with pytest.raises(PackingRefused, match=f"{type(model).__name__} (lets an image.s tokens attend to each other both ways|is configured for bidirectional attention)"):
+        packed_logprobs(model, batch)
+    texts = [[1, 5, 6, 20, 21], [1, 5, 6, 30]]
+    text, _ = pack_image_sequences(texts, [[], []], IMAGE)
+    if not text_packs:
+        with pytest.raises(PackingRefused, match="is configured for bidirectional attention"):
+            packed_logprobs(model, text)
+        return
+    with torch.no_grad():
+        error = (packed_logprobs(model, text) - reference_logprobs(model, texts, [[], []], {})).abs().max()
+    assert error <= 1e-5
+
+
+def test_each_image_gets_its_own_inputs_in_every_processor_layout(tmp_path):
+    """Idefics3's processor stacks one sample's images along dim 1: a prompt with two images splits into two inputs
+    that stack back into the model's layout; an image cut into tiles cannot be told apart and is refused."""
+    from PIL import Image
+
+    from lightning_rl.data.images import ImageRenderer
+    from lightning_rl.packing.images import split_images, stack_images
+    from support.tiny_idefics3 import build_idefics3
+
+    processor = transformers.AutoProcessor.from_pretrained(build_idefics3(tmp_path / "idefics3"))
+    pictures = [Image.new("RGB", (32, 32), colour) for colour in ((200, 0, 0), (0, 0, 200))]
+    messages = [{"role": "user", "content": [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": "which is red?"}]}]
+    _, _, inputs = ImageRenderer(processor).render(messages, add_generation_prompt=True)
+    assert len(inputs) == 2 and inputs[0]["pixel_values"].shape == (1, 1, 3, 32, 32)
+    whole = processor.image_processor(images=[pictures], return_tensors="pt")
+    assert not torch.equal(inputs[0]["pixel_values"], inputs[1]["pixel_values"])
+    torch.testing.assert_close(stack_images(inputs)["pixel_values"].flatten(0, 1), whole["pixel_values"].flatten(0, 1))
+    tiles = {"pixel_values": torch.zeros(1, 5, 3, 32, 32), "pixel_attention_mask": torch.ones(1, 5, 32, 32, dtype=torch.bool)}
+    with pytest.raises(ValueError, match=r"cannot tell which of the processor's image inputs .* belong to which of its 2 images"):
+        split_images(tiles, 2)

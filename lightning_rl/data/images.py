@@ -109,7 +109,7 @@ class ImageRenderer:
         ids = out["input_ids"][0].tolist()
         mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
         inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
-        return ids, mask, split_images(inputs)
+        return ids, mask, split_images(inputs, len(images_of(messages)))
 
     def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False) -> list[int]:
         """The conversation's tokens as the chat template writes them, one placeholder per image, before the

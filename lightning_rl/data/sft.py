@@ -30,7 +30,7 @@ from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import ImageRenderer, image_key, images_of, keyed_image_ids, load_images, row_has_images
-from lightning_rl.packing.images import pack_with_images
+from lightning_rl.packing.images import image_runs, pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
@@ -240,7 +240,7 @@ class Renderer:
             mask[: len(prompt)] = [False] * len(prompt)
         mask = [m and t != self.image_token_id for m, t in zip(mask, ids)]
         keys = [image_key(image) for image in images_of(messages)]
-        runs = sum(1 for k, t in enumerate(ids) if t == self.image_token_id and (k == 0 or ids[k - 1] != t))
+        runs = image_runs(ids, self.image_token_id)
         if runs != len(keys) or len(inputs) != len(keys):
             raise ValueError(f"{len(keys)} images but {runs} runs of image placeholders after rendering")
         if not any(mask[1:]):

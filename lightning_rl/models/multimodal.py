@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,27 @@ def _position_rule_owner(model: nn.Module) -> nn.Module | None:
 def uses_multi_axis_positions(model: nn.Module) -> bool:
     """Whether the model places image tokens on rotary positions of several axes (Qwen-VL style)."""
     return _position_rule_owner(model) is not None
+
+
+@functools.cache
+def _builds_block_masks(cls: type) -> bool:
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        if module is None or not module.__name__.startswith("transformers.models."):
+            continue
+        try:
+            if "block_sequence_ids" in inspect.getsource(module):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def attends_within_images_both_ways(model: nn.Module) -> bool:
+    """Whether the model lets an image's tokens attend to each other in both directions (Gemma 3 and 4, PaliGemma's
+    prefix): transformers builds those masks from ``block_sequence_ids`` (read off the processor's token type ids),
+    where causal attention is all a tree-packed row computes."""
+    return _builds_block_masks(type(model))
 
 
 def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
-from lightning_rl.models.multimodal import image_token_id, uses_multi_axis_positions
-from lightning_rl.packing.images import images_on_path, split_images, stack_images
+from lightning_rl.models.multimodal import attends_within_images_both_ways, image_token_id, uses_multi_axis_positions
+from lightning_rl.packing.images import image_runs, images_on_path, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
@@ -99,6 +99,11 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
         raise PackingRefused(
             f"{type(model).__name__} places image tokens on multi-axis rotary positions; this row of images carries no "
             "such positions (pack it with rope_positions from the model's own rule)"
+        )
+    if batch.image_inputs and attends_within_images_both_ways(model):
+        raise PackingRefused(
+            f"{type(model).__name__} lets an image's tokens attend to each other both ways (its processor's token type "
+            "ids); a tree-packed row attends causally, so its image rows are refused"
         )
     # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
     # its forward encodes once each and writes into the row's placeholders.
@@ -301,13 +306,14 @@ def verify_row(
         packed = packed_logprobs(model, batch, chunk_size=chunk_size, temperature=temperature, attention_backend=attention_backend, suppressed=suppressed)
         weight, bias, transform = lm_head_of(model, temperature, suppressed)
         error, dtype = 0.0, torch.float32
-        images = split_images(batch.image_inputs)
+        token = image_token_id(model.config)
+        images = split_images(batch.image_inputs, image_runs(batch.input_ids.tolist(), token) if token is not None else None)
         for rows, terms in sequence_paths(batch, chosen):
             ids = _right_padded(batch.input_ids[rows], batch.pad_to_multiple_of)
             positions = torch.arange(len(ids), device=ids.device)
             if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
                 positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
-            own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, image_token_id(model.config))]) if images else {}
+            own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
             hidden = head_inputs(model, ids, positions, **own)
             dtype = _compute_dtype(hidden)
             if terms.numel():

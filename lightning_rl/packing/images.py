@@ -25,6 +25,11 @@ def _runs(seq: Sequence[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+def image_runs(seq: Sequence[int], image_token_id: int | None) -> int:
+    """How many images ``seq`` holds: its runs of placeholders (each image's placeholders are one run)."""
+    return len(_runs(seq, image_token_id)) if image_token_id is not None else 0
+
+
 def pack_image_sequences(
     sequences: Sequence[Sequence[int]],
     images: Sequence[Sequence[Hashable]],
@@ -65,18 +70,27 @@ def pack_image_sequences(
     return batch, row_images
 
 
-def split_images(image_inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """The inputs of each image of ``image_inputs``, in order: per-image tensors stacked along dim 0, or, with an
-    ``image_grid_thw`` (Qwen-VL layout), flattened patches, ``grid.prod()`` rows per image."""
+def split_images(image_inputs: dict[str, torch.Tensor], count: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """The inputs of each of the ``count`` images of ``image_inputs``, in order: per-image tensors stacked along dim 0,
+    the images of one sample along dim 1 (Idefics' [samples, images, ...] layout), or, with an ``image_grid_thw``
+    (Qwen-VL layout), flattened patches, ``grid.prod()`` rows per image. Without ``count``, dim 0 is the image.
+    Inputs that split no such way (an image cut into several tiles) are a ValueError."""
     if not image_inputs:
         return []
     grid = image_inputs.get("image_grid_thw")
-    if grid is None:
-        count = len(next(iter(image_inputs.values())))
+    if grid is not None:
+        sizes = grid.prod(-1).tolist()
+        pixels = torch.split(image_inputs["pixel_values"], sizes)
+        return [{"pixel_values": p, "image_grid_thw": grid[i : i + 1]} for i, p in enumerate(pixels)]
+    values = list(image_inputs.values())
+    if count is None or all(len(value) == count for value in values):
+        count = len(values[0]) if count is None else count
         return [{key: value[i : i + 1] for key, value in image_inputs.items()} for i in range(count)]
-    sizes = grid.prod(-1).tolist()
-    pixels = torch.split(image_inputs["pixel_values"], sizes)
-    return [{"pixel_values": p, "image_grid_thw": grid[i : i + 1]} for i, p in enumerate(pixels)]
+    if all(value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == count for value in values):
+        return [{key: value[:, i : i + 1] for key, value in image_inputs.items()} for i in range(count)]
+    shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in image_inputs.items())
+    raise ValueError(f"cannot tell which of the processor's image inputs ({shapes}) belong to which of its {count} images "
+                     "(an image split into tiles? turn the processor's image splitting off)")
 
 
 def stack_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
