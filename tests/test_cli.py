@@ -86,7 +86,7 @@ def test_bad_data_row_stops_before_anything_is_written_and_keeps_earlier_outputs
         path.write_text(text)
     # --overwrite: the earlier outputs would be replaced, but only once the data has been checked.
     line = error_line(capsys, ["run", str(recipe), "--overwrite"])
-    assert line == f'error: {bad}: line 2: `messages[0]`.content[0] must be {{"type": "text", "text": ...}} or {{"type": "image", "image": PATH}}'
+    assert line == f'error: {bad}: line 2: `messages[0]`.content[0] must be {{"type": "text", "text": ...}} or {{"type": "image", "image": PATH_OR_URL}}'
     assert {p: p.read_text() for p in earlier} == earlier
     assert {p for p in out.rglob("*") if p.is_file()} == set(earlier)  # no new file, none half-written
 

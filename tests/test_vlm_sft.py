@@ -65,6 +65,53 @@ def test_a_bad_image_row_is_one_line_naming_the_file_and_line(case, tmp_path, ca
     assert "Traceback" not in err and not out.exists()
 
 
+@pytest.fixture
+def served_png(tmp_path):
+    """A red square served over http from this machine (a real HTTP server on a free port)."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(site / "red.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_image_part_may_name_its_image_by_path_url_or_data_url(served_png, tmp_path, capsys):
+    """The keys and sources transformers' chat templates take: ``image``, ``url`` or ``path``; a path, a file://,
+    http(s) or data URL. Each row trains; an image that cannot be fetched is one line naming the file and line."""
+    import base64
+    import io
+
+    Image.new("RGB", (16, 16), COLOURS["blue"]).save(tmp_path / "blue.png")
+    png = io.BytesIO()
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(png, format="PNG")
+    sources = [("image", "blue.png"), ("path", str(tmp_path / "blue.png")), ("url", f"file://{tmp_path / 'blue.png'}"),
+               ("url", f"{served_png}/red.png"), ("image", "data:image/png;base64," + base64.b64encode(png.getvalue()).decode())]
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", key: value}, {"type": "text", "text": "What colour?"}]},
+                          {"role": "assistant", "content": "red"}]} for key, value in sources]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", f"--data.train_data={data}"]) == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 1
+
+    rows[2]["messages"][0]["content"][0] = {"type": "image", "url": f"{served_png}/missing.png"}
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    capsys.readouterr()
+    assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'again'}", f"--data.train_data={data}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {data}: line 3: image {served_png}/missing.png: cannot be fetched (HTTP 404: File not found)"]
+    assert not (tmp_path / "again").exists()
+
+
 @pytest.mark.parametrize("towers", ["frozen", "train", "lora"])
 def test_the_vision_tower_is_frozen_trained_or_adapted_as_the_recipe_says(towers, tmp_path):
     lora = ["--model.lora.r=4", "--model.lora.target_modules=all-linear"] if towers == "lora" else []

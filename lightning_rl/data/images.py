@@ -27,6 +27,37 @@ def row_has_images(row: dict) -> bool:
     return any(isinstance(part, dict) and part.get("type") == "image" for m in _turns(row) if isinstance(m.get("content"), list) for part in m["content"])
 
 
+# The keys an image part may name its image by, as transformers' chat templates read them.
+IMAGE_KEYS = ("image", "url", "path")
+FETCH_TIMEOUT_S = 30.0
+
+
+def image_source(part: dict) -> Any:
+    """What an image part names: its ``image``, ``url`` or ``path`` (None if none)."""
+    return next((part[key] for key in IMAGE_KEYS if part.get(key) is not None), None)
+
+
+def _fetch(url: str) -> bytes:
+    """The bytes behind an http(s) or data URL; a ValueError naming the URL if they cannot be had."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        try:
+            return base64.b64decode(payload, validate=True) if header.endswith(";base64") else urllib.request.unquote_to_bytes(payload)
+        except ValueError:
+            raise ValueError(f"image {url[:60]}...: the data URL is not valid base64") from None
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+            return response.read()
+    except urllib.error.HTTPError as error:
+        raise ValueError(f"image {url}: cannot be fetched (HTTP {error.code}: {error.reason})") from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        raise ValueError(f"image {url}: cannot be fetched ({getattr(error, 'reason', error)})") from None
+
+
 def _open(image: Any, base: Path | None) -> Any:
     from PIL import Image
 
@@ -35,17 +66,21 @@ def _open(image: Any, base: Path | None) -> Any:
     if isinstance(image, dict) and isinstance(image.get("bytes"), (bytes, bytearray)):  # a datasets / Parquet Image cell
         data: Any = io.BytesIO(image["bytes"])
         shown = "the row's image bytes"
+    elif isinstance(image, dict) and isinstance(image.get("path"), str):  # an Image cell that holds only its path
+        return _open(image["path"], base)
     elif isinstance(image, (bytes, bytearray)):
         data, shown = io.BytesIO(image), "the row's image bytes"
+    elif isinstance(image, str) and image.startswith(("http://", "https://", "data:")):
+        data, shown = io.BytesIO(_fetch(image)), f"image {image[:200]}"
     elif isinstance(image, str):
-        path = Path(image)
+        path = Path(image[len("file://"):] if image.startswith("file://") else image)
         if not path.is_absolute() and base is not None:
             path = base / path
         if not path.is_file():
             raise ValueError(f"image {image}: no such file ({path})")
         data, shown = path, f"image {image}"
     else:
-        raise ValueError(f"an image part must hold a path or bytes, got {type(image).__name__}")
+        raise ValueError(f"an image part must hold a path, a URL or bytes, got {type(image).__name__}")
     try:
         with Image.open(data) as opened:
             return opened.convert("RGB")
@@ -61,8 +96,10 @@ def load_images(row: dict, base: Path | None) -> dict:
             content = m.get("content")
             if isinstance(content, list):
                 if not all(isinstance(part, dict) for part in content):
-                    raise ValueError('a content part must be {"type": "text", "text": ...} or {"type": "image", "image": PATH}')
-                content = [{**part, "image": _open(part.get("image"), base)} if part.get("type") == "image" else part for part in content]
+                    raise ValueError('a content part must be {"type": "text", "text": ...} or {"type": "image", "image": PATH_OR_URL}')
+                # One key for the opened image: the processor must not look for it again under url or path.
+                content = [{**{k: v for k, v in part.items() if k not in IMAGE_KEYS}, "image": _open(image_source(part), base)}
+                           if part.get("type") == "image" else part for part in content]
             out.append({**m, "content": content})
         return out
 

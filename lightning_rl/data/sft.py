@@ -29,7 +29,7 @@ from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.images import ImageRenderer, image_key, images_of, keyed_image_ids, load_images, row_has_images
+from lightning_rl.data.images import ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images
 from lightning_rl.packing.images import image_runs, pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
@@ -178,9 +178,9 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     continue
-                if kind == "image" and part.get("image") is not None:
+                if kind == "image" and image_source(part) is not None:
                     continue
-                raise ValueError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": \"image\", \"image\": PATH}}")
+                raise ValueError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": \"image\", \"image\": PATH_OR_URL}}")
             continue
         if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "image" for part in content):
             raise ValueError(f"{where}: an image in {'an' if role[0] in 'aeiou' else 'a'} {role} turn; images go in user (or system) turns")
@@ -443,7 +443,7 @@ class SFTDataModule(LightningDataModule):
 
     Args:
         train_data: JSONL / JSON / Parquet file, a ``save_to_disk`` folder, or a ``datasets.Dataset``; rows whose user turns
-            hold image parts (``{"type": "image", "image": PATH}``, a path relative to the file) need an image-text model.
+            hold image parts (``{"type": "image", "image": PATH_OR_URL}``, a path relative to the file, an http(s) or data URL, or bytes) need an image-text model.
             ``toy_shapes`` (and ``toy_shapes_heldout``): the embedded image task.
         val_data: the same for the held-out split (validation loss and exact-match generation).
         tokenizer: a tokenizer folder; by default the model's (``model.model_name_or_path`` in a recipe).
