@@ -86,3 +86,100 @@ def test_grpo_on_image_prompts_runs_from_the_recipe(mode, tmp_path):
     (metrics,) = tmp_path.glob("csv/version_*/metrics.csv")
     assert "train/packing_error" in metrics.read_text()  # verify_packing checked the first image row against each rollout alone
     assert (tmp_path / "hf" / "processor_config.json").is_file()  # the export loads with AutoProcessor
+
+
+CALL = {"name": "calculator", "arguments": {"operation": "add", "a": 7, "b": 5}}
+
+
+@pytest.fixture(scope="module")
+def tool_calling_vlm(tmp_path_factory):
+    """The tiny image-text model trained here until it reproduces a conversation that calls the calculator after
+    an image prompt, saved with its processor."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_rl.packing.images import stack_images
+    from lightning_rl.tools import Tool
+    from lightning_rl.tools.builtin import calculator
+
+    path = str(tiny_vlm_path())
+    processor, _ = load_processor(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    tools = [Tool.from_function(calculator).chat_template_spec()]
+    image = Image.new("RGB", (16, 16), COLOURS["red"])
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "7+5="}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+        {"role": "tool", "name": "calculator", "content": "12"},
+        {"role": "assistant", "content": "12"},
+    ]
+    ids, mask, inputs = ImageRenderer(processor).render(conversation, assistant_mask=True, tools=tools)
+    ids, trained = torch.tensor([ids]), torch.tensor([mask])[:, 1:]
+    pixels = stack_images(inputs)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(300):  # until greedy decoding reproduces every assistant token
+        logits = model(input_ids=ids, **pixels).logits[:, :-1]
+        if (logits.argmax(-1) == ids[:, 1:])[trained].all():
+            break
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        optimizer.zero_grad()
+        (-logp[trained].mean()).backward()
+        optimizer.step()
+    assert (logits.argmax(-1) == ids[:, 1:])[trained].all(), "the model did not learn the conversation"
+    folder = tmp_path_factory.mktemp("tool-vlm")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder, conversation[:1], tools
+
+
+def test_tool_conversations_keep_the_prompts_image_in_every_turn(tool_calling_vlm):
+    """The reply after the tool's response is sampled from the image prompt, the call and the response (the image
+    still there), and its log-probs are those of the whole sequence with its image."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_rl.packing.images import stack_images
+    from lightning_rl.tools import Tool, ToolExecutor
+    from lightning_rl.tools.builtin import calculator
+    from lightning_rl.tools.conversation import ToolConversation
+
+    folder, prompt, tools = tool_calling_vlm
+    processor, image_token = load_processor(str(folder))
+    renderer = ImageRenderer(processor)
+    ids, _, inputs = renderer.render(prompt, add_generation_prompt=True, tools=tools)
+    own = PromptImages(inputs, images_of(prompt), renderer.template_ids(prompt, add_generation_prompt=True, tools=tools))
+    engine = HFRolloutEngine(str(folder))
+    executor = ToolExecutor([Tool.from_function(calculator)])
+    sampling = SamplingConfig(max_new_tokens=48, temperature=0, suppress_token_ids=(image_token,))
+    batch = ToolConversation(engine, processor.tokenizer, executor, max_turns=3).generate([ids], [2], lambda turn: sampling, images=[own])
+    executor.close()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    for rollout in batch.rollouts:
+        assert [c["content"] for c in rollout.metadata["tool_calls"]] == ["12"] and rollout.metadata["final_reply"] == "12"
+        assert rollout.completion_mask[-1] and not all(rollout.completion_mask)  # the last reply came after a tool response
+        sequence = torch.tensor([rollout.sequence])
+        with torch.no_grad():
+            logits = model(input_ids=sequence, **stack_images(inputs)).logits[0, len(ids) - 1 : -1]
+        logits[:, image_token] = torch.finfo(logits.dtype).min
+        reference = torch.log_softmax(logits, -1).gather(-1, sequence[0, len(ids) :, None])[:, 0]
+        sampled = torch.tensor(rollout.completion_mask)
+        torch.testing.assert_close(torch.tensor(rollout.logprobs)[sampled], reference[sampled], rtol=0, atol=1e-4)
+
+
+def test_grpo_with_tools_runs_on_image_prompts_from_the_recipe(tool_calling_vlm, tmp_path):
+    folder, prompt, _ = tool_calling_vlm
+    image = tmp_path / "red.png"
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(image)
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": image.name}, {"type": "text", "text": "7+5="}]}], "answer": "12"}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
+    code = cli.main(["run", VLM_GRPO, f"--output_dir={tmp_path / 'out'}", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+                     f"--model.model_name_or_path={folder}", "--model.eval_generations=0", "--model.eval_data=null", "--trainer.log_every_n_steps=1",
+                     f"--data.path={data}", "--data.batch_size=2", "--model.num_generations=2", "--model.sampling.max_new_tokens=40",
+                     "--model.tools=[lightning_rl.tools.builtin:calculator]", "--model.max_turns=2"])  # fmt: skip
+    assert code == 0
+    (metrics,) = (tmp_path / "out").glob("csv/version_*/metrics.csv")
+    header, *rows = [line.split(",") for line in metrics.read_text().splitlines()]
+    calls = [float(r[header.index("train/tools/calls")]) for r in rows if r[header.index("train/tools/calls")]]
+    errors = [float(r[header.index("train/packing_error")]) for r in rows if r[header.index("train/packing_error")]]
+    assert calls and min(calls) > 0  # every step's rollouts called the tool after the image prompt
+    assert errors and max(errors) < 1e-4  # the image row with tool turns, tree-packed, against each rollout alone

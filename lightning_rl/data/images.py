@@ -137,22 +137,24 @@ class ImageRenderer:
     def __init__(self, processor: Any) -> None:
         self.processor = processor
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False, assistant_mask: bool = False) -> tuple[list[int], list[bool] | None, list[dict[str, torch.Tensor]]]:
-        """(token ids, the assistant mask if asked, each image's inputs)."""
+    def render(
+        self, messages: list[dict], *, add_generation_prompt: bool = False, assistant_mask: bool = False, tools: list[dict] | None = None
+    ) -> tuple[list[int], list[bool] | None, list[dict[str, torch.Tensor]]]:
+        """(token ids, the assistant mask if asked, each image's inputs); ``tools``: the tool specs the template shows."""
         out = self.processor.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=add_generation_prompt,
-            return_assistant_tokens_mask=assistant_mask,
+            return_assistant_tokens_mask=assistant_mask, tools=tools,
         )  # fmt: skip
         ids = out["input_ids"][0].tolist()
         mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
         inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
         return ids, mask, split_images(inputs, len(images_of(messages)))
 
-    def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False) -> list[int]:
+    def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
         """The conversation's tokens as the chat template writes them, one placeholder per image, before the
         processor expands the placeholders (what vLLM is given: it expands them with its own copy of the processor).
         Special tokens are added as the processor adds them when it tokenizes its template."""
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
         tokenizer = self.processor.tokenizer
         starts_with_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
         return list(tokenizer(text, add_special_tokens=not starts_with_bos)["input_ids"])

@@ -466,20 +466,18 @@ class GRPOModule(PolicyModule):
         images = [own for _, own, _ in rendered]
         self._check_prompts_fit(records, prompts)
         started = time.perf_counter()
-        if any(images) and self.tools:
-            raise DataError("image prompts with tools: multi-turn tool conversations are text only")
-        if any(images):
-            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=[engine for _, _, engine in rendered])
-            for rollout in batch.rollouts:  # each rollout trains with its prompt's images
-                rollout.metadata["images"] = images[rollout.group_id]
-        elif self.tools:
+        engine_images = [engine for _, _, engine in rendered] if any(images) else None
+        if self.tools:
             conversation = ToolConversation(
                 self.engine, self.tokenizer, self.executor, self.hparams.max_turns, self._max_context_tokens()
             )
             samples = [self.hparams.num_generations, *self.hparams.samples_per_turn]
-            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn, round))
+            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn, round), images=engine_images)
         else:
-            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round))
+            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=engine_images)
+        if engine_images is not None:
+            for rollout in batch.rollouts:  # each rollout trains with its prompt's images
+                rollout.metadata["images"] = images[rollout.group_id]
         generation_seconds = time.perf_counter() - started
         rollouts = batch.rollouts
         texts = [self._reply_text(r) for r in rollouts]
@@ -680,16 +678,17 @@ class GRPOModule(PolicyModule):
         if self.processor is None:
             raise DataError(f"{where}: the prompt has images, but {self.hparams.model_name_or_path} is a text-only model (it has no image processor)")
         renderer = ImageRenderer(self.processor)
+        tools = self._tool_specs()
         try:
             loaded = load_images({"prompt": messages}, self._prompt_base())["prompt"]
-            ids, _, inputs = renderer.render(loaded, add_generation_prompt=True)
+            ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=tools)
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
         pictures = images_of(loaded)
         runs = image_runs(ids, self.image_token_id)
         if runs != len(pictures):
             raise DataError(f"{where}: {len(pictures)} images but {runs} runs of image placeholders after rendering")
-        engine_images = PromptImages(inputs, pictures, renderer.template_ids(loaded, add_generation_prompt=True))
+        engine_images = PromptImages(inputs, pictures, renderer.template_ids(loaded, add_generation_prompt=True, tools=tools))
         return ids, list(zip([image_key(image) for image in pictures], inputs)), engine_images
 
     def _prompt_base(self) -> Path | None:
@@ -697,9 +696,13 @@ class GRPOModule(PolicyModule):
         path = getattr(self.trainer.datamodule, "path", None) if self._trainer is not None else None
         return Path(path).parent if isinstance(path, (str, Path)) and Path(path).is_file() else None
 
+    def _tool_specs(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template shows them to the model (None without tools)."""
+        return [tool.chat_template_spec() for tool in self.tools] or None
+
     def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt's tokens: its messages (``_prompt_messages``) under the chat template, with the tools."""
-        tools = [tool.chat_template_spec() for tool in self.tools] or None
+        tools = self._tool_specs()
         return list(
             self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False

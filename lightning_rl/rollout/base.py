@@ -163,6 +163,10 @@ class PromptImages:
     def __bool__(self) -> bool:
         return bool(self.inputs)
 
+    def followed_by(self, tokens: Sequence[int]) -> PromptImages:
+        """The same images for the prompt continued by ``tokens`` (text: a reply and a tool's response)."""
+        return PromptImages(self.inputs, self.images, [*self.template_ids, *tokens])
+
 
 # What `generate` takes with image prompts: ``images[i]`` for prompt ``i`` (None or empty for a text prompt).
 ImagesArg = Sequence[PromptImages | None] | None

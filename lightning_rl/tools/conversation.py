@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_rl.rollout.base import Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
 from lightning_rl.tools.calls import parse_tool_calls
 from lightning_rl.tools.executor import ToolExecutor
 
@@ -69,11 +69,13 @@ class ToolConversation:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
-        sampling_for_turn: Callable[[int], SamplingConfig],
+        sampling_for_turn: Callable[[int], SamplingConfig], images: ImagesArg = None,
     ) -> RolloutBatch:
+        """The rollouts of every prompt: each sampled reply that calls tools gets their responses and is continued,
+        up to ``max_turns``. ``images[i]``: prompt ``i``'s images, which every later turn of its histories keeps."""
         if not samples_per_turn or any(n < 1 for n in samples_per_turn):
             raise ValueError(f"samples per turn must be >= 1, got {list(samples_per_turn)}")
-        first = self.engine.generate(prompts, samples_per_turn[0], sampling_for_turn(0))
+        first = self.engine.generate(prompts, samples_per_turn[0], sampling_for_turn(0), images=images)
         # Each live history with the token ids of its latest reply.
         live = [(self._start(r), r.completion_ids) for r in first.rollouts]
         finished: list[Rollout] = []
@@ -111,7 +113,8 @@ class ToolConversation:
             if not continuing:
                 break
             n = samples_per_turn[turn] if turn < len(samples_per_turn) else 1
-            batch = self.engine.generate([h.sequence for h in continuing], n, sampling_for_turn(turn))
+            later = None if images is None else [own.followed_by(h.completion_ids) if (own := images[h.group_id]) else None for h in continuing]
+            batch = self.engine.generate([h.sequence for h in continuing], n, sampling_for_turn(turn), images=later)
             live = []
             for parent, children in zip(continuing, batch.groups, strict=True):
                 for child in children:
