@@ -183,3 +183,16 @@ def test_grpo_with_tools_runs_on_image_prompts_from_the_recipe(tool_calling_vlm,
     errors = [float(r[header.index("train/packing_error")]) for r in rows if r[header.index("train/packing_error")]]
     assert calls and min(calls) > 0  # every step's rollouts called the tool after the image prompt
     assert errors and max(errors) < 1e-4  # the image row with tool turns, tree-packed, against each rollout alone
+
+
+def test_grpo_prompts_may_leave_their_images_to_an_images_column(tmp_path):
+    """Prompt rows in the layout of `datasets` image sets: ``{"type": "image"}`` parts, the images in a column."""
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], "images": ["red.png"], "answer": "red"}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
+    code = cli.main(["run", VLM_GRPO, f"--output_dir={tmp_path / 'out'}", "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+                     "--model.model_name_or_path=tiny-vlm", "--model.eval_generations=0", "--model.eval_data=null",
+                     f"--data.path={data}", "--data.prompt_field=prompt", "--data.batch_size=2", "--model.num_generations=2"])  # fmt: skip
+    assert code == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 1

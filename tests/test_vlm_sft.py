@@ -134,3 +134,39 @@ def test_towers_that_do_not_go_with_the_fine_tuning_are_refused(tmp_path, capsys
     code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.towers=lora"])
     err = capsys.readouterr().err
     assert code == 2 and "error: model.towers: lora puts LoRA adapters on the towers too, and needs a lora block" in err
+
+
+def test_rows_in_the_layout_of_datasets_image_sets_train(tmp_path, capsys):
+    """A `datasets` folder with an ``images`` column (decoded by its Image feature) whose conversations hold
+    ``{"type": "image"}`` parts and text parts in every turn, two turns with an image each; and the same rows as a
+    Parquet file of image bytes. Both train from the recipe; an ``images`` column that does not pair up with the
+    parts is one line naming the row."""
+    import datasets
+
+    colours = ["red", "blue"]
+    for colour in colours:
+        Image.new("RGB", (16, 16), COLOURS[colour]).save(tmp_path / f"{colour}.png")
+
+    def turn(role, text, image=False):
+        return {"role": role, "content": ([{"type": "image", "text": None}] if image else []) + [{"type": "text", "text": text}]}
+
+    conversation = [turn("user", "What colour?", True), turn("assistant", "red"), turn("user", "And this?", True), turn("assistant", "blue")]
+    rows = {"messages": [conversation] * 4, "images": [[str(tmp_path / f"{c}.png") for c in colours]] * 4}
+    folder = tmp_path / "set"
+    features = datasets.Features({"messages": datasets.List({"role": datasets.Value("string"), "content": datasets.List(
+        {"type": datasets.Value("string"), "text": datasets.Value("string")})}), "images": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(folder))
+    parquet = tmp_path / "rows.parquet"
+    datasets.load_from_disk(str(folder)).cast_column("images", datasets.List(datasets.Image(decode=False))).to_parquet(str(parquet))
+    for n, data in enumerate([folder, parquet]):
+        out = tmp_path / f"out{n}"
+        assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={out}", f"--data.train_data={data}"]) == 0, capsys.readouterr().err[-2000:]
+        assert json.loads((out / "summary.json").read_text())["steps"] == 1
+
+    bad = tmp_path / "bad.jsonl"
+    row = {"messages": conversation, "images": [str(tmp_path / "red.png")]}
+    bad.write_text(json.dumps(row) + "\n")
+    capsys.readouterr()
+    assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'bad'}", f"--data.train_data={bad}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {bad}: line 1: `images` holds 1 images for 2 image parts that name none"]

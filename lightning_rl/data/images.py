@@ -37,6 +37,26 @@ def image_source(part: dict) -> Any:
     return next((part[key] for key in IMAGE_KEYS if part.get(key) is not None), None)
 
 
+def with_image_column(row: dict) -> dict:
+    """``row`` with the images of its ``images`` column (or ``image``: one image) placed, in order, into the image parts
+    that name none (``{"type": "image"}``), the layout of many `datasets` image-text sets. A ValueError if they do not
+    pair up; a row without such a column is returned as it is."""
+    column = "images" if row.get("images") is not None else "image" if row.get("image") is not None else None
+    if column is None:
+        return row
+    pictures = list(row[column]) if column == "images" and isinstance(row[column], (list, tuple)) else [row[column]]
+    empty = [(key, k, j) for key in ("messages", "prompt", "completion") if isinstance(row.get(key), list)
+             for k, m in enumerate(row[key]) if isinstance(m, dict) and isinstance(m.get("content"), list)
+             for j, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image" and image_source(part) is None]  # fmt: skip
+    if len(empty) != len(pictures):
+        raise ValueError(f"`{column}` holds {len(pictures)} images for {len(empty)} image parts that name none")
+    row = {key: [dict(m, content=list(m["content"])) if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in value]
+           if key in ("messages", "prompt", "completion") and isinstance(value, list) else value for key, value in row.items() if key != column}  # fmt: skip
+    for (key, k, j), picture in zip(empty, pictures):
+        row[key][k]["content"][j] = {**row[key][k]["content"][j], "image": picture}
+    return row
+
+
 def _fetch(url: str) -> bytes:
     """The bytes behind an http(s) or data URL; a ValueError naming the URL if they cannot be had."""
     import base64

@@ -29,7 +29,9 @@ from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import resolve_model_path
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.images import ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images
+from lightning_rl.data.images import (
+    ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
+)
 from lightning_rl.packing.images import image_runs, pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
@@ -163,6 +165,7 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
 def _check_messages(messages: Any, field: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"`{field}` must be a non-empty list of messages")
+    messages = list(messages)
     for k, message in enumerate(messages):
         where = f"`{field}[{k}]`"
         if not isinstance(message, dict):
@@ -184,6 +187,10 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             continue
         if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "image" for part in content):
             raise ValueError(f"{where}: an image in {'an' if role[0] in 'aeiou' else 'a'} {role} turn; images go in user (or system) turns")
+        if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+            # Text parts (how Parquet and `datasets` store every turn of an image conversation): the turn's text.
+            content = "".join(part["text"] for part in content)
+            messages[k] = message = {**message, "content": content}
         if not isinstance(content, str):
             raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
         if role == "assistant" and not content.strip():
@@ -196,6 +203,7 @@ def _check_row(row: Any) -> dict:
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
+    row = with_image_column(row)
     if "messages" in row:
         messages = _check_messages(row["messages"], "messages")
         if not any(m["role"] == "assistant" for m in messages):

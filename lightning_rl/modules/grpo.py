@@ -40,7 +40,7 @@ from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET
-from lightning_rl.data.images import ImageRenderer, image_key, images_of, load_images
+from lightning_rl.data.images import ImageRenderer, image_key, images_of, load_images, with_image_column
 from lightning_rl.data.sft import DataError, check_source
 from lightning_rl.modules.evaluation import exact_match, heldout_cases
 from lightning_rl.toy.shapes import toy_source
@@ -680,7 +680,8 @@ class GRPOModule(PolicyModule):
         renderer = ImageRenderer(self.processor)
         tools = self._tool_specs()
         try:
-            loaded = load_images({"prompt": messages}, self._prompt_base())["prompt"]
+            columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
+            loaded = load_images(with_image_column({"prompt": messages, **columns}), self._prompt_base())["prompt"]
             ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=tools)
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
