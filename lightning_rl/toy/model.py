@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen3Config
 
 from lightning_rl.toy.task import PROBLEMS_FILE, read_jsonl
 
@@ -99,6 +99,17 @@ def tiny_config(vocab_size: int) -> Qwen3Config:
     )
 
 
+def seeded_model(auto_class: type, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A model of ``config`` with random weights drawn from ``seed`` (the global generator left as it was), whose
+    generation config ends and pads with the tokenizer's tokens."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 def build_tiny(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny model and its tokenizer to ``path`` (a from_pretrained-loadable folder)."""
     path = Path(path)
@@ -106,11 +117,7 @@ def build_tiny(path: str | os.PathLike, seed: int = 0) -> Path:
     config = tiny_config(vocab_size=len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = seeded_model(AutoModelForCausalLM, config, tokenizer, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

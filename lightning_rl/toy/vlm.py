@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForImageTextToText, CLIPImageProcessor, LlavaConfig, LlavaProcessor
 
-from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir
+from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir, seeded_model
 
 TINY_VLM_NAME = "tiny-vlm"
 TINY_VLM_VERSION = 1  # bump when the config, processor or template changes
@@ -46,11 +45,7 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
         image_token_index=image_token_id, projector_hidden_act="gelu", vision_feature_layer=-1,
         vision_feature_select_strategy="default", tie_word_embeddings=False,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = seeded_model(AutoModelForImageTextToText, config, tokenizer, seed)
     image_processor = CLIPImageProcessor(
         size={"height": IMAGE_SIDE, "width": IMAGE_SIDE}, do_center_crop=False, do_convert_rgb=True,
     )

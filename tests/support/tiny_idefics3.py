@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForImageTextToText, Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
 
-from lightning_rl.toy.model import build_tokenizer
+from lightning_rl.toy.model import build_tokenizer, seeded_model
 from lightning_rl.toy.vlm import VLM_CHAT_TEMPLATE
 
 IMAGE, AROUND, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
@@ -29,12 +28,7 @@ def build_idefics3(path: Path, seed: int = 0) -> Path:
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE), scale_factor=2, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
+    seeded_model(AutoModelForImageTextToText, config, tokenizer, seed).save_pretrained(path)
     image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": SIDE}, max_image_size={"longest_edge": SIDE})
     Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE).save_pretrained(path)
     return path
