@@ -14,7 +14,7 @@ import transformers
 from lightning_rl.attention.tree_attention import PackingRefused
 from lightning_rl.models.multimodal import image_token_id, rope_positions
 from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
-from lightning_rl.packing.images import pack_image_sequences
+from lightning_rl.packing.images import pack_image_sequences, stack_images
 
 IMAGE, START, END = 60, 62, 63
 
@@ -98,14 +98,37 @@ def idefics3_image(seed: int, dtype):
     return {"pixel_values": torch.randn(1, 1, 3, 8, 8, generator=g).to(dtype), "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}, 4
 
 
+def llava_next(dtype):
+    """LLaVA-NeXT: an image is a base view and a grid of crops (anyres), unpadded, a newline feature per row."""
+    config = transformers.LlavaNextConfig(
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=32),
+        image_token_index=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
+        image_grid_pinpoints=[[8, 8], [8, 16], [16, 8]],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlavaNextForConditionalGeneration(config).to(dtype).eval()
+
+
+def llava_next_image(seed: int, dtype, size: tuple[int, int] = (8, 8)):
+    """An image of ``size`` pixels: its base view and crops (2 for 8 x 8, 3 for 8 x 16), 10 placeholders for 8 x 8."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    g = torch.Generator().manual_seed(seed)
+    crops = image_size_to_num_patches(size, [[8, 8], [8, 16], [16, 8]], 8)
+    return {"pixel_values": torch.randn(1, crops, 3, 8, 8, generator=g).to(dtype), "image_sizes": torch.tensor([list(size)])}, 10
+
+
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
 FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
-            "idefics3": (idefics3, idefics3_image)}
+            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.cat([i[key] for i in inputs]) for key in inputs[0]} if inputs else {}
+    return stack_images(inputs)  # as the row's images are stacked (zero-padding fewer crops, as processors do)
 
 
 def conversations(make_image, dtype):
@@ -306,3 +329,21 @@ def test_each_image_gets_its_own_inputs_in_every_processor_layout(tmp_path):
     tiles = {"pixel_values": torch.zeros(1, 5, 3, 32, 32), "pixel_attention_mask": torch.ones(1, 5, 32, 32, dtype=torch.bool)}
     with pytest.raises(ValueError, match=r"cannot tell which of the processor's image inputs .* belong to which of its 2 images"):
         split_images(tiles, 2)
+
+
+def test_images_of_different_crop_counts_stack_as_the_processor_pads_them():
+    """LLaVA-NeXT images of two sizes have 2 and 3 crops: a row holding both zero-pads the fewer (the model reads the
+    real count off ``image_sizes``) and stays exact against each sequence alone."""
+    model = llava_next(torch.float32)
+    square, _ = llava_next_image(1, torch.float32)
+    wide, _ = llava_next_image(2, torch.float32, (8, 16))
+    inputs = {"square": square, "wide": wide}
+    tokens = {"square": 10, "wide": 14}  # the wide image's 2 x 1 crop grid, unpadded, with its newline features
+    img = lambda key: [START] + [IMAGE] * tokens[key] + [END]  # noqa: E731
+    seqs = [[1, 5, *img("square"), 6, 20, 21], [1, 5, *img("square"), 6, 30], [1, 8, *img("wide"), 9, 10], [1, 5, *img("square"), 6, 12, *img("wide"), 13]]
+    images = [["square"], ["square"], ["wide"], ["square", "wide"]]
+    batch, row_images = packed(model, seqs, images, inputs)
+    assert batch.image_inputs["pixel_values"].shape == (3, 3, 3, 8, 8)  # square, wide, wide again after another prefix
+    with torch.no_grad():
+        error = (packed_logprobs(model, batch) - reference_logprobs(model, seqs, images, inputs)).abs().max()
+    assert error <= 1e-5

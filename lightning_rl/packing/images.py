@@ -93,9 +93,21 @@ def split_images(image_inputs: dict[str, torch.Tensor], count: int | None = None
                      "(an image split into tiles? turn the processor's image splitting off)")
 
 
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` concatenated along dim 0, each zero-padded at the end of its other dims to the largest: how
+    processors batch images of different patch or tile counts (the model reads the real ones off the image sizes, or
+    drops all-zero padding images)."""
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        pad = [amount for d in reversed(range(1, t.dim())) for amount in (0, shape[d - 1] - t.shape[d])]
+        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)
+
+
 def stack_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One input dict for several images (the inverse of `split_images`)."""
-    return {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
+    return {key: _cat_padded([image[key] for image in images]) for key in images[0]} if images else {}
 
 
 def images_on_path(input_ids: torch.Tensor, rows: torch.Tensor, image_token_id: int) -> list[int]:
