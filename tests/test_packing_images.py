@@ -1,7 +1,8 @@
 """Tree packing with images: the G completions of an image prompt share its image tokens, the row holds each image
 of a shared prefix once (so the vision encoder sees it once), and per-token log-probs and every gradient, vision
-tower included, equal each sequence run alone. A Qwen-VL-style model (multi-axis rotary positions for images) and
-a LLaVA-style one (plain 1-D positions), and Muse Spark, tiny configs with random weights."""
+tower included, equal each sequence run alone. Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis rotary positions for
+images), LLaVA and LLaVA-NeXT, Idefics3 (plain 1-D positions), and Muse Spark, tiny configs with random weights;
+Gemma 3 and PaliGemma, whose image tokens attend both ways, are refused."""
 
 from __future__ import annotations
 
@@ -37,6 +38,34 @@ def qwen2_vl_image(seed: int, dtype, side: int = 4):
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randn(side * side, 3 * 2 * 4 * 4, generator=g).to(dtype)
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}, side * side // 4
+
+
+def qwen2_5_vl(dtype):
+    """Qwen2.5-VL: windowed attention in the vision tower, multi-axis positions in the decoder."""
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, out_hidden_size=32, window_size=8, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+
+
+def qwen3_vl(dtype):
+    """Qwen3-VL: interleaved multi-axis positions, and deepstack features added to early decoder layers at image tokens."""
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], mrope_interleaved=True, rope_theta=10000.0)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3VLForConditionalGeneration(config).to(dtype).eval()
 
 
 def llava(dtype):
@@ -123,7 +152,8 @@ def llava_next_image(seed: int, dtype, size: tuple[int, int] = (8, 8)):
 
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
-FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
+FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "qwen2_5_vl": (qwen2_5_vl, qwen2_vl_image), "qwen3_vl": (qwen3_vl, qwen2_vl_image),
+            "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
             "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image)}
 
 
