@@ -1,8 +1,8 @@
 """Tree packing with images: the G completions of an image prompt share its image tokens, the row holds each image
 of a shared prefix once (so the vision encoder sees it once), and per-token log-probs and every gradient, vision
 tower included, equal each sequence run alone. Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis rotary positions for
-images), LLaVA and LLaVA-NeXT, Idefics3 (plain 1-D positions), and Muse Spark, tiny configs with random weights;
-Gemma 3 and PaliGemma, whose image tokens attend both ways, are refused."""
+images), LLaVA, LLaVA-NeXT, Idefics3 and Gemma 3 (plain 1-D positions; Gemma 3's image tokens attend to their whole
+image), and Muse Spark, tiny configs with random weights; PaliGemma, bidirectional over its prefix, is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.models.multimodal import image_token_id, rope_positions
+from lightning_rl.models.multimodal import image_token_id, image_token_types, rope_positions
 from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
 from lightning_rl.packing.images import pack_image_sequences, stack_images
 
@@ -150,11 +150,28 @@ def llava_next_image(seed: int, dtype, size: tuple[int, int] = (8, 8)):
     return {"pixel_values": torch.randn(1, crops, 3, 8, 8, generator=g).to(dtype), "image_sizes": torch.tensor([list(size)])}, 10
 
 
+def gemma3(dtype):
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
+        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config).to(dtype).eval()
+
+
+def gemma3_image(seed: int, dtype):
+    """An 8 x 8 image: 4 x 4 patches of 2, pooled to 4 placeholder tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
+
+
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
 FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "qwen2_5_vl": (qwen2_5_vl, qwen2_vl_image), "qwen3_vl": (qwen3_vl, qwen2_vl_image),
             "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
-            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image)}
+            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, gemma3_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -182,6 +199,8 @@ def reference_logprobs(model, seqs, images, inputs):
         extra = stacked([inputs[k] for k in keys])
         if "image_grid_thw" in extra:
             extra["mm_token_type_ids"] = (ids == IMAGE).int()
+        if keys:
+            extra.update(image_token_types(model, ids))  # Gemma 3: its image tokens attend both ways, as its processor says
         logits = model(input_ids=ids, use_cache=False, **extra).logits[0].float() if model.dtype != torch.float64 else \
             model(input_ids=ids, use_cache=False, **extra).logits[0]  # fmt: skip
         lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1)
@@ -292,17 +311,6 @@ def test_sft_and_grpo_rows_of_a_multi_axis_model_carry_its_own_positions(tmp_pat
     assert verify_row(model, packed_rollouts, attention_backend="blocks", samples=6, seed=0)[0] <= 1e-5
 
 
-def gemma3(dtype):
-    config = transformers.Gemma3Config(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=256),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
-        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Gemma3ForConditionalGeneration(config).to(dtype).eval()
-
-
 def paligemma(dtype):
     config = transformers.PaliGemmaConfig(
         text_config=dict(model_type="gemma", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -315,28 +323,27 @@ def paligemma(dtype):
     return transformers.PaliGemmaForConditionalGeneration(config).to(dtype).eval()
 
 
-@pytest.mark.parametrize(("build", "text_packs"), [(gemma3, True), (paligemma, False)], ids=["gemma3", "paligemma"])
-def test_image_rows_of_a_model_whose_image_tokens_attend_both_ways_are_refused(build, text_packs):
-    """Gemma 3's image tokens attend to each other in both directions (PaliGemma's whole prefix does): a tree-packed
-    row computes causal attention, so an image row of theirs is refused in one line. Gemma 3's text rows are causal
-    and pack exactly; PaliGemma is configured bidirectional throughout, so its text rows are refused too."""
-    model = build(torch.float32)
-    pixels = {"pixel_values": torch.randn(1, 3, 8, 8)}
-    n = 4
-    seqs = [[1, 5, START, *[IMAGE] * n, END, 6, 20, 21], [1, 5, START, *[IMAGE] * n, END, 6, 30]]
-    batch, row_images = pack_image_sequences(seqs, [["a"], ["a"]], IMAGE)
-    batch.image_inputs = stacked([pixels for _ in row_images])
-    with pytest.raises(PackingRefused, match=f"{type(model).__name__} (lets an image.s tokens attend to each other both ways|is configured for bidirectional attention)"):
-        packed_logprobs(model, batch)
-    texts = [[1, 5, 6, 20, 21], [1, 5, 6, 30]]
-    text, _ = pack_image_sequences(texts, [[], []], IMAGE)
-    if not text_packs:
-        with pytest.raises(PackingRefused, match="is configured for bidirectional attention"):
-            packed_logprobs(model, text)
-        return
+def test_gemma3_image_tokens_attend_to_their_whole_image_and_paligemma_is_refused():
+    """Gemma 3's image tokens attend to each other both ways, as its processor's token type ids make them: packed, each
+    image's placeholders are one such block on every branch (the family tests above hold it to the model's own forward
+    with those ids), which differs from causal attention over them. PaliGemma is configured bidirectional throughout
+    (its whole prefix), which a packed row cannot be: refused in one line."""
+    model = gemma3(torch.float32)
+    seqs, images, inputs = conversations(gemma3_image, torch.float32)
+    batch, _ = packed(model, seqs, images, inputs)
     with torch.no_grad():
-        error = (packed_logprobs(model, text) - reference_logprobs(model, texts, [[], []], {})).abs().max()
-    assert error <= 1e-5
+        ours = packed_logprobs(model, batch)
+        causal = []
+        for seq, keys in zip(seqs, images):  # the model's forward without token types attends causally over images
+            ids = torch.tensor([seq])
+            lp = torch.log_softmax(model(input_ids=ids, **stacked([inputs[k] for k in keys])).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            causal.append(lp[ids[0, 1:] != IMAGE])
+    assert float((ours - torch.cat(causal)).abs().max()) > 1e-3
+    model = paligemma(torch.float32)
+    batch, row_images = pack_image_sequences([[1, *[IMAGE] * 4, 5, 20], [1, *[IMAGE] * 4, 5, 30]], [["a"], ["a"]], IMAGE)
+    batch.image_inputs = stacked([{"pixel_values": torch.randn(1, 3, 8, 8)}])
+    with pytest.raises(PackingRefused, match="PaliGemmaForConditionalGeneration is configured for bidirectional attention"):
+        packed_logprobs(model, batch)
 
 
 def test_each_image_gets_its_own_inputs_in_every_processor_layout(tmp_path):
@@ -377,3 +384,24 @@ def test_images_of_different_crop_counts_stack_as_the_processor_pads_them():
     with torch.no_grad():
         error = (packed_logprobs(model, batch) - reference_logprobs(model, seqs, images, inputs)).abs().max()
     assert error <= 1e-5
+
+
+def test_gemma3_rollouts_are_sampled_under_the_attention_the_trainer_scores():
+    """The transformers engine gives Gemma 3 its image token types, so it samples with each image attended both ways,
+    as the packed row is scored: engine and trainer log-probs agree (they would not if either ran causally)."""
+    from lightning_rl.packing.images import pack_with_images
+    from lightning_rl.rollout.base import PromptImages, SamplingConfig
+    from lightning_rl.rollout.hf import HFRolloutEngine
+
+    model = gemma3(torch.float32)
+    engine = HFRolloutEngine(copy.deepcopy(model))
+    image, n = gemma3_image(1, torch.float32)
+    prompt = [1, 5, START, *[IMAGE] * n, END, 6]
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=0, suppress_token_ids=(IMAGE,))
+    rollouts = engine.generate([prompt], 4, sampling, images=[PromptImages([image], [], [])]).rollouts
+    batch = pack_with_images([r.sequence for r in rollouts], [[("a", image)]] * 4, IMAGE, [r.loss_mask for r in rollouts],
+                             token_values={"engine": [r.sequence_logprobs for r in rollouts]})  # fmt: skip
+    assert batch.image_inputs["pixel_values"].shape[0] == 1
+    with torch.no_grad():
+        ours = packed_logprobs(model, batch, suppressed=(IMAGE,))
+    torch.testing.assert_close(ours, batch.token_values["engine"], rtol=0, atol=1e-4)

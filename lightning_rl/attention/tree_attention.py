@@ -95,16 +95,27 @@ class TreeAttentionMeta:
     backend: str = "blocks"
     model_name: str = "the model"  # for refusals
     shared: _RowState = field(default_factory=lambda: _RowState(), repr=False)
+    # [N] per token: the block of tokens it also attends to ahead of it (an image's tokens in a model whose image
+    # tokens attend to each other both ways), -1 outside any. A block lies on one path, so every branch sees it whole.
+    both_ways: Tensor | None = None
 
     @classmethod
-    def from_batch(cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None, model_name: str = "the model") -> TreeAttentionMeta:
+    def from_batch(
+        cls, batch: PackedBatch, *, backend: str = "auto", device: torch.device | None = None, model_name: str = "the model",
+        both_ways: Tensor | None = None,
+    ) -> TreeAttentionMeta:
+        """``both_ways``: see the field; its rows run on the masked backends (``flex`` on CUDA, ``dense`` elsewhere)."""
         device = device or batch.input_ids.device
+        chosen = choose_backend(backend, device)
+        if both_ways is not None and chosen in ("blocks", "varlen"):
+            chosen = "flex" if device.type == "cuda" else "dense"  # the block kernels compute causal attention only
         return cls(
             segments=[tuple(s) for s in batch.segments.tolist()],
             depth=batch.position_ids.to(device),
             subtree_end=batch.subtree_end.to(device),
-            backend=choose_backend(backend, device),
+            backend=chosen,
             model_name=model_name,
+            both_ways=None if both_ways is None else both_ways.to(device),
         )
 
     @property
@@ -132,6 +143,8 @@ class TreeAttentionMeta:
         mask = (i[None, :] <= i[:, None]) & (i[:, None] < self.subtree_end[None, :])
         if window is not None:
             mask &= (self.depth[:, None] - self.depth[None, :]) < window
+        if self.both_ways is not None:
+            mask |= (self.both_ways[:, None] == self.both_ways[None, :]) & (self.both_ways[:, None] >= 0)
         return mask
 
 
@@ -429,11 +442,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if window not in meta.shared.block_masks:
-        sub_end, depth = meta.subtree_end, meta.depth
+        sub_end, depth, blocks = meta.subtree_end, meta.depth, meta.both_ways
 
         def visible(b, h, qi, ki):
             seen = (ki <= qi) & (qi < sub_end[ki])
-            return seen & (depth[qi] - depth[ki] < window) if window is not None else seen
+            seen = seen & (depth[qi] - depth[ki] < window) if window is not None else seen
+            return seen | ((blocks[qi] == blocks[ki]) & (blocks[qi] >= 0)) if blocks is not None else seen
 
         n = meta.num_tokens
         meta.shared.block_masks[window] = create_block_mask(visible, None, None, n, n, device=q.device)
@@ -576,9 +590,12 @@ def tree_attention_forward(
 
 def tree_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
     """The mask transformers builds before the layers run. A packed row carries no mask (its structure travels
-    in ``tree_attention``), so none is built for it, never an N x N one; a padded batch outside packing gets
-    SDPA's mask, so the same model generates and scores padded batches correctly."""
-    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    in ``tree_attention``), so none is built for it, never an N x N one; outside a packed forward (generation, the
+    unpacked references) the model gets SDPA's own mask, so the same model generates and scores padded batches, and
+    attends within an image both ways where it does, exactly as it would without tree attention."""
+    if getattr(_PACKED, "meta", None) is not None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)

@@ -18,6 +18,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.packing.images import stack_images
 from lightning_rl.models import sharded_loading
 from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.structure import auto_model_class, enable_activation_checkpointing
 from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 
@@ -165,6 +166,8 @@ def generate_greedy(
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             pictures = [image for own in (images or [])[start : start + batch_size] for image in own]
             pixels = {key: value.to(device) for key, value in stack_images(pictures).items()}
+            if pictures:  # a model whose image tokens attend both ways gets the token types its processor gives
+                pixels.update(image_token_types(model, input_ids))
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

@@ -48,9 +48,24 @@ def _builds_block_masks(cls: type) -> bool:
 
 def attends_within_images_both_ways(model: nn.Module) -> bool:
     """Whether the model lets an image's tokens attend to each other in both directions (Gemma 3 and 4, PaliGemma's
-    prefix): transformers builds those masks from ``block_sequence_ids`` (read off the processor's token type ids),
-    where causal attention is all a tree-packed row computes."""
+    prefix): transformers builds those masks from ``block_sequence_ids``, read off the token types its processor
+    passes (1 on image tokens)."""
     return _builds_block_masks(type(model))
+
+
+_TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
+
+
+def image_token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The token-type input, as the model's processor makes it (1 on image tokens), that such a model builds its
+    both-ways image masks from, for ``input_ids`` [batch, T]; {} for a model without them. Given to the model's own
+    forward (the unpacked reference, generation), it attends within each image both ways, as it was trained to."""
+    token = image_token_id(model.config)
+    if token is None or not attends_within_images_both_ways(model):
+        return {}
+    forward = inspect.signature(type(model).forward).parameters
+    name = next((n for n in _TOKEN_TYPE_INPUTS if n in forward), None)
+    return {name: (input_ids == token).long()} if name is not None else {}
 
 
 def rope_positions(model: nn.Module, input_ids: Sequence[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:

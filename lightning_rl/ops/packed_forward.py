@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
-from lightning_rl.models.multimodal import attends_within_images_both_ways, image_token_id, uses_multi_axis_positions
-from lightning_rl.packing.images import image_runs, images_on_path, split_images, stack_images
+from lightning_rl.models.multimodal import attends_within_images_both_ways, image_token_id, image_token_types, uses_multi_axis_positions
+from lightning_rl.packing.images import image_runs, images_on_path, placeholder_blocks, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
@@ -93,17 +93,15 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
     enable_tree_attention(model)
     check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens)
     device = batch.input_ids.device
-    meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__)
+    # A model whose image tokens attend to each other both ways sees each image's placeholders as one block.
+    token = image_token_id(model.config)
+    both_ways = placeholder_blocks(batch.input_ids, token) if batch.image_inputs and token is not None and attends_within_images_both_ways(model) else None
+    meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__, both_ways=both_ways)
     _probe_once(model, meta.backend, device, batch.pad_to_multiple_of)
     if batch.image_inputs and batch.rope_position_ids is None and uses_multi_axis_positions(model):
         raise PackingRefused(
             f"{type(model).__name__} places image tokens on multi-axis rotary positions; this row of images carries no "
             "such positions (pack it with rope_positions from the model's own rule)"
-        )
-    if batch.image_inputs and attends_within_images_both_ways(model):
-        raise PackingRefused(
-            f"{type(model).__name__} lets an image's tokens attend to each other both ways (its processor's token type "
-            "ids); a tree-packed row attends causally, so its image rows are refused"
         )
     # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
     # its forward encodes once each and writes into the row's placeholders.
@@ -314,7 +312,7 @@ def verify_row(
             if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
                 positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
             own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
-            hidden = head_inputs(model, ids, positions, **own)
+            hidden = head_inputs(model, ids, positions, **own, **(image_token_types(model, ids[None]) if own else {}))
             dtype = _compute_dtype(hidden)
             if terms.numel():
                 depth = batch.position_ids[batch.loss_positions[terms]]

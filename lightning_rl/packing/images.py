@@ -110,6 +110,13 @@ def stack_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.T
     return {key: _cat_padded([image[key] for image in images]) for key in images[0]} if images else {}
 
 
+def placeholder_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """Per token of a row, which run of image placeholders it belongs to (0, 1, ... in row order), -1 outside them."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
+    return torch.where(is_image, torch.cumsum(starts.long(), 0) - 1, torch.full_like(input_ids, -1))
+
+
 def images_on_path(input_ids: torch.Tensor, rows: torch.Tensor, image_token_id: int) -> list[int]:
     """Which of the row's images (by their order in the row) the tokens ``rows`` of a path pass through."""
     is_image = input_ids == image_token_id

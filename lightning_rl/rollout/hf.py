@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
@@ -107,6 +108,8 @@ class HFRolloutEngine(RolloutEngine):
         )
         pictures = [image for own in images or [] for image in own]
         pixels = {key: value.to(self.device) for key, value in stack_images(pictures).items()}
+        if pictures:  # a model whose image tokens attend both ways gets the token types its processor gives
+            pixels.update(image_token_types(self.model, input_ids.to(self.device)))
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
             generation_config=config, **pixels,
