@@ -405,3 +405,23 @@ def test_gemma3_rollouts_are_sampled_under_the_attention_the_trainer_scores():
     with torch.no_grad():
         ours = packed_logprobs(model, batch, suppressed=(IMAGE,))
     torch.testing.assert_close(ours, batch.token_values["engine"], rtol=0, atol=1e-4)
+
+
+def test_a_model_whose_text_reaches_its_images_by_cross_attention_is_refused():
+    """Mllama's text attends to its images through cross-attention under a per-token mask, not through placeholders
+    in the row: its processor's per-token inputs are refused by name when a row is rendered."""
+    from PIL import Image
+
+    from lightning_rl.data.images import ImageRenderer
+    from lightning_rl.toy.model import build_tokenizer
+    from lightning_rl.toy.vlm import VLM_CHAT_TEMPLATE
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>"], "bos_token": "<s>"})
+    processor = transformers.MllamaProcessor(
+        image_processor=transformers.MllamaImageProcessorPil(size={"height": 16, "width": 16}, max_image_tiles=1),
+        tokenizer=tokenizer, chat_template=VLM_CHAT_TEMPLATE.replace("<image>", "<|image|>"),
+    )  # fmt: skip
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (16, 16))}, {"type": "text", "text": "what is it?"}]}]
+    with pytest.raises(ValueError, match=r"the processor gives per-token inputs \(cross_attention_mask\) besides the image placeholders"):
+        ImageRenderer(processor).render(messages, add_generation_prompt=True)

@@ -168,6 +168,10 @@ class ImageRenderer:
         ids = out["input_ids"][0].tolist()
         mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
         inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
+        per_token = [key for key, value in inputs.items() if value.dim() >= 2 and tuple(value.shape[:2]) == (1, len(ids))]
+        if per_token:  # e.g. Mllama's cross_attention_mask: its text reaches the images by cross-attention, not placeholders
+            raise ValueError(f"the processor gives per-token inputs ({', '.join(per_token)}) besides the image placeholders: "
+                             "a model that reaches its images that way cannot be tree-packed")
         return ids, mask, split_images(inputs, len(images_of(messages)))
 
     def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
