@@ -366,6 +366,12 @@ def test_each_image_gets_its_own_inputs_in_every_processor_layout(tmp_path):
     tiles = {"pixel_values": torch.zeros(1, 5, 3, 32, 32), "pixel_attention_mask": torch.ones(1, 5, 32, 32, dtype=torch.bool)}
     with pytest.raises(ValueError, match=r"cannot tell which of the processor's image inputs .* belong to which of its 2 images"):
         split_images(tiles, 2)
+    # With image splitting on, a 64 x 64 image is four tiles and a global view, each a run of placeholders.
+    processor.image_processor.do_image_splitting = True
+    processor.image_processor.size = {"longest_edge": 64}
+    big = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))}, {"type": "text", "text": "what?"}]}]
+    with pytest.raises(ValueError, match=r"1 images but 5 runs of image placeholders after rendering \(a processor that splits"):
+        ImageRenderer(processor, processor.tokenizer.convert_tokens_to_ids("<image>")).render(big, add_generation_prompt=True)
 
 
 def test_images_of_different_crop_counts_stack_as_the_processor_pads_them():

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_rl.packing.images import split_images
+from lightning_rl.packing.images import image_runs, split_images
 
 # Processor outputs that are not an image's inputs.
 _NOT_IMAGE_INPUTS = {"input_ids", "attention_mask", "assistant_masks", "mm_token_type_ids", "token_type_ids"}
@@ -154,8 +154,9 @@ def images_of(messages: list[dict]) -> list[Any]:
 class ImageRenderer:
     """Renders conversations with images through the model's processor."""
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, image_token_id: int | None = None) -> None:
         self.processor = processor
+        self.image_token_id = image_token_id  # with it, each image must be one run of placeholders
 
     def render(
         self, messages: list[dict], *, add_generation_prompt: bool = False, assistant_mask: bool = False, tools: list[dict] | None = None
@@ -172,7 +173,12 @@ class ImageRenderer:
         if per_token:  # e.g. Mllama's cross_attention_mask: its text reaches the images by cross-attention, not placeholders
             raise ValueError(f"the processor gives per-token inputs ({', '.join(per_token)}) besides the image placeholders: "
                              "a model that reaches its images that way cannot be tree-packed")
-        return ids, mask, split_images(inputs, len(images_of(messages)))
+        count = len(images_of(messages))
+        runs = image_runs(ids, self.image_token_id)
+        if self.image_token_id is not None and runs != count:
+            raise ValueError(f"{count} images but {runs} runs of image placeholders after rendering (a processor that splits an image's "
+                             "placeholders into several runs, as Pixtral's row breaks or tiled images do, cannot be tree-packed)")
+        return ids, mask, split_images(inputs, count)
 
     def template_ids(self, messages: list[dict], *, add_generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
         """The conversation's tokens as the chat template writes them, one placeholder per image, before the

@@ -32,7 +32,7 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import (
     ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
 )
-from lightning_rl.packing.images import image_runs, pack_with_images
+from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
@@ -230,7 +230,7 @@ class Renderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, processor: Any = None, image_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.name = name
-        self.images = ImageRenderer(processor) if processor is not None and image_token_id is not None else None
+        self.images = ImageRenderer(processor, image_token_id) if processor is not None and image_token_id is not None else None
         self.image_token_id = image_token_id
 
     def _image_example(self, row: dict) -> Example:
@@ -248,9 +248,6 @@ class Renderer:
             mask[: len(prompt)] = [False] * len(prompt)
         mask = [m and t != self.image_token_id for m, t in zip(mask, ids)]
         keys = [image_key(image) for image in images_of(messages)]
-        runs = image_runs(ids, self.image_token_id)
-        if runs != len(keys) or len(inputs) != len(keys):
-            raise ValueError(f"{len(keys)} images but {runs} runs of image placeholders after rendering")
         if not any(mask[1:]):
             raise ValueError("no trained tokens after rendering")
         return Example(ids, mask, images=list(zip(keys, inputs)), image_token_id=self.image_token_id)

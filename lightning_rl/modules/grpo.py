@@ -49,7 +49,7 @@ from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import plan_rows
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, rope_positions, uses_multi_axis_positions
-from lightning_rl.packing.images import image_runs, pack_with_images
+from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, PromptImages, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
@@ -677,7 +677,7 @@ class GRPOModule(PolicyModule):
         where = self.trainer.datamodule.location(record) if self._trainer is not None and hasattr(self.trainer.datamodule, "location") else "a prompt"
         if self.processor is None:
             raise DataError(f"{where}: the prompt has images, but {self.hparams.model_name_or_path} is a text-only model (it has no image processor)")
-        renderer = ImageRenderer(self.processor)
+        renderer = ImageRenderer(self.processor, self.image_token_id)
         tools = self._tool_specs()
         try:
             columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
@@ -686,9 +686,6 @@ class GRPOModule(PolicyModule):
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
         pictures = images_of(loaded)
-        runs = image_runs(ids, self.image_token_id)
-        if runs != len(pictures):
-            raise DataError(f"{where}: {len(pictures)} images but {runs} runs of image placeholders after rendering")
         engine_images = PromptImages(inputs, pictures, renderer.template_ids(loaded, add_generation_prompt=True, tools=tools))
         return ids, list(zip([image_key(image) for image in pictures], inputs)), engine_images
 
