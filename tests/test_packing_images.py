@@ -1,8 +1,9 @@
 """Tree packing with images: the G completions of an image prompt share its image tokens, the row holds each image
 of a shared prefix once (so the vision encoder sees it once), and per-token log-probs and every gradient, vision
-tower included, equal each sequence run alone. Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multi-axis rotary positions for
-images), LLaVA, LLaVA-NeXT, Idefics3 and Gemma 3 (plain 1-D positions; Gemma 3's image tokens attend to their whole
-image), and Muse Spark, tiny configs with random weights; PaliGemma, bidirectional over its prefix, is refused."""
+tower included, equal each sequence run alone. Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V (multi-axis rotary
+positions for images), LLaVA, LLaVA-NeXT, Idefics3, InternVL and Gemma 3 (plain 1-D positions; Gemma 3's image tokens
+attend to their whole image), and Muse Spark, tiny configs with random weights; PaliGemma, bidirectional over its
+prefix, and Mllama, whose text reaches its images by cross-attention, are refused."""
 
 from __future__ import annotations
 
@@ -167,11 +168,42 @@ def gemma3_image(seed: int, dtype):
     return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
 
 
+def internvl(dtype):
+    """InternVL: its own vision tower, pixel shuffle, a Qwen2 decoder."""
+    config = transformers.InternVLConfig(
+        text_config=dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=[8, 8], patch_size=[2, 2]),
+        image_token_id=IMAGE, downsample_ratio=0.5, projector_hidden_act="gelu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.InternVLForConditionalGeneration(config).to(dtype).eval()
+
+
+def internvl_image(seed: int, dtype):
+    """An 8 x 8 image: 4 x 4 patches of 2, pixel-shuffled by half to 4 placeholder tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
+
+
+def glm4v(dtype):
+    """GLM-4V: multi-axis positions by its own rule, a Qwen-VL-like vision tower."""
+    config = transformers.Glm4vConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0, partial_rotary_factor=1.0)),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32, image_size=16),
+        image_token_id=IMAGE, video_token_id=61, image_start_token_id=START, image_end_token_id=END,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Glm4vForConditionalGeneration(config).to(dtype).eval()
+
+
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
 FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "qwen2_5_vl": (qwen2_5_vl, qwen2_vl_image), "qwen3_vl": (qwen3_vl, qwen2_vl_image),
             "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
-            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, gemma3_image)}
+            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, gemma3_image),
+            "internvl": (internvl, internvl_image), "glm4v": (glm4v, qwen2_vl_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
