@@ -196,3 +196,11 @@ def test_grpo_prompts_may_leave_their_images_to_an_images_column(tmp_path):
                      f"--data.path={data}", "--data.prompt_field=prompt", "--data.batch_size=2", "--model.num_generations=2"])  # fmt: skip
     assert code == 0
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 1
+
+
+def test_images_that_do_not_pair_with_the_prompts_are_refused():
+    path = str(tiny_vlm_path())
+    processor, _ = load_processor(path)
+    ids, _, own = image_prompt(processor, "red")
+    with pytest.raises(ValueError, match=r"1 image entries for 2 prompts \(one per prompt, None for a text prompt\)"):
+        HFRolloutEngine(path).generate([ids, ids], 2, SamplingConfig(max_new_tokens=2), images=[own])

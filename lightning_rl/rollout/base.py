@@ -218,12 +218,14 @@ SHORT_NAMES: dict[str, str] = {
 }
 
 
-def check_request(prompts: Sequence[Sequence[int]], n: int) -> None:
+def check_request(prompts: Sequence[Sequence[int]], n: int, images: ImagesArg = None) -> None:
     """What every engine refuses before generating."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts (one per prompt, None for a text prompt)")
 
 
 def check_expanded(engine: str, group: int, expanded: Sequence[int], prompt: Sequence[int]) -> None:

@@ -54,7 +54,7 @@ class HFRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
-        check_request(prompts, n)
+        check_request(prompts, n, images)
         repeated = [list(own.inputs if own else ()) for own in images for _ in range(n)] if images is not None else None
         with self._lock:
             version = self._version

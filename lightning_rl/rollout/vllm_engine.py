@@ -87,7 +87,7 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         from vllm import SamplingParams
 
-        check_request(prompts, n)
+        check_request(prompts, n, images)
         own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)

@@ -149,7 +149,7 @@ class VLLMServerEngine(RolloutEngine):
         return backend
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
-        check_request(prompts, n)
+        check_request(prompts, n, images)
         own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)
