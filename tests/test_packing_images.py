@@ -21,6 +21,21 @@ from lightning_rl.packing.images import pack_image_sequences, stack_images
 IMAGE, START, END = 60, 62, 63
 
 
+# The decoder every tiny family here shares, and the Qwen-VL family's vision tower, rotary sections and tokens.
+TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)  # fmt: skip
+MROPE = dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                   in_channels=3, out_hidden_size=32)  # fmt: skip
+QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def seeded(model_class, config, dtype):
+    """The model of ``config`` with weights drawn from seed 0, in ``dtype``, in eval mode."""
+    torch.manual_seed(0)
+    return model_class(config).to(dtype).eval()
+
+
 def qwen2_vl(dtype):
     config = transformers.Qwen2VLConfig(
         text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -30,8 +45,7 @@ def qwen2_vl(dtype):
                            temporal_patch_size=2, in_channels=3),
         image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2VLForConditionalGeneration(config).to(dtype).eval()
+    return seeded(transformers.Qwen2VLForConditionalGeneration, config, dtype)
 
 
 def qwen2_vl_image(seed: int, dtype, side: int = 4):
@@ -44,45 +58,37 @@ def qwen2_vl_image(seed: int, dtype, side: int = 4):
 def qwen2_5_vl(dtype):
     """Qwen2.5-VL: windowed attention in the vision tower, multi-axis positions in the decoder."""
     config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256,
-                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, in_channels=3, out_hidden_size=32, window_size=8, fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+        text_config=dict(TEXT, rope_parameters=MROPE), vision_config=dict(QWEN_VISION, window_size=8, fullatt_block_indexes=[1]), **QWEN_TOKENS
+    )
+    return seeded(transformers.Qwen2_5_VLForConditionalGeneration, config, dtype)
 
 
 def qwen3_vl(dtype):
     """Qwen3-VL: interleaved multi-axis positions, and deepstack features added to early decoder layers at image tokens."""
     config = transformers.Qwen3VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], mrope_interleaved=True, rope_theta=10000.0)),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, in_channels=3, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE, video_token_id=61, vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen3VLForConditionalGeneration(config).to(dtype).eval()
+        text_config=dict(TEXT, head_dim=8, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        vision_config=dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), **QWEN_TOKENS,
+    )
+    return seeded(transformers.Qwen3VLForConditionalGeneration, config, dtype)
+
+
+# A CLIP tower of 2 x 2 patches of 4 on 8 x 8 images, a projector and a Llama decoder: LLaVA, and LLaVA-NeXT's base.
+LLAVA = dict(
+    text_config=dict(TEXT, model_type="llama"),
+    vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       image_size=8, patch_size=4, projection_dim=32),
+    image_token_index=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
+)  # fmt: skip
 
 
 def llava(dtype):
-    config = transformers.LlavaConfig(
-        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=32),
-        image_token_index=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+    config = transformers.LlavaConfig(**LLAVA)
+    return seeded(transformers.LlavaForConditionalGeneration, config, dtype)
 
 
 def llava_image(seed: int, dtype):
-    """An 8 x 8 image: 2 x 2 patches of 4, so 4 placeholder tokens (the CLS feature dropped)."""
+    """An 8 x 8 image of 4 placeholder tokens: for LLaVA 2 x 2 patches of 4 (the CLS feature dropped), for Gemma 3
+    and InternVL 4 x 4 patches of 2 pooled or pixel-shuffled to 2 x 2."""
     g = torch.Generator().manual_seed(seed)
     return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
 
@@ -100,8 +106,7 @@ def muse_spark(dtype):
         experts_implementation="eager",  # transformers' grouped expert matmuls have no fp64 kernel
     )  # fmt: skip
     config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.MuseSparkForConditionalGeneration(config).to(dtype).eval()
+    return seeded(transformers.MuseSparkForConditionalGeneration, config, dtype)
 
 
 def muse_spark_image(seed: int, dtype):
@@ -118,8 +123,7 @@ def idefics3(dtype):
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
         image_token_id=IMAGE, scale_factor=2, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Idefics3ForConditionalGeneration(config).to(dtype).eval()
+    return seeded(transformers.Idefics3ForConditionalGeneration, config, dtype)
 
 
 def idefics3_image(seed: int, dtype):
@@ -130,16 +134,8 @@ def idefics3_image(seed: int, dtype):
 
 def llava_next(dtype):
     """LLaVA-NeXT: an image is a base view and a grid of crops (anyres), unpadded, a newline feature per row."""
-    config = transformers.LlavaNextConfig(
-        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=32),
-        image_token_index=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
-        image_grid_pinpoints=[[8, 8], [8, 16], [16, 8]],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlavaNextForConditionalGeneration(config).to(dtype).eval()
+    config = transformers.LlavaNextConfig(**LLAVA, image_grid_pinpoints=[[8, 8], [8, 16], [16, 8]])
+    return seeded(transformers.LlavaNextForConditionalGeneration, config, dtype)
 
 
 def llava_next_image(seed: int, dtype, size: tuple[int, int] = (8, 8)):
@@ -158,14 +154,7 @@ def gemma3(dtype):
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2),
         mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Gemma3ForConditionalGeneration(config).to(dtype).eval()
-
-
-def gemma3_image(seed: int, dtype):
-    """An 8 x 8 image: 4 x 4 patches of 2, pooled to 4 placeholder tokens."""
-    g = torch.Generator().manual_seed(seed)
-    return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
+    return seeded(transformers.Gemma3ForConditionalGeneration, config, dtype)
 
 
 def internvl(dtype):
@@ -176,34 +165,24 @@ def internvl(dtype):
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=[8, 8], patch_size=[2, 2]),
         image_token_id=IMAGE, downsample_ratio=0.5, projector_hidden_act="gelu",
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.InternVLForConditionalGeneration(config).to(dtype).eval()
-
-
-def internvl_image(seed: int, dtype):
-    """An 8 x 8 image: 4 x 4 patches of 2, pixel-shuffled by half to 4 placeholder tokens."""
-    g = torch.Generator().manual_seed(seed)
-    return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g).to(dtype)}, 4
+    return seeded(transformers.InternVLForConditionalGeneration, config, dtype)
 
 
 def glm4v(dtype):
     """GLM-4V: multi-axis positions by its own rule, a Qwen-VL-like vision tower."""
     config = transformers.Glm4vConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0, partial_rotary_factor=1.0)),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32, image_size=16),
+        text_config=dict(TEXT, rope_parameters=dict(MROPE, partial_rotary_factor=1.0)), vision_config=dict(QWEN_VISION, depth=1, image_size=16),
         image_token_id=IMAGE, video_token_id=61, image_start_token_id=START, image_end_token_id=END,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Glm4vForConditionalGeneration(config).to(dtype).eval()
+    )
+    return seeded(transformers.Glm4vForConditionalGeneration, config, dtype)
 
 
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
 FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "qwen2_5_vl": (qwen2_5_vl, qwen2_vl_image), "qwen3_vl": (qwen3_vl, qwen2_vl_image),
             "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
-            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, gemma3_image),
-            "internvl": (internvl, internvl_image), "glm4v": (glm4v, qwen2_vl_image)}
+            "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, llava_image),
+            "internvl": (internvl, llava_image), "glm4v": (glm4v, qwen2_vl_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -351,8 +330,7 @@ def paligemma(dtype):
                            projection_dim=32),
         image_token_index=IMAGE, projection_dim=32,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.PaliGemmaForConditionalGeneration(config).to(dtype).eval()
+    return seeded(transformers.PaliGemmaForConditionalGeneration, config, dtype)
 
 
 def test_gemma3_image_tokens_attend_to_their_whole_image_and_paligemma_is_refused():
@@ -361,7 +339,7 @@ def test_gemma3_image_tokens_attend_to_their_whole_image_and_paligemma_is_refuse
     with those ids), which differs from causal attention over them. PaliGemma is configured bidirectional throughout
     (its whole prefix), which a packed row cannot be: refused in one line."""
     model = gemma3(torch.float32)
-    seqs, images, inputs = conversations(gemma3_image, torch.float32)
+    seqs, images, inputs = conversations(llava_image, torch.float32)
     batch, _ = packed(model, seqs, images, inputs)
     with torch.no_grad():
         ours = packed_logprobs(model, batch)
@@ -433,7 +411,7 @@ def test_gemma3_rollouts_are_sampled_under_the_attention_the_trainer_scores():
 
     model = gemma3(torch.float32)
     engine = HFRolloutEngine(copy.deepcopy(model))
-    image, n = gemma3_image(1, torch.float32)
+    image, n = llava_image(1, torch.float32)
     prompt = [1, 5, START, *[IMAGE] * n, END, 6]
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=0, suppress_token_ids=(IMAGE,))
     rollouts = engine.generate([prompt], 4, sampling, images=[PromptImages([image], [], [])]).rollouts
