@@ -441,3 +441,20 @@ def test_a_model_whose_text_reaches_its_images_by_cross_attention_is_refused():
     messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (16, 16))}, {"type": "text", "text": "what is it?"}]}]
     with pytest.raises(ValueError, match=r"the processor gives per-token inputs \(cross_attention_mask\) besides the image placeholders"):
         ImageRenderer(processor).render(messages, add_generation_prompt=True)
+
+
+def test_which_models_group_image_tokens_into_blocks_and_by_which_rule():
+    """Only the Gemma family's rule (each run of image tokens one block) is what a packed row computes; a model that
+    builds its blocks otherwise (Molmo2: every image token in one block; PaliGemma, DeepSeek-OCR 2: a prefix) has its
+    image rows refused, and the rest attend causally."""
+    from lightning_rl.models.multimodal import image_block_rule
+
+    rules = {name: image_block_rule(getattr(transformers, name)) for name in (
+        "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Molmo2ForConditionalGeneration",
+        "PaliGemmaForConditionalGeneration", "DeepseekOcr2ForConditionalGeneration", "LlavaForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration", "Idefics3ForConditionalGeneration")}  # fmt: skip
+    assert rules == {
+        "Gemma3ForConditionalGeneration": "runs", "Gemma4ForConditionalGeneration": "runs", "Molmo2ForConditionalGeneration": "other",
+        "PaliGemmaForConditionalGeneration": "other", "DeepseekOcr2ForConditionalGeneration": "other",
+        "LlavaForConditionalGeneration": None, "Qwen2VLForConditionalGeneration": None, "Idefics3ForConditionalGeneration": None,
+    }  # fmt: skip

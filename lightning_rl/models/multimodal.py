@@ -33,24 +33,29 @@ def uses_multi_axis_positions(model: nn.Module) -> bool:
 
 
 @functools.cache
-def _builds_block_masks(cls: type) -> bool:
+def image_block_rule(cls: type) -> str | None:
+    """How a transformers model class groups tokens into blocks that attend to each other both ways: ``"runs"`` (the
+    Gemma family's ``get_block_sequence_ids_for_mask``: each run of image tokens is one block), ``"other"`` (it builds
+    ``block_sequence_ids`` by a rule of its own: all images as one block, a fixed prefix, ...), or None (causal)."""
+    rule = None
     for klass in cls.__mro__:
         module = sys.modules.get(klass.__module__)
         if module is None or not module.__name__.startswith("transformers.models."):
             continue
+        if callable(getattr(module, "get_block_sequence_ids_for_mask", None)):
+            return "runs"
         try:
             if "block_sequence_ids" in inspect.getsource(module):
-                return True
+                rule = "other"
         except (OSError, TypeError):
             continue
-    return False
+    return rule
 
 
 def attends_within_images_both_ways(model: nn.Module) -> bool:
-    """Whether the model lets an image's tokens attend to each other in both directions (Gemma 3 and 4, PaliGemma's
-    prefix): transformers builds those masks from ``block_sequence_ids``, read off the token types its processor
-    passes (1 on image tokens)."""
-    return _builds_block_masks(type(model))
+    """Whether each image's tokens attend to each other both ways, one block per run of them (Gemma 3 and 4), as
+    transformers builds those masks from the token types the model's processor passes (1 on image tokens)."""
+    return image_block_rule(type(model)) == "runs"
 
 
 _TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
