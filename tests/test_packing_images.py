@@ -1,7 +1,7 @@
 """Tree packing with images: the G completions of an image prompt share its image tokens, the row holds each image
 of a shared prefix once (so the vision encoder sees it once), and per-token log-probs and every gradient, vision
 tower included, equal each sequence run alone. Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V (multi-axis rotary
-positions for images), LLaVA, LLaVA-NeXT, Idefics3, InternVL and Gemma 3 (plain 1-D positions; Gemma 3's image tokens
+positions for images), LLaVA, LLaVA-NeXT, Idefics3, InternVL, Aya Vision and Gemma 3 (plain 1-D positions; Gemma 3's image tokens
 attend to their whole image), and Muse Spark, tiny configs with random weights; PaliGemma, bidirectional over its
 prefix, and Mllama, whose text reaches its images by cross-attention, are refused."""
 
@@ -177,12 +177,24 @@ def glm4v(dtype):
     return seeded(transformers.Glm4vForConditionalGeneration, config, dtype)
 
 
+def aya_vision(dtype):
+    """Aya Vision: a SigLIP tower, pixel shuffle, a Cohere2 decoder (sliding and full layers) whose logit scale its
+    own causal-LM class applies but the image-text wrapper does not: the probe sees which, and scores with it."""
+    config = transformers.AyaVisionConfig(
+        text_config=dict(TEXT, model_type="cohere2", sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=8, patch_size=2),
+        image_token_index=IMAGE, downsample_factor=2,
+    )  # fmt: skip
+    return seeded(transformers.AyaVisionForConditionalGeneration, config, dtype)
+
+
 # Families that compute parts of their layers in float32 even when the model is fp64 (Muse Spark's router and norms).
 FP32_INSIDE = {"muse_spark"}
 FAMILIES = {"qwen2_vl": (qwen2_vl, qwen2_vl_image), "qwen2_5_vl": (qwen2_5_vl, qwen2_vl_image), "qwen3_vl": (qwen3_vl, qwen2_vl_image),
             "llava": (llava, llava_image), "muse_spark": (muse_spark, muse_spark_image),
             "idefics3": (idefics3, idefics3_image), "llava_next": (llava_next, llava_next_image), "gemma3": (gemma3, llava_image),
-            "internvl": (internvl, llava_image), "glm4v": (glm4v, qwen2_vl_image)}
+            "internvl": (internvl, llava_image), "glm4v": (glm4v, qwen2_vl_image), "aya_vision": (aya_vision, llava_image)}
 
 
 def stacked(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -6,6 +6,8 @@ one chunk of logits at a time, so peak memory is one [chunk x vocab] block whate
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -145,9 +147,34 @@ def token_entropy(
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype))
 
 
+# Per model, the (scale, softcap) its own forward was seen to apply to ``h @ W.T``, where that is not what its text
+# config names (an image-text wrapper whose forward skips its text model's logit scale).
+_SEEN_SCALING: weakref.WeakKeyDictionary[nn.Module, tuple[float, float | None]] = weakref.WeakKeyDictionary()
+
+
+def match_head_scaling(model: nn.Module, hidden: Tensor, logits: Tensor) -> None:
+    """Compare the model's own ``logits`` for ``hidden`` (the head's inputs) with the transform its text config names
+    and with none, and score with the one that matches: a logit scale or soft-cap the config names applies only if the
+    model's forward applies it."""
+    head = model.get_output_embeddings()
+    named = LogitTransform.of(model.config)
+    if (named.scale, named.softcap) == (1.0, None) or not isinstance(head, nn.Linear):
+        return
+    z = nn.functional.linear(hidden, head.weight, head.bias).to(_logit_dtype(hidden.dtype))
+    target = logits.to(z.dtype)
+    applied = z * named.scale if named.softcap is None else named.softcap * torch.tanh(z * named.scale / named.softcap)
+    named_error, bare_error = float((applied - target).abs().max()), float((z - target).abs().max())
+    # The named transform stands unless it is plainly not what the forward computes and the bare logits plainly are.
+    if named_error > 1e-3 * (1.0 + float(target.abs().max())) and bare_error * 100 < named_error:
+        _SEEN_SCALING[model] = (1.0, None)
+    else:
+        _SEEN_SCALING.pop(model, None)
+
+
 def lm_head_of(model: nn.Module, temperature: float = 1.0, suppressed: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None, LogitTransform]:
     """The output projection's weight and bias, and what the model (and sampling: its ``temperature``, the
-    ``suppressed`` tokens it never samples) does to its logits."""
+    ``suppressed`` tokens it never samples) does to its logits: what its config names, unless its own forward was
+    seen to do otherwise (`match_head_scaling`)."""
     head = model.get_output_embeddings()
     extra = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"}) if isinstance(head, nn.Module) else []
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
@@ -156,4 +183,8 @@ def lm_head_of(model: nn.Module, temperature: float = 1.0, suppressed: tuple[int
             f"{type(model).__name__}: the output head is a {type(head).__name__}{what}; the chunked LM head computes a plain linear layer only "
             "(do not adapt lm_head with LoRA)"
         )
-    return head.weight, head.bias, LogitTransform.of(model.config, temperature, suppressed)
+    transform = LogitTransform.of(model.config, temperature, suppressed)
+    if model in _SEEN_SCALING:
+        scale, softcap = _SEEN_SCALING[model]
+        transform = dataclasses.replace(transform, scale=scale, softcap=softcap)
+    return head.weight, head.bias, transform

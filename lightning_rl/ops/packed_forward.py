@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
-from lightning_rl.ops.logprobs import lm_head_of, token_entropy, token_logprobs
+from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs
 from lightning_rl.models.multimodal import (
     attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, uses_multi_axis_positions,
 )
@@ -261,6 +261,10 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         _refuse_layers_without_tree(model, meta, _outermost_layers_run(model, run))
         _ATTENTION_MODULES[model] = len(meta.layers_called)
         hidden = captured[0]
+        # Which logit scale the model's own forward applies: the one its config names, or none (a wrapper's own forward).
+        first = _right_padded(torch.tensor(seqs[0], device=device), pad_to_multiple_of)
+        alone = head_inputs(model, first, torch.arange(len(first), device=device))
+        match_head_scaling(model, alone[-1:], model(input_ids=first[None], attention_mask=torch.ones_like(first[None]), use_cache=False).logits[0, -1:])
         weight, bias, transform = lm_head_of(model)
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         reference = []
