@@ -261,18 +261,17 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         _refuse_layers_without_tree(model, meta, _outermost_layers_run(model, run))
         _ATTENTION_MODULES[model] = len(meta.layers_called)
         hidden = captured[0]
-        # Which logit scale the model's own forward applies: the one its config names, or none (a wrapper's own forward).
-        first = _right_padded(torch.tensor(seqs[0], device=device), pad_to_multiple_of)
-        alone = head_inputs(model, first, torch.arange(len(first), device=device))
-        match_head_scaling(model, alone[-1:], model(input_ids=first[None], attention_mask=torch.ones_like(first[None]), use_cache=False).logits[0, -1:])
-        weight, bias, transform = lm_head_of(model)
-        packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         reference = []
-        for s in seqs:
+        for k, s in enumerate(seqs):
             ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
+            if k == 0:  # which logit scale the model's own forward applies, read off the first sequence's packed path
+                rows, _ = sequence_paths(batch, [0])[0]
+                match_head_scaling(model, hidden[rows], logits[: len(rows)])
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1 : len(s), None]).squeeze(1))
+        weight, bias, transform = lm_head_of(model)
+        packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
         error = float((packed - torch.cat(reference)).abs().max())
     finally:
         for module, training in modes:
