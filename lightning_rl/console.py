@@ -1,8 +1,10 @@
-"""What a run prints: a progress bar by optimizer step, and filters for third-party noise that says nothing about it."""
+"""What a run prints: progress by optimizer step (a bar on a terminal, a plain line every few steps in a log file), and
+filters for third-party noise that says nothing about it."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -10,16 +12,43 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
-# Short names for the figures modules show on the bar (``self.log(..., prog_bar=True)``).
-_SHORT = {"train/tokens_per_s": "tok/s", "train/loss": "loss", "train/reward": "reward", "val/loss": "val_loss"}
+# The figures progress shows, in this order and under these short names, when the run logs them (SFT: loss; GRPO:
+# reward, KL to the reference, the clipped fraction of tokens), whether or not they were logged with ``prog_bar``.
+_SHORT = {
+    "train/loss": "loss",
+    "train/reward": "reward",
+    "train/kl": "kl",
+    "train/clip/fraction": "clip",
+    "train/lr": "lr",
+    "train/tokens_per_s": "tok/s",
+    "val/loss": "val_loss",
+}
+
+
+def _number(value: float) -> str:
+    return f"{value:.3g}" if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5) else f"{value:.4g}"
 
 
 class StepProgressBar(TQDMProgressBar):
-    """The optimizer step out of the run's total (``max_steps``, or what the epochs come to), with tokens/s and the
-    loss (SFT) or reward (GRPO) under short names; one bar across epochs, which a step-based run does not count."""
+    """The optimizer step out of the run's total (``max_steps``, or what the epochs come to), with the figures of
+    ``_SHORT``; one bar across epochs, which a step-based run does not count.
+
+    When the output is not a terminal (a SLURM log, ``| tee``), carriage returns would make the whole run one line:
+    progress is then one plain line every ``trainer.log_every_n_steps`` optimizer steps and at the last one.
+    """
+
+    def __init__(self, terminal: bool | None = None) -> None:
+        super().__init__()
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self._printed_step = -1
+
+    @property
+    def is_disabled(self) -> bool:
+        return super().is_disabled or not self.terminal
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._printed_step = trainer.global_step
         self.train_progress_bar.set_description("step")
         self.train_progress_bar.reset(total=convert_inf(trainer.estimated_stepping_batches))
         self.train_progress_bar.n = trainer.global_step  # a resumed run starts where it stopped
@@ -29,6 +58,9 @@ class StepProgressBar(TQDMProgressBar):
         pass  # no per-epoch bar: the bar counts optimizer steps
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.terminal:
+            self._print_line(trainer)
+            return
         bar = self.train_progress_bar
         if bar is None or trainer.global_step == bar.n or not self._should_update(trainer.global_step, bar.total):
             return
@@ -39,10 +71,25 @@ class StepProgressBar(TQDMProgressBar):
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
+    def _print_line(self, trainer: Trainer) -> None:
+        step, total = trainer.global_step, convert_inf(trainer.estimated_stepping_batches)
+        last = total is not None and step >= total
+        if super().is_disabled or step == self._printed_step or not (last or step % max(trainer.log_every_n_steps, 1) == 0):
+            return
+        self._printed_step = step
+        shown = "  ".join(f"{name} {_number(value)}" for name, value in self.figures(trainer).items())
+        print(f"step {step}/{total if total is not None else '?'}  {shown}".rstrip(), flush=True)
+
+    def figures(self, trainer: Trainer) -> dict[str, float]:
+        """The figures of ``_SHORT`` the run has logged, as plain numbers under their short names."""
+        logged = trainer.callback_metrics
+        return {short: float(logged[name]) for name, short in _SHORT.items() if name in logged}
+
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
-        return {_SHORT.get(name, name.removeprefix("train/")): value for name, value in metrics.items()}
+        shown = {_SHORT.get(name, name.removeprefix("train/")): value for name, value in metrics.items()}
+        return {**shown, **{name: _number(value) for name, value in self.figures(trainer).items() if name not in shown}}
 
 
 class _DropTips(logging.Filter):

@@ -14,18 +14,34 @@ from lightning_rl.data.sft import SFTDataModule
 from lightning_rl.modules.sft import SFTModule
 
 
-def test_the_bar_counts_optimizer_steps_across_epochs(tmp_path, tiny_path):
-    bar = StepProgressBar()
+def _fit_sft(tmp_path, bar, **trainer_args):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:8]))  # a few rows: several epochs
     trainer = Trainer(accelerator="cpu", max_steps=5, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[bar, RunSummary(tmp_path, task="sft")])  # fmt: skip
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[bar, RunSummary(tmp_path, task="sft")],
+                      **trainer_args)  # fmt: skip
     trainer.fit(SFTModule(learning_rate=1e-3, eval_generations=0), datamodule=SFTDataModule(rows, TOY_HELDOUT, max_tokens=128))
+    return trainer
+
+
+def test_the_bar_counts_optimizer_steps_across_epochs(tmp_path, tiny_path):
+    bar = StepProgressBar(terminal=True)
+    trainer = _fit_sft(tmp_path, bar)
     assert trainer.current_epoch > 1
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (5, 5)
     assert bar.train_progress_bar.desc.startswith("step")
     shown = bar.get_metrics(trainer, trainer.lightning_module)
-    assert {"loss", "tok/s"} <= set(shown) and "v_num" not in shown and not any(k.startswith("train/") for k in shown)
+    assert {"loss", "lr", "tok/s"} <= set(shown) and "v_num" not in shown and not any(k.startswith("train/") for k in shown)
+
+
+def test_without_a_terminal_progress_is_a_plain_line_every_few_steps(tmp_path, tiny_path, capsys):
+    """A SLURM log or a pipe gets lines, not carriage returns: one every log_every_n_steps steps and at the last."""
+    _fit_sft(tmp_path, StepProgressBar(terminal=False), log_every_n_steps=2)
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"], out
+    assert all(" loss " in line and " lr " in line and " tok/s " in line for line in lines), lines
 
 
 def test_lightning_tips_are_dropped(caplog):
