@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict
@@ -30,6 +31,24 @@ def package_versions(names: tuple[str, ...]) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = ABSENT
     return versions
+
+
+def threads_and_load(load: float | None = None, cores: int | None = None) -> dict[str, Any]:
+    """The CPU threads torch would use here, the machine's load, and a warning when the load exceeds the cores: a
+    run's default threads then contend with other work (measured: one SFT run took 262 s with default threads on a
+    loaded 2-core machine, 29 s with OMP_NUM_THREADS=1)."""
+    import torch  # already imported by the device detection; kept local, like the rest of what the report reads
+
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load is None and hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+    found: dict[str, Any] = {"intra_op_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                             "load_1min": load, "usable_cores": cores}  # fmt: skip
+    if load is not None and load > cores:
+        found["warning"] = (f"load {load:.1f} exceeds the {cores} usable cores: a run's threads will contend with other "
+                            "work; run with OMP_NUM_THREADS=1 on this machine, or wait for it to quieten")  # fmt: skip
+    return found
 
 
 def collect(inventory: DeviceInventory | None = None) -> dict[str, Any]:
@@ -61,6 +80,7 @@ def collect(inventory: DeviceInventory | None = None) -> dict[str, Any]:
             "visible_devices": inventory.env,
         },
         "strategies": [asdict(status) for status in strategy_statuses(inventory)],
+        "threads": threads_and_load(),
     }
 
 
@@ -76,6 +96,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"{name:<13} {devices[name]}")
     for key, value in devices["visible_devices"].items():
         lines.append(f"{'':<13} {key}={value}")
+    threads = report["threads"]
+    load = "unknown" if threads["load_1min"] is None else f"{threads['load_1min']:.2f}"
+    lines.append(f"{'threads':<13} {threads['intra_op_threads']} intra-op (OMP_NUM_THREADS={threads['omp_num_threads'] or 'unset'}), "
+                 f"load {load} on {threads['usable_cores']} usable cores")  # fmt: skip
+    if "warning" in threads:
+        lines.append(f"{'':<13} warning: {threads['warning']}")
     lines.append("")
     lines.append("strategies (trainer.strategy):")
     for status in report["strategies"]:

@@ -97,3 +97,13 @@ def test_described_machines() -> None:
 
     cpu = env_report.collect(CPU)
     assert all(v == env_report.ABSENT for k, v in cpu["devices"].items() if k in ("cuda", "rocm", "neuron", "xla"))
+
+
+def test_env_warns_when_the_load_exceeds_the_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_rl.env_report import threads_and_load
+
+    quiet, loaded = threads_and_load(load=0.5, cores=2), threads_and_load(load=3.5, cores=2)
+    assert "warning" not in quiet and quiet["intra_op_threads"] == torch.get_num_threads()
+    assert "load 3.5 exceeds the 2 usable cores" in loaded["warning"] and "OMP_NUM_THREADS=1" in loaded["warning"]
+    assert env_command([]) == 0
+    assert f"{torch.get_num_threads()} intra-op (OMP_NUM_THREADS=" in capsys.readouterr().out
