@@ -2,6 +2,9 @@
 
 The LM head runs in chunks of tokens. The forward keeps only each token's log-sum-exp; the backward recomputes
 one chunk of logits at a time, so peak memory is one [chunk x vocab] block whatever the number of tokens.
+
+With a per-token ``support`` (the token ids a sampling filter kept: top-k, top-p, min-p) a token's log-prob is that
+of the distribution the sampler drew from, renormalised over its support: ``z[target] - logsumexp(z[support])``.
 """
 
 from __future__ import annotations
@@ -65,24 +68,56 @@ def _suppress(logits: Tensor, transform: LogitTransform) -> Tensor:
     return logits
 
 
+def _normaliser(logits: Tensor, support: Tensor | None) -> Tensor:
+    """Each row's log-sum-exp over its support, or over the whole row where it has none (padding only)."""
+    full = torch.logsumexp(logits, dim=-1)
+    if support is None:
+        return full
+    kept, restricted = _kept(support)
+    within = torch.logsumexp(_support_logits(logits, support, kept), dim=-1)
+    return torch.where(restricted, within, full)
+
+
+def _kept(support: Tensor) -> tuple[Tensor, Tensor]:
+    """Which entries of ``support`` are token ids (the rest is -1 padding), and which rows hold any."""
+    kept = support >= 0
+    return kept, kept.any(dim=1)
+
+
+def _support_logits(logits: Tensor, support: Tensor, kept: Tensor) -> Tensor:
+    return logits.gather(1, support.clamp(min=0)).masked_fill_(~kept, float("-inf"))
+
+
+def _check_support(support: Tensor, targets: Tensor, start: int) -> None:
+    kept, restricted = _kept(support)
+    outside = restricted & ~((support == targets[:, None]) & kept).any(dim=1)
+    if bool(outside.any()):
+        row = start + int(outside.nonzero()[0, 0])
+        raise ValueError(f"token {row}: target {int(targets[row - start])} is not in its sampling support (the sampler cannot have drawn it)")
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, transform):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, transform, support):
         logprobs = torch.empty(targets.shape, dtype=_logit_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logprobs)
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk_size):
-                logits, _ = _chunk_logits(hidden[s : s + chunk_size], weight, bias, transform)
-                lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
-                logprobs[s : s + chunk_size] = picked - lse[s : s + chunk_size]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+                rows = slice(s, s + chunk_size)
+                sup = None if support is None else support[rows].long()
+                if sup is not None:
+                    _check_support(sup, targets[rows], s)
+                logits, _ = _chunk_logits(hidden[rows], weight, bias, transform)
+                lse[rows] = _normaliser(logits, sup)
+                picked = logits.gather(1, targets[rows, None]).squeeze(1)
+                logprobs[rows] = picked - lse[rows]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, support)
         ctx.chunk_size, ctx.transform = chunk_size, transform
         return logprobs
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, support = ctx.saved_tensors
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = _logit_dtype(hidden.dtype)
@@ -92,8 +127,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
             rows = slice(s, s + ctx.chunk_size)
             h, go = hidden[rows], grad_out[rows].to(acc)
             logits, t = _chunk_logits(h, weight, bias, transform)
-            # d logp(target) / d logits = onehot(target) - softmax(logits), scaled by the upstream gradient
-            g = logits.sub_(lse[rows, None]).exp_().mul_(-go[:, None])
+            # d logp(target) / d logits = onehot(target) - p, p the distribution normalised by lse (its support's, or
+            # the whole row's), scaled by the upstream gradient
+            sup = None if support is None else support[rows].long()
+            within = None if sup is None else _support_logits(logits, sup, _kept(sup)[0]).sub_(lse[rows, None]).exp_()
+            g = logits.sub_(lse[rows, None]).exp_()
+            if sup is not None:
+                g.masked_fill_(_kept(sup)[1][:, None], 0.0).scatter_add_(1, sup.clamp(min=0), within)
+            g.mul_(-go[:, None])
             g.scatter_add_(1, targets[rows, None], go[:, None])
             if t is not None:
                 g.mul_(t.mul_(t).neg_().add_(1))
@@ -107,7 +148,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += g.to(acc).sum(0)
         to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None
+        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None, None
 
 
 def token_logprobs(
@@ -118,11 +159,18 @@ def token_logprobs(
     chunk_size: int = 1024,
     transform: LogitTransform = LogitTransform(),
     bias: Tensor | None = None,
+    support: Tensor | None = None,
 ) -> Tensor:
-    """log p(targets[i] | hidden[i]) under the LM head, in fp32 (fp64 for fp64 inputs), ``chunk_size`` tokens at a time."""
+    """log p(targets[i] | hidden[i]) under the LM head, in fp32 (fp64 for fp64 inputs), ``chunk_size`` tokens at a time.
+
+    ``support`` ([tokens, K] token ids, -1 as padding): row ``i`` holds the tokens the sampler could draw at token
+    ``i``, and its log-prob is renormalised over them; a row of padding only scores the whole distribution.
+    """
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)) + 0 * lm_head_weight.sum()
-    return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform)
+    if support is not None and (support.dim() != 2 or support.shape[0] != targets.shape[0]):
+        raise ValueError(f"support of shape {tuple(support.shape)} for {targets.shape[0]} tokens (want [tokens, K])")
+    return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform, support)
 
 
 def token_entropy(

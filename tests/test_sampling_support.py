@@ -1,0 +1,90 @@
+"""Scoring what the sampler drew from: log-probs renormalised over each token's sampling support.
+
+The chunked LM head against a dense fp64 reference (forward and gradient), its refusals, and the support
+travelling through tree packing with the token it was drawn for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_rl.ops.logprobs import LogitTransform, token_logprobs
+from lightning_rl.packing import pack_sequences
+
+
+def random_support(logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Per row, a top-k support of a random size holding the target, padded with -1; every third row has none."""
+    rows, vocab = logits.shape
+    width = 9
+    support = torch.full((rows, width), -1, dtype=torch.int32)
+    for i in range(rows):
+        if i % 3 == 2:
+            continue  # padding only: the whole distribution
+        k = int(torch.randint(1, width + 1, (), generator=generator))
+        kept = [t for t in logits[i].topk(vocab).indices.tolist() if t != targets[i]][: k - 1] + [int(targets[i])]
+        support[i, torch.randperm(width, generator=generator)[:k]] = torch.tensor(kept, dtype=torch.int32)
+    return support
+
+
+def dense_restricted(h, w, b, targets, support, transform):
+    """z[target] - logsumexp(z[support]) on the full [tokens x vocab] logits, masking what the support leaves out."""
+    z = torch.nn.functional.linear(h, w, b) * transform.scale
+    if transform.softcap:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    z = z / transform.temperature
+    if support is not None:
+        allowed = torch.zeros_like(z, dtype=torch.bool)
+        for i, row in enumerate(support.tolist()):
+            ids = [t for t in row if t >= 0]
+            allowed[i, ids or slice(None)] = True
+        z = z.masked_fill(~allowed, float("-inf"))
+    return torch.log_softmax(z, -1).gather(1, targets[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=3.0, temperature=0.7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_restricted_logprobs_match_dense_reference_fp64(transform, with_bias):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(97, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(97, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, 97, (40,), generator=g)
+    with torch.no_grad():
+        support = random_support(h @ w.t(), targets, g)
+    chunked = token_logprobs(h, w, targets, chunk_size=7, transform=transform, bias=b, support=support)
+    dense = dense_restricted(h, w, b, targets, support, transform)
+    torch.testing.assert_close(chunked, dense, atol=1e-12, rtol=0)
+    unrestricted = dense_restricted(h, w, b, targets, None, transform)
+    restricted = (support >= 0).any(1)
+    assert (chunked - unrestricted)[restricted].mean() > 0.1  # renormalising over the support raises the scores
+    torch.testing.assert_close(chunked[~restricted], unrestricted[~restricted], atol=1e-12, rtol=0)
+    up = torch.randn(40, dtype=torch.float64, generator=g)
+    params = (h, w) + ((b,) if b is not None else ())
+    for ours, ref in zip(torch.autograd.grad(chunked, params, up), torch.autograd.grad(dense, params, up)):
+        torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-10)
+
+
+def test_without_support_scores_are_unchanged():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(20, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (20,), generator=g)
+    padding_only = torch.full((20, 4), -1)
+    plain = token_logprobs(h, w, targets, chunk_size=6)
+    padded = token_logprobs(h, w, targets, chunk_size=6, support=padding_only)
+    dense = torch.log_softmax(h @ w.t(), -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(plain, dense, atol=1e-12, rtol=0)
+    assert torch.equal(plain, padded)
+    up = torch.randn(20, dtype=torch.float64, generator=g)
+    for a, c in zip(torch.autograd.grad(plain, (h, w), up), torch.autograd.grad(dense, (h, w), up)):
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-10)
+
+
+def test_a_target_outside_its_support_is_refused():
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    support = torch.tensor([[1, 2], [3, -1], [-1, -1]])
+    with pytest.raises(ValueError, match="token 1: target 4 is not in its sampling support"):
+        token_logprobs(h, w, torch.tensor([2, 4, 7]), support=support)
+    with pytest.raises(ValueError, match=r"support of shape \(3,\) for 3 tokens"):
+        token_logprobs(h, w, torch.tensor([2, 3, 7]), support=torch.tensor([1, 2, 3]))
