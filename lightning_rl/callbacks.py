@@ -110,8 +110,11 @@ class RunSummary(Callback):
             "micro_batches": len(self.losses),
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,
-            f"first_{n}_mean_loss": self._mean(self.losses[:n]),
-            f"last_{n}_mean_loss": self._mean(self.losses[-n:]),
+            # Fixed names whatever the run's length (GRPO says reward_first_window_mean the same way); the window's
+            # size, which a short run shrinks, is given beside them.
+            "loss_first_window_mean": self._mean(self.losses[:n]),
+            "loss_last_window_mean": self._mean(self.losses[-n:]),
+            "loss_window": n,
             "tokens": self.tokens,
             "flat_tokens": self.flat_tokens,
             "tokens_per_s": self.tokens / self.train_seconds if self.train_seconds else None,

@@ -118,7 +118,7 @@ def test_tiny_recipe_end_to_end_learns(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "sft" and summary["steps"] == 100 and summary["packing"] == "tree"
-    assert summary["last_10_mean_loss"] < 0.4 * summary["first_10_mean_loss"], summary
+    assert summary["loss_last_window_mean"] < 0.4 * summary["loss_first_window_mean"], summary
     # Held-out answers decoded greedily from scratch; chance is about 1 in 10 for `max`, 1 in 100 for `add`, so
     # about 0.05 in all. (SFT sees only 40 `max` demonstrations: recipes/tiny/grpo_from_sft.yaml teaches the rest.)
     assert summary["heldout_exact_match"] >= 0.15, summary

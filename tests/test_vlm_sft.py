@@ -25,7 +25,7 @@ def test_the_tiny_vlm_learns_the_image_task_well_above_chance(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     chance = 1 / len(COLOURS)
     assert summary["heldout_examples"] == 100 and summary["heldout_exact_match"] >= 2 * chance, summary
-    assert summary["packing"] == "tree" and summary["last_10_mean_loss"] < summary["first_10_mean_loss"] / 4
+    assert summary["packing"] == "tree" and summary["loss_last_window_mean"] < summary["loss_first_window_mean"] / 4
 
 
 def _row(image: str, answer: str = "red", text: str = "What colour is the square?", where: str = "user") -> dict:
