@@ -32,6 +32,7 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import (
     ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
 )
+from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
@@ -459,7 +460,7 @@ class SFTDataModule(LightningDataModule):
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
         shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order).
         seed: the shuffle's seed (a recipe's top-level ``seed``).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
     """
 
     def __init__(
@@ -527,7 +528,8 @@ class SFTDataModule(LightningDataModule):
             image_token_id=self.image_token_id,
             position_rule=self.position_rule,
         )
-        return DataLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers), sampler
+        loader = WorkerLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers)
+        return loader, sampler
 
     def train_dataloader(self) -> DataLoader:
         loader, self._sampler = self._loader(self.train_examples, self.shuffle, self.seed)
