@@ -13,11 +13,6 @@ import json
 import os
 import random
 import signal
-import statistics
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,85 +20,11 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_rl.checkpoints import checkpoint_step
-from lightning_rl.rollout.vllm_server_process import free_port
 from support.recipe_runs import exported
 from support.paths import REPO, TOY_TRAIN
+from support.signalled_runs import Recipe, log_of, signal_mid_step, steps_done, wait_until
 
-TESTS = Path(__file__).resolve().parent
-EXIT_BOUND_S = 60  # from the signal to the exit of the signalled process; a step here takes well under a second
 MAX_STEPS = 14
-
-
-class Progress(Callback):
-    """Appends each finished optimizer step to $PROGRESS_FILE (rank 0), so the test can aim its signals."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.is_global_zero:
-            with open(os.environ["PROGRESS_FILE"], "a") as f:
-                f.write(f"{trainer.global_step} {time.monotonic()}\n")
-
-
-@dataclass
-class Recipe:
-    """One of the runs under test: its recipe arguments and how many processes it uses."""
-
-    args: list[str]
-    ranks: int
-
-    def start(self, out: Path, *extra: str) -> subprocess.Popen:
-        """Start the run in a session of its own (so a signal can go to every rank at once), output to files."""
-        out.parent.mkdir(parents=True, exist_ok=True)
-        progress = out.with_name(out.name + ".progress")
-        progress.unlink(missing_ok=True)
-        env = {
-            **os.environ, "MASTER_PORT": str(free_port()), "PROGRESS_FILE": str(progress),
-            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        }  # fmt: skip
-        cmd = [str(Path(sys.executable).parent / "lightning-rl"), "run", *self.args, f"--output_dir={out}",
-               "--trainer.callbacks+=test_fault_injection.Progress", *extra]  # fmt: skip
-        log = open(out.with_name(out.name + ".log"), "a")
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def run(self, out: Path, *extra: str) -> str:
-        """Run to the end; returns its output."""
-        proc = self.start(out, *extra)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # never leave a hung run behind
-            raise AssertionError(f"the run did not finish within 300 s:\n{log_of(out)[-4000:]}") from None
-        assert code == 0, log_of(out)[-4000:]
-        return log_of(out)
-
-
-def log_of(out: Path) -> str:
-    return out.with_name(out.name + ".log").read_text()
-
-
-def progress(out: Path) -> list[tuple[int, float]]:
-    """(step, when) of each finished optimizer step of the run."""
-    path = out.with_name(out.name + ".progress")
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(int(step), float(when)) for step, when in (line.split() for line in lines if line.count(" ") == 1)]
-
-
-def steps_done(out: Path) -> int:
-    return max((step for step, _ in progress(out)), default=0)
-
-
-def step_seconds(out: Path) -> float:
-    """How long a step of the run takes: the median of its steps so far (one slow step, a checkpoint's, say, must
-    not stretch the wait for "somewhere inside the next step" over several steps)."""
-    times = [when for _, when in progress(out)]
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
-
-
-def wait_until(condition, proc: subprocess.Popen, out: Path, timeout: float = 300, poll: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the fault:\n{log_of(out)[-3000:]}"
-        assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(poll)
 
 
 def leftovers(out: Path) -> list[Path]:
@@ -117,44 +38,10 @@ def assert_same_weights(reference: Path, resumed: Path) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
-def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, to_group: bool, resume: bool) -> int:
-    """Signal the run at a random moment of a random step; it must exit 143 within the bound, having saved a complete
-    checkpoint of the step it stopped after. Returns that step."""
-    name = signal.Signals(signum).name
-    proc = recipe.start(out, *(["--ckpt_path=last"] if resume else []))
-    wait_until(lambda: progress(out), proc, out)
-    first = progress(out)[0][0]
-    after = min(first + rng.randint(1, 2), MAX_STEPS - 3)
-    assert after > first, "too many faults for MAX_STEPS"
-    wait_until(lambda: steps_done(out) >= after, proc, out)
-    time.sleep(rng.uniform(0.0, step_seconds(out)))  # somewhere inside the next step: forward, backward, a collective, a save
-    if to_group:
-        os.killpg(proc.pid, signum)  # as a scheduler does: every rank at once
-    else:
-        proc.send_signal(signum)  # rank 0 only: the others learn it at the next step boundary
-    sent = time.monotonic()
-    try:
-        code = proc.wait(timeout=EXIT_BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{name} after step {after}: no exit within {EXIT_BOUND_S}s\n{log_of(out)[-3000:]}")
-    assert time.monotonic() - sent < EXIT_BOUND_S
-    log = log_of(out)
-    assert code == 143, f"{name} after step {after}: exit {code}\n{log[-3000:]}"
-    stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
-    assert stopped[-1].startswith(f"stopped by {name} after step"), stopped
-    step = int(stopped[-1].split("after step ")[1].split(";")[0])
-    assert after <= step < MAX_STEPS and not (out / "hf").exists()
-    assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / f"hpc_ckpt_{step}.ckpt"]  # it replaced the earlier one
-    assert checkpoint_step(out / f"hpc_ckpt_{step}.ckpt") == step  # saved where the signal found it, complete
-    return step
-
-
 def signalled_again_and_again(recipe: Recipe, reference: Path, out: Path, rng: random.Random, faults: list[tuple[int, bool]]) -> None:
     """A run stopped by each of ``faults`` in turn, resumed after each; it ends with the reference's weights."""
     for attempt, (signum, to_group) in enumerate(faults):
-        step = signal_mid_step(recipe, out, rng, signum, to_group, resume=attempt > 0)
+        step = signal_mid_step(recipe, out, rng, signum, to_group, resume=attempt > 0, max_steps=MAX_STEPS)
     log = recipe.run(out, "--ckpt_path=last")
     assert f"resume: step {step} from hpc_ckpt_{step}.ckpt, the newest complete checkpoint" in log
     assert leftovers(out) == []
