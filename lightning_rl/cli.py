@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_rl import run_folder
 from lightning_rl.checkpoints import IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
 from lightning_rl.errors import RecipeError, UserError, report
 
@@ -93,13 +94,34 @@ class RunFolderLock:
 
 
 def check_run_folder(output_dir: Path, resuming: bool, overwrite: bool) -> None:
-    """A folder that holds an earlier run's outputs is only reused to resume it or, explicitly, to replace it."""
-    if resuming or overwrite or not output_dir.is_dir():
+    """A run writes only into an empty folder or one that holds a run (``lightning_rl/run_folder.py``), and into a
+    run's folder only to resume that run or, explicitly, to replace it. A run's export replaces hf/ whole, so a file
+    there that the run did not write is refused rather than lost."""
+    if not output_dir.is_dir():
         return
-    held = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_FILE)
-    if held:
-        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise RecipeError(f"output_dir: {output_dir} already holds a run ({shown}); resume it with --ckpt_path=last, or replace it with --overwrite", "output_dir")
+    held = sorted(path.name for path in output_dir.iterdir() if path.name not in (LOCK_FILE, run_folder.HF_LISTING))
+    if not held:
+        return
+    if not run_folder.is_run_folder(output_dir):
+        raise RecipeError(
+            f"output_dir: {output_dir} holds files that are not a run's ({_some(held)}; no {run_folder.RECIPE} written by a "
+            "run): a run neither writes into it nor, with --overwrite, removes anything from it; choose another output_dir",
+            "output_dir",
+        )  # fmt: skip
+    if not (resuming or overwrite):
+        raise RecipeError(
+            f"output_dir: {output_dir} already holds a run ({_some(held)}); resume it with --ckpt_path=last, or replace it "
+            "with --overwrite (which removes only the files the run wrote)", "output_dir",
+        )  # fmt: skip
+    if foreign := run_folder.not_exported(output_dir):
+        raise RecipeError(
+            f"output_dir: {output_dir}/{run_folder.HF} holds files the run did not write ({_some(foreign)}), and the run's "
+            f"export replaces {run_folder.HF}/ whole: move them out first", "output_dir",
+        )  # fmt: skip
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> str | None:

@@ -15,7 +15,6 @@ import inspect
 import netrc
 import os
 import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_rl import validation
+from lightning_rl import run_folder, validation
 from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, StopOnNonFinite
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
@@ -44,8 +43,6 @@ TASKS = {
 # The precisions every backend runs (README); Lightning's short aliases of them are accepted too.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-# What a run writes into OUTPUT_DIR, removed by --overwrite (anything else there is left alone).
-RUN_OUTPUTS = ("checkpoints", "hf", "summary.json", "recipe.yaml", "csv", "wandb", "hpc_ckpt_*.ckpt*")
 
 
 @dataclass
@@ -128,15 +125,10 @@ def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
     return WandbLogger(project=settings.project, name=settings.name, save_dir=str(output_dir), offline=offline)
 
 
-def remove_run_outputs(output_dir: Path) -> None:
-    for pattern in RUN_OUTPUTS:
-        for path in output_dir.glob(pattern):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
 class SaveRecipe(SaveConfigCallback):
-    """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's outputs
-    go, then the resolved recipe is written to OUTPUT_DIR/recipe.yaml (atomically)."""
+    """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's files go
+    (``lightning_rl/run_folder.py``: only those), then the resolved recipe is written to OUTPUT_DIR/recipe.yaml
+    (atomically) under the marker that makes the folder a run's. After the export, the run lists hf/'s files."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pass  # where SaveConfigCallback writes: too early, the model is not set up yet
@@ -145,15 +137,19 @@ class SaveRecipe(SaveConfigCallback):
         if not trainer.is_global_zero:
             return
         output_dir = Path(self.config["output_dir"])
-        if self.config["overwrite"] and self.config["ckpt_path"] is None:
-            remove_run_outputs(output_dir)
-        path = output_dir / "recipe.yaml"
+        if self.config["overwrite"]:
+            run_folder.remove_run_files(output_dir)
+        path = output_dir / run_folder.RECIPE
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         config = self.config.clone()
         config.overwrite = False  # rerunning the saved recipe must not replace this run
-        self.parser.save(config, str(tmp), skip_none=False, overwrite=True, multifile=False)
+        tmp.write_text(run_folder.marked(self.parser.dump(config, skip_none=False)), encoding="utf-8")
         os.replace(tmp, path)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:  # after ExportHuggingFace, which comes earlier among the callbacks
+            run_folder.record_export(Path(self.config["output_dir"]))
 
 
 class RecipeCLI(LightningCLI):
@@ -181,6 +177,13 @@ class RecipeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
+        if not str(self.config["output_dir"]).strip():
+            raise RecipeError(f"output_dir must name a folder, got {self.config['output_dir']!r}", "output_dir")
+        if self.config["overwrite"] and self.config["ckpt_path"] is not None:
+            raise RecipeError(
+                f"overwrite: --overwrite starts the run in output_dir over, --ckpt_path={self.config['ckpt_path']} resumes "
+                "a run: give one of them", "overwrite",
+            )  # fmt: skip
         check_trainer(self.config["trainer"])
 
     def instantiate_classes(self) -> None:

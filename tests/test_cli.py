@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from support.paths import REPO
-from lightning_rl import cli
+from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import StagedCheckpointIO
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"
@@ -81,7 +81,7 @@ def test_bad_data_row_stops_before_anything_is_written_and_keeps_earlier_outputs
     recipe = recipe_with(tmp_path, set_key("data.train_data", str(bad)))
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
-    earlier = {out / "summary.json": '{"steps": 7}\n', out / "checkpoints" / "last.ckpt": "earlier run", out / "recipe.yaml": "task: sft\n"}
+    earlier = {out / "summary.json": '{"steps": 7}\n', out / "checkpoints" / "last.ckpt": "earlier run", out / "recipe.yaml": run_folder.marked("task: sft\n")}
     for path, text in earlier.items():
         path.write_text(text)
     # --overwrite: the earlier outputs would be replaced, but only once the data has been checked.

@@ -33,12 +33,14 @@ ALLOWED = {
     "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
                 "rollout", "strategies", "tools", "validation"},
     "callbacks": {"checkpoints", "ops", "strategies", "errors"},
-    "recipe": {"callbacks", "checkpoints", "console", "errors", "strategies", "validation"},
+    "run_folder": set(),
+    "recipe": {"callbacks", "checkpoints", "console", "errors", "run_folder", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe"},
-    "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe"},
+    "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",
+            "run_folder"},
 }
 # Imports of ours inside a function, each for a reason other than a circle.
 DEFERRED = {

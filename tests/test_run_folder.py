@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lightning_rl import cli
+from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import newest_complete
 from support.paths import REPO, TOY_TRAIN
 
@@ -79,26 +79,81 @@ def test_non_finite_step_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert not (out / "hf").exists() and not (out / "summary.json").exists()
 
 
+def files(folder: Path) -> dict[Path, bytes]:
+    """Every file under ``folder`` and its bytes."""
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
 def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys, rows):
     out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    earlier = {out / "summary.json": '{"steps": 7}\n', out / "recipe.yaml": "task: sft\n", out / "checkpoints" / "step=7.ckpt": "x"}
-    for path, text in earlier.items():
-        path.write_text(text)
-    (out / "notes.txt").write_text("mine")  # not a run output: --overwrite leaves it
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=3", "--checkpoint_every_n_steps=1")
+    assert code == 0 and errors == []
+    earlier = files(out)
+    # A user's files beside the run and inside its folders: not the run's, so --overwrite leaves them.
+    mine = {out / "notes.txt": b"mine", out / "checkpoints" / "notes.txt": b"which step was best",
+            out / "csv" / "version_0" / "plot.png": b"\x89PNG", out / "checkpoints" / "step=3.ckpt.bak": b"a copy of mine"}  # fmt: skip
+    for path, data in mine.items():
+        path.write_bytes(data)
     code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2")
     assert code == 2
-    assert errors == [f"error: output_dir: {out} already holds a run (checkpoints, notes.txt, recipe.yaml, summary.json); "
-                      "resume it with --ckpt_path=last, or replace it with --overwrite"]  # fmt: skip
-    assert {p: p.read_text() for p in earlier} == earlier
+    assert errors == [f"error: output_dir: {out} already holds a run (checkpoints, csv, hf, notes.txt, ...); resume it with "
+                      "--ckpt_path=last, or replace it with --overwrite (which removes only the files the run wrote)"]  # fmt: skip
+    assert files(out) == {**earlier, **mine}
 
     code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2", "--overwrite")
     assert code == 0 and errors == []
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]  # step=7.ckpt went with the old run
-    assert (out / "notes.txt").read_text() == "mine"
-    assert "overwrite: false" in (out / "recipe.yaml").read_text()  # rerunning the saved recipe replaces nothing
+    assert {p: p.read_bytes() for p in mine} == mine
+    # step=3.ckpt went with the old run, and its CSV log (the user's plot keeps version_0, so the new log is version_1).
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "notes.txt", "step=3.ckpt.bak"]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert sorted(p.name for p in (out / "csv" / "version_0").iterdir()) == ["plot.png"] and (out / "csv" / "version_1" / "hparams.yaml").exists()
+    recipe = (out / "recipe.yaml").read_text()
+    assert recipe.startswith(run_folder.MARKER + "\n") and "overwrite: false" in recipe  # rerunning it replaces nothing
     assert not (out / ".lock").exists()
+
+
+def test_overwrite_on_a_folder_of_user_files_deletes_nothing(tmp_path, capsys, rows):
+    """Files named as a run's outputs, but no recipe.yaml that a run wrote: the folder is not a run's."""
+    out = tmp_path / "mine"
+    user = {out / "recipe.yaml": b"task: sft\n", out / "summary.json": b"{}", out / "hpc_ckpt_3.ckpt": b"x",
+            out / "checkpoints" / "last.ckpt": b"my model", out / "hf" / "config.json": b"{}", out / "csv" / "version_0" / "metrics.csv": b"a,b",
+            out / "wandb" / "latest-run" / "f": b"", out / "thesis.tex": b"\\begin{document}"}  # fmt: skip
+    for path, data in user.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    folders = sorted(p for p in out.rglob("*") if p.is_dir())
+    for flags in (["--overwrite"], [], ["--ckpt_path=last"]):
+        code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1", *flags)
+        assert code == 2
+        assert errors == [f"error: output_dir: {out} holds files that are not a run's (checkpoints, csv, hf, hpc_ckpt_3.ckpt, ...; "
+                          "no recipe.yaml written by a run): a run neither writes into it nor, with --overwrite, removes anything "
+                          "from it; choose another output_dir"], flags  # fmt: skip
+        assert files(out) == user and sorted(p for p in out.rglob("*") if p.is_dir()) == folders
+
+
+def test_a_file_the_run_did_not_write_in_hf_is_refused_rather_than_replaced(tmp_path, capsys, rows):
+    out = tmp_path / "run"
+    assert run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1") == (0, [])
+    (out / "hf" / "README.md").write_text("my model card")
+    earlier = files(out)
+    for flags in (["--overwrite"], ["--ckpt_path=last", "--trainer.max_steps=2"]):  # both end in a new export
+        code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1", *flags)
+        assert code == 2
+        assert errors == [f"error: output_dir: {out}/hf holds files the run did not write (hf/README.md), and the run's export "
+                          "replaces hf/ whole: move them out first"]  # fmt: skip
+        assert files(out) == earlier
+    (out / "hf" / "README.md").unlink()
+    assert run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1", "--overwrite") == (0, [])
+    assert not (out / "hf" / "README.md").exists() and (out / "hf" / "model.safetensors").exists()
+
+
+def test_an_empty_output_dir_is_refused_before_anything_is_written_where_it_points(tmp_path, capsys, monkeypatch, rows):
+    monkeypatch.chdir(tmp_path)  # "" is the working folder to Path: a run and --overwrite would write and remove here
+    for extra in ([], ["--overwrite"]):
+        code = cli.main(["run", *TINY_SFT, "--output_dir=", f"--data.train_data={rows}", *extra])
+        assert code == 2 and capsys.readouterr().err.splitlines()[-1] == "error: output_dir must name a folder, got ''"
+        assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
 
 
 def test_a_run_that_fails_during_setup_writes_nothing(tmp_path, capsys, rows):
@@ -109,10 +164,10 @@ def test_a_run_that_fails_during_setup_writes_nothing(tmp_path, capsys, rows):
 
     resumed = tmp_path / "resumed"  # a resume whose model cannot be loaded leaves the earlier recipe.yaml alone
     resumed.mkdir()
-    (resumed / "recipe.yaml").write_text("task: sft\n")
+    (resumed / "recipe.yaml").write_text(run_folder.marked("task: sft\n"))
     code, errors = run(capsys, resumed, f"--data.train_data={rows}", "--ckpt_path=last", f"--model.model_name_or_path={tmp_path / 'no-model'}")
     assert code == 2 and errors == [f"error: model.model_name_or_path: no model folder at {tmp_path / 'no-model'}"]
-    assert sorted(p.name for p in resumed.iterdir()) == ["recipe.yaml"] and (resumed / "recipe.yaml").read_text() == "task: sft\n"
+    assert sorted(p.name for p in resumed.iterdir()) == ["recipe.yaml"] and (resumed / "recipe.yaml").read_text() == run_folder.marked("task: sft\n")
 
 
 def test_a_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, capsys, rows):

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from lightning_rl.models.multimodal import image_token_types
+from lightning_rl.models.weights import SentDigests, tensor_digest, verify_held
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
@@ -25,6 +26,10 @@ class HFRolloutEngine(RolloutEngine):
     which is what the trainer recomputes. Each call draws from `sampling.seed`, or without one from
     a seed derived from `seed` and the call count, so runs are reproducible whether generation
     runs inline or in a background thread.
+
+    Args:
+        verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
+            live tensor under the same name, and stop the run on a difference (naming the tensor and version).
     """
 
     def __init__(
@@ -36,6 +41,7 @@ class HFRolloutEngine(RolloutEngine):
         dtype: str = "float32",
         pad_token_id: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        verify_weights: bool = True,
     ) -> None:
         if isinstance(model_name_or_path, PreTrainedModel):
             model = model_name_or_path
@@ -43,6 +49,7 @@ class HFRolloutEngine(RolloutEngine):
             config = AutoConfig.from_pretrained(model_name_or_path)
             model = auto_model_class(config).from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.model = model.to(device).eval().requires_grad_(False)
+        self.verify_weights = verify_weights
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
@@ -129,15 +136,29 @@ class HFRolloutEngine(RolloutEngine):
         return completions, logprobs, finished
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy each tensor into the engine's model; with `verify_weights`, then prove the model's own tensors (a tied
+        one under each of its names) hold what was sent, digested in the model's dtype."""
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
+        sent = SentDigests(named_tensors, lambda name: getattr(params.get(name), "dtype", None))
         with self._lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                target = params.get(name)
-                if target is None:
-                    raise KeyError(f"push_weights: the engine's model has no tensor named {name!r}")
-                target.copy_(tensor.detach().to(target.device, target.dtype))
-                del tensor  # let the stream free each gathered tensor before gathering the next
+            self._load(sent if self.verify_weights else named_tensors, params)
+            if self.verify_weights:
+                digests: dict[int, int] = {}  # by tensor: a tied one is digested once
+                for tensor in params.values():
+                    if id(tensor) not in digests:
+                        digests[id(tensor)] = tensor_digest(tensor)
+                held = {name: digests[id(tensor)] for name, tensor in params.items()}
+                ties = self.model.get_expanded_tied_weights_keys(all_submodels=True)
+                verify_held(sent, held, ties, version)
             self._version = version
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]) -> None:
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"push_weights: the engine's model has no tensor named {name!r}")
+            target.copy_(tensor.detach().to(target.device, target.dtype))
+            del tensor  # let the stream free each gathered tensor before gathering the next
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
