@@ -6,17 +6,21 @@ and the gathers run on a process group with their own timeout, so a rank that st
 naming the parameter rather than a hang. LoRA is merged into a copy of each gathered base weight: the
 trainer's own weights are never written to, so "unmerge" is exact by construction.
 
-Engines receive ``(hf_name, tensor)`` pairs through ``push_weights(named_tensors, version)``.
+Engines receive ``(hf_name, tensor)`` pairs through ``push_weights(named_tensors, version)``, and by default prove
+after each push that they hold what was sent: `SentDigests` takes a digest of each tensor as it passes (cast to the
+dtype the engine holds it in), the engine takes the same digest of its live weights per Hugging Face name, and
+`verify_held` compares the two, stopping the run with `WeightMismatchError` on the first difference.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -24,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_rl.errors import UserError
 from lightning_rl.models.structure import find_model_roots
 
 DEFAULT_SYNC_TIMEOUT = timedelta(minutes=5)
@@ -38,6 +43,17 @@ class WeightSyncError(RuntimeError):
 
 class WeightSyncTimeoutError(WeightSyncError):
     """A collective of the sync did not complete in time: some rank stalled or diverged."""
+
+
+class WeightMismatchError(UserError, WeightSyncError):
+    """After a sync the engine does not hold the trainer's weights; the line names the tensor and the version.
+
+    The run ends with exit code 1, as a diverged one does: the recipe ran, and sampling on would train on rollouts
+    of weights the trainer never had. ``model.engine``'s ``verify_weights: false`` skips the check.
+    """
+
+    key = "engine"
+    exit_code = 1
 
 
 @runtime_checkable
@@ -333,3 +349,92 @@ def sync_weights(
                 pass
     report.seconds = time.perf_counter() - start
     return report
+
+
+_DIGEST_CHUNK = 1 << 22  # elements per step (a multiple of 8): bounds the digest's scratch memory
+_SIGNED_ZERO_FREE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ODD: dict[torch.device, Tensor] = {}  # 1, 3, 5, ... per device, enough for a chunk of float64 (one word each)
+
+
+def tensor_digest(tensor: Tensor) -> int:
+    """An exact fingerprint of a tensor's values: its bytes read as int64 words ``w_i``, ``sum((2 i + 1) w_i)`` mod 2**64.
+
+    Every weight is odd, so changing any one element changes the sum (an odd number times a non-zero word is
+    non-zero mod 2**64); integer sums wrap the same in any order, so a GPU and a CPU, or a sharded and a whole
+    tensor, agree to the bit. Floating -0.0 counts as +0.0 (an engine that reads its weights back through a
+    kernel cannot tell them apart). Runs where the tensor lives, a few passes over its bytes, one sync at the end.
+    """
+    flat = tensor.detach().reshape(-1)
+    odd = _ODD.get(flat.device)
+    if odd is None:
+        odd = _ODD[flat.device] = torch.arange(_DIGEST_CHUNK, device=flat.device, dtype=torch.int64) * 2 + 1
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    words_before = 0
+    for start in range(0, flat.numel(), _DIGEST_CHUNK):
+        part = flat[start : start + _DIGEST_CHUNK]
+        part = part + 0 if part.dtype in _SIGNED_ZERO_FREE else part.clone()  # + 0 turns -0.0 into +0.0; both copy
+        raw = part.view(torch.uint8)
+        if raw.numel() % 8:
+            raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)])
+        words = raw.view(torch.int64)
+        # sum((2 (before + j) + 1) w_j) = sum((2 j + 1) w_j) + 2 before sum(w_j); int64 arithmetic wraps mod 2**64.
+        total += (words * odd[: words.numel()]).sum() + words.sum() * (2 * words_before)
+        words_before += words.numel()
+    return int(total) % 2**64
+
+
+class SentDigests:
+    """A weight stream passed through, with the digest of each tensor taken as it passes.
+
+    ``held_dtype(name)`` is the dtype the engine holds that tensor in (None: as sent); each tensor is digested
+    cast to it, since the engine's copy is the cast one. Iterate it in place of the stream.
+    """
+
+    def __init__(self, named_tensors: Iterable[tuple[str, Tensor]], held_dtype: Callable[[str], torch.dtype | None]):
+        self.stream, self.held_dtype = named_tensors, held_dtype
+        self.digests: dict[str, int] = {}
+        self.repeated: list[str] = []
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in self.stream:
+            start = time.perf_counter()
+            dtype = self.held_dtype(name)
+            if name in self.digests:
+                self.repeated.append(name)
+            self.digests[name] = tensor_digest(tensor if dtype in (None, tensor.dtype) else tensor.to(dtype))
+            self.seconds += time.perf_counter() - start
+            yield name, tensor
+            del tensor
+
+
+def verify_held(sent: SentDigests, held: Mapping[str, int], ties: Mapping[str, str], version: int) -> None:
+    """Raise `WeightMismatchError` unless the engine holds, under every name, exactly what the sync sent.
+
+    ``held`` is the digest of each tensor the engine holds, by Hugging Face name (a tied one under its own name,
+    under its source's, or both); ``ties`` maps a tied name to the name it shares its tensor with
+    (``lm_head.weight`` -> ``model.embed_tokens.weight``). A tied tensor must be sent once, under either name;
+    every held tensor must have been sent, and hold the digest of what was.
+    """
+    problems = [f"'{name}' was sent twice" for name in dict.fromkeys(sent.repeated)]
+    expected: dict[str, int] = {}
+    for name, digest in sent.digests.items():
+        source = ties.get(name, name)
+        if source in expected:
+            problems.append(f"'{name}' was sent besides '{source}', which it is tied to (a tied weight is sent once)")
+        expected[source] = digest
+    covered = set()
+    for name, digest in held.items():
+        source = ties.get(name, name)
+        covered.add(source)
+        if source not in expected:
+            problems.append(f"'{name}' was not sent, so the engine still holds its earlier values")
+        elif expected[source] != digest:
+            problems.append(f"the engine's '{name}' differs from the trainer's")
+    problems += [f"'{name}' was sent, but the engine holds no such tensor" for name in expected if name not in covered]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise WeightMismatchError(
+            f"weight sync to version {version} failed verification: {problems[0]}{more}; "
+            "the engine would sample from weights the trainer does not hold"
+        )
