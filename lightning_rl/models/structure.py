@@ -8,6 +8,8 @@ from collections.abc import Collection
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
+from lightning_rl.models.routing import checkpoint_contexts
+
 
 def auto_model_class(config: PretrainedConfig) -> type:
     """The auto class a checkpoint of ``config`` loads with: its causal-LM class, else its image-text-to-text class
@@ -61,6 +63,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
 def enable_activation_checkpointing(model: nn.Module, **checkpoint_kwargs) -> None:
     """Recompute each decoder layer in backward. transformers 5.20 renamed ``gradient_checkpointing_enable`` to
     ``activation_checkpointing_enable``; the versions we support (5.16 on) have one or the other."""
+    if not checkpoint_kwargs.get("use_reentrant", False):  # a layer recomputed in backward replays the routes it forced
+        checkpoint_kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts, **checkpoint_kwargs}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=checkpoint_kwargs or None)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
+from lightning_rl.models.routing import RouteAgreement, RouteReplay, replaying
 from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs
 from lightning_rl.models.multimodal import (
     attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, uses_multi_axis_positions,
@@ -90,8 +91,13 @@ def _agree(error: float, model: nn.Module, device: torch.device) -> float:
     return float(value)
 
 
-def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto") -> Tensor:
-    """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors."""
+def packed_hidden_states(
+    model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", route_agreement: RouteAgreement | None = None,
+    replay_routes: bool = True,
+) -> Tensor:
+    """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors. A row with
+    ``batch.routes`` sends each token to the experts they name (``replay_routes``; else the model routes it and the
+    routes are only compared), and adds to ``route_agreement`` how often the model would have chosen them itself."""
     enable_tree_attention(model)
     check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens)
     device = batch.input_ids.device
@@ -113,10 +119,16 @@ def packed_hidden_states(model: nn.Module, batch: PackedBatch, *, attention_back
     # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
     # its forward encodes once each and writes into the row's placeholders.
     positions = batch.position_ids if batch.rope_position_ids is None else batch.rope_position_ids[:, None]
-    with packed_forward(meta):
+    replay = None if batch.routes is None else RouteReplay(batch.routes, force=replay_routes)
+    if replay is not None:
+        replay.check(model, batch.num_tokens)
+    with packed_forward(meta), replaying(model, replay):
         hidden = head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
     _check_every_layer_applied(model, meta)
+    if replay is not None and route_agreement is not None:
+        route_agreement.merge(replay.agreement)
     return hidden
+
 
 
 def _check_every_layer_applied(model: nn.Module, meta: TreeAttentionMeta) -> None:
@@ -175,10 +187,12 @@ def packed_logprobs(
     attention_backend: str = "auto",
     entropy_grad: bool = False,
     suppressed: tuple[int, ...] = (),
+    route_agreement: RouteAgreement | None = None,
+    replay_routes: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log p(target) for every loss term of a packed row (and the entropy there when asked, differentiable with
     ``entropy_grad``), shape [M], under the sampling ``temperature``, without the ``suppressed`` tokens."""
-    hidden = packed_hidden_states(model, batch, attention_backend=attention_backend)
+    hidden = packed_hidden_states(model, batch, attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
     h = hidden.index_select(0, batch.loss_positions)
     weight, bias, transform = lm_head_of(model, temperature, suppressed)
     logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
@@ -295,6 +309,11 @@ def sequence_paths(batch: PackedBatch, sequences: list[int]) -> list[tuple[Tenso
     return out
 
 
+def _right_padded_routes(routes: Tensor, length: int) -> Tensor:
+    """A sequence's routes for its right-padded run: the padding routes as the model chooses (-1)."""
+    return torch.cat([routes, routes.new_full((length - len(routes), *routes.shape[1:]), -1)])
+
+
 @torch.no_grad()
 def verify_row(
     model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", temperature: float = 1.0, chunk_size: int = 1024, samples: int = 2, seed: int = 0,
@@ -322,7 +341,8 @@ def verify_row(
             if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
                 positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
             own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
-            hidden = head_inputs(model, ids, positions, **own, **(image_token_types(model, ids[None]) if own else {}))
+            with replaying(model, None if batch.routes is None else RouteReplay(_right_padded_routes(batch.routes[rows], len(ids)))):
+                hidden = head_inputs(model, ids, positions, **own, **(image_token_types(model, ids[None]) if own else {}))
             dtype = _compute_dtype(hidden)
             if terms.numel():
                 depth = batch.position_ids[batch.loss_positions[terms]]

@@ -44,6 +44,8 @@ class PackedBatch:
     # Image inputs of the row's image placeholders, in row order: the keyword arguments of the model's
     # ``get_image_features``; each image of a shared prefix is in the row, and so here, once.
     image_inputs: dict[str, Tensor] = field(default_factory=dict)
+    # [N, layers, top_k] the experts the engine routed each token to (router replay), -1 where it routed none.
+    routes: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +73,7 @@ class PackedBatch:
             pad_to_multiple_of=self.pad_to_multiple_of,
             rope_position_ids=None if self.rope_position_ids is None else move(self.rope_position_ids),
             image_inputs={k: move(v) for k, v in self.image_inputs.items()},
+            routes=None if self.routes is None else move(self.routes),
         )
 
     def visibility_mask(self) -> Tensor:
@@ -113,6 +116,7 @@ def pack_sequences(
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
     rope_positions: Sequence[Tensor] | None = None,
+    routes: Sequence[Tensor] | None = None,
 ) -> PackedBatch:
     """Pack ``sequences`` into one row as a prefix tree.
 
@@ -157,6 +161,7 @@ def pack_sequences(
         position_ids[path] = torch.arange(len(path))
 
     rope = None if rope_positions is None else _rope_positions(rope_positions, paths, seqs, num_unique)
+    packed_routes = None if routes is None else _routes(routes, paths, seqs, num_unique)
 
     pad = 0
     if pad_to_multiple_of and num_unique % pad_to_multiple_of:
@@ -167,6 +172,8 @@ def pack_sequences(
         position_ids = torch.cat([position_ids, torch.arange(pad)])
         if rope is not None:
             rope = torch.cat([rope, torch.arange(pad).expand(rope.shape[0], pad)], dim=1)
+        if packed_routes is not None:
+            packed_routes = torch.cat([packed_routes, packed_routes.new_full((pad, *packed_routes.shape[1:]), -1)])
     total = num_unique + pad
 
     segments = _segments(sorted(set(starts)), position_ids, total)
@@ -204,6 +211,7 @@ def pack_sequences(
         num_unique_tokens=num_unique,
         pad_to_multiple_of=pad_to_multiple_of,
         rope_position_ids=rope,
+        routes=packed_routes,
     )
 
 
@@ -224,6 +232,32 @@ def _rope_positions(per_sequence: Sequence[Tensor], paths: list[Tensor], seqs: l
         if not torch.equal(rope[:, path], positions.long()):
             raise ValueError(f"sequence {i}: its rope positions differ from those of a sequence it shares a prefix with")
     return rope
+
+
+def _routes(per_sequence: Sequence[Tensor], paths: list[Tensor], seqs: list[list[int]], num_unique: int) -> Tensor:
+    """[num_unique, layers, top_k] routed experts of the packed tokens. A shared token is routed once: the sequences
+    that hold it must agree on its experts (in any order), or they are refused; -1 (not routed) yields to a route."""
+    if len(per_sequence) != len(seqs):
+        raise ValueError(f"{len(per_sequence)} route tensors for {len(seqs)} sequences")
+    shapes = {tuple(r.shape[1:]) for r in per_sequence}
+    for i, (r, seq) in enumerate(zip(per_sequence, seqs)):
+        if r.dim() != 3 or r.shape[0] != len(seq):
+            raise ValueError(f"sequence {i}: routes of shape {tuple(r.shape)} for {len(seq)} tokens (want [tokens, layers, top_k])")
+    if len(shapes) != 1:
+        raise ValueError(f"routes with different numbers of layers or experts per token: {sorted(shapes)}")
+    packed = torch.full((num_unique, *per_sequence[0].shape[1:]), -1, dtype=per_sequence[0].dtype)
+    for i, (r, path) in enumerate(zip(per_sequence, paths)):
+        held, given = packed[path], r.to(packed.dtype)
+        both = (held[:, 0, 0] >= 0) & (given[:, 0, 0] >= 0)
+        differ = both & (held.sort(-1).values != given.sort(-1).values).flatten(1).any(1)
+        if bool(differ.any()):
+            t = int(torch.nonzero(differ)[0])
+            raise ValueError(
+                f"sequence {i}: token {t} is routed to other experts than in a sequence it shares a prefix with; a shared "
+                "token is routed once, so these sequences cannot share it"
+            )
+        packed[path] = torch.where((given[:, 0, 0] >= 0)[:, None, None], given, held)
+    return packed
 
 
 def _segments(starts: list[int], depth: Tensor, total: int) -> Tensor:

@@ -74,6 +74,10 @@ class Rollout:
     finish_reason: str = "length"
     messages: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # [len(sequence), layers, top_k] the experts the engine routed each token to, per router (router replay);
+    # -1 where it routed none (the last token, whose outputs nothing reads). None: not recorded.
+    routes: torch.Tensor | None = None
+    support: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -87,6 +91,12 @@ class Rollout:
             raise ValueError(
                 f"rollout of group {self.group_id}: completion_mask has {len(self.completion_mask)} "
                 f"entries for {len(self.completion_ids)} completion tokens"
+            )
+
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != len(self.prompt_ids) + len(self.completion_ids)):
+            raise ValueError(
+                f"rollout of group {self.group_id}: routes of shape {tuple(self.routes.shape)} for "
+                f"{len(self.prompt_ids) + len(self.completion_ids)} tokens (want [tokens, layers, top_k])"
             )
 
     @property
@@ -181,6 +191,11 @@ class RolloutEngine(abc.ABC):
     background thread while the trainer runs (asynchronous mode); `push_weights` may be called between two
     `generate` calls from any thread, and a `generate` already running finishes on the weights it started with.
     """
+
+    # Whether `generate` can record the experts each token is routed to (`Rollout.routes`), and whether it does: the
+    # run switches it on when it replays routes (`model.router_replay`).
+    can_record_routes: bool = False
+    record_routes: bool = False
 
     def __init__(self, seed: int = 0) -> None:
         self._seeds = RequestSeeds(seed)

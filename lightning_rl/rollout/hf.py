@@ -7,12 +7,14 @@ copies the trainer's tensors in between two `generate` calls.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from lightning_rl.models.multimodal import image_token_types
+from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.weights import SentDigests, tensor_digest, verify_held
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
@@ -31,6 +33,8 @@ class HFRolloutEngine(RolloutEngine):
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
             live tensor under the same name, and stop the run on a difference (naming the tensor and version).
     """
+
+    can_record_routes = True  # forward hooks on the model's routers (lightning_rl.models.routing)
 
     def __init__(
         self,
@@ -66,9 +70,11 @@ class HFRolloutEngine(RolloutEngine):
         with self._lock:
             version = self._version
             seed = self._seeds.next(sampling)
-            with torch.random.fork_rng(devices=[]):
+            recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
+            with torch.random.fork_rng(devices=[]), recording as recorded:
                 torch.manual_seed(seed)
                 completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling, repeated)
+        routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
         groups = []
         for g, prompt in enumerate(prompts):
             group = []
@@ -81,6 +87,7 @@ class HFRolloutEngine(RolloutEngine):
                         weight_version=version,
                         group_id=g,
                         finish_reason="stop" if finished[k] else "length",
+                        routes=None if routes is None else routes[k],
                     )
                 )
             groups.append(group)
@@ -162,3 +169,23 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+
+
+def routes_of_rows(recorded: RouteRecorder, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+    """Each row's routes ``[prompt + completion, layers, top_k]`` from a ``generate`` call's forwards: the first runs
+    the left-padded prompts, each later one the previous step's token of every row. A row's last token is never
+    forwarded (nothing reads its outputs): -1."""
+    first, steps = recorded.calls[0], recorded.calls[1:]
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    if first.shape[0] != rows * width or any(step.shape[0] != rows for step in steps):
+        raise RuntimeError(
+            f"generate ran forwards of {[c.shape[0] for c in recorded.calls]} tokens for {rows} prompts of {width} tokens; "
+            "routes are recorded for one prompt forward and then one token per row and step"
+        )
+    prompt_routes = first.view(rows, width, *first.shape[1:])
+    out = []
+    for b, (prompt, completion) in enumerate(zip(prompts, completions)):
+        decoded = [step[b] for step in steps[: max(len(completion) - 1, 0)]]
+        last = first.new_full((min(len(completion), 1), *first.shape[1:]), -1)
+        out.append(torch.cat([prompt_routes[b, width - len(prompt):], *(d[None] for d in decoded), last]))
+    return out
