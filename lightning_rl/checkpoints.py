@@ -2,9 +2,14 @@
 
 Every checkpoint, a single file or a sharded folder, is written as ``NAME.staging`` and renamed to ``NAME`` once
 complete, so a kill at any moment leaves the previous ``NAME`` (or none) plus a staging leftover, which the next run
-promotes if it is complete and removes if not (``clean_staging``). A folder gets ``manifest.json`` last: its global
-step and the size of every file in it. A checkpoint is complete when its manifest matches its files or, for a single
-file, when ``torch.load(weights_only=True)`` reads it.
+removes (``clean_staging``; a staged folder it promotes if it is complete). A folder gets ``manifest.json`` last: its
+global step and the size of every file in it. A checkpoint is complete when its manifest matches its files or, for a
+single file, when ``torch.load(weights_only=True)`` reads it.
+
+No code runs from a checkpoint: nothing on disk is unpickled beyond what ``torch.load(weights_only=True)`` admits.
+A file it refuses is not a checkpoint of this run (``ForeignFileError``), never read another way; a sharded folder's
+pickled parts (torch.distributed.checkpoint's ``.metadata`` and the plain values among its shards, which that library
+itself unpickles without restriction) are read here first by safe readers, and refused the same way.
 
 ``newest_complete`` is what ``--ckpt_path=last`` resumes from: the complete checkpoint of the run with the highest
 global step, whatever its name (``last.ckpt``, ``last-v1.ckpt``, ``step=N.ckpt``, ``hpc_ckpt_N.ckpt``).
@@ -12,9 +17,12 @@ global step, whatever its name (``last.ckpt``, ``last-v1.ckpt``, ``step=N.ckpt``
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +45,25 @@ MANIFEST = "manifest.json"
 class IncompleteCheckpointError(ValueError):
     """A checkpoint that was not written completely (or was damaged since)."""
 
+    what = "incomplete"
+
+
+class ForeignFileError(IncompleteCheckpointError):
+    """A file holding objects our checkpoints never hold, which the safe readers refuse: never read another way."""
+
+    what = "not a checkpoint of this run"
+
+
+class CheckpointSpaceError(UserError):
+    """The disk (or the file size limit) had no room for a checkpoint: its partial write is removed, the previous
+    checkpoint kept."""
+
+    key = "output_dir"
+
 
 class ForeignCheckpointError(UserError, ValueError):
-    """A checkpoint to resume from that holds another module's weights (another task, model or LoRA layout)."""
+    """A checkpoint this run cannot resume: none complete, one another kind of run wrote (another task, model, LoRA
+    or optimizer layout, other weights) or one already past the run's end."""
 
     key = "ckpt_path"
     on_every_rank = True  # every rank reads the same checkpoint and finds the same mismatch
@@ -114,8 +138,82 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+def _refused(error: pickle.UnpicklingError, reader: str = "torch.load(weights_only=True)") -> ForeignFileError:
+    """What the safe reader refused, in a few words (each names the global it would have had to import)."""
+    found = re.search(r"GLOBAL (\S+)", str(error)) or re.search(r"global '([\w.]+)'", str(error))
+    held = found[1] if found else _first_line(error)
+    return ForeignFileError(f"it holds {held}, which {reader} refuses")
+
+
+def load_safely(source: Any) -> Any:
+    """``torch.load(weights_only=True)`` of a file or buffer: tensors and plain data only, never code.
+    ``ForeignFileError`` when the file holds anything else."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=not isinstance(source, io.BytesIO))
+    except pickle.UnpicklingError as error:
+        raise _refused(error) from None
+
+
+# The classes torch.distributed.checkpoint pickles into a sharded checkpoint's ``.metadata``: plain records of names,
+# shapes, dtypes and byte ranges. Nothing else is admitted when it is read (``_DCPMetadataUnpickler``).
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # the checkpoint_id it was saved under
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` admitting only the record classes above and torch dtypes (the pickle module's own
+    way of restricting globals): a crafted one is refused, its code never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}'")
+
+
+def _check_sharded_parts(path: Path) -> None:
+    """Read the pickled parts of a sharded checkpoint with safe readers: Lightning's ``meta.pt``, DCP's ``.metadata``,
+    and every plain value among the shards (DCP loads those with ``weights_only=False``); ``ForeignFileError`` naming
+    the part otherwise."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    part = "meta.pt"
+    try:
+        if (path / part).is_file():
+            load_safely(path / part)
+        part = ".metadata"
+        if not (path / part).is_file():
+            return
+        with open(path / part, "rb") as f:
+            metadata = _DCPMetadataUnpickler(f).load()
+        for fqn, kind in metadata.state_dict_metadata.items():
+            if not isinstance(kind, BytesStorageMetadata):
+                continue
+            part = fqn
+            stored = metadata.storage_data[MetadataIndex(fqn)]
+            if stored.transform_descriptors:  # compressed or otherwise transformed: not what our strategies write
+                raise ForeignFileError("a transformed value, which this reader does not check")
+            with open(path / Path(stored.relative_path).name, "rb") as f:
+                f.seek(stored.offset)
+                load_safely(io.BytesIO(f.read(stored.length)))
+    except ForeignFileError as error:
+        raise ForeignFileError(f"{part}: {error}") from None
+    except pickle.UnpicklingError as error:
+        raise ForeignFileError(f"{part}: {_refused(error, 'the reader of checkpoint records')}") from None
+    except Exception as error:  # a record of another shape, a shard cut short: anything the readers cannot read
+        raise IncompleteCheckpointError(f"{part} is unreadable ({_first_line(error)})") from None
+
+
 def checkpoint_step(path: Path) -> int:
-    """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete."""
+    """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete,
+    ``ForeignFileError`` when the safe readers refuse it (it is never read another way)."""
     if path.is_dir():
         manifest = path / MANIFEST
         if not manifest.is_file():
@@ -131,12 +229,12 @@ def checkpoint_step(path: Path) -> int:
                 raise IncompleteCheckpointError(f"{name} is missing")
             if file.stat().st_size != size:
                 raise IncompleteCheckpointError(f"{name} has {file.stat().st_size} bytes, the manifest says {size}")
+        _check_sharded_parts(path)
         return step
     try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError:  # readable, but holds objects weights_only refuses: the run's own file
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = load_safely(path)
+    except ForeignFileError:
+        raise
     except Exception as error:  # a truncated zip, an empty file, anything torch cannot read
         raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
     if not isinstance(checkpoint, dict) or "global_step" not in checkpoint:
@@ -174,8 +272,11 @@ def checkpoint_folders(output_dir: Path) -> list[Path]:
 
 
 def clean_staging(output_dir: Path) -> list[str]:
-    """Promote complete staged checkpoints whose final name is missing, remove every other leftover of a kill.
+    """Remove every leftover of a killed write; promote a complete staged folder whose final name is missing.
 
+    A staged single file is removed by its name, never opened: its rename into place is one atomic step, so a staged
+    file is only ever a write that was killed (at worst after its last byte, when the previous checkpoint stands).
+    A staged folder's manifest says whether it is complete (a kill between the two renames of ``commit``).
     Only one process may call this: the one that holds the run folder's lock. Returns what it did, one phrase each.
     """
     done = []
@@ -184,12 +285,14 @@ def clean_staging(output_dir: Path) -> list[str]:
             continue
         for staged in sorted(folder.glob(f"*.ckpt{STAGING}")):
             final = staged.with_name(staged.name.removesuffix(STAGING))
-            try:
-                checkpoint_step(staged)
-                complete = True
-            except IncompleteCheckpointError:
-                complete = False
-            if complete and not (final.exists() or final.is_symlink()):
+            complete = False
+            if staged.is_dir() and not staged.is_symlink() and not (final.exists() or final.is_symlink()):
+                try:
+                    checkpoint_step(staged)
+                    complete = True
+                except IncompleteCheckpointError:
+                    pass
+            if complete:
                 commit(staged, final)
                 done.append(f"renamed the complete {staged.relative_to(output_dir)} into place")
             else:
@@ -201,33 +304,63 @@ def clean_staging(output_dir: Path) -> list[str]:
     return done
 
 
-def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
     """The complete checkpoint of the run with the highest global step (the newer file on a tie), and the
-    incomplete ones found beside it that are newer than it, each with the reason."""
+    checkpoints found beside it that it cannot take and that are newer than it (all, when none is complete), each
+    with what it is (``incomplete``, ``not a checkpoint of this run``) and why."""
     complete: list[tuple[int, int, Path]] = []
-    incomplete: list[tuple[int, Path, str]] = []
+    unusable: list[tuple[int, Path, str, str]] = []
     for folder in checkpoint_folders(output_dir):
         for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else ():
             mtime = path.stat().st_mtime_ns
             try:
                 complete.append((checkpoint_step(path), mtime, path))
             except IncompleteCheckpointError as error:
-                incomplete.append((mtime, path, str(error)))
-    if not complete:
-        return None, [(path, reason) for _, path, reason in sorted(incomplete, reverse=True)]
-    step, mtime, path = max(complete)
-    return Checkpoint(path, step), [(p, reason) for m, p, reason in sorted(incomplete, reverse=True) if m >= mtime]
+                unusable.append((mtime, path, error.what, str(error)))
+    newest = max(complete) if complete else None
+    passed_over = [(p, what, reason) for m, p, what, reason in sorted(unusable, reverse=True) if newest is None or m >= newest[1]]
+    return (None if newest is None else Checkpoint(newest[2], newest[0])), passed_over
+
+
+def _no_room(error: BaseException) -> OSError | None:
+    """The disk-full (or file-too-large) error behind ``error``: torch's writer wraps the OSError in its own."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def tensor_bytes(checkpoint: Any) -> int:
+    """The bytes of every tensor in ``checkpoint`` (each storage once): about what its file takes."""
+    storages: dict[int, int] = {}
+    apply_to_collection(checkpoint, torch.Tensor, lambda t: storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+    return sum(storages.values())
 
 
 def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
-    """Write a single-file checkpoint as ``final.staging``, flush it to disk, then rename it to ``final``."""
+    """Write a single-file checkpoint as ``final.staging``, flush it to disk, then rename it to ``final``.
+
+    A disk without room for it (or a file size limit) is ``CheckpointSpaceError``, naming the folder and the bytes
+    needed; the partial staging file is removed and ``final`` (the previous checkpoint) is left as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(final)
     _delete(staging)
-    with open(staging, "wb") as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(staging, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as error:
+        _delete(staging)
+        full = _no_room(error)
+        if full is None:
+            raise
+        free = shutil.disk_usage(final.parent).free
+        raise CheckpointSpaceError(
+            f"output_dir: no room for the checkpoint {final.name} in {final.parent} ({full.strerror}): it needs about "
+            f"{tensor_bytes(checkpoint)} bytes, {free} are free; the partial file was removed, earlier checkpoints are kept"
+        ) from None
     commit(staging, final)
 
 

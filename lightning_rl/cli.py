@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rl import run_folder
-from lightning_rl.checkpoints import IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
+from lightning_rl.checkpoints import ForeignCheckpointError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
 from lightning_rl.errors import RecipeError, UserError, report
 
 if TYPE_CHECKING:
@@ -125,11 +125,13 @@ def _some(names: list[str]) -> str:
 
 
 def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> str | None:
-    """The checkpoint to resume from, verified complete (``lightning_rl/checkpoints.py``).
+    """The checkpoint to resume from, verified complete and read only by safe readers (``lightning_rl/checkpoints.py``).
 
     ``last`` is the newest complete checkpoint of the run, whatever its name, and one line says which it is, with
-    what was passed over (incomplete checkpoints) or cleaned up (what a killed write left). A checkpoint named
-    outright must be complete. Only the ``first`` process, which holds the run folder's lock, cleans up and speaks.
+    what was passed over (incomplete checkpoints, files that are not checkpoints of a run) or cleaned up (what a killed
+    write left). A folder with none complete starts from step 0 only if it holds no checkpoint at all: one whose
+    checkpoints are all broken is refused, not trained over. A checkpoint named outright must be complete. Only the
+    ``first`` process, which holds the run folder's lock, cleans up and speaks; every process refuses alike.
     """
     if ckpt_path is None:
         return None
@@ -141,11 +143,17 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
         try:
             checkpoint_step(path)
         except IncompleteCheckpointError as e:
-            raise RecipeError(f"ckpt_path: {path} is incomplete ({e}); --ckpt_path=last takes the newest complete one", "ckpt_path") from None
+            hint = "; --ckpt_path=last takes the newest complete one" if type(e) is IncompleteCheckpointError else ""
+            raise ForeignCheckpointError(f"ckpt_path: {path} is {e.what} ({e}){hint}") from None
         return ckpt_path
     found, passed_over = newest_complete(output_dir)
-    notes = [f"passed over {path.relative_to(output_dir)}: incomplete, {reason}" for path, reason in passed_over] + cleaned
+    notes = [f"passed over {path.relative_to(output_dir)}: {what}, {reason}" for path, what, reason in passed_over] + cleaned
     said = "".join(f"; {note}" for note in notes)
+    if found is None and passed_over:
+        raise ForeignCheckpointError(
+            f"ckpt_path: last: no complete checkpoint in {output_dir}, so the run there cannot be resumed, and starting "
+            f"again from step 0 would train over it{said}"
+        )
     if first and found is None:
         print(f"resume: no complete checkpoint in {output_dir}, starting from step 0{said}", file=sys.stderr)
     elif first:
@@ -186,7 +194,8 @@ def run(recipe: str, overrides: list[str]) -> int:
 def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     trainer = cli.trainer
     try:
-        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        # weights_only: every load Lightning does for us (the file, a sharded folder's meta.pt) admits no code.
+        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:
         # Every rank stopped at the same step boundary (RequeueOnSignal); a stopped run must not look finished.
         if trainer.is_global_zero:

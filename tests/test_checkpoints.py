@@ -12,7 +12,7 @@ import torch
 
 from lightning_rl import cli
 from lightning_rl.checkpoints import (
-    IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, commit, newest_complete, remove,
+    ForeignCheckpointError, IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, commit, newest_complete, remove,
     staging_path, write_manifest,
 )  # fmt: skip
 
@@ -88,7 +88,7 @@ def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):
     broken.write_bytes(b"PK\x03\x04 cut short")
     found, passed_over = newest_complete(tmp_path)
     assert found.path.name == "last-v1.ckpt"
-    assert [(p.name, reason.split(" (")[0]) for p, reason in passed_over] == [("step=9.ckpt", "unreadable")]
+    assert [(p.name, what, reason.split(" (")[0]) for p, what, reason in passed_over] == [("step=9.ckpt", "incomplete", "unreadable")]
 
 
 def test_a_kill_in_the_first_last_ckpt_write_resumes_from_the_complete_step_checkpoint(tmp_path, capsys):
@@ -134,7 +134,7 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
     broken = tmp_path / "checkpoints" / "last.ckpt"
     broken.parent.mkdir()
     broken.write_bytes(b"")
-    with pytest.raises(cli.RecipeError, match=r"ckpt_path: .*last.ckpt is incomplete \(unreadable"):
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path: .*last.ckpt is incomplete \(unreadable"):
         cli.resume_path(tmp_path, str(broken))
     with pytest.raises(cli.RecipeError, match="ckpt_path: no such checkpoint"):
         cli.resume_path(tmp_path, str(tmp_path / "nope.ckpt"))

@@ -1,5 +1,6 @@
 """What SFT and GRPO share: the policy being trained and how it is built, its attention backend, the optimizer and
-its schedule, gradient clipping over every mesh, the weights-fit check on resume, and the Hugging Face export."""
+its schedule, gradient clipping over every mesh, what wrote a checkpoint and the checks on resume, and the Hugging Face
+export."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_rl.attention.tree_attention import choose_backend
-from lightning_rl.checkpoints import check_weights_fit
+from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
 from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
@@ -19,10 +20,14 @@ from lightning_rl.ops.grad_norm import clip_grad_norm
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 
 
+WRITER = "written_by"  # the checkpoint key of what wrote it (``PolicyModule.writer``)
+_CLI_KEYS = {"_instantiator", "_class_path"}  # what LightningCLI adds to the saved hyperparameters
+
+
 class PolicyModule(LightningModule):
     """A training module around one policy. Subclasses keep in ``hparams`` the keys read here:
     ``attention_backend``, ``compile``, ``towers``, ``learning_rate``, ``weight_decay``, ``lr_schedule``,
-    ``warmup_steps`` (and ``betas``, if they have it)."""
+    ``warmup_steps`` (and ``betas``, if they have it), and their LoRA settings in ``self.lora`` (or None)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,10 +58,14 @@ class PolicyModule(LightningModule):
             self._backends[self.device] = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
         return self._backends[self.device]
 
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The weights the optimizer steps, its one parameter group."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         return adamw_with_schedule(
-            [p for p in self.policy.parameters() if p.requires_grad], self.trainer, learning_rate=hp.learning_rate,
+            self.trainable(), self.trainer, learning_rate=hp.learning_rate,
             weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
         )  # fmt: skip
 
@@ -73,8 +82,44 @@ class PolicyModule(LightningModule):
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def writer(self) -> dict[str, Any]:
+        """What a checkpoint of this module is, as plain data: the task, the model's kind, the LoRA layout and the
+        optimizer's parameter groups (their sizes). A checkpoint of another one does not resume here."""
+        config = self.policy.config
+        lora = self.lora
+        return {
+            "task": type(self).__name__,
+            "model": f"{config.model_type} ({', '.join(config.architectures or []) or type(self.policy).__name__})",
+            "lora": None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": lora.target_modules},
+            "optimizer groups": [len(self.trainable())],
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[WRITER] = self.writer()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_weights_fit(checkpoint, self, self.trainer.ckpt_path)
+        path = self.trainer.ckpt_path
+        self.check_writer(checkpoint, path)
+        step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
+        if max_steps >= 0 and step >= max_steps:
+            raise ForeignCheckpointError(
+                f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
+                "train; raise trainer.max_steps to train on from it"
+            )
+        check_weights_fit(checkpoint, self, path)
+
+    def check_writer(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """Refuse a checkpoint another kind of run wrote: another task, model kind, LoRA layout or optimizer layout.
+        One without a record (an older one) is told by its hyperparameters' names, which are its module's arguments."""
+        recorded, here = checkpoint.get(WRITER), self.writer()
+        if isinstance(recorded, dict):
+            differs = [f"{key} {recorded.get(key)!r} there, {value!r} here" for key, value in here.items() if recorded.get(key) != value]
+        else:
+            theirs = set(checkpoint.get("hyper_parameters") or {}) - _CLI_KEYS
+            ours = set(self.hparams) - _CLI_KEYS
+            differs = [f"arguments {sorted(theirs - ours)[:3]} there, not {here['task']}'s"] if theirs - ours else []
+        if differs:
+            raise ForeignCheckpointError(f"ckpt_path: {path} was written by another kind of run ({'; '.join(differs)})")
 
     def export_policy(self, tokenizer: Any, path: Path, mode: Literal["model", "merged", "adapter"], write: bool = True) -> Path:
         """Write the trained policy (``model``, LoRA ``merged`` into it, or the ``adapter`` alone) and its tokenizer
