@@ -8,6 +8,7 @@ that builds this engine needs an `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +20,9 @@ from transformers import AutoConfig
 from lightning_rl.rollout.base import (
     ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request, suppressing_bias,
 )
+from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+from lightning_rl.rollout.vllm_held import held_digests, ties_of
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -49,6 +52,11 @@ class VLLMEngine(RolloutEngine):
     was drawn from (with top-k/top-p filtering, of the filtered, renormalised one). `generate` and
     `push_weights` exclude each other, so a generation always finishes on the weights it started with.
     On a CPU, `kv_cache_memory_bytes` sizes the KV cache in host memory.
+
+    Args:
+        verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
+            live weights under the same name (`vllm_held`: fused and repacked weights read back), and stop the run
+            on a difference (naming the tensor and version). Needs the whole model in one worker.
     """
 
     def __init__(
@@ -62,6 +70,7 @@ class VLLMEngine(RolloutEngine):
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
+        verify_weights: bool = True,
     ) -> None:
         from vllm import LLM
 
@@ -82,6 +91,10 @@ class VLLMEngine(RolloutEngine):
             else:
                 os.environ[_IN_PROCESS] = previous
         self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
+        self.verify_weights = verify_weights
+        # The dtype each tensor is held in (the trainer's are digested cast to it); a model whose weights cannot be
+        # read back is refused here, before a run starts.
+        self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
         super().__init__(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
@@ -114,22 +127,37 @@ class VLLMEngine(RolloutEngine):
         return RolloutBatch(groups)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Reload in place. A tensor the model lacks raises `WeightNameError` and the version stays; tensors
-        before it in the stream are already loaded, so push the full weights again."""
-        weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(named_tensors))
+        """Reload in place, then (with `verify_weights`) prove the live weights are what was sent. A tensor the model
+        lacks raises `WeightNameError` and the version stays; tensors before it in the stream are already loaded,
+        so push the full weights again."""
+        sent = SentDigests(named_tensors, self._held_dtypes.get)
+        weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(sent if self.verify_weights else named_tensors))
         with self._lock:
             try:
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                self._reload(weights)
             except Exception:
                 # An empty reload closes the interrupted one: modules that got nothing take their old weights back.
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(())})
+                self._reload(iter(()))
                 raise
             finally:
                 # Cached prefixes hold keys and values computed with the old weights, cached encoder outputs image
                 # features: both are dropped (the worker's reload drops its encoder outputs, not the scheduler's record of them).
                 self._llm.reset_prefix_cache()
                 self._llm.llm_engine.reset_encoder_cache()
+            if self.verify_weights:
+                verify_held(sent, {name: digest for name, (_, digest) in self._held().items()}, ties_of(self._layout), version)
             self._version = version
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    def _held(self) -> dict[str, list]:
+        """`held_digests` of the model, from its one worker."""
+        workers = self._llm.apply_model(functools.partial(held_digests, layout=self._layout))
+        if len(workers) != 1:
+            raise ValueError(f"verify_weights: the model is split over {len(workers)} workers; the check reads whole "
+                             "tensors from one (tensor_parallel_size 1), or set verify_weights: false")
+        return workers[0]
 
     def close(self) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
-from lightning_rl.models.weights import iter_full_weights
+from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -62,9 +62,13 @@ def test_pushed_weights_change_the_logprobs_to_the_new_model(engine, tiny_model_
     # Same seeds: what differs is the weights, so the old rollouts no longer fit the engine's model.
     assert max_logprob_error(trainer, before.rollouts) > 1e-2
 
-    # A state_dict stream names the tied lm_head itself (after the embedding): it is loaded once, not twice.
+    # A state_dict stream names the tied lm_head itself (after the embedding): loaded once, but a tied weight is
+    # sent once, so the check refuses it; the trainer's own stream then syncs the same weights.
     perturb_(trainer, seed=2)
-    engine.push_weights(((name, t.detach()) for name, t in trainer.state_dict().items()), version=2)
+    with pytest.raises(WeightMismatchError, match="'lm_head.weight' was sent besides 'model.embed_tokens.weight'"):
+        engine.push_weights(((name, t.detach()) for name, t in trainer.state_dict().items()), version=2)
+    assert engine.weight_version == 1
+    engine.push_weights(iter_full_weights(trainer), version=2)
     after = engine.generate(PROMPTS, n=2, sampling=sampling)
     assert all(r.weight_version == 2 for r in after.rollouts)
     assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
@@ -108,3 +112,79 @@ def test_min_p_and_repetition_penalty_reach_vllm(engine):
     greedy = engine.generate(PROMPTS[:1], n=1, sampling=SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
     nearly = engine.generate(PROMPTS[:1], n=3, sampling=SamplingConfig(max_new_tokens=8, min_p=0.999, seed=4)).rollouts
     assert all(r.completion_ids == greedy[0].completion_ids for r in nearly)
+
+
+def corrupt_after_loading(engine, weights):
+    engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    def corrupt(model):
+        model.model.layers[1].post_attention_layernorm.weight.data[3] += 1e-3
+
+    engine._llm.apply_model(corrupt)
+
+
+def previous_version(engine, weights):
+    for _ in weights:  # read as a push reads them, never loaded
+        pass
+    engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(())})
+
+
+def skip(name):
+    def reload(engine, weights):
+        engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((n, t) for n, t in weights if n != name)})
+    return reload
+
+
+def stale_merge(name, previous):
+    def reload(engine, weights):
+        engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (
+            (n, previous[n] if n == name else t) for n, t in weights)})
+    return reload
+
+
+@pytest.fixture
+def synced(engine, tiny_model_dir):
+    """A trainer whose weights the engine holds (verified), and the version to push next; the engine is left synced."""
+    trainer = load_trainer_model(tiny_model_dir)
+    version = engine.weight_version + 1
+    perturb_(trainer, seed=100 + version)
+    engine.push_weights(iter_full_weights(trainer), version=version)
+    yield trainer, version + 1
+    perturb_(trainer, seed=200 + version)
+    engine.push_weights(iter_full_weights(trainer), version=engine.weight_version + 1)
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("corrupt", "the engine's 'model.layers.1.post_attention_layernorm.weight' differs"),
+    ("skip", "the engine's 'model.layers.0.mlp.down_proj.weight' differs"),
+    ("previous", "the engine's 'model.embed_tokens.weight' differs"),
+])
+def test_a_fault_inside_the_engine_stops_the_push_naming_tensor_and_version(engine, synced, monkeypatch, fault, named):
+    trainer, version = synced
+    reload = {"corrupt": corrupt_after_loading, "skip": skip("model.layers.0.mlp.down_proj.weight"),
+              "previous": previous_version}[fault]
+    monkeypatch.setattr(engine, "_reload", lambda weights: reload(engine, weights))
+    perturb_(trainer, seed=version)
+    with pytest.raises(WeightMismatchError, match=rf"^weight sync to version {version} failed verification: {named}"):
+        engine.push_weights(iter_full_weights(trainer), version=version)
+    assert engine.weight_version == version - 1
+
+
+def test_tied_weights_not_sent_and_a_stale_lora_merge_are_caught(engine, synced, tiny_model_dir, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    trainer, version = synced
+    without_embedding = [(n, t) for n, t in iter_full_weights(trainer) if n != "model.embed_tokens.weight"]
+    with pytest.raises(WeightMismatchError, match="'model.embed_tokens.weight' was not sent"):
+        engine.push_weights(iter(without_embedding), version=version)
+    # LoRA merged into the base weights is verified like any other push; an engine holding the previous adapter's
+    # merge of one weight is caught.
+    adapted = get_peft_model(trainer, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False))
+    merged = dict(iter_full_weights(adapted))
+    engine.push_weights(iter(merged.items()), version=version)
+    with torch.no_grad():
+        adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.add_(0.1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    monkeypatch.setattr(engine, "_reload", lambda weights: stale_merge(name, merged)(engine, weights))
+    with pytest.raises(WeightMismatchError, match=rf"version {version + 1} failed verification: the engine's '{name}' differs"):
+        engine.push_weights(iter_full_weights(adapted), version=version + 1)

@@ -1,0 +1,69 @@
+"""What a vLLM model holds, per Hugging Face name: its live weights, with vLLM's loading transforms undone.
+
+vLLM fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (its ``packed_modules_mapping``), stacked
+along the output rows, and pads the vocabulary rows of its embeddings; each checkpoint tensor is then a block of
+rows of a live parameter, cut back out here. On a CPU, vLLM also hands each linear layer's weight to a GEMM kernel
+of its own (oneDNN) and leaves the parameter empty: that weight is read back through the layer itself, as the
+product of its own kernel with the identity (one non-zero term per output, so the read is exact), which is what
+the engine really computes with. The digests of these tensors are what `models.weights.verify_held` compares with
+the trainer's. Runs inside the worker that holds the model (in-process, or a server's worker); no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lightning_rl.models.weights import tensor_digest
+from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+
+
+class HeldWeightsError(ValueError):
+    """A live parameter of the vLLM model that maps to no checkpoint tensor: its weights cannot be verified."""
+
+
+def _live_weight(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The values the module computes with: the parameter, or a linear weight its CPU kernel holds in its place."""
+    if name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+        identity = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+        return module.quant_method.apply(module, identity).t()  # [in, out] -> the [out, in] weight
+    return param
+
+
+def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every tensor of the checkpoint the model holds, one at a time (tied: once)."""
+    packed = getattr(type(model), "packed_modules_mapping", {})
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                full = f"{module_name}.{name}"
+                live = _live_weight(module, name, param)
+                head, _, fused = module_name.rpartition(".")
+                parts = [f"{head}.{part}.{name}" for part in packed.get(fused, ())] or [full]
+                shapes = [layout.shapes.get(part) for part in parts]
+                rows = sum(shape[0] for shape in shapes if shape) if all(shapes) else -1
+                if not all(shapes) or tuple(live.shape[1:]) != tuple(shapes[0][1:]) or rows > live.shape[0]:
+                    raise HeldWeightsError(
+                        f"vLLM's '{full}' {tuple(live.shape)} maps to no tensor of the {layout.architecture} checkpoint; "
+                        "its weights cannot be verified (verify_weights: false skips the check)"
+                    )
+                start = 0  # fused parts follow each other along the rows; rows past the last are vocabulary padding
+                for part, shape in zip(parts, shapes):
+                    yield part, live[start : start + shape[0]]
+                    start += shape[0]
+
+
+def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
+    """``{hf_name: [dtype name, digest]}`` of what the model holds (JSON-safe: a server returns it over HTTP)."""
+    return {name: [str(t.dtype).removeprefix("torch."), tensor_digest(t)] for name, t in held_tensors(model, layout)}
+
+
+def ties_of(layout: CheckpointLayout) -> dict[str, str]:
+    """Each tied name -> the name whose tensor it shares (``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
+    return {target: source for source, targets in layout.aliases.items() for target in targets}
