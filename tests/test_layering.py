@@ -23,7 +23,7 @@ ALLOWED = {
     "checkpoints": {"errors"},
     "losses": {"errors"},
     "rewards": {"dotted", "errors", "models"},
-    "rollout": {"dotted", "models", "packing"},
+    "rollout": {"dotted", "errors", "models", "packing", "validation"},
     "tools": {"rollout", "dotted"},
     "attention": {"packing", "device_policy", "errors"},
     "models": {"toy", "errors", "validation", "packing"},

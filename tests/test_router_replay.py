@@ -6,9 +6,13 @@ forward; the reference is the engine's own log-probs, or each sequence run alone
 """
 
 import copy
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+from transformers import MuseSparkTextConfig
+from transformers.models.muse_spark.modeling_muse_spark import MuseSparkMoE
 
 from lightning_rl.errors import UserError
 from lightning_rl.models.routing import (
@@ -19,7 +23,10 @@ from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.rollout.base import SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine
+from lightning_rl.rollout.vllm_server_process import free_port
+from lightning_rl.strategies.expert_parallel import distribute_experts, expert_mesh
 from support import tiny_models, tiny_moe
+from support.distributed import leave_worker
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
 
@@ -163,3 +170,42 @@ def test_the_recipe_key_refuses_what_cannot_replay():
     assert not router_replay_on("auto", unknown, "hf", True)
     with pytest.raises(RouterReplayError, match="with a router lightning_rl.models.routing does not know"):
         router_replay_on(True, unknown, "hf", True)
+
+
+def _expert_parallel_check(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        config = MuseSparkTextConfig(
+            hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_hidden_size=8,
+            moe_intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        layer = MuseSparkMoE(config)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        dense = copy.deepcopy(layer)
+        distribute_experts(layer, expert_mesh("cpu", 2, 2))
+        g = torch.Generator().manual_seed(rank)
+        tokens = torch.randn(7 + rank, 16, generator=g)
+        routes = torch.stack([torch.randperm(4, generator=g)[:2] for _ in tokens])[:, None].to(torch.int16)  # [T, 1, 2]
+        outputs, agreements = [], []
+        for module in (layer, dense):
+            x = tokens.clone().requires_grad_()
+            replay = RouteReplay(routes)
+            with replaying(module, replay):
+                out = module(x)
+            out.square().sum().backward()
+            outputs.append((out, x.grad, module.gate.weight.grad))
+            agreements.append(replay.agreement.value)
+        for got, want in zip(*outputs):  # the split layer under replay computes what the whole one does
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert agreements[0] == agreements[1] < 1  # random routes are not the gate's own choice
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_worker()
+
+
+def test_replay_forces_the_experts_before_expert_parallel_dispatch():
+    torch.multiprocessing.spawn(_expert_parallel_check, args=(free_port(),), nprocs=2)

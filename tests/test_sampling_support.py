@@ -88,3 +88,42 @@ def test_a_target_outside_its_support_is_refused():
         token_logprobs(h, w, torch.tensor([2, 4, 7]), support=support)
     with pytest.raises(ValueError, match=r"support of shape \(3,\) for 3 tokens"):
         token_logprobs(h, w, torch.tensor([2, 3, 7]), support=torch.tensor([1, 2, 3]))
+
+
+def test_supports_travel_with_their_tokens_through_tree_packing():
+    # Two completions of one prompt share their first sampled token (one packed position, two loss terms) and fork.
+    prompt, first = [1, 2, 3], [7]
+    seqs = [prompt + first + [8, 9], prompt + first + [10], [4, 5]]
+    masks = [[False] * 3 + [True] * 3, [False] * 3 + [True] * 2, [False, True]]
+    supports = [
+        torch.tensor([[-1, -1]] * 3 + [[7, 3], [8, -1], [9, 1]], dtype=torch.int32),
+        torch.tensor([[-1, -1, -1]] * 3 + [[7, 3, -1], [10, 2, 6]], dtype=torch.int32),
+        None,  # no filter on this one: the whole distribution
+    ]
+    packed = pack_sequences(seqs, masks, token_supports=supports)
+    assert packed.num_unique_tokens == 3 + 1 + 2 + 1 + 2  # the prompt and the shared token stored once
+    assert packed.token_support.shape == (len(packed.loss_targets), 3)
+    for target, row in zip(packed.loss_targets.tolist(), packed.token_support.tolist()):
+        kept = [t for t in row if t >= 0]
+        assert target in kept or target == 5 and not kept
+    shared = [row for pos, row in zip(packed.loss_positions.tolist(), packed.token_support.tolist()) if pos == 2]
+    assert len(shared) == 2 and all(row[:2] == [7, 3] for row in shared)  # one support, carried by both terms
+    assert pack_sequences(seqs, masks).token_support is None
+    with pytest.raises(ValueError, match="sequence 1: token support of shape"):
+        pack_sequences(seqs, masks, token_supports=[supports[0], supports[0], None])
+
+
+def test_sampling_settings_check_themselves():
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.rollout.base import SamplingSettings
+
+    with pytest.raises(RecipeError, match=r"^sampling.max_support=8 is below sampling.top_k=50") as refused:
+        SamplingSettings(top_k=50, max_support=8)
+    assert refused.value.key == "sampling.max_support"
+    for bad, key in [({"top_p": 0.0}, "sampling.top_p"), ({"min_p": 1.0}, "sampling.min_p"), ({"max_support": 0}, "sampling.max_support"),
+                     ({"temperature": float("nan")}, "sampling.temperature"), ({"top_k": -1}, "sampling.top_k")]:
+        with pytest.raises(RecipeError) as refused:
+            SamplingSettings(**bad)
+        assert refused.value.key == key
+    assert SamplingSettings(top_k=50, max_support=50).filtered and not SamplingSettings(temperature=0, top_p=0.5).filtered
+

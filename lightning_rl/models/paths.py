@@ -1,4 +1,4 @@
-"""Where a recipe's ``model_name_or_path`` points: a from_pretrained folder, a Hugging Face Hub id, or ``tiny``."""
+"""Where a recipe's ``model_name_or_path`` points: a from_pretrained folder, a Hugging Face Hub id, or an embedded tiny model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from lightning_rl.errors import RecipeError
-from lightning_rl.toy.model import TINY_NAME, tiny_model_path
+from lightning_rl.toy.model import TINY_MOE_NAME, TINY_NAME, tiny_model_path, tiny_moe_path
 from lightning_rl.toy.vlm import TINY_VLM_NAME, tiny_vlm_path
 
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
@@ -20,6 +20,8 @@ def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> st
         return str(tiny_model_path())
     if name_or_path == TINY_VLM_NAME:
         return str(tiny_vlm_path())
+    if name_or_path == TINY_MOE_NAME:
+        return str(tiny_moe_path())
     check_model_source(name_or_path, key)
     return name_or_path
 
@@ -27,7 +29,7 @@ def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> st
 def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:
     """Refuse, naming ``key``, a model that is neither a from_pretrained folder nor a hub id in the local cache or on
     the Hub. The Hub is asked once, without retries, so a wrong id fails in seconds (offline: at once)."""
-    if name_or_path in (TINY_NAME, TINY_VLM_NAME):
+    if name_or_path in (TINY_NAME, TINY_VLM_NAME, TINY_MOE_NAME):
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():

@@ -191,11 +191,12 @@ def packed_logprobs(
     replay_routes: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log p(target) for every loss term of a packed row (and the entropy there when asked, differentiable with
-    ``entropy_grad``), shape [M], under the sampling ``temperature``, without the ``suppressed`` tokens."""
+    ``entropy_grad``), shape [M], under the sampling ``temperature``, without the ``suppressed`` tokens, and
+    renormalised over each term's sampling support where the row carries one (``batch.token_support``)."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
     h = hidden.index_select(0, batch.loss_positions)
     weight, bias, transform = lm_head_of(model, temperature, suppressed)
-    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias)
+    logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias, support=batch.token_support)
     if not return_entropy:
         return logprobs
     if entropy_grad:

@@ -46,6 +46,9 @@ class PackedBatch:
     image_inputs: dict[str, Tensor] = field(default_factory=dict)
     # [N, layers, top_k] the experts the engine routed each token to (router replay), -1 where it routed none.
     routes: Tensor | None = None
+    # [M, K] per loss term, the token ids its sampler could draw (the sampling filters' support), -1 as padding; a row
+    # of -1 only, or None for the whole row, scores the full distribution. It travels with its term as token_values do.
+    token_support: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +77,7 @@ class PackedBatch:
             rope_position_ids=None if self.rope_position_ids is None else move(self.rope_position_ids),
             image_inputs={k: move(v) for k, v in self.image_inputs.items()},
             routes=None if self.routes is None else move(self.routes),
+            token_support=None if self.token_support is None else move(self.token_support),
         )
 
     def visibility_mask(self) -> Tensor:
@@ -90,7 +94,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
-def _validate(sequences: Sequence[Sequence[int]], loss_masks, token_values, seq_values) -> None:
+def _validate(sequences: Sequence[Sequence[int]], loss_masks, token_values, seq_values, token_supports) -> None:
     for i, seq in enumerate(sequences):
         if len(seq) == 0:
             raise ValueError(f"sequence {i} is empty")
@@ -99,6 +103,12 @@ def _validate(sequences: Sequence[Sequence[int]], loss_masks, token_values, seq_
         for name, values in (token_values or {}).items():
             if len(values[i]) != len(seq):
                 raise ValueError(f"sequence {i}: token value {name!r} has {len(values[i])} entries for {len(seq)} tokens")
+    if token_supports is not None:
+        if len(token_supports) != len(sequences):
+            raise ValueError(f"{len(token_supports)} token supports for {len(sequences)} sequences")
+        for i, (seq, support) in enumerate(zip(sequences, token_supports)):
+            if support is not None and (support.dim() != 2 or support.shape[0] != len(seq)):
+                raise ValueError(f"sequence {i}: token support of shape {tuple(support.shape)} for {len(seq)} tokens (want [tokens, K])")
     if loss_masks is not None and len(loss_masks) != len(sequences):
         raise ValueError(f"{len(loss_masks)} loss masks for {len(sequences)} sequences")
     for name, values in (seq_values or {}).items():
@@ -117,6 +127,7 @@ def pack_sequences(
     pad_token_id: int = 0,
     rope_positions: Sequence[Tensor] | None = None,
     routes: Sequence[Tensor] | None = None,
+    token_supports: Sequence[Tensor | None] | None = None,
 ) -> PackedBatch:
     """Pack ``sequences`` into one row as a prefix tree.
 
@@ -124,9 +135,10 @@ def pack_sequences(
     never trained). Without masks every token but the first is trained. ``token_values[name][i][t]`` is carried
     for each trained token, ``seq_values[name][i]`` per sequence. ``rope_positions[i]`` ([A, len]) are sequence
     ``i``'s multi-axis positions; a token shared by several sequences must have the same ones in each (they depend
-    only on its path), or the sequences are refused.
+    only on its path), or the sequences are refused. ``token_supports[i]`` ([len, K_i] token ids, -1 as padding, or
+    None) is sequence ``i``'s per-token sampling support, carried for each trained token as ``token_values`` are.
     """
-    _validate(sequences, loss_masks, token_values, seq_values)
+    _validate(sequences, loss_masks, token_values, seq_values, token_supports)
     seqs = [list(map(int, s)) for s in sequences]
     # Roots are keyed by sequence index when prefixes must not be shared, so no two sequences meet.
     keyed = [((0 if share_prefixes else i), s) for i, s in enumerate(seqs)]
@@ -212,7 +224,22 @@ def pack_sequences(
         pad_to_multiple_of=pad_to_multiple_of,
         rope_position_ids=rope,
         routes=packed_routes,
+        token_support=_carried_support(token_supports, picks),
     )
+
+
+def _carried_support(token_supports: Sequence[Tensor | None] | None, picks: list[Tensor]) -> Tensor | None:
+    """[M, K] the trained tokens' supports, each padded with -1 to the widest; None where no sequence has one."""
+    if token_supports is None or all(s is None for s in token_supports):
+        return None
+    width = max(s.shape[1] for s in token_supports if s is not None)
+    rows = []
+    for support, t in zip(token_supports, picks):
+        picked = torch.full((len(t), width), -1, dtype=torch.int32)
+        if support is not None:
+            picked[:, : support.shape[1]] = support[t]
+        rows.append(picked)
+    return torch.cat(rows)
 
 
 def _rope_positions(per_sequence: Sequence[Tensor], paths: list[Tensor], seqs: list[list[int]], num_unique: int) -> Tensor:

@@ -19,13 +19,18 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_rl import validation
 from lightning_rl.dotted import load_object
+from lightning_rl.errors import RecipeError
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
     """The recipe's ``sampling:`` group: how completions are sampled (TRL's names). `top_k=0`, `top_p=1.0`,
     `min_p=0.0` and `repetition_penalty=1.0` switch those filters off; every engine here supports all four.
+
+    With a filter on, each sampled token's log-prob is that of the filtered, renormalised distribution it was drawn
+    from, and the engine reports its support (the tokens the filters kept) so the trainer scores the same one.
 
     Args:
         max_new_tokens: tokens sampled per completion (per turn, with tools) at most.
@@ -34,6 +39,10 @@ class SamplingSettings:
         top_k: keep the k most likely tokens (0: off).
         min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off).
         repetition_penalty: CTRL's penalty on tokens already in the prompt or completion (1: off).
+        max_support: the most tokens the filters may keep at one sampled token: the trainer holds each token's
+            support, and the vLLM engines report max_support + 1 top log-probs per token to find it (fewer with
+            top_k), so a wider support (top_p alone at a high temperature on a large vocabulary) is refused at run
+            time. top_k bounds it.
     """
 
     max_new_tokens: int = 32
@@ -42,6 +51,26 @@ class SamplingSettings:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_support: int = 1024
+
+    def __post_init__(self) -> None:
+        validation.positive_int("sampling.max_new_tokens", self.max_new_tokens)
+        validation.finite_non_negative("sampling.temperature", self.temperature)
+        validation.fraction("sampling.top_p", self.top_p, low_open=True, high_open=False)
+        validation.non_negative_int("sampling.top_k", self.top_k)
+        validation.fraction("sampling.min_p", self.min_p)
+        validation.finite_positive("sampling.repetition_penalty", self.repetition_penalty)
+        validation.positive_int("sampling.max_support", self.max_support)
+        if self.top_k > self.max_support:
+            raise RecipeError(
+                f"sampling.max_support={self.max_support} is below sampling.top_k={self.top_k}: every sampled token "
+                "would keep more tokens than the trainer holds; raise max_support or lower top_k", "sampling.max_support",
+            )
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter truncates the distribution sampled from (greedy sampling has none to replay)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
 
 
 @dataclass(frozen=True)
@@ -61,8 +90,11 @@ class Rollout:
 
     `completion_ids` holds every token after the prompt. In a multi-turn rollout that includes tool
     outputs the model did not sample: `completion_mask` is False for those, and their `logprobs`
-    entry is 0.0. `logprobs[t]` is the engine's log p(completion_ids[t]) under the sampling
-    distribution's underlying model (temperature-scaled logits, before top-k/top-p filtering).
+    entry is 0.0. `logprobs[t]` is the engine's log p(completion_ids[t]) under the distribution it was
+    drawn from: the temperature-scaled one, without the suppressed tokens and, when a sampling filter
+    (top-k, top-p, min-p) is on, restricted to the tokens the filter kept and renormalised over them.
+    `support` ([len(completion_ids), K] int32) then holds, per token, the ids the filter kept, padded with
+    -1; a row of -1 only (a tool output's token) stands for no restriction. None: no filter was on.
     """
 
     prompt_ids: list[int]
@@ -92,6 +124,11 @@ class Rollout:
                 f"rollout of group {self.group_id}: completion_mask has {len(self.completion_mask)} "
                 f"entries for {len(self.completion_ids)} completion tokens"
             )
+        if self.support is not None and (self.support.dim() != 2 or self.support.shape[0] != len(self.completion_ids)):
+            raise ValueError(
+                f"rollout of group {self.group_id}: support of shape {tuple(self.support.shape)} for "
+                f"{len(self.completion_ids)} completion tokens (want [tokens, K])"
+            )
 
         if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != len(self.prompt_ids) + len(self.completion_ids)):
             raise ValueError(
@@ -114,6 +151,49 @@ class Rollout:
     def sequence_logprobs(self) -> list[float]:
         """Engine log-probs aligned with `sequence` (0.0 on prompt tokens)."""
         return [0.0] * len(self.prompt_ids) + list(self.logprobs)
+
+    @property
+    def sequence_support(self) -> torch.Tensor | None:
+        """`support` aligned with `sequence` (rows of -1 on prompt tokens), or None without one."""
+        if self.support is None:
+            return None
+        return torch.cat([self.support.new_full((len(self.prompt_ids), self.support.shape[1]), -1), self.support])
+
+
+def supports_of(kept: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
+    """[tokens, K] int32 ids of the tokens ``kept`` ([tokens, vocab] booleans: what the filters left) marks, padded
+    with -1, K the widest row's count; a row wider than ``sampling.max_support`` is refused."""
+    counts = kept.sum(-1)
+    width = check_support_width(int(counts.max()) if counts.numel() else 0, sampling)
+    # A stable sort puts each row's kept ids first, in increasing order.
+    ids = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width].to(torch.int32)
+    return ids.masked_fill_(torch.arange(width, device=kept.device) >= counts[..., None], -1)
+
+
+def support_rows(rows: Sequence[Sequence[int]], sampling: SamplingSettings) -> torch.Tensor:
+    """[len(rows), K] int32: each row's token ids, padded with -1 to the widest; one wider than
+    ``sampling.max_support`` is refused."""
+    width = check_support_width(max((len(row) for row in rows), default=0), sampling)
+    support = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for t, row in enumerate(rows):
+        support[t, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return support
+
+
+def check_support_width(width: int, sampling: SamplingSettings) -> int:
+    """``width``, the most tokens the filters kept at one sampled token, if within ``sampling.max_support``."""
+    if width > sampling.max_support:
+        raise support_too_wide(sampling, f"kept {width} tokens")
+    return width
+
+
+def support_too_wide(sampling: SamplingSettings, kept: str) -> RecipeError:
+    """The refusal of a sampled token whose filters ``kept`` more tokens than the trainer holds."""
+    return RecipeError(
+        f"sampling.max_support={sampling.max_support}: a sampled token's filters {kept} (top_p={sampling.top_p}, "
+        f"top_k={sampling.top_k}, min_p={sampling.min_p}, temperature={sampling.temperature}); raise max_support, "
+        "or bound the support with top_k", "sampling.max_support",
+    )
 
 
 @dataclass

@@ -15,13 +15,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig,
+)
 
 from lightning_rl.toy.task import PROBLEMS_FILE, read_jsonl
 
 TINY_NAME = "tiny"
 # Bump when the config, template or tokenizer recipe changes so cached builds are rebuilt.
 TINY_VERSION = 2
+TINY_MOE_NAME = "tiny-moe"
+TINY_MOE_VERSION = 1
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -99,6 +103,17 @@ def tiny_config(vocab_size: int) -> Qwen3Config:
     )
 
 
+def tiny_moe_config(vocab_size: int) -> Qwen3MoeConfig:
+    """The tiny model's shape with routed experts in every layer (Qwen3-MoE: softmax, top 2 of 4, normalised)."""
+    dense = tiny_config(vocab_size).to_dict()
+    shape = {key: dense[key] for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                          "head_dim", "max_position_embeddings", "tie_word_embeddings")}  # fmt: skip
+    return Qwen3MoeConfig(
+        **shape, intermediate_size=384, moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+    )
+
+
 def seeded_model(auto_class: type, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """A model of ``config`` with random weights drawn from ``seed`` (the global generator left as it was), whose
     generation config ends and pads with the tokenizer's tokens."""
@@ -119,6 +134,18 @@ def build_tiny(path: str | os.PathLike, seed: int = 0) -> Path:
     config.pad_token_id = tokenizer.pad_token_id
     model = seeded_model(AutoModelForCausalLM, config, tokenizer, seed)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_moe(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny mixture-of-experts model and the tiny model's tokenizer to ``path``."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    config = tiny_moe_config(vocab_size=len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    seeded_model(AutoModelForCausalLM, config, tokenizer, seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -151,3 +178,9 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached tiny model folder, built on first use."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return cached_build(cache / f"tiny-v{TINY_VERSION}", "config.json", build_tiny)
+
+
+def tiny_moe_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached tiny mixture-of-experts model folder, built on first use."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cached_build(cache / f"tiny-moe-v{TINY_MOE_VERSION}", "config.json", build_tiny_moe)
