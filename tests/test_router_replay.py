@@ -160,8 +160,8 @@ def test_the_recipe_key_refuses_what_cannot_replay():
         router_replay_on(True, dense, "hf", True)
     with pytest.raises(RouterReplayError) as engine_error:
         router_replay_on(True, moe, "vllm", False)
-    for error in (dense_error.value, engine_error.value):
-        assert isinstance(error, UserError) and error.key == "model.router_replay"
+    for error in (dense_error.value, engine_error.value):  # the run names the module's key within its block
+        assert isinstance(error, UserError) and error.within("model").key == "model.router_replay"
         assert error.line().startswith("model.router_replay: true, but") and "\n" not in error.line()
     # A mixture-of-experts family whose router the table does not know: refused when asked, off on auto.
     unknown = copy.deepcopy(moe)

@@ -34,9 +34,10 @@ ROUTE_DTYPE = torch.int16  # expert ids of every family here fit; -1 marks an un
 
 
 class RouterReplayError(UserError, ValueError):
-    """Router replay asked of a model or engine that cannot do it."""
+    """Router replay asked of a model or engine that cannot do it (the module's ``router_replay``: the run names it
+    ``model.router_replay``)."""
 
-    key = "model.router_replay"
+    key = "router_replay"
 
 
 # -- the families ------------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
         experts = next(type(m).__name__ for m in model.modules() if is_experts_module(m))
         raise RouterReplayError(
             f"{type(model).__name__} routes tokens to experts ({experts}) with a router lightning_rl.models.routing "
-            f"does not know (it knows {', '.join(sorted(ROUTERS))}); set model.router_replay: false to train without replay"
+            f"does not know (it knows {', '.join(sorted(ROUTERS))}); set it to false to train without replay"
         )
     return routers
 
@@ -278,7 +279,7 @@ def router_replay_on(setting: RouterReplaySetting, model: nn.Module, engine: str
     """Whether a run replays routes: ``auto`` on a mixture-of-experts model whose routers are known and whose engine
     records routes; ``true`` refuses, in one line, a dense model, an unknown router or an engine that cannot record."""
     if setting not in ("auto", True, False):
-        raise RouterReplayError(f"model.router_replay must be auto, true or false, got {setting!r}")
+        raise RouterReplayError(f"router_replay must be auto, true or false, got {setting!r}")
     if setting is False:
         return False
     moe = is_moe(model)
@@ -287,11 +288,11 @@ def router_replay_on(setting: RouterReplaySetting, model: nn.Module, engine: str
         return known and engine_records_routes
     if not moe:
         raise RouterReplayError(
-            f"model.router_replay: true, but {type(model).__name__} is a dense model (no routed experts to replay)"
+            f"router_replay: true, but {type(model).__name__} is a dense model (no routed experts to replay)"
         )
     find_routers(model)
     if not engine_records_routes:
         raise RouterReplayError(
-            f"model.router_replay: true, but the {engine} engine cannot record the experts it routes each token to"
+            f"router_replay: true, but the {engine} engine cannot record the experts it routes each token to"
         )
     return True
