@@ -1,0 +1,128 @@
+"""A checkpoint a run cannot take is refused in one line, and a checkpoint that cannot be written loses nothing.
+
+Real runs of the tiny recipes in this process: a GRPO checkpoint in an SFT run and the reverse, another LoRA layout,
+a checkpoint already past `max_steps`, and a disk that fills up while a checkpoint is written (a real small tmpfs,
+so a real ENOSPC; where mounting is not allowed, a real file size limit, EFBIG)."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_rl import cli
+from lightning_rl.checkpoints import checkpoint_step
+from lightning_rl.modules.policy import WRITER
+from support.paths import REPO, TOY_TRAIN
+
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--logger.kind=none"]
+SFT = [str(REPO / "recipes" / "tiny" / "sft.yaml"), *QUIET, "--data.val_data=null", "--data.max_tokens=256",
+       "--model.eval_generations=0", "--model.warmup_steps=1", "--trainer.val_check_interval=null",
+       "--trainer.limit_val_batches=0"]  # fmt: skip
+GRPO = [str(REPO / "recipes" / "tiny" / "grpo.yaml"), *QUIET, "--model.num_generations=2", "--data.batch_size=1"]
+
+
+def run(capsys, recipe: list[str], out: Path, *extra: str) -> tuple[int, list[str], str]:
+    """`lightning-rl run` in this process: exit code, its `error:` lines, all of stderr."""
+    rows = out.parent / "rows.jsonl"
+    if not rows.exists():
+        rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:20]))
+    data = [f"--data.train_data={rows}"] if recipe is SFT else []
+    code = cli.main(["run", *recipe, f"--output_dir={out}", *data, *extra])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("error:")], err
+
+
+def one_step(capsys, recipe: list[str], out: Path, *extra: str) -> Path:
+    code, errors, err = run(capsys, recipe, out, "--trainer.max_steps=1", *extra)
+    assert code == 0 and errors == [], err[-3000:]
+    return out / "checkpoints" / "last.ckpt"
+
+
+def test_a_checkpoint_of_another_task_is_refused_both_ways(tmp_path, capsys):
+    sft = one_step(capsys, SFT, tmp_path / "sft")
+    grpo = one_step(capsys, GRPO, tmp_path / "grpo")
+    assert torch.load(sft, weights_only=True)[WRITER]["task"] == "SFTModule"
+
+    code, errors, _ = run(capsys, GRPO, tmp_path / "grpo-from-sft", f"--ckpt_path={sft}", "--trainer.max_steps=2")
+    assert code == 2 and len(errors) == 1
+    assert errors[0].startswith(f"error: ckpt_path: {sft} was written by another kind of run (task 'SFTModule' there, 'GRPOModule' here")
+    # The weights fit (same model, no LoRA): before, the run trained on with the other task's optimizer and schedule.
+    code, errors, _ = run(capsys, SFT, tmp_path / "sft-from-grpo", f"--ckpt_path={grpo}", "--trainer.max_steps=2")
+    assert code == 2 and len(errors) == 1
+    assert errors[0].startswith(f"error: ckpt_path: {grpo} was written by another kind of run (")
+    assert not (tmp_path / "sft-from-grpo" / "hf").exists() and not (tmp_path / "grpo-from-sft" / "hf").exists()
+
+
+def test_a_checkpoint_of_another_lora_layout_names_both(tmp_path, capsys):
+    r4 = one_step(capsys, SFT, tmp_path / "r4", "--model.lora={r: 4, alpha: 8}")
+    code, errors, _ = run(capsys, SFT, tmp_path / "r8", f"--ckpt_path={r4}", "--trainer.max_steps=2", "--model.lora={r: 8, alpha: 8}")
+    assert code == 2 and errors == [
+        f"error: ckpt_path: {r4} was written by another kind of run (lora {{'r': 4, 'alpha': 8, 'target_modules': "
+        "'all-linear'} there, {'r': 8, 'alpha': 8, 'target_modules': 'all-linear'} here)"
+    ]
+    # Negative control: the same layout resumes.
+    code, errors, _ = run(capsys, SFT, tmp_path / "r4-again", f"--ckpt_path={r4}", "--trainer.max_steps=2", "--model.lora={r: 4, alpha: 8}")
+    assert code == 0 and errors == []
+
+
+def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, errors, _ = run(capsys, SFT, out, "--trainer.max_steps=3")
+    assert code == 0 and errors == [] and checkpoint_step(out / "checkpoints" / "last.ckpt") == 3
+    exported = (out / "hf" / "model.safetensors").read_bytes()
+    for max_steps in (2, 3):
+        code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", f"--trainer.max_steps={max_steps}")
+        assert code == 2 and errors == [
+            f"error: ckpt_path: {out / 'checkpoints' / 'last.ckpt'} is at step 3, and trainer.max_steps is {max_steps}: "
+            "there is nothing left to train; raise trainer.max_steps to train on from it"
+        ]
+    assert (out / "hf" / "model.safetensors").read_bytes() == exported  # not exported again
+
+
+@contextlib.contextmanager
+def little_room(folder: Path, room: int) -> Iterator[str]:
+    """``folder`` on a filesystem of ``room`` bytes (a tmpfs: a full disk gives ENOSPC); where mounting is not
+    allowed, files in this process limited to ``room`` bytes instead (RLIMIT_FSIZE with SIGXFSZ ignored: EFBIG).
+    Yields the error the write will meet."""
+    folder.mkdir(parents=True)
+    mounted = shutil.which("mount") and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(folder)], capture_output=True).returncode == 0
+    if mounted:
+        try:
+            yield "No space left on device"
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (room, hard))
+    try:
+        yield "File too large"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    last = disk / "run" / "checkpoints" / "last.ckpt"
+    with little_room(disk, 12 * 2**20) as failure:
+        one_step(capsys, SFT, disk / "run")  # a checkpoint (about 6.5 MB) and the export fit
+        saved = last.read_bytes()
+        if failure == "No space left on device":  # fill the disk but for 1 MB: the next checkpoint cannot fit
+            (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 2**20))
+        code, errors, err = run(capsys, SFT, disk / "run", "--ckpt_path=last", "--trainer.max_steps=2")
+        assert code == 2 and len(errors) == 1, err[-3000:]
+        assert errors[0].startswith(f"error: output_dir: no room for the checkpoint last.ckpt in {last.parent} ({failure}): it needs about ")
+        needed = int(errors[0].split("it needs about ")[1].split()[0])
+        assert len(saved) * 0.9 < needed < len(saved) * 1.1  # the figure is the checkpoint's size
+        assert errors[0].endswith("; the partial file was removed, earlier checkpoints are kept") and "Traceback" not in err
+        assert last.read_bytes() == saved and checkpoint_step(last) == 1  # the last good checkpoint, untouched
+        assert not list(disk.rglob("*.staging"))
