@@ -13,6 +13,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_rl.checkpoints import remove
 from lightning_rl.errors import UserError
 from lightning_rl.ops.grad_norm import total_grad_norm
+from lightning_rl.stopping import StepAbandoned, request_stop, withdraw_stop
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -198,6 +200,12 @@ class RequeueOnSignal(Callback):
     Under SLURM with auto-requeue (the default there) the requeue signal comes ahead of the time limit: rank 0 also
     runs ``scontrol requeue``, and the ranks wait for the SIGTERM with which SLURM then stops the job (the requeued
     job's ``--ckpt_path=last`` takes this checkpoint). Elsewhere the requeue signal stops the run like SIGTERM.
+
+    A step that waits on something that does not return (a reward, a tool) would hold the stop back until its timeout.
+    So in a run of one process, a signal inside a step that starts at an optimizer-step boundary also requests the stop
+    (``stopping``): the wait gives the step up (``StepAbandoned``), and the state of the last complete step, which the
+    abandoned one had not yet changed, is saved as above, with the loops' counters of a run between two steps, so
+    that the resume trains the abandoned step once. (With several ranks the others may be in a collective already.)
     """
 
     def __init__(self, output_dir: str | Path, sigterm_wait_s: float = 300.0) -> None:
@@ -210,6 +218,8 @@ class RequeueOnSignal(Callback):
         self.checkpoint: Path | None = None
         self._slurm_requeue = False
         self._last_step = -1
+        self._at_boundary = True  # the last batch ended an optimizer step
+        self._may_abandon = False  # inside a step that a stop signal may abandon
 
     def install(self) -> None:
         """Record SIGTERM and the requeue signal from now on; ``restore`` puts the earlier handlers back."""
@@ -228,6 +238,8 @@ class RequeueOnSignal(Callback):
 
     def _record(self, signum: int, _frame: Any) -> None:
         self.received.add(signum)
+        if self._may_abandon:
+            request_stop()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         environment = getattr(trainer.strategy, "cluster_environment", None)
@@ -245,14 +257,42 @@ class RequeueOnSignal(Callback):
         self._last_step = trainer.global_step
         self._agree_and_stop(trainer, save=False)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._may_abandon = trainer.world_size == 1 and self._at_boundary
+        if self._may_abandon and self.received:  # one that came since the last boundary
+            request_stop()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
+        self._may_abandon = False
+        withdraw_stop()
+        self._at_boundary = trainer.global_step != self._last_step
+        if not self._at_boundary:
             return  # mid-accumulation: no optimizer step yet, nothing consistent to save
         self._last_step = trainer.global_step
         self._agree_and_stop(trainer, save=True)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, StepAbandoned) and self._may_abandon:
+            self._save_abandoned(trainer, exception)
+        self._may_abandon = False
+        withdraw_stop()
         self.restore()
+
+    def _save_abandoned(self, trainer: Trainer, abandoned: StepAbandoned) -> None:
+        """Save the last complete step for a step given up mid-way; ``StepAbandoned`` then ends the process (143)."""
+        # Lightning counts the abandoned batch as started but not processed; a checkpoint with those counters would
+        # resume past the batch's data position. Counted as not drawn at all, the run is between two steps.
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        for tracker in (progress.total, progress.current):
+            tracker.ready = tracker.started = tracker.processed = tracker.completed
+        terminate = signal.SIGTERM in self.received
+        step = trainer.global_step
+        self._save(trainer, step)
+        if not terminate and self._slurm_requeue and self._requeue(trainer):
+            self._wait_for_sigterm()
+        self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name
+        print(f"stopped by {self.stopped_by} after step {step} (step {step + 1} given up: {abandoned.what} had not "
+              "returned); resume with --ckpt_path=last", file=sys.stderr, flush=True)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.restore()
@@ -263,24 +303,29 @@ class RequeueOnSignal(Callback):
         terminate, requeue = (bool(flag) for flag in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
         if not (terminate or requeue):
             return
-        step = trainer.global_step
         if save:
-            self.checkpoint = self.output_dir / f"hpc_ckpt_{step}.ckpt"
-            trainer.save_checkpoint(self.checkpoint)  # a collective under sharded strategies: every rank is here
-            if trainer.is_global_zero:
-                for older in self.output_dir.glob("hpc_ckpt_*.ckpt"):
-                    if older != self.checkpoint:
-                        remove(older)
+            self._save(trainer, trainer.global_step)
         if not terminate and self._slurm_requeue:
             if not self._requeue(trainer):
                 self.received.discard(self.requeue_signal)
                 return  # no scheduler took the job back: training goes on
-            # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
-            deadline = time.monotonic() + self.sigterm_wait_s
-            while signal.SIGTERM not in self.received and time.monotonic() < deadline:
-                time.sleep(0.1)
+            self._wait_for_sigterm()
         self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name
         raise SIGTERMException
+
+    def _save(self, trainer: Trainer, step: int) -> None:
+        self.checkpoint = self.output_dir / f"hpc_ckpt_{step}.ckpt"
+        trainer.save_checkpoint(self.checkpoint)  # a collective under sharded strategies: every rank is here
+        if trainer.is_global_zero:
+            for older in self.output_dir.glob("hpc_ckpt_*.ckpt"):
+                if older != self.checkpoint:
+                    remove(older)
+
+    def _wait_for_sigterm(self) -> None:
+        # Train no further on a job that is being requeued: wait for SLURM's SIGTERM, which ends the run unfinished.
+        deadline = time.monotonic() + self.sigterm_wait_s
+        while signal.SIGTERM not in self.received and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _requeue(self, trainer: Trainer) -> bool:
         """Rank 0 asks SLURM to requeue the job; every rank learns whether it did."""

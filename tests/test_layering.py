@@ -14,6 +14,7 @@ PACKAGE = REPO / "lightning_rl"
 # part -> the parts it may import. A part is a subpackage or a top-level module of lightning_rl.
 ALLOWED = {
     "errors": set(),
+    "stopping": set(),
     "validation": {"errors"},
     "packing": set(),
     "dotted": set(),
@@ -22,9 +23,9 @@ ALLOWED = {
     "toy": set(),
     "checkpoints": {"errors"},
     "losses": {"errors"},
-    "rewards": {"dotted", "errors", "models"},
+    "rewards": {"dotted", "errors", "models", "stopping"},
     "rollout": {"dotted", "errors", "models", "packing", "validation"},
-    "tools": {"rollout", "dotted"},
+    "tools": {"rollout", "dotted", "stopping"},
     "attention": {"packing", "device_policy", "errors"},
     "models": {"toy", "errors", "validation", "packing"},
     "ops": {"attention", "packing", "device_policy", "models"},
@@ -32,7 +33,7 @@ ALLOWED = {
     "strategies": {"models", "checkpoints", "device_policy", "ops", "errors"},
     "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
                 "rollout", "strategies", "tools", "validation"},
-    "callbacks": {"checkpoints", "ops", "strategies", "errors"},
+    "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
     "recipe": {"callbacks", "checkpoints", "console", "errors", "run_folder", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},

@@ -3,11 +3,19 @@ DataLoader worker processes (a scheduler signals the whole process group), and a
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import time
 
+import pytest
+import torch
+
+from lightning_rl.checkpoints import checkpoint_step
 from support.paths import REPO
-from support.signalled_runs import Recipe, log_of, signal_mid_step
+from support.recipe_runs import exported
+from support.signalled_runs import EXIT_BOUND_S, Recipe, log_of, progress, signal_mid_step, wait_until
 
 WORKER_STEPS = 10
 
@@ -27,3 +35,48 @@ first one's checkpoint."""
     log = log_of(out)
     assert first < second and f"resume: step {first} from hpc_ckpt_{first}.ckpt, the newest complete checkpoint" in log
     assert "Traceback" not in log and "DataLoader worker" not in log
+
+
+GRPO_STEPS = 5
+
+
+def test_a_signal_does_not_wait_for_a_reward_that_does_not_return(tiny_path, tmp_path, monkeypatch):
+    """A GRPO run whose reward never returns on step 3 (its timeout an hour): SIGTERM ends it within seconds, exit 143,
+    with the checkpoint of step 2; the resume trains step 3 once and ends with the weights of an uninterrupted run."""
+    recipe = Recipe([
+        str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={GRPO_STEPS}", "--model.num_generations=4",
+        "--data.batch_size=2", '--model.rewards=[{"function": "support.signalled_runs:length_until_stuck"}]',
+        "--model.reward_timeout_s=3600", "--trainer.enable_progress_bar=false", "--logger.kind=none",
+    ], ranks=1)  # fmt: skip
+    reference, out, marker = tmp_path / "reference", tmp_path / "run", tmp_path / "stuck"
+    recipe.run(reference)
+
+    monkeypatch.setenv("STUCK_REWARD_CALL", "3")
+    monkeypatch.setenv("STUCK_REWARD_MARKER", str(marker))
+    proc = recipe.start(out)
+    wait_until(marker.exists, proc, out, poll=0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"no exit within {EXIT_BOUND_S}s of SIGTERM\n{log_of(out)[-3000:]}")
+    log = log_of(out)
+    assert code == 143, log[-3000:]
+    assert time.monotonic() - sent < 15, "the stop waited for the reward"
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
+    assert stopped == ["stopped by SIGTERM after step 2 (step 3 given up: reward 'length_until_stuck' had not returned); "
+                       "resume with --ckpt_path=last"], log[-3000:]  # fmt: skip
+    assert "Traceback" not in log and not (out / "hf").exists()
+    assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / "hpc_ckpt_2.ckpt"] and checkpoint_step(out / "hpc_ckpt_2.ckpt") == 2
+
+    monkeypatch.delenv("STUCK_REWARD_CALL")
+    log = recipe.run(out, "--ckpt_path=last")
+    assert "resume: step 2 from hpc_ckpt_2.ckpt, the newest complete checkpoint" in log
+    assert [step for step, _ in progress(out)] == [3, 4, 5]  # the abandoned step trained once, none skipped
+    want, got = exported(reference), exported(out)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)

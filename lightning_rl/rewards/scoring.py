@@ -11,7 +11,9 @@ While training, a function that raises or returns a non-finite score costs only 
 on (they score 0, are logged and counted); one that fails on every sample of a step stops the run
 (`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
 past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
-its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled.
+its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. A stop signal
+does not wait for a call that has not returned: the step is abandoned (``stopping.StepAbandoned``) and the run saves
+the step before.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from lightning_rl.dotted import load_object
 from lightning_rl.errors import UserError
 from lightning_rl.rewards.builtin import BUILTIN_REWARDS
+from lightning_rl.stopping import POLL_S, StepAbandoned, abandon_if_stopping
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +134,15 @@ class _Reward:
         if not self.takes_any:
             arguments = {key: value for key, value in arguments.items() if key in self.accepted}
         arguments.update(self.kwargs)
+        what = f"reward {self.name!r}"
         try:
             if inspect.iscoroutinefunction(self.function):
-                result = await asyncio.wait_for(self.function(**arguments), timeout_s)
+                result = await _within(self.function(**arguments), timeout_s, what)
             else:  # plain functions one at a time, as if called in turn (a shared tokenizer is not thread-safe)
                 async with one_at_a_time or asyncio.Lock():
-                    result = await asyncio.wait_for(_on_thread(self.function, arguments, self.name), timeout_s)
+                    result = await _within(_on_thread(self.function, arguments, self.name), timeout_s, what)
                 if inspect.isawaitable(result):
-                    result = await asyncio.wait_for(result, timeout_s)
+                    result = await _within(result, timeout_s, what)
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
         values = [float(v) for v in result]
@@ -149,6 +153,25 @@ class _Reward:
 
 class RewardTimeout(TimeoutError):
     """A reward call that ran past its time limit."""
+
+
+async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
+    """The awaitable's result; a TimeoutError past ``timeout_s``, ``StepAbandoned`` as soon as the run is stopping
+    (a stop signal does not wait for a reward that does not return)."""
+    task = asyncio.ensure_future(awaitable)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    try:
+        while True:
+            abandon_if_stopping(what)
+            left = POLL_S if deadline is None else min(POLL_S, deadline - loop.time())
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if done:
+                return task.result()
+    finally:
+        task.cancel()  # a coroutine given up on is cancelled; a thread's call is left behind (see the module doc)
 
 
 def _on_thread(function: RewardFunction, arguments: dict[str, Any], name: str) -> asyncio.Future[Any]:
@@ -306,6 +329,8 @@ class RewardScorer:
     ) -> torch.Tensor:
         try:
             values = await reward(prompts, completions, columns, self.timeout_s, one_at_a_time)
+        except StepAbandoned:
+            raise
         except RewardTimeout as error:
             if self.on_error == "raise":
                 raise ValueError(f"reward {reward.name!r} {error}") from None
@@ -320,6 +345,8 @@ class RewardScorer:
                 one_columns = {key: [column[i]] for key, column in columns.items()}
                 try:
                     values[i] = (await reward([prompts[i]], [completions[i]], one_columns, self.timeout_s, one_at_a_time))[0]
+                except StepAbandoned:
+                    raise
                 except RewardTimeout as error:
                     self._failed(errors, reward.name, i, prompts, completions, str(error), "timeout")
                 except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0

@@ -4,7 +4,8 @@ A call is checked here (it parsed, names a known tool, its arguments pass the sc
 function's signature), then runs in a worker process (`worker.py`): a tool that calls `sys.exit`, raises
 any `BaseException`, prints megabytes or crashes its interpreter is answered with an error message, and
 one that overruns `timeout_s` is killed and its worker replaced, so it can neither hang the run nor use
-up the executor. Every answer the model sees is cut to `max_output_chars`.
+up the executor. Every answer the model sees is cut to `max_output_chars`. A stop signal does not wait for a call
+(`stopping.StepAbandoned`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from lightning_rl.stopping import StepAbandoned, wait_unless_stopping
 from lightning_rl.tools.arguments import validated_arguments
 from lightning_rl.tools.calls import ToolCall
 from lightning_rl.tools.schema import Tool
@@ -84,12 +86,12 @@ class _Worker:
         """The worker's answer to one pickled (function, arguments)."""
         try:
             if not self.ready:
-                if not self.connection.poll(WORKER_START_TIMEOUT_S):
+                if not wait_unless_stopping(self.connection.poll, WORKER_START_TIMEOUT_S, "a tool's worker process"):
                     raise _WorkerLost(f"its worker process did not start within {WORKER_START_TIMEOUT_S:g} s")
                 self.connection.recv()
                 self.ready = True
             self.connection.send_bytes(payload)
-            if not self.connection.poll(timeout_s):
+            if not wait_unless_stopping(self.connection.poll, timeout_s, "a tool call"):
                 raise _Timeout
             return self.connection.recv()
         except (EOFError, OSError):  # the other end is gone
@@ -185,8 +187,8 @@ class ToolExecutor:
         threads = [threading.Thread(target=drain, name="tool-call", daemon=True) for _ in range(min(self.max_workers, len(calls)))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        for thread in threads:  # on the trainer's thread a stop signal does not wait for them (`close` ends their calls)
+            wait_unless_stopping(lambda seconds: thread.join(seconds) or not thread.is_alive(), None, "tool calls")
         assert all(outcome is not None for outcome in outcomes)
         return outcomes  # type: ignore[return-value]
 
@@ -213,6 +215,9 @@ class ToolExecutor:
             return ToolOutcome(call, f"Error: {tool.name} was not run: the run is ending", "raised", arguments)
         try:
             status, text = worker.call(payload, self.timeout_s)
+        except StepAbandoned:  # the run is stopping: the call's worker goes with it
+            self._drop_worker(worker)
+            raise
         except _Timeout:
             self._drop_worker(worker)
             return ToolOutcome(call, f"Error: {tool.name} did not finish within {self.timeout_s:g} s", "timeout", arguments)

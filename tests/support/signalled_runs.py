@@ -1,5 +1,6 @@
 """Real `lightning-rl run`s started in a session of their own, so that a test can signal every process of the run at
-once (as a scheduler does), with each finished optimizer step written to a progress file to aim the signals by."""
+once (as a scheduler does), with each finished optimizer step written to a progress file to aim the signals by; and
+a reward that gets stuck on a given call."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lightning.pytorch import Callback
@@ -128,3 +130,17 @@ def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, 
     assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / f"hpc_ckpt_{step}.ckpt"]  # it replaced the earlier one
     assert checkpoint_step(out / f"hpc_ckpt_{step}.ckpt") == step  # saved where the signal found it, complete
     return step
+
+
+_reward_calls = 0
+
+
+def length_until_stuck(completions: list[str], **_: Any) -> list[float]:
+    """A reward (the completions' length) whose call number $STUCK_REWARD_CALL in this process never returns: it
+    creates the file $STUCK_REWARD_MARKER, for the test to aim its signal by, and sleeps."""
+    global _reward_calls
+    _reward_calls += 1
+    if str(_reward_calls) == os.environ.get("STUCK_REWARD_CALL"):
+        Path(os.environ["STUCK_REWARD_MARKER"]).touch()
+        time.sleep(3600)
+    return [len(c) / 10 for c in completions]
