@@ -17,12 +17,14 @@ import os
 import re
 import sys
 import warnings
+from collections import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from jsonargparse import ActionYesNo, ArgumentError
+from jsonargparse import ActionYesNo, ArgumentError, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -34,6 +36,7 @@ from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueO
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.rollout.base import EngineSpec
 from lightning_rl.strategies import check_strategy_request
 
 TASKS = {
@@ -75,19 +78,49 @@ def task_classes(task: str) -> tuple[type[LightningModule], type[LightningDataMo
 
 
 def read_task(recipe: Path, overrides: list[str]) -> str:
-    """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes."""
-    for arg in overrides:
-        if arg.startswith("--task="):
-            return arg.split("=", 1)[1]
+    """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes, from a file
+    that holds each key once (YAML would keep the last of two silently, and so would the parser)."""
     if not recipe.is_file():
         raise RecipeError(f"{recipe}: no such recipe file")
     try:
-        config = yaml.safe_load(recipe.read_text())
+        text = recipe.read_text()
+        _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
+        config = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
+    for arg in overrides:
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
     if not isinstance(config, dict) or "task" not in config:
         raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
     return str(config["task"])
+
+
+def _refuse_repeated_keys(recipe: Path, root: yaml.Node | None) -> None:
+    """Refuse a key written twice in one mapping of the recipe (a second ``model:`` block, a repeated key inside a
+    block), naming it dotted from the top and both lines."""
+    todo, seen_nodes = [(root, "")], set()
+    while todo:
+        node, where = todo.pop()
+        if id(node) in seen_nodes:  # an alias shares its anchor's node
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo += [(item, f"{where}[{i}]") for i, item in enumerate(node.value)]
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+                    continue  # `<<: *anchor` merges another mapping's keys under these ones, on purpose
+                name = f"{where}.{key.value}" if where else key.value
+                if (key.tag, key.value) in lines:
+                    first = lines[(key.tag, key.value)]
+                    raise RecipeError(
+                        f"{recipe}: {name} is written twice (lines {first} and {key.start_mark.line + 1}); YAML would keep "
+                        "only the second: write it once"
+                    )
+                lines[(key.tag, key.value)] = key.start_mark.line + 1
+                todo.append((value, name))
 
 
 def check_trainer(trainer: Any) -> None:
@@ -152,6 +185,42 @@ class SaveRecipe(SaveConfigCallback):
             run_folder.record_export(Path(self.config["output_dir"]))
 
 
+def _lists_replaced(parser: LightningArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with an empty list set before each list that the command line gives a key holding one: jsonargparse
+    merges a list into the recipe's element by element when both have the same length (each entry keeping what it
+    does not restate, e.g. a reward's weight and kwargs), and a list given in full must replace the recipe's."""
+    replaced = []
+    for i, arg in enumerate(args):
+        key, equals, value = arg.partition("=")
+        if not equals and i + 1 < len(args):
+            value = args[i + 1]  # `--key VALUE`
+        action = parser._option_string_actions.get(key) if key.startswith("--") else None
+        if value.lstrip().startswith("[") and _holds_a_list(getattr(action, "_typehint", None)):
+            replaced.append(f"{key}=[]")
+        replaced.append(arg)
+    return replaced
+
+
+def _holds_a_list(typehint: Any) -> bool:
+    if get_origin(typehint) in (Union, UnionType):
+        return any(_holds_a_list(option) for option in get_args(typehint))
+    return get_origin(typehint) in (list, abc.Sequence, abc.MutableSequence)
+
+
+def check_engine_here(model: Any) -> None:
+    """A GRPO run's rollout engine checked against this machine (a dtype, a device, vLLM installed), before any model
+    loads. Only for a run: a launch reads the recipe on another machine than the one that runs it."""
+    engine = model.get("engine") if isinstance(model, Namespace) else None
+    if engine is None:
+        return
+    try:
+        EngineSpec.of(engine.as_dict() if isinstance(engine, Namespace) else engine).check_here()
+    except ValueError as error:
+        option = re.match(r"(\w+): (.*)", str(error))
+        raise (RecipeError(f"model.engine: {error}", "model.engine") if option is None else
+               RecipeError(option[2], f"model.engine.init_args.{option[1]}")) from None  # fmt: skip
+
+
 class RecipeCLI(LightningCLI):
     """LightningCLI with the recipe's top-level keys, its checks, and the callbacks every run gets. With
     ``build=False`` it parses and checks the recipe and builds nothing."""
@@ -175,6 +244,9 @@ class RecipeCLI(LightningCLI):
         if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in inspect.signature(self.model_class).parameters:
             parser.link_arguments("model.model_name_or_path", "data.tokenizer")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, _lists_replaced(parser, args) if isinstance(args, list) else args)
+
     def before_instantiate_classes(self) -> None:
         validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
         if not str(self.config["output_dir"]).strip():
@@ -185,6 +257,8 @@ class RecipeCLI(LightningCLI):
                 "a run: give one of them", "overwrite",
             )  # fmt: skip
         check_trainer(self.config["trainer"])
+        if self.build:
+            check_engine_here(self.config["model"])
 
     def instantiate_classes(self) -> None:
         if not self.build:
@@ -301,12 +375,31 @@ def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
         message = _one_line(e)
         if message.startswith("model.engine must be one of"):
             short, got = message.removeprefix("model.engine must be one of ").split(", got ", 1)
-            message = (f"model.engine must be one of {short} or an engine's class_path, got {got}" if got.isidentifier() else
-                       f"model.engine: a short name ({short}) takes no options; with options give the engine's class_path "
-                       "(its class name, e.g. VLLMEngine, or pkg.module.Class) and init_args")  # fmt: skip
+            if got.isidentifier():
+                message = f"model.engine must be one of {short} or an engine's class_path, got {got}"
+            elif _engine_named(recipe, overrides):
+                message = (f"model.engine: a short name ({short}) takes no options; with options give the engine's class_path "
+                           "(its class name, e.g. VLLMEngine, or pkg.module.Class) and init_args")  # fmt: skip
+            else:
+                message = ("model.engine: init_args given without a class_path: name the engine beside them with class_path "
+                           "(its class name, e.g. HFRolloutEngine or VLLMEngine, or pkg.module.Class)")  # fmt: skip
         raise RecipeError(f"{recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
+
+
+def _engine_named(recipe: str, overrides: list[str]) -> bool:
+    """Whether the recipe or a later override names the engine (a short name or a class_path), not only options."""
+    model = (yaml.safe_load(Path(recipe).read_text()) or {}).get("model")
+    engine = model.get("engine") if isinstance(model, dict) else None
+    named = isinstance(engine, str) or (isinstance(engine, dict) and "class_path" in engine)
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key == "--model.engine":
+            named = not value.lstrip().startswith("{") or "class_path" in value
+        elif key == "--model.engine.class_path":
+            named = True
+    return named
 
 
 def build(recipe: str, overrides: list[str]) -> RecipeCLI:

@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from support.paths import REPO
 from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import StagedCheckpointIO
+from lightning_rl.recipe import parse
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"
 
@@ -89,6 +91,22 @@ def test_bad_data_row_stops_before_anything_is_written_and_keeps_earlier_outputs
     assert line == f'error: {bad}: line 2: `messages[0]`.content[0] must be {{"type": "text", "text": ...}} or {{"type": "image", "image": PATH_OR_URL}}'
     assert {p: p.read_text() for p in earlier} == earlier
     assert {p for p in out.rglob("*") if p.is_file()} == set(earlier)  # no new file, none half-written
+
+
+def test_a_list_on_the_command_line_replaces_the_recipes_list(tmp_path, capsys):
+    """The GRPO recipe weighs `format` 0.5 with a pattern; two rewards given on the command line are exactly those two,
+    not the recipe's entries under new names (jsonargparse merges lists of the same length element by element)."""
+    out = tmp_path / "run"
+    rewards = '[{"function": "format"}, {"function": "math_answer", "weight": 2.0}]'
+    code = cli.main(["run", str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--output_dir={out}", "--trainer.max_steps=1", "--model.num_generations=2",
+                     "--data.batch_size=1", "--trainer.enable_progress_bar=false", "--checkpoint_every_n_steps=1", f"--model.rewards={rewards}"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    expected = [{"function": "format", "weight": 1.0, "kwargs": {}, "name": None}, {"function": "math_answer", "weight": 2.0, "kwargs": {}, "name": None}]
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["rewards"] == expected
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["rewards"] == expected  # what the run scored with
+    # Appending (`+=`) still keeps the recipe's entries, and a list of plain values is replaced as before.
+    config = parse(str(REPO / "recipes" / "tiny" / "grpo.yaml"), ['--model.rewards+={"function": "format"}', "--model.tools=[lightning_rl.tools.builtin:calculator]"])
+    assert [r.get("weight") for r in config["model"]["rewards"]] == [1.0, 0.5, 1.0] and config["model"]["tools"] == ["lightning_rl.tools.builtin:calculator"]
 
 
 def test_subcommands_dispatch_lazily(capsys, monkeypatch):

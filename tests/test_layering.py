@@ -35,7 +35,7 @@ ALLOWED = {
                 "rollout", "strategies", "tools", "validation"},
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
-    "recipe": {"callbacks", "checkpoints", "console", "errors", "run_folder", "strategies", "validation"},
+    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "validation"},
     "env_report": {"strategies"},

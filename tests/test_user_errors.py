@@ -5,6 +5,7 @@ past every check."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -40,6 +41,19 @@ def recipe_with(tmp_path: Path, recipe: str, **model: object) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+def written(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "written.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+SFT_LINES = Path(SFT).read_text().splitlines()
+MODEL_LINE = SFT_LINES.index("model:") + 1  # the tiny SFT recipe's model block
+# A second model block after the recipe's, and a key repeated inside the model block.
+TWO_MODEL_BLOCKS = "\n".join([*SFT_LINES, "model:", "  learning_rate: 1.0"]) + "\n"
+LR_TWICE = "\n".join([*SFT_LINES[:MODEL_LINE], "  warmup_steps: 3", "  warmup_steps: 1", *SFT_LINES[MODEL_LINE:]]) + "\n"
 
 
 def checkpoint(path: Path, state_dict: dict[str, torch.Tensor]) -> str:
@@ -81,6 +95,17 @@ MISTAKES = {
     "unknown engine": (GRPO, lambda t: ["--model.engine=vlm"], "{r}: model.engine must be one of hf, vllm, vllm_server or an engine's class_path, got vlm"),
     "engine option typo": (GRPO, lambda t: ["--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilisation=0.5"], "{r}: unknown key 'model.engine.init_args.gpu_memory_utilisation'"),
     "engine option of the wrong type": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.transport=mpi"], "{r}: model.engine.transport must be one of auto, gloo, nccl, got mpi"),
+    "engine options without class_path": (GRPO, lambda t: ["--model.engine.init_args.device=cpu"], "{r}: model.engine: init_args given without a class_path: name the engine"),
+    "engine options without class_path (recipe)": (lambda t: recipe_with(t, GRPO, engine={"init_args": {"device": "cpu"}}), lambda t: [],
+                                                   "{r}: model.engine: init_args given without a class_path: name the engine"),
+    "engine dtype unknown": (GRPO, lambda t: ["--model.engine=HFRolloutEngine", "--model.engine.init_args.dtype=bfloat"],
+                             "model.engine.init_args.dtype: must be one of float32, float, bfloat16, float16, half, float64, double, got 'bfloat'"),
+    "engine device not a device": (GRPO, lambda t: ["--model.engine=HFRolloutEngine", "--model.engine.init_args.device=gpu"], "model.engine.init_args.device: 'gpu' is not a torch device"),
+    "engine device this machine lacks": (GRPO, lambda t: ["--model.engine=HFRolloutEngine", "--model.engine.init_args.device=cuda:99"], "model.engine.init_args.device: 'cuda:99', but this machine has "),
+    "key written twice: a second block": (lambda t: written(t, TWO_MODEL_BLOCKS), lambda t: [],
+                                          f"{{r}}: model is written twice (lines {MODEL_LINE} and {len(SFT_LINES) + 1}); YAML would keep only the second"),
+    "key written twice: inside a block": (lambda t: written(t, LR_TWICE), lambda t: [],
+                                          f"{{r}}: model.warmup_steps is written twice (lines {MODEL_LINE + 1} and {MODEL_LINE + 2})"),
     "short engine name given options": (GRPO, lambda t: ["--model.engine=hf", "--model.engine.init_args.device=cpu"], "{r}: model.engine: a short name (hf, vllm, vllm_server) takes no options"),
     "max_steps -1 under a decaying schedule": (GRPO, lambda t: ["--trainer.max_steps=-1", "--model.lr_schedule=cosine"], "trainer.max_steps is -1 (no end), but lr_schedule 'cosine'"),
     "duplicate tool": (GRPO, lambda t: ["--model.tools=[lightning_rl.tools.builtin:calculator, lightning_rl.tools.builtin.calculator]"], "model.tools must not repeat a name, got calculator"),
@@ -138,6 +163,26 @@ def test_the_negative_control_gets_past_every_check(tmp_path, capsys):
     code, err = run(capsys, SFT_LORA, [f"--data.train_data={data_file(tmp_path, 'd.jsonl', GOOD * 4)}", "--model.lora.target_modules=[q_proj, v_proj]"], tmp_path / "out")
     assert code == 0, err[-3000:]
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+@pytest.mark.parametrize("engine", ["vllm", "VLLMEngine"])
+def test_a_vllm_engine_without_vllm_is_one_line_before_any_model_loads(engine, tmp_path, capsys):
+    code, err = run(capsys, GRPO, [f"--model.engine={engine}", "--model.model_name_or_path=" + str(tmp_path / "no-model")], tmp_path / "out")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    # Refused ahead of the model folder the run would load first.
+    assert lines == ["error: model.engine: VLLMEngine needs vLLM, which is not installed in this Python environment "
+                     "(pip install 'lightning-rl[vllm]'; on a CPU, `make vllm-venv`)"]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_engine_on_a_machine_without_cuda_is_one_line(tmp_path, capsys):
+    code, err = run(capsys, GRPO, ["--model.engine=HFRolloutEngine", "--model.engine.init_args.device=cuda"], tmp_path / "out")
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: model.engine.init_args.device: 'cuda', but this machine has no cuda device (cuda is not available to torch)"
+    ]
 
 
 def test_a_reward_failing_on_every_sample_is_one_line_naming_the_reward(tmp_path, capsys):

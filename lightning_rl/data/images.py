@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightning_rl.data.templates import rendering_row
 from lightning_rl.packing.images import image_runs, split_images
 
 # Processor outputs that are not an image's inputs.
@@ -78,34 +79,56 @@ def _fetch(url: str) -> bytes:
         raise ValueError(f"image {url}: cannot be fetched ({getattr(error, 'reason', error)})") from None
 
 
-def _open(image: Any, base: Path | None) -> Any:
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
+def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
+    """What Pillow opens for an image a part names (a path, a file-like object), and how an error names it."""
     if isinstance(image, dict) and isinstance(image.get("bytes"), (bytes, bytearray)):  # a datasets / Parquet Image cell
-        data: Any = io.BytesIO(image["bytes"])
-        shown = "the row's image bytes"
-    elif isinstance(image, dict) and isinstance(image.get("path"), str):  # an Image cell that holds only its path
-        return _open(image["path"], base)
-    elif isinstance(image, (bytes, bytearray)):
-        data, shown = io.BytesIO(image), "the row's image bytes"
-    elif isinstance(image, str) and image.startswith(("http://", "https://", "data:")):
-        data, shown = io.BytesIO(_fetch(image)), f"image {image[:200]}"
-    elif isinstance(image, str):
+        return io.BytesIO(image["bytes"]), "the row's image bytes"
+    if isinstance(image, dict) and isinstance(image.get("path"), str):  # an Image cell that holds only its path
+        return _image_data(image["path"], base)
+    if isinstance(image, (bytes, bytearray)):
+        return io.BytesIO(image), "the row's image bytes"
+    if isinstance(image, str) and image.startswith(("http://", "https://", "data:")):
+        return io.BytesIO(_fetch(image)), f"image {image[:200]}"
+    if isinstance(image, str):
         path = Path(image[len("file://"):] if image.startswith("file://") else image)
         if not path.is_absolute() and base is not None:
             path = base / path
         if not path.is_file():
             raise ValueError(f"image {image}: no such file ({path})")
-        data, shown = path, f"image {image}"
-    else:
-        raise ValueError(f"an image part must hold a path, a URL or bytes, got {type(image).__name__}")
+        return path, f"image {image}"
+    raise ValueError(f"an image part must hold a path, a URL or bytes, got {type(image).__name__}")
+
+
+def _open(image: Any, base: Path | None, decode: bool = True) -> Any:
+    """The image, opened (RGB); with ``decode=False`` only checked: its header read and, where the format has them,
+    its checksums, without decoding a pixel (returns None)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB") if decode else None
+    data, shown = _image_data(image, base)
     try:
         with Image.open(data) as opened:
-            return opened.convert("RGB")
+            return opened.convert("RGB") if decode else opened.verify()
     except Exception as error:  # Pillow's UnidentifiedImageError, a truncated file, ...
         raise ValueError(f"{shown} cannot be read as an image ({type(error).__name__})") from None
+
+
+def check_prompt_images(record: dict, base: Path | None) -> None:
+    """Each image of a GRPO prompt record (its messages' image parts, or its ``images`` / ``image`` column for the parts
+    that name none) can be opened, checked without decoding its pixels; a ValueError naming the first that cannot.
+    Checked when the data is set up, rather than when the prompt is drawn, mid-run. Images behind http(s) URLs are
+    fetched only when the prompt is drawn; a text prompt is not looked at (as the policy renders it)."""
+    prompt = record.get("prompt")
+    if not isinstance(prompt, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt):
+        return
+    row = with_image_column({"prompt": prompt, "images": record.get("images"), "image": record.get("image")})
+    for message in _turns(row):
+        for part in message["content"] if isinstance(message.get("content"), list) else []:
+            if isinstance(part, dict) and part.get("type") == "image":
+                source = image_source(part)
+                if not (isinstance(source, str) and source.startswith(("http://", "https://"))):
+                    _open(source, base, decode=False)
 
 
 def load_images(row: dict, base: Path | None) -> dict:
@@ -162,10 +185,11 @@ class ImageRenderer:
         self, messages: list[dict], *, add_generation_prompt: bool = False, assistant_mask: bool = False, tools: list[dict] | None = None
     ) -> tuple[list[int], list[bool] | None, list[dict[str, torch.Tensor]]]:
         """(token ids, the assistant mask if asked, each image's inputs); ``tools``: the tool specs the template shows."""
-        out = self.processor.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=add_generation_prompt,
-            return_assistant_tokens_mask=assistant_mask, tools=tools,
-        )  # fmt: skip
+        with rendering_row():
+            out = self.processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=assistant_mask, tools=tools,
+            )  # fmt: skip
         ids = out["input_ids"][0].tolist()
         mask = [bool(m) for m in out["assistant_masks"][0].tolist()] if assistant_mask else None
         inputs = {key: value for key, value in out.items() if key not in _NOT_IMAGE_INPUTS and isinstance(value, torch.Tensor)}
@@ -184,7 +208,8 @@ class ImageRenderer:
         """The conversation's tokens as the chat template writes them, one placeholder per image, before the
         processor expands the placeholders (what vLLM is given: it expands them with its own copy of the processor).
         Special tokens are added as the processor adds them when it tokenizes its template."""
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
+        with rendering_row():
+            text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
         tokenizer = self.processor.tokenizer
         starts_with_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
         return list(tokenizer(text, add_special_tokens=not starts_with_bos)["input_ids"])

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
+from lightning_rl.data.images import check_prompt_images
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
 from lightning_rl.toy.task import PROBLEMS_FILE
@@ -89,6 +91,12 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
             located = read_prompt_records(self.path, self.prompt_field)
+            folder = Path(self.path).parent if Path(self.path).is_file() else None
+            for where, record in located:  # every prompt's images now (cheaply), rather than a broken one mid-run
+                try:
+                    check_prompt_images(record, folder)
+                except ValueError as error:
+                    raise DataError(f"{where}: {error}") from None
             self.records = [record for _, record in located]
             self._locations = {id(record): where for where, record in located}
 

@@ -32,6 +32,7 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import (
     ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
 )
+from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
@@ -254,7 +255,9 @@ class Renderer:
         return Example(ids, mask, images=list(zip(keys, inputs)), image_token_id=self.image_token_id)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)["input_ids"])
+        with rendering_row():
+            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)
+        return list(out["input_ids"])
 
     def _require_template(self) -> None:
         if not self.tokenizer.chat_template:
@@ -262,7 +265,8 @@ class Renderer:
 
     def _assistant_mask(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         if _GENERATION_BLOCK.search(self.tokenizer.chat_template):
-            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            with rendering_row():
+                out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         # Templates without {% generation %} blocks: find each assistant turn by rendering the
         # conversation up to it; this needs every rendering to be a prefix of the full one.
@@ -333,6 +337,7 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
             if row_has_images(row):
                 row = load_images(row, base)
             example = renderer.example(row)
+            case = renderer.generation_case(row)
         except DataError:
             raise
         except ValueError as e:
@@ -340,7 +345,6 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
         if len(example.input_ids) > max_length:
             raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than max_length={max_length}")
         examples.append(example)
-        case = renderer.generation_case(row)
         if case is not None:
             cases.append(case)
     return examples, cases

@@ -282,6 +282,12 @@ class RolloutEngine(abc.ABC):
         self._version = 0
         self._lock = threading.Lock()  # held by generate and push_weights: they exclude each other
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Refuse, before any model loads, what this engine cannot run on this machine with ``options`` (its init
+        arguments, the signature's defaults filled in): a ``ValueError`` whose message starts with the option's name,
+        or with the engine's for what no option sets (a package it needs). ``EngineSpec.check_here`` calls it."""
+
     @property
     def weight_version(self) -> int:
         """Version of the weights `generate` currently samples with (0 = initial weights)."""
@@ -429,5 +435,37 @@ class EngineSpec:
             bad = re.search(r'Parser key "([\w.]+)": (.*)', text)
             raise ValueError(f"{bad[1]}: {bad[2][:300]}" if bad else f"{cls.__name__}: {text[:300]}") from None
 
+    def check_here(self) -> None:
+        """What ``check`` leaves to the machine that runs the engine (``RolloutEngine.check_options``: a dtype, a
+        device, an installed package), refused before any model loads; a launch checks a recipe elsewhere."""
+        defaults = {p.name: p.default for p in inspect.signature(self.engine_class).parameters.values() if p.default is not p.empty}
+        self.engine_class.check_options({**defaults, **self.init_args})
+
     def build(self, model_name_or_path: Any, seed: int = 0) -> RolloutEngine:
         return self.engine_class(model_name_or_path, seed, **self.init_args)
+
+
+# The floating dtypes a transformers model loads in, by their torch names.
+TORCH_FLOAT_DTYPES = ("float32", "float", "bfloat16", "float16", "half", "float64", "double")
+
+
+def check_dtype(dtype: Any, names: Sequence[str]) -> None:
+    """``dtype`` one of ``names`` (or, from Python, a ``torch.dtype``)."""
+    if not isinstance(dtype, torch.dtype) and dtype not in names:
+        raise ValueError(f"dtype: must be one of {', '.join(names)}, got {dtype!r}")
+
+
+def check_device(device: Any) -> None:
+    """``device`` one this machine has: a CUDA device refused where CUDA is not available, or beyond the count."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if found.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, found.type, None)
+    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") and backend.is_available() else 0
+    if count == 0:
+        raise ValueError(f"device: {device!r}, but this machine has no {found.type} device ({found.type} is not available to torch)")
+    if found.index is not None and found.index >= count:
+        raise ValueError(f"device: {device!r}, but this machine has {count} {found.type} device(s)")

@@ -8,7 +8,8 @@ copies the trainer's tensors in between two `generate` calls.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
@@ -18,7 +19,9 @@ from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.weights import SentDigests, tensor_digest, verify_held
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
-from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_request
+from lightning_rl.rollout.base import (
+    TORCH_FLOAT_DTYPES, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_device, check_dtype, check_request,
+)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -59,6 +62,11 @@ class HFRolloutEngine(RolloutEngine):
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         super().__init__(seed)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        check_dtype(options["dtype"], TORCH_FLOAT_DTYPES)
+        check_device(options["device"])
 
     @property
     def device(self) -> torch.device:

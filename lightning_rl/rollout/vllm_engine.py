@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -18,13 +19,14 @@ import torch
 from transformers import AutoConfig
 
 from lightning_rl.rollout.base import (
-    ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request, suppressing_bias,
+    ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, suppressing_bias,
 )
 from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import held_digests, ties_of
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
 
 
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str, Any]:
@@ -58,6 +60,12 @@ class VLLMEngine(RolloutEngine):
             live weights under the same name (`vllm_held`: fused and repacked weights read back), and stop the run
             on a difference (naming the tensor and version). Needs the whole model in one worker.
     """
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(f"{cls.__name__} needs vLLM, which is not installed in this Python environment (pip install 'lightning-rl[vllm]'; on a CPU, `make vllm-venv`)")
+        check_dtype(options["dtype"], VLLM_DTYPES)
 
     def __init__(
         self,

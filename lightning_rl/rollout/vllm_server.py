@@ -99,6 +99,16 @@ class VLLMServerEngine(RolloutEngine):
     names (`CheckpointLayout`), and a name it lacks is refused with `WeightNameError` before the push.
     """
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                f"{cls.__name__} starts its vLLM server with this Python, which has no vLLM installed: install it "
+                "(pip install 'lightning-rl[vllm]'), or give server_options.python (an interpreter that has it) or url"
+            )
+        if options["transport"] == "nccl" and (why := nccl_unavailable()):
+            raise ValueError(f"transport: 'nccl' {why}")
+
     def __init__(
         self,
         model: str | os.PathLike | None = None,

@@ -1,0 +1,77 @@
+"""Data rows a chat template cannot render, and GRPO prompts with a broken image, through the real `lightning-rl run`:
+each is one error line naming the file and line, before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lightning_rl import cli
+from lightning_rl.toy.shapes import COLOURS, QUESTION
+from support.paths import REPO
+
+SFT = str(REPO / "recipes" / "tiny" / "sft.yaml")
+VLM_SFT = str(REPO / "recipes" / "tiny" / "vlm_sft.yaml")
+SHORT = ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+         "--data.val_data=null", "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
+GOOD = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
+IMAGE = {"type": "image", "image": "red.png"}
+
+BAD_ROWS = {
+    "text parts for a template that adds strings": (
+        SFT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}, {"role": "assistant", "content": "2"}]},
+        "the chat template cannot render the row (TypeError: can only concatenate str (not \"list\") to str)"),
+    "an image in a system turn": (
+        VLM_SFT, {"messages": [{"role": "system", "content": [IMAGE]}, {"role": "user", "content": [IMAGE, {"type": "text", "text": QUESTION}]},
+                               {"role": "assistant", "content": "red"}]},
+        "the chat template cannot render the row (TypeError: can only concatenate str (not \"list\") to str)"),
+    "tool_calls that is not a list": (
+        SFT, {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "", "tool_calls": "add"}]},
+        "the chat template cannot render the row (TypeError: Object of type Undefined is not JSON serializable)"),
+    "a message without content": (
+        SFT, {"messages": [{"role": "user"}, {"role": "assistant", "content": "2"}]}, "`messages[0]`: `content` must be a string, got NoneType"),
+}  # fmt: skip
+
+
+def _errors(argv: list[str], capsys) -> tuple[int, list[str], str]:
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("error:")], err
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_a_row_the_chat_template_cannot_render_is_one_line_naming_the_file_and_line(case, tmp_path, capsys):
+    recipe, bad, expected = BAD_ROWS[case]
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    good = {"messages": [{"role": "user", "content": [IMAGE, {"type": "text", "text": QUESTION}]}, {"role": "assistant", "content": "red"}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in [good if recipe == VLM_SFT else GOOD] * 2 + [bad]) + "\n")
+    out = tmp_path / "out"
+    code, lines, err = _errors(["run", recipe, *SHORT, f"--output_dir={out}", f"--data.train_data={data}"], capsys)
+    assert code == 2 and lines == [f"error: {data}: line 3: {expected}"], err[-3000:]
+    assert "Traceback" not in err and not out.exists()
+
+
+def _prompt(image: str) -> dict:
+    return {"prompt": [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}], "answer": "red"}
+
+
+def test_grpo_prompts_with_a_broken_image_fail_at_setup_naming_the_file_and_line(tmp_path, capsys):
+    """The broken image is on the 5th of 8 prompts; a 1-step run would never draw it, and is refused all the same."""
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    png = (tmp_path / "red.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(png[: len(png) // 2])  # a PNG header, its data cut short
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(_prompt("cut.png" if i == 5 else "red.png")) for i in range(1, 9)) + "\n")
+    out = tmp_path / "out"
+    code, lines, err = _errors([
+        "run", str(REPO / "recipes" / "tiny" / "vlm_grpo.yaml"), f"--output_dir={out}", "--trainer.max_steps=1",
+        "--trainer.enable_progress_bar=false", "--model.model_name_or_path=tiny-vlm", "--model.eval_generations=0",
+        "--model.eval_data=null", f"--data.path={data}", "--data.prompt_field=prompt", "--data.batch_size=1", "--model.num_generations=2",
+    ], capsys)  # fmt: skip
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: {data}: line 5: image cut.png cannot be read as an image"), lines[0]
+    assert "Traceback" not in err and not out.exists()
