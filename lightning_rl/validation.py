@@ -6,9 +6,10 @@ anything loads or is written. Each raises a ``RecipeError`` whose message starts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_rl.errors import RecipeError
 
@@ -67,3 +68,18 @@ def unique(key: str, values: Sequence[Any]) -> Sequence[Any]:
     if repeated:
         raise RecipeError(f"{key} must not repeat a name, got {', '.join(repeated)} more than once", key)
     return values
+
+
+T = TypeVar("T")
+
+
+def settings_group(cls: type[T], value: T | dict[str, Any] | None, key: str) -> T:
+    """A recipe group (``loss:``, ``sampling:``) as its dataclass, which checks its own values (LightningCLI may
+    hand the group over as a mapping); a key the dataclass lacks is refused."""
+    if isinstance(value, cls):
+        return value
+    values = dict(value or {})
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise RecipeError(f"{key}.{unknown[0]}: not a {key} option (see {cls.__name__})", f"{key}.{unknown[0]}")
+    return cls(**values)

@@ -125,3 +125,19 @@ def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_l
         assert "\n" not in message and message.startswith(f"{data}: line 3: the prompt is "), message
         assert f"with sampling.max_new_tokens=8 it does not fit the context of 60 tokens ({said})" in message
         assert run.global_step == 0
+
+
+def test_a_reward_failing_on_every_sample_is_the_same_one_line_in_async_mode(tmp_path, capsys):
+    """On the producer thread the user's mistake is raised as it is, not wrapped as a failure of generation."""
+    recipe = str(REPO / "recipes/tiny/grpo.yaml")
+    said = {}
+    for mode in ("false", "true"):
+        code = main(["run", recipe, f"--model.async_mode={mode}", '--model.rewards=[{"function": "test_grpo_faults:always_raises"}]',
+                     "--model.num_generations=2", "--data.batch_size=2", f"--output_dir={tmp_path / mode}"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        said[mode] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert said["true"] == said["false"] == [
+        "error: model.rewards: step 1: reward 'always_raises' failed on all 4 samples, first: KeyError: 'score' (reward_all_failed: zero would "
+        "train on with 0 instead)"
+    ]

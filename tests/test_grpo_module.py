@@ -314,11 +314,17 @@ def test_truncated_completions_can_be_left_out_of_the_loss():
 class HalfFinished(GRPOModule):
     """Says every other rollout ended on its own: the untrained tiny model hardly ever ends a reply by itself."""
 
-    def generate_and_score(self, index):
-        scored = super().generate_and_score(index)
-        for i, rollout in enumerate(scored.rollouts):
-            rollout.finish_reason = "stop" if i % 2 else "length"
-        return scored
+    def on_fit_start(self):
+        super().on_fit_start()
+        collect = self.collector.collect
+
+        def half_finished(index):
+            scored = collect(index)
+            for i, rollout in enumerate(scored.rollouts):
+                rollout.finish_reason = "stop" if i % 2 else "length"
+            return scored
+
+        self.collector.collect = half_finished
 
 
 def test_only_the_truncated_completions_are_left_out():

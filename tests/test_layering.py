@@ -24,15 +24,15 @@ ALLOWED = {
     "checkpoints": {"errors"},
     "losses": {"errors"},
     "rewards": {"dotted", "errors", "models", "stopping"},
-    "rollout": {"dotted", "errors", "models", "packing", "validation"},
-    "tools": {"rollout", "dotted", "stopping"},
+    "rollout": {"data", "dotted", "errors", "models", "packing", "rewards", "tools", "validation"},
+    "tools": {"dotted", "stopping"},
     "attention": {"packing", "device_policy", "errors"},
     "models": {"toy", "errors", "validation", "packing"},
     "ops": {"attention", "packing", "device_policy", "models"},
     "data": {"packing", "device_policy", "models", "toy", "errors", "validation"},
     "strategies": {"models", "checkpoints", "device_policy", "ops", "errors"},
     "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
-                "rollout", "strategies", "tools", "validation"},
+                "rollout", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
     "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "validation"},
@@ -110,6 +110,42 @@ def test_the_check_catches_a_forbidden_direction_and_a_circle(tmp_path, monkeypa
     assert "models/loading.py: models imports lightning_rl.strategies.fsdp2" in found
     assert "strategies/fsdp2.py: imports lightning_rl.models.loading inside a function" in found
     assert any(p.startswith("circle: ") for p in found)
+
+
+def rollout_side_problems(files: list[Path]) -> list[str]:
+    """What runs on the rollout thread (everything under ``rollout/``) imports no Lightning and never reads a
+    ``.trainer``: it is given what it needs, so it could run in a process of its own."""
+    problems = []
+    for path in files:
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] != "rollout":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            problems += [f"{rel}: imports {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
+            if isinstance(node, ast.Attribute) and node.attr in ("trainer", "_trainer"):
+                problems.append(f"{rel}:{node.lineno}: reads .{node.attr}")
+    return problems
+
+
+def test_the_rollout_side_knows_no_lightning_module_or_trainer():
+    assert rollout_side_problems(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_the_rollout_rules_catch_lightning_the_trainer_and_tools_crossing_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
+    for part in ("rollout", "modules", "tools"):
+        (tmp_path / part).mkdir()
+    (tmp_path / "rollout" / "collector.py").write_text("import lightning as L\nfrom lightning.pytorch import Trainer\n\ndef f(module):\n    return module.trainer.datamodule\n")
+    (tmp_path / "modules" / "grpo.py").write_text("from lightning_rl.tools import ToolExecutor\n")
+    (tmp_path / "tools" / "executor.py").write_text("from lightning_rl.rollout.base import Rollout\n")
+    files = sorted(tmp_path.rglob("*.py"))
+    assert rollout_side_problems(files) == [
+        "rollout/collector.py: imports lightning", "rollout/collector.py: imports lightning.pytorch", "rollout/collector.py:5: reads .trainer",
+    ]
+    found = violations(files)
+    assert "modules/grpo.py: modules imports lightning_rl.tools" in found  # modules reach tools through the collector
+    assert "tools/executor.py: tools imports lightning_rl.rollout.base" in found
 
 
 def test_no_test_module_imports_another_and_no_port_is_hard_coded():

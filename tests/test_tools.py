@@ -24,7 +24,7 @@ from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_tool_calls
 from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
-from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
+from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_calls
 from support.tool_faults import flooding_calculator, hanging_calculator, slow
 
 TESTS = Path(__file__).resolve().parent

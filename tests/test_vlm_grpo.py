@@ -140,7 +140,7 @@ def test_tool_conversations_keep_the_prompts_image_in_every_turn(tool_calling_vl
     from lightning_rl.packing.images import stack_images
     from lightning_rl.tools import Tool, ToolExecutor
     from lightning_rl.tools.builtin import calculator
-    from lightning_rl.tools.conversation import ToolConversation
+    from lightning_rl.rollout.conversation import ToolConversation
 
     folder, prompt, tools = tool_calling_vlm
     processor, image_token = load_processor(str(folder))

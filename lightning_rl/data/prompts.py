@@ -1,27 +1,54 @@
-"""Prompts for GRPO: records read from a data file, served one batch per optimizer step.
+"""Prompts for GRPO: records read from a data file, served one batch per optimizer step, and rendered into tokens.
 
 Batch `i` is a pure function of the seed and `i` (a fresh shuffle per pass over the data), so a
 resumed run continues with exactly the prompts it would have seen, and the asynchronous rollout
-producer can look batches up ahead of the trainer.
+producer can look batches up ahead of the trainer. `PromptSource` is what the rollout side reads of
+the prompts; `PromptRenderer` turns one record into the tokens (and images) an engine samples from.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
-from lightning_rl.data.images import check_prompt_images
+from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
 from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """What GRPO reads of its prompt data: the records of a step, more of them for dynamic sampling, where each
+    record is (for error lines), and where a record's relative image paths start. `PromptDataModule` is one."""
+
+    path: str  # the data, as error lines name it
+
+    def prompt_batch(self, index: int) -> list[dict[str, Any]]:
+        """This rank's prompt records of step ``index``."""
+
+    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
+        """``count`` more records for step ``index``, dynamic sampling's round ``round`` (from 1), reproducibly."""
+
+    def location(self, record: dict[str, Any]) -> str:
+        """Where a record is in the data (``FILE: line N``), for error lines."""
+
+    def columns(self) -> set[str]:
+        """The columns every record holds (the reward functions may read them)."""
+
+    @property
+    def image_folder(self) -> Path | None:
+        """The folder relative image paths of the prompts start from (None: the working directory)."""
 
 
 def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str, dict[str, Any]]]:
@@ -104,6 +131,15 @@ class PromptDataModule(L.LightningDataModule):
         """Where a record of ``prompt_batch`` is in the data: ``FILE: line N`` (JSONL) or ``FILE: row N``."""
         return self._locations.get(id(record), self.path)
 
+    def columns(self) -> set[str]:
+        self.setup()
+        return set.intersection(*(set(record) for record in self.records))
+
+    @property
+    def image_folder(self) -> Path | None:
+        """The data file's folder (a saved dataset's images are in its rows)."""
+        return Path(self.path).parent if Path(self.path).is_file() else None
+
     @property
     def _rank_and_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -138,3 +174,72 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_StepIndices(self), batch_size=None, num_workers=0)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """One prompt as the policy reads it: its chat messages, its tokens under the chat template, and (an image
+    prompt) each image's processor inputs, the images themselves, and the template's tokens before the processor
+    expanded the image placeholders."""
+
+    messages: list[dict[str, Any]]
+    ids: list[int]
+    image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    pictures: list[Any] = field(default_factory=list)
+    template_ids: list[int] = field(default_factory=list)
+
+    @property
+    def keyed_images(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """(key, processor inputs) per image: how packing shares an image between the completions of its prompt."""
+        return list(zip([image_key(picture) for picture in self.pictures], self.image_inputs))
+
+
+class PromptRenderer:
+    """Renders prompt records with the policy's tokenizer (or, for prompts with images, its processor).
+
+    Args:
+        tokenizer: the policy's tokenizer; its chat template renders the prompt.
+        processor, image_token_id: an image-text model's processor and image token (None for a text model).
+        system_prompt: put in front of string prompts.
+        tools: the tools as the chat template shows them to the model (None without tools).
+        model_name: the model, as the recipe names it (for the line that refuses images to a text model).
+    """
+
+    def __init__(
+        self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None, system_prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None, model_name: str = "the model",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.system_prompt = system_prompt
+        self.tools = tools
+        self.model_name = model_name
+
+    def messages(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat messages of a record's prompt (``system_prompt`` in front of a string prompt)."""
+        prompt = record["prompt"]
+        if not isinstance(prompt, str):
+            return list(prompt)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": prompt}]
+
+    def render(self, record: dict[str, Any], source: PromptSource) -> RenderedPrompt:
+        """A record's prompt, rendered by the processor when it has images; a bad image or image column is a
+        `DataError` naming the record's line."""
+        messages = self.messages(record)
+        if not any(isinstance(m.get("content"), list) for m in messages):
+            ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+            return RenderedPrompt(messages, list(ids))
+        where = source.location(record)
+        if self.processor is None:
+            raise DataError(f"{where}: the prompt has images, but {self.model_name} is a text-only model (it has no image processor)")
+        renderer = ImageRenderer(self.processor, self.image_token_id)
+        try:
+            columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
+            loaded = load_images(with_image_column({"prompt": messages, **columns}), source.image_folder)["prompt"]
+            ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=self.tools)
+        except ValueError as error:
+            raise DataError(f"{where}: {error}") from None
+        template_ids = renderer.template_ids(loaded, add_generation_prompt=True, tools=self.tools)
+        return RenderedPrompt(messages, ids, list(inputs), images_of(loaded), template_ids)

@@ -8,8 +8,8 @@ One optimizer step, top to bottom (`training_step`):
             -> per-token log-probs -> clipped importance-ratio loss -> optimizer step
             -> new weights pushed to the engine
 
-In asynchronous mode the first two lines run ahead on a background thread (`RolloutProducer`),
-never more than `max_staleness` weight versions behind the trainer.
+The first two lines are the rollout side (`rollout/collector.py:RolloutCollector`); in asynchronous mode they run
+ahead on a background thread (`RolloutProducer`), never more than `max_staleness` weight versions behind the trainer.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import functools
 import logging
 import re
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback
@@ -39,10 +38,10 @@ from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.attention.tree_attention import AttentionBackend
-from lightning_rl.data.prompts import TOY_DATASET
-from lightning_rl.data.images import ImageRenderer, image_key, images_of, load_images, with_image_column
+from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, check_source
 from lightning_rl.modules.evaluation import exact_match, heldout_cases
+from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, rollout_table
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
@@ -52,17 +51,15 @@ from lightning_rl.models.multimodal import load_processor, multimodal_token_ids,
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, PromptImages, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
+from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.rollout.collector import ROLLOUT_COLUMNS, RolloutCollector, RolloutSettings
+from lightning_rl.rollout.conversation import visible_text
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
 from lightning_rl.models.weights import sync_weights
-from lightning_rl.tools import Tool, ToolExecutor, load_tool
-from lightning_rl.tools.conversation import ToolConversation, distinct_tool_calls
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")  # what reward functions get besides prompts, completions and the data
 
 
 class GRPOModule(PolicyModule):
@@ -185,13 +182,13 @@ class GRPOModule(PolicyModule):
     ) -> None:
         super().__init__()
         specs = [_reward_spec(r) for r in rewards]
-        self.loss = _group(GRPOLoss, loss, "loss")
+        self.loss = validation.settings_group(GRPOLoss, loss, "loss")
         try:
             self.engine_spec = EngineSpec.of(engine)
         except ValueError as error:  # a wrong engine or option (a Python caller's: the recipe parser checked a recipe's)
             option = re.match(r"(\w+): ", str(error))
             raise RecipeError(str(error), "engine" if option is None else f"engine.init_args.{option[1]}") from None
-        sampling = _group(SamplingSettings, sampling, "sampling")
+        sampling = validation.settings_group(SamplingSettings, sampling, "sampling")
         self.save_hyperparameters(ignore=["rewards", "lora", "loss", "engine", "sampling"])
         self.hparams["engine"] = self.engine_spec.as_config()
         self.hparams["loss"] = asdict(self.loss)
@@ -203,15 +200,13 @@ class GRPOModule(PolicyModule):
         self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
         check_model_source(model_name_or_path)
-        if num_generations < 2:
-            raise RecipeError(
-                f"num_generations={num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
-                "num_generations",
-            )
-        counts = {"num_iterations": num_iterations, "sampling.max_new_tokens": sampling.max_new_tokens, "max_turns": max_turns, "dynamic_sampling_max_rounds": dynamic_sampling_max_rounds, "tool_output_max_chars": tool_output_max_chars,
-                  "chunk_size": chunk_size, "verify_packing_every": verify_packing_every, "summary_window": summary_window,
-                  **{f"samples_per_turn[{i}]": n for i, n in enumerate(samples_per_turn)}}  # fmt: skip
-        for key, value in {**counts, "max_context_tokens": max_context_tokens, "max_tokens_per_row": max_tokens_per_row}.items():
+        self.rollout = RolloutSettings(
+            num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
+            tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
+        )
+        counts = {"num_iterations": num_iterations, "chunk_size": chunk_size, "verify_packing_every": verify_packing_every,
+                  "summary_window": summary_window}  # fmt: skip
+        for key, value in {**counts, "max_tokens_per_row": max_tokens_per_row}.items():
             if value is not None:
                 validation.positive_int(key, value)
         validation.positive_int("eval_max_new_tokens", eval_max_new_tokens)
@@ -219,18 +214,13 @@ class GRPOModule(PolicyModule):
             raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
         if eval_data not in (None, TOY_DATASET):
             check_source("eval_data", toy_source(eval_data))
-        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "sampling.top_k": sampling.top_k, "warmup_steps": warmup_steps,
+        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "warmup_steps": warmup_steps,
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
-        for key, value in {"sampling.temperature": sampling.temperature, "weight_decay": weight_decay}.items():
-            validation.finite_non_negative(key, value)
-        for key, value in {"learning_rate": learning_rate, "tool_timeout_s": tool_timeout_s, "reward_timeout_s": reward_timeout_s,
-                           "max_grad_norm": max_grad_norm}.items():  # fmt: skip
+        validation.finite_non_negative("weight_decay", weight_decay)
+        for key, value in {"learning_rate": learning_rate, "reward_timeout_s": reward_timeout_s, "max_grad_norm": max_grad_norm}.items():
             if value is not None:
                 validation.finite_positive(key, value)
-        validation.fraction("sampling.top_p", sampling.top_p, low_open=True, high_open=False)
-        validation.fraction("sampling.min_p", sampling.min_p)
-        validation.finite_positive("sampling.repetition_penalty", sampling.repetition_penalty)
         if self.loss.corrects_engine and old_logprobs == "engine":
             key = "importance_sampling_cap" if self.loss.importance_sampling_cap is not None else "importance_sampling_floor"
             raise RecipeError(
@@ -259,19 +249,15 @@ class GRPOModule(PolicyModule):
                     "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
                     "separate reference to refresh", "ref_sync_every",
                 )
-        if max_turns > 1 and not tools:
-            raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
-        self.tools: list[Tool] = [load_tool(path) for path in tools]
-        validation.unique("tools", [tool.name for tool in self.tools])
         self.sampling = SamplingConfig(**asdict(sampling))
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
         self.processor: Any = None  # an image-text model's
         self.image_token_id: int | None = None
-        self.executor: ToolExecutor | None = None
+        self.collector: RolloutCollector | None = None
         self.producer: RolloutProducer | None = None
         self.reward_history: list[float] = []
         self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
@@ -289,14 +275,12 @@ class GRPOModule(PolicyModule):
         # The reward functions' arguments against the data's columns, before a model is loaded: one line now,
         # rather than a run that scores 0 throughout.
         datamodule = self.trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "prompt_batch"):
-            return
-        rows = getattr(datamodule, "records", None) or datamodule.prompt_batch(0)
-        columns = set.intersection(*(set(row) for row in rows)) - {"prompt"}
+        if not isinstance(datamodule, PromptSource):
+            raise TypeError(f"GRPO reads its prompts from a PromptSource (such as PromptDataModule), got {type(datamodule).__name__}")
         try:
-            self.scorer.check_arguments([*sorted(columns), *ROLLOUT_COLUMNS])
+            self.scorer.check_arguments([*sorted(datamodule.columns() - {"prompt"}), *ROLLOUT_COLUMNS])
         except ValueError as error:
-            raise DataError(f"{getattr(datamodule, 'path', 'prompt data')}: {error}") from None
+            raise DataError(f"{datamodule.path}: {error}") from None
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -319,10 +303,14 @@ class GRPOModule(PolicyModule):
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
         self.engine = spec.build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
         self.scorer.to(self.device)  # reward models score on the trainer's device
-        if self.tools:
-            self.executor = ToolExecutor(
-                self.tools, timeout_s=self.hparams.tool_timeout_s, max_output_chars=self.hparams.tool_output_max_chars
-            )
+        renderer = PromptRenderer(
+            self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs,
+            self.hparams.model_name_or_path,
+        )
+        self.collector = RolloutCollector(
+            self.engine, self.trainer.datamodule, renderer, self.scorer, self.sampling, self.rollout,
+            model_context=getattr(self.policy.config.get_text_config(), "max_position_embeddings", None),
+        )
 
     def on_train_start(self) -> None:
         # Here, not in on_fit_start: a resume has restored global_step by now. Versions count batches of rollouts
@@ -335,7 +323,7 @@ class GRPOModule(PolicyModule):
             return
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
         self.producer = RolloutProducer(
-            self.generate_and_score, lambda: self.engine.weight_version, self.hparams.max_staleness, start_index=first,
+            self.collector.collect, lambda: self.engine.weight_version, self.hparams.max_staleness, start_index=first,
         )
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
@@ -350,11 +338,11 @@ class GRPOModule(PolicyModule):
         return [_CloseOnException()]
 
     def close(self) -> None:
-        """Stop the rollout thread, the tool executor and the engine."""
+        """Stop the rollout thread, the tool workers and the engine."""
         if self.producer is not None:
             self.producer.close()
-        if self.executor is not None:
-            self.executor.close()
+        if self.collector is not None:
+            self.collector.close()
         if self.engine is not None:
             self.engine.close()
 
@@ -367,7 +355,7 @@ class GRPOModule(PolicyModule):
         index, iteration = divmod(step, self.hparams.num_iterations)
         started = time.perf_counter()
         if iteration == 0 or self._batch is None:
-            self._batch = self.producer.take(index) if self.producer is not None else self.generate_and_score(index)
+            self._batch = self.producer.take(index) if self.producer is not None else self.collector.collect(index)
             self._old_logprobs = None
         scored = self._batch
         self.current_batch = scored
@@ -387,7 +375,7 @@ class GRPOModule(PolicyModule):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
-        stats = _StepStats()
+        stats = StepStats()
         packed_rows = [self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
         if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":
             with torch.no_grad():  # the sampling policy's, before the first of this batch's updates
@@ -430,78 +418,6 @@ class GRPOModule(PolicyModule):
         self.reward_history.append(float(rewards.mean()))
         self._log_step(scored, stats, staleness, waited, train_seconds)
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
-
-    def generate_and_score(self, index: int) -> ScoredBatch:
-        """Rollouts of prompt batch `index` with their rewards (runs on the producer thread in async mode).
-
-        With ``dynamic_sampling`` the groups whose rewards all tie (no signal) are dropped and more prompts are
-        sampled, up to ``dynamic_sampling_max_rounds`` rounds, until the batch has as many groups as prompts."""
-        datamodule = self.trainer.datamodule
-        scored = self._sample_and_score(index, 0, datamodule.prompt_batch(index))
-        if not self.hparams.dynamic_sampling:
-            return scored
-        wanted, sampled = len(scored.records), len(scored.records)
-        kept = _groups_with_signal(scored)
-        rounds = 1
-        while len(kept.records) < wanted and rounds < self.hparams.dynamic_sampling_max_rounds:
-            extra = self._sample_and_score(index, rounds, datamodule.extra_prompts(index, rounds, wanted - len(kept.records)))
-            sampled += len(extra.records)
-            kept = _merged(kept, _groups_with_signal(extra))
-            rounds += 1
-        if len(kept.records) < wanted:
-            log.warning(
-                "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
-                "(dynamic_sampling_max_rounds); training on those", index + 1, len(kept.records), wanted, rounds,
-            )
-        filtered = sampled - len(kept.records)
-        if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
-            kept = scored
-        kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
-        return kept
-
-    def _sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
-        messages = [self._prompt_messages(record) for record in records]
-        rendered = [self._prompt(m, record) for m, record in zip(messages, records)]
-        prompts = [ids for ids, _, _ in rendered]
-        images = [own for _, own, _ in rendered]
-        self._check_prompts_fit(records, prompts)
-        started = time.perf_counter()
-        engine_images = [engine for _, _, engine in rendered] if any(images) else None
-        if self.tools:
-            conversation = ToolConversation(
-                self.engine, self.tokenizer, self.executor, self.hparams.max_turns, self._max_context_tokens()
-            )
-            samples = [self.hparams.num_generations, *self.hparams.samples_per_turn]
-            batch = conversation.generate(prompts, samples, lambda turn: self._sampling(index, turn, round), images=engine_images)
-        else:
-            batch = self.engine.generate(prompts, self.hparams.num_generations, self._sampling(index, 0, round), images=engine_images)
-        if engine_images is not None:
-            for rollout in batch.rollouts:  # each rollout trains with its prompt's images
-                rollout.metadata["images"] = images[rollout.group_id]
-        generation_seconds = time.perf_counter() - started
-        rollouts = batch.rollouts
-        texts = [self._reply_text(r) for r in rollouts]
-        columns = {
-            key: [records[r.group_id].get(key) for r in rollouts]
-            for key in records[0] if key != "prompt"
-        }
-        columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
-        columns["transcripts"] = [self._text(r.completion_ids) for r in rollouts]
-        columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
-        columns["prompt_messages"] = [messages[r.group_id] for r in rollouts]
-        prompt_texts = [self._text(r.prompt_ids) for r in rollouts]
-        scores = self.scorer.score(prompt_texts, texts, columns, step=index + 1)
-        failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
-        return ScoredBatch(
-            index=index,
-            records=records,
-            rollouts=rollouts,
-            rewards=scores.total.tolist(),
-            reward_terms={name: values.tolist() for name, values in scores.per_function.items()},
-            reward_errors=[vars(e) for e in scores.errors],
-            generation_seconds=generation_seconds,
-            tool_failures=dict(failures),
-        )
 
     def policy_logprobs(
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False
@@ -635,137 +551,28 @@ class GRPOModule(PolicyModule):
         if self.producer is not None:
             self.producer.weights_updated()
 
-    def _max_context_tokens(self) -> int | None:
-        if self.hparams.max_context_tokens is not None:
-            return self.hparams.max_context_tokens
-        config = self.policy.config
-        return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "max_position_embeddings", None)
-
-    def _check_prompts_fit(self, records: list[dict[str, Any]], prompts: list[list[int]]) -> None:
-        """A prompt that leaves no room for ``max_new_tokens`` in the context is refused, naming its row: past the
-        model's positions an engine either fails or samples from positions the model never learned."""
-        limit = self._max_context_tokens()
-        if limit is None:
-            return
-        for record, ids in zip(records, prompts, strict=True):
-            if len(ids) + self.sampling.max_new_tokens > limit:
-                where = self.trainer.datamodule.location(record) if hasattr(self.trainer.datamodule, "location") else "prompt data"
-                said = "max_context_tokens" if self.hparams.max_context_tokens is not None else "the model's max_position_embeddings"
-                raise DataError(
-                    f"{where}: the prompt is {len(ids)} tokens; with sampling.max_new_tokens={self.sampling.max_new_tokens} it "
-                    f"does not fit the context of {limit} tokens ({said}): shorten it or lower sampling.max_new_tokens"
-                )
-
-    def _sampling(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
-        # A seed per (batch, turn, dynamic-sampling round) makes sampling independent of where and when it runs.
-        seed = (self.hparams.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
-        return SamplingConfig(**{**vars(self.sampling), "seed": seed})
-
-    def _prompt_messages(self, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chat messages of a record's prompt, as the policy reads them (``system_prompt`` in front)."""
-        prompt = record["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if self.hparams.system_prompt and isinstance(prompt, str):
-            messages.insert(0, {"role": "system", "content": self.hparams.system_prompt})
-        return messages
-
-    def _prompt(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> tuple[list[int], list[tuple[str, dict[str, torch.Tensor]]], PromptImages | None]:
-        """The prompt's tokens, its images (key, processor inputs) for packing, and the images as engines take
-        them; rendered by the processor when the prompt has any."""
-        if not any(isinstance(m.get("content"), list) for m in messages):
-            return self._prompt_ids(messages), [], None
-        where = self.trainer.datamodule.location(record) if self._trainer is not None and hasattr(self.trainer.datamodule, "location") else "a prompt"
-        if self.processor is None:
-            raise DataError(f"{where}: the prompt has images, but {self.hparams.model_name_or_path} is a text-only model (it has no image processor)")
-        renderer = ImageRenderer(self.processor, self.image_token_id)
-        tools = self._tool_specs()
-        try:
-            columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
-            loaded = load_images(with_image_column({"prompt": messages, **columns}), self._prompt_base())["prompt"]
-            ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=tools)
-        except ValueError as error:
-            raise DataError(f"{where}: {error}") from None
-        pictures = images_of(loaded)
-        engine_images = PromptImages(inputs, pictures, renderer.template_ids(loaded, add_generation_prompt=True, tools=tools))
-        return ids, list(zip([image_key(image) for image in pictures], inputs)), engine_images
-
-    def _prompt_base(self) -> Path | None:
-        """The folder image paths of prompts are relative to: the prompt file's."""
-        path = getattr(self.trainer.datamodule, "path", None) if self._trainer is not None else None
-        return Path(path).parent if isinstance(path, (str, Path)) and Path(path).is_file() else None
-
-    def _tool_specs(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template shows them to the model (None without tools)."""
-        return [tool.chat_template_spec() for tool in self.tools] or None
-
-    def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt's tokens: its messages (``_prompt_messages``) under the chat template, with the tools."""
-        tools = self._tool_specs()
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-
     def _text(self, token_ids: Sequence[int]) -> str:
-        hidden = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
-        return self.tokenizer.decode([t for t in token_ids if t not in hidden])
-
-    def _reply_text(self, rollout: Rollout) -> str:
-        """What rewards read as the completion: the model's last reply."""
-        return rollout.metadata.get("final_reply", self._text(rollout.completion_ids))
+        return visible_text(self.tokenizer, token_ids)
 
     # -- logging and checkpoints ---------------------------------------------------------------
 
-    def _log_step(self, scored: ScoredBatch, stats: _StepStats, staleness: int, waited: float, train_seconds: float) -> None:
-        rewards = torch.tensor(scored.rewards)
+    def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> None:
         metrics = {
-            "reward/mean": rewards.mean(),
-            "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
-            "reward/errors": float(len(scored.reward_errors)),
+            **batch_metrics(scored, with_tools=bool(self.rollout.tools)),
             "rollout/staleness": float(staleness),
-            "rollout/weight_version": float(scored.weight_version),
-            "rollout/completion_tokens": float(sum(sum(r.completion_mask) for r in scored.rollouts)) / len(scored.rollouts),
             "time/wait_for_rollouts_s": waited,
             "time/train_s": train_seconds,
-            "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in scored.rollouts) / max(scored.generation_seconds, 1e-9),
             "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
             "lr": self.optimizers().param_groups[0]["lr"],
             **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
             **stats.metrics(),
-            "dynamic_sampling/rounds": float(scored.sampling_rounds),
-            "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
-            "completions/truncated_fraction": sum(r.finish_reason == "length" for r in scored.rollouts) / max(len(scored.rollouts), 1),
         }
-        failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
-        for name, values in scored.reward_terms.items():
-            terms = torch.tensor(values)
-            metrics[f"reward/{name}/mean"] = terms.mean()
-            metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
-            metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
-            metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
-            metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
-        if self.tools:
-            metrics["tools/calls"] = float(len(distinct_tool_calls(scored.rollouts)))
-            for kind, count in scored.tool_failures.items():
-                metrics[f"tools/failures/{kind}"] = float(count)
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
-        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=1)
-        self._log_rollout_table(scored)
-
-    def _log_rollout_table(self, scored: ScoredBatch) -> None:
+        self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps
-        if not every or scored.index % every or self.logger is None or not hasattr(self.logger, "log_table"):
-            return
-        names = list(scored.reward_terms)
-        rows = [
-            [scored.index, self._text(r.prompt_ids), self._text(r.completion_ids), scored.rewards[i], r.weight_version]
-            + [scored.reward_terms[name][i] for name in names]
-            for i, r in enumerate(scored.rollouts)
-        ]
-        self.logger.log_table(
-            key="rollouts", columns=["step", "prompt", "completion", "reward", "weight_version", *names], data=rows
-        )
+        if every and scored.index % every == 0 and self.logger is not None and hasattr(self.logger, "log_table"):
+            columns, rows = rollout_table(scored, self._text)
+            self.logger.log_table(key="rollouts", columns=columns, data=rows)
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
@@ -823,113 +630,14 @@ class GRPOModule(PolicyModule):
             self.entropy_control = EntropyControl(**state["entropy_control"])
 
 
-class _StepStats:
-    """Sums over the rows of one step of what is logged about the loss."""
-
-    def __init__(self) -> None:
-        self.loss = 0.0
-        self.tokens = 0
-        self.low = self.high = 0.0
-        self.kl = self.entropy = self.ratio = 0.0
-        self.flat_tokens = self.unique_tokens = 0
-        self.rows = 0
-        self.has_kl = False
-
-    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
-        self.loss += float(loss)
-        self.tokens += int(terms.loss.numel())
-        self.low += float(terms.low_clipped.sum())
-        self.high += float(terms.high_clipped.sum())
-        self.ratio += float(terms.ratio.sum())
-        if terms.kl is not None:
-            self.has_kl = True
-            self.kl += float(terms.kl.sum())
-        if entropy is not None:
-            self.entropy += float(entropy.sum())
-        self.flat_tokens += packed.num_flat_tokens
-        self.unique_tokens += packed.num_unique_tokens
-        self.rows += 1
-
-    def metrics(self) -> dict[str, float]:
-        n = max(self.tokens, 1)
-        metrics = {
-            "loss": self.loss,
-            "clip/low": self.low / n,
-            "clip/high": self.high / n,
-            "clip/fraction": (self.low + self.high) / n,
-            "ratio/mean": self.ratio / n,
-            "entropy": self.entropy / n,
-            "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
-            "trained_tokens": float(self.tokens),
-            "rows": float(self.rows),
-        }
-        if self.has_kl:
-            metrics["kl"] = self.kl / n
-        return metrics
-
-
 class _CloseOnException(Callback):
     def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
         pl_module.close()
 
 
-def _groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
-    """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered."""
-    by_group: dict[int, list[int]] = {}
-    for i, rollout in enumerate(scored.rollouts):
-        by_group.setdefault(rollout.group_id, []).append(i)
-    keep = [g for g, members in sorted(by_group.items())
-            if max(scored.rewards[i] for i in members) - min(scored.rewards[i] for i in members) > 1e-6]  # fmt: skip
-    return _select_groups(scored, keep)
-
-
-def _select_groups(scored: ScoredBatch, groups: list[int]) -> ScoredBatch:
-    new_id = {g: k for k, g in enumerate(groups)}
-    picked = [i for i, r in enumerate(scored.rollouts) if r.group_id in new_id]
-    position = {i: k for k, i in enumerate(picked)}
-    return dataclasses.replace(
-        scored,
-        records=[scored.records[g] for g in groups],
-        rollouts=[dataclasses.replace(scored.rollouts[i], group_id=new_id[scored.rollouts[i].group_id]) for i in picked],
-        rewards=[scored.rewards[i] for i in picked],
-        reward_terms={name: [values[i] for i in picked] for name, values in scored.reward_terms.items()},
-        reward_errors=[{**e, "sample": position[e["sample"]]} for e in scored.reward_errors if e["sample"] in position],
-    )
-
-
-def _merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
-    """Two batches of the same step as one, the second's groups numbered after the first's."""
-    offset = len(first.records)
-    failures = Counter(first.tool_failures) + Counter(second.tool_failures)
-    return dataclasses.replace(
-        first,
-        records=first.records + second.records,
-        rollouts=first.rollouts + [dataclasses.replace(r, group_id=r.group_id + offset) for r in second.rollouts],
-        rewards=first.rewards + second.rewards,
-        reward_terms={name: first.reward_terms[name] + second.reward_terms[name] for name in first.reward_terms},
-        reward_errors=first.reward_errors + [{**e, "sample": e["sample"] + len(first.rollouts)} for e in second.reward_errors],
-        generation_seconds=first.generation_seconds + second.generation_seconds,
-        tool_failures=dict(failures),
-    )
-
-
 def _untrained(rollout: Rollout) -> Rollout:
     """The rollout with none of its tokens trained (``mask_truncated_completions``)."""
     return dataclasses.replace(rollout, completion_mask=[False] * len(rollout.completion_ids))
-
-
-T = TypeVar("T")
-
-
-def _group(cls: type[T], value: T | dict[str, Any] | None, key: str) -> T:
-    """A recipe group (``loss:``, ``sampling:``) as its dataclass (LightningCLI may hand it over as a mapping)."""
-    if isinstance(value, cls):
-        return value
-    values = dict(value or {})
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise RecipeError(f"{key}.{unknown[0]}: not a {key} option (see {cls.__name__})", f"{key}.{unknown[0]}")
-    return cls(**values)
 
 
 def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:

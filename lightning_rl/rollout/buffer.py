@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_rl.errors import UserError
 from lightning_rl.rollout.base import Rollout
 
 
@@ -55,7 +56,7 @@ class RolloutProducer:
     """Runs `produce(index)` for index = start, start+1, ... on a background thread.
 
     `current_version()` is the version of the weights generation uses now. `take(index)` blocks
-    until that batch is ready; a failure on the producer thread is raised there.
+    until that batch is ready; a failure on the producer thread is raised there (a `UserError` as it is).
     """
 
     def __init__(
@@ -117,6 +118,8 @@ class RolloutProducer:
         with self._changed:
             self._changed.wait_for(lambda: index in self._ready or self._error is not None)
             if index not in self._ready:
+                if isinstance(self._error, UserError):  # the user's mistake (a reward failing on every sample): its
+                    raise self._error  # own line, as the synchronous run says it at the same step
                 raise RuntimeError("rollout generation failed on the producer thread") from self._error
             self._changed.notify_all()  # room in the queue again
             return self._ready.pop(index)

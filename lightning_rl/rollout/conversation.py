@@ -26,6 +26,12 @@ from lightning_rl.tools.calls import parse_tool_calls
 from lightning_rl.tools.executor import ToolExecutor
 
 
+def visible_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """Decoded tokens, keeping tool-call markup (special tokens) but not end or padding tokens."""
+    hidden = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return tokenizer.decode([t for t in token_ids if t not in hidden])
+
+
 def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[dict[str, Any]]) -> list[int]:
     """Tokens the chat template puts after an assistant turn's end token to show tool results and
     open the next assistant turn."""
@@ -61,11 +67,6 @@ class ToolConversation:
         self.executor = executor
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
-        self._hidden_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-
-    def text(self, token_ids: Sequence[int]) -> str:
-        """Decoded reply, keeping tool-call markup (special tokens) but not end or padding tokens."""
-        return self.tokenizer.decode([t for t in token_ids if t not in self._hidden_ids])
 
     def generate(
         self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
@@ -83,7 +84,7 @@ class ToolConversation:
         for turn in range(1, self.max_turns + 1):
             calling = []
             for history, reply in live:
-                text = self.text(reply)
+                text = visible_text(self.tokenizer, reply)
                 history.messages.append({"role": "assistant", "content": text})
                 calls = parse_tool_calls(text)
                 if not calls or turn == self.max_turns or history.finish_reason != "stop":

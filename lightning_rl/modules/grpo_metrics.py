@@ -1,0 +1,101 @@
+"""What a GRPO step logs: the loss statistics summed over its packed rows, and the figures of the batch it trained on
+(rewards and their failures, staleness, completion lengths, dynamic sampling, tool calls) and its rollout table."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_rl.losses.grpo import TokenLoss
+from lightning_rl.packing.tree import PackedBatch
+from lightning_rl.rollout.buffer import ScoredBatch
+from lightning_rl.rollout.conversation import distinct_tool_calls
+
+
+class StepStats:
+    """Sums over the rows of one step of what is logged about the loss."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.tokens = 0
+        self.low = self.high = 0.0
+        self.kl = self.entropy = self.ratio = 0.0
+        self.flat_tokens = self.unique_tokens = 0
+        self.rows = 0
+        self.has_kl = False
+
+    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
+        self.loss += float(loss)
+        self.tokens += int(terms.loss.numel())
+        self.low += float(terms.low_clipped.sum())
+        self.high += float(terms.high_clipped.sum())
+        self.ratio += float(terms.ratio.sum())
+        if terms.kl is not None:
+            self.has_kl = True
+            self.kl += float(terms.kl.sum())
+        if entropy is not None:
+            self.entropy += float(entropy.sum())
+        self.flat_tokens += packed.num_flat_tokens
+        self.unique_tokens += packed.num_unique_tokens
+        self.rows += 1
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        metrics = {
+            "loss": self.loss,
+            "clip/low": self.low / n,
+            "clip/high": self.high / n,
+            "clip/fraction": (self.low + self.high) / n,
+            "ratio/mean": self.ratio / n,
+            "entropy": self.entropy / n,
+            "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
+            "trained_tokens": float(self.tokens),
+            "rows": float(self.rows),
+        }
+        if self.has_kl:
+            metrics["kl"] = self.kl / n
+        return metrics
+
+
+def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
+    """The figures of a batch of scored rollouts (``with_tools``: its tool calls and their failures too)."""
+    rewards = torch.tensor(scored.rewards)
+    rollouts = scored.rollouts
+    metrics = {
+        "reward/mean": rewards.mean(),
+        "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
+        "reward/errors": float(len(scored.reward_errors)),
+        "rollout/weight_version": float(scored.weight_version),
+        "rollout/completion_tokens": float(sum(sum(r.completion_mask) for r in rollouts)) / len(rollouts),
+        "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(scored.generation_seconds, 1e-9),
+        "dynamic_sampling/rounds": float(scored.sampling_rounds),
+        "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
+        "completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(len(rollouts), 1),
+    }
+    failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
+    for name, values in scored.reward_terms.items():
+        terms = torch.tensor(values)
+        metrics[f"reward/{name}/mean"] = terms.mean()
+        metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
+        metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
+        metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
+        metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
+    if with_tools:
+        metrics["tools/calls"] = float(len(distinct_tool_calls(rollouts)))
+        for kind, count in scored.tool_failures.items():
+            metrics[f"tools/failures/{kind}"] = float(count)
+    return metrics
+
+
+def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str]) -> tuple[list[str], list[list[Any]]]:
+    """The batch as a table (columns, rows): prompt, completion, reward and each reward term per rollout."""
+    names = list(scored.reward_terms)
+    rows = [
+        [scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
+        + [scored.reward_terms[name][i] for name in names]
+        for i, r in enumerate(scored.rollouts)
+    ]
+    return ["step", "prompt", "completion", "reward", "weight_version", *names], rows

@@ -1,0 +1,252 @@
+"""The rollout side of GRPO: a prompt batch index in, a `ScoredBatch` out.
+
+`RolloutCollector.collect(i)` renders step `i`'s prompts, samples `num_generations` completions of each (or converses
+with the tools, up to `max_turns`), scores them with the reward functions and, with dynamic sampling, replaces the
+groups whose rewards all tie. It is what the asynchronous producer thread runs, so it is given everything it uses
+(engine, prompts, renderer, scorer, sampling settings) and never touches the LightningModule or the Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from lightning_rl import validation
+from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
+from lightning_rl.data.sft import DataError
+from lightning_rl.errors import RecipeError
+from lightning_rl.rewards import RewardScorer
+from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.buffer import ScoredBatch
+from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_calls, visible_text
+from lightning_rl.tools import Tool, ToolExecutor, load_tool
+
+log = logging.getLogger(__name__)
+
+# What reward functions get besides prompts, completions and the data's columns.
+ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """How a prompt batch becomes rollouts: the GRPO recipe keys of the same names (see `GRPOModule`).
+
+    The tools are loaded (and their schemas checked) as the settings are made, so a tool that does not import is
+    refused with the recipe.
+    """
+
+    num_generations: int = 8
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
+    tools: tuple[str, ...] = ()
+    max_turns: int = 1
+    samples_per_turn: tuple[int, ...] = ()
+    tool_timeout_s: float = 10.0
+    tool_output_max_chars: int = 4000
+    max_context_tokens: int | None = None
+    seed: int = 0
+    loaded_tools: tuple[Tool, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise RecipeError(
+                f"num_generations={self.num_generations}: GRPO needs G >= 2 samples per prompt (advantages compare them)",
+                "num_generations",
+            )
+        counts = {"max_turns": self.max_turns, "dynamic_sampling_max_rounds": self.dynamic_sampling_max_rounds,
+                  "tool_output_max_chars": self.tool_output_max_chars,
+                  **{f"samples_per_turn[{i}]": n for i, n in enumerate(self.samples_per_turn)}}  # fmt: skip
+        for key, value in counts.items():
+            validation.positive_int(key, value)
+        if self.max_context_tokens is not None:
+            validation.positive_int("max_context_tokens", self.max_context_tokens)
+        validation.finite_positive("tool_timeout_s", self.tool_timeout_s)
+        if self.max_turns > 1 and not self.tools:
+            raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
+        tools = tuple(load_tool(path) for path in self.tools)
+        validation.unique("tools", [tool.name for tool in tools])
+        object.__setattr__(self, "loaded_tools", tools)
+
+    @property
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template shows them to the model (None without tools)."""
+        return [tool.chat_template_spec() for tool in self.loaded_tools] or None
+
+
+class RolloutCollector:
+    """Collects the scored rollouts of prompt batches.
+
+    Args:
+        engine: samples the completions.
+        prompts: the prompt records of each step (`PromptSource`).
+        renderer: renders a record into the tokens the engine samples from.
+        scorer: the reward functions.
+        sampling: the run's sampling settings; each request gets a seed of its own (`sampling_for`).
+        settings: generations per prompt, tools and turns, dynamic sampling, the seed.
+        model_context: the model's context in tokens (``max_position_embeddings``), where ``max_context_tokens``
+            does not set one.
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, prompts: PromptSource, renderer: PromptRenderer, scorer: RewardScorer,
+        sampling: SamplingConfig, settings: RolloutSettings, model_context: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.prompts = prompts
+        self.renderer = renderer
+        self.scorer = scorer
+        self.sampling = sampling
+        self.settings = settings
+        self.context_limit = settings.max_context_tokens if settings.max_context_tokens is not None else model_context
+        self.executor: ToolExecutor | None = None
+        if settings.loaded_tools:
+            self.executor = ToolExecutor(
+                list(settings.loaded_tools), timeout_s=settings.tool_timeout_s, max_output_chars=settings.tool_output_max_chars
+            )
+
+    def close(self) -> None:
+        """Stop the tool workers."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def collect(self, index: int) -> ScoredBatch:
+        """Rollouts of prompt batch `index` with their rewards.
+
+        With ``dynamic_sampling`` the groups whose rewards all tie (no signal) are dropped and more prompts are
+        sampled, up to ``dynamic_sampling_max_rounds`` rounds, until the batch has as many groups as prompts."""
+        scored = self.sample_and_score(index, 0, self.prompts.prompt_batch(index))
+        if not self.settings.dynamic_sampling:
+            return scored
+        wanted = sampled = len(scored.records)
+        kept = groups_with_signal(scored)
+        rounds = 1
+        while len(kept.records) < wanted and rounds < self.settings.dynamic_sampling_max_rounds:
+            extra = self.sample_and_score(index, rounds, self.prompts.extra_prompts(index, rounds, wanted - len(kept.records)))
+            sampled += len(extra.records)
+            kept = merged(kept, groups_with_signal(extra))
+            rounds += 1
+        if len(kept.records) < wanted:
+            log.warning(
+                "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
+                "(dynamic_sampling_max_rounds); training on those", index + 1, len(kept.records), wanted, rounds,
+            )
+        filtered = sampled - len(kept.records)
+        if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
+            kept = scored
+        kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
+        return kept
+
+    def sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
+        """One round of step `index`: the records' rollouts, scored."""
+        rendered = [self.renderer.render(record, self.prompts) for record in records]
+        self._check_prompts_fit(records, rendered)
+        prompts = [r.ids for r in rendered]
+        engine_images = [_engine_images(r) for r in rendered] if any(r.pictures for r in rendered) else None
+        started = time.perf_counter()
+        if self.executor is not None:
+            settings = self.settings
+            conversation = ToolConversation(self.engine, self.renderer.tokenizer, self.executor, settings.max_turns, self.context_limit)
+            samples = [settings.num_generations, *settings.samples_per_turn]
+            batch = conversation.generate(prompts, samples, lambda turn: self.sampling_for(index, turn, round), images=engine_images)
+        else:
+            batch = self.engine.generate(prompts, self.settings.num_generations, self.sampling_for(index, 0, round), images=engine_images)
+        generation_seconds = time.perf_counter() - started
+        rollouts = batch.rollouts
+        if engine_images is not None:
+            for rollout in rollouts:  # each rollout trains with its prompt's images
+                rollout.metadata["images"] = rendered[rollout.group_id].keyed_images
+        scores = self.scorer.score(
+            [self.text(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],
+            self._columns(records, rendered, rollouts), step=index + 1,
+        )
+        failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
+        return ScoredBatch(
+            index=index,
+            records=records,
+            rollouts=rollouts,
+            rewards=scores.total.tolist(),
+            reward_terms={name: values.tolist() for name, values in scores.per_function.items()},
+            reward_errors=[vars(e) for e in scores.errors],
+            generation_seconds=generation_seconds,
+            tool_failures=dict(failures),
+        )
+
+    def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
+        """The sampling of batch `index`'s turn and dynamic-sampling round: a seed of its own makes sampling
+        independent of where and when it runs."""
+        seed = (self.settings.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
+        return dataclasses.replace(self.sampling, seed=seed)
+
+    def text(self, token_ids: list[int]) -> str:
+        return visible_text(self.renderer.tokenizer, token_ids)
+
+    def reply_text(self, rollout: Rollout) -> str:
+        """What rewards read as the completion: the model's last reply."""
+        return rollout.metadata.get("final_reply", self.text(rollout.completion_ids))
+
+    def _columns(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt], rollouts: list[Rollout]) -> dict[str, list[Any]]:
+        """What the reward functions get per rollout besides prompts and completions: its record's columns and
+        `ROLLOUT_COLUMNS`."""
+        columns = {key: [records[r.group_id].get(key) for r in rollouts] for key in records[0] if key != "prompt"}
+        columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
+        columns["transcripts"] = [self.text(r.completion_ids) for r in rollouts]
+        columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
+        columns["prompt_messages"] = [rendered[r.group_id].messages for r in rollouts]
+        return columns
+
+    def _check_prompts_fit(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt]) -> None:
+        """A prompt that leaves no room for ``max_new_tokens`` in the context is refused, naming its row: past the
+        model's positions an engine either fails or samples from positions the model never learned."""
+        limit, budget = self.context_limit, self.sampling.max_new_tokens
+        if limit is None:
+            return
+        for record, prompt in zip(records, rendered, strict=True):
+            if len(prompt.ids) + budget > limit:
+                said = "max_context_tokens" if self.settings.max_context_tokens is not None else "the model's max_position_embeddings"
+                raise DataError(
+                    f"{self.prompts.location(record)}: the prompt is {len(prompt.ids)} tokens; with sampling.max_new_tokens={budget} "
+                    f"it does not fit the context of {limit} tokens ({said}): shorten it or lower sampling.max_new_tokens"
+                )
+
+
+def _engine_images(prompt: RenderedPrompt) -> PromptImages | None:
+    return PromptImages(prompt.image_inputs, prompt.pictures, prompt.template_ids) if prompt.pictures else None
+
+
+def groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
+    """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered."""
+    by_group: dict[int, list[int]] = {}
+    for i, rollout in enumerate(scored.rollouts):
+        by_group.setdefault(rollout.group_id, []).append(i)
+    keep = [g for g, members in sorted(by_group.items())
+            if max(scored.rewards[i] for i in members) - min(scored.rewards[i] for i in members) > 1e-6]  # fmt: skip
+    new_id = {g: k for k, g in enumerate(keep)}
+    picked = [i for i, r in enumerate(scored.rollouts) if r.group_id in new_id]
+    position = {i: k for k, i in enumerate(picked)}
+    return dataclasses.replace(
+        scored,
+        records=[scored.records[g] for g in keep],
+        rollouts=[dataclasses.replace(scored.rollouts[i], group_id=new_id[scored.rollouts[i].group_id]) for i in picked],
+        rewards=[scored.rewards[i] for i in picked],
+        reward_terms={name: [values[i] for i in picked] for name, values in scored.reward_terms.items()},
+        reward_errors=[{**e, "sample": position[e["sample"]]} for e in scored.reward_errors if e["sample"] in position],
+    )
+
+
+def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
+    """Two batches of the same step as one, the second's groups numbered after the first's."""
+    offset = len(first.records)
+    failures = Counter(first.tool_failures) + Counter(second.tool_failures)
+    return dataclasses.replace(
+        first,
+        records=first.records + second.records,
+        rollouts=first.rollouts + [dataclasses.replace(r, group_id=r.group_id + offset) for r in second.rollouts],
+        rewards=first.rewards + second.rewards,
+        reward_terms={name: first.reward_terms[name] + second.reward_terms[name] for name in first.reward_terms},
+        reward_errors=first.reward_errors + [{**e, "sample": e["sample"] + len(first.rollouts)} for e in second.reward_errors],
+        generation_seconds=first.generation_seconds + second.generation_seconds,
+        tool_failures=dict(failures),
+    )

@@ -1,0 +1,177 @@
+"""The rollout side on its own: `RolloutCollector` with a scripted engine (our `RolloutEngine` with fixed replies and
+log-probs), a list of prompts and real reward functions and tools; no model, no Trainer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+
+from lightning_rl.data.prompts import PromptRenderer, PromptSource
+from lightning_rl.data.sft import DataError
+from lightning_rl.rewards import RewardScorer, RewardSpec
+from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.collector import RolloutCollector, RolloutSettings
+
+LOGPROB = -0.25
+
+
+class ScriptedEngine(RolloutEngine):
+    """Replies to each prompt with the texts of `script(prompt_text)`, one per sample (the last one repeated), each
+    ended by the end token; a reply longer than ``max_new_tokens`` is cut there (finish reason ``length``)."""
+
+    def __init__(self, tokenizer: Any, script: Any) -> None:
+        super().__init__(seed=0)
+        self.tokenizer, self.script = tokenizer, script
+        self.requests: list[tuple[int, int, SamplingConfig]] = []  # (prompts, n, sampling) of every call
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
+        self.requests.append((len(prompts), n, sampling))
+        groups = []
+        for g, prompt in enumerate(prompts):
+            replies = self.script(self.tokenizer.decode(prompt))
+            group = []
+            for k in range(n):
+                ids = self.tokenizer.encode(replies[min(k, len(replies) - 1)], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+                cut = len(ids) > sampling.max_new_tokens
+                ids = ids[: sampling.max_new_tokens]
+                group.append(Rollout(list(prompt), ids, [LOGPROB] * len(ids), self.weight_version, g, finish_reason="length" if cut else "stop"))
+            groups.append(group)
+        return RolloutBatch(groups)
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        self._version = version
+
+    def close(self) -> None:
+        pass
+
+
+class PromptList:
+    """A `PromptSource` over lists of records: the step's, then one list per dynamic-sampling round."""
+
+    path = "prompts.jsonl"
+    image_folder = None
+
+    def __init__(self, records: list[dict[str, Any]], *rounds: list[dict[str, Any]]) -> None:
+        self.records, self.rounds = records, rounds
+
+    def prompt_batch(self, index: int) -> list[dict[str, Any]]:
+        return self.records
+
+    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
+        return self.rounds[round - 1][:count]
+
+    def location(self, record: dict[str, Any]) -> str:
+        return f"prompts.jsonl: line {self.records.index(record) + 1}"
+
+    def columns(self) -> set[str]:
+        return set.intersection(*(set(r) for r in self.records))
+
+
+def last_digit_unless_tied(completions: list[str], tied: list[bool], **_: Any) -> list[float]:
+    """The digit a reply ends with, or 0 for every reply of a prompt marked ``tied`` (a group without signal)."""
+    return [0.0 if t else float(c.strip()[-1]) for c, t in zip(completions, tied, strict=True)]
+
+
+def failed_calls(completions: list[str], tool_calls: list[list[dict]], **_: Any) -> list[float]:
+    return [float(sum(call["failure"] is not None for call in calls)) for calls in tool_calls]
+
+
+def collector(tokenizer: Any, script: Any, prompts: PromptList, reward: str, max_new_tokens: int = 16,
+              model_context: int | None = None, **settings: Any) -> RolloutCollector:
+    settings = RolloutSettings(**{"num_generations": 2, **settings})
+    scorer = RewardScorer([RewardSpec(f"test_rollout_collector:{reward}")])
+    renderer = PromptRenderer(tokenizer, tools=settings.tool_specs)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0)
+    return RolloutCollector(ScriptedEngine(tokenizer, script), prompts, renderer, scorer, sampling, settings, model_context)
+
+
+def numbered(prompt: str) -> list[str]:
+    return ["answer 1", "answer 2"]
+
+
+def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tokenizer):
+    a, b = {"prompt": "a?", "tied": True}, {"prompt": "b?", "tied": False}
+    c, d = {"prompt": "c?", "tied": True}, {"prompt": "d?", "tied": False}
+    prompts = PromptList([a, b], [c], [d])
+    assert isinstance(prompts, PromptSource)
+    rollouts = collector(tiny_tokenizer, numbered, prompts, "last_digit_unless_tied", dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    scored = rollouts.collect(4)
+    assert scored.records == [b, d]  # a and c tied; round 1 drew c, round 2 drew d
+    assert [r.group_id for r in scored.rollouts] == [0, 0, 1, 1]
+    assert scored.rewards == [1.0, 2.0, 1.0, 2.0]
+    assert (scored.sampling_rounds, scored.sampled_groups, scored.filtered_groups) == (3, 4, 2)
+    assert all(r.logprobs == [LOGPROB] * len(r.completion_ids) for r in scored.rollouts)
+    seeds = [sampling.seed for _, _, sampling in rollouts.engine.requests]
+    assert len(set(seeds)) == 3 and seeds[0] == rollouts.sampling_for(4, 0, 0).seed  # one seed per round
+    # Without dynamic sampling the tied group stays, and one request is made.
+    plain = collector(tiny_tokenizer, numbered, PromptList([a, b]), "last_digit_unless_tied")
+    scored = plain.collect(4)
+    assert scored.records == [a, b] and scored.rewards == [0.0, 0.0, 1.0, 2.0] and len(plain.engine.requests) == 1
+    # Rounds that never find signal: the first round's batch is trained (its advantages are all 0), counted as filtered.
+    none = collector(tiny_tokenizer, numbered, PromptList([a], [c]), "last_digit_unless_tied", dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    scored = none.collect(0)
+    assert scored.records == [a] and (scored.sampling_rounds, scored.sampled_groups, scored.filtered_groups) == (2, 2, 2)
+
+
+def test_completions_cut_at_max_new_tokens_and_prompts_that_leave_no_room(tiny_tokenizer):
+    records = [{"prompt": "a?", "tied": True}, {"prompt": "a much longer question, with many words in it?", "tied": True}]
+    long_replies = lambda prompt: ["the answer is 1", "2"]  # noqa: E731
+    scored = collector(tiny_tokenizer, long_replies, PromptList(records[:1]), "last_digit_unless_tied", max_new_tokens=3).collect(0)
+    assert [r.finish_reason for r in scored.rollouts] == ["length", "stop"]
+    assert [len(r.completion_ids) for r in scored.rollouts] == [3, 2]
+    short = len(tiny_tokenizer.apply_chat_template([{"role": "user", "content": records[0]["prompt"]}], add_generation_prompt=True, return_dict=False))
+    # The second prompt does not fit beside max_new_tokens: refused, naming its line and what set the limit.
+    with pytest.raises(DataError, match=r"^prompts.jsonl: line 2: the prompt is \d+ tokens; with sampling.max_new_tokens=3 it does not fit "
+                       rf"the context of {short + 3} tokens \(the model's max_position_embeddings\)"):
+        collector(tiny_tokenizer, long_replies, PromptList(records), "last_digit_unless_tied", max_new_tokens=3, model_context=short + 3).collect(0)
+    with pytest.raises(DataError, match=rf"context of {short + 3} tokens \(max_context_tokens\)"):
+        collector(tiny_tokenizer, long_replies, PromptList(records), "last_digit_unless_tied", max_new_tokens=3, max_context_tokens=short + 3,
+                  model_context=10_000).collect(0)
+
+
+def call(name: str, arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def failing_calls(prompt: str) -> list[str]:
+    if "<tool_response>" in prompt:
+        return ["done 1"]
+    if "divide 1 by 0" in prompt:
+        return [call("calculator", {"operation": "divide", "a": 1, "b": 0}), call("search", {"q": "x"})]
+    return [call("calculator", {"operation": "add", "a": "seven", "b": 1}), "<tool_call>{not json</tool_call>"]
+
+
+def test_tool_failures_are_answered_counted_and_reach_the_rewards(tiny_tokenizer):
+    prompts = PromptList([{"prompt": "divide 1 by 0"}, {"prompt": "add seven and 1"}])
+    rollouts = collector(tiny_tokenizer, failing_calls, prompts, "failed_calls", max_new_tokens=64,
+                         tools=("lightning_rl.tools.builtin:calculator",), max_turns=2)
+    try:
+        scored = rollouts.collect(0)
+    finally:
+        rollouts.close()
+    assert scored.tool_failures == {"raised": 1, "unknown_tool": 1, "invalid_arguments": 1, "malformed": 1}
+    assert scored.rewards == [1.0, 1.0, 1.0, 1.0]  # each history made one failed call, as its tool_calls column says
+    contents = [r.metadata["tool_calls"][0]["content"] for r in scored.rollouts]
+    assert "ZeroDivisionError" in contents[0] and "unknown tool 'search'" in contents[1] and "'seven'" in contents[2]
+    assert all(r.metadata["final_reply"] == "done 1" for r in scored.rollouts)  # the model answered each failure
+    # Tool responses are in the history but untrained, with log-prob 0; the sampled tokens keep the engine's.
+    first = scored.rollouts[0]
+    assert not all(first.completion_mask) and all(lp == (LOGPROB if m else 0.0) for lp, m in zip(first.logprobs, first.completion_mask))
+
+
+def test_a_history_that_would_outgrow_the_context_ends_with_its_reply(tiny_tokenizer):
+    prompts = PromptList([{"prompt": "search"}])
+    calls_again = lambda prompt: [call("search", {})]  # noqa: E731
+    prompt = len(tiny_tokenizer.apply_chat_template([{"role": "user", "content": "search"}], tools=RolloutSettings(
+        tools=("lightning_rl.tools.builtin:calculator",)).tool_specs, add_generation_prompt=True, return_dict=False))
+    limit = prompt + 24 + 1  # room for the first reply, not for a tool response and another reply
+    rollouts = collector(tiny_tokenizer, calls_again, prompts, "failed_calls", max_new_tokens=24,
+                         tools=("lightning_rl.tools.builtin:calculator",), max_turns=3, max_context_tokens=limit)
+    scored = rollouts.collect(0)
+    rollouts.close()
+    assert [r.metadata.get("ended") for r in scored.rollouts] == ["context_length", "context_length"]
+    assert all(len(r.sequence) <= limit for r in scored.rollouts)
+    assert scored.tool_failures == {"unknown_tool": 2} and scored.rewards == [1.0, 1.0]
