@@ -75,3 +75,19 @@ def test_grpo_prompts_with_a_broken_image_fail_at_setup_naming_the_file_and_line
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith(f"error: {data}: line 5: image cut.png cannot be read as an image"), lines[0]
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_grpo_prompt_the_chat_template_cannot_render_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}] * 3
+    rows.append({"prompt": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "", "tool_calls": "add"},
+                            {"role": "user", "content": "again"}], "answer": "2"})  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    code, lines, err = _errors([
+        "run", str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--output_dir={tmp_path / 'out'}", "--trainer.max_steps=1",
+        "--trainer.enable_progress_bar=false", f"--data.path={data}", "--data.batch_size=4", "--model.num_generations=2",
+        "--logger.kind=none",
+    ], capsys)  # fmt: skip
+    assert code == 2 and lines == [f"error: {data}: line 4: the chat template cannot render the row "
+                                   "(TypeError: Object of type Undefined is not JSON serializable)"], err[-3000:]  # fmt: skip
+    assert "Traceback" not in err

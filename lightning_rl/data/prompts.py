@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
+from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
@@ -229,7 +230,11 @@ class PromptRenderer:
         `DataError` naming the record's line."""
         messages = self.messages(record)
         if not any(isinstance(m.get("content"), list) for m in messages):
-            ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+            try:
+                with rendering_row():
+                    ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except ValueError as error:
+                raise DataError(f"{source.location(record)}: {error}") from None
             return RenderedPrompt(messages, list(ids))
         where = source.location(record)
         if self.processor is None:
@@ -239,7 +244,7 @@ class PromptRenderer:
             columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
             loaded = load_images(with_image_column({"prompt": messages, **columns}), source.image_folder)["prompt"]
             ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=self.tools)
+            template_ids = renderer.template_ids(loaded, add_generation_prompt=True, tools=self.tools)
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
-        template_ids = renderer.template_ids(loaded, add_generation_prompt=True, tools=self.tools)
         return RenderedPrompt(messages, ids, list(inputs), images_of(loaded), template_ids)
