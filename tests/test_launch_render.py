@@ -74,7 +74,7 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     for flag in ["--model org/model", "--dtype bfloat16", "--max-model-len 4096", "--tensor-parallel-size 8", "--port 8000"]:
         assert flag in server
     # GPU nodes: vLLM's own NCCL backend, which the trainer's engine on transport "auto" then follows.
-    assert '"backend": "nccl"' in server and "GlooWeightTransferWorker" not in server and "log_path" not in server
+    assert '"backend": "nccl"' in server and "WeightSyncWorker" in server and "log_path" not in server
     assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=16 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
@@ -107,7 +107,7 @@ def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dic
 def test_a_cpu_grpo_server_runs_the_gloo_backend_and_the_engine_is_checked_by_the_run_parser(tmp_path: Path) -> None:
     view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
     server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)
-    assert '"backend": "gloo"' in server and "GlooWeightTransferWorker" in server
+    assert '"backend": "gloo"' in server and "WeightSyncWorker" in server
     # The engine's options are typed by its signature: the launcher's parse (run's parser) refuses a bad transport.
     with pytest.raises(RecipeError, match="model.engine.transport must be one of auto, gloo, nccl, got mpi"):
         RecipeView.parse(view.path, ["--model.engine.init_args.transport=mpi"])

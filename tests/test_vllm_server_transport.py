@@ -68,16 +68,17 @@ COMMON = [
 ]  # fmt: skip
 
 
+EXTENSION = ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker"]
+
+
 def test_a_gloo_server_loads_our_backend_through_the_worker_extension():
-    assert server_command("gloo") == [
-        *COMMON, "--weight-transfer-config", '{"backend": "gloo"}',
-        "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
-    ]  # fmt: skip
+    assert server_command("gloo") == [*COMMON, "--weight-transfer-config", '{"backend": "gloo"}', *EXTENSION]
 
 
-def test_an_nccl_server_runs_vllms_own_backend_without_our_extension():
+def test_an_nccl_server_runs_vllms_own_backend_with_our_extension_for_verification():
+    # The extension's read-back of the held weights is what verifies a push over either transport.
     command = server_command("nccl")
-    assert command == [*COMMON, "--weight-transfer-config", '{"backend": "nccl"}']
+    assert command == [*COMMON, "--weight-transfer-config", '{"backend": "nccl"}', *EXTENSION]
     assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
 
 

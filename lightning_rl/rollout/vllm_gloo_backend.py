@@ -1,13 +1,14 @@
-"""The server side of the gloo weight transfer: a vLLM weight-transfer backend named "gloo".
+"""The server side of the weight sync: a vLLM weight-transfer backend named "gloo", and the read-back of what is held.
 
 vLLM's RL routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`) drive whichever backend `--weight-transfer-config` names; its built-in
 ones need CUDA. This one receives over `gloo_transport` and loads through vLLM's layerwise reload,
 the same lifecycle its NCCL backend uses. It is imported only inside a vLLM server process.
 
-Start the server with `--worker-extension-cls lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker`
-(as `VLLMServer` does): vLLM imports that class in each worker before the model loads, and importing
-this module is what registers the backend.
+Start the server with `--worker-extension-cls lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker`
+(as `VLLMServer` does, over either transport): vLLM imports that class in each worker before the model loads,
+importing this module is what registers the backend, and the class's method (`/collective_rpc`) reads the
+worker's weights back for the trainer's verification, whichever transport brought them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+from lightning_rl.rollout.vllm_held import held_digests, ties_of
 
 BACKEND = "gloo"
 
@@ -95,8 +97,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
 
-class GlooWeightTransferWorker:
-    """Named as vLLM's worker extension so that each server worker imports (and so registers) the backend."""
+class WeightSyncWorker:
+    """vLLM's worker extension: each server worker imports (and so registers) the backend, and gains this method."""
+
+    def lightning_rl_held_weights(self) -> dict[str, Any]:
+        """``{"tensors": {hf_name: [dtype, digest]}, "ties": {tied name: source}}`` of the weights this worker holds."""
+        layout = getattr(self, "_lightning_rl_layout", None)
+        if layout is None:
+            layout = self._lightning_rl_layout = CheckpointLayout(self.model_config.hf_config)
+        return {"tensors": held_digests(self.get_model(), layout), "ties": ties_of(layout)}
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import torch
 
+from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of
@@ -97,6 +98,11 @@ class VLLMServerEngine(RolloutEngine):
     server started here is started with the resolved backend; for a server at `url`, "auto" is the
     backend it runs (read from its `/server_info`). nccl needs `model`: its config maps the pushed
     names (`CheckpointLayout`), and a name it lacks is refused with `WeightNameError` before the push.
+
+    Args:
+        verify_weights: after each weight push, compare a digest of every tensor sent with one of the server's live
+            weights under the same name (read by its worker, `vllm_held`), and stop the run on a difference (naming
+            the tensor and version). The same check over either transport; needs a server of one worker.
     """
 
     @classmethod
@@ -122,6 +128,7 @@ class VLLMServerEngine(RolloutEngine):
         transfer_timeout: float = 300.0,
         max_concurrent_requests: int = 64,
         transport: Transport = "auto",
+        verify_weights: bool = True,
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
@@ -144,6 +151,8 @@ class VLLMServerEngine(RolloutEngine):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="vllm-weights")
         self._group: torch.distributed.ProcessGroupGloo | None = None
         self._nccl: NCCLSender | None = None
+        self.verify_weights = verify_weights
+        self._held_dtypes: dict[str, torch.dtype] | None = None  # as the server holds each, read at the first push
         super().__init__(seed)
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
@@ -202,11 +211,25 @@ class VLLMServerEngine(RolloutEngine):
         again. Over nccl, such a name is refused here, before the server pauses, and nothing is sent.
         """
         with self._lock:
+            if self.verify_weights and self._held_dtypes is None:  # before the push: mid-update the server has no weights
+                self._held_dtypes = {n: getattr(torch, dtype) for n, (dtype, _) in self._held()["tensors"].items()}
+            sent = SentDigests(named_tensors, self._held_dtypes.get) if self.verify_weights else None
             if self.transport == "nccl":
-                self._push_nccl(named_tensors, version)
+                self._push_nccl(sent or named_tensors, version)
             else:
-                self._push_gloo(named_tensors, version)
+                self._push_gloo(sent or named_tensors, version)
+            if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
+                held = self._held()
+                verify_held(sent, {name: digest for name, (_, digest) in held["tensors"].items()}, held["ties"], version)
             self._version = version
+
+    def _held(self) -> dict[str, Any]:
+        """The server worker's `held_weights`: ``{"tensors": {name: [dtype, digest]}, "ties": {tied: source}}``."""
+        workers = self._post("collective_rpc", {"method": "lightning_rl_held_weights"})["results"]
+        if len(workers) != 1:
+            raise VLLMServerError(f"verify_weights: the server splits the model over {len(workers)} workers; the check "
+                                  "reads whole tensors from one (tensor_parallel_size 1), or set verify_weights: false")
+        return workers[0]
 
     def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         group = self._group or self._open_group()

@@ -47,9 +47,9 @@ class VLLMServer:
     """A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes over `transport`.
 
     The process runs in its own process group and is stopped by its PID (`stop`, or leaving the
-    `with` block). `python` is the interpreter of an environment with vLLM installed; it may differ
-    from the trainer's. `transport` is the server's weight-transfer backend: "gloo" (`vllm_gloo_backend`,
-    so lightning-rl must be installed there too) or "nccl" (vLLM's built-in backend, GPUs only).
+    `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed (its
+    workers load `vllm_gloo_backend`); it may differ from the trainer's. `transport` is the server's
+    weight-transfer backend: "gloo" (`vllm_gloo_backend`) or "nccl" (vLLM's built-in backend, GPUs only).
     """
 
     def __init__(
@@ -81,14 +81,13 @@ class VLLMServer:
             "--model", str(model), "--host", host, "--port", str(self.port),
             "--dtype", dtype, "--seed", str(seed),
             "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", "-1",  # up to the whole vocabulary: how a sampling filter's support is read
             "--enable-scale-out",  # mounts the token-in/token-out /inference/v1/generate route
             "--weight-transfer-config", json.dumps({"backend": transport}),
         ]
-        if transport == "gloo":
-            # Importing this class in the server's workers registers the gloo backend there.
-            self.command += [
-                "--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.GlooWeightTransferWorker",
-            ]
+        # Importing this class in the server's workers registers the gloo backend there, and gives them the method
+        # that reads their weights back for verification (over either transport).
+        self.command += ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker"]
         if max_model_len is not None:
             self.command += ["--max-model-len", str(max_model_len)]
         if kv_cache_memory_bytes is not None:

@@ -9,7 +9,7 @@ from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, p
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
-from lightning_rl.models.weights import iter_full_weights
+from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 SAMPLING = SamplingConfig(max_new_tokens=10, seed=5)
@@ -37,6 +37,50 @@ def test_pushed_weights_reach_the_server_and_it_reports_their_version(server_eng
         assert all(r.weight_version == version for r in after.rollouts)
         assert max_logprob_error(trainer, after.rollouts) < LOGPROB_ATOL
     assert max_logprob_error(trainer, before.rollouts) > 1e-2
+
+
+def held_by(version: int, tiny_model_dir):
+    """The trainer weights the tests above leave the server holding at `version`."""
+    model = load_trainer_model(tiny_model_dir)
+    for seed in range(1, version + 1):
+        perturb_(model, seed=seed)
+    return model
+
+
+def test_every_push_is_verified_and_faults_are_caught(server_engine, tiny_model_dir, monkeypatch):
+    """The check runs in `push_weights` after either transport (gloo here; nccl shares it); faults are injected
+    between the trainer's digests and the server's weights, each caught by the digests the server's worker reads."""
+    version = server_engine.weight_version
+    trainer, push_gloo = held_by(version, tiny_model_dir), server_engine._push_gloo
+    changed = held_by(version, tiny_model_dir)
+    perturb_(changed, seed=99)
+
+    def rewrite_after_loading(stream, v):  # a second update rewrites one weight of the loaded model
+        push_gloo(stream, v)
+        push_gloo(iter([("model.norm.weight", changed.model.norm.weight.detach() + 1e-3)]), v)
+
+    faults = {
+        "previous": (lambda stream, v: [None for _ in stream], "the engine's 'model.embed_tokens.weight' differs"),
+        "rewritten": (rewrite_after_loading, "the engine's 'model.norm.weight' differs"),
+        "skipped": (lambda stream, v: push_gloo(((n, t) for n, t in stream if n != "model.layers.1.mlp.up_proj.weight"), v),
+                    "the engine's 'model.layers.1.mlp.up_proj.weight' differs"),
+    }
+    for seed, (fault, (push, named)) in enumerate(faults.items()):
+        perturb_(changed, seed=100 + seed)  # each push sends weights the server does not hold yet
+        monkeypatch.setattr(server_engine, "_push_gloo", push)
+        with pytest.raises(WeightMismatchError, match=rf"^weight sync to version {version + 1} failed verification: {named}"):
+            server_engine.push_weights(iter_full_weights(changed), version=version + 1)
+        assert server_engine.weight_version == version, fault
+    monkeypatch.undo()
+    state = [(name, t.detach()) for name, t in changed.state_dict().items()]  # names the tied lm_head as well
+    with pytest.raises(WeightMismatchError, match="'lm_head.weight' was sent besides 'model.embed_tokens.weight'"):
+        server_engine.push_weights(iter(state), version=version + 1)
+    without = [(n, t) for n, t in iter_full_weights(changed) if n != "model.embed_tokens.weight"]
+    with pytest.raises(WeightMismatchError, match="'model.embed_tokens.weight' was not sent"):
+        server_engine.push_weights(iter(without), version=version + 1)
+    server_engine.push_weights(iter_full_weights(trainer), version=version)  # verified: back to the tests' weights
+    batch = server_engine.generate(PROMPTS, n=1, sampling=SAMPLING)
+    assert max_logprob_error(trainer, batch.rollouts) < LOGPROB_ATOL
 
 
 def test_a_push_during_generation_waits_for_it(server_engine, tiny_model_dir):
