@@ -176,7 +176,7 @@ def test_a_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pa
     env = {**os.environ, "PROGRESS_FILE": str(progress), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     holder = subprocess.Popen(
         [sys.executable, "-m", "lightning_rl.cli", "run", *TINY_SFT, f"--output_dir={out}", f"--data.train_data={rows}",
-         "--trainer.max_steps=100000", "--checkpoint_every_n_steps=2", "--trainer.callbacks+=test_fault_injection.Progress"],
+         "--trainer.max_steps=100000", "--checkpoint_every_n_steps=2", "--trainer.callbacks+=support.signalled_runs.Progress"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     try:
