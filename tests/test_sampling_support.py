@@ -127,3 +127,19 @@ def test_sampling_settings_check_themselves():
         assert refused.value.key == key
     assert SamplingSettings(top_k=50, max_support=50).filtered and not SamplingSettings(temperature=0, top_p=0.5).filtered
 
+
+
+def test_a_multi_turn_history_keeps_each_turns_support_in_place():
+    from lightning_rl.rollout.base import Rollout, extend_support
+
+    first = torch.tensor([[4, 5], [6, -1]], dtype=torch.int32)
+    history = Rollout([1, 2], [4, 6], [-0.1, -0.2], 0, 0, support=first)
+    for ids, support in [([9, 9, 9], None), ([7], torch.tensor([[7, 8, 3]], dtype=torch.int32))]:  # a tool's output, a reply
+        extend_support(history, support, len(ids))
+        history.completion_ids += ids
+        history.logprobs += [0.0] * len(ids)
+    assert history.support.tolist() == [[4, 5, -1], [6, -1, -1], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1], [7, 8, 3]]
+    assert history.sequence_support.tolist()[:2] == [[-1, -1, -1]] * 2 and history.sequence_support.shape == (8, 3)
+    plain = Rollout([1], [4], [-0.1], 0, 0)
+    extend_support(plain, None, 2)
+    assert plain.support is None and plain.sequence_support is None

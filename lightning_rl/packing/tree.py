@@ -229,17 +229,25 @@ def pack_sequences(
 
 
 def _carried_support(token_supports: Sequence[Tensor | None] | None, picks: list[Tensor]) -> Tensor | None:
-    """[M, K] the trained tokens' supports, each padded with -1 to the widest; None where no sequence has one."""
-    if token_supports is None or all(s is None for s in token_supports):
+    """[M, K] the trained tokens' supports, in loss-term order."""
+    if token_supports is None:
         return None
-    width = max(s.shape[1] for s in token_supports if s is not None)
-    rows = []
-    for support, t in zip(token_supports, picks):
-        picked = torch.full((len(t), width), -1, dtype=torch.int32)
+    return concat_supports([(None if s is None else s[t], len(t)) for s, t in zip(token_supports, picks)])
+
+
+def concat_supports(runs: Sequence[tuple[Tensor | None, int]]) -> Tensor | None:
+    """Runs of tokens' supports ([length, K_i] int32 ids, -1 as padding, or None: no restriction), one after the
+    other as one [sum of lengths, max K_i] tensor padded with -1; None if no run has one."""
+    if all(support is None for support, _ in runs):
+        return None
+    width = max(support.shape[1] for support, _ in runs if support is not None)
+    joined = torch.full((sum(length for _, length in runs), width), -1, dtype=torch.int32)
+    start = 0
+    for support, length in runs:
         if support is not None:
-            picked[:, : support.shape[1]] = support[t]
-        rows.append(picked)
-    return torch.cat(rows)
+            joined[start : start + length, : support.shape[1]] = support
+        start += length
+    return joined
 
 
 def _rope_positions(per_sequence: Sequence[Tensor], paths: list[Tensor], seqs: list[list[int]], num_unique: int) -> Tensor:

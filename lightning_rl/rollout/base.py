@@ -22,6 +22,7 @@ import torch
 from lightning_rl import validation
 from lightning_rl.dotted import load_object
 from lightning_rl.errors import RecipeError
+from lightning_rl.packing.tree import concat_supports
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,7 @@ class Rollout:
     @property
     def sequence_support(self) -> torch.Tensor | None:
         """`support` aligned with `sequence` (rows of -1 on prompt tokens), or None without one."""
-        if self.support is None:
-            return None
-        return torch.cat([self.support.new_full((len(self.prompt_ids), self.support.shape[1]), -1), self.support])
+        return concat_supports([(None, len(self.prompt_ids)), (self.support, len(self.completion_ids))])
 
 
 def supports_of(kept: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
@@ -168,6 +167,12 @@ def supports_of(kept: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
     # A stable sort puts each row's kept ids first, in increasing order.
     ids = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width].to(torch.int32)
     return ids.masked_fill_(torch.arange(width, device=kept.device) >= counts[..., None], -1)
+
+
+def extend_support(rollout: Rollout, support: torch.Tensor | None, length: int) -> None:
+    """Give the ``length`` tokens about to be appended to ``rollout.completion_ids`` their ``support`` (None: tokens
+    not sampled through a filter, a tool's output)."""
+    rollout.support = concat_supports([(rollout.support, len(rollout.completion_ids)), (support, length)])
 
 
 def support_rows(rows: Sequence[Sequence[int]], sampling: SamplingSettings) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoConfig
 
 from lightning_rl.rollout.base import (
-    ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, suppressing_bias,
+    ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, support_rows,
+    support_too_wide, suppressing_bias,
 )
 from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
@@ -29,14 +30,49 @@ _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
 
 
-def sampling_params_of(sampling: SamplingConfig, n: int, seed: int) -> dict[str, Any]:
-    """vLLM `SamplingParams` fields for one request; `logprobs=0` returns the sampled token's log-prob."""
+def sampling_params_of(sampling: SamplingConfig, n: int, seed: int, vocab_size: int) -> dict[str, Any]:
+    """vLLM `SamplingParams` fields for one request; `logprobs` asks for the sampled token's log-prob, and with a
+    filter on for enough top log-probs to read its support off (`support_request`)."""
     return {
         "n": n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
         "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
         "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": list(sampling.stop_token_ids),
-        "seed": seed, "logprobs": 0, "logit_bias": suppressing_bias(sampling),
+        "seed": seed, "logprobs": support_request(sampling, vocab_size), "logit_bias": suppressing_bias(sampling),
     }
+
+
+# vLLM's processed log-probs are -inf outside the support; its HTTP server writes -inf as -9999.0.
+_REMOVED = -9999.0
+
+
+def support_request(sampling: SamplingConfig, vocab_size: int) -> int:
+    """Top log-probs to ask per sampled token: 0 (the sampled token's alone) without a filter; with one, one more
+    than the widest support allowed (top_k's, else max_support's), or the whole vocabulary if smaller.
+
+    vLLM's CPU build does not honour ``return_sampling_mask`` (it needs the V2 model runner, which needs Triton's GPU
+    backends), so the support is read off the processed log-probs instead: they are those of the filtered
+    distribution the token was drawn from, -inf outside it, and vLLM returns the top ones in order. Fewer finite
+    entries than asked (or the whole vocabulary asked) is then the whole support, exactly; as many is a support too
+    wide to have been read, refused by `support_of`."""
+    if not sampling.filtered:
+        return 0
+    widest = min(sampling.top_k, sampling.max_support) if sampling.top_k else sampling.max_support
+    return min(widest + 1, vocab_size)
+
+
+def support_of(steps: Sequence[Iterable[tuple[int, float]]], sampling: SamplingConfig, vocab_size: int) -> torch.Tensor | None:
+    """A completion's support ([tokens, K] ids, -1 padding) from each token's (token id, processed log-prob) top
+    entries, or None without a filter."""
+    asked = support_request(sampling, vocab_size)
+    if not asked:
+        return None
+    rows = []
+    for step in steps:
+        kept = [token for token, logprob in step if logprob > _REMOVED]
+        if len(kept) >= asked and asked < vocab_size:
+            raise support_too_wide(sampling, f"kept at least {asked} tokens, more than the engine asked vLLM to report")
+        rows.append(kept)
+    return support_rows(rows, sampling)
 
 
 def vllm_prompt(prompt: Sequence[int], images: PromptImages | None) -> dict[str, Any]:
@@ -51,7 +87,8 @@ class VLLMEngine(RolloutEngine):
     """`RolloutEngine` on a colocated vLLM engine.
 
     Log-probs are vLLM's `processed_logprobs`: those of the temperature-scaled distribution the token
-    was drawn from (with top-k/top-p filtering, of the filtered, renormalised one). `generate` and
+    was drawn from (with top-k, top-p or min-p filtering, of the filtered, renormalised one, whose support
+    is read off the top log-probs: `support_request`). `generate` and
     `push_weights` exclude each other, so a generation always finishes on the weights it started with.
     On a CPU, `kv_cache_memory_bytes` sizes the KV cache in host memory.
 
@@ -91,7 +128,8 @@ class VLLMEngine(RolloutEngine):
                 model=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enforce_eager=enforce_eager, distributed_executor_backend="uni",
-                logprobs_mode="processed_logprobs", **dict(engine_kwargs or {}),
+                logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
+                **dict(engine_kwargs or {}),
             )
         finally:
             if previous is None:
@@ -103,6 +141,7 @@ class VLLMEngine(RolloutEngine):
         # The dtype each tensor is held in (the trainer's are digested cast to it); a model whose weights cannot be
         # read back is refused here, before a run starts.
         self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
+        self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         super().__init__(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
@@ -114,7 +153,7 @@ class VLLMEngine(RolloutEngine):
             seed = self._seeds.next(sampling)
             version = self._version
             # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
-            params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n), detokenize=False)
+            params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n, self._vocab_size), detokenize=False)
                       for g in range(len(prompts))]
             outputs = self._llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False)
         groups = []
@@ -126,6 +165,7 @@ class VLLMEngine(RolloutEngine):
                     prompt_ids=list(prompt),
                     completion_ids=list(completion.token_ids),
                     logprobs=[step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)],
+                    support=support_of([[(t, e.logprob) for t, e in step.items()] for step in completion.logprobs], sampling, self._vocab_size),
                     weight_version=version,
                     group_id=g,
                     finish_reason=completion.finish_reason or "length",

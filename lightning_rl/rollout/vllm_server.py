@@ -32,7 +32,7 @@ import torch
 from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
-from lightning_rl.rollout.vllm_engine import sampling_params_of
+from lightning_rl.rollout.vllm_engine import sampling_params_of, support_of
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
 
 if TYPE_CHECKING:
@@ -151,6 +151,7 @@ class VLLMServerEngine(RolloutEngine):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="vllm-weights")
         self._group: torch.distributed.ProcessGroupGloo | None = None
         self._nccl: NCCLSender | None = None
+        self._vocab: int | None = None
         self.verify_weights = verify_weights
         self._held_dtypes: dict[str, torch.dtype] | None = None  # as the server holds each, read at the first push
         super().__init__(seed)
@@ -172,9 +173,10 @@ class VLLMServerEngine(RolloutEngine):
         own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)
+        vocab_size = self._vocab_size() if sampling.filtered else 0  # bounds the top log-probs a support asks for
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
-            {**_request_prompt(prompt, own[g]), "sampling_params": sampling_params_of(sampling, n, seed + g * n),
+            {**_request_prompt(prompt, own[g]), "sampling_params": sampling_params_of(sampling, n, seed + g * n, vocab_size),
              "output_mode": "tokens"}
             for g, prompt in enumerate(prompts)
         ]
@@ -183,11 +185,25 @@ class VLLMServerEngine(RolloutEngine):
         for g, (prompt, response) in enumerate(zip(prompts, responses)):
             if own[g]:
                 check_expanded(type(self).__name__, g, response.get("prompt_token_ids") or (), prompt)
-        return RolloutBatch([self._group_of(g, list(prompt), response) for g, (prompt, response) in enumerate(zip(prompts, responses))])
+        return RolloutBatch([self._group_of(g, list(prompt), response, sampling, vocab_size)
+                             for g, (prompt, response) in enumerate(zip(prompts, responses))])
 
-    def _group_of(self, group_id: int, prompt: list[int], response: dict[str, Any]) -> list[Rollout]:
+    def _vocab_size(self) -> int:
+        """The model's vocabulary size (its config's: this engine's model, else the one the server loaded)."""
+        if self._vocab is None:
+            from transformers import AutoConfig
+
+            source = self.model
+            if source is None:
+                info = request_json(f"{self.url}/server_info?config_format=json", None, self.request_timeout, "GET")
+                source = info["vllm_config"]["model_config"]["model"]
+            self._vocab = int(AutoConfig.from_pretrained(source).get_text_config().vocab_size)
+        return self._vocab
+
+    def _group_of(self, group_id: int, prompt: list[int], response: dict[str, Any], sampling: SamplingConfig, vocab_size: int) -> list[Rollout]:
         rollouts = []
         for choice in sorted(response["choices"], key=lambda c: c["index"]):
+            content = (choice.get("logprobs") or {}).get("content") or []
             # Spans carry the version committed by `push_weights`; before the first push the server has none.
             spans = [span for span in choice.get("weight_versions") or [] if str(span.get("version")).isdigit()]
             # The oldest weights that produced any token of the completion bound its staleness.
@@ -195,7 +211,9 @@ class VLLMServerEngine(RolloutEngine):
             rollouts.append(Rollout(
                 prompt_ids=prompt,
                 completion_ids=list(choice["token_ids"]),
-                logprobs=[entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content") or []],
+                logprobs=[entry["logprob"] for entry in content],
+                support=support_of([[(top["token_id"], top["logprob"]) for top in entry.get("top_logprobs") or ()] for entry in content],
+                                   sampling, vocab_size),
                 weight_version=version,
                 group_id=group_id,
                 finish_reason=choice.get("finish_reason") or "length",

@@ -106,7 +106,7 @@ def test_min_p_and_repetition_penalty_reach_vllm(engine):
 
     from lightning_rl.rollout.vllm_engine import sampling_params_of
 
-    params = SamplingParams(**sampling_params_of(SamplingConfig(min_p=0.2, repetition_penalty=1.3), n=2, seed=1))
+    params = SamplingParams(**sampling_params_of(SamplingConfig(min_p=0.2, repetition_penalty=1.3), n=2, seed=1, vocab_size=351))
     assert params.min_p == 0.2 and params.repetition_penalty == 1.3
     # min_p at 0.999 keeps only the likeliest token: sampling then gives the greedy completion.
     greedy = engine.generate(PROMPTS[:1], n=1, sampling=SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
@@ -188,3 +188,19 @@ def test_tied_weights_not_sent_and_a_stale_lora_merge_are_caught(engine, synced,
     monkeypatch.setattr(engine, "_reload", lambda weights: stale_merge(name, merged)(engine, weights))
     with pytest.raises(WeightMismatchError, match=rf"version {version + 1} failed verification: the engine's '{name}' differs"):
         engine.push_weights(iter_full_weights(adapted), version=version + 1)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_first_pass_ratio_is_one_under_every_sampling_filter(engine, synced, temperature):
+    """Weights just synced: over each token's support the trainer agrees with the engine in every cell of the grid."""
+    from support.sampling_grid import check_first_pass
+
+    check_first_pass(engine, synced[0], temperature)
+
+
+def test_a_support_wider_than_the_cap_is_refused_naming_the_key(engine):
+    from lightning_rl.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"^sampling.max_support=16: a sampled token's filters kept at least 17 tokens") as refused:
+        engine.generate(PROMPTS[:1], 2, SamplingConfig(max_new_tokens=4, top_p=0.9, max_support=16, seed=0))
+    assert refused.value.key == "sampling.max_support"
