@@ -111,6 +111,9 @@ def test_leftovers_of_a_kill_are_removed_or_finished_never_kept(tmp_path):
     single(checkpoints / "step=4.ckpt", 4)
     # Killed while writing: a partial staging file beside a complete final one.
     (checkpoints / "last.ckpt.staging").write_bytes(b"PK\x03\x04 partial")
+    # Killed after the last byte, before the rename: removed by its name all the same, never opened (step=4 stands).
+    single(checkpoints / "step=8.ckpt", 8)
+    os.replace(checkpoints / "step=8.ckpt", staging_path(checkpoints / "step=8.ckpt"))
     # Killed between the two renames of a folder: the old one moved aside, the complete new one not yet in place.
     sharded(tmp_path / "hpc_ckpt_6.ckpt", 6)
     os.replace(tmp_path / "hpc_ckpt_6.ckpt", staging_path(tmp_path / "hpc_ckpt_6.ckpt"))
@@ -118,6 +121,7 @@ def test_leftovers_of_a_kill_are_removed_or_finished_never_kept(tmp_path):
     done = clean_staging(tmp_path)
     assert done == [
         "removed checkpoints/last.ckpt.staging, left by a killed write",
+        "removed checkpoints/step=8.ckpt.staging, left by a killed write",
         "renamed the complete hpc_ckpt_6.ckpt.staging into place",
         "removed hpc_ckpt_5.ckpt.trash, left by a killed write",
     ]
@@ -134,6 +138,9 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
     broken = tmp_path / "checkpoints" / "last.ckpt"
     broken.parent.mkdir()
     broken.write_bytes(b"")
+    # The folder's only checkpoint is broken: resuming it must not train again from step 0 over the run.
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path: last: no complete checkpoint in .*train over it; passed over checkpoints/last.ckpt: incomplete, unreadable"):
+        cli.resume_path(tmp_path, "last")
     with pytest.raises(ForeignCheckpointError, match=r"ckpt_path: .*last.ckpt is incomplete \(unreadable"):
         cli.resume_path(tmp_path, str(broken))
     with pytest.raises(cli.RecipeError, match="ckpt_path: no such checkpoint"):

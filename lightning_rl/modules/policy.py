@@ -100,13 +100,13 @@ class PolicyModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         path = self.trainer.ckpt_path
         self.check_writer(checkpoint, path)
+        check_weights_fit(checkpoint, self, path)
         step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
-        if max_steps >= 0 and step >= max_steps:
+        if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
                 "train; raise trainer.max_steps to train on from it"
             )
-        check_weights_fit(checkpoint, self, path)
 
     def check_writer(self, checkpoint: dict[str, Any], path: Any) -> None:
         """Refuse a checkpoint another kind of run wrote: another task, model kind, LoRA layout or optimizer layout.

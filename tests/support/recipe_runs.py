@@ -1,7 +1,7 @@
 """`lightning-rl run` of the tiny Muse Spark LoRA recipe on two FSDP2 processes, as the tests start it.
 
-Also: its exported weights, the same run stopped by SIGTERM and resumed beside an uninterrupted one, and a run with
-the sharded loader's check (support/sharded_load_check.py)."""
+Also: its exported weights, the same run stopped by SIGTERM and resumed beside an uninterrupted one (its checkpoints
+read by the safe readers), and a run with the sharded loader's check (support/sharded_load_check.py)."""
 
 import json
 import os
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from lightning_rl.checkpoints import checkpoint_step
 from lightning_rl.rollout.vllm_server_process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +51,9 @@ def stopped_and_resumed(base: Path, root: Path, stop_after: int, *extra: str) ->
     resumed = run_tiny_muse(base, killed_dir, *extra, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    # Every checkpoint the runs wrote (sharded ones too) passes the safe readers: no pickle beyond weights_only.
+    written = sorted(killed_dir.rglob("*.ckpt"))
+    assert written and all(checkpoint_step(path) >= 0 for path in written)
     return reference, killed_dir
 
 
