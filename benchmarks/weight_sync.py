@@ -8,6 +8,10 @@ Memory is measured two ways: the peak of gathered tensors alive at once (tracked
 as the stream hands them out), and the growth of the process's peak RSS during the syncs. The 1.7B
 figures are arithmetic from the Qwen3-1.7B shapes (built on the meta device, nothing downloaded) and the
 bandwidths stated in the output; they are an estimate, not a measurement.
+
+The verification every push runs by default (a digest of each tensor sent and of each the engine holds) is
+timed beside it: the same syncs with ``verify_weights`` off, and the digest's own rate on this CPU over 256 MiB
+of bf16, from which its cost for Qwen3-1.7B follows (both sides digest every byte once).
 """
 
 from __future__ import annotations
@@ -95,10 +99,14 @@ def measure(repeats: int, out: Path) -> None:
     target = MeasuredTarget(folder) if rank == 0 else None
     sync_weights(module, target, version=0)  # warm-up: builds the sync process group once
     rss_before = peak_rss_bytes()
-    seconds, report = [], None
+    seconds, unverified, report = [], [], None
     for version in range(1, repeats + 1):
         report = sync_weights(module, target, version=version)
         seconds.append(report.seconds)
+    if target is not None:
+        target.engine.verify_weights = False
+    for version in range(repeats + 1, 2 * repeats + 1):
+        unverified.append(sync_weights(module, target, version=version).seconds)
     if rank == 0:
         model_bytes = sum(t.numel() * t.element_size() for t in target.model.state_dict().values())
         result = {
@@ -114,15 +122,35 @@ def measure(repeats: int, out: Path) -> None:
             "largest_tensor_bytes": report.largest_tensor_bytes,
             "peak_live_gathered_bytes": target.live.peak,
             "peak_rss_growth_bytes": peak_rss_bytes() - rss_before,
+            "unverified_sync_seconds_median": statistics.median(unverified),
+            "verification_seconds_median": statistics.median(seconds) - statistics.median(unverified),
+            "digest_bytes_per_second": digest_rate(),
             "estimate_1_7b": estimate_1_7b(
                 report.num_tensors, statistics.median(seconds), report.num_bytes,
                 held_per_largest=target.live.peak / report.largest_tensor_bytes,
             ),
         }
+        result["estimate_1_7b"]["verification_cpu_seconds"] = (
+            2 * result["estimate_1_7b"]["bytes_bf16"] / result["digest_bytes_per_second"]
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(render(result))
     torch.distributed.destroy_process_group()
+
+
+def digest_rate() -> float:
+    """Bytes per second `tensor_digest` reads on this CPU: 256 MiB of bf16 in 1.7B-sized pieces (the 2048 x 6144 MLP)."""
+    import time
+
+    from lightning_rl.models.weights import tensor_digest
+
+    tensors = [torch.randn(2048, 6144).to(torch.bfloat16) for _ in range(10)]
+    tensor_digest(tensors[0])  # the first call builds the position weights
+    start = time.perf_counter()
+    for tensor in tensors:
+        tensor_digest(tensor)
+    return sum(t.numel() * t.element_size() for t in tensors) / (time.perf_counter() - start)
 
 
 def qwen3_1_7b_tensors() -> list[tuple[str, int]]:
@@ -177,6 +205,9 @@ def render(result: dict) -> str:
         f" ({result['largest_tensor_bytes'] * mib:.3f} MiB; whole model"
         f" {result['model_state_bytes'] * mib:.2f} MiB)",
         f"  peak RSS       +{result['peak_rss_growth_bytes'] * mib:.2f} MiB during the syncs",
+        f"  verification   {result['verification_seconds_median'] * 1e3:.1f} ms of it (unverified:"
+        f" {result['unverified_sync_seconds_median'] * 1e3:.1f} ms); the digest reads"
+        f" {result['digest_bytes_per_second'] / 1e6:.0f} MB/s on one CPU thread",
         "Qwen3-1.7B, on paper (bf16):",
         f"  {estimate['tensors']} tensors, {estimate['parameters'] / 1e9:.2f}B parameters,"
         f" {estimate['bytes_bf16'] / 1e9:.2f} GB",
@@ -184,6 +215,7 @@ def render(result: dict) -> str:
         f" largest tensor, {estimate['largest_tensor']}: {estimate['largest_tensor_bytes_bf16'] / 1e6:.0f} MB),"
         f" not {estimate['bytes_bf16'] / 1e9:.2f} GB",
         f"  GPU time  ~{estimate['gpu_seconds_estimate']:.3f} s ({estimate['gpu_assumptions']})",
+        f"  verification on this CPU: {estimate['verification_cpu_seconds']:.1f} s (every byte digested on both sides)",
         f"  this CPU over gloo: at least {estimate['cpu_gloo_seconds_lower_bound']:.2f} s of per-tensor cost"
         f" plus bytes ({estimate['cpu_gloo_note']})",
     ])
