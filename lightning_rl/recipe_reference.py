@@ -17,7 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from lightning_rl.dotted import load_object
 from lightning_rl.recipe import TASKS, LoggerSettings, _cli, task_classes
+from lightning_rl.rollout.base import SHORT_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "recipe_reference.md"
@@ -84,6 +86,19 @@ def _rows(task: str) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _engine_rows() -> list[tuple[str, str, str, str]]:
+    """The shipped engines' options that their class docstrings document (``Args:``), typed by their signatures."""
+    rows = []
+    for short, path in SHORT_NAMES.items():
+        cls = load_object(path, "rollout engine")
+        docs = _docstring_args(cls)
+        for name, parameter in inspect.signature(cls).parameters.items():
+            if name in docs:
+                default = str(parameter.default).lower() if isinstance(parameter.default, bool) else str(parameter.default)
+                rows.append((f"{short}: {name}", _type_name(parameter.annotation), default, docs[name]))
+    return rows
+
+
 def render() -> str:
     lines = [
         "# Recipe reference",
@@ -96,6 +111,9 @@ def render() -> str:
         lines += [f"## task: {task}", "", "| key | type | default | what |", "|---|---|---|---|"]
         lines += [f"| `{key}` | `{kind}` | `{default}` | {text} |" for key, kind, default, text in _rows(task)]
         lines.append("")
+    lines += ["## engine options (`model.engine.init_args`)", "", "| engine: key | type | default | what |", "|---|---|---|---|"]
+    lines += [f"| `{key}` | `{kind}` | `{default}` | {text} |" for key, kind, default, text in _engine_rows()]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ ALLOWED = {
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "validation"},
     "env_report": {"strategies"},
-    "recipe_reference": {"recipe"},
+    "recipe_reference": {"recipe", "dotted", "rollout"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",
             "run_folder"},
 }
