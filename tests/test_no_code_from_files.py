@@ -226,6 +226,10 @@ def _true(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
 
 
+def _false_or_absent(node: ast.AST | None) -> bool:
+    return node is None or (isinstance(node, ast.Constant) and node.value is False)
+
+
 def unsafe_loads(source: str, file: str) -> list[str]:
     """Every place in ``source`` that could run code from a file, as ``file:line: what``."""
     found = []
@@ -242,11 +246,11 @@ def unsafe_loads(source: str, file: str) -> list[str]:
             found.append((node.lineno, name))
         elif name.endswith("torch.load") and not _true(_keyword(node, "weights_only")):
             found.append((node.lineno, "torch.load without weights_only=True"))
-        elif name.endswith(("np.load", "numpy.load")) and not (_keyword(node, "allow_pickle") is None or isinstance(_keyword(node, "allow_pickle"), ast.Constant) and _keyword(node, "allow_pickle").value is False):
+        elif name.endswith(("np.load", "numpy.load")) and not _false_or_absent(_keyword(node, "allow_pickle")):
             found.append((node.lineno, "numpy.load with allow_pickle"))
         elif name.endswith(".fit") and _keyword(node, "ckpt_path") is not None and not _true(_keyword(node, "weights_only")):
             found.append((node.lineno, "fit(ckpt_path=...) without weights_only=True"))
-        if _keyword(node, "trust_remote_code") is not None and not (isinstance(_keyword(node, "trust_remote_code"), ast.Constant) and _keyword(node, "trust_remote_code").value is False):
+        if not _false_or_absent(_keyword(node, "trust_remote_code")):
             found.append((node.lineno, "trust_remote_code"))
     return [f"{file}:{line}: {what}" for line, what in sorted(found) if (file, what) not in ALLOWED]
 

@@ -93,8 +93,8 @@ def little_room(folder: Path, room: int) -> Iterator[str]:
     allowed, files in this process limited to ``room`` bytes instead (RLIMIT_FSIZE with SIGXFSZ ignored: EFBIG).
     Yields the error the write will meet."""
     folder.mkdir(parents=True)
-    mounted = shutil.which("mount") and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(folder)], capture_output=True).returncode == 0
-    if mounted:
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(folder)]
+    if shutil.which("mount") and subprocess.run(mount, capture_output=True).returncode == 0:
         try:
             yield "No space left on device"
         finally:
