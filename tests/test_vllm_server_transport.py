@@ -64,6 +64,7 @@ COMMON = [
     "--model", "some/model", "--host", "127.0.0.1", "--port", "8123",
     "--dtype", "auto", "--seed", "3",
     "--logprobs-mode", "processed_logprobs",
+    "--max-logprobs", "-1",
     "--enable-scale-out",
 ]  # fmt: skip
 
