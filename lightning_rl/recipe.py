@@ -84,8 +84,8 @@ def read_task(recipe: Path, overrides: list[str]) -> str:
         raise RecipeError(f"{recipe}: no such recipe file")
     try:
         text = recipe.read_text()
-        _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
         config = yaml.safe_load(text)
+        _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
     for arg in overrides:
