@@ -606,6 +606,7 @@ class GRPOModule(PolicyModule):
         return self.export_policy(self.processor or self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume
         checkpoint["grpo"] = {
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
             "reward_history": list(self.reward_history),
