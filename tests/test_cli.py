@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from support.paths import REPO
+from support.run_outputs import not_known_as_the_runs
 from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import StagedCheckpointIO
 from lightning_rl.recipe import parse
@@ -104,6 +105,7 @@ def test_a_list_on_the_command_line_replaces_the_recipes_list(tmp_path, capsys):
     expected = [{"function": "format", "weight": 1.0, "kwargs": {}, "name": None}, {"function": "math_answer", "weight": 2.0, "kwargs": {}, "name": None}]
     assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["rewards"] == expected
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["rewards"] == expected  # what the run scored with
+    assert not_known_as_the_runs(out) == []  # a GRPO run's files are all known to --overwrite too
     # Appending (`+=`) still keeps the recipe's entries, and a list of plain values is replaced as before.
     config = parse(str(REPO / "recipes" / "tiny" / "grpo.yaml"), ['--model.rewards+={"function": "format"}', "--model.tools=[lightning_rl.tools.builtin:calculator]"])
     assert [r.get("weight") for r in config["model"]["rewards"]] == [1.0, 0.5, 1.0] and config["model"]["tools"] == ["lightning_rl.tools.builtin:calculator"]
@@ -156,6 +158,7 @@ def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"upload later with `wandb sync {out}/wandb/offline-run-*`" in done.stderr
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert not_known_as_the_runs(out) == []  # --overwrite would take every file the run and W&B wrote
 
 
 def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_checkpoint(tmp_path):

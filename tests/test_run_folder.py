@@ -22,6 +22,7 @@ from lightning.pytorch import Callback
 from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import newest_complete
 from support.paths import REPO, TOY_TRAIN
+from support.run_outputs import not_known_as_the_runs
 
 TINY_SFT = [
     str(REPO / "recipes" / "tiny" / "sft.yaml"), "--data.val_data=null", "--data.max_tokens=256",
@@ -88,6 +89,7 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     out = tmp_path / "run"
     code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=3", "--checkpoint_every_n_steps=1")
     assert code == 0 and errors == []
+    assert not_known_as_the_runs(out) == []  # --overwrite would take every file the run wrote
     earlier = files(out)
     # A user's files beside the run and inside its folders: not the run's, so --overwrite leaves them.
     mine = {out / "notes.txt": b"mine", out / "checkpoints" / "notes.txt": b"which step was best",
