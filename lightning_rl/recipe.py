@@ -194,6 +194,7 @@ def _lists_replaced(parser: LightningArgumentParser, args: list[str]) -> list[st
         key, equals, value = arg.partition("=")
         if not equals and i + 1 < len(args):
             value = args[i + 1]  # `--key VALUE`
+        # jsonargparse's table of flags, and an action's type: the one place that says a key holds a list
         action = parser._option_string_actions.get(key) if key.startswith("--") else None
         if value.lstrip().startswith("[") and _holds_a_list(getattr(action, "_typehint", None)):
             replaced.append(f"{key}=[]")
