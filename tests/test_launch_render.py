@@ -104,6 +104,12 @@ def test_layout_errors_name_the_key_and_the_numbers(tmp_path: Path, trainer: dic
     assert str(tmp_path / "recipe.yaml") in str(err.value)
 
 
+def test_overwrite_is_refused_when_the_script_is_rendered(tmp_path: Path) -> None:
+    """The job resumes on every start, and `run` refuses --overwrite with --ckpt_path: said before the queue wait."""
+    with pytest.raises(LaunchError, match="--overwrite: a launched job resumes its run on every start"):
+        render(recipe(tmp_path, {}), 2, 8, 0, run_overrides=("--overwrite",))
+
+
 def test_a_cpu_grpo_server_runs_the_gloo_backend_and_the_engine_is_checked_by_the_run_parser(tmp_path: Path) -> None:
     view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
     server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)

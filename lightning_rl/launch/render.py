@@ -50,6 +50,11 @@ def _template(name: str) -> str:
 
 
 def _check_options(options: SlurmOptions) -> None:
+    if any(arg == "--overwrite" or arg.startswith("--overwrite=") for arg in options.run_overrides):
+        # Every start of the job, requeues included, runs one command, and it must resume (--ckpt_path=last): a
+        # command that also replaced the run would be refused by `run` inside the job, after the queue wait.
+        raise LaunchError("--overwrite: a launched job resumes its run on every start (--ckpt_path=last), so it cannot "
+                          "also replace one; remove the earlier run's output_dir or choose another output_dir")
     if not options.partition:
         raise LaunchError("no partition given: pass --partition NAME (`sinfo -s` lists the partitions)")
     if not _SLURM_TIME.match(options.time):
