@@ -6,6 +6,9 @@ travelling through tree packing with the token it was drawn for.
 
 from __future__ import annotations
 
+import dataclasses
+
+import lightning as L
 import pytest
 import torch
 
@@ -128,6 +131,35 @@ def test_sampling_settings_check_themselves():
     assert SamplingSettings(top_k=50, max_support=50).filtered and not SamplingSettings(temperature=0, top_p=0.5).filtered
 
 
+# -- the transformers engine against the trainer, over the whole grid of filters ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_and_trainer(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.rollout.hf import HFRolloutEngine
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    return HFRolloutEngine(str(tiny_path)), trainer
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_transformers_engine_first_pass_ratio_is_one_under_every_filter(engine_and_trainer, temperature):
+    from support.sampling_grid import check_first_pass
+
+    check_first_pass(*engine_and_trainer, temperature)
+
+
+def test_a_support_wider_than_the_cap_is_refused_naming_the_key(engine_and_trainer):
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.rollout.base import SamplingConfig
+
+    engine, _ = engine_and_trainer
+    with pytest.raises(RecipeError, match=r"^sampling.max_support=16: a sampled token's filters kept \d+ tokens") as refused:
+        engine.generate([[5, 6, 7]], 2, SamplingConfig(max_new_tokens=4, top_p=0.9, max_support=16, seed=0))
+    assert refused.value.key == "sampling.max_support"
+
 
 def test_a_multi_turn_history_keeps_each_turns_support_in_place():
     from lightning_rl.rollout.base import Rollout, extend_support
@@ -143,3 +175,47 @@ def test_a_multi_turn_history_keeps_each_turns_support_in_place():
     plain = Rollout([1], [4], [-0.1], 0, 0)
     extend_support(plain, None, 2)
     assert plain.support is None and plain.sequence_support is None
+
+
+# -- GRPO: the support travels from the engine through packing into the loss's log-probs -----------------------------
+
+
+class FirstPassAgreement(L.Callback):
+    """At the first step, before its optimizer step (weights just synced, one pass): the trainer's log-probs of the
+    step's rollouts, packed as the step packs them, against the engine's, with their supports and without."""
+
+    def __init__(self) -> None:
+        self.after = self.before = None
+
+    @torch.no_grad()
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if self.after is not None:
+            return
+        from support.benchmarks import load_benchmark
+
+        agreement = load_benchmark("sampling_filters").Agreement
+        rollouts = module.current_batch.rollouts
+        packed = module.pack_rollouts(rollouts, torch.zeros(len(rollouts)))
+        engine = packed.token_values["engine_logprobs"]
+        self.after = agreement.of(module.policy_logprobs(module.policy, packed)[0], engine)
+        self.before = agreement.of(module.policy_logprobs(module.policy, dataclasses.replace(packed, token_support=None))[0], engine)
+
+
+def test_grpo_with_top_p_scores_what_was_sampled():
+    from support.grpo import fit
+
+    agreement = FirstPassAgreement()
+    fit(1, [agreement], sampling={"max_new_tokens": 6, "top_p": 0.9})
+    assert abs(agreement.after.ratio_mean - 1) < 1e-3 and agreement.after.kl < 1e-4, agreement.after
+    assert agreement.before.ratio_mean < 0.95, agreement.before  # the full softmax: off by the kept mass (about 0.9)
+
+
+def test_a_repetition_penalty_with_a_correction_is_refused_naming_the_key():
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.modules.grpo import GRPOModule
+
+    for options, named in [({"loss": {"importance_sampling_cap": 2.0}}, "loss.importance_sampling_cap"), ({"old_logprobs": "engine"}, "old_logprobs")]:
+        with pytest.raises(RecipeError, match=rf"^sampling.repetition_penalty=1.2 with {named}: ") as refused:
+            GRPOModule(model_name_or_path="tiny", num_generations=2, sampling={"repetition_penalty": 1.2}, **options)
+        assert refused.value.key == "sampling.repetition_penalty"
+    GRPOModule(model_name_or_path="tiny", num_generations=2, sampling={"repetition_penalty": 1.2})  # no correction: allowed

@@ -4,6 +4,7 @@ transformers model that has learned to call a tool."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -337,3 +338,29 @@ def test_a_flooding_tool_is_cut_and_a_history_that_outgrows_the_context_ends(too
     assert ended.metadata["tool_calls"][0]["content"].endswith("more characters cut]")
     assert all(ended.completion_mask)  # only the model's first reply: the tool's answer was never appended
     executor.close()
+
+
+def test_filtered_turns_keep_their_supports_and_the_trainer_scores_what_was_sampled(tool_calling_model):
+    """top-k and top-p on every turn: each reply's support travels through the tool turns and the forks, and the
+    trainer, scoring the tree-packed histories over those supports, gives the engine's log-probs."""
+    import copy
+
+    from lightning_rl.ops.packed_forward import packed_logprobs
+
+    model, tokenizer, prompts, _ = tool_calling_model
+    conversation = ToolConversation(HFRolloutEngine(model), tokenizer, ToolExecutor([Tool.from_function(calculator)]), max_turns=2)
+    sampling = lambda turn: SamplingConfig(max_new_tokens=48, temperature=1.0, top_k=8, top_p=0.9, seed=turn)  # noqa: E731
+    leaves = conversation.generate(prompts[:1], [2, 2], sampling).groups[0]
+    assert any(not all(r.completion_mask) for r in leaves)  # a tool ran: its output is in the history, untrained
+    for r in leaves:
+        untrained = torch.tensor([not m for m in r.completion_mask])
+        assert r.support.shape[0] == len(r.completion_ids) and (r.support[untrained] == -1).all()
+        assert ((r.support[~untrained] >= 0).sum(1) >= 1).all()
+    packed = pack_sequences([r.sequence for r in leaves], [r.loss_mask for r in leaves],
+                            token_values={"engine": [r.sequence_logprobs for r in leaves]}, token_supports=[r.sequence_support for r in leaves])
+    scorer = copy.deepcopy(model)
+    with torch.no_grad():
+        scored = packed_logprobs(scorer, packed)
+        full = packed_logprobs(scorer, dataclasses.replace(packed, token_support=None))
+    torch.testing.assert_close(scored, packed.token_values["engine"], atol=1e-4, rtol=0)
+    assert (full - packed.token_values["engine"]).abs().max() > 1e-2  # without the supports: the filters' kept mass

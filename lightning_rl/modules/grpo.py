@@ -76,7 +76,8 @@ class GRPOModule(PolicyModule):
             limit.
         num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
         sampling: the ``sampling:`` group, every field of `SamplingSettings` (``max_new_tokens``, ``temperature``,
-            ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``: TRL's names).
+            ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``: TRL's names; ``max_support``: the widest a filter's
+            support may be). With a filter on, the trainer scores each token over the support it was sampled from.
         system_prompt: prepended to string prompts.
         loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
             correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
@@ -226,6 +227,17 @@ class GRPOModule(PolicyModule):
             raise RecipeError(
                 f"loss.{key} corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio already uses "
                 "the engine's, so the correction would apply twice", f"loss.{key}",
+            )
+        uses_engine = [key for key, on in (("loss.importance_sampling_cap", self.loss.importance_sampling_cap is not None),
+                       ("loss.importance_sampling_floor", self.loss.importance_sampling_floor is not None), ("old_logprobs", old_logprobs == "engine"),
+                       ("loss.off_policy_mask_threshold", self.loss.off_policy_mask_threshold is not None)) if on]  # fmt: skip
+        if sampling.repetition_penalty != 1.0 and uses_engine:
+            # The penalty depends on every token before (how each engine counts them differs: transformers' counts the
+            # padding): the trainer does not replay it, so the engine's log-probs are not of the policy it scores.
+            raise RecipeError(
+                f"sampling.repetition_penalty={sampling.repetition_penalty} with {uses_engine[0]}: the engine's log-probs "
+                "then include a penalty the trainer does not replay, so the correction would compare different "
+                "distributions; leave repetition_penalty at 1 or turn the correction off", "sampling.repetition_penalty",
             )
         if reward_aggregation == "normalize_then_sum" and scale_rewards not in ("group", "std"):
             raise RecipeError(
@@ -489,7 +501,8 @@ class GRPOModule(PolicyModule):
         pad = self.tokenizer.pad_token_id or 0
         if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
-        options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad)
+        options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad,
+                       token_supports=[r.sequence_support for r in rollouts])  # a filter's support: scored over it, as sampled
         if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
             rule = functools.partial(rope_positions, self.policy) if uses_multi_axis_positions(self.policy) else None  # the model's own
             images = [r.metadata.get("images", []) for r in rollouts]

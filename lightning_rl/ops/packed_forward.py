@@ -347,7 +347,9 @@ def verify_row(
             dtype = _compute_dtype(hidden)
             if terms.numel():
                 depth = batch.position_ids[batch.loss_positions[terms]]
-                alone = token_logprobs(hidden.index_select(0, depth), weight, batch.loss_targets[terms], chunk_size=chunk_size, transform=transform, bias=bias)
+                support = None if batch.token_support is None else batch.token_support[terms]  # as the row scores them
+                alone = token_logprobs(hidden.index_select(0, depth), weight, batch.loss_targets[terms], chunk_size=chunk_size, transform=transform, bias=bias,
+                                       support=support)
                 error = max(error, float((packed[terms] - alone).abs().max()))
     finally:
         for module, training in modes:

@@ -21,7 +21,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+import torch
+
+from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, extend_support
 from lightning_rl.tools.calls import parse_tool_calls
 from lightning_rl.tools.executor import ToolExecutor
 
@@ -97,6 +99,9 @@ class ToolConversation:
             budget = sampling_for_turn(turn).max_new_tokens
             for history, text, calls in calling:
                 ran = [next(outcomes) for _ in calls]
+                history.messages[-1]["tool_calls"] = [  # the assistant turn as TRL's reward functions read it
+                    {"type": "function", "function": {"name": o.call.name, "arguments": o.arguments}} for o in ran
+                ]
                 history.metadata["tool_calls"].extend(
                     {"call_id": next(call_ids), "name": o.call.name, "arguments": o.arguments, "content": o.content,
                      "failure": o.failure}
@@ -120,7 +125,7 @@ class ToolConversation:
             for parent, children in zip(continuing, batch.groups, strict=True):
                 for child in children:
                     history = copy.deepcopy(parent) if n > 1 else parent
-                    _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs)
+                    _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs, support=child.support)
                     history.weight_version = min(history.weight_version, child.weight_version)
                     history.finish_reason = child.finish_reason
                     live.append((history, child.completion_ids))

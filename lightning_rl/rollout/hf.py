@@ -20,17 +20,18 @@ from lightning_rl.models.weights import SentDigests, tensor_digest, verify_held
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import (
-    TORCH_FLOAT_DTYPES, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_device, check_dtype, check_request,
+    TORCH_FLOAT_DTYPES, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_device, check_dtype, check_request, supports_of,
 )
 
 
 class HFRolloutEngine(RolloutEngine):
     """Samples with `model.generate` and reports the log-prob of each sampled token.
 
-    Log-probs are those of the temperature-scaled distribution before top-k/top-p filtering,
-    which is what the trainer recomputes. Each call draws from `sampling.seed`, or without one from
-    a seed derived from `seed` and the call count, so runs are reproducible whether generation
-    runs inline or in a background thread.
+    Log-probs are those of the distribution each token was drawn from: `generate`'s processed scores
+    (temperature-scaled, suppressed tokens removed, filtered and renormalised when top-k, top-p or min-p
+    is on, in which case each token's support is reported with it). Each call draws from `sampling.seed`,
+    or without one from a seed derived from `seed` and the call count, so runs are reproducible whether
+    generation runs inline or in a background thread.
 
     Args:
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
@@ -81,7 +82,7 @@ class HFRolloutEngine(RolloutEngine):
             recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
             with torch.random.fork_rng(devices=[]), recording as recorded:
                 torch.manual_seed(seed)
-                completions, logprobs, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling, repeated)
+                completions, logprobs, supports, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling, repeated)
         routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
         groups = []
         for g, prompt in enumerate(prompts):
@@ -92,6 +93,7 @@ class HFRolloutEngine(RolloutEngine):
                         prompt_ids=list(prompt),
                         completion_ids=completions[k],
                         logprobs=logprobs[k],
+                        support=supports[k],
                         weight_version=version,
                         group_id=g,
                         finish_reason="stop" if finished[k] else "length",
@@ -104,7 +106,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None = None
-    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, where generation continues.
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -125,7 +127,7 @@ class HFRolloutEngine(RolloutEngine):
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             suppress_tokens=list(sampling.suppress_token_ids) or None,
-            output_logits=True,
+            output_scores=True,  # what each token was drawn from: softmax of these
             return_dict_in_generate=True,
         )
         pictures = [image for own in images or [] for image in own]
@@ -137,18 +139,17 @@ class HFRolloutEngine(RolloutEngine):
             generation_config=config, **pixels,
         )
         new_tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
-        if sampling.suppress_token_ids:  # the distribution actually sampled holds none of them
-            logits[..., list(sampling.suppress_token_ids)] = torch.finfo(logits.dtype).min
-        scale = 1.0 if greedy else sampling.temperature
-        token_logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
-        completions, logprobs, finished = [], [], []
-        for row, row_logprobs in zip(new_tokens.tolist(), token_logprobs.tolist()):
+        # [batch, steps, vocab]: processed by temperature, suppression and the filters; what they removed is -inf
+        scores = torch.stack(out.scores, dim=1).float().cpu()
+        token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        completions, logprobs, supports, finished = [], [], [], []
+        for k, (row, row_logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist())):
             end = next((t + 1 for t, tok in enumerate(row) if tok in stops), None)
             completions.append(row[: end or len(row)])
             logprobs.append(row_logprobs[: end or len(row)])
+            supports.append(supports_of(scores[k, : end or len(row)].isfinite(), sampling) if sampling.filtered else None)
             finished.append(end is not None)
-        return completions, logprobs, finished
+        return completions, logprobs, supports, finished
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy each tensor into the engine's model; with `verify_weights`, then prove the model's own tensors (a tied
