@@ -150,7 +150,10 @@ def distinct_tool_calls(rollouts: Iterable[Rollout]) -> list[dict[str, Any]]:
     return list(calls.values())
 
 
-def _append(history: Rollout, token_ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+def _append(
+    history: Rollout, token_ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] | None = None, support: torch.Tensor | None = None,
+) -> None:
+    extend_support(history, support, len(token_ids))  # first: it reads where the new tokens start
     history.completion_ids.extend(token_ids)
     history.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
     assert history.completion_mask is not None
