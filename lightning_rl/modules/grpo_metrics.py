@@ -74,6 +74,10 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "dynamic_sampling/rounds": float(scored.sampling_rounds),
         "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
         "completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(len(rollouts), 1),
+        # Left out of the advantages and the loss for infrastructure failures (the rest are what was trained).
+        "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
+        "groups/excluded": float(scored.excluded_groups),
+        **{f"rollouts/excluded/{reason}": float(count) for reason, count in scored.excluded_rollouts.items()},
     }
     failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
     for name, values in scored.reward_terms.items():

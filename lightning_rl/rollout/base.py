@@ -85,6 +85,11 @@ class SamplingConfig(SamplingSettings):
     suppress_token_ids: tuple[int, ...] = ()
 
 
+InfraFailure = Literal["engine", "tool_worker", "reward_timeout"]
+"""Why a rollout failed for reasons outside the model: the engine ended the sequence without finishing it (vLLM's
+``abort``), a tool's worker process died or could not start, a reward call ran past ``reward_timeout_s``."""
+
+
 @dataclass
 class Rollout:
     """One sampled completion of one prompt.
@@ -111,6 +116,9 @@ class Rollout:
     # -1 where it routed none (the last token, whose outputs nothing reads). None: not recorded.
     routes: torch.Tensor | None = None
     support: torch.Tensor | None = None
+    # Why the rollout failed for reasons outside the model (`InfraFailure`), None if it did not: such a rollout is
+    # left out of its group's advantages and of the loss (`rollout/collector.py:without_infra_failures`).
+    infra_failure: InfraFailure | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

@@ -36,6 +36,10 @@ class ScoredBatch:
     sampling_rounds: int = 1  # dynamic sampling: how many rounds of prompts this batch took,
     sampled_groups: int = 0  # ... how many groups they sampled,
     filtered_groups: int = 0  # ... and how many of those it dropped for tied rewards
+    # Rollouts left out for infrastructure failures, by reason (`Rollout.infra_failure`), and groups left out with
+    # fewer than two valid samples (`rollout/collector.py:without_infra_failures`).
+    excluded_rollouts: dict[str, int] = field(default_factory=dict)
+    excluded_groups: int = 0
 
     @property
     def weight_version(self) -> int:

@@ -12,12 +12,13 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from lightning_rl import validation
 from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
 from lightning_rl.data.sft import DataError
-from lightning_rl.errors import RecipeError
+from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards import RewardScorer
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
@@ -25,6 +26,10 @@ from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_ca
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 
 log = logging.getLogger(__name__)
+
+# How many times in a row a step is sampled again when every rollout of it failed for infrastructure reasons, before
+# the run stops: a passing fault (an engine restarting) costs a resample, a lasting one ends the run in one line.
+ALL_EXCLUDED_ATTEMPTS = 3
 
 # What reward functions get besides prompts, completions and the data's columns.
 ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")
@@ -115,17 +120,43 @@ class RolloutCollector:
     def collect(self, index: int) -> ScoredBatch:
         """Rollouts of prompt batch `index` with their rewards.
 
+        Rollouts that failed for infrastructure reasons are left out, with their groups when fewer than two samples
+        remain (`without_infra_failures`). A batch left with nothing is sampled again, with seeds of its own, up to
+        `ALL_EXCLUDED_ATTEMPTS` times in all; then the run stops, naming the failures.
+
         With ``dynamic_sampling`` the groups whose rewards all tie (no signal) are dropped and more prompts are
         sampled, up to ``dynamic_sampling_max_rounds`` rounds, until the batch has as many groups as prompts."""
-        scored = self.sample_and_score(index, 0, self.prompts.prompt_batch(index))
+        excluded: Counter[str] = Counter()
+        excluded_groups = 0
+        for attempt in range(ALL_EXCLUDED_ATTEMPTS):
+            scored = self._collect(index, first_round=attempt * self.settings.dynamic_sampling_max_rounds)
+            excluded.update(scored.excluded_rollouts)
+            excluded_groups += scored.excluded_groups
+            if scored.rollouts:
+                return dataclasses.replace(scored, excluded_rollouts=dict(excluded), excluded_groups=excluded_groups)
+            if attempt + 1 < ALL_EXCLUDED_ATTEMPTS:
+                log.warning(
+                    "step %d: every rollout failed for infrastructure reasons (%s); sampling the step again (attempt %d "
+                    "of %d)", index + 1, _reasons(excluded), attempt + 2, ALL_EXCLUDED_ATTEMPTS,
+                )
+        raise InfraFailureError(
+            f"step {index + 1}: every rollout failed for infrastructure reasons in {ALL_EXCLUDED_ATTEMPTS} attempts in a "
+            f"row ({_reasons(excluded)}): see the engine's log, the tools' workers, reward_timeout_s"
+        )
+
+    def _collect(self, index: int, first_round: int) -> ScoredBatch:
+        """One attempt at batch `index`, its rounds of dynamic sampling numbered from `first_round` (their seeds)."""
+        records = self.prompts.prompt_batch(index)
+        scored = self.sample_and_score(index, first_round, records)
         if not self.settings.dynamic_sampling:
             return scored
-        wanted = sampled = len(scored.records)
+        wanted = sampled = len(records)
         kept = groups_with_signal(scored)
         rounds = 1
         while len(kept.records) < wanted and rounds < self.settings.dynamic_sampling_max_rounds:
-            extra = self.sample_and_score(index, rounds, self.prompts.extra_prompts(index, rounds, wanted - len(kept.records)))
-            sampled += len(extra.records)
+            extra_records = self.prompts.extra_prompts(index, rounds, wanted - len(kept.records))
+            extra = self.sample_and_score(index, first_round + rounds, extra_records)
+            sampled += len(extra_records)
             kept = merged(kept, groups_with_signal(extra))
             rounds += 1
         if len(kept.records) < wanted:
@@ -133,9 +164,9 @@ class RolloutCollector:
                 "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
                 "(dynamic_sampling_max_rounds); training on those", index + 1, len(kept.records), wanted, rounds,
             )
-        filtered = sampled - len(kept.records)
+        filtered = sampled - len(kept.records) - kept.excluded_groups  # the rest left for infrastructure failures
         if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
-            kept = scored
+            kept = dataclasses.replace(scored, excluded_rollouts=kept.excluded_rollouts, excluded_groups=kept.excluded_groups)
         kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
         return kept
 
@@ -163,7 +194,8 @@ class RolloutCollector:
             self._columns(records, rendered, rollouts), step=index + 1,
         )
         failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
-        return ScoredBatch(
+        mark_infra_failures(rollouts, scores.errors)
+        return without_infra_failures(ScoredBatch(
             index=index,
             records=records,
             rollouts=rollouts,
@@ -172,7 +204,7 @@ class RolloutCollector:
             reward_errors=[vars(e) for e in scores.errors],
             generation_seconds=generation_seconds,
             tool_failures=dict(failures),
-        )
+        ))
 
     def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
         """The sampling of batch `index`'s turn and dynamic-sampling round: a seed of its own makes sampling
@@ -216,6 +248,44 @@ def _engine_images(prompt: RenderedPrompt) -> PromptImages | None:
     return PromptImages(prompt.image_inputs, prompt.pictures, prompt.template_ids) if prompt.pictures else None
 
 
+class InfraFailureError(UserError, RuntimeError):
+    """Every rollout of a step failed for infrastructure reasons, attempt after attempt: the run stops (exit 1), as
+    training on nothing would not be a step."""
+
+    exit_code = 1
+
+
+def _reasons(counts: Counter[str]) -> str:
+    return ", ".join(f"{reason}: {n}" for reason, n in sorted(counts.items()))
+
+
+def mark_infra_failures(rollouts: list[Rollout], reward_errors: list[Any]) -> None:
+    """Set `Rollout.infra_failure` where a tool's worker died under one of its calls or a reward call timed out on
+    it (an engine marks its own). A tool's or a reward's own error is the rollout's doing: it stays."""
+    for rollout in rollouts:
+        if rollout.infra_failure is None and any(c["failure"] == "worker_lost" for c in rollout.metadata.get("tool_calls", ())):
+            rollout.infra_failure = "tool_worker"
+    for error in reward_errors:
+        if error.kind == "timeout" and rollouts[error.sample].infra_failure is None:
+            rollouts[error.sample].infra_failure = "reward_timeout"
+
+
+def without_infra_failures(scored: ScoredBatch) -> ScoredBatch:
+    """The batch without its rollouts that failed for infrastructure reasons, and without the groups left with fewer
+    than two valid samples (nothing to compare), renumbered; both counted (`excluded_rollouts` by reason,
+    `excluded_groups`). The advantages, the loss and its normalisers then see the valid samples only: a failed
+    sample is not scored 0."""
+    failed = Counter(r.infra_failure for r in scored.rollouts if r.infra_failure is not None)
+    if not failed:
+        return scored
+    valid = Counter(r.group_id for r in scored.rollouts if r.infra_failure is None)
+    keep = [g for g in range(len(scored.records)) if valid[g] >= 2]
+    subset = _subset(scored, keep, lambda rollout: rollout.infra_failure is None)
+    subset.excluded_rollouts = dict(Counter(scored.excluded_rollouts) + failed)
+    subset.excluded_groups = scored.excluded_groups + len(scored.records) - len(keep)
+    return subset
+
+
 def groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
     """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered."""
     by_group: dict[int, list[int]] = {}
@@ -223,8 +293,13 @@ def groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
         by_group.setdefault(rollout.group_id, []).append(i)
     keep = [g for g, members in sorted(by_group.items())
             if max(scored.rewards[i] for i in members) - min(scored.rewards[i] for i in members) > 1e-6]  # fmt: skip
+    return _subset(scored, keep)
+
+
+def _subset(scored: ScoredBatch, keep: list[int], wanted: Callable[[Rollout], bool] = lambda rollout: True) -> ScoredBatch:
+    """The batch with the groups `keep` only (renumbered in that order) and, of their rollouts, those `wanted`."""
     new_id = {g: k for k, g in enumerate(keep)}
-    picked = [i for i, r in enumerate(scored.rollouts) if r.group_id in new_id]
+    picked = [i for i, r in enumerate(scored.rollouts) if r.group_id in new_id and wanted(r)]
     position = {i: k for k, i in enumerate(picked)}
     return dataclasses.replace(
         scored,
@@ -249,4 +324,6 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         reward_errors=first.reward_errors + [{**e, "sample": e["sample"] + len(first.rollouts)} for e in second.reward_errors],
         generation_seconds=first.generation_seconds + second.generation_seconds,
         tool_failures=dict(failures),
+        excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
+        excluded_groups=first.excluded_groups + second.excluded_groups,
     )

@@ -6,6 +6,11 @@ any `BaseException`, prints megabytes or crashes its interpreter is answered wit
 one that overruns `timeout_s` is killed and its worker replaced, so it can neither hang the run nor use
 up the executor. Every answer the model sees is cut to `max_output_chars`. A stop signal does not wait for a call
 (`stopping.StepAbandoned`).
+
+Failures are told apart by who caused them: a call the model wrote badly or whose tool raised (the tool's own error,
+``sys.exit`` included) or overran its time is the rollout's doing and stays in training; a worker process that died
+under the call (killed, crashed, out of memory) or could not start is ``worker_lost``, an infrastructure failure whose
+rollout is left out of the advantages (`Rollout.infra_failure`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from lightning_rl.tools.worker import truncate
 
 log = logging.getLogger(__name__)
 
-FailureKind = Literal["malformed", "unknown_tool", "invalid_arguments", "raised", "timeout"]
+FailureKind = Literal["malformed", "unknown_tool", "invalid_arguments", "raised", "timeout", "worker_lost"]
 
 WORKER_START_TIMEOUT_S = 120.0  # a fresh interpreter importing the tool's module; not counted in a call's timeout
 
@@ -158,7 +163,7 @@ class ToolExecutor:
             outcome = self._run(call)
         except Exception as error:  # no worker could be started (out of processes or memory): the call fails, not the run
             log.warning("tool call %r could not run: %s: %s", call.name, type(error).__name__, error)
-            outcome = ToolOutcome(call, f"Error: {call.name} could not run: {type(error).__name__}: {error}", "raised")
+            outcome = ToolOutcome(call, f"Error: {call.name} could not run: {type(error).__name__}: {error}", "worker_lost")
         outcome.content = truncate(outcome.content, self.max_output_chars)
         with self._lock:
             self.calls += 1
@@ -223,7 +228,7 @@ class ToolExecutor:
             return ToolOutcome(call, f"Error: {tool.name} did not finish within {self.timeout_s:g} s", "timeout", arguments)
         except _WorkerLost as error:
             self._drop_worker(worker)
-            return ToolOutcome(call, f"Error: {tool.name} failed: {error}", "raised", arguments)
+            return ToolOutcome(call, f"Error: {tool.name} failed: {error}", "worker_lost", arguments)
         self._return_worker(worker)
         if status == "raised":  # the tool's own failure is reported to the model
             return ToolOutcome(call, f"Error: {tool.name} raised {text}", "raised", arguments)
