@@ -14,11 +14,12 @@ dtype the engine holds it in), the engine takes the same digest of its live weig
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -58,21 +59,74 @@ class WeightMismatchError(UserError, WeightSyncError):
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """Anything that loads weights by Hugging Face name (the rollout engines)."""
+    """Anything that loads weights by Hugging Face name (the rollout engines). A push may return the seconds the
+    engine stopped generating for it (None: not measured)."""
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+    def push_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter as an engine needs to judge and load it: peft's config (``adapter_config.json``), each adapted
+    module's Hugging Face name and base layer class, the modules it trains whole, and those it cannot merge."""
+
+    config: dict[str, Any]
+    layers: dict[str, str]
+    modules_to_save: tuple[str, ...] = ()
+    unmergeable: tuple[str, ...] = ()  # a LoRA variant (DoRA, ...) or a LoRA bias
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def scaling(self) -> float:
+        """What each module's ``B @ A`` is multiplied by (peft's: alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+        root = self.rank ** 0.5 if self.config.get("use_rslora") else self.rank
+        return self.config["lora_alpha"] / root
+
+
+@runtime_checkable
+class AdapterReceiver(Protocol):
+    """An engine that serves the base weights it loaded and applies a LoRA adapter sent alone."""
+
+    def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
+        """Why this engine cannot serve ``adapter`` (naming the module), or None if it can."""
+
+    def push_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], adapter: AdapterSpec, version: int) -> float | None:
+        """Load the adapter's tensors (peft's names) as ``version``; generation after it uses them."""
+
+
+@runtime_checkable
+class DeltaReceiver(Protocol):
+    """An engine that writes some of its tensors in place and keeps the others as they are."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def write_groups(self) -> Mapping[str, str]:
+        """Tensor name -> the group it is written with: tensors of one group travel together (a fused module)."""
+
+    def push_changed(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> float | None:
+        """Write these tensors in place as ``version``; every tensor not sent keeps the value it holds."""
 
 
 @dataclass
 class SyncReport:
-    """What one sync moved and how long it took."""
+    """What one sync moved and how long it took (``pause_seconds``: the engine's stop, where it measured one)."""
 
     version: int
+    mode: str = "full"
     num_tensors: int = 0
     num_bytes: int = 0
     largest_tensor_bytes: int = 0
     seconds: float = 0.0
+    pause_seconds: float = 0.0
     names: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"train/sync/bytes": float(self.num_bytes), "train/sync/pause_s": self.pause_seconds,
+                "train/sync/seconds": self.seconds}
 
 
 def hf_name(name: str) -> str:
@@ -273,18 +327,23 @@ def iter_full_weights(
         del full  # let the consumer free it before the next gather: one full tensor alive at a time
 
 
+def _peft_root(module: nn.Module) -> nn.Module:
+    """The peft model inside ``module`` (itself, or one of the model roots of a LightningModule)."""
+    peft_model = module if _is_peft_model(module) else None
+    if peft_model is None:
+        peft_model = next((root for root in find_model_roots(module) if _is_peft_model(root)), None)
+    if peft_model is None:
+        raise WeightSyncError(f"{type(module).__name__} holds no peft model, so it has no adapter to sync")
+    return peft_model
+
+
 def iter_adapter_weights(
     module: nn.Module, *, timeout: timedelta = DEFAULT_SYNC_TIMEOUT
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield the active adapter's tensors, full, under the names peft saves them with (for adapter-serving engines)."""
     from peft import get_peft_model_state_dict
 
-    peft_model = module if _is_peft_model(module) else None
-    if peft_model is None:
-
-        peft_model = next((root for root in find_model_roots(module) if _is_peft_model(root)), None)
-    if peft_model is None:
-        raise WeightSyncError(f"{type(module).__name__} holds no peft model, so it has no adapter to sync")
+    peft_model = _peft_root(module)
     _reshard(peft_model)
     state = get_peft_model_state_dict(peft_model)
     gatherer = _Gatherer(timeout)
@@ -292,6 +351,26 @@ def iter_adapter_weights(
     _check_same_plan(names, [state[n] for n in names], gatherer)
     for index, name in enumerate(names):
         yield name, gatherer.full(state[name], f"adapter tensor '{name}' (#{index + 1} of {len(names)})")
+
+
+def adapter_spec(module: nn.Module) -> AdapterSpec:
+    """What an engine needs to know of the active adapter before it is sent (`AdapterSpec`)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    peft_model = _peft_root(module)
+    name = peft_model.active_adapter
+    # peft's config as its adapter_config.json holds it: sets become sorted lists.
+    config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))
+    layers, whole, unmergeable = {}, [], []
+    for module_name, layer in peft_model.get_base_model().named_modules():
+        if isinstance(layer, LoraLayer) and name in layer.lora_A:
+            layers[hf_name(module_name)] = type(layer.get_base_layer()).__name__
+            if layer.lora_variant.get(name) is not None or layer.lora_bias.get(name, False):
+                unmergeable.append(hf_name(module_name))
+        elif isinstance(layer, ModulesToSaveWrapper):
+            whole.append(hf_name(module_name))
+    return AdapterSpec(config, layers, tuple(whole), tuple(unmergeable))
 
 
 class _CountingStream:
@@ -319,6 +398,28 @@ class _CountingStream:
         return name, tensor
 
 
+def push_stream(
+    stream: Iterator[tuple[str, Tensor]], push: Callable[[Iterator[tuple[str, Tensor]]], float | None] | None,
+    report: SyncReport,
+) -> SyncReport:
+    """Hand ``stream`` to ``push`` (None on ranks that only help gather), counting what passes into ``report``.
+
+    If the push stops reading early, the rest of the stream is still gathered here, so the other ranks are not left
+    waiting in a collective.
+    """
+    counted = _CountingStream(stream, report)
+    start = time.perf_counter()
+    try:
+        if push is not None:
+            report.pause_seconds = push(counted) or 0.0
+    finally:
+        if not counted.failed:
+            for _ in counted:
+                pass
+    report.seconds = time.perf_counter() - start
+    return report
+
+
 def sync_weights(
     module: nn.Module,
     target: WeightReceiver | None,
@@ -328,27 +429,16 @@ def sync_weights(
     adapter_only: bool = False,
     timeout: timedelta = DEFAULT_SYNC_TIMEOUT,
 ) -> SyncReport:
-    """Push the weights (or, with ``adapter_only``, the LoRA adapter) to ``target``; call it on every rank.
+    """Push the weights (or, with ``adapter_only``, the LoRA adapter's tensors) to ``target``; call it on every rank.
 
-    ``target`` is None on ranks that only help gather. If the target stops reading early, the rest of the
-    stream is still gathered here, so the other ranks are not left waiting in a collective.
+    ``target`` is None on ranks that only help gather.
     """
-    report = SyncReport(version=version)
     if adapter_only:
         stream = iter_adapter_weights(module, timeout=timeout)
     else:
         stream = iter_full_weights(module, merge_lora=merge_lora, timeout=timeout)
-    counted = _CountingStream(stream, report)
-    start = time.perf_counter()
-    try:
-        if target is not None:
-            target.push_weights(counted, version)
-    finally:
-        if not counted.failed:
-            for _ in counted:
-                pass
-    report.seconds = time.perf_counter() - start
-    return report
+    push = None if target is None else (lambda named: target.push_weights(named, version))
+    return push_stream(stream, push, SyncReport(version=version, mode="adapter" if adapter_only else "full"))
 
 
 _DIGEST_CHUNK = 1 << 22  # elements per step (a multiple of 8): bounds the digest's scratch memory
@@ -408,20 +498,27 @@ class SentDigests:
             del tensor
 
 
-def verify_held(sent: SentDigests, held: Mapping[str, int], ties: Mapping[str, str], version: int) -> None:
+def verify_held(
+    sent: SentDigests, held: Mapping[str, int], ties: Mapping[str, str], version: int,
+    earlier: Mapping[str, int] | None = None,
+) -> None:
     """Raise `WeightMismatchError` unless the engine holds, under every name, exactly what the sync sent.
 
     ``held`` is the digest of each tensor the engine holds, by Hugging Face name (a tied one under its own name,
     under its source's, or both); ``ties`` maps a tied name to the name it shares its tensor with
     (``lm_head.weight`` -> ``model.embed_tokens.weight``). A tied tensor must be sent once, under either name;
-    every held tensor must have been sent, and hold the digest of what was.
+    every held tensor must have been sent, and hold the digest of what was. A push of only the changed tensors
+    passes ``earlier``, the ``held`` of the last verified version: a tensor not sent must still hold that digest
+    (the trainer proved it unchanged since, so it is still the trainer's).
     """
     problems = [f"'{name}' was sent twice" for name in dict.fromkeys(sent.repeated)]
-    expected: dict[str, int] = {}
+    expected = {ties.get(name, name): digest for name, digest in (earlier or {}).items()}
+    sent_sources: set[str] = set()
     for name, digest in sent.digests.items():
         source = ties.get(name, name)
-        if source in expected:
+        if source in sent_sources:
             problems.append(f"'{name}' was sent besides '{source}', which it is tied to (a tied weight is sent once)")
+        sent_sources.add(source)
         expected[source] = digest
     covered = set()
     for name, digest in held.items():

@@ -8,6 +8,7 @@ copies the trainer's tensors in between two `generate` calls.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.routing import RouteRecorder, record_routes
-from lightning_rl.models.weights import SentDigests, tensor_digest, verify_held
+from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import (
@@ -58,6 +59,7 @@ class HFRolloutEngine(RolloutEngine):
             model = auto_model_class(config).from_pretrained(model_name_or_path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         self.verify_weights = verify_weights
+        self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
@@ -151,22 +153,57 @@ class HFRolloutEngine(RolloutEngine):
             finished.append(end is not None)
         return completions, logprobs, supports, finished
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Copy each tensor into the engine's model; with `verify_weights`, then prove the model's own tensors (a tied
-        one under each of its names) hold what was sent, digested in the model's dtype."""
+        one under each of its names) hold what was sent, digested in the model's dtype. Returns the seconds generation
+        was held off."""
+        return self._push(named_tensors, version, earlier=None)
+
+    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """`push_weights` of only the tensors that changed: every other tensor must still hold what the last verified
+        push left in it."""
+        return self._push(named_tensors, version, earlier=self._verified)
+
+    def write_groups(self) -> dict[str, str]:
+        return {}  # each tensor is copied on its own
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         sent = SentDigests(named_tensors, lambda name: getattr(params.get(name), "dtype", None))
+        self._verified = None  # until this push is verified
         with self._lock, torch.no_grad():
+            paused = time.perf_counter()
             self._load(sent if self.verify_weights else named_tensors, params)
             if self.verify_weights:
-                digests: dict[int, int] = {}  # by tensor: a tied one is digested once
-                for tensor in params.values():
-                    if id(tensor) not in digests:
-                        digests[id(tensor)] = tensor_digest(tensor)
-                held = {name: digests[id(tensor)] for name, tensor in params.items()}
-                ties = self.model.get_expanded_tied_weights_keys(all_submodels=True)
-                verify_held(sent, held, ties, version)
+                held = _digests(params)
+                verify_held(sent, held, self.model.get_expanded_tied_weights_keys(all_submodels=True), version, earlier)
+                self._verified = held
             self._version = version
+            return time.perf_counter() - paused
+
+    def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
+        return None  # peft applies on this engine's copy whatever it trains on the trainer's
+
+    def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
+        """Load the adapter's tensors into this engine's copy of the base, adapted by peft (on the first push) as the
+        trainer's is; with `verify_weights`, prove every adapter tensor the engine holds is the one sent."""
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+        with self._lock:
+            if not hasattr(self.model, "peft_config"):
+                self.model = get_peft_model(self.model, LoraConfig(**adapter.config)).eval()
+            dtypes = {name: tensor.dtype for name, tensor in get_peft_model_state_dict(self.model).items()}
+        state = SentDigests(named_tensors, dtypes.get)
+        received = dict(state)  # an adapter is small: received whole before generation is held off
+        with self._lock, torch.no_grad():
+            paused = time.perf_counter()
+            loaded = set_peft_model_state_dict(self.model, received)
+            if loaded.unexpected_keys:
+                raise KeyError(f"push_adapter: the engine's adapter has no tensor named {loaded.unexpected_keys[0]!r}")
+            if self.verify_weights:
+                verify_held(state, _digests(get_peft_model_state_dict(self.model)), {}, version)
+            self._version = version
+            return time.perf_counter() - paused
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]) -> None:
         for name, tensor in named_tensors:
@@ -178,6 +215,15 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+
+
+def _digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """`tensor_digest` of each, by name; a tensor under several names (tied) is digested once."""
+    by_tensor: dict[int, int] = {}
+    for tensor in tensors.values():
+        if id(tensor) not in by_tensor:
+            by_tensor[id(tensor)] = tensor_digest(tensor)
+    return {name: by_tensor[id(tensor)] for name, tensor in tensors.items()}
 
 
 def routes_of_rows(recorded: RouteRecorder, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:

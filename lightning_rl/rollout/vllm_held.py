@@ -38,6 +38,8 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
     seen: set[int] = set()
     with torch.no_grad():
         for module_name, module in model.named_modules():
+            # With LoRA serving on, vLLM wraps each adapted layer and keeps the layer itself as its ``base_layer``.
+            module_name = module_name.replace(".base_layer", "")
             for name, param in module.named_parameters(recurse=False):
                 if id(param) in seen:
                     continue

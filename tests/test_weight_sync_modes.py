@@ -1,0 +1,168 @@
+"""The sync modes into the transformers engine: the adapter sent alone against a merged sync, and only what changed.
+
+Each check compares the engine's log-probs of a fixed batch with the trainer's, and every push is verified by digest
+(the engine's `verify_weights`), so a wrong mode would fail both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from lightning_rl.errors import RecipeError
+from lightning_rl.models.policy_sync import PolicySync, check_weight_sync, resolve_weight_sync
+from lightning_rl.models.weights import WeightMismatchError, adapter_spec, iter_full_weights, tensor_digest
+from lightning_rl.rollout.hf import HFRolloutEngine
+
+BATCH = torch.tensor([[3, 9, 14, 2, 33, 7, 21, 5], [8, 1, 40, 12, 6, 6, 19, 30]])
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def base(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def logprobs(model: torch.nn.Module) -> torch.Tensor:
+    logits = model(input_ids=BATCH).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, BATCH[:, 1:, None])[..., 0]
+
+
+@torch.no_grad()
+def train_step(model: torch.nn.Module, seed: int, only: str | None = None) -> None:
+    """A stand-in for an optimizer step: every trainable tensor moves (or only those whose name holds ``only``)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.requires_grad and (only is None or only in name):
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def lora_policy(**extra) -> torch.nn.Module:
+    return get_peft_model(base(), LoraConfig(**LORA, **extra)).eval()
+
+
+def test_an_adapter_sync_gives_the_trainers_logprobs_and_what_a_merged_sync_gives() -> None:
+    policy = lora_policy()
+    by_adapter, by_merge = HFRolloutEngine(base()), HFRolloutEngine(base())
+    adapter, merged = PolicySync("adapter"), PolicySync("merged")
+    for version in (1, 2):
+        train_step(policy, seed=version, only="lora_")
+        sent = adapter.sync(policy, by_adapter, version)
+        full = merged.sync(policy, by_merge, version)
+        assert by_adapter.weight_version == by_merge.weight_version == version
+        expected = logprobs(policy)
+        assert (logprobs(by_adapter.model) - expected).abs().max() < 1e-5
+        assert (logprobs(by_adapter.model) - logprobs(by_merge.model)).abs().max() < 1e-5
+        # Only the adapter travels: 2 layers x 7 modules x (A, B), a small part of the merged bytes.
+        assert sent.num_tensors == 28 and all("lora_" in name for name in sent.names)
+        assert sent.num_bytes < full.num_bytes / 4 and sent.metrics()["train/sync/bytes"] == sent.num_bytes
+    # Negative control: the engine before the second sync no longer fits.
+    train_step(policy, seed=9, only="lora_")
+    assert (logprobs(by_adapter.model) - logprobs(policy)).abs().max() > 1e-3
+
+
+def test_an_adapter_with_modules_to_save_reaches_the_transformers_engine() -> None:
+    policy = lora_policy(modules_to_save=["model.norm"])
+    spec = adapter_spec(policy)
+    assert spec.modules_to_save == ("model.norm",) and len(spec.layers) == 14 and spec.layers["model.layers.0.mlp.up_proj"] == "Linear"
+    engine = HFRolloutEngine(base())
+    train_step(policy, seed=3, only="modules_to_save")
+    train_step(policy, seed=4, only="lora_")
+    report = PolicySync("adapter").sync(policy, engine, 1)
+    assert "base_model.model.model.norm.weight" in report.names
+    assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5
+
+
+def test_an_adapter_tensor_the_engine_did_not_take_is_caught(monkeypatch) -> None:
+    import peft
+
+    policy, engine = lora_policy(), HFRolloutEngine(base())
+    PolicySync("adapter").sync(policy, engine, 1)
+    train_step(policy, seed=5, only="lora_")
+    original = peft.set_peft_model_state_dict
+
+    def drops_one(model, state, *args, **kwargs):
+        return original(model, {k: v for k, v in state.items() if "layers.1.self_attn.v_proj.lora_B" not in k}, *args, **kwargs)
+
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", drops_one)
+    with pytest.raises(WeightMismatchError, match=r"version 2 .*'base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight'"):
+        PolicySync("adapter").sync(policy, engine, 2)
+    assert engine.weight_version == 1
+
+
+def held_equals_trainer(engine: HFRolloutEngine, model: torch.nn.Module) -> bool:
+    held = engine.model.state_dict()
+    return all(tensor_digest(held[name]) == tensor_digest(tensor) for name, tensor in iter_full_weights(model))
+
+
+def test_a_delta_sync_sends_only_what_changed_and_keeps_the_engine_on_the_trainers_weights() -> None:
+    policy, engine = base(seed=1), HFRolloutEngine(base())
+    sync = PolicySync("delta")
+    first = sync.sync(policy, engine, 0)
+    assert first.mode == "full" and first.num_tensors == len(list(iter_full_weights(policy)))
+    train_step(policy, seed=1, only="layers.1.mlp")
+    with torch.no_grad():
+        policy.model.norm.weight[0] = -0.0 if policy.model.norm.weight[0] == 0 else policy.model.norm.weight[0]
+    second = sync.sync(policy, engine, 1)
+    assert second.mode == "delta" and set(second.names) == {f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert held_equals_trainer(engine, policy) and (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-6
+    # A sign flip of a zero is a change of bits: sent, never skipped as "equal".
+    with torch.no_grad():
+        policy.model.norm.weight[0] = 0.0
+        policy.model.norm.weight[1] = 0.0
+    assert sync.sync(policy, engine, 2).names == ["model.norm.weight"]
+    with torch.no_grad():
+        policy.model.norm.weight[0] = -0.0
+    assert sync.sync(policy, engine, 3).names == ["model.norm.weight"]
+    assert sync.sync(policy, engine, 4).num_bytes == 0 and engine.weight_version == 4
+
+
+def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check() -> None:
+    policy, engine = base(seed=1), HFRolloutEngine(base())
+    sync = PolicySync("delta")
+    sync.sync(policy, engine, 0)
+    train_step(policy, seed=1, only="q_proj")
+    assert sync.sync(policy, engine, 1).mode == "delta"
+    # An engine that does not hold the version last sent (restarted, or written by another sync): full.
+    restarted = HFRolloutEngine(base())
+    train_step(policy, seed=2, only="q_proj")
+    assert sync.sync(policy, restarted, 2).mode == "full" and held_equals_trainer(restarted, policy)
+    # A resume starts with no kept copy: full.
+    resumed = PolicySync("delta")
+    assert resumed.sync(policy, restarted, 3).mode == "full"
+    # A tensor changed inside the engine, which a delta would not send: its check fails, and a full sync repairs it.
+    with torch.no_grad():
+        restarted.model.model.layers[0].self_attn.o_proj.weight[0, 0] += 1.0
+    train_step(policy, seed=3, only="layers.1.self_attn.q_proj")
+    report = resumed.sync(policy, restarted, 4)
+    assert report.mode == "full" and restarted.weight_version == 4 and held_equals_trainer(restarted, policy)
+    train_step(policy, seed=4, only="layers.1.self_attn.q_proj")
+    assert resumed.sync(policy, restarted, 5).names == ["model.layers.1.self_attn.q_proj.weight"]
+
+
+def test_modes_are_refused_in_one_line_naming_the_key() -> None:
+    with pytest.raises(RecipeError, match="weight_sync: adapter sends a LoRA adapter, and the recipe trains no model.lora") as caught:
+        check_weight_sync("adapter", lora=False)
+    assert caught.value.key == "weight_sync"
+    with pytest.raises(RecipeError, match="say merged"):
+        check_weight_sync("full", lora=True)
+    with pytest.raises(RecipeError, match="must be one of auto, full, merged, adapter, delta"):
+        check_weight_sync("sparse", lora=False)
+
+    class ReadOnly:
+        def push_weights(self, named_tensors, version):
+            return None
+
+    with pytest.raises(RecipeError, match="weight_sync: delta: ReadOnly cannot write some tensors in place"):
+        resolve_weight_sync("delta", base(), ReadOnly(), lora=False)
+    policy = lora_policy()
+    assert resolve_weight_sync("auto", policy, ReadOnly(), lora=True) == "merged"
+    assert resolve_weight_sync("auto", policy, HFRolloutEngine(base()), lora=True) == "adapter"
+    assert resolve_weight_sync("auto", base(), HFRolloutEngine(base()), lora=False) == "full"
+    with pytest.raises(RecipeError, match="weight_sync: adapter: ReadOnly applies no adapter sent alone"):
+        resolve_weight_sync("adapter", policy, ReadOnly(), lora=True)
