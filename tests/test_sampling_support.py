@@ -219,3 +219,15 @@ def test_a_repetition_penalty_with_a_correction_is_refused_naming_the_key():
             GRPOModule(model_name_or_path="tiny", num_generations=2, sampling={"repetition_penalty": 1.2}, **options)
         assert refused.value.key == "sampling.repetition_penalty"
     GRPOModule(model_name_or_path="tiny", num_generations=2, sampling={"repetition_penalty": 1.2})  # no correction: allowed
+
+
+def test_a_batch_with_supports_goes_through_a_checkpoint(tmp_path):
+    # A resumed step (num_iterations > 1, the async queue) trains on the supports its rollouts were sampled with.
+    from lightning_rl.rollout.base import Rollout
+    from lightning_rl.rollout.buffer import ScoredBatch
+
+    support = torch.tensor([[4, 5], [6, -1]], dtype=torch.int32)
+    batch = ScoredBatch(0, [{"prompt": "p"}], [Rollout([1, 2], [4, 6], [-0.1, -0.2], 0, 0, support=support)], [1.0], {})
+    torch.save(batch.state(), tmp_path / "state.pt")
+    restored = ScoredBatch.from_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert torch.equal(restored.rollouts[0].support, support) and restored.rollouts[0].sequence_support.shape == (4, 2)
