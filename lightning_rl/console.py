@@ -18,6 +18,7 @@ _SHORT = {
     "train/loss": "loss",
     "train/reward": "reward",
     "train/kl": "kl",
+    "train/mismatch/kl": "mis_kl",  # engine vs trainer on the sampled tokens: about 0 when they agree
     "train/clip/fraction": "clip",
     "train/lr": "lr",
     "train/tokens_per_s": "tok/s",

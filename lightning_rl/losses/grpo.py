@@ -60,6 +60,7 @@ class TokenLoss:
     kl: torch.Tensor | None
     entropy_bonus: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
+    corrected: torch.Tensor | None = None  # the tokens the engine-vs-trainer correction truncated or masked
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ class GRPOLoss:
 
         log_ratio = logprobs - old_logprobs
         ratio = torch.exp(seqs.mean(log_ratio) if self.importance_sampling_level == "sequence" else log_ratio)
-        engine_weight = self._engine_weight(old_logprobs, engine_logprobs, seqs)
+        engine_weight, corrected = self._engine_weight(old_logprobs, engine_logprobs, seqs)
         low = high = torch.zeros_like(advantages, dtype=torch.bool)
         if self.loss_type == "cispo":
             loss = -ratio.detach().clamp(max=self.epsilon_high) * advantages * logprobs
@@ -310,6 +311,7 @@ class GRPOLoss:
             kl=None if kl is None else kl.detach(),
             entropy_bonus=entropy_bonus,
             entropy_mask=entropy_mask,
+            corrected=corrected,
         )
 
     def entropy_threshold(self, entropy: torch.Tensor) -> torch.Tensor:
@@ -353,20 +355,22 @@ class GRPOLoss:
 
     def _engine_weight(
         self, old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, seqs: _Sequences | None
-    ) -> torch.Tensor | None:
-        """The detached engine-vs-trainer ratio each term is weighted by, bounded as `importance_sampling_mode` says."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The detached engine-vs-trainer ratio each term is weighted by, bounded as `importance_sampling_mode` says,
+        and the tokens whose ratio was out of bounds (truncated or masked)."""
         if not self.corrects_engine:
-            return None
+            return None, None
         if engine_logprobs is None:
             raise ValueError("importance_sampling_cap or importance_sampling_floor is set but no engine log-probs were given")
         log_ratio = (old_logprobs - engine_logprobs).detach()
         token, bounding = self.importance_sampling_mode.split("_")
         weight = torch.exp(log_ratio if token == "token" else seqs.sum(log_ratio))
-        if bounding == "truncate":
-            return weight.clamp(min=self.importance_sampling_floor, max=self.importance_sampling_cap)
         floor = -math.inf if self.importance_sampling_floor is None else self.importance_sampling_floor
         cap = math.inf if self.importance_sampling_cap is None else self.importance_sampling_cap
-        return weight.masked_fill((weight < floor) | (weight > cap), 0.0)
+        outside = (weight < floor) | (weight > cap)
+        if bounding == "truncate":
+            return weight.clamp(min=self.importance_sampling_floor, max=self.importance_sampling_cap), outside
+        return weight.masked_fill(outside, 0.0), outside
 
     @torch.no_grad()
     def _vespo_weight(

@@ -40,8 +40,10 @@ from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, check_source
-from lightning_rl.modules.evaluation import exact_match, heldout_cases
-from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, rollout_table
+from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
+from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, log_rollouts, rollout_table, run_summary
+from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, alarm_bound, old_logprobs_source, replay_routes
+from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
@@ -97,8 +99,14 @@ class GRPOModule(PolicyModule):
         num_iterations: optimizer steps taken on each batch of rollouts (PPO epochs). The old log-probs are the
             sampling policy's, computed once before the first of them, so the ratio moves and clipping bites; the
             engine gets new weights (and the next batch is generated) once per batch. TRL: `num_iterations`.
-        old_logprobs: the policy the ratio is taken against: ``trainer`` (this step's own log-probs,
-            detached) or ``engine`` (the engine's log-probs: staleness then shows in the clipped ratio).
+        old_logprobs, ignore_staleness: the ratio's policy: ``trainer`` (this step's log-probs, detached), ``engine``
+            (the sampler's, the behaviour policy: the clipped ratio corrects a stale batch's lag) or ``auto``: ``engine``
+            where a batch can be stale (``async_mode``, ``max_staleness >= 1``) and ``loss`` has no engine-vs-trainer
+            correction, else ``trainer``; ``trainer`` there without it is refused unless ``ignore_staleness: true``.
+        router_replay: an MoE policy's forward uses the experts the engine routed each token to (``auto``: where the
+            engine records them; ``true`` refuses a dense model or an engine that cannot).
+        mismatch_alarm_kl: stop when ``train/mismatch/kl`` (KL(engine || trainer), batches of staleness 0) exceeds it;
+            null: never. 1e-2 is ten times what rounding gives in bf16 (about 1e-3; fp32: below 1e-6).
         learning_rate, weight_decay: AdamW settings.
         warmup_steps, lr_schedule: linear warmup, then a ``transformers.get_scheduler`` schedule (as for SFT).
         max_grad_norm: clip the gradient norm (over every mesh the weights live on); None: no clipping.
@@ -107,6 +115,8 @@ class GRPOModule(PolicyModule):
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
+        gradient_checkpointing, offload_activations: recompute each decoder layer in backward; keep saved activations
+            in host memory until backward. Less memory, the same loss and gradients.
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
@@ -149,7 +159,10 @@ class GRPOModule(PolicyModule):
         mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
         dynamic_sampling_max_rounds: int = 4,
-        old_logprobs: Literal["trainer", "engine"] = "trainer",
+        old_logprobs: OldLogprobs = "auto",
+        ignore_staleness: bool = False,
+        router_replay: RouterReplaySetting = "auto",
+        mismatch_alarm_kl: float | None = 1e-2,
         num_iterations: int = 1,
         ref_sync_every: int | None = None,
         ref_mixup_alpha: float = 0.6,
@@ -162,6 +175,8 @@ class GRPOModule(PolicyModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         compile: bool = False,
+        gradient_checkpointing: bool = False,
+        offload_activations: bool = False,
         towers: TowerTraining = "frozen",
         verify_packing: VerifyPacking = "first_step",
         verify_packing_every: int = 100,
@@ -219,15 +234,12 @@ class GRPOModule(PolicyModule):
                            "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
             validation.non_negative_int(key, value)
         validation.finite_non_negative("weight_decay", weight_decay)
+        alarm_bound(mismatch_alarm_kl)
         for key, value in {"learning_rate": learning_rate, "reward_timeout_s": reward_timeout_s, "max_grad_norm": max_grad_norm}.items():
             if value is not None:
                 validation.finite_positive(key, value)
-        if self.loss.corrects_engine and old_logprobs == "engine":
-            key = "importance_sampling_cap" if self.loss.importance_sampling_cap is not None else "importance_sampling_floor"
-            raise RecipeError(
-                f"loss.{key} corrects trainer vs engine log-probs; with old_logprobs='engine' the ratio already uses "
-                "the engine's, so the correction would apply twice", f"loss.{key}",
-            )
+        old_logprobs = self.hparams["old_logprobs"] = old_logprobs_source(
+            old_logprobs, self.loss, async_mode, max_staleness, num_iterations, ignore_staleness=ignore_staleness)  # fmt: skip
         uses_engine = [key for key, on in (("loss.importance_sampling_cap", self.loss.importance_sampling_cap is not None),
                        ("loss.importance_sampling_floor", self.loss.importance_sampling_floor is not None), ("old_logprobs", old_logprobs == "engine"),
                        ("loss.off_policy_mask_threshold", self.loss.off_policy_mask_threshold is not None)) if on]  # fmt: skip
@@ -244,12 +256,6 @@ class GRPOModule(PolicyModule):
                 f"scale_rewards={scale_rewards!r} with reward_aggregation='normalize_then_sum': that aggregation "
                 "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
                 "scale_rewards",
-            )
-        if num_iterations > 1 and async_mode and max_staleness > 0 and old_logprobs == "trainer":
-            raise RecipeError(
-                f"num_iterations={num_iterations} with async_mode and max_staleness={max_staleness}: a batch may come "
-                "from weights older than the trainer's, whose log-probs only the engine has; set old_logprobs: engine "
-                "or max_staleness: 0", "num_iterations",
             )
         if ref_sync_every is not None:
             validation.positive_int("ref_sync_every", ref_sync_every)
@@ -280,6 +286,8 @@ class GRPOModule(PolicyModule):
         self.heldout_before: dict[str, Any] | None = None  # the evaluator's figures before the first step
         self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
         self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
+        self.route_layers = 0  # routers whose engine routes the trainer replays (router_replay)
+        self._mismatch: dict[str, float] | None = None  # the batch's engine-vs-trainer figures, from its first pass
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -314,6 +322,7 @@ class GRPOModule(PolicyModule):
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
         self.engine = spec.build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
+        self.route_layers = replay_routes(self.hparams.router_replay, self.policy, self.engine)
         self.scorer.to(self.device)  # reward models score on the trainer's device
         renderer = PromptRenderer(
             self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs,
@@ -368,7 +377,7 @@ class GRPOModule(PolicyModule):
         started = time.perf_counter()
         if iteration == 0 or self._batch is None:
             self._batch = self.producer.take(index) if self.producer is not None else self.collector.collect(index)
-            self._old_logprobs = None
+            self._old_logprobs = self._mismatch = None
         scored = self._batch
         self.current_batch = scored
         waited = time.perf_counter() - started
@@ -400,10 +409,11 @@ class GRPOModule(PolicyModule):
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
         bonus_entropy = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed entropy, tokens
         for k, packed in enumerate(packed_rows):
+        mismatch = MismatchStats(self.route_layers) if self._mismatch is None else None  # at the batch's first pass
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
             old = None if self._old_logprobs is None else self._old_logprobs[k].to(self.device)
-            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old, loss=step_loss)
+            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old, loss=step_loss, mismatch=mismatch)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
@@ -411,8 +421,9 @@ class GRPOModule(PolicyModule):
             if self.entropy_control is not None:
                 kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
                 bonus_entropy += torch.stack([kept.double().sum(), kept.new_tensor(kept.numel(), dtype=torch.float64)])
-        if self.hparams.max_grad_norm is not None:
-            self.clip_gradients_over_meshes(self.hparams.max_grad_norm)
+        if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
+            self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
+        stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped
         optimizer.step()
         self.lr_schedulers().step()
         if self.entropy_control is not None:  # over every rank, for the next step's coefficient
@@ -432,7 +443,8 @@ class GRPOModule(PolicyModule):
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 
     def policy_logprobs(
-        self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False
+        self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False,
+        route_agreement: RouteAgreement | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature (and the entropy
         there, differentiable with ``entropy_grad``)."""
@@ -440,6 +452,7 @@ class GRPOModule(PolicyModule):
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
             attention_backend=self.attention_backend(), entropy_grad=entropy_grad, suppressed=self.sampling.suppress_token_ids,
         )  # fmt: skip
+            route_agreement=route_agreement,
         return out if with_entropy else (out, None)
 
     def _temperature(self) -> float:
@@ -456,14 +469,17 @@ class GRPOModule(PolicyModule):
 
     def row_loss(
         self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
-        loss: GRPOLoss | None = None,
+        loss: GRPOLoss | None = None, mismatch: MismatchStats | None = None,
     ) -> tuple[TokenLoss, torch.Tensor | None]:
         """The loss terms of one packed row and its per-token entropy. ``entropy_threshold``: the step's, for
         ``loss.top_entropy_quantile < 1`` (by default this row's own quantile). ``old_logprobs``: the policy the
         ratio is taken against, when not this step's own (``num_iterations``) or the engine's. ``loss``: the
-        step's settings, when they are not ``self.loss`` (adaptive entropy control)."""
+        step's settings, when they are not ``self.loss`` (adaptive entropy control). ``mismatch``: the first pass's
+        engine-vs-trainer figures, added to."""
         loss = self.loss if loss is None else loss
-        logprobs, entropy = self.policy_logprobs(self.policy, packed, with_entropy=True, entropy_grad=loss.entropy_coef != 0)
+        logprobs, entropy = self.policy_logprobs(
+            self.policy, packed, with_entropy=True, entropy_grad=loss.entropy_coef != 0, route_agreement=mismatch.routes if mismatch else None,
+        )
         engine_logprobs = packed.token_values["engine_logprobs"]
         ref_logprobs = None
         if self.reference is not None:
@@ -480,6 +496,8 @@ class GRPOModule(PolicyModule):
             entropy_threshold=entropy_threshold,
         )
         return terms, None if entropy is None else entropy.detach()
+        if mismatch is not None:
+            mismatch.add(logprobs, engine_logprobs, terms.corrected)
 
     @torch.no_grad()
     def _entropy_threshold(self, rows: list[PackedBatch], counts: StepCounts) -> tuple[torch.Tensor, StepCounts]:
@@ -504,6 +522,8 @@ class GRPOModule(PolicyModule):
         options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad,
                        token_supports=[r.sequence_support for r in rollouts])  # a filter's support: scored over it, as sampled
         if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
+        if self.route_layers:  # router replay: each token goes to the experts the engine routed it to
+            options["routes"] = [r.routes for r in rollouts]
             rule = functools.partial(rope_positions, self.policy) if uses_multi_axis_positions(self.policy) else None  # the model's own
             images = [r.metadata.get("images", []) for r in rollouts]
             return pack_with_images([r.sequence for r in rollouts], images, self.image_token_id, [r.loss_mask for r in rollouts], position_rule=rule, **options)
@@ -580,12 +600,12 @@ class GRPOModule(PolicyModule):
             **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
             **stats.metrics(),
         }
+            **(self._mismatch or {}),
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
         self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps
-        if every and scored.index % every == 0 and self.logger is not None and hasattr(self.logger, "log_table"):
-            columns, rows = rollout_table(scored, self._text)
-            self.logger.log_table(key="rollouts", columns=columns, data=rows)
+        if every and scored.index % every == 0:  # at the step just taken, where Lightning logs its figures
+            log_rollouts(self.trainer, self.global_step - 1, rollout_table(scored, self._text))
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
@@ -593,30 +613,20 @@ class GRPOModule(PolicyModule):
             path = resolve_model_path(self.hparams.model_name_or_path)
             source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else toy_source(self.hparams.eval_data)
             self._heldout_cases = heldout_cases(source, self.tokenizer, str(path), self.processor, self.image_token_id)[: self.hparams.eval_generations]
-        return exact_match(self.policy, self.tokenizer, self._heldout_cases, max_new_tokens=self.hparams.eval_max_new_tokens)
+        return log_heldout(self, exact_match(self.policy, self.tokenizer, self._heldout_cases, max_new_tokens=self.hparams.eval_max_new_tokens))
 
     def summary_metrics(self) -> dict[str, Any]:
         """Reward means of the first and last `summary_window` steps, and held-out accuracy before and after
         training when ``eval_generations`` is set, for summary.json."""
-        history = self.reward_history
-        window = max(1, min(self.hparams.summary_window, len(history) // 2 or 1))
-        mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
         heldout = {}
         if self.hparams.eval_generations:
             heldout = {**self.evaluate(), "heldout_exact_match_before": (self.heldout_before or {}).get("heldout_exact_match")}
-        return {
-            **heldout,
-            "reward_first_window_mean": mean(history[:window]),
-            "reward_last_window_mean": mean(history[-window:]),
-            "reward_window": window,
-            "grpo_steps": len(history),
-            "max_staleness_seen": max((b["index"] - b["weight_version"] for b in self.trained_batches), default=0),
-            "reward_failure": self.scorer.stopped_by,
-        }
+        return {**heldout, **run_summary(self.reward_history, self.hparams.summary_window, self.trained_batches), "reward_failure": self.scorer.stopped_by}
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return self.export_policy(self.processor or self.tokenizer, path, mode="model" if self.lora is None else "merged", write=write)
+        mode = "model" if self.lora is None else "merged"
+        return self.export_policy(self.processor or self.tokenizer, path, mode=mode, data=self.trainer.datamodule.path, write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume
@@ -630,6 +640,7 @@ class GRPOModule(PolicyModule):
             "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
             "heldout_before": self.heldout_before,
         }
+            "mismatch": self._mismatch,
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -641,6 +652,7 @@ class GRPOModule(PolicyModule):
         self._old_logprobs = state.get("old_logprobs")
         self.heldout_before = state.get("heldout_before")
         if self.entropy_control is not None and state.get("entropy_control") is not None:
+        self._mismatch = state.get("mismatch")
             self.entropy_control = EntropyControl(**state["entropy_control"])
 
 

@@ -1,5 +1,6 @@
 """What a GRPO step logs: the loss statistics summed over its packed rows, and the figures of the batch it trained on
-(rewards and their failures, staleness, completion lengths, dynamic sampling, tool calls) and its rollout table."""
+(rewards and their failures, staleness, completion lengths, dynamic sampling, tool calls) and its rollout table; what
+the run's summary.json says of its steps."""
 
 from __future__ import annotations
 
@@ -103,3 +104,17 @@ def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str]) -> 
         for i, r in enumerate(scored.rollouts)
     ]
     return ["step", "prompt", "completion", "reward", "weight_version", *names], rows
+
+
+def run_summary(reward_history: Sequence[float], summary_window: int, trained_batches: Sequence[dict[str, int]]) -> dict[str, Any]:
+    """summary.json's figures of the steps: reward means of the first and last ``summary_window`` steps (at most half
+    the run each), the steps, and the stalest batch trained."""
+    window = max(1, min(summary_window, len(reward_history) // 2 or 1))
+    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+    return {
+        "reward_first_window_mean": mean(reward_history[:window]),
+        "reward_last_window_mean": mean(reward_history[-window:]),
+        "reward_window": window,
+        "grpo_steps": len(reward_history),
+        "max_staleness_seen": max((b["index"] - b["weight_version"] for b in trained_batches), default=0),
+    }

@@ -128,6 +128,7 @@ class ToolConversation:
                     _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs, support=child.support)
                     history.weight_version = min(history.weight_version, child.weight_version)
                     history.finish_reason = child.finish_reason
+                    history.routes = child.routes  # the engine's routes of the whole history, as this turn ran it
                     live.append((history, child.completion_ids))
         groups: list[list[Rollout]] = [[] for _ in prompts]
         for history in finished:

@@ -11,7 +11,11 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,9 +26,9 @@ from lightning_rl.rollout.base import (
     ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, support_rows,
     support_too_wide, suppressing_bias,
 )
-from lightning_rl.models.weights import SentDigests, verify_held
+from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_digests, ties_of
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -96,6 +100,8 @@ class VLLMEngine(RolloutEngine):
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
             live weights under the same name (`vllm_held`: fused and repacked weights read back), and stop the run
             on a difference (naming the tensor and version). Needs the whole model in one worker.
+        max_lora_rank: serve a LoRA adapter of up to this rank, sent alone (`push_adapter`, a recipe's
+            ``weight_sync: adapter``); None: no LoRA serving, adapters arrive merged into the weights.
     """
 
     @classmethod
@@ -116,6 +122,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
         verify_weights: bool = True,
+        max_lora_rank: int | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -129,6 +136,7 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enforce_eager=enforce_eager, distributed_executor_backend="uni",
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
+                **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}),
                 **dict(engine_kwargs or {}),
             )
         finally:
@@ -142,6 +150,12 @@ class VLLMEngine(RolloutEngine):
         # read back is refused here, before a run starts.
         self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
+        self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
+        self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
+        self.max_lora_rank = max_lora_rank
+        self._lora_targets = self._llm.collective_rpc(lora_targets)[0] if max_lora_rank is not None else []
+        self._adapter: Any = None  # the LoRARequest generation applies, once an adapter is pushed
+        self._adapter_folder: str | None = None
         super().__init__(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
@@ -155,7 +169,8 @@ class VLLMEngine(RolloutEngine):
             # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
             params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n, self._vocab_size), detokenize=False)
                       for g in range(len(prompts))]
-            outputs = self._llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False)
+            outputs = self._llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False,
+                                         lora_request=self._adapter)
         groups = []
         for g, (prompt, output) in enumerate(zip(prompts, outputs)):
             if own[g]:
@@ -174,13 +189,37 @@ class VLLMEngine(RolloutEngine):
             ])
         return RolloutBatch(groups)
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Reload in place, then (with `verify_weights`) prove the live weights are what was sent. A tensor the model
         lacks raises `WeightNameError` and the version stays; tensors before it in the stream are already loaded,
-        so push the full weights again."""
+        so push the full weights again. Returns the seconds generation was held off."""
+        return self._push(named_tensors, version, earlier=None)
+
+    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """`push_weights` of only the changed tensors (whole `write_groups`): a module that gets none of its tensors
+        keeps its weights, and every tensor not sent must still hold what the last verified push left in it."""
+        return self._push(named_tensors, version, earlier=self._verified)
+
+    def write_groups(self) -> dict[str, str]:
+        """The parts of each fused module (q/k/v, gate/up) and a layer's experts are written together: vLLM's reload
+        of a module rebuilds it from what it receives."""
+        fused = {part: module for module, parts in self._packed.items() for part in parts}
+        groups = {}
+        for name in self._layout.shapes:
+            module, _, param = name.rpartition(".")
+            head, _, leaf = module.rpartition(".")
+            if leaf in fused:
+                groups[name] = f"{head}.{fused[leaf]}.{param}"
+            elif ".experts." in name:
+                groups[name] = name[: name.index(".experts.")] + ".experts"
+        return groups
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
         sent = SentDigests(named_tensors, self._held_dtypes.get)
         weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(sent if self.verify_weights else named_tensors))
+        self._verified = None  # until this push is verified
         with self._lock:
+            paused = time.perf_counter()
             try:
                 self._reload(weights)
             except Exception:
@@ -193,8 +232,37 @@ class VLLMEngine(RolloutEngine):
                 self._llm.reset_prefix_cache()
                 self._llm.llm_engine.reset_encoder_cache()
             if self.verify_weights:
-                verify_held(sent, {name: digest for name, (_, digest) in self._held().items()}, ties_of(self._layout), version)
+                held = {name: digest for name, (_, digest) in self._held().items()}
+                verify_held(sent, held, ties_of(self._layout), version, earlier)
+                self._verified = held
             self._version = version
+            return time.perf_counter() - paused
+
+    def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
+        if self.max_lora_rank is None:
+            return "this vLLM engine serves no LoRA adapter (set model.engine.init_args.max_lora_rank)"
+        return vllm_adapter_refusal(adapter, self.max_lora_rank, self._lora_targets, self._layout.architecture)
+
+    def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
+        """Write the adapter as a peft folder and load it in place under one name (vLLM loads adapters from folders);
+        generation after it applies it. With `verify_weights`, each adapted layer's A and B as the worker holds them in
+        the adapter's slot must be those sent (B times the scaling, as vLLM keeps it), every other layer's zero."""
+        from vllm.lora.request import LoRARequest
+
+        folder = self._adapter_folder = self._adapter_folder or tempfile.mkdtemp(prefix="lightning-rl-adapter-")
+        received = write_adapter(named_tensors, adapter, folder)
+        request = LoRARequest("policy", 1, folder, load_inplace=True)
+        with self._lock:
+            paused = time.perf_counter()
+            self._adapter = None  # until this version is loaded
+            self._llm.llm_engine.add_lora(request)
+            self._llm.reset_prefix_cache()  # cached keys and values were computed with the previous adapter
+            if self.verify_weights:
+                held = self._llm.collective_rpc(held_adapter, kwargs={"lora_id": 1, "rank": adapter.rank})[0]
+                verify_adapter(received, held, adapter, version)
+            self._adapter = LoRARequest("policy", 1, folder)
+            self._version = version
+            return time.perf_counter() - paused
 
     def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -211,4 +279,52 @@ class VLLMEngine(RolloutEngine):
         with self._lock:
             self._llm.llm_engine.engine_core.shutdown()
             del self._llm
+        if self._adapter_folder is not None:
+            shutil.rmtree(self._adapter_folder, ignore_errors=True)
         gc.collect()
+
+
+def _packed_modules(model: Any) -> dict[str, list[str]]:
+    """vLLM's fused modules of the model and their checkpoint parts (``qkv_proj`` -> q, k, v)."""
+    return {fused: list(parts) for fused, parts in getattr(type(model), "packed_modules_mapping", {}).items()}
+
+
+def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequence[str], architecture: str) -> str | None:
+    """Why vLLM cannot serve ``adapter`` (naming the module), or None: vLLM applies LoRA to the linear layers its
+    model class lists, of rank up to its max_lora_rank, without a variant, bias or modules trained whole."""
+    if adapter.rank > max_lora_rank:
+        return f"lora.r {adapter.rank} is above the engine's max_lora_rank {max_lora_rank}"
+    if adapter.modules_to_save:
+        return f"vLLM cannot serve modules trained whole beside an adapter (modules_to_save: {adapter.modules_to_save[0]})"
+    if adapter.unmergeable:
+        return f"vLLM cannot serve a LoRA variant or LoRA bias (on {adapter.unmergeable[0]})"
+    for name, kind in adapter.layers.items():
+        if kind != "Linear" or name.rpartition(".")[2] not in targets:
+            return f"vLLM's {architecture} serves LoRA on {', '.join(targets)}, not on {name} ({kind})"
+    return None
+
+
+def write_adapter(named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, folder: str) -> dict[str, torch.Tensor]:
+    """Write the adapter as peft saves one (``adapter_model.safetensors``, ``adapter_config.json``); returns its tensors."""
+    from safetensors.torch import save_file
+
+    received = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+    save_file(received, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as config:
+        json.dump(adapter.config, config)
+    return received
+
+
+def verify_adapter(received: Mapping[str, torch.Tensor], held: Mapping[str, list], adapter: AdapterSpec, version: int) -> None:
+    """`verify_held` for an adapter vLLM holds: A cast to the dtype held, B cast and multiplied by the scaling as vLLM
+    does on loading; a layer the adapter does not adapt must hold zeros (whose digest is 0)."""
+    dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in held.items()}
+
+    def as_held(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(dtypes.get(name, tensor.dtype))
+        return tensor * adapter.scaling if ".lora_B." in name else tensor
+
+    sent = SentDigests(((name, as_held(name, tensor)) for name, tensor in received.items()), lambda name: None)
+    for _ in sent:
+        pass
+    verify_held(sent, {name: digest for name, (_, digest) in held.items()}, {}, version, earlier=dict.fromkeys(held, 0))

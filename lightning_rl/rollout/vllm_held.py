@@ -69,3 +69,35 @@ def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
 def ties_of(layout: CheckpointLayout) -> dict[str, str]:
     """Each tied name -> the name whose tensor it shares (``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
     return {target: source for source, targets in layout.aliases.items() for target in targets}
+
+
+def held_adapter(worker: object, lora_id: int, rank: int) -> dict[str, list]:
+    """``{peft name: [dtype name, digest]}`` of the LoRA adapter ``lora_id`` as the worker computes with it: each
+    adapted layer's A and B in the adapter's slot, cut to ``rank`` (vLLM pads to its max_lora_rank) and cut per
+    part of a fused layer. vLLM holds B already multiplied by the adapter's scaling. A layer the adapter does not
+    adapt holds zeros."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    slots = list(manager.lora_index_to_id)
+    if lora_id not in slots:
+        raise HeldWeightsError(f"the engine holds no adapter {lora_id} in its slots ({slots}): it is not loaded")
+    slot = slots.index(lora_id)
+    packed = getattr(type(worker.get_model()), "packed_modules_mapping", {})
+    held = {}
+    with torch.no_grad():
+        for module_name, module in manager.modules.items():
+            stacked_a, stacked_b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+            if not isinstance(stacked_a, (tuple, list)):
+                continue  # embeddings: adapters on them are refused before they are sent
+            head, _, leaf = module_name.rpartition(".")
+            for part, a, b in zip(packed.get(leaf, [leaf]), stacked_a, stacked_b):
+                prefix = f"base_model.model.{head}.{part}"
+                for name, tensor in ((f"{prefix}.lora_A.weight", a[slot, 0, :rank]), (f"{prefix}.lora_B.weight", b[slot, 0, :, :rank])):
+                    held[name] = [str(tensor.dtype).removeprefix("torch."), tensor_digest(tensor)]
+    return held
+
+
+def lora_targets(worker: object) -> list[str]:
+    """The layer names (last name part, fused layers by their parts) the worker's model serves LoRA on."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    packed = manager.packed_modules_mapping
+    return sorted({part for module in manager.supported_lora_modules for part in packed.get(module, [module])})

@@ -1,0 +1,213 @@
+"""Trainer equals sampler, measured every step: the engine-vs-trainer figures of a real GRPO step equal the ones
+computed by hand from the same batch, the alarm stops a run whose engine holds other weights (and not a healthy
+one), a batch that can be stale is trained against the sampler's log-probs by default, and router replay runs
+through GRPO (the tiny mixture-of-experts recipe logs a route agreement of 1.0).
+
+Real Trainer runs of the tiny models with the real transformers engine; the only stand-in is an engine whose
+weights are moved off the trainer's after each (verified) push, the fault the alarm is for."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from support.grpo import fit
+
+from lightning_rl.errors import RecipeError
+from lightning_rl.models.routing import RouterReplayError
+from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.modules.mismatch import MismatchAlarm
+from lightning_rl.rewards import RewardSpec
+from lightning_rl.rollout.base import Rollout
+from lightning_rl.rollout.hf import HFRolloutEngine
+
+REPO = Path(__file__).resolve().parents[1]
+# Token ids differ between almost any two samples of the tiny model, so every group carries a gradient.
+SPREAD_REWARD = [RewardSpec("test_mismatch:token_spread")]
+
+
+def token_spread(completion_ids: list[list[int]], **_) -> list[float]:
+    return [float(sum(ids) % 13) for ids in completion_ids]
+
+
+class DriftedEngine(HFRolloutEngine):
+    """The transformers engine, whose weights move off the trainer's right after each push has been verified: it
+    samples from other weights than it was sent."""
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        super().push_weights(named_tensors, version)
+        g = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _trained_logprobs(module: GRPOModule, rollout: Rollout) -> torch.Tensor:
+    """The policy's log-probs of a rollout's trained tokens, from a plain forward of the sequence alone."""
+    ids = torch.tensor([rollout.sequence])
+    logits = module.policy(input_ids=ids).logits[0, :-1].float() / module._temperature()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logprobs[len(rollout.prompt_ids) - 1 :][torch.tensor(rollout.completion_mask)]
+
+
+def _engine_logprobs(rollout: Rollout) -> torch.Tensor:
+    return torch.tensor(rollout.logprobs)[torch.tensor(rollout.completion_mask)]
+
+
+class ByHand(L.Callback):
+    """Before each optimizer step (the weights still those of the step's forward): the step's gradient, its batch's
+    staleness, the mismatch figures by hand, and the gradient of the clipped loss by hand against the sampler's
+    log-probs (``corrected``) and against the trainer's own (``on_policy``)."""
+
+    def __init__(self, cap: float | None = None, floor: float | None = None) -> None:
+        self.cap, self.floor = cap, floor
+        self.steps: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        params = [p for p in module.policy.parameters() if p.requires_grad]
+        grads = [p.grad.detach().clone() for p in params]
+        scored = module.current_batch
+        advantages = module._advantages(scored)
+        trainer_lp = [_trained_logprobs(module, r) for r in scored.rollouts]
+        engine_lp = [_engine_logprobs(r) for r in scored.rollouts]
+        d = torch.cat([t.detach() for t in trainer_lp]).double() - torch.cat(engine_lp).double()
+        ratio = d.exp()
+        cap = math.inf if self.cap is None else self.cap
+        floor = -math.inf if self.floor is None else self.floor
+        tokens = sum(len(t) for t in trainer_lp)
+
+        def dapo_gradient(old: list[torch.Tensor]) -> list[torch.Tensor]:
+            loss = 0.0
+            for lp, o, a in zip(trainer_lp, old, advantages.tolist(), strict=True):
+                r = torch.exp(lp - o)
+                loss = loss - torch.min(r * a, r.clamp(0.8, 1.2) * a).sum() / tokens
+            return list(torch.autograd.grad(loss, params, retain_graph=True))
+
+        self.steps.append({
+            "grads": grads, "staleness": scored.index - scored.weight_version, "kl": float((ratio - d - 1).mean()),
+            "ratio_mean": float(ratio.mean()), "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()),
+            "corrected_fraction": float(((ratio < floor) | (ratio > cap)).double().mean()),
+            "corrected": dapo_gradient(engine_lp), "on_policy": dapo_gradient([t.detach() for t in trainer_lp]),
+        })  # fmt: skip
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.steps[-1]["logged"] = dict(module._mismatch)
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return float(sum((x - y).double().pow(2).sum() for x, y in zip(a, b, strict=True)).sqrt())
+
+
+def test_the_step_logs_the_figures_computed_by_hand_from_its_batch():
+    """An engine off the trainer's weights, the correction on with bounds it crosses: every figure as by hand."""
+    by_hand = ByHand(cap=1.1, floor=0.9)
+    fit(2, [by_hand], batch_size=2, rewards=SPREAD_REWARD, engine=DriftedEngine, mismatch_alarm_kl=None,
+        loss={"importance_sampling_cap": 1.1, "importance_sampling_floor": 0.9}, max_grad_norm=None)  # fmt: skip
+    for step in by_hand.steps:
+        logged = step["logged"]
+        assert step["staleness"] == 0 and logged["offpolicy/kl"] == 0.0
+        assert step["kl"] > 1e-2 and 0 < step["corrected_fraction"] < 1, step  # a real mismatch, partly corrected
+        for name in ("kl", "ratio_mean", "ratio_min", "ratio_max", "corrected_fraction"):
+            assert logged[f"mismatch/{name}"] == pytest.approx(step[name], rel=1e-4, abs=1e-7), name
+        assert "mismatch/route_agreement" not in logged  # a dense model
+
+
+def test_the_alarm_stops_a_run_whose_engine_holds_other_weights_before_its_first_update():
+    with pytest.raises(MismatchAlarm) as caught:
+        fit(2, batch_size=2, rewards=SPREAD_REWARD, engine=DriftedEngine)
+    line = caught.value.line()
+    assert line.startswith("mismatch_alarm_kl: train/mismatch/kl is") and "\n" not in line
+    for cause in ("weights not synced", "chat template or tokenizer", "dtype", "not replayed"):
+        assert cause in line
+    assert caught.value.exit_code == 1
+
+
+def test_a_healthy_run_measures_no_mismatch_and_no_alarm():
+    module, _ = fit(2, batch_size=2, rewards=SPREAD_REWARD)
+    assert module._mismatch["mismatch/kl"] < 1e-8 and module._mismatch["mismatch/ratio_mean"] == pytest.approx(1, abs=1e-5)
+    assert module._mismatch["mismatch/corrected_fraction"] == 0.0  # the correction is off by default
+
+
+@pytest.mark.parametrize("bound", [0, -1e-3, float("nan"), float("inf"), True, "1e-2"])
+def test_an_alarm_bound_that_is_not_a_finite_positive_number_is_refused(bound):
+    with pytest.raises(RecipeError) as caught:
+        GRPOModule(mismatch_alarm_kl=bound)
+    assert caught.value.key == "mismatch_alarm_kl" and "\n" not in str(caught.value)
+    GRPOModule(mismatch_alarm_kl=None)  # null: no alarm
+
+
+def test_batches_that_can_be_stale_take_the_samplers_logprobs_by_default():
+    source = lambda **kwargs: GRPOModule(**kwargs).hparams.old_logprobs  # noqa: E731
+    assert source() == "trainer" and source(async_mode=True, max_staleness=0) == "trainer"
+    assert source(async_mode=True, max_staleness=1) == "engine"
+    assert source(async_mode=True, loss={"importance_sampling_cap": 2.0}) == "trainer"  # the correction weighs the lag
+    with pytest.raises(RecipeError) as caught:
+        GRPOModule(async_mode=True, max_staleness=1, old_logprobs="trainer")
+    assert caught.value.key == "old_logprobs" and "ignore_staleness" in str(caught.value)
+    assert source(async_mode=True, old_logprobs="trainer", ignore_staleness=True) == "trainer"  # opted out by name
+
+
+def test_a_stale_batchs_gradient_is_the_clipped_ratio_against_the_sampler():
+    """Asynchronous, one version of lag allowed, every default: a stale batch's gradient is the clipped ratio
+    p_now / p_sampler's, not the on-policy one's; its lag is logged apart from the mismatch."""
+    by_hand = ByHand()
+    fit(4, [by_hand], batch_size=2, rewards=SPREAD_REWARD, async_mode=True, max_staleness=1, max_grad_norm=None,
+        learning_rate=1e-2)  # fmt: skip
+    for step in by_hand.steps:
+        assert _distance(step["grads"], step["corrected"]) <= 1e-4 * _distance(step["grads"], [0 * g for g in step["grads"]])
+    stale = [s for s in by_hand.steps if s["staleness"] == 1 and _distance(s["grads"], [0 * g for g in s["grads"]]) > 0]
+    assert stale, [s["staleness"] for s in by_hand.steps]
+    for step in stale:
+        assert _distance(step["grads"], step["on_policy"]) > 100 * _distance(step["grads"], step["corrected"])
+        assert "mismatch/kl" not in step["logged"] and step["logged"]["offpolicy/kl"] == pytest.approx(step["kl"], rel=1e-4)
+        assert step["kl"] > 1e-6  # the weights moved between sampling and training
+
+
+class Figures(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, dict]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.steps.append((module.last_trained.index - module.last_trained.weight_version, dict(module._mismatch)))
+
+
+def test_router_replay_runs_through_grpo_in_asynchronous_mode_and_is_refused_for_a_dense_model():
+    """Batches of the trainer's own weights agree on every route; a stale one measures how far the trainer's own
+    choice has moved since (its routes are still the engine's: replayed, the loss is the sampler's computation)."""
+    figures = Figures()
+    module, _ = fit(3, [figures], batch_size=2, rewards=SPREAD_REWARD, model_name_or_path="tiny-moe", async_mode=True,
+                    max_staleness=1, sampling={"max_new_tokens": 4})  # fmt: skip
+    assert module.engine.record_routes and module.route_layers == 2
+    assert all(r.routes is not None for r in module.last_trained.rollouts)
+    assert [s for s, _ in figures.steps].count(1) >= 1
+    for staleness, logged in figures.steps:
+        agreement = logged["mismatch/route_agreement"]
+        assert agreement == 1.0 if staleness == 0 else 0 < agreement <= 1.0
+        assert logged["mismatch/kl"] < 1e-8 if staleness == 0 else logged["offpolicy/kl"] > 0
+    with pytest.raises(RouterReplayError) as caught:
+        fit(1, batch_size=2, rewards=SPREAD_REWARD, router_replay=True)
+    assert "dense model" in str(caught.value) and caught.value.key == "router_replay"
+
+
+def test_the_tiny_moe_recipe_logs_every_mismatch_figure_and_a_route_agreement_of_one(tmp_path):
+    out = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/grpo_moe.yaml", f"--output_dir={out}",
+           "--trainer.max_steps=2"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (metrics,) = out.glob("csv/*/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("train/mismatch/kl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row["train/mismatch/route_agreement"]) == 1.0
+        assert float(row["train/mismatch/kl"]) < 1e-8 and float(row["train/offpolicy/kl"]) == 0.0
+        for name in ("ratio_mean", "ratio_min", "ratio_max"):
+            assert float(row[f"train/mismatch/{name}"]) == pytest.approx(1.0, abs=1e-5)
+        assert float(row["train/mismatch/corrected_fraction"]) == 0.0
