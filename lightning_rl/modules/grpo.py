@@ -408,8 +408,8 @@ class GRPOModule(PolicyModule):
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
         bonus_entropy = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed entropy, tokens
-        for k, packed in enumerate(packed_rows):
         mismatch = MismatchStats(self.route_layers) if self._mismatch is None else None  # at the batch's first pass
+        for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
             old = None if self._old_logprobs is None else self._old_logprobs[k].to(self.device)
@@ -451,8 +451,8 @@ class GRPOModule(PolicyModule):
         out = packed_logprobs(
             model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
             attention_backend=self.attention_backend(), entropy_grad=entropy_grad, suppressed=self.sampling.suppress_token_ids,
-        )  # fmt: skip
             route_agreement=route_agreement,
+        )  # fmt: skip
         return out if with_entropy else (out, None)
 
     def _temperature(self) -> float:
@@ -495,9 +495,9 @@ class GRPOModule(PolicyModule):
             seq_num_tokens=torch.bincount(packed.loss_seq, minlength=packed.num_sequences), entropy=entropy,
             entropy_threshold=entropy_threshold,
         )
-        return terms, None if entropy is None else entropy.detach()
         if mismatch is not None:
             mismatch.add(logprobs, engine_logprobs, terms.corrected)
+        return terms, None if entropy is None else entropy.detach()
 
     @torch.no_grad()
     def _entropy_threshold(self, rows: list[PackedBatch], counts: StepCounts) -> tuple[torch.Tensor, StepCounts]:
@@ -521,9 +521,9 @@ class GRPOModule(PolicyModule):
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
         options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad,
                        token_supports=[r.sequence_support for r in rollouts])  # a filter's support: scored over it, as sampled
-        if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
         if self.route_layers:  # router replay: each token goes to the experts the engine routed it to
             options["routes"] = [r.routes for r in rollouts]
+        if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
             rule = functools.partial(rope_positions, self.policy) if uses_multi_axis_positions(self.policy) else None  # the model's own
             images = [r.metadata.get("images", []) for r in rollouts]
             return pack_with_images([r.sequence for r in rollouts], images, self.image_token_id, [r.loss_mask for r in rollouts], position_rule=rule, **options)
@@ -599,8 +599,8 @@ class GRPOModule(PolicyModule):
             "lr": self.optimizers().param_groups[0]["lr"],
             **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
             **stats.metrics(),
-        }
             **(self._mismatch or {}),
+        }
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
         self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps
@@ -639,8 +639,8 @@ class GRPOModule(PolicyModule):
             "old_logprobs": None if self._old_logprobs is None else list(self._old_logprobs),
             "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
             "heldout_before": self.heldout_before,
-        }
             "mismatch": self._mismatch,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -651,8 +651,8 @@ class GRPOModule(PolicyModule):
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
         self._old_logprobs = state.get("old_logprobs")
         self.heldout_before = state.get("heldout_before")
-        if self.entropy_control is not None and state.get("entropy_control") is not None:
         self._mismatch = state.get("mismatch")
+        if self.entropy_control is not None and state.get("entropy_control") is not None:
             self.entropy_control = EntropyControl(**state["entropy_control"])
 
 
