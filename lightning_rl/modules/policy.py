@@ -17,6 +17,7 @@ from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.modules.optim import adamw_with_schedule
 from lightning_rl.ops.grad_norm import clip_grad_norm
+from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 
 
@@ -26,23 +27,30 @@ _CLI_KEYS = {"_instantiator", "_class_path"}  # what LightningCLI adds to the sa
 
 class PolicyModule(LightningModule):
     """A training module around one policy. Subclasses keep in ``hparams`` the keys read here:
-    ``attention_backend``, ``compile``, ``towers``, ``learning_rate``, ``weight_decay``, ``lr_schedule``,
-    ``warmup_steps`` (and ``betas``, if they have it), and their LoRA settings in ``self.lora`` (or None)."""
+    ``attention_backend``, ``compile``, ``towers``, ``gradient_checkpointing``, ``offload_activations``, ``learning_rate``,
+    ``weight_decay``, ``lr_schedule``, ``warmup_steps`` (and ``betas``, if they have it), and their LoRA settings in
+    ``self.lora`` (or None)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.policy: torch.nn.Module | None = None
         self._backends: dict[torch.device, str] = {}
+        self.offloaded: OffloadedForwards | None = None  # with offload_activations: what the latest forward moved
 
-    def load_policy(self, path: str, lora: LoraSettings | None, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    def load_policy(self, path: str, lora: LoraSettings | None) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
-        strategy loads them sharded, an image-text model's towers as ``towers`` says, each decoder layer compiled
-        when ``compile`` is set."""
+        strategy loads them sharded, an image-text model's towers as ``towers`` says, each decoder layer recomputed
+        in backward with ``gradient_checkpointing``, the activations its forward saves kept in host memory until
+        backward with ``offload_activations``, each decoder layer compiled when ``compile`` is set. Both memory
+        settings change no value: the loss and gradients are those without them."""
+        hp = self.hparams
         policy = load_causal_lm(
-            path, lora=lora, gradient_checkpointing=gradient_checkpointing, defer_weights=self.loads_sharded(), towers=self.hparams.towers
+            path, lora=lora, gradient_checkpointing=hp.gradient_checkpointing, defer_weights=self.loads_sharded(), towers=hp.towers
         )
         policy.train()  # from_pretrained returns the model in eval mode
-        if self.hparams.compile:
+        if hp.offload_activations:
+            self.offloaded = OffloadedForwards(policy)
+        if hp.compile:
             compile_decoder_layers(policy)
         return policy
 

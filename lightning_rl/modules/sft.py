@@ -45,6 +45,8 @@ class SFTModule(PolicyModule):
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
         gradient_checkpointing: recompute each decoder layer's activations in backward (less memory, more time).
+        offload_activations: keep the activations a forward saves for backward in host memory until then (less
+            accelerator memory, more host-device traffic); with ``gradient_checkpointing`` only the layers' inputs.
         compile: ``torch.compile`` each decoder layer for training (the tree attention inside stays eager).
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
@@ -68,6 +70,7 @@ class SFTModule(PolicyModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
+        offload_activations: bool = False,
         compile: bool = False,
         towers: TowerTraining = "frozen",
         verify_packing: VerifyPacking = "first_step",
@@ -102,9 +105,7 @@ class SFTModule(PolicyModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
-            self.policy = self.load_policy(
-                self.hparams.model_name_or_path, self.lora, gradient_checkpointing=self.hparams.gradient_checkpointing
-            )
+            self.policy = self.load_policy(self.hparams.model_name_or_path, self.lora)
 
     def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
         return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend())

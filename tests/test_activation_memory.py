@@ -1,0 +1,123 @@
+"""Activation memory (``gradient_checkpointing``, ``offload_activations``) changes no value: on tree-packed rows the
+loss and every gradient are bit for bit those without it, for SFT rows and GRPO's step, full and LoRA, on the tiny
+Qwen3 and on a sliding-window Mistral; and each does what it says (layers recomputed in backward, the activations
+saved for backward moved to host memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.grpo import GradientRecorder, fit
+from support.tiny_models import build
+from support.trees import NESTED
+
+from lightning_rl.models.loading import LoraSettings, load_causal_lm
+from lightning_rl.models.structure import find_decoder_layers
+from lightning_rl.ops.packed_forward import packed_logprobs
+from lightning_rl.ops.saved_activations import OffloadedForwards, is_weight
+from lightning_rl.packing.tree import pack_sequences
+from lightning_rl.rewards import RewardSpec
+
+LORA = LoraSettings(r=4, alpha=8)
+TOKEN_REWARD = [RewardSpec("test_activation_memory:token_parity")]
+SETTINGS = {"checkpointing": (True, False), "offload": (False, True), "both": (True, True)}
+
+
+class SavedOnDevice(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of activations autograd keeps where they were made (weights aside); offloaded ones and the
+    inside of a checkpointed layer are packed by hooks nearer the operation, so they do not reach this one."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            self.bytes += 0 if is_weight(tensor) else tensor.numel() * tensor.element_size()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_path, tmp_path_factory) -> dict[str, str]:
+    mistral = tmp_path_factory.mktemp("mistral") / "model"
+    build("mistral_sliding").save_pretrained(mistral)
+    return {"tiny": str(tiny_path), "mistral_sliding": str(mistral)}
+
+
+def sft_step(folder: str, lora: LoraSettings | None, checkpointing: bool, offload: bool) -> dict:
+    """One SFT row's summed loss and gradients, with what the forward kept and what its backward recomputed."""
+    torch.manual_seed(0)  # LoRA's initial adapters alike in every run
+    model = load_causal_lm(folder, lora=lora, gradient_checkpointing=checkpointing).train()
+    offloaded = OffloadedForwards(model) if offload else None
+    layers = find_decoder_layers(model)
+    parts = [child for layer in layers for child in layer.children()]  # norms, attention, MLP: each runs once a forward
+    calls = [0]  # of the layers' parts: transformers checkpoints a layer's forward, inside the layer's own hooks
+    for part in parts:
+        part.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    row = pack_sequences(NESTED, share_prefixes=True)
+    assert row.num_unique_tokens < row.num_flat_tokens  # a tree: shared prefixes forwarded once
+    saved = SavedOnDevice()
+    with saved:
+        loss = -packed_logprobs(model, row, attention_backend="blocks").sum()
+    forward_calls = calls[0]  # the packing probe's forwards too, the first time a model is packed
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "grads": {name: p.grad for name, p in model.named_parameters() if p.grad is not None},
+        "saved_on_device": saved.bytes,
+        "host_bytes": offloaded.host_bytes if offloaded else 0,
+        "recomputed": calls[0] - forward_calls,
+        "layer_parts": len(parts),
+    }
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("family", ["tiny", "mistral_sliding"])
+def test_a_packed_sft_row_has_the_same_loss_and_gradients(folders, family, lora):
+    base = sft_step(folders[family], lora, False, False)
+    assert base["recomputed"] == 0 and base["host_bytes"] == 0
+    assert len(base["grads"]) > 0 and all(g.abs().sum() > 0 for n, g in base["grads"].items() if "lora_A" not in n)
+    for setting, (checkpointing, offload) in SETTINGS.items():
+        got = sft_step(folders[family], lora, checkpointing, offload)
+        assert torch.equal(got["loss"], base["loss"]), setting
+        assert got["grads"].keys() == base["grads"].keys(), setting
+        for name, grad in base["grads"].items():
+            assert torch.equal(got["grads"][name], grad), f"{setting}: {name}"
+        # Each did what it says: the layers ran again in backward; the activations went to host memory, and what
+        # stays on the device shrank to what the model's forward does not save (the chunked LM head's input).
+        assert got["recomputed"] == (base["layer_parts"] if checkpointing else 0), setting
+        assert got["saved_on_device"] < base["saved_on_device"] / 3, setting
+        assert (got["host_bytes"] > 0) == offload, setting
+    alone = sft_step(folders[family], lora, False, True)
+    both = sft_step(folders[family], lora, True, True)
+    # Offloading alone moves every activation the layers save; with checkpointing only the layers' inputs.
+    assert alone["host_bytes"] == base["saved_on_device"] - alone["saved_on_device"]
+    assert 0 < both["host_bytes"] < alone["host_bytes"] / 3
+
+
+def token_parity(completion_ids: list[list[int]], **_) -> list[float]:
+    """A reward that tells apart almost any two samples of a group, so every group carries a gradient."""
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_a_grpo_step_over_tree_packed_rows_has_the_same_gradients(lora):
+    """The real module and Trainer: the same rollouts, cut into several tree-packed rows, give the same gradients."""
+    runs = {}
+    for setting, (checkpointing, offload) in {"none": (False, False), **SETTINGS}.items():
+        if lora is not None and setting in ("checkpointing", "offload"):
+            continue  # each alone is covered on full fine-tuning; LoRA runs them together
+        recorder = GradientRecorder()
+        module, trainer = fit(1, [recorder], batch_size=4, rewards=TOKEN_REWARD, max_grad_norm=None, max_tokens_per_row=48,
+                              lora=lora, gradient_checkpointing=checkpointing, offload_activations=offload)  # fmt: skip
+        assert float(trainer.callback_metrics["train/rows"]) >= 2
+        assert float(trainer.callback_metrics["train/packing_ratio"]) > 1  # tree-packed: the prompts shared
+        assert any(getattr(m, "gradient_checkpointing", False) for m in module.policy.modules()) == checkpointing
+        assert (module.offloaded is not None and module.offloaded.host_bytes > 0) == offload
+        runs[setting] = recorder.steps[0]
+    base = runs.pop("none")
+    assert any(g.abs().sum() > 0 for g in base.values())
+    for setting, grads in runs.items():
+        assert grads.keys() == base.keys(), setting
+        for name, grad in base.items():
+            assert torch.equal(grads[name], grad), f"{setting}: {name}"
