@@ -121,7 +121,7 @@ class EngineWeights(L.Callback):
 
 def test_lora_policy_pushes_merged_weights_to_the_engine():
     engine = EngineWeights()
-    module, _ = fit(2, [engine], lora=LoraSettings(r=4, alpha=8), learning_rate=1e-2, rewards=LENGTH_REWARD)
+    module, _ = fit(2, [engine], lora=LoraSettings(r=4, alpha=8), weight_sync="merged", learning_rate=1e-2, rewards=LENGTH_REWARD)
     base = module.policy.get_base_model()
     q_proj = base.model.layers[0].self_attn.q_proj
     merged = q_proj.base_layer.weight + q_proj.scaling["default"] * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight

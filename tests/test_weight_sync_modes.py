@@ -6,14 +6,19 @@ Each check compares the engine's log-probs of a fixed batch with the trainer's, 
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from support.grpo import LENGTH_REWARD, fit
+
 from lightning_rl.errors import RecipeError
+from lightning_rl.models.loading import LoraSettings
 from lightning_rl.models.policy_sync import PolicySync, check_weight_sync, resolve_weight_sync
 from lightning_rl.models.weights import WeightMismatchError, adapter_spec, iter_full_weights, tensor_digest
+from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.hf import HFRolloutEngine
 
 BATCH = torch.tensor([[3, 9, 14, 2, 33, 7, 21, 5], [8, 1, 40, 12, 6, 6, 19, 30]])
@@ -60,7 +65,7 @@ def test_an_adapter_sync_gives_the_trainers_logprobs_and_what_a_merged_sync_give
         assert (logprobs(by_adapter.model) - logprobs(by_merge.model)).abs().max() < 1e-5
         # Only the adapter travels: 2 layers x 7 modules x (A, B), a small part of the merged bytes.
         assert sent.num_tensors == 28 and all("lora_" in name for name in sent.names)
-        assert sent.num_bytes < full.num_bytes / 4 and sent.metrics()["train/sync/bytes"] == sent.num_bytes
+        assert sent.num_bytes < full.num_bytes / 4 and sent.metrics()["sync/bytes"] == sent.num_bytes
     # Negative control: the engine before the second sync no longer fits.
     train_step(policy, seed=9, only="lora_")
     assert (logprobs(by_adapter.model) - logprobs(policy)).abs().max() > 1e-3
@@ -166,3 +171,30 @@ def test_modes_are_refused_in_one_line_naming_the_key() -> None:
     assert resolve_weight_sync("auto", base(), HFRolloutEngine(base()), lora=False) == "full"
     with pytest.raises(RecipeError, match="weight_sync: adapter: ReadOnly applies no adapter sent alone"):
         resolve_weight_sync("adapter", policy, ReadOnly(), lora=True)
+
+
+class EngineState(L.Callback):
+    """What the engine and the trainer hold when training ends (the engine closes with fit), and the sync figures."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.version, self.mode = pl_module.engine.weight_version, pl_module.weight_sync.mode
+        self.error = (logprobs(pl_module.engine.model) - logprobs(pl_module.policy.eval())).abs().max().item()
+        self.logged = {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("train/sync/")}
+
+
+@pytest.mark.parametrize(("lora", "weight_sync", "mode"), [
+    pytest.param(LoraSettings(r=4, alpha=8), "auto", "adapter", id="lora-auto-adapter"),
+    pytest.param(None, "delta", "delta", id="full-delta"),
+])
+def test_grpo_syncs_in_its_mode_and_logs_what_each_sync_cost(lora, weight_sync, mode) -> None:
+    state = EngineState()
+    fit(2, [state], lora=lora, weight_sync=weight_sync, learning_rate=1e-2, rewards=LENGTH_REWARD)
+    assert state.version == 2 and state.mode == mode
+    assert state.error < 1e-5  # the engine holds the trained policy: adapter applied, or every changed tensor written
+    assert set(state.logged) == {"train/sync/bytes", "train/sync/pause_s", "train/sync/seconds"}
+    assert state.logged["train/sync/bytes"] > 0 and 0 <= state.logged["train/sync/pause_s"] <= state.logged["train/sync/seconds"]
+
+
+def test_grpo_refuses_an_adapter_sync_without_lora_before_anything_loads() -> None:
+    with pytest.raises(RecipeError, match="weight_sync: adapter sends a LoRA adapter"):
+        GRPOModule(weight_sync="adapter")

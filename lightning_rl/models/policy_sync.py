@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +41,15 @@ def check_weight_sync(mode: str, lora: bool) -> None:
     if mode == "full" and lora:
         raise RecipeError("weight_sync: full with model.lora sends the adapter merged into the weights: say merged "
                           "(or adapter, delta)", "weight_sync")
+
+
+def engine_options_for(engine_class: type, options: Mapping[str, Any], mode: str, lora_rank: int | None) -> dict[str, Any]:
+    """The engine's options, with LoRA serving on (``max_lora_rank``: the adapter's rank) where the mode may send the
+    adapter alone and the engine takes that option, unless the recipe set it."""
+    options = dict(options)
+    if lora_rank is not None and mode in ("auto", "adapter") and "max_lora_rank" in inspect.signature(engine_class).parameters:
+        options.setdefault("max_lora_rank", lora_rank)
+    return options
 
 
 def resolve_weight_sync(mode: str, policy: nn.Module, engine: object, lora: bool) -> str:

@@ -125,8 +125,8 @@ class SyncReport:
     names: list[str] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        return {"train/sync/bytes": float(self.num_bytes), "train/sync/pause_s": self.pause_seconds,
-                "train/sync/seconds": self.seconds}
+        """Logged per sync under ``train/``."""
+        return {"sync/bytes": float(self.num_bytes), "sync/pause_s": self.pause_seconds, "sync/seconds": self.seconds}
 
 
 def hf_name(name: str) -> str:

@@ -59,7 +59,7 @@ from lightning_rl.rollout.collector import ROLLOUT_COLUMNS, RolloutCollector, Ro
 from lightning_rl.rollout.conversation import visible_text
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
-from lightning_rl.models.weights import sync_weights
+from lightning_rl.models.policy_sync import PolicySync, WeightSync, check_weight_sync, engine_options_for, resolve_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class GRPOModule(PolicyModule):
 
     Args:
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
-        lora: train a LoRA adapter (peft) instead of all weights; the engine gets them merged.
+        lora: train a LoRA adapter (peft) instead of all weights; the engine gets them as ``weight_sync`` says.
         rewards: reward functions (built-in name or dotted path), each with a weight and kwargs.
         reward_on_error: ``zero`` scores a sample whose reward raises or is not finite 0 (and logs it); ``raise`` stops.
         reward_all_failed: ``stop`` (default) ends the run when a reward fails on every sample of a step, naming
@@ -136,6 +136,8 @@ class GRPOModule(PolicyModule):
         engine: the rollout engine: a short name (``hf``, ``vllm``, ``vllm_server``) or ``class_path`` (an engine's
             class name or dotted path) with its ``init_args``, checked against the engine's signature when the
             recipe is read; the run gives it the model path and ``seed``.
+        weight_sync: how the policy reaches the engine after each step (``models/policy_sync.py``): ``full``, a LoRA
+            ``merged`` into the weights or its ``adapter`` alone, ``delta`` (only changed tensors), ``auto``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily before training and after,
             by the SFT module's evaluator: ``summary.json`` reports ``heldout_exact_match_before`` and
@@ -193,6 +195,7 @@ class GRPOModule(PolicyModule):
         tool_output_max_chars: int = 4000,
         max_context_tokens: int | None = None,
         engine: EngineName | EngineFactory = "hf",
+        weight_sync: WeightSync = "auto",
         seed: int = 0,
         eval_data: str | None = None,
         eval_generations: int = 0,
@@ -218,6 +221,7 @@ class GRPOModule(PolicyModule):
         self.lora = LoraSettings.checked(lora)
         check_towers(towers, self.lora)
         self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
+        check_weight_sync(weight_sync, self.lora is not None)
         self.automatic_optimization = False
         check_model_source(model_name_or_path)
         self.rollout = RolloutSettings(
@@ -292,6 +296,7 @@ class GRPOModule(PolicyModule):
         self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
         self.route_layers = 0  # routers whose engine routes the trainer replays (router_replay)
         self._mismatch: dict[str, float] | None = None  # the batch's engine-vs-trainer figures, from its first pass
+        self.weight_sync, self._sync_metrics = None, {}  # how weights reach the engine (on_fit_start), the last sync's figures
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -325,7 +330,9 @@ class GRPOModule(PolicyModule):
         spec = self.engine_spec
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
-        self.engine = spec.build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
+        options = engine_options_for(spec.engine_class, spec.init_args, self.hparams.weight_sync, self.lora and self.lora.r)
+        self.engine = dataclasses.replace(spec, init_args=options).build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
+        self.weight_sync = PolicySync(resolve_weight_sync(self.hparams.weight_sync, self.policy, self.engine, self.lora is not None))
         self.route_layers = replay_routes(self.hparams.router_replay, self.policy, self.engine)
         self.scorer.to(self.device)  # reward models score on the trainer's device
         renderer = PromptRenderer(
@@ -584,7 +591,7 @@ class GRPOModule(PolicyModule):
         return self.sampling.max_new_tokens * max(self.hparams.max_turns, 1)
 
     def _push_weights(self, version: int) -> None:
-        sync_weights(self.policy, self.engine, version=version)  # LoRA merged, FSDP2 shards gathered
+        self._sync_metrics = self.weight_sync.sync(self.policy, self.engine, version).metrics()  # FSDP2 shards gathered
         if self.producer is not None:
             self.producer.weights_updated()
 
@@ -604,7 +611,9 @@ class GRPOModule(PolicyModule):
             **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
             **stats.metrics(),
             **(self._mismatch or {}),
+            **self._sync_metrics,
         }
+        self._sync_metrics = {}
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
         self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps

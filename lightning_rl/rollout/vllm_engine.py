@@ -136,7 +136,7 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enforce_eager=enforce_eager, distributed_executor_backend="uni",
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
-                **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}),
+                **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": served_lora_rank(max_lora_rank), "max_loras": 1}),
                 **dict(engine_kwargs or {}),
             )
         finally:
@@ -152,7 +152,7 @@ class VLLMEngine(RolloutEngine):
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
-        self.max_lora_rank = max_lora_rank
+        self.max_lora_rank = None if max_lora_rank is None else served_lora_rank(max_lora_rank)
         self._lora_targets = self._llm.collective_rpc(lora_targets)[0] if max_lora_rank is not None else []
         self._adapter: Any = None  # the LoRARequest generation applies, once an adapter is pushed
         self._adapter_folder: str | None = None
@@ -282,6 +282,17 @@ class VLLMEngine(RolloutEngine):
         if self._adapter_folder is not None:
             shutil.rmtree(self._adapter_folder, ignore_errors=True)
         gc.collect()
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def served_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of ``rank``."""
+    served = next((allowed for allowed in _LORA_RANKS if allowed >= rank), None)
+    if served is None:
+        raise ValueError(f"max_lora_rank: {rank} is above vLLM's largest, {_LORA_RANKS[-1]}")
+    return served
 
 
 def _packed_modules(model: Any) -> dict[str, list[str]]:
