@@ -47,6 +47,9 @@ class PromptSource(Protocol):
     def columns(self) -> set[str]:
         """The columns every record holds (the reward functions may read them)."""
 
+    def epoch_of(self, index: int) -> float:
+        """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
+
     @property
     def image_folder(self) -> Path | None:
         """The folder relative image paths of the prompts start from (None: the working directory)."""
@@ -135,6 +138,10 @@ class PromptDataModule(L.LightningDataModule):
     def columns(self) -> set[str]:
         self.setup()
         return set.intersection(*(set(record) for record in self.records))
+
+    def epoch_of(self, index: int) -> float:
+        self.setup()
+        return index * self.batch_size * self._rank_and_world[1] / len(self.records)
 
     @property
     def image_folder(self) -> Path | None:

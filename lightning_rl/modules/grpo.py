@@ -117,8 +117,6 @@ class GRPOModule(PolicyModule):
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
         gradient_checkpointing, offload_activations: recompute each decoder layer in backward; keep saved activations
             in host memory until backward. Less memory, the same loss and gradients.
-        gradient_checkpointing, offload_activations: recompute each decoder layer in backward; keep saved activations
-            in host memory until backward. Less memory, the same loss and gradients.
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
@@ -179,8 +177,6 @@ class GRPOModule(PolicyModule):
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         compile: bool = False,
-        gradient_checkpointing: bool = False,
-        offload_activations: bool = False,
         gradient_checkpointing: bool = False,
         offload_activations: bool = False,
         towers: TowerTraining = "frozen",

@@ -66,8 +66,9 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     rewards = torch.tensor(scored.rewards)
     rollouts = scored.rollouts
     metrics = {
-        "reward/mean": rewards.mean(),
-        "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
+        "reward/mean": rewards.nanmean(),
+        "reward/std": _nanstd(rewards),
+        "reward/unscored": float(rewards.isnan().sum()),  # samples no reward function applied to (all returned None)
         "reward/errors": float(len(scored.reward_errors)),
         "rollout/weight_version": float(scored.weight_version),
         "rollout/completion_tokens": float(sum(sum(r.completion_mask) for r in rollouts)) / len(rollouts),
@@ -83,11 +84,13 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
     for name, values in scored.reward_terms.items():
         terms = torch.tensor(values)
-        metrics[f"reward/{name}/mean"] = terms.mean()
-        metrics[f"reward/{name}/std"] = terms.std() if terms.numel() > 1 else torch.tensor(0.0)
+        metrics[f"reward/{name}/mean"] = terms.nanmean()  # over the samples it applied to (did not return None)
+        metrics[f"reward/{name}/std"] = _nanstd(terms)
         metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
         metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
         metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
+    for name, values in scored.logged_metrics.items():  # a reward function's log_metric, averaged over the step
+        metrics[f"reward_metric/{name}"] = sum(values) / len(values)
     if with_tools:
         metrics["tools/calls"] = float(len(distinct_tool_calls(rollouts)))
         for kind, count in scored.tool_failures.items():
@@ -95,15 +98,22 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     return metrics
 
 
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of the values that are not NaN (TRL's ``nanstd``); 0 for fewer than two."""
+    present = values[~values.isnan()]
+    return present.std() if present.numel() > 1 else torch.tensor(0.0)
+
+
 def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str]) -> tuple[list[str], list[list[Any]]]:
-    """The batch as a table (columns, rows): prompt, completion, reward and each reward term per rollout."""
-    names = list(scored.reward_terms)
+    """The batch as a table (columns, rows): prompt, completion, reward, each reward term and each column the reward
+    functions logged (``log_extra``) per rollout."""
+    names, logged = list(scored.reward_terms), list(scored.logged_columns)
     rows = [
         [scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
-        + [scored.reward_terms[name][i] for name in names]
+        + [scored.reward_terms[name][i] for name in names] + [scored.logged_columns[name][i] for name in logged]
         for i, r in enumerate(scored.rollouts)
     ]
-    return ["step", "prompt", "completion", "reward", "weight_version", *names], rows
+    return ["step", "prompt", "completion", "reward", "weight_version", *names, *logged], rows
 
 
 def run_summary(reward_history: Sequence[float], summary_window: int, trained_batches: Sequence[dict[str, int]]) -> dict[str, Any]:
