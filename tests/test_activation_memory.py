@@ -1,21 +1,27 @@
 """Activation memory (``gradient_checkpointing``, ``offload_activations``) changes no value: on tree-packed rows the
 loss and every gradient are bit for bit those without it, for SFT rows and GRPO's step, full and LoRA, on the tiny
 Qwen3 and on a sliding-window Mistral; and each does what it says (layers recomputed in backward, the activations
-saved for backward moved to host memory)."""
+saved for backward moved to host memory); and ``lightning-rl plan`` counts what each keeps, and where."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 from support.grpo import GradientRecorder, fit
 from support.tiny_models import build
 from support.trees import NESTED
+from transformers import Qwen3Config
 
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.ops.saved_activations import OffloadedForwards, is_weight
 from lightning_rl.packing.tree import pack_sequences
+from lightning_rl.planner import plan
+from lightning_rl.planner.memory_plan import GIB, Hardware, Training, plan_memory
+from lightning_rl.planner.model_census import count_model
 from lightning_rl.rewards import RewardSpec
 
 LORA = LoraSettings(r=4, alpha=8)
@@ -121,3 +127,58 @@ def test_a_grpo_step_over_tree_packed_rows_has_the_same_gradients(lora):
         assert grads.keys() == base.keys(), setting
         for name, grad in base.items():
             assert torch.equal(grads[name], grad), f"{setting}: {name}"
+
+
+# Qwen3-1.7B's shapes: per token and layer, autograd keeps the inputs and outputs of its seven matmuls
+# (q 2048+2048, k 2048+1024, v 2048+1024, o 2048+2048, gate and up 2048+6144 each, down 6144+2048) and its norms'
+# widths (2048, 2048, 128, 128): 43,264 elements.
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+PER_LAYER = 43_264 * 32_768 * 2  # one layer's activations, 32K tokens, bf16
+LAYER_INPUTS = 28 * 32_768 * 2048 * 2  # the 28 layers' inputs: 3.5 GiB
+
+
+def test_the_plan_counts_checkpointing_and_offloading_as_they_keep_activations():
+    census = count_model(Qwen3Config(**QWEN3_1_7B), [])
+    assert census.activation_elements_per_token_layer == 43_264
+    hardware = Hardware(gpu_memory_gb=141)
+    plans = {
+        (checkpointing, offload): plan_memory(census, Training(1, 1, 32_768, activation_checkpointing=checkpointing,
+                                                               offload_activations=offload), hardware)  # fmt: skip
+        for checkpointing in (False, True) for offload in (False, True)
+    }
+
+    def activations(key: tuple[bool, bool]) -> float:
+        return next(term.bytes for term in plans[key].terms if term.name.startswith("activations"))
+
+    assert activations((False, False)) == 28 * PER_LAYER  # every layer's, on the device
+    assert activations((True, False)) == LAYER_INPUTS + PER_LAYER  # the inputs, and one layer recomputed
+    assert activations((False, True)) == activations((True, True)) == PER_LAYER  # one layer's working set
+    assert plans[False, True].host_activation_bytes == 28 * PER_LAYER
+    assert plans[True, True].host_activation_bytes == LAYER_INPUTS == 3.5 * GIB
+    assert plans[False, False].host_activation_bytes == plans[True, False].host_activation_bytes == 0
+    # The rest of the plan does not move: the totals differ by the activations alone.
+    totals = {key: plan.total_bytes - activations(key) for key, plan in plans.items()}
+    assert len(set(totals.values())) == 1
+
+
+def test_lightning_rl_plan_reads_both_keys_of_a_grpo_recipe(tmp_path, capsys):
+    Qwen3Config(**QWEN3_1_7B).save_pretrained(tmp_path / "qwen3")
+    recipe = tmp_path / "grpo.yaml"
+    for checkpointing, offload in ((True, False), (True, True)):
+        recipe.write_text(
+            "task: grpo\nmodel:\n  model_name_or_path: Qwen/Qwen3-1.7B\n  max_tokens_per_row: 32768\n"
+            f"  gradient_checkpointing: {str(checkpointing).lower()}\n  offload_activations: {str(offload).lower()}\n"
+            "trainer: {precision: bf16-true}\n"
+        )
+        code = plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "141", "--model-config", str(tmp_path / "qwen3")])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert f"activation checkpointing on, activation offload {'on' if offload else 'off'}" in out
+        assert "tokens per step: 1 GPUs x 32768 tokens" in out
+        if offload:
+            assert "host memory per GPU (offloaded activations): 3.50 GiB" in out
+            assert re.search(rf"activations \(checkpointed, offloaded\)\s+{PER_LAYER / GIB:.2f} GiB", out), out
+        else:
+            assert "offloaded activations" not in out
+            assert re.search(rf"activations \(checkpointed\)\s+{(LAYER_INPUTS + PER_LAYER) / GIB:.2f} GiB", out), out

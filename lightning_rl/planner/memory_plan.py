@@ -39,6 +39,7 @@ class Training:
     param_bytes: int = 2
     compute_bytes: int = 2
     activation_checkpointing: bool = True
+    offload_activations: bool = False  # saved activations in host memory between forward and backward
     cpu_offload: bool = False
     expert_parallel: int = 1
     logits_chunk: int = 1024
@@ -64,6 +65,7 @@ class Plan:
     activations_without_checkpointing: float = 0.0
     activations_with_checkpointing: float = 0.0
     host_bytes_per_gpu: float = 0.0
+    host_activation_bytes: float = 0.0
     compute_seconds: float = 0.0
     gather_seconds: float = 0.0
     all_to_all_seconds: float = 0.0
@@ -155,30 +157,38 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
             Term("expert all-to-all buffers", dispatch, f"send+recv x {tokens} tokens x top-{census.experts_per_token} x {census.routed_width} x {c} B")
         )
 
-    per_layer = census.activation_elements_per_token_layer * tokens * c
-    layer_inputs = census.decoder_layers * tokens * census.hidden_size * c
-    plan.activations_without_checkpointing = census.decoder_layers * per_layer
-    plan.activations_with_checkpointing = layer_inputs + per_layer
-    if training.activation_checkpointing:
-        activations = Term(
-            "activations (checkpointed)",
-            plan.activations_with_checkpointing,
-            f"{census.decoder_layers} layer inputs x {tokens} tokens x {census.hidden_size} x {c} B + one layer recomputed",
-        )
-    else:
-        activations = Term(
-            "activations (no checkpointing)",
-            plan.activations_without_checkpointing,
-            f"{census.decoder_layers} layers x {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B",
-        )
     head = 3 * training.logits_chunk * census.vocab_size * 4
     plan.terms += [
-        activations,
+        _activations(plan),
         Term("chunked LM head", head, f"logits, softmax, grad: 3 x {training.logits_chunk} tokens x {census.vocab_size} x fp32"),
         Term("reserved (CUDA context, NCCL, allocator)", hardware.reserved_gb * GIB, "assumed"),
     ]
     _plan_step_time(plan)
     return plan
+
+
+def _activations(plan: Plan) -> Term:
+    """The activations kept for backward. Checkpointing keeps each layer's input and recomputes one layer at a time;
+    offloading moves what is kept to host memory as it is saved, so the device holds one layer's working set (the
+    layer running forward, or the one whose backward has brought its tensors back)."""
+    census, training = plan.census, plan.training
+    tokens, c, layers = training.tokens_per_micro_batch, training.compute_bytes, census.decoder_layers
+    per_layer = census.activation_elements_per_token_layer * tokens * c
+    layer_inputs = layers * tokens * census.hidden_size * c
+    plan.activations_without_checkpointing = layers * per_layer
+    plan.activations_with_checkpointing = layer_inputs + per_layer
+    if training.activation_checkpointing:
+        kept, what = layer_inputs, f"{layers} layer inputs x {tokens} tokens x {census.hidden_size} x {c} B"
+    else:
+        kept, what = plan.activations_without_checkpointing, f"{layers} layers x {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B"
+    working = f"one layer's {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B"
+    name = "activations (checkpointed" if training.activation_checkpointing else "activations (no checkpointing"
+    if training.offload_activations:
+        plan.host_activation_bytes = kept
+        return Term(f"{name}, offloaded)", per_layer, f"{working}; {what} on host")
+    if training.activation_checkpointing:
+        return Term(f"{name})", kept + per_layer, f"{what} + {working} recomputed")
+    return Term(f"{name})", kept, what)
 
 
 def _plan_step_time(plan: Plan) -> None:
@@ -218,7 +228,8 @@ def format_plan(plan: Plan) -> str:
         f"layout: {training.nodes} node(s) x {training.gpus_per_node} GPUs = {training.world_size}, "
         f"{'LoRA r=' + str(training.lora_rank) if training.lora_rank is not None else 'full fine-tuning'}, "
         f"expert parallel {training.expert_parallel}, activation checkpointing "
-        f"{'on' if training.activation_checkpointing else 'off'}, cpu offload {'on' if training.cpu_offload else 'off'}",
+        f"{'on' if training.activation_checkpointing else 'off'}, activation offload {'on' if training.offload_activations else 'off'}, "
+        f"cpu offload {'on' if training.cpu_offload else 'off'}",
         "",
         "per-GPU memory:",
     ]
@@ -231,6 +242,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.host_bytes_per_gpu:
         lines.append(f"  host memory per GPU (offloaded shards): {plan.host_bytes_per_gpu / GIB:.2f} GiB")
+    if plan.host_activation_bytes:
+        lines.append(f"  host memory per GPU (offloaded activations): {plan.host_activation_bytes / GIB:.2f} GiB")
     lines += [
         f"  usable: {hardware.gpu_memory_gb:g} GiB x (1 - {hardware.headroom:g} headroom) = {plan.usable_bytes / GIB:.2f} GiB",
         "",

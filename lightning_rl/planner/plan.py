@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--gpu-memory-gb", type=float, required=True)
     parser.add_argument("--model-config", type=Path, help="folder or config.json to read instead of the recipe's model")
-    parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens")
+    parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens (GRPO: model.max_tokens_per_row)")
     parser.add_argument(
         "--expert-parallel", type=int, default=None,
         help="ranks the experts of a layer are split over (default: the recipe's trainer.strategy expert_parallel_size, else 1)",
@@ -70,9 +70,10 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
     if precision not in _PRECISION_BYTES:
         raise LaunchError(f"{recipe.path}: `trainer.precision: {precision}` is not one of {', '.join(_PRECISION_BYTES)}")
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
-    tokens = args.tokens_per_micro_batch or recipe.get("data.max_tokens")
+    row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
+    tokens = args.tokens_per_micro_batch or recipe.get(row_key)
     if not isinstance(tokens, int) or tokens < 1:
-        raise LaunchError(f"{recipe.path}: `data.max_tokens` is missing or not a positive integer; pass --tokens-per-micro-batch")
+        raise LaunchError(f"{recipe.path}: `{row_key}` is missing or not a positive integer; pass --tokens-per-micro-batch")
     lora = recipe.get("model.lora")
     checkpointing = bool(recipe.get("trainer.strategy.activation_checkpointing") or recipe.get("model.gradient_checkpointing"))
     return Training(
@@ -84,6 +85,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
         activation_checkpointing=checkpointing,
+        offload_activations=bool(recipe.get("model.offload_activations", False)),
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
         expert_parallel=_expert_parallel(recipe, args.expert_parallel),
         logits_chunk=int(recipe.get("model.chunk_size", 1024)),
