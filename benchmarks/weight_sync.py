@@ -1,6 +1,7 @@
 """Time and memory of one FSDP2 weight sync into the transformers engine (tiny model); estimated for 1.7B.
 
-Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/weight_sync.json]``.
+Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/weight_sync.json]``; with ``--modes``,
+the sync modes (full, delta, merged, adapter) on the tiny model instead, under ``sync_modes`` in the same file.
 Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
 through a real Lightning Trainer, then sync into the transformers rollout engine on rank 0, ``--repeats`` times.
 
@@ -221,12 +222,79 @@ def render(result: dict) -> str:
     ])
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def measure_modes(steps: int, learning_rate: float) -> dict:
+    """One entry per sync mode on the tiny model into the transformers engine: ``full`` and ``delta`` across ``steps``
+    AdamW steps (fp32, a language-model loss on random tokens, at ``learning_rate``), ``merged`` and ``adapter`` for a
+    LoRA of r=16 on attention and MLP. Each: bytes sent, seconds, the engine's pause, per sync after the first."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.models.policy_sync import PolicySync
+    from lightning_rl.rollout.hf import HFRolloutEngine
+    from lightning_rl.toy.model import tiny_model_path
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+
+    torch.manual_seed(0)
+    entries = {}
+    for mode in ("full", "delta", "merged", "adapter"):
+        policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+        engine, sync = HFRolloutEngine(model()), PolicySync(mode)
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=learning_rate, weight_decay=0.0)
+        sync.sync(policy, engine, 0)
+        reports = []
+        for version in range(1, steps + 1):
+            ids = torch.randint(0, policy.config.vocab_size, (2, 32))
+            policy(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reports.append(sync.sync(policy, engine, version))
+        entries[mode] = {
+            "bytes_sent": statistics.median(r.num_bytes for r in reports),
+            "seconds": statistics.median(r.seconds for r in reports),
+            "pause_seconds": statistics.median(r.pause_seconds for r in reports),
+            "model_state_bytes": sum(p.numel() * p.element_size() for p in model().parameters()),
+            "modes_sent": sorted({r.mode for r in reports}),
+        }
+    return {"model": "tiny (Qwen3 shape, fp32)", "engine": "transformers, in process", "steps": steps,
+            "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
+
+
+def qwen3_0_6b_adapter_share(rank: int = 16) -> dict:
+    """Bytes of a LoRA of ``rank`` on attention and MLP against the merged weights, for the Qwen3-0.6B shape (on
+    paper: shapes from a meta-device model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    merged = sum(p.numel() for p in model.parameters()) * 2  # bf16
+    adapter = sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in LORA_TARGETS) * 2
+    return {"merged_bytes_bf16": merged, "adapter_bytes_bf16": adapter, "adapter_share": adapter / merged}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_sync.json"))
+    parser.add_argument("--modes", action="store_true", help="measure the sync modes instead (sync_modes in --out)")
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="recipes/tiny/grpo.yaml's")
     args = parser.parse_args(argv)
-    measure(args.repeats, args.out.resolve())
+    if not args.modes:
+        measure(args.repeats, args.out.resolve())
+        return 0
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result["sync_modes"] = {**measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share()}
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["sync_modes"], indent=2))
     return 0
 
 
