@@ -3,6 +3,8 @@
 A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
 flat packing would have forwarded), and ``reported_loss`` when the ``loss`` it backpropagates is not the
 figure to report (SFT backpropagates a sum); a module may add figures to the summary with ``summary_metrics()``.
+A run that finishes ends with one closing line (``RunSummary``): where its summary and model are, its held-out score
+and its wall time.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 class RunSummary(Callback):
-    """Tracks loss and throughput, shows tokens/s on the progress bar, writes OUTPUT_DIR/summary.json."""
+    """Tracks loss and throughput, shows tokens/s on the progress bar, writes OUTPUT_DIR/summary.json, and ends a
+    finished run with its closing line."""
 
     def __init__(self, output_dir: str | Path, task: str, window: int = 10) -> None:
-        self.path = Path(output_dir) / "summary.json"
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / "summary.json"
+        self.written: dict[str, Any] | None = None  # the summary of a fit that finished
         self.task = task
         self.window = window
         self.losses: list[float] = []
@@ -136,6 +141,36 @@ class RunSummary(Callback):
                 summary[key] = None
         if trainer.is_global_zero:
             write_json_atomic(self.path, summary)
+            self.written = summary
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning calls teardown after every callback's on_fit_end, so the export is written by now.
+        if self.written is not None:
+            print(closing_line(self.written, self.path, self.output_dir / "hf"), flush=True)
+            self.written = None
+
+
+def closing_line(summary: dict[str, Any], summary_path: Path, hf: Path) -> str:
+    """One line for the end of a finished run: steps, wall time, the held-out score when it was evaluated, and where
+    summary.json and the exported model are."""
+    parts = [f"done: {summary['steps']} steps in {_duration(summary['wall_seconds'])}"]
+    if summary.get("heldout_exact_match") is not None:
+        score = f"held-out exact match {summary['heldout_exact_match']:.1%} of {summary['heldout_examples']}"
+        if summary.get("heldout_exact_match_before") is not None:
+            score += f" (before training: {summary['heldout_exact_match_before']:.1%})"
+        parts.append(score)
+    parts.append(f"summary {summary_path}")
+    if hf.is_dir():
+        parts.append(f"model {hf}")
+    return "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 class ExportHuggingFace(Callback):
@@ -148,6 +183,59 @@ class ExportHuggingFace(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if hasattr(pl_module, "export_hf"):
             pl_module.export_hf(self.path, write=trainer.is_global_zero)
+
+
+class ScheduleOnResume(Callback):
+    """A resume with another ``trainer.max_steps`` than the run that wrote the checkpoint says in one line how the
+    learning-rate schedule changes, and follows the new schedule from its first step.
+
+    Every checkpoint records the run's ``max_steps`` and the schedule's length. On resume the schedule is rebuilt over
+    the new length, while the optimizer comes back with the old schedule's learning rate for this step: without the
+    correction here the first step would use the old value and the next ones the new schedule's.
+    """
+
+    def __init__(self) -> None:
+        self.length: dict[str, Any] = {}  # this run's max_steps and schedule length, saved in every checkpoint
+        self.recorded: dict[str, Any] | None = None  # the checkpoint's
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.length)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recorded = dict(state)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        total = trainer.estimated_stepping_batches
+        self.length = {"max_steps": trainer.max_steps, "schedule_steps": int(total) if math.isfinite(total) else None}
+        recorded, self.recorded = self.recorded, None
+        if not recorded or recorded.get("max_steps") == trainer.max_steps:
+            return
+        step = trainer.global_step
+        said = f"resume at step {step}: trainer.max_steps is {trainer.max_steps}, the checkpoint's run had {recorded['max_steps']}"
+        configs = trainer.lr_scheduler_configs  # one: the modules' configure_optimizers
+        change = _follow_new_schedule(configs[0].scheduler, step) if configs else None
+        if change is not None:
+            old, new = change
+            if old == new:
+                said += f": the learning rate at this step stays {old:.3g} (its schedule does not depend on the run's length)"
+            else:
+                said += (f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned "
+                         f"{recorded.get('schedule_steps')}), so the learning rate at this step is {new:.3g}, not {old:.3g}")
+        if trainer.is_global_zero:
+            print(said, file=sys.stderr, flush=True)
+
+
+def _follow_new_schedule(scheduler: Any, step: int) -> tuple[float, float] | None:
+    """Set the optimizer's learning rates to what the (rebuilt) schedule gives at ``step``; (old, new) of the first
+    group, or None for a scheduler that is not a function of the step."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return None
+    groups = scheduler.optimizer.param_groups
+    old = float(groups[0]["lr"])
+    rates = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, rate in zip(groups, rates, strict=True):
+        group["lr"] = rate
+    return old, float(rates[0])
 
 
 class LoggerAfterSetup(Callback):

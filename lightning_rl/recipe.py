@@ -3,7 +3,7 @@ recipe with it (``parse``), with the same keys, types and checks and the command
 
 A recipe is a LightningCLI config: ``task`` picks the module and datamodule classes, ``model`` and ``data`` are their
 init arguments, ``trainer`` the Trainer's, plus ``output_dir``, ``seed``, ``logger``, ``checkpoint_every_n_steps``,
-``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and ``overwrite``. Parsing refuses an
+``keep_checkpoints``, ``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and ``overwrite``. Parsing refuses an
 unknown (or abbreviated) key and a wrong type, ``check_trainer`` the Trainer values a run relies on, and the module and
 datamodule check their own values as they are built. Every mistake is a ``UserError`` keyed from the recipe's top.
 """
@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_rl import run_folder, validation
-from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, StopOnNonFinite
+from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
@@ -235,6 +235,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs")
         parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling")
         parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/)")
+        parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
         parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")
@@ -250,6 +251,7 @@ class RecipeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
+        validation.positive_int("keep_checkpoints", self.config["keep_checkpoints"])
         if not str(self.config["output_dir"]).strip():
             raise RecipeError(f"output_dir must name a folder, got {self.config['output_dir']!r}", "output_dir")
         if self.config["overwrite"] and self.config["ckpt_path"] is not None:
@@ -274,6 +276,10 @@ class RecipeCLI(LightningCLI):
     def keyed(self, error: UserError) -> UserError:
         return keyed(error, self.model_class, self.datamodule_class)
 
+    def _set_seed(self) -> None:
+        if self.build:  # a recipe only checked (launch, plan) has nothing to seed, nor to say so
+            super()._set_seed()
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init
         strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
@@ -290,12 +296,15 @@ class RecipeCLI(LightningCLI):
             ExportHuggingFace(output_dir),
             self.requeue,
             StopOnNonFinite(),
+            ScheduleOnResume(),
             *([LoggerAfterSetup(logger)] if logger else []),
             ModelCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
                 every_n_train_steps=config["checkpoint_every_n_steps"],
-                save_top_k=1,
+                save_top_k=config["keep_checkpoints"],  # the newest: ranked by step
+                monitor="step",
+                mode="max",
                 save_last=True,
             ),
         ]

@@ -2,7 +2,7 @@
 
 A folder is a run's when its ``recipe.yaml`` starts with ``MARKER``: the run writes that file first, once its model
 and data are set up. In a run's folder the run's own files follow a strict rule of names (``RUN_NAMES``: checkpoints
-as ``ModelCheckpoint`` and the signal handler name them, the loggers' folders, ``summary.json``), except ``hf/``,
+as ``ModelCheckpoint`` and the signal handler name them, the loggers' folders, ``summary.json``, ``rollouts.jsonl``), except ``hf/``,
 whose files the model decides: the run lists them in ``HF_LISTING`` once its export is written. Anything else
 (a user's notes, a file dropped into ``checkpoints/`` or ``hf/``) is never removed.
 """
@@ -23,7 +23,7 @@ _CHECKPOINT = r"(?:\.staging|\.trash)?"  # a checkpoint being written, or being 
 # whole (a sharded checkpoint and a logger's run are folders). csv/version_N holds only the CSV logger's two files.
 RUN_NAMES = {
     ".": re.compile(
-        rf"recipe\.yaml|\.recipe\.yaml\.tmp|summary\.json(?:\.tmp)?|hpc_ckpt_\d+\.ckpt{_CHECKPOINT}|hf\.tmp|hf\.old|{re.escape(HF_LISTING)}(?:\.tmp)?"
+        rf"recipe\.yaml|\.recipe\.yaml\.tmp|summary\.json(?:\.tmp)?|rollouts\.jsonl(?:\.tmp)?|hpc_ckpt_\d+\.ckpt{_CHECKPOINT}|hf\.tmp|hf\.old|{re.escape(HF_LISTING)}(?:\.tmp)?"
     ),
     "checkpoints": re.compile(rf"(?:step=\d+|last)(?:-v\d+)?\.ckpt{_CHECKPOINT}"),
     "csv/version_*": re.compile(r"metrics\.csv|hparams\.yaml"),

@@ -37,7 +37,7 @@ ALLOWED = {
     "run_folder": set(),
     "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
-    "planner": {"launch", "errors", "validation"},
+    "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe", "dotted", "rollout"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -115,3 +116,22 @@ def test_the_planner_finds_its_model_configs_from_any_working_directory(tmp_path
     code = plan.main([str(Path(__file__).resolve().parents[1] / MUSE_RECIPE), "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80"])
     assert code == 0, capsys.readouterr()
     assert "FITS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe", None])
+def test_the_embedded_models_are_planned_as_run_finds_them(tmp_path: Path, capsys, caplog, model: str | None) -> None:
+    """`tiny`, `tiny-moe` (and a recipe that names no model: run's default, tiny) are the models run builds; planning
+    one seeds nothing and says nothing about it."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.models.paths import resolve_model_path
+
+    recipe = tmp_path / "r.yaml"
+    written = "" if model is None else f"model: {{model_name_or_path: {model}}}\n"
+    recipe.write_text(f"task: sft\n{written}data: {{train_data: rows.jsonl, max_tokens: 256}}\n")
+    with caplog.at_level(logging.INFO):
+        assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 0
+    out = capsys.readouterr()
+    built = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or "tiny"))
+    assert f"{type(built).__name__}: {sum(p.numel() for p in built.parameters()) / 1e3:.2f}K parameters" in out.out
+    assert "Seed set" not in caplog.text + out.err + out.out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -560,3 +561,6 @@ class SFTDataModule(LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._position = (state["epoch"], state["batches_taken"])
         self._resume = self._position
+        # Lightning warns of a resume inside an epoch when the DataLoader itself keeps no state; the sampler resumes
+        # at the batch recorded here, so the warning does not apply to this run.
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable")

@@ -4,13 +4,14 @@ reads it (``lightning_rl/recipe.py``: the same parser, checks and overrides), ho
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_rl.errors import RecipeError
-from lightning_rl.recipe import parse
+from lightning_rl.recipe import parse, task_classes
 
 
 class LaunchError(RecipeError):
@@ -65,5 +66,7 @@ class RecipeView:
 
     @property
     def model_id(self) -> str:
-        """The model's hub id or local folder."""
-        return str(self.require(MODEL_KEY))
+        """The model's hub id, local folder or embedded name, as ``run`` reads it: the module's default when the
+        recipe does not say."""
+        model_class, _ = task_classes(self.task)
+        return str(self.get(MODEL_KEY, inspect.signature(model_class).parameters["model_name_or_path"].default))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -190,12 +191,15 @@ def export_hf(
     *,
     mode: Literal["model", "merged", "adapter"],
     write: bool = True,
+    base_model: str | None = None,
+    model_card: str | None = None,
 ) -> Path:
     """Write a from_pretrained folder at ``path``: built beside it, then swapped in whole.
 
-    A LoRA model is merged into its base (in place, so call this last) unless ``mode`` is ``adapter``. A sharded
-    (FSDP2) model is gathered one tensor at a time: every rank must call this, and only the one with ``write``
-    writes.
+    A LoRA model is merged into its base (in place, so call this last) unless ``mode`` is ``adapter``; an adapter
+    names ``base_model`` as its base (by default peft's, the folder the base was loaded from here). ``model_card`` is
+    written as the folder's README.md. A sharded (FSDP2) model is gathered one tensor at a time: every rank must
+    call this, and only the one with ``write`` writes.
     """
     if mode == "adapter" and not isinstance(model, PeftModel):
         raise ValueError("export 'adapter' needs a LoRA model")
@@ -218,6 +222,13 @@ def export_hf(
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
+    if mode == "adapter" and base_model is not None:
+        # After saving: peft reads the base's config from this name as it saves (to see whether the vocabulary grew).
+        adapter_config = staging / "adapter_config.json"
+        config = json.loads(adapter_config.read_text(encoding="utf-8"))
+        adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2) + "\n", encoding="utf-8")
+    if model_card is not None:
+        (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
     if path.exists():
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

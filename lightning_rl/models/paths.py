@@ -11,6 +11,7 @@ from lightning_rl.toy.model import TINY_MOE_NAME, TINY_NAME, tiny_model_path, ti
 from lightning_rl.toy.vlm import TINY_VLM_NAME, tiny_vlm_path
 
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+EMBEDDED = (TINY_NAME, TINY_VLM_NAME, TINY_MOE_NAME)  # the models this package builds itself, by name
 
 
 def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> str:
@@ -29,7 +30,7 @@ def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> st
 def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:
     """Refuse, naming ``key``, a model that is neither a from_pretrained folder nor a hub id in the local cache or on
     the Hub. The Hub is asked once, without retries, so a wrong id fails in seconds (offline: at once)."""
-    if name_or_path in (TINY_NAME, TINY_VLM_NAME, TINY_MOE_NAME):
+    if name_or_path in EMBEDDED:
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():

@@ -1,5 +1,5 @@
 """The one held-out evaluator of SFT and GRPO: each held-out conversation's prompt decoded greedily, and the share
-whose reply equals the reference reply exactly (whitespace at the ends aside)."""
+whose reply equals the reference reply exactly (whitespace at the ends aside); each evaluation is logged."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import time
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from transformers import PreTrainedTokenizerBase
 
 from lightning_rl.data.sft import DataSource, GenerationCase, Renderer, load_examples
 from lightning_rl.models.loading import generate_greedy
+
+HELDOUT_METRIC = "val/exact_match"  # the held-out exact match, as the run's loggers have it
 
 
 def heldout_cases(
@@ -34,3 +37,11 @@ def exact_match(
         "heldout_examples": len(cases),
         "heldout_generation_seconds": time.perf_counter() - start,
     }
+
+
+def log_heldout(module: LightningModule, figures: dict[str, Any]) -> dict[str, Any]:
+    """``figures`` (``exact_match``'s), after logging the held-out exact match to the run's loggers (CSV, W&B) at the
+    module's step: each evaluation is in the logs, not only the last in summary.json."""
+    for logger in module.loggers:
+        logger.log_metrics({HELDOUT_METRIC: figures["heldout_exact_match"]}, step=module.global_step)
+    return figures

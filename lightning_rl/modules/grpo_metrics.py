@@ -4,11 +4,16 @@ the run's summary.json says of its steps."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import WandbLogger
 
 from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.packing.tree import PackedBatch
@@ -27,6 +32,7 @@ class StepStats:
         self.flat_tokens = self.unique_tokens = 0
         self.rows = 0
         self.has_kl = False
+        self.grad_norm: torch.Tensor | None = None  # of all gradients together, before clipping
 
     def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
         self.loss += float(loss)
@@ -58,6 +64,8 @@ class StepStats:
         }
         if self.has_kl:
             metrics["kl"] = self.kl / n
+        if self.grad_norm is not None:
+            metrics["grad_norm"] = float(self.grad_norm)
         return metrics
 
 
@@ -128,3 +136,50 @@ def run_summary(reward_history: Sequence[float], summary_window: int, trained_ba
         "grpo_steps": len(reward_history),
         "max_staleness_seen": max((b["index"] - b["weight_version"] for b in trained_batches), default=0),
     }
+
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def log_rollouts(trainer: Trainer, step: int, table: tuple[list[str], list[list[Any]]]) -> None:
+    """A batch's rollout table (``rollout_table``), logged at trainer step ``step``: a W&B table when the run logs to
+    W&B, else rows of OUTPUT_DIR/rollouts.jsonl (rank zero's rollouts, as a logger has: each rank samples its own)."""
+    columns, rows = table
+    wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    for logger in wandb:
+        logger.log_table(key="rollouts", columns=columns, data=rows, step=step)
+    if not wandb and trainer.is_global_zero:
+        append_rows(Path(trainer.default_root_dir) / ROLLOUTS_FILE, [dict(zip(columns, row, strict=True)) for row in rows])
+
+
+def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append one batch's rows (their ``step`` the same) to a JSONL file. Rows already there of that step or a later
+    one (a resumed run redoing steps, another pass over the batch) are replaced rather than repeated."""
+    step = rows[0]["step"]
+    text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
+    last = _last_line(path)
+    if last is None or json.loads(last)["step"] < step:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if json.loads(line)["step"] < step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept) + text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _last_line(path: Path) -> bytes | None:
+    """The file's last line, read from its end (the file grows over a run); None for no file or an empty one."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        start, tail = end, b""
+        while start > 0 and tail.rstrip(b"\n").count(b"\n") == 0:
+            start = max(0, start - 65536)
+            f.seek(start)
+            tail = f.read(end - start)
+    lines = tail.rstrip(b"\n").split(b"\n")
+    return lines[-1] if lines[-1] else None

@@ -15,8 +15,9 @@ from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
 from lightning_rl.device_policy import requires_static_shapes
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
+from lightning_rl.modules.model_card import data_name, key_settings, model_card
 from lightning_rl.modules.optim import adamw_with_schedule
-from lightning_rl.ops.grad_norm import clip_grad_norm
+from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 
@@ -77,9 +78,12 @@ class PolicyModule(LightningModule):
             weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
         )  # fmt: skip
 
-    def clip_gradients_over_meshes(self, max_norm: float) -> None:
-        """Clip the gradient norm of every weight together, wherever it lives (expert slices have a mesh of their own)."""
-        clip_grad_norm(self.parameters(), max_norm)
+    def clip_gradients_over_meshes(self, max_norm: float | None) -> torch.Tensor:
+        """Clip the gradient norm of every weight together, wherever it lives (expert slices have a mesh of their own);
+        returns that norm, before clipping (``max_norm`` None: the norm only)."""
+        if max_norm is None:
+            return total_grad_norm(self.parameters())
+        return clip_grad_norm(self.parameters(), max_norm)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
@@ -129,7 +133,11 @@ class PolicyModule(LightningModule):
         if differs:
             raise ForeignCheckpointError(f"ckpt_path: {path} was written by another kind of run ({'; '.join(differs)})")
 
-    def export_policy(self, tokenizer: Any, path: Path, mode: Literal["model", "merged", "adapter"], write: bool = True) -> Path:
+    def export_policy(self, tokenizer: Any, path: Path, mode: Literal["model", "merged", "adapter"], data: Any, write: bool = True) -> Path:
         """Write the trained policy (``model``, LoRA ``merged`` into it, or the ``adapter`` alone) and its tokenizer
-        as a Hugging Face folder."""
-        return export_hf(self.policy, tokenizer, path, mode=mode, write=write)
+        as a Hugging Face folder, with a model card of the run (``data``: what it trained on). The base model is named
+        as the recipe names it (an adapter's ``base_model_name_or_path`` too), not by where this machine keeps it."""
+        base = self.hparams.model_name_or_path
+        task = type(self).__name__.removesuffix("Module")
+        card = model_card(task=task, base_model=base, export=mode, steps=self.global_step, data=data_name(data), settings=key_settings(self.hparams, self.lora))
+        return export_hf(self.policy, tokenizer, path, mode=mode, write=write, base_model=base, model_card=card)

@@ -21,7 +21,7 @@ from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
 from lightning_rl.models.paths import check_model_source
-from lightning_rl.modules.evaluation import exact_match
+from lightning_rl.modules.evaluation import exact_match, log_heldout
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.ops.grad_norm import total_grad_norm
@@ -53,7 +53,8 @@ class SFTModule(PolicyModule):
         verify_packing, verify_packing_every: compare a packed row with its sequences run one by one, on the real backend, device and
             dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
             (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
-        eval_generations: held-out prompts greedily decoded after training for exact-match accuracy.
+        eval_generations: held-out prompts (``data.val_data``) greedily decoded for exact-match accuracy at each
+            validation and after training: logged as ``val/exact_match``, the last in summary.json.
         max_new_tokens: decode budget for those generations.
     """
 
@@ -97,11 +98,19 @@ class SFTModule(PolicyModule):
         check_towers(towers, self.lora)
         self.export = export or ("merged" if lora is not None else "model")
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
+        self._heldout: tuple[int, dict[str, Any]] | None = None  # the last evaluation: its step and figures
 
     @property
     def model(self) -> torch.nn.Module | None:
         """The model being trained (the policy)."""
         return self.policy
+
+    def setup(self, stage: str) -> None:
+        # The datamodule is set up by now: held-out generations asked of data that has none are refused before a model loads.
+        if self.hparams.eval_generations and not getattr(self.trainer.datamodule, "generation_cases", None):
+            given = getattr(self.trainer.datamodule, "val_data", None)
+            why = "data.val_data is not set" if given is None else f"data.val_data ({given}) has no conversation ending in a reply"
+            raise RecipeError(f"eval_generations={self.hparams.eval_generations} needs held-out conversations to decode, but {why}", "eval_generations")
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -133,6 +142,10 @@ class SFTModule(PolicyModule):
         logprobs = self._logprobs(batch)
         self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
 
+    def on_validation_epoch_end(self) -> None:
+        if self.hparams.eval_generations and not self.trainer.sanity_checking:
+            self.heldout()
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning divided each micro-batch's sum by accumulate_grad_batches and the strategy averaged the
         # gradients over ranks; rescale so the gradient is that of the step's token mean.
@@ -152,16 +165,23 @@ class SFTModule(PolicyModule):
         """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""
         return exact_match(self.policy, tokenizer, cases, max_new_tokens=self.hparams.max_new_tokens)
 
+    def heldout(self) -> dict[str, Any]:
+        """The held-out figures of the policy at this step, evaluated (and logged) once per step."""
+        if self._heldout is None or self._heldout[0] != self.global_step:
+            datamodule = self.trainer.datamodule
+            figures = self.exact_match_accuracy(datamodule.generation_cases[: self.hparams.eval_generations], datamodule.tokenizer)
+            self._heldout = (self.global_step, log_heldout(self, figures))
+        return self._heldout[1]
+
     def summary_metrics(self) -> dict[str, Any]:
         """Figures for summary.json beyond the generic ones: held-out accuracy and packing used."""
-        datamodule = self.trainer.datamodule
-        metrics: dict[str, Any] = {"packing": getattr(datamodule, "resolved_packing", None)}
-        cases = getattr(datamodule, "generation_cases", [])[: self.hparams.eval_generations]
-        if cases:
-            metrics.update(self.exact_match_accuracy(cases, datamodule.tokenizer))
+        metrics: dict[str, Any] = {"packing": getattr(self.trainer.datamodule, "resolved_packing", None)}
+        if self.hparams.eval_generations:
+            metrics.update(self.heldout())
         return metrics
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
         datamodule = self.trainer.datamodule  # an image-text model ships its processor (tokenizer included)
-        return self.export_policy(getattr(datamodule, "processor", None) or datamodule.tokenizer, path, mode=self.export, write=write)
+        tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer
+        return self.export_policy(tokenizer, path, mode=self.export, data=getattr(datamodule, "train_data", None), write=write)

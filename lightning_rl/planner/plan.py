@@ -17,6 +17,7 @@ from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
 from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView
+from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 
 # Where configs of models too large to download for planning are checked in, by model id.
 LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: found from any working directory
@@ -45,13 +46,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedConfig:
-    """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/planner/models/<model id>`."""
+    """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/planner/models/<model id>`;
+    an embedded model (``tiny``, ``tiny-moe``, ``tiny-vlm``) as ``run`` finds it, built once into the cache."""
     if override is not None:
         source = override.parent if override.name == "config.json" else override
         if not (source / "config.json").is_file():
             raise LaunchError(f"--model-config {override}: no config.json there")
         return AutoConfig.from_pretrained(source)
     model_id = recipe.model_id
+    if model_id in EMBEDDED:
+        return AutoConfig.from_pretrained(resolve_model_path(model_id))
     candidates = [Path(model_id), LOCAL_CONFIGS / model_id]
     for folder in candidates:
         if (folder / "config.json").is_file():

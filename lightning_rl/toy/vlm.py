@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from transformers import AutoModelForImageTextToText, CLIPImageProcessor, LlavaConfig, LlavaProcessor
+from transformers import AutoModelForImageTextToText, LlavaConfig, LlavaProcessor
 
 from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir, seeded_model
 
@@ -32,6 +32,10 @@ VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_TURN, _PARTS_TURN)
 
 def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny image-text model and its processor to ``path``."""
+    # Imported here: without torchvision, transformers warns as the name is imported, and every text run imports this
+    # module (for the name ``tiny-vlm``).
+    from transformers import CLIPImageProcessor
+
     path = Path(path)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})

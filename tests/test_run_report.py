@@ -1,0 +1,124 @@
+"""A run says what it did: its closing line, the held-out score in the logs at each evaluation, GRPO's gradient norm
+and rollout samples, the checkpoints it keeps, how a resume with another max_steps changes the schedule, a model card
+and a portable base model in the export, and no noise from libraries a text run does not use."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lightning_rl import cli, run_folder
+from lightning_rl.modules.grpo_metrics import append_rows
+from support.paths import REPO
+
+SFT, GRPO, SFT_LORA = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "grpo.yaml", "sft_lora.yaml"))
+QUIET = ["--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1"]
+
+
+def logged(out: Path, name: str) -> dict[int, float]:
+    """``name`` by step, from the run's CSV logs (the last version: a resumed run writes a new one)."""
+    *_, metrics = sorted(out.glob("csv/version_*/metrics.csv"))
+    return {int(row["step"]): float(row[name]) for row in csv.DictReader(metrics.open()) if row.get(name)}
+
+
+def test_an_sft_run_logs_each_evaluation_keeps_its_checkpoints_and_says_how_a_resume_changes_the_schedule(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", SFT, f"--output_dir={out}", *QUIET, "--data.max_tokens=256", "--model.eval_generations=4",
+            "--model.warmup_steps=0", "--model.learning_rate=1e-3", "--trainer.val_check_interval=3",
+            "--checkpoint_every_n_steps=2", "--keep_checkpoints=2"]  # fmt: skip
+    assert cli.main([*args, "--trainer.max_steps=6"]) == 0
+    said = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    closing = said.out.strip().splitlines()[-1]
+    assert closing.startswith(f"done: 6 steps in {summary['wall_seconds']:.1f} s; held-out exact match ")
+    assert closing.endswith(f"of 4; summary {out / 'summary.json'}; model {out / 'hf'}")
+    # Each validation's exact match is in the logs, the last one the summary's (evaluated once at that step).
+    exact = logged(out, "val/exact_match")
+    assert sorted(exact) == [3, 6] and exact[6] == summary["heldout_exact_match"]
+    # The newest two periodic checkpoints, and last.ckpt.
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    card = (out / "hf" / "README.md").read_text()
+    assert "Trained with lightning-rl: SFT of `tiny` for 6 optimizer steps on `train.jsonl`" in card
+    assert "| `learning_rate` | `0.001` |" in card and "library_name: transformers" in card
+
+    # Resumed to 8 steps: the cosine schedule (no warmup) spans 8 steps from the resumed step on, not 6.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main([*args, "--trainer.max_steps=8", "--ckpt_path=last"]) == 0
+    said = capsys.readouterr()
+    new, old = 1e-3 * 0.5 * (1 + math.cos(math.pi * 6 / 8)), 0.0
+    assert (f"resume at step 6: trainer.max_steps is 8, the checkpoint's run had 6: the learning-rate schedule now spans 8 "
+            f"steps (it spanned 6), so the learning rate at this step is {new:.3g}, not {old:.3g}") in said.err  # fmt: skip
+    assert logged(out, "train/lr")[6] == pytest.approx(new, rel=1e-6)  # the step after the resume trains at it
+    # The data position comes back with the datamodule's state: Lightning's warning about the DataLoader is not said.
+    assert not [w for w in caught if "dataloader is not resumable" in str(w.message)]
+    assert said.out.strip().splitlines()[-1].startswith("done: 8 steps in ")
+
+
+def test_held_out_generations_without_held_out_data_are_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["run", SFT, f"--output_dir={out}", "--trainer.max_steps=1", "--data.val_data=null",
+                     "--model.eval_generations=4", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"])  # fmt: skip
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1] == "error: model.eval_generations=4 needs held-out conversations to decode, but data.val_data is not set"
+    assert "Traceback" not in "\n".join(error) and not out.exists()
+
+
+def test_keep_checkpoints_must_be_positive(tmp_path, capsys):
+    assert cli.main(["run", SFT, f"--output_dir={tmp_path / 'run'}", "--keep_checkpoints=0"]) == 2
+    assert capsys.readouterr().err == "error: keep_checkpoints must be >= 1, got 0\n"
+
+
+def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_wandb(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["run", GRPO, f"--output_dir={out}", *QUIET, "--trainer.max_steps=3", "--model.log_rollouts_every_n_steps=2",
+                     "--model.eval_data=toy", "--model.eval_generations=4", "--model.num_generations=4", "--data.batch_size=2"]) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    norms = logged(out, "train/grad_norm")
+    assert sorted(norms) == [0, 1, 2] and all(math.isfinite(norm) and norm >= 0 for norm in norms.values())
+    exact = logged(out, "val/exact_match")  # before the first step, and after the last
+    assert sorted(exact) == [0, 3] and exact[3] == summary["heldout_exact_match"] and exact[0] == summary["heldout_exact_match_before"]
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0] * 8 + [2] * 8  # 2 prompts x 4 completions, every 2 steps
+    assert {"prompt", "completion", "reward", "weight_version", "math_answer", "format"} <= set(rows[0])
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "held-out exact match" in closing and "(before training: " in closing
+    assert out / "rollouts.jsonl" in run_folder.run_files(out)  # --overwrite removes it with the run
+
+
+def test_rollout_rows_of_a_step_written_again_replace_the_earlier_ones(tmp_path):
+    """A resumed run redoes the steps after its checkpoint: their rows are replaced, the earlier ones kept."""
+    path = tmp_path / "rollouts.jsonl"
+    for step in (0, 10, 20):
+        append_rows(path, [{"step": step, "completion": f"first {step}"}] * 2)
+    append_rows(path, [{"step": 10, "completion": "again"}])
+    assert [(row["step"], row["completion"]) for row in map(json.loads, path.read_text().splitlines())] == [
+        (0, "first 0"), (0, "first 0"), (10, "again")]  # fmt: skip
+    append_rows(path, [{"step": 20, "completion": "next"}])
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 0, 10, 20]
+
+
+def test_a_lora_adapter_names_its_base_model_as_the_recipe_does(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["run", SFT_LORA, f"--output_dir={out}", "--trainer.max_steps=1", "--model.export=adapter",
+                     "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]) == 0  # fmt: skip
+    assert json.loads((out / "hf" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    card = (out / "hf" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: tiny\nlibrary_name: peft\n") and "| `lora.r` | `16` |" in card
+    assert "AutoPeftModelForCausalLM" in card and str(Path.home()) not in card
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="transformers warns only without torchvision")
+def test_a_text_run_imports_nothing_that_warns_about_torchvision():
+    imports = "import lightning_rl.cli, lightning_rl.recipe, lightning_rl.modules.sft, lightning_rl.modules.grpo"
+    done = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and "torchvision" not in done.stderr, done.stderr
