@@ -13,6 +13,11 @@ names (`CheckpointLayout`) on both:
   and vLLM. Untested here for lack of a GPU.
 
 `VLLMServer` (in `vllm_server_process`) starts and stops a server process for a single-machine run.
+
+A server started here heals: when it dies (killed, or its process exits) the engine starts it again, pushes it the
+last weights it was sent (verified, with `verify_weights`), and sends again every request it had not answered (each
+keeps its seed). After `engine_max_restarts` restarts, or on a request left unanswered for `request_timeout` (a hung
+server), the run stops with one line naming the server and its last log lines (`EngineFailedError`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import base64
 import importlib.util
 import io
+import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +36,17 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import torch
 
+from lightning_rl.errors import UserError
 from lightning_rl.models.weights import SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import sampling_params_of, support_of
-from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, request_json
+from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json
 
 if TYPE_CHECKING:
     from lightning_rl.rollout.nccl_transport import NCCLSender
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Transport = Literal["auto", "gloo", "nccl"]
@@ -72,6 +82,14 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     return transport
 
 
+class EngineFailedError(UserError, VLLMServerError):
+    """The vLLM server died more often than ``engine_max_restarts`` allows, or left a request unanswered for
+    ``request_timeout``: the run ends (exit 1) with one line naming the server and its last log lines."""
+
+    key = "engine"
+    exit_code = 1
+
+
 def _request_prompt(prompt: Sequence[int], images: PromptImages | None) -> dict[str, Any]:
     """The prompt fields of a generate request: its tokens, or with images the template's tokens and each image as
     a PNG data URL (the server's processor expands the placeholders and reports the prompt it expanded)."""
@@ -103,6 +121,12 @@ class VLLMServerEngine(RolloutEngine):
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the server's live
             weights under the same name (read by its worker, `vllm_held`), and stop the run on a difference (naming
             the tensor and version). The same check over either transport; needs a server of one worker.
+        request_timeout: seconds a request (a whole completion) may go unanswered before the server is taken for hung
+            and the run stops, naming it.
+        engine_max_restarts: how many times a server started here is restarted after it dies; the engine then keeps
+            a host-memory copy of the last weights pushed (the model's size, twice during a push) to re-sync a restarted
+            server. 0: none
+            kept, and the first death stops the run. A server given by ``url`` is not restarted.
     """
 
     @classmethod
@@ -129,9 +153,12 @@ class VLLMServerEngine(RolloutEngine):
         max_concurrent_requests: int = 64,
         transport: Transport = "auto",
         verify_weights: bool = True,
+        engine_max_restarts: int = 3,
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
+        if engine_max_restarts < 0:
+            raise ValueError(f"engine_max_restarts: must be >= 0, got {engine_max_restarts}")
         self.request_timeout = request_timeout
         self.transport = resolve_transport(transport, None if url is None else self._backend_of(url.rstrip("/")))
         if self.transport == "nccl" and model is None:
@@ -154,7 +181,13 @@ class VLLMServerEngine(RolloutEngine):
         self._vocab: int | None = None
         self.verify_weights = verify_weights
         self._held_dtypes: dict[str, torch.dtype] | None = None  # as the server holds each, read at the first push
+        self.engine_max_restarts = engine_max_restarts if self.server is not None else 0
+        self.restarts = 0
+        self._lives = 0  # counts the server's starts: a request that failed in an earlier life is just sent again
+        self._kept: list[tuple[str, torch.Tensor]] | None = None  # the last weights pushed, to re-sync a restart
         super().__init__(seed)
+        # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
+        self._lock = threading.RLock()
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
         return request_json(f"{self.url}/{route}", body, timeout or self.request_timeout)
@@ -180,7 +213,7 @@ class VLLMServerEngine(RolloutEngine):
              "output_mode": "tokens"}
             for g, prompt in enumerate(prompts)
         ]
-        requests = [self._pool.submit(self._post, "inference/v1/generate", body) for body in bodies]
+        requests = [self._pool.submit(self._healing, lambda body=body: self._post("inference/v1/generate", body)) for body in bodies]
         responses = [request.result() for request in requests]
         for g, (prompt, response) in enumerate(zip(prompts, responses)):
             if own[g]:
@@ -218,6 +251,8 @@ class VLLMServerEngine(RolloutEngine):
                 group_id=group_id,
                 finish_reason=choice.get("finish_reason") or "length",
                 metadata={"weight_versions": spans} if len(spans) > 1 else {},
+                # vLLM ended the request itself (aborted): a cut the model did not make.
+                infra_failure="engine" if choice.get("finish_reason") == "abort" else None,
             ))
         return rollouts
 
@@ -229,17 +264,75 @@ class VLLMServerEngine(RolloutEngine):
         again. Over nccl, such a name is refused here, before the server pauses, and nothing is sent.
         """
         with self._lock:
-            if self.verify_weights and self._held_dtypes is None:  # before the push: mid-update the server has no weights
-                self._held_dtypes = {n: getattr(torch, dtype) for n, (dtype, _) in self._held()["tensors"].items()}
-            sent = SentDigests(named_tensors, self._held_dtypes.get) if self.verify_weights else None
-            if self.transport == "nccl":
-                self._push_nccl(sent or named_tensors, version)
-            else:
-                self._push_gloo(sent or named_tensors, version)
-            if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
-                held = self._held()
-                verify_held(sent, {name: digest for name, (_, digest) in held["tensors"].items()}, held["ties"], version)
+            if self.engine_max_restarts:  # kept whole: a restart mid-push sends them again, and so does a later one
+                named_tensors = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
+            self._healing(lambda: self._push_verified(named_tensors, version))
             self._version = version
+            if self.engine_max_restarts:
+                self._kept = named_tensors
+
+    def _push_verified(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.verify_weights and self._held_dtypes is None:  # before the push: mid-update the server has no weights
+            self._held_dtypes = {n: getattr(torch, dtype) for n, (dtype, _) in self._held()["tensors"].items()}
+        sent = SentDigests(named_tensors, self._held_dtypes.get) if self.verify_weights else None
+        if self.transport == "nccl":
+            self._push_nccl(sent or named_tensors, version)
+        else:
+            self._push_gloo(sent or named_tensors, version)
+        if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
+            held = self._held()
+            verify_held(sent, {name: digest for name, (_, digest) in held["tensors"].items()}, held["ties"], version)
+
+    def _healing(self, action: Callable[[], T]) -> T:
+        """`action()`, done again on a restarted server each time the server dies under it."""
+        while True:
+            life = self._lives
+            try:
+                return action()
+            except VLLMServerError as error:
+                self._recover(life, error)
+
+    def _recover(self, life: int, error: VLLMServerError) -> None:
+        """After `error` in the server's life `life`: return once a server that died is running again (restarted here,
+        or by another request meanwhile) with the last weights pushed; raise what is not a death."""
+        with self._lock:
+            if self._lives != life:
+                return
+            if isinstance(error, EngineFailedError):
+                raise error
+            if isinstance(error, VLLMServerTimeout):
+                raise self._failed(f"left a request unanswered for request_timeout={self.request_timeout:g} s (hung?)") from error
+            if self.server is None or self._serving():
+                raise error
+            while self.restarts < self.engine_max_restarts:
+                self.restarts += 1
+                log.warning("the vLLM server at %s died (%s); restarting it (%d of engine_max_restarts=%d)", self.url,
+                            error, self.restarts, self.engine_max_restarts)
+                self._group = self._nccl = None  # their peer is gone: the next push opens a fresh group
+                try:
+                    self.server.restart()
+                    self._lives += 1
+                    if self._kept is not None:
+                        self._push_verified(iter(self._kept), self._version)
+                    return
+                except VLLMServerError as again:  # it would not start, or died again while being re-synced
+                    error = again
+            raise self._failed(f"died ({error}) after {self.restarts} restarts (engine_max_restarts={self.engine_max_restarts})") from error
+
+    def _serving(self) -> bool:
+        """Whether the server still runs and answers ``/health`` (a request may fail on a server that is dying)."""
+        if not self.server.alive:
+            return False
+        try:
+            request_json(f"{self.url}/health", None, 10, "GET")
+        except VLLMServerError:
+            return False
+        return True
+
+    def _failed(self, what: str) -> EngineFailedError:
+        server = f"the vLLM server at {self.url}" + (f" (pid {self.server.pid})" if self.server is not None else "")
+        tail = " | ".join(line[:300] for line in self.server.log_tail()) if self.server is not None else ""
+        return EngineFailedError(f"{server} {what}; its last log lines: {tail or '(none)'}")
 
     def _held(self) -> dict[str, Any]:
         """The server worker's `held_weights`: ``{"tensors": {name: [dtype, digest]}, "ties": {tied: source}}``."""

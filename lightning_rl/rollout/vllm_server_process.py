@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +20,10 @@ from typing import Any
 
 class VLLMServerError(RuntimeError):
     """The server refused a request or could not be reached; the message carries its answer."""
+
+
+class VLLMServerTimeout(VLLMServerError):
+    """The server took the request but did not answer within the time given: hung, or slower than the limit."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,6 +41,8 @@ def request_json(url: str, body: Any | None, timeout: float, method: str = "POST
     except urllib.error.HTTPError as err:
         raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:2000]}") from err
     except (urllib.error.URLError, OSError) as err:
+        if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+            raise VLLMServerTimeout(f"{method} {url}: no answer within {timeout:g} s") from err
         raise VLLMServerError(f"{method} {url}: {err}") from err
     return json.loads(payload) if payload else None
 
@@ -50,6 +58,8 @@ class VLLMServer:
     `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed (its
     workers load `vllm_gloo_backend`); it may differ from the trainer's. `transport` is the server's
     weight-transfer backend: "gloo" (`vllm_gloo_backend`) or "nccl" (vLLM's built-in backend, GPUs only).
+    Its output goes to `log_path` (without one, to a file of its own in a temporary folder, removed by `stop`), whose
+    last lines an error names (`log_tail`); a `restart` appends to it.
     """
 
     def __init__(
@@ -97,24 +107,25 @@ class VLLMServer:
         self.command += list(extra_args)
         # The weight-transfer and pause routes are only mounted in vLLM's development mode.
         self.env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
-        self.log_path = Path(log_path) if log_path is not None else None
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path is not None else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def start(self, timeout: float = 300.0) -> VLLMServer:
+    @property
+    def alive(self) -> bool:
+        """Whether the server process runs (it may still be hung)."""
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 300.0, append: bool = False) -> VLLMServer:
         """Launch the server and wait until `/health` answers (or the process dies, with its log tail)."""
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb") if self.log_path is not None else subprocess.DEVNULL
-        try:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab" if append else "wb") as log:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
-        finally:
-            if self.log_path is not None:
-                log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -124,16 +135,37 @@ class VLLMServer:
                 return self
             except VLLMServerError:
                 time.sleep(0.5)
+        tail = self._log_tail()
         self.stop()
-        raise VLLMServerError(f"vLLM server did not answer /health within {timeout:.0f} s{self._log_tail()}")
+        raise VLLMServerError(f"vLLM server did not answer /health within {timeout:.0f} s{tail}")
+
+    def restart(self, timeout: float = 300.0) -> VLLMServer:
+        """Stop what is left of the server (its engine processes may outlive it) and start it again, same port and
+        flags, its output appended to the same log."""
+        self._end(30.0)
+        return self.start(timeout, append=True)
+
+    def log_tail(self, lines: int = 5) -> list[str]:
+        """The last `lines` non-empty lines the server wrote."""
+        if not self.log_path.exists():
+            return []
+        with open(self.log_path, "rb") as log:
+            log.seek(max(log.seek(0, os.SEEK_END) - 16384, 0))
+            text = log.read().decode(errors="replace")
+        return [line.strip() for line in text.splitlines() if line.strip()][-lines:]
 
     def _log_tail(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return ":\n" + self.log_path.read_text(errors="replace")[-3000:]
+        tail = self.log_tail(40)
+        return ":\n" + "\n".join(tail) if tail else ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; return once none is."""
+        """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; return once none is. A log
+        of its own goes with it."""
+        self._end(timeout)
+        if self._own_log:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
+
+    def _end(self, timeout: float) -> None:
         if self.process is None:
             return
         try:
