@@ -283,7 +283,8 @@ def test_adaptive_entropy_control_follows_its_rule_and_gates_the_bonus():
 
 def test_option_combinations_that_make_no_sense_are_one_line_naming_the_key():
     cases = [
-        (dict(num_iterations=2, async_mode=True, max_staleness=1), "num_iterations=2 with async_mode and max_staleness=1"),
+        (dict(num_iterations=2, async_mode=True, max_staleness=1, old_logprobs="trainer", loss={"importance_sampling_cap": 2.0}),
+         "num_iterations=2 with async_mode and max_staleness=1"),
         (dict(loss={"loss_type": "luspo"}), "loss.importance_sampling_level must be 'sequence' for loss_type='luspo'"),
         (dict(loss={"loss_type": "vespo", "importance_sampling_level": "sequence"}),
          "loss.importance_sampling_level must be 'token' for loss_type='vespo'"),
@@ -347,7 +348,7 @@ def test_engine_options_are_checked_against_the_engines_signature_before_any_mod
     ``test_user_errors``); the error carries the recipe key."""
     cases = [
         ({"class_path": "hf", "init_args": {"devise": "cpu"}}, "engine.init_args.devise",
-         "devise: not an option of HFRolloutEngine (it takes device, dtype, pad_token_id, eos_token_id)"),
+         "devise: not an option of HFRolloutEngine (it takes device, dtype, pad_token_id, eos_token_id, verify_weights)"),
         ({"class_path": "vllm", "init_args": {"gpu_memory_utilization": "high"}}, "engine.init_args.gpu_memory_utilization",
          "gpu_memory_utilization: Expected a"),
         (functools.partial(VLLMServerEngine, transprt="gloo"), "engine.init_args.transprt", "transprt: not an option of VLLMServerEngine"),
