@@ -157,7 +157,7 @@ def test_reward_mistakes_are_refused_before_training_in_one_line():
     scorer.check_arguments(["answer", "kind", "tool_calls"])
     with pytest.raises(ValueError, match=re.escape(
         "reward 'math_answer' needs 'answer', which is neither a data column nor a reward argument "
-        "(there are: completions, kind, prompts, tool_calls)"
+        "(there are: completions, kind, log_extra, log_metric, prompts, tool_calls, trainer_state)"
     )):
         scorer.check_arguments(["kind", "tool_calls"])
     with pytest.raises(ValueError, match="reward 'format': kwarg 'pattern' is also a data column"):

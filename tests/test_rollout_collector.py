@@ -14,6 +14,7 @@ from lightning_rl.data.sft import DataError
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.collector import RolloutCollector, RolloutSettings
+from support.prompt_sources import PromptList
 
 LOGPROB = -0.25
 
@@ -46,28 +47,6 @@ class ScriptedEngine(RolloutEngine):
 
     def close(self) -> None:
         pass
-
-
-class PromptList:
-    """A `PromptSource` over lists of records: the step's, then one list per dynamic-sampling round."""
-
-    path = "prompts.jsonl"
-    image_folder = None
-
-    def __init__(self, records: list[dict[str, Any]], *rounds: list[dict[str, Any]]) -> None:
-        self.records, self.rounds = records, rounds
-
-    def prompt_batch(self, index: int) -> list[dict[str, Any]]:
-        return self.records
-
-    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
-        return self.rounds[round - 1][:count]
-
-    def location(self, record: dict[str, Any]) -> str:
-        return f"prompts.jsonl: line {self.records.index(record) + 1}"
-
-    def columns(self) -> set[str]:
-        return set.intersection(*(set(r) for r in self.records))
 
 
 def last_digit_unless_tied(completions: list[str], tied: list[bool], **_: Any) -> list[float]:

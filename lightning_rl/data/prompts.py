@@ -50,6 +50,9 @@ class PromptSource(Protocol):
     def epoch_of(self, index: int) -> float:
         """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
 
+    def epoch_of(self, index: int) -> float:
+        """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
+
     @property
     def image_folder(self) -> Path | None:
         """The folder relative image paths of the prompts start from (None: the working directory)."""
@@ -138,6 +141,10 @@ class PromptDataModule(L.LightningDataModule):
     def columns(self) -> set[str]:
         self.setup()
         return set.intersection(*(set(record) for record in self.records))
+
+    def epoch_of(self, index: int) -> float:
+        self.setup()
+        return index * self.batch_size * self._rank_and_world[1] / len(self.records)
 
     def epoch_of(self, index: int) -> float:
         self.setup()

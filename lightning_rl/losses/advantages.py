@@ -2,7 +2,8 @@
 
 The statistics that span the whole step (``scale_rewards="batch"``, ``normalize_then_sum``) are taken over every
 rank: ``reduce`` sums a tensor over the ranks (the identity in one process), so the result does not depend on how
-the step's prompts are dealt out.
+the step's prompts are dealt out. A NaN reward (no reward function applied to the sample, or, per function, that
+function did not) is left out of every statistic and gets advantage 0, as in TRL.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def step_mean_and_std(values: torch.Tensor, reduce: Reduce = _identity) -> tuple
 def _per_group(rewards: torch.Tensor, groups: torch.Tensor, scale: bool) -> torch.Tensor:
     out = torch.zeros_like(rewards, dtype=torch.float32)
     for group in torch.unique(groups):
-        members = groups == group
+        members = (groups == group) & ~rewards.isnan()
         values = rewards[members].float()
         if values.numel() < 2:
             continue
@@ -65,7 +66,7 @@ def group_advantages(
     centred = _per_group(rewards, groups, scale=False)
     if scale == "none":
         return centred
-    _, std = step_mean_and_std(rewards, reduce)
+    _, std = step_mean_and_std(rewards[~rewards.isnan()], reduce)
     return centred / (std + STD_EPSILON)
 
 
@@ -79,8 +80,9 @@ def normalize_then_sum(
     _check_shapes(per_function[:, 0], groups)
     normalised = torch.stack([_per_group(per_function[:, k], groups, scale=True) for k in range(weights.numel())], 1)
     combined = (normalised * weights.float()).sum(1)
-    mean, std = step_mean_and_std(combined, reduce)
-    return (combined - mean) / (std + STD_EPSILON)
+    scored = ~per_function.isnan().all(1)
+    mean, std = step_mean_and_std(combined[scored], reduce)
+    return torch.where(scored, (combined - mean) / (std + STD_EPSILON), 0.0)
 
 
 def _check_shapes(rewards: torch.Tensor, groups: torch.Tensor) -> None:

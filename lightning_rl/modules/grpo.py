@@ -338,6 +338,7 @@ class GRPOModule(PolicyModule):
         self.collector = RolloutCollector(
             self.engine, self.trainer.datamodule, renderer, self.scorer, self.sampling, self.rollout,
             model_context=getattr(self.policy.config.get_text_config(), "max_position_embeddings", None),
+            max_steps=self.trainer.max_steps, steps_per_batch=self.hparams.num_iterations,
         )
 
     def on_train_start(self) -> None:
@@ -445,7 +446,7 @@ class GRPOModule(PolicyModule):
 
         self.trained_batches.append({"index": index, "iteration": iteration, "weight_version": scored.weight_version})
         self.last_trained = scored
-        self.reward_history.append(float(rewards.mean()))
+        self.reward_history.append(float(rewards.nanmean()))
         self._log_step(scored, stats, staleness, waited, train_seconds)
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 

@@ -3,7 +3,8 @@
 A reward function names the arguments it needs (`prompts`, `completions`, a data column such as
 `answer`, `tool_calls`, ...; see `scoring.py`), gets each as a list with one entry per completion, and
 returns one float per completion. The built-ins name exactly what they read, so a recipe kwarg they
-do not take is refused, and each runs on an empty batch (which is how their kwargs are checked).
+do not take is refused, and each runs on an empty batch (which is how their kwargs are checked). They read
+completions as text (their annotations say so: `Sequence[str]`), whatever the shape of the prompts.
 """
 
 from __future__ import annotations

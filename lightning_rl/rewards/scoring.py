@@ -1,8 +1,12 @@
 """Scoring rollouts with several weighted reward functions, sync or async, isolating failures.
 
-A reward function is called by keyword with those of the batch's arguments it names: `prompts` and
-`completions` (strings), every column of the prompt records, and what the trainer adds (`tool_calls`,
-`transcripts`, `completion_ids`); a function with `**kwargs` gets them all. Its fixed `kwargs` come from the recipe.
+A reward function is called by keyword with those of the batch's arguments it names, as TRL's `GRPOTrainer` calls
+it (`arguments.py`): `prompts` and `completions` (strings, or message lists for conversational prompts),
+`trainer_state`, `log_extra`, `log_metric`, every column of the prompt records, and what the trainer adds
+(`tool_calls`, `transcripts`, `completion_ids`, `prompt_messages`); a function with `**kwargs` gets them all. Its fixed
+`kwargs` come from the recipe. A function may return None for a sample it does not apply to: that sample is left out
+of its mean and std and of the weighted sum, as in TRL; a sample no function applies to has no reward (NaN) and no
+advantage.
 Mistakes are refused before training: fixed kwargs the function does not take, an argument it needs that
 neither the data nor the trainer provides (`check_arguments`), and, for the built-ins, fixed kwargs
 that do not work (they are called once on an empty batch, which compiles a regular expression).
@@ -31,6 +35,7 @@ import torch
 
 from lightning_rl.dotted import load_object
 from lightning_rl.errors import UserError
+from lightning_rl.rewards.arguments import RewardBatch, RewardLogs, TrainerState, reads_text
 from lightning_rl.rewards.builtin import BUILTIN_REWARDS
 from lightning_rl.stopping import POLL_S, StepAbandoned, abandon_if_stopping
 
@@ -38,7 +43,7 @@ log = logging.getLogger(__name__)
 
 RewardFunction = Callable[..., Any]
 
-BATCH_ARGUMENTS = ("prompts", "completions")
+BATCH_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_metric")
 """What every reward function may ask for, whatever the data; the caller's columns come on top."""
 
 
@@ -52,7 +57,14 @@ def load_reward_function(path: str) -> RewardFunction:
 
 @dataclass
 class RewardSpec:
-    """One reward function of a run: where it lives, its weight, fixed keyword arguments, its name."""
+    """One reward function of a run: where it lives, its weight, fixed keyword arguments, its name.
+
+    Args:
+        function: a built-in reward's name or a dotted path (``pkg.module:name``).
+        weight: its weight in the step's reward. TRL: `reward_weights` (one list for all).
+        kwargs: keyword arguments every call gets.
+        name: its name in the logs (default: the function's).
+    """
 
     function: str | RewardFunction
     weight: float = 1.0
@@ -95,6 +107,7 @@ class _Reward:
             self.takes_any = True
         else:
             self.takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        self.text = reads_text(parameters)
         for p in parameters:
             if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
                 raise ValueError(f"reward {self.name!r}: parameter {p.name!r} is positional-only; rewards are called by keyword")
@@ -127,10 +140,11 @@ class _Reward:
             )
 
     async def __call__(
-        self, prompts: list[str], completions: list[str], columns: Mapping[str, Sequence[Any]],
-        timeout_s: float | None = None, one_at_a_time: asyncio.Lock | None = None,
-    ) -> torch.Tensor:
-        arguments = {"prompts": prompts, "completions": completions, **columns}
+        self, batch: RewardBatch, shared: Mapping[str, Any], timeout_s: float | None = None,
+        one_at_a_time: asyncio.Lock | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its scores of the batch (NaN where it returned None) and where it applies (did not return None)."""
+        arguments = {**batch.arguments(self.text), **shared}
         if not self.takes_any:
             arguments = {key: value for key, value in arguments.items() if key in self.accepted}
         arguments.update(self.kwargs)
@@ -145,10 +159,10 @@ class _Reward:
                     result = await _within(result, timeout_s, what)
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
-        values = [float(v) for v in result]
-        if len(values) != len(completions):
-            raise ValueError(f"returned {len(values)} scores for {len(completions)} completions")
-        return torch.tensor(values, dtype=torch.float32)
+        values = [math.nan if v is None else float(v) for v in result]
+        if len(values) != len(batch):
+            raise ValueError(f"returned {len(values)} scores for {len(batch)} completions")
+        return torch.tensor(values, dtype=torch.float32), torch.tensor([v is not None for v in result])
 
 
 class RewardTimeout(TimeoutError):
@@ -223,12 +237,14 @@ class RewardFailedError(UserError, RuntimeError):
 
 @dataclass
 class Scores:
-    """Rewards of N completions: weighted total [N] (always finite), each function's raw score [N]
-    (failed samples at 0), failures."""
+    """Rewards of N completions: weighted total [N] (NaN only where no function applies), each function's raw score
+    [N] (failed samples at 0, NaN where it returned None), failures, and what the functions logged."""
 
     total: torch.Tensor
     per_function: dict[str, torch.Tensor]
     errors: list[RewardError]
+    logged_columns: dict[str, list[Any]] = field(default_factory=dict)
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
     def failure_counts(self) -> dict[str, dict[str, int]]:
         """Per function, how many samples it failed on, by kind (``raised``, ``non_finite``, ``timeout``)."""
@@ -291,10 +307,17 @@ class RewardScorer:
 
     def score(
         self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
-        step: int | None = None,
+        step: int | None = None, *, chat_prompts: Sequence[Any] | None = None, chat_completions: Sequence[Any] | None = None,
+        trainer_state: TrainerState | None = None,
     ) -> Scores:
-        """Scores of a batch; `step` names it in errors."""
-        scores = asyncio.run(self._score(list(prompts), list(completions), dict(columns)))
+        """Scores of a batch; `step` names it in errors. `prompts` and `completions` are text; for conversational
+        prompts `chat_prompts` and `chat_completions` are TRL's message lists, which functions get instead unless
+        they annotate `prompts` or `completions` as strings. `trainer_state`: the run's progress (a fresh run's step 0 when not given)."""
+        batch = RewardBatch(
+            list(prompts), list(completions), {key: list(column) for key, column in columns.items()},
+            None if chat_prompts is None else list(chat_prompts), None if chat_completions is None else list(chat_completions),
+        )
+        scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
         if self.all_failed == "stop" and completions:
             for name, counts in scores.failure_counts().items():
                 if sum(counts.values()) == len(completions):
@@ -308,61 +331,75 @@ class RewardScorer:
                     )
         return scores
 
-    async def _score(self, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]]) -> Scores:
+    async def _score(self, batch: RewardBatch, state: TrainerState) -> Scores:
         errors: list[RewardError] = []
+        logs = RewardLogs(len(batch))
         one_at_a_time = asyncio.Lock()
         results = await asyncio.gather(*(
-            self._score_one(reward, prompts, completions, columns, errors, one_at_a_time) for reward in self.rewards.values()
+            self._score_one(reward, batch, state, logs, errors, one_at_a_time) for reward in self.rewards.values()
         ))
         per_function = dict(zip(self.rewards, results, strict=True))
-        total = torch.zeros(len(completions), dtype=torch.float32)
+        # TRL's sum: a function that does not apply to a sample (NaN) adds nothing; none applying leaves no reward.
+        total = torch.zeros(len(batch), dtype=torch.float32)
+        applied = torch.zeros(len(batch), dtype=torch.bool)
         for name, values in per_function.items():
-            total += self.rewards[name].weight * values
+            total += self.rewards[name].weight * values.nan_to_num(nan=0.0)
+            applied |= ~values.isnan()
         for i in torch.nonzero(~torch.isfinite(total)).flatten().tolist():  # finite terms whose weighted sum overflowed
-            self._failed(errors, "weighted sum", i, prompts, completions, f"overflowed to {float(total[i])}", "non_finite")
+            self._failed(errors, "weighted sum", i, batch, f"overflowed to {float(total[i])}", "non_finite")
             total[i] = 0.0
-        return Scores(total=total, per_function=per_function, errors=errors)
+        unscored = torch.nonzero(~applied).flatten().tolist()
+        if unscored:
+            log.warning("every reward function returned None for %d of %d samples (first: %r): they get no reward and no "
+                        "advantage", len(unscored), len(batch), batch.completions[unscored[0]][:200])  # fmt: skip
+            total[~applied] = math.nan
+        return Scores(total, per_function, errors, logs.columns, logs.metrics)
 
     async def _score_one(
-        self, reward: _Reward, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]],
-        errors: list[RewardError], one_at_a_time: asyncio.Lock,
+        self, reward: _Reward, batch: RewardBatch, state: TrainerState, logs: RewardLogs, errors: list[RewardError],
+        one_at_a_time: asyncio.Lock,
     ) -> torch.Tensor:
+        def shared(samples: list[int]) -> dict[str, Any]:
+            log_extra, log_metric = logs.for_samples(samples)
+            return {"trainer_state": state, "log_extra": log_extra, "log_metric": log_metric}
+
+        n = len(batch)
         try:
-            values = await reward(prompts, completions, columns, self.timeout_s, one_at_a_time)
+            values, applies = await reward(batch, shared(list(range(n))), self.timeout_s, one_at_a_time)
         except StepAbandoned:
             raise
         except RewardTimeout as error:
             if self.on_error == "raise":
                 raise ValueError(f"reward {reward.name!r} {error}") from None
-            values = torch.zeros(len(completions), dtype=torch.float32)
-            for i in range(len(completions)):  # a retry per sample could cost the limit once per sample
-                self._failed(errors, reward.name, i, prompts, completions, str(error), "timeout")
+            values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
+            for i in range(n):  # a retry per sample could cost the limit once per sample
+                self._failed(errors, reward.name, i, batch, str(error), "timeout")
         except (Exception, SystemExit):
             if self.on_error == "raise":
                 raise
-            values = torch.zeros(len(completions), dtype=torch.float32)
-            for i in range(len(completions)):
-                one_columns = {key: [column[i]] for key, column in columns.items()}
+            values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
+            for i in range(n):
                 try:
-                    values[i] = (await reward([prompts[i]], [completions[i]], one_columns, self.timeout_s, one_at_a_time))[0]
+                    one, one_applies = await reward(batch.sample(i), shared([i]), self.timeout_s, one_at_a_time)
+                    values[i], applies[i] = one[0], one_applies[0]
                 except StepAbandoned:
                     raise
                 except RewardTimeout as error:
-                    self._failed(errors, reward.name, i, prompts, completions, str(error), "timeout")
+                    self._failed(errors, reward.name, i, batch, str(error), "timeout")
                 except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0
-                    self._failed(errors, reward.name, i, prompts, completions, f"{type(error).__name__}: {error}", "raised")
-        for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():  # never into the advantages
+                    self._failed(errors, reward.name, i, batch, f"{type(error).__name__}: {error}", "raised")
+        for i in torch.nonzero(~torch.isfinite(values) & applies).flatten().tolist():  # never into the advantages
             message = f"returned {float(values[i])}"
             if self.on_error == "raise":
                 raise ValueError(f"reward {reward.name!r} {message} for sample {i}")
-            self._failed(errors, reward.name, i, prompts, completions, message, "non_finite")
+            self._failed(errors, reward.name, i, batch, message, "non_finite")
             values[i] = 0.0
         return values
 
     @staticmethod
     def _failed(
-        errors: list[RewardError], name: str, i: int, prompts: list[str], completions: list[str], message: str,
+        errors: list[RewardError], name: str, i: int, batch: RewardBatch, message: str,
         kind: Literal["raised", "non_finite", "timeout"],
     ) -> None:
-        log.warning("reward %r failed on sample %d (%r): %s", name, i, completions[i][:200], message)
-        errors.append(RewardError(name, i, prompts[i], completions[i], message, kind))
+        log.warning("reward %r failed on sample %d (%r): %s", name, i, batch.completions[i][:200], message)
+        errors.append(RewardError(name, i, batch.prompts[i], batch.completions[i], message, kind))

@@ -40,6 +40,8 @@ class ScoredBatch:
     # fewer than two valid samples (`rollout/collector.py:without_infra_failures`).
     excluded_rollouts: dict[str, int] = field(default_factory=dict)
     excluded_groups: int = 0
+    logged_columns: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra, per rollout
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)  # ... and log_metric, every value logged
 
     @property
     def weight_version(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from lightning_rl import validation
 from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
 from lightning_rl.data.sft import DataError
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.rewards import RewardScorer
+from lightning_rl.rewards import RewardScorer, TrainerState
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
 from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_calls, visible_text
@@ -93,11 +94,14 @@ class RolloutCollector:
         settings: generations per prompt, tools and turns, dynamic sampling, the seed.
         model_context: the model's context in tokens (``max_position_embeddings``), where ``max_context_tokens``
             does not set one.
+        max_steps, steps_per_batch: the run's optimizer steps and those taken on each batch (``num_iterations``),
+            for the reward functions' ``trainer_state``.
     """
 
     def __init__(
         self, engine: RolloutEngine, prompts: PromptSource, renderer: PromptRenderer, scorer: RewardScorer,
         sampling: SamplingConfig, settings: RolloutSettings, model_context: int | None = None,
+        max_steps: int = -1, steps_per_batch: int = 1,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -106,6 +110,7 @@ class RolloutCollector:
         self.sampling = sampling
         self.settings = settings
         self.context_limit = settings.max_context_tokens if settings.max_context_tokens is not None else model_context
+        self.max_steps, self.steps_per_batch = max_steps, steps_per_batch
         self.executor: ToolExecutor | None = None
         if settings.loaded_tools:
             self.executor = ToolExecutor(
@@ -189,9 +194,13 @@ class RolloutCollector:
         if engine_images is not None:
             for rollout in rollouts:  # each rollout trains with its prompt's images
                 rollout.metadata["images"] = rendered[rollout.group_id].keyed_images
+        conversational = any(isinstance(record["prompt"], list) for record in records)
         scores = self.scorer.score(
             [self.text(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],
             self._columns(records, rendered, rollouts), step=index + 1,
+            chat_prompts=[rendered[r.group_id].messages for r in rollouts] if conversational else None,
+            chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
+            trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index)),
         )
         failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
         mark_infra_failures(rollouts, scores.errors)
@@ -202,6 +211,8 @@ class RolloutCollector:
             rewards=scores.total.tolist(),
             reward_terms={name: values.tolist() for name, values in scores.per_function.items()},
             reward_errors=[vars(e) for e in scores.errors],
+            logged_columns=scores.logged_columns,
+            logged_metrics=scores.logged_metrics,
             generation_seconds=generation_seconds,
             tool_failures=dict(failures),
         ))
@@ -218,6 +229,13 @@ class RolloutCollector:
     def reply_text(self, rollout: Rollout) -> str:
         """What rewards read as the completion: the model's last reply."""
         return rollout.metadata.get("final_reply", self.text(rollout.completion_ids))
+
+    def reply_messages(self, rollout: Rollout) -> list[dict[str, Any]]:
+        """What rewards read as the completion of a conversational prompt (TRL's shape): the messages the model's
+        turns added, each assistant turn followed by its tool results."""
+        if rollout.messages:  # a conversation with tools
+            return [dict(message) for message in rollout.messages]
+        return [{"role": "assistant", "content": self.reply_text(rollout)}]
 
     def _columns(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt], rollouts: list[Rollout]) -> dict[str, list[Any]]:
         """What the reward functions get per rollout besides prompts and completions: its record's columns and
@@ -287,12 +305,12 @@ def without_infra_failures(scored: ScoredBatch) -> ScoredBatch:
 
 
 def groups_with_signal(scored: ScoredBatch) -> ScoredBatch:
-    """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered."""
-    by_group: dict[int, list[int]] = {}
-    for i, rollout in enumerate(scored.rollouts):
-        by_group.setdefault(rollout.group_id, []).append(i)
-    keep = [g for g, members in sorted(by_group.items())
-            if max(scored.rewards[i] for i in members) - min(scored.rewards[i] for i in members) > 1e-6]  # fmt: skip
+    """The batch without the groups whose rewards all tie (their advantages are 0: no gradient), renumbered. A sample
+    without a reward (no reward function applied) is no signal."""
+    by_group: dict[int, list[float]] = {}
+    for reward, rollout in zip(scored.rewards, scored.rollouts, strict=True):
+        by_group.setdefault(rollout.group_id, []).extend([] if math.isnan(reward) else [reward])
+    keep = [g for g, rewards in sorted(by_group.items()) if rewards and max(rewards) - min(rewards) > 1e-6]
     return _subset(scored, keep)
 
 
@@ -308,6 +326,7 @@ def _subset(scored: ScoredBatch, keep: list[int], wanted: Callable[[Rollout], bo
         rewards=[scored.rewards[i] for i in picked],
         reward_terms={name: [values[i] for i in picked] for name, values in scored.reward_terms.items()},
         reward_errors=[{**e, "sample": position[e["sample"]]} for e in scored.reward_errors if e["sample"] in position],
+        logged_columns={name: [values[i] for i in picked] for name, values in scored.logged_columns.items()},
     )
 
 
@@ -326,4 +345,9 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         tool_failures=dict(failures),
         excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
         excluded_groups=first.excluded_groups + second.excluded_groups,
+        logged_columns={name: first.logged_columns.get(name, [None] * len(first.rollouts))
+                        + second.logged_columns.get(name, [None] * len(second.rollouts))
+                        for name in {**first.logged_columns, **second.logged_columns}},
+        logged_metrics={name: first.logged_metrics.get(name, []) + second.logged_metrics.get(name, [])
+                        for name in {**first.logged_metrics, **second.logged_metrics}},
     )

@@ -1,0 +1,30 @@
+"""A `PromptSource` over lists of records, for collector tests without a data file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PromptList:
+    """A `PromptSource` over lists of records: the step's, then one list per dynamic-sampling round."""
+
+    path = "prompts.jsonl"
+    image_folder = None
+
+    def __init__(self, records: list[dict[str, Any]], *rounds: list[dict[str, Any]]) -> None:
+        self.records, self.rounds = records, rounds
+
+    def prompt_batch(self, index: int) -> list[dict[str, Any]]:
+        return self.records
+
+    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
+        return self.rounds[round - 1][:count]
+
+    def location(self, record: dict[str, Any]) -> str:
+        return f"prompts.jsonl: line {self.records.index(record) + 1}"
+
+    def columns(self) -> set[str]:
+        return set.intersection(*(set(r) for r in self.records))
+
+    def epoch_of(self, index: int) -> float:
+        return float(index)
