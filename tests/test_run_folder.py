@@ -137,17 +137,17 @@ def test_overwrite_on_a_folder_of_user_files_deletes_nothing(tmp_path, capsys, r
 def test_a_file_the_run_did_not_write_in_hf_is_refused_rather_than_replaced(tmp_path, capsys, rows):
     out = tmp_path / "run"
     assert run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1") == (0, [])
-    (out / "hf" / "README.md").write_text("my model card")
+    (out / "hf" / "NOTES.md").write_text("my notes")
     earlier = files(out)
     for flags in (["--overwrite"], ["--ckpt_path=last", "--trainer.max_steps=2"]):  # both end in a new export
         code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1", *flags)
         assert code == 2
-        assert errors == [f"error: output_dir: {out}/hf holds files the run did not write (hf/README.md), and the run's export "
+        assert errors == [f"error: output_dir: {out}/hf holds files the run did not write (hf/NOTES.md), and the run's export "
                           "replaces hf/ whole: move them out first"]  # fmt: skip
         assert files(out) == earlier
-    (out / "hf" / "README.md").unlink()
+    (out / "hf" / "NOTES.md").unlink()
     assert run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1", "--overwrite") == (0, [])
-    assert not (out / "hf" / "README.md").exists() and (out / "hf" / "model.safetensors").exists()
+    assert not (out / "hf" / "NOTES.md").exists() and (out / "hf" / "model.safetensors").exists()
 
 
 def test_an_empty_output_dir_is_refused_before_anything_is_written_where_it_points(tmp_path, capsys, monkeypatch, rows):
