@@ -101,6 +101,10 @@ class Rollout:
     (top-k, top-p, min-p) is on, restricted to the tokens the filter kept and renormalised over them.
     `support` ([len(completion_ids), K] int32) then holds, per token, the ids the filter kept, padded with
     -1; a row of -1 only (a tool output's token) stands for no restriction. None: no filter was on.
+
+    `token_versions[t]` is the weight version that sampled `completion_ids[t]` (a tool output's token: the version of
+    the turn it answers): a completion generated across a weight update holds two or more. `weight_version` is the
+    oldest of them, the one staleness is bounded on. None: the whole completion was sampled at `weight_version`.
     """
 
     prompt_ids: list[int]
@@ -119,6 +123,7 @@ class Rollout:
     # Why the rollout failed for reasons outside the model (`InfraFailure`), None if it did not: such a rollout is
     # left out of its group's advantages and of the loss (`rollout/collector.py:without_infra_failures`).
     infra_failure: InfraFailure | None = None
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -132,6 +137,13 @@ class Rollout:
             raise ValueError(
                 f"rollout of group {self.group_id}: completion_mask has {len(self.completion_mask)} "
                 f"entries for {len(self.completion_ids)} completion tokens"
+            )
+        if self.token_versions is not None and (
+            len(self.token_versions) != len(self.completion_ids) or min(self.token_versions, default=self.weight_version) != self.weight_version
+        ):
+            raise ValueError(
+                f"rollout of group {self.group_id}: {len(self.token_versions)} token versions for {len(self.completion_ids)} "
+                f"completion tokens, oldest {min(self.token_versions, default=None)} (want weight_version={self.weight_version})"
             )
         if self.support is not None and (self.support.dim() != 2 or self.support.shape[0] != len(self.completion_ids)):
             raise ValueError(
@@ -160,6 +172,11 @@ class Rollout:
     def sequence_logprobs(self) -> list[float]:
         """Engine log-probs aligned with `sequence` (0.0 on prompt tokens)."""
         return [0.0] * len(self.prompt_ids) + list(self.logprobs)
+
+    @property
+    def versions(self) -> list[int]:
+        """`token_versions`, or `weight_version` for every completion token without them."""
+        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(self.completion_ids)
 
     @property
     def sequence_support(self) -> torch.Tensor | None:

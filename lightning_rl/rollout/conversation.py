@@ -125,7 +125,8 @@ class ToolConversation:
             for parent, children in zip(continuing, batch.groups, strict=True):
                 for child in children:
                     history = copy.deepcopy(parent) if n > 1 else parent
-                    _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs, support=child.support)
+                    _append(history, child.completion_ids, sampled=True, logprobs=child.logprobs, support=child.support,
+                            versions=child.versions)
                     history.weight_version = min(history.weight_version, child.weight_version)
                     history.finish_reason = child.finish_reason
                     history.routes = child.routes  # the engine's routes of the whole history, as this turn ran it
@@ -153,7 +154,13 @@ def distinct_tool_calls(rollouts: Iterable[Rollout]) -> list[dict[str, Any]]:
 
 def _append(
     history: Rollout, token_ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] | None = None, support: torch.Tensor | None = None,
+    versions: Sequence[int] | None = None,
 ) -> None:
+    """`versions`: the weight version that sampled each token (None: a tool's output, given its turn's version)."""
+    held = history.versions
+    added = list(versions) if versions is not None else [held[-1] if held else history.weight_version] * len(token_ids)
+    if history.token_versions is not None or any(v != history.weight_version for v in added):
+        history.token_versions = held + added
     extend_support(history, support, len(token_ids))  # first: it reads where the new tokens start
     history.completion_ids.extend(token_ids)
     history.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))

@@ -2,7 +2,8 @@
 
 Generation goes through vLLM's token-in/token-out route (`/inference/v1/generate`), which also
 reports the weight version each token was sampled with. Weights go through vLLM's weight-transfer
-routes: the server is paused (in-flight requests finish on the old weights), each chunk's manifest is
+routes: the server is paused (by default in-flight requests are frozen, and continue under the new weights once the
+update is in: generation across updates, see ``pause``), each chunk's manifest is
 posted while its bytes are broadcast over the transfer group, and the update is committed under the
 new version before generation resumes. The group is one of two transports, with the same checkpoint
 names (`CheckpointLayout`) on both:
@@ -82,6 +83,17 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     return transport
 
 
+def token_versions(spans: Sequence[Mapping[str, Any]], length: int, unlabelled: int) -> list[int]:
+    """The weight version of each of a completion's `length` tokens, from vLLM's spans (``version``, ``start``,
+    ``end``: the label `push_weights` commits); a token no numeric label covers was sampled at `unlabelled`."""
+    versions = [unlabelled] * length
+    for span in spans:
+        if str(span.get("version")).isdigit():
+            start, end = int(span["start"]), min(int(span["end"]), length)
+            versions[start:end] = [int(span["version"])] * max(end - start, 0)
+    return versions
+
+
 class EngineFailedError(UserError, VLLMServerError):
     """The vLLM server died more often than ``engine_max_restarts`` allows, or left a request unanswered for
     ``request_timeout``: the run ends (exit 1) with one line naming the server and its last log lines."""
@@ -118,6 +130,11 @@ class VLLMServerEngine(RolloutEngine):
     names (`CheckpointLayout`), and a name it lacks is refused with `WeightNameError` before the push.
 
     Args:
+        pause: what a weight push does with the requests in flight. ``keep`` (generation across updates): freezes
+            them, loads the new weights, recomputes their KV cache under them (and drops the prefix cache), and lets
+            them continue, so a completion holds tokens of two or more versions, each recorded
+            (`Rollout.token_versions`). ``wait``: lets them finish on the old weights first, so the push waits for the
+            longest completion in flight.
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the server's live
             weights under the same name (read by its worker, `vllm_held`), and stop the run on a difference (naming
             the tensor and version). The same check over either transport; needs a server of one worker.
@@ -154,11 +171,15 @@ class VLLMServerEngine(RolloutEngine):
         transport: Transport = "auto",
         verify_weights: bool = True,
         engine_max_restarts: int = 3,
+        pause: Literal["keep", "wait"] = "keep",
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
         if engine_max_restarts < 0:
             raise ValueError(f"engine_max_restarts: must be >= 0, got {engine_max_restarts}")
+        if pause not in ("keep", "wait"):
+            raise ValueError(f"pause must be 'keep' or 'wait', got {pause!r}")
+        self.pause = pause
         self.request_timeout = request_timeout
         self.transport = resolve_transport(transport, None if url is None else self._backend_of(url.rstrip("/")))
         if self.transport == "nccl" and model is None:
@@ -206,6 +227,7 @@ class VLLMServerEngine(RolloutEngine):
         own = list(images) if images is not None else [None] * len(prompts)
         with self._lock:
             seed = self._seeds.next(sampling)
+            started = self._version  # the version of tokens no span labels: sampled before the server's first label
         vocab_size = self._vocab_size() if sampling.filtered else 0  # bounds the top log-probs a support asks for
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
@@ -218,7 +240,7 @@ class VLLMServerEngine(RolloutEngine):
         for g, (prompt, response) in enumerate(zip(prompts, responses)):
             if own[g]:
                 check_expanded(type(self).__name__, g, response.get("prompt_token_ids") or (), prompt)
-        return RolloutBatch([self._group_of(g, list(prompt), response, sampling, vocab_size)
+        return RolloutBatch([self._group_of(g, list(prompt), response, sampling, vocab_size, started)
                              for g, (prompt, response) in enumerate(zip(prompts, responses))])
 
     def _vocab_size(self) -> int:
@@ -233,14 +255,15 @@ class VLLMServerEngine(RolloutEngine):
             self._vocab = int(AutoConfig.from_pretrained(source).get_text_config().vocab_size)
         return self._vocab
 
-    def _group_of(self, group_id: int, prompt: list[int], response: dict[str, Any], sampling: SamplingConfig, vocab_size: int) -> list[Rollout]:
+    def _group_of(
+        self, group_id: int, prompt: list[int], response: dict[str, Any], sampling: SamplingConfig, vocab_size: int, started: int,
+    ) -> list[Rollout]:
         rollouts = []
         for choice in sorted(response["choices"], key=lambda c: c["index"]):
             content = (choice.get("logprobs") or {}).get("content") or []
-            # Spans carry the version committed by `push_weights`; before the first push the server has none.
-            spans = [span for span in choice.get("weight_versions") or [] if str(span.get("version")).isdigit()]
+            versions = token_versions(choice.get("weight_versions") or [], len(choice["token_ids"]), started)
             # The oldest weights that produced any token of the completion bound its staleness.
-            version = min((int(span["version"]) for span in spans), default=self._version)
+            version = min(versions, default=started)
             rollouts.append(Rollout(
                 prompt_ids=prompt,
                 completion_ids=list(choice["token_ids"]),
@@ -250,7 +273,7 @@ class VLLMServerEngine(RolloutEngine):
                 weight_version=version,
                 group_id=group_id,
                 finish_reason=choice.get("finish_reason") or "length",
-                metadata={"weight_versions": spans} if len(spans) > 1 else {},
+                token_versions=versions if len(set(versions)) > 1 else None,
                 # vLLM ended the request itself (aborted): a cut the model did not make.
                 infra_failure="engine" if choice.get("finish_reason") == "abort" else None,
             ))
@@ -344,7 +367,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         group = self._group or self._open_group()
-        self._post("pause?mode=wait")
+        self._post(f"pause?mode={self.pause}")
         try:
             self._post("start_weight_update")
             for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
@@ -356,19 +379,26 @@ class VLLMServerEngine(RolloutEngine):
             self._group = None  # a broken collective: the next push opens a fresh group
             raise
         finally:
-            self._post("resume")
+            self._resume()
 
     def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         sender = self._nccl or self._open_nccl()
         tensors = sender.round(named_tensors)  # gathered and checked while the server still generates
-        self._post("pause?mode=wait")
+        self._post(f"pause?mode={self.pause}")
         try:
             sender.send(tensors, version)
         except BaseException:
             self._nccl = None  # a round that failed once started leaves the group unusable: the next push opens one
             raise
         finally:
-            self._post("resume")
+            self._resume()
+
+    def _resume(self) -> None:
+        if self.pause == "keep":
+            # The frozen requests lose their KV cache (they are preempted, and recomputed under the new weights when
+            # they run again) and so does the prefix cache: no token after the update is sampled from old keys/values.
+            self._post("reset_prefix_cache?reset_running_requests=true")
+        self._post("resume")
 
     def _while_posting(self, route: str, body: Any, action: Callable[[], T]) -> T:
         """Post `route` from a side thread while `action()` runs the collective the server waits in."""

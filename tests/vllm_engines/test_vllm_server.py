@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
+import urllib.request
 
 import pytest
+import torch
 from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
@@ -83,25 +86,100 @@ def test_every_push_is_verified_and_faults_are_caught(server_engine, tiny_model_
     assert max_logprob_error(trainer, batch.rollouts) < LOGPROB_ATOL
 
 
-def test_a_push_during_generation_waits_for_it(server_engine, tiny_model_dir):
-    """Asynchronous mode: completions in flight finish on the weights they started with."""
-    models = {server_engine.weight_version: load_trainer_model(tiny_model_dir)}
-    for version in range(1, server_engine.weight_version + 1):
-        perturb_(models[server_engine.weight_version], seed=version)
-    new_version = server_engine.weight_version + 1
-    models[new_version] = load_trainer_model(tiny_model_dir)
-    for version in range(1, new_version + 1):
-        perturb_(models[new_version], seed=version)
+def models_up_to(version: int, tiny_model_dir):
+    """The trainer weights of every version up to `version`, as the tests above push them."""
+    models = {0: load_trainer_model(tiny_model_dir)}
+    for v in range(1, version + 1):
+        models[v] = load_trainer_model(tiny_model_dir)
+        for seed in range(1, v + 1):
+            perturb_(models[v], seed=seed)
+    return models
+
+
+def generated_mid_push(engine, models, new_version, prompts, sampling):
+    """Push `models[new_version]` once `engine`'s server has sampled some tokens of `generate(prompts, ...)`."""
+    before = generated_tokens(engine)
     generated = []
-    generating = threading.Thread(target=lambda: generated.extend(
-        server_engine.generate(PROMPTS * 2, n=2, sampling=SamplingConfig(max_new_tokens=32, seed=9)).rollouts))
+    generating = threading.Thread(target=lambda: generated.extend(engine.generate(prompts, n=2, sampling=sampling).rollouts))
     generating.start()
-    server_engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
+    while generated_tokens(engine) < before + 16 and generating.is_alive():
+        time.sleep(0.02)
+    engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
     generating.join()
+    return generated
+
+
+def generated_tokens(engine) -> float:
+    """The tokens the server has sampled so far (its Prometheus counter)."""
+    text = urllib.request.urlopen(f"{engine.url}/metrics", timeout=30).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_push_in_wait_mode_waits_for_generation(server_engine, tiny_model_dir, monkeypatch):
+    """``pause: wait``: completions in flight finish on the weights they started with."""
+    new_version = server_engine.weight_version + 1
+    models = models_up_to(new_version, tiny_model_dir)
+    monkeypatch.setattr(server_engine, "pause", "wait")
+    generated = generated_mid_push(server_engine, models, new_version, PROMPTS * 2, SamplingConfig(max_new_tokens=32, seed=9))
     assert len(generated) == 8
     for rollout in generated:
-        assert "weight_versions" not in rollout.metadata  # a single version produced the whole completion
+        assert rollout.token_versions is None  # a single version produced the whole completion
         assert max_logprob_error(models[rollout.weight_version], [rollout]) < LOGPROB_ATOL
+
+
+def test_generation_continues_across_a_push_with_every_token_versioned_and_corrected(server_engine, tiny_model_dir):
+    """``pause: keep`` (the default): a push freezes the completions in flight, and they continue under the new weights.
+
+    Every token carries the version that sampled it: its recorded log-prob is that of its version's model on the
+    whole prefix (the continued sequences' KV cache is recomputed, not kept from the old weights), and not that of the
+    other version. The GRPO loss of such a sequence, engine-vs-trainer corrected, is the one computed by hand from
+    those per-token log-probs."""
+    from lightning_rl.losses.grpo import GRPOLoss
+    from lightning_rl.modules.grpo import GRPOModule
+    from engine_checks import reference_logprobs
+
+    old = server_engine.weight_version
+    models = models_up_to(old + 1, tiny_model_dir)
+    # Long completions (the server's max_model_len is 256), so the push lands while they are sampled.
+    generated = generated_mid_push(server_engine, models, old + 1, PROMPTS, SamplingConfig(max_new_tokens=240, seed=3))
+    spanning = [r for r in generated if r.token_versions is not None]
+    assert spanning, "no completion was in flight across the push"
+    for rollout in generated:
+        versions = torch.tensor(rollout.versions)
+        assert rollout.weight_version == int(versions.min())  # the oldest token bounds the staleness
+        switch = int((versions == old).sum())
+        assert versions.tolist() == [old] * switch + [old + 1] * (len(versions) - switch)
+        recorded = torch.tensor(rollout.logprobs)
+        own = torch.where(versions == old, reference_logprobs(models[old], rollout.prompt_ids, rollout.completion_ids),
+                          reference_logprobs(models[old + 1], rollout.prompt_ids, rollout.completion_ids))
+        assert (recorded - own).abs().max() < LOGPROB_ATOL
+    for rollout in spanning:  # the tokens either side of the switch are not the other version's
+        switch = rollout.versions.index(old + 1)
+        assert 0 < switch < len(rollout.completion_ids)
+        for t, model in ((switch - 1, models[old + 1]), (switch, models[old])):
+            other = reference_logprobs(model, rollout.prompt_ids, rollout.completion_ids)[t]
+            assert abs(rollout.logprobs[t] - other) > 100 * LOGPROB_ATOL, t
+
+    # The trainer holds the new weights; its ratio to the engine corrects each token by the version that sampled it.
+    cap = 2.0
+    module = GRPOModule(model_name_or_path=str(tiny_model_dir), num_generations=2, old_logprobs="trainer",
+                        loss=GRPOLoss("grpo", importance_sampling_cap=cap), sampling={"max_new_tokens": 240})
+    module.configure_model()
+    module.policy.load_state_dict(models[old + 1].state_dict())
+    advantages = torch.tensor([0.7 - 0.4 * i for i in range(len(spanning))])
+    packed = module.pack_rollouts(spanning, advantages)
+    terms, _ = module.row_loss(packed)
+    by_hand, plain = torch.zeros_like(terms.loss), torch.zeros_like(terms.loss)
+    for i, (rollout, advantage) in enumerate(zip(spanning, advantages)):
+        trainer = reference_logprobs(models[old + 1], rollout.prompt_ids, rollout.completion_ids)
+        weight = torch.exp(trainer - torch.tensor(rollout.logprobs)).clamp(max=cap)  # ~1 on the new version's tokens
+        assert int((packed.loss_seq == i).sum()) == len(rollout.completion_ids)
+        by_hand[packed.loss_seq == i] = -advantage * weight  # the ratio to the trainer's own log-probs is 1: unclipped
+        plain[packed.loss_seq == i] = -advantage
+    torch.testing.assert_close(terms.loss.detach(), by_hand, atol=1e-4, rtol=1e-4)
+    versions = torch.cat([torch.tensor(r.versions) for r in spanning])[packed.loss_seq.argsort(stable=True).argsort()]
+    assert (terms.loss.detach() - plain)[versions == old + 1].abs().max() < 1e-3  # sampled by the trainer's weights
+    assert (terms.loss.detach() - plain)[versions == old].abs().max() > 1e-2  # corrected, token by token
 
 
 def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(server_engine, tiny_model_dir):
