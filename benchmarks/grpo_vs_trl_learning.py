@@ -1,0 +1,213 @@
+"""Does our GRPO learn as TRL 1.16's does? The same tiny model, task, rewards and hyper-parameters, several seeds each.
+
+    python benchmarks/grpo_vs_trl_learning.py [--steps 30] [--seeds 3] [--threads 1]
+        -> benchmarks/results/grpo_vs_trl_learning.json and .png (the plot needs matplotlib)
+
+Both sides start from the embedded ``tiny`` model and train on the embedded toy prompts (``problems.jsonl``: chat
+messages without the reply, the ``answer`` column the reward's reference) with ``recipes/tiny/grpo.yaml``'s settings:
+G=8 completions of up to 4 tokens at temperature 1 (top-p 1, top-k off), 4 prompts a step, one optimizer step per
+generation batch, DAPO loss with epsilon 0.2/0.28 and beta 0, group-std advantages, AdamW at a constant 2e-3, no
+weight decay, gradient norm clipped at 1, fp32 on a CPU. Rewards: our ``math_answer`` (weight 1) and ``format_match``
+(weight 0.5, a reply starting with a digit), called on the reply text by both sides. Ours runs the recipe through
+``lightning_rl.cli.main`` (its own Trainer, the ``hf`` rollout engine); TRL's ``GRPOTrainer`` generates with
+transformers' ``generate``. One evaluator for both: our greedy held-out exact match (``modules/evaluation.py``, the
+200 held-out problems) on each exported model folder. Wall time: everything a user waits for, from building the
+trainer to the exported folder.
+
+Verdict ``ours_within_or_above_trl``: our mean last-window reward and mean held-out gain are each at least TRL's
+smallest over its seeds (within its spread, or better), and our mean wall time is below TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compare_trl import environment  # noqa: E402
+
+from lightning_rl.cli import main as lightning_rl_main  # noqa: E402
+from lightning_rl.modules.evaluation import exact_match, heldout_cases  # noqa: E402
+from lightning_rl.rewards.builtin import format_match, math_answer  # noqa: E402
+from lightning_rl.toy.model import tiny_model_path  # noqa: E402
+from lightning_rl.toy.task import HELDOUT_FILE, PROBLEMS_FILE, read_jsonl  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "tiny" / "grpo.yaml"
+RESULTS = REPO / "benchmarks" / "results" / "grpo_vs_trl_learning.json"
+# recipes/tiny/grpo.yaml's settings, given to TRL under its names (ours reads them from the recipe itself).
+G, PROMPTS_PER_STEP, MAX_NEW_TOKENS, TEMPERATURE = 8, 4, 4, 1.0
+LEARNING_RATE, BETA, EPSILON_LOW, EPSILON_HIGH, MAX_GRAD_NORM = 2e-3, 0.0, 0.2, 0.28, 1.0
+FORMAT_PATTERN, FORMAT_WEIGHT = r"\s*\d", 0.5
+
+
+def heldout_exact_match(model_dir: Path) -> float:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cases = heldout_cases(str(HELDOUT_FILE), tokenizer, str(model_dir))
+    return exact_match(model, tokenizer, cases, max_new_tokens=16)["heldout_exact_match"]
+
+
+def windows(rewards: list[float], window: int) -> dict[str, float]:
+    return {"reward_first_window_mean": statistics.mean(rewards[:window]), "reward_last_window_mean": statistics.mean(rewards[-window:])}
+
+
+# -- ours ----------------------------------------------------------------------------------------------------------
+
+
+def train_ours(seed: int, steps: int, out: Path) -> tuple[list[float], float, Path]:
+    """The recipe as a user runs it; per-step mean reward (train/reward of its CSV log), wall seconds, export."""
+    started = time.perf_counter()
+    code = lightning_rl_main(["run", str(RECIPE), f"--output_dir={out}", f"--seed={seed}", f"--trainer.max_steps={steps}",
+                              "--checkpoint_every_n_steps=100000", "--trainer.enable_progress_bar=false", "--overwrite"])  # fmt: skip
+    seconds = time.perf_counter() - started
+    if code != 0:
+        raise SystemExit(f"our run failed (exit {code}): {out}")
+    (metrics,) = out.glob("csv/version_*/metrics.csv")
+    rewards = [float(row["train/reward"]) for row in csv.DictReader(metrics.open()) if row["train/reward"]]
+    return rewards, seconds, out / "hf"
+
+
+# -- TRL -----------------------------------------------------------------------------------------------------------
+
+
+def reply_texts(completions: list) -> list[str]:
+    """TRL hands conversational completions as message lists; our rewards score the reply text."""
+    return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def trl_math_answer(completions: list, answer: list[str], **_: object) -> list[float]:
+    return math_answer(reply_texts(completions), answer)
+
+
+def trl_format(completions: list, **_: object) -> list[float]:
+    return format_match(reply_texts(completions), FORMAT_PATTERN)
+
+
+def toy_prompts() -> Dataset:
+    """The embedded GRPO prompts: each problem's system and user turns, its answer as a column."""
+    return Dataset.from_list([{"prompt": row["messages"][:-1], "answer": row["answer"]} for row in read_jsonl(PROBLEMS_FILE)])
+
+
+def train_trl(seed: int, steps: int, out: Path) -> tuple[list[float], float, Path]:
+    started = time.perf_counter()
+    model_path = tiny_model_path()
+    config = GRPOConfig(
+        output_dir=str(out), seed=seed, max_steps=steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, per_device_train_batch_size=PROMPTS_PER_STEP * G,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, num_generations=G,
+        max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0, loss_type="dapo", beta=BETA,
+        epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH, scale_rewards="group", mask_truncated_completions=False,
+        reward_weights=[1.0, FORMAT_WEIGHT], use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=1,
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_math_answer, trl_format], args=config, train_dataset=toy_prompts(),
+                          processing_class=AutoTokenizer.from_pretrained(model_path))  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(out / "hf"))
+    seconds = time.perf_counter() - started
+    rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
+    return rewards, seconds, out / "hf"
+
+
+# -- report --------------------------------------------------------------------------------------------------------
+
+
+def summarise(runs: list[dict]) -> dict:
+    def spread(key: str) -> dict[str, float]:
+        values = [run[key] for run in runs]
+        return {"mean": statistics.mean(values), "min": min(values), "max": max(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0}  # fmt: skip
+
+    return {key: spread(key) for key in ("reward_last_window_mean", "gain_points", "wall_seconds")}
+
+
+def verdict(ours: dict, theirs: dict) -> bool:
+    return (ours["reward_last_window_mean"]["mean"] >= theirs["reward_last_window_mean"]["min"]
+            and ours["gain_points"]["mean"] >= theirs["gain_points"]["min"]
+            and ours["wall_seconds"]["mean"] < theirs["wall_seconds"]["mean"])  # fmt: skip
+
+
+def plot(report: dict, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for side, label in (("ours", "lightning-rl"), ("trl", "TRL 1.16 GRPOTrainer")):
+        curves = torch.tensor([run["rewards"] for run in report[side]["runs"]])
+        mean, low, high = curves.mean(0), curves.min(0).values, curves.max(0).values
+        steps = range(1, curves.shape[1] + 1)
+        ax.plot(steps, mean, label=f"{label} (mean of {curves.shape[0]} seeds)")
+        ax.fill_between(steps, low, high, alpha=0.25)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward (math_answer + 0.5 format)")
+    ax.set_title("GRPO on the embedded tiny model and toy task: min-max over seeds shaded")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the recipe's max_steps: 30)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 for each side")
+    parser.add_argument("--window", type=int, default=5, help="steps in the first and last reward windows (the recipe's summary_window)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON; the PNG goes beside it")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    window = min(args.window, args.steps)
+    report: dict = {"command": " ".join(["python benchmarks/grpo_vs_trl_learning.py", *(sys.argv[1:] if argv is None else argv)]),
+                    "steps": args.steps, "window": window, **environment()}  # fmt: skip
+    before = heldout_exact_match(tiny_model_path())
+    report["heldout_exact_match_start"] = before
+    trainers = {"ours": train_ours, "trl": train_trl}
+    with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
+        for side in trainers:
+            report[side] = {"runs": []}
+        for seed in range(args.seeds):
+            for side, train in trainers.items():  # interleaved, so a change in machine load falls on both
+                rewards, seconds, export = train(seed, args.steps, Path(tmp) / f"{side}-{seed}")
+                after = heldout_exact_match(export)
+                run = {"seed": seed, "rewards": rewards, **windows(rewards, window), "heldout_exact_match_before": before,
+                       "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), "wall_seconds": round(seconds, 1)}  # fmt: skip
+                report[side]["runs"].append(run)
+                print(side, json.dumps({k: v for k, v in run.items() if k != "rewards"}), flush=True)
+    for side in trainers:
+        report[side]["summary"] = summarise(report[side]["runs"])
+    report["ours_within_or_above_trl"] = verdict(report["ours"]["summary"], report["trl"]["summary"])
+    report["load_average_after"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report["plot"] = plot(report, args.out.with_suffix(".png"))
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({side: report[side]["summary"] for side in trainers}, indent=1))
+    print(f"ours_within_or_above_trl: {report['ours_within_or_above_trl']}; {args.out}; {report['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
