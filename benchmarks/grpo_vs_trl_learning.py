@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in trainers:
         report[side]["summary"] = summarise(report[side]["runs"])
     report["ours_within_or_above_trl"] = verdict(report["ours"]["summary"], report["trl"]["summary"])
-    report["load_average_after"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["plot"] = plot(report, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(report, indent=1) + "\n")
