@@ -57,19 +57,20 @@ def test_a_failure_on_the_producer_thread_reaches_the_trainer():
 
 
 def test_queue_state_round_trips_and_resumes_after_the_queued_batches():
-    producer = RolloutProducer(lambda i: _batch(i, 0), lambda: 10, max_staleness=1)
+    producer = RolloutProducer(lambda i: _batch(i, i), lambda: 10, max_staleness=1)
     producer.start()
     producer.take(0)
     time.sleep(0.05)
     producer.close()
     state = producer.state_dict()
     assert [b["index"] for b in state["ready"]] == list(range(1, 1 + len(state["ready"])))
-    restored = RolloutProducer(lambda i: _batch(i, 5), lambda: 10, max_staleness=1)
+    restored = RolloutProducer(lambda i: _batch(i, 10), lambda: 10, max_staleness=1)
     restored.load_state_dict(state, next_step=1)
     restored.start()
     taken = [restored.take(i) for i in range(1, 1 + len(state["ready"]) + 1)]
     restored.close()
-    assert [b.weight_version for b in taken] == [0] * len(state["ready"]) + [5]  # queued first, then new
+    queued = list(range(1, 1 + len(state["ready"])))
+    assert [b.weight_version for b in taken] == queued + [10]  # queued first, then new
     with pytest.raises(ValueError, match="holds batches"):
         RolloutProducer(lambda i: _batch(i, 0), lambda: 0, 1).load_state_dict(state, next_step=0)
 
@@ -118,3 +119,30 @@ def test_resume_trains_the_checkpointed_queue_without_losing_or_repeating_prompt
     assert second.batches[0]["weight_version"] == queued_version < 2
     assert second.batches[0]["completions"] == [r["completion_ids"] for r in queued[0]["rollouts"]]
     assert [b["index"] for b in resumed.trained_batches] == [0, 1, 2, 3]
+
+
+def test_a_batch_staler_than_the_bound_is_sampled_again_once_and_counted():
+    engine = _Engine()
+    engine.version = 3
+    produced = []
+
+    def produce(index: int) -> ScoredBatch:
+        produced.append(index)
+        return _batch(index, engine.version)
+
+    producer = RolloutProducer(produce, lambda: engine.version, max_staleness=1)
+    producer.load_state_dict({"ready": [_batch(3, 1).state(), _batch(4, 3).state()]}, next_step=3)
+    producer.start()
+    taken = [producer.take(3), producer.take(4)]
+    producer.close()
+    assert produced == [3]  # batch 3 (two versions stale) again, under version 3; batch 4 as queued
+    assert [(b.weight_version, b.stale_regenerations) for b in taken] == [(3, 1), (3, 0)]
+
+
+def test_a_sample_still_too_stale_after_regenerating_is_an_error_naming_the_versions():
+    producer = RolloutProducer(lambda i: _batch(i, 0), lambda: 5, max_staleness=1)
+    producer.load_state_dict({"ready": [_batch(5, 0).state()]}, next_step=5)
+    producer.start()
+    with pytest.raises(RuntimeError, match="batch 5 sampled again came back at weight version 0"):
+        producer.take(5)
+    producer.close()

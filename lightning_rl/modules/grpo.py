@@ -389,9 +389,7 @@ class GRPOModule(PolicyModule):
         scored = self._batch
         self.current_batch = scored
         waited = time.perf_counter() - started
-        staleness = index - scored.weight_version
-        if staleness > self.hparams.max_staleness and self.hparams.async_mode:
-            raise RuntimeError(f"batch {index} is {staleness} versions stale (max_staleness={self.hparams.max_staleness})")
+        staleness = index - scored.weight_version  # within max_staleness: the producer samples a staler batch again
 
         rewards = torch.tensor(scored.rewards)
         advantages = self._advantages(scored)

@@ -87,6 +87,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         # Left out of the advantages and the loss for infrastructure failures (the rest are what was trained).
         "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
         "groups/excluded": float(scored.excluded_groups),
+        "rollouts/regenerated_stale": float(scored.stale_regenerations),
         **{f"rollouts/excluded/{reason}": float(count) for reason, count in scored.excluded_rollouts.items()},
     }
     failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)

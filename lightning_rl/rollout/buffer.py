@@ -5,6 +5,10 @@ generated with weights of version `v` is `i - v` versions stale. The producer st
 only once the engine holds version `i - max_staleness` or newer, so no trained batch is ever
 staler than `max_staleness`; with `max_staleness=0` it waits for every update, which is exactly
 the synchronous loop run on another thread.
+
+A batch that is staler all the same (a resume whose recipe lowered `max_staleness` finds the checkpointed queue
+too old for the new bound) is never trained and never dropped: `take` has the producer sample the same prompt
+batch again under the current weights, and the batch counts it (`ScoredBatch.stale_regenerations`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class ScoredBatch:
     excluded_groups: int = 0
     logged_columns: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra, per rollout
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)  # ... and log_metric, every value logged
+    stale_regenerations: int = 0  # how many times its prompts were sampled again, an earlier sample being too stale
 
     @property
     def weight_version(self) -> int:
@@ -82,6 +87,7 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._stopping = False
         self._generating = False
+        self._regenerate: int | None = None  # a batch index `take` found too stale: generated again, before the next
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -99,15 +105,20 @@ class RolloutProducer:
         try:
             while True:
                 with self._changed:
-                    self._changed.wait_for(lambda: self._stopping or self._may_generate(self._next_index))
+                    self._changed.wait_for(
+                        lambda: self._stopping or self._regenerate is not None or self._may_generate(self._next_index)
+                    )
                     if self._stopping:
                         return
-                    index = self._next_index
+                    again = self._regenerate is not None
+                    index = self._regenerate if again else self._next_index
+                    self._regenerate = None
                     self._generating = True
                 batch = self._produce(index)
                 with self._changed:
                     self._ready[index] = batch
-                    self._next_index = index + 1
+                    if not again:
+                        self._next_index = index + 1
                     self._generating = False
                     self._changed.notify_all()
         except BaseException as error:  # handed to the trainer thread by `take`
@@ -121,20 +132,34 @@ class RolloutProducer:
             self._changed.notify_all()
 
     def take(self, index: int) -> ScoredBatch:
+        """Batch `index`, to train at weights of version `index`: one staler than `max_staleness` is sampled again
+        (the trainer holds version `index` until this step is done, so the new sample is not stale)."""
+        regenerations = 0
         with self._changed:
-            self._changed.wait_for(lambda: index in self._ready or self._error is not None)
-            if index not in self._ready:
-                if isinstance(self._error, UserError):  # the user's mistake (a reward failing on every sample): its
-                    raise self._error  # own line, as the synchronous run says it at the same step
-                raise RuntimeError("rollout generation failed on the producer thread") from self._error
-            self._changed.notify_all()  # room in the queue again
-            return self._ready.pop(index)
+            while True:
+                self._changed.wait_for(lambda: index in self._ready or self._error is not None)
+                if index not in self._ready:
+                    if isinstance(self._error, UserError):  # the user's mistake (a reward failing on every sample):
+                        raise self._error  # its own line, as the synchronous run says it at the same step
+                    raise RuntimeError("rollout generation failed on the producer thread") from self._error
+                batch = self._ready.pop(index)
+                self._changed.notify_all()  # room in the queue again
+                if index - batch.weight_version <= self.max_staleness:
+                    batch.stale_regenerations = regenerations
+                    return batch
+                if regenerations:  # sampled under the current weights and still too old: the engine's version is wrong
+                    raise RuntimeError(
+                        f"batch {index} sampled again came back at weight version {batch.weight_version} "
+                        f"(max_staleness={self.max_staleness})"
+                    )
+                regenerations += 1
+                self._regenerate = index
 
     def _settled(self) -> bool:
         """Nothing is being generated, and nothing may be until the weights change."""
         if self._thread is None or self._stopping or self._error is not None:
             return True
-        return not self._generating and not self._may_generate(self._next_index)
+        return not self._generating and self._regenerate is None and not self._may_generate(self._next_index)
 
     def state_dict(self) -> dict[str, Any]:
         """Finished batches not yet trained, once every batch the current weights allow is finished (at most
