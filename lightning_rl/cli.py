@@ -1,4 +1,5 @@
-"""The ``lightning-rl`` command: ``run RECIPE.yaml [--dotted.key=value ...]``, and ``env`` / ``launch`` / ``plan``.
+"""The ``lightning-rl`` command: ``run RECIPE.yaml [--dotted.key=value ...]`` (or ``run --task=sft|grpo --key=value
+...`` without a file), and ``env`` / ``launch`` / ``plan``.
 
 Every mistake in what the user gave (a recipe value, a data file or row, a checkpoint, a flag) is a ``UserError``
 (``lightning_rl/errors.py``): ``main`` prints it as one ``error:`` line naming the key, or the file and line, and exits
@@ -36,7 +37,16 @@ SUBCOMMANDS = {
     "launch": "lightning_rl.launch.slurm",
     "plan": "lightning_rl.planner.plan",
 }
-USAGE = "usage: lightning-rl {run RECIPE.yaml [--key=value ...] | env | launch ... | plan ...}"
+USAGE = "usage: lightning-rl {run [RECIPE.yaml] [--key=value ...] | env | launch ... | plan ...}"
+RUN_HELP = """usage: lightning-rl run RECIPE.yaml [--key=value ...]
+       lightning-rl run --task={sft,grpo} [--key=value ...]     (no recipe file: the keys on the command line)
+
+The keys a run takes depend on its task; each task's keys, with their types, defaults and docs:
+  lightning-rl run --task=sft --help
+  lightning-rl run --task=grpo --help
+  lightning-rl run RECIPE.yaml --help        (the recipe's task)
+All of them, in one table: docs/recipe_reference.md. Reward and tool modules are imported from the recipe's
+folder and the working directory too."""
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + 15  # the shell's code for a process ended by SIGTERM
 LOCK_FILE = ".lock"
@@ -168,7 +178,7 @@ def _destroy_process_groups() -> None:
         torch.distributed.destroy_process_group()
 
 
-def run(recipe: str, overrides: list[str]) -> int:
+def run(recipe: str | None, overrides: list[str]) -> int:
     try:
         from lightning_rl.recipe import build  # needs jsonargparse, which `lightning-rl env` runs without
     except ImportError as e:
@@ -221,10 +231,14 @@ def _command(command: str, rest: list[str]) -> int:
     if command != "run":
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    if not rest or rest[0].startswith("-"):
-        print(f"error: `run` needs a recipe file\n{USAGE}", file=sys.stderr)
+    recipe, overrides = (rest[0], rest[1:]) if rest and not rest[0].startswith("-") else (None, rest)
+    if recipe is None and not any(arg.startswith("--task=") for arg in overrides):
+        if any(arg in ("-h", "--help") for arg in overrides):
+            print(RUN_HELP)
+            return 0
+        print(f"error: `run` needs a recipe file or --task=sft|grpo\n{RUN_HELP}", file=sys.stderr)
         return EXIT_USAGE
-    return run(rest[0], rest[1:])
+    return run(recipe, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

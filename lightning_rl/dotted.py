@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+# The folders the run put on the import path for the recipe's own modules, with what they are (named when one fails).
+IMPORT_FOLDERS: dict[str, str] = {}
+
+
+def set_import_folders(folders: dict[Path, str]) -> None:
+    """Let recipes name modules in ``folders`` (the recipe's folder, the working directory: folder -> what it is): put
+    them on the import path, after any already there, so a module of the recipe's never hides an installed one."""
+    IMPORT_FOLDERS.clear()
+    for folder, what in folders.items():
+        name = str(Path(folder).resolve())
+        IMPORT_FOLDERS.setdefault(name, what)
+        if name not in sys.path:
+            sys.path.append(name)
 
 
 def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) -> Any:
     """``aliases[path]`` if given, else the object at ``pkg.module:name`` or ``pkg.module.name``. Any failure to
-    find it, a module that does not import or does not parse included, is one ``ValueError`` naming ``what``."""
+    find it, a module that does not import or does not parse included, is one ``ValueError`` naming ``what``; a
+    module that is nowhere names the folders searched."""
     aliases = aliases or {}
     if path in aliases:
         return aliases[path]
@@ -22,8 +39,17 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
         module = importlib.import_module(module_name)
     except SyntaxError as error:
         raise ValueError(f"{what} {path!r}: {error.filename}:{error.lineno}: {error.msg}") from None
+    except ModuleNotFoundError as error:
+        if error.name is not None and f"{module_name}.".startswith(f"{error.name}."):  # the module (or its package) is nowhere
+            raise ValueError(f"{what} {path!r}: no module {error.name!r} in {_searched()}") from None
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {error}") from None
     except ImportError as error:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {error}") from None
     if not hasattr(module, attr):
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
     return getattr(module, attr)
+
+
+def _searched() -> str:
+    folders = [f"{what} {folder}" for folder, what in IMPORT_FOLDERS.items()]
+    return ", ".join([*folders, "the installed packages"]) + " (a module of your own goes beside the recipe or in the working directory)"

@@ -10,6 +10,8 @@ datamodule check their own values as they are built. Every mistake is a ``UserEr
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import inspect
 import netrc
@@ -21,7 +23,7 @@ from collections import abc
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from jsonargparse import ActionYesNo, ArgumentError, Namespace
@@ -31,7 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_rl import run_folder, validation
+from lightning_rl import dotted, run_folder, validation
 from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
@@ -43,6 +45,8 @@ TASKS = {
     "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
     "grpo": ("lightning_rl.modules.grpo:GRPOModule", "lightning_rl.data.prompts:PromptDataModule"),
 }
+DESCRIPTION = ("Train with a recipe (a YAML file of the keys below) and/or keys on the command line "
+               "(--model.learning_rate=1e-5); docs/recipe_reference.md lists them all.")
 # The precisions every backend runs (README); Lightning's short aliases of them are accepted too.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -53,7 +57,7 @@ class LoggerSettings:
     """The ``logger:`` block. ``wandb`` logs offline when no credentials are configured.
 
     Args:
-        kind: ``csv`` (OUTPUT_DIR/csv), ``wandb`` or ``none``.
+        kind: ``csv`` (OUTPUT_DIR/csv), ``wandb`` or ``none``. TRL: `report_to`.
         project, name: the W&B project and run name (default: the output folder's name).
         offline: force W&B offline (None: offline when no credentials are configured).
     """
@@ -77,9 +81,15 @@ def task_classes(task: str) -> tuple[type[LightningModule], type[LightningDataMo
         raise RecipeError(f"task: {task!r} is not available in this install ({e})", "task") from None
 
 
-def read_task(recipe: Path, overrides: list[str]) -> str:
+def read_task(recipe: Path | None, overrides: list[str]) -> str:
     """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes, from a file
-    that holds each key once (YAML would keep the last of two silently, and so would the parser)."""
+    that holds each key once (YAML would keep the last of two silently, and so would the parser). Without a recipe
+    file the command line names it."""
+    given = [arg.split("=", 1)[1] for arg in overrides if arg.startswith("--task=")]
+    if recipe is None:
+        if not given:
+            raise RecipeError(f"command line: give a recipe file or --task (one of {', '.join(TASKS)})", "task")
+        return given[-1]
     if not recipe.is_file():
         raise RecipeError(f"{recipe}: no such recipe file")
     try:
@@ -88,9 +98,8 @@ def read_task(recipe: Path, overrides: list[str]) -> str:
         _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
-    for arg in overrides:
-        if arg.startswith("--task="):
-            return arg.split("=", 1)[1]
+    if given:
+        return given[-1]
     if not isinstance(config, dict) or "task" not in config:
         raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
     return str(config["task"])
@@ -123,8 +132,36 @@ def _refuse_repeated_keys(recipe: Path, root: yaml.Node | None) -> None:
                 todo.append((value, name))
 
 
-def check_trainer(trainer: Any) -> None:
-    """The ``trainer`` values a run relies on that Lightning's types leave open (or refuses only mid-run)."""
+# Trainer arguments the run cannot honour as Lightning would: the values it takes, and what to give instead.
+_RUN_TRAINER = {
+    "logger": ((None, False), "the run's logger is the top-level logger block (logger.kind: csv, wandb or none)"),
+    "enable_checkpointing": ((None, True), "a run always checkpoints (resume and preemption rely on it): "
+                             "checkpoint_every_n_steps sets how often"),
+    "barebones": ((False,), "barebones mode turns off what every run writes (its summary, logs, checkpoints): for a "
+                  "quick check give --trainer.max_steps"),
+    "fast_dev_run": ((None, False), "it skips the recipe.yaml that marks output_dir as this run's, its logs and "
+                     "checkpoints: for a quick check give --trainer.max_steps=1"),
+    "use_distributed_sampler": ((None, False), "the datamodules deal rows to the ranks themselves (packed rows, in a "
+                                "resumable order)"),
+}  # fmt: skip
+# GRPO steps its optimizer itself (manual optimization), which Lightning's accumulation and clipping do not reach.
+_GRPO_TRAINER = {
+    "accumulate_grad_batches": ((None, 1), "it takes one optimizer step per batch of rollouts: a larger step is more "
+                                "prompts (data.batch_size) or completions (model.num_generations), and "
+                                "model.max_tokens_per_row splits it into micro-batches whose gradients are accumulated"),
+    "gradient_clip_val": ((None, 0), "it clips the gradient norm itself: set model.max_grad_norm (null: no clipping)"),
+    "gradient_clip_algorithm": ((None,), "it clips the gradient norm itself, over every mesh the weights live on: set "
+                                "model.max_grad_norm (null: no clipping)"),
+}  # fmt: skip
+
+
+def check_trainer(trainer: Any, task: str | None = None) -> None:
+    """The ``trainer`` values a run relies on that Lightning's types leave open (or refuses only mid-run), and the
+    Trainer arguments the run, or the ``task``, cannot honour."""
+    for key, (taken, why) in {**_RUN_TRAINER, **(_GRPO_TRAINER if task == "grpo" else {})}.items():
+        if trainer.get(key) not in taken:
+            who = "GRPO" if key in _GRPO_TRAINER else "a run"
+            raise RecipeError(f"trainer.{key}={trainer.get(key)!r} is not taken by {who}: {why}", f"trainer.{key}")
     precision = trainer.get("precision")
     if precision is not None and _PRECISION_ALIASES.get(str(precision), str(precision)) not in PRECISIONS:
         raise RecipeError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}", "trainer.precision")
@@ -226,19 +263,24 @@ class RecipeCLI(LightningCLI):
     """LightningCLI with the recipe's top-level keys, its checks, and the callbacks every run gets. With
     ``build=False`` it parses and checks the recipe and builds nothing."""
 
-    def __init__(self, *args: Any, build: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, build: bool = True, recipe: str | None = None, overrides: list[str] = (), **kwargs: Any) -> None:
         self.build = build
+        self.recipe, self.overrides = recipe, list(overrides)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--task", type=Literal[tuple(TASKS)], required=True, help="what to train: " + ", ".join(TASKS))
-        parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs")
-        parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling")
-        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/)")
+        parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs. TRL: `output_dir`.")
+        parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling. TRL: `seed`.")
+        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/). TRL: `save_steps`.")
         parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides)")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'. TRL: `resume_from_checkpoint`.")
         parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")
+        docs = key_docs(self.model_class, self.datamodule_class)
+        for action in parser._actions:  # jsonargparse reads one docstring entry per argument; ours may name several
+            if not action.help and action.dest in docs:
+                action.help = docs[action.dest]
         parser.link_arguments("seed", "seed_everything")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
         if "seed" in inspect.signature(self.datamodule_class).parameters:
@@ -247,7 +289,30 @@ class RecipeCLI(LightningCLI):
             parser.link_arguments("model.model_name_or_path", "data.tokenizer")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        super().parse_arguments(parser, _lists_replaced(parser, args) if isinstance(args, list) else args)
+        try:
+            super().parse_arguments(parser, _lists_replaced(parser, args) if isinstance(args, list) else args)
+        except ArgumentError:
+            # jsonargparse stops at the first key it does not know: name them all, each where it was written
+            if problems := self.misplaced_keys(parser):
+                raise RecipeError("; ".join(problems)) from None
+            raise
+
+    def misplaced_keys(self, parser: LightningArgumentParser) -> list[str]:
+        """Every key of the recipe file and the command line that the schema does not take, as ``WHERE: unknown
+        key 'KEY' (HINT)``: a key of the other task, the nearest key of this one, or the key a linked one is set from."""
+        schema = _Schema(parser)
+        problems = []
+        if self.recipe is not None:
+            root = yaml.compose(Path(self.recipe).read_text(), Loader=yaml.SafeLoader)
+            problems += [f"{self.recipe}: line {line}: {schema.problem(key, self.task)}" for key, line in schema.unknown_in(root)]
+        for key in dict.fromkeys(_override_keys(self.overrides)):
+            if not schema.takes(key):
+                problems.append(f"command line: {schema.problem(key, self.task)}")
+        return problems
+
+    @property
+    def task(self) -> str:
+        return next(name for name, (module, _) in TASKS.items() if module.endswith(f":{self.model_class.__name__}"))
 
     def before_instantiate_classes(self) -> None:
         validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
@@ -259,7 +324,7 @@ class RecipeCLI(LightningCLI):
                 f"overwrite: --overwrite starts the run in output_dir over, --ckpt_path={self.config['ckpt_path']} resumes "
                 "a run: give one of them", "overwrite",
             )  # fmt: skip
-        check_trainer(self.config["trainer"])
+        check_trainer(self.config["trainer"], self.config["task"])
         if self.build:
             check_engine_here(self.config["model"])
 
@@ -313,6 +378,126 @@ class RecipeCLI(LightningCLI):
         return trainer
 
 
+# A key of one task written in a recipe of the other, with what this task has instead.
+_OTHER_TASK_HINTS = {
+    ("sft", "data.batch_size"): "SFT batches by tokens: data.max_tokens",
+    ("sft", "data.path"): "the data file is data.train_data",
+    ("grpo", "data.max_tokens"): "a GRPO step is data.batch_size prompts x model.num_generations completions; "
+    "model.max_tokens_per_row bounds a packed micro-batch",
+    ("grpo", "data.val_data"): "GRPO's held-out data is model.eval_data",
+}
+
+_A = {"sft": "an SFT", "grpo": "a GRPO"}
+
+
+class _Schema:
+    """The keys a parser takes: leaves (a value each; a class-typed one takes its fields below it), groups of keys,
+    and the keys set from another one (``output_dir --> trainer.default_root_dir``)."""
+
+    def __init__(self, parser: LightningArgumentParser) -> None:
+        self.leaves, self.groups, self.linked = set(), set(), {}
+        for action in parser._actions:
+            if " --> " in (link := (action.option_strings or [""])[0]):
+                self.linked[action.dest] = link.split(" --> ")[0]
+            elif type(action).__name__ == "_ActionConfigLoad":
+                self.groups.add(action.dest)
+            elif action.dest not in ("help", "config", "print_config") and not action.dest.endswith(".help"):
+                self.leaves.add(action.dest)
+
+    def takes(self, key: str) -> bool:
+        parts = key.split(".")
+        return key in self.groups or any(".".join(parts[:n]) in self.leaves for n in range(1, len(parts) + 1))
+
+    def unknown_in(self, node: yaml.Node | None, prefix: str = "") -> list[tuple[str, int]]:
+        """The keys of a composed recipe the schema does not take, with their lines."""
+        found = []
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = prefix + str(key.value)
+            if name in self.groups:
+                found += self.unknown_in(value, f"{name}.")
+            elif not self.takes(name):
+                found.append((name, key.start_mark.line + 1))
+        return found
+
+    def problem(self, key: str, task: str) -> str:
+        if key in self.linked:
+            return f"{key} is set from {self.linked[key]}: give {self.linked[key]}"
+        block, _, field = key.partition(".")
+        for other in TASKS:
+            if other != task and block in ("model", "data") and field:
+                cls = task_classes(other)[block == "data"]
+                if field.split(".")[0] in inspect.signature(cls).parameters or (task, key) in _OTHER_TASK_HINTS:
+                    hint = _OTHER_TASK_HINTS.get((task, key))
+                    return f"unknown key '{key}' ({_A[other]} key{'; ' + hint if hint else ''})"
+        guess = self.nearest(key)
+        return f"unknown key '{key}'" + (f" (did you mean '{guess}'?)" if guess else "")
+
+    def nearest(self, key: str) -> str | None:
+        known = sorted((self.leaves | self.groups) - {"seed_everything"})
+        field = key.rpartition(".")[2]
+        same_field = [name for name in known if name.rpartition(".")[2] == field]
+        if len(same_field) == 1:
+            return same_field[0]
+        for block in ("model.", "data.", "trainer."):  # a block left out
+            if self.takes(block + key):
+                return block + key
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        return close[0] if close else None
+
+
+def _override_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys a command line sets (``--a.b=1``, ``--a.b 1``, ``--a.b+=...``)."""
+    keys = []
+    for arg in overrides:
+        if arg.startswith("--"):
+            key = arg[2:].partition("=")[0].removesuffix("+")
+            if key not in ("config", "print_config", "help") and not key.endswith(".help"):
+                keys.append(key)
+    return keys
+
+
+def _written_on_command_line(key: str, overrides: list[str]) -> bool:
+    return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in _override_keys(overrides))
+
+
+_ARG = re.compile(r"^(\s*)([\w, ]+?):\s+(.*)$")
+
+
+def docstring_args(cls: type) -> dict[str, str]:
+    """``Args:`` entries of a class docstring, an entry naming several arguments (``a, b: ...``) given to each."""
+    doc = inspect.getdoc(cls) or ""
+    if "Args:" not in doc:
+        return {}
+    entries: dict[str, str] = {}
+    names: list[str] = []
+    indent = None
+    for line in doc.split("Args:", 1)[1].splitlines():
+        match = _ARG.match(line)
+        if match and (indent is None or len(match[1]) <= indent):
+            indent = len(match[1])
+            names = [name.strip() for name in match[2].split(",")]
+            for name in names:
+                entries[name] = match[3].strip()
+        elif names and line.strip():
+            for name in names:
+                entries[name] += " " + line.strip()
+    return entries
+
+
+def key_docs(model_class: type, datamodule_class: type) -> dict[str, str]:
+    """Each recipe key's one-line doc, from the ``Args:`` of the class (or dataclass) it sets."""
+    docs = {f"logger.{name}": text for name, text in docstring_args(LoggerSettings).items()}
+    for block, cls in (("model", model_class), ("data", datamodule_class)):
+        docs.update({f"{block}.{name}": text for name, text in docstring_args(cls).items()})
+        for name, hint in get_type_hints(cls.__init__).items():  # groups typed by a dataclass (loss:, sampling:)
+            for candidate in (hint, *get_args(hint)):
+                if dataclasses.is_dataclass(candidate):
+                    docs.update({f"{block}.{name}.{field}": text for field, text in docstring_args(candidate).items()})
+    return docs
+
+
 _UNKNOWN_KEY = [
     (re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'"), lambda m: f"{m[1]}.{m[2]}"),
     (re.compile(r"Option '([\w.]+)' is not accepted"), lambda m: m[1]),
@@ -363,8 +548,16 @@ def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserEr
     return error
 
 
-def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
-    model_class, datamodule_class = task_classes(read_task(Path(recipe), overrides))
+def _cli(recipe: str | None, overrides: list[str], build: bool) -> RecipeCLI:
+    """The parsed (and, with ``build``, built) run of a recipe file and command-line overrides, or of the command
+    line alone (``recipe`` None: ``--task`` names the task)."""
+    task = read_task(None if recipe is None else Path(recipe), overrides)
+    model_class, datamodule_class = task_classes(task)
+    if task == "grpo":  # GRPO's data file was data.path; a command line may still say so, and override the recipe's
+        for i, arg in enumerate(overrides):
+            if arg.partition("=")[0] == "--data.path":
+                print("note: data.path is the earlier name of data.train_data; write data.train_data", file=sys.stderr)
+                overrides = [*overrides[:i], arg.replace("--data.path", "--data.train_data", 1), *overrides[i + 1 :]]
     try:
         with warnings.catch_warnings():
             # The recipe goes in as `args` on purpose; LightningCLI warns when sys.argv is also set.
@@ -373,10 +566,12 @@ def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
                 model_class,
                 datamodule_class,
                 build=build,
+                recipe=recipe,
+                overrides=overrides,
                 run=False,
-                args=["--config", recipe, *overrides],
+                args=[*(["--config", recipe] if recipe is not None else []), *overrides],
                 save_config_callback=SaveRecipe,
-                parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run", "allow_abbrev": False},
+                parser_kwargs={"exit_on_error": False, "prog": "lightning-rl run", "allow_abbrev": False, "description": DESCRIPTION},
                 auto_configure_optimizers=False,
                 # Packed rows are dealt to ranks by the datamodule's own sampler.
                 trainer_defaults={"use_distributed_sampler": False},
@@ -393,14 +588,16 @@ def _cli(recipe: str, overrides: list[str], build: bool) -> RecipeCLI:
             else:
                 message = ("model.engine: init_args given without a class_path: name the engine beside them with class_path "
                            "(its class name, e.g. HFRolloutEngine or VLLMEngine, or pkg.module.Class)")  # fmt: skip
-        raise RecipeError(f"{recipe}: {message}") from None
+        key = re.match(r"(?:unknown key ')?([\w.]+)", message)
+        blamed = recipe is None or (key is not None and _written_on_command_line(key[1], overrides))
+        raise RecipeError(f"{'command line' if blamed else recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
 
 
-def _engine_named(recipe: str, overrides: list[str]) -> bool:
+def _engine_named(recipe: str | None, overrides: list[str]) -> bool:
     """Whether the recipe or a later override names the engine (a short name or a class_path), not only options."""
-    model = (yaml.safe_load(Path(recipe).read_text()) or {}).get("model")
+    model = (yaml.safe_load(Path(recipe).read_text()) or {}).get("model") if recipe is not None else None
     engine = model.get("engine") if isinstance(model, dict) else None
     named = isinstance(engine, str) or (isinstance(engine, dict) and "class_path" in engine)
     for arg in overrides:
@@ -412,9 +609,12 @@ def _engine_named(recipe: str, overrides: list[str]) -> bool:
     return named
 
 
-def build(recipe: str, overrides: list[str]) -> RecipeCLI:
-    """The run a recipe describes: its module, datamodule and trainer (``.model``, ``.datamodule``, ``.trainer``)."""
+def build(recipe: str | None, overrides: list[str]) -> RecipeCLI:
+    """The run a recipe describes: its module, datamodule and trainer (``.model``, ``.datamodule``, ``.trainer``).
+    Reward and tool modules are imported from the recipe's folder and the working directory too."""
     quiet_third_party_noise()
+    folders = {Path(recipe).parent: "the recipe's folder"} if recipe is not None else {}
+    dotted.set_import_folders({**folders, Path.cwd(): "the working directory"})
     return _cli(recipe, overrides, build=True)
 
 

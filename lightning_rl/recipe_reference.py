@@ -1,7 +1,8 @@
 """The recipe reference, generated from the typed schema the recipe parser itself uses, so it cannot drift.
 
-Every key a recipe of each task takes (``trainer.*`` aside: Lightning's ``Trainer`` documents those), with its type,
-default and the docstring of the argument it sets.
+Every key a recipe of each task takes (``trainer.*`` aside: Lightning's ``Trainer`` documents those), the fields of a
+block or list item typed by a dataclass among them (``model.lora.r``, ``model.rewards[].weight``), with its type,
+default and the docstring of the argument it sets (the same text ``lightning-rl run --help`` shows).
 Run: ``python -m lightning_rl.recipe_reference`` writes ``docs/recipe_reference.md``; ``--check`` says whether it is
 up to date (a test runs it).
 """
@@ -14,19 +15,17 @@ import inspect
 import re
 import sys
 import typing
+from collections import abc
 from pathlib import Path
 from typing import Any
 
 from lightning_rl.dotted import load_object
-from lightning_rl.recipe import TASKS, LoggerSettings, _cli, task_classes
+from lightning_rl.recipe import TASKS, _cli, docstring_args
 from lightning_rl.rollout.base import SHORT_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "recipe_reference.md"
 EXAMPLES = {"sft": "recipes/tiny/sft.yaml", "grpo": "recipes/tiny/grpo.yaml"}  # parsed to build each task's parser
-_ARG = re.compile(r"^(\s*)([\w, ]+?):\s+(.*)$")
-
-
 def _type_name(hint: Any) -> str:
     if inspect.isfunction(hint) or inspect.ismethod(hint):  # an action's converter, e.g. a yes/no flag's
         return "bool" if "YesNo" in hint.__qualname__ else hint.__name__
@@ -34,37 +33,31 @@ def _type_name(hint: Any) -> str:
     return re.sub(r"\b(?:[a-z_]+\.)+([A-Z]\w*)", r"\1", text)  # lightning_rl.losses.grpo.GRPOLoss -> GRPOLoss
 
 
-def _docstring_args(cls: type) -> dict[str, str]:
-    """``Args:`` entries of a class docstring, an entry naming several arguments (``a, b: ...``) given to each."""
-    doc = inspect.getdoc(cls) or ""
-    if "Args:" not in doc:
-        return {}
-    entries: dict[str, str] = {}
-    names: list[str] = []
-    indent = None
-    for line in doc.split("Args:", 1)[1].splitlines():
-        match = _ARG.match(line)
-        if match and (indent is None or len(match[1]) <= indent):
-            indent = len(match[1])
-            names = [name.strip() for name in match[2].split(",")]
-            for name in names:
-                entries[name] = match[3].strip()
-        elif names and line.strip():
-            for name in names:
-                entries[name] += " " + line.strip()
-    return entries
+def _shown(default: Any) -> str:
+    if default is None or isinstance(default, (bool, int, float, str)):
+        return "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+    return "see the class"
 
 
-def _rows(task: str) -> list[tuple[str, str, str, str]]:
+def _item_rows(key: str, hint: Any) -> list[tuple[str, str, str, str]]:
+    """The fields of a block or list item typed by a dataclass (``model.lora.r``, ``model.rewards[].weight``)."""
+    for candidate, inner in ((hint, key), *((arg, key) for arg in typing.get_args(hint))):
+        if typing.get_origin(candidate) in (list, abc.Sequence):
+            candidate, inner = typing.get_args(candidate)[0], f"{key}[]"
+        if dataclasses.is_dataclass(candidate):
+            docs = docstring_args(candidate)
+            return [
+                (f"{inner}.{field.name}", _type_name(field.type), _shown(field.default if field.default is not dataclasses.MISSING
+                 else field.default_factory() if field.default_factory is not dataclasses.MISSING else None), docs.get(field.name, ""))
+                for field in dataclasses.fields(candidate)
+            ]  # fmt: skip
+    return []
+
+
+def rows(task: str) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) of every key a recipe of ``task`` takes, ``trainer.*`` aside."""
     cli = _cli(str(REPO / EXAMPLES[task]), [], build=False)
-    model_class, datamodule_class = task_classes(task)
-    docs = {"model": _docstring_args(model_class), "data": _docstring_args(datamodule_class), "logger": _docstring_args(LoggerSettings)}
-    for block, cls in (("model", model_class), ("data", datamodule_class)):  # groups typed by a dataclass (loss:)
-        for name, hint in typing.get_type_hints(cls.__init__).items():
-            for candidate in (hint, *typing.get_args(hint)):
-                if dataclasses.is_dataclass(candidate):
-                    docs[f"{block}.{name}"] = _docstring_args(candidate)
-    rows = []
+    found = []
     for action in cli.parser._actions:
         key = action.dest
         if key.startswith(("trainer", "help", "config", "print_config", "seed_everything")) or key.endswith(".help"):
@@ -72,18 +65,11 @@ def _rows(task: str) -> list[tuple[str, str, str, str]]:
         if action.default == argparse.SUPPRESS:  # a group's own --config entry
             continue
         hint = getattr(action, "_typehint", None) or action.type
-        default = action.default
         text = " ".join((action.help or "").split())
-        group, _, name = key.rpartition(".")
-        if not text and group in docs:
-            text = docs[group].get(name, "")
-        if default is None or isinstance(default, (bool, int, float, str)):
-            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
-        else:
-            shown = "see the class"
         kind = _type_name(hint) if hint is not None else ""
-        rows.append((key, kind.replace("|", "\\|"), shown, text.replace("|", "\\|")))
-    return rows
+        found.append((key, kind, _shown(action.default), text))
+        found += _item_rows(key, getattr(action, "_typehint", None))
+    return found
 
 
 def _engine_rows() -> list[tuple[str, str, str, str]]:
@@ -91,12 +77,17 @@ def _engine_rows() -> list[tuple[str, str, str, str]]:
     rows = []
     for short, path in SHORT_NAMES.items():
         cls = load_object(path, "rollout engine")
-        docs = _docstring_args(cls)
+        docs = docstring_args(cls)
         for name, parameter in inspect.signature(cls).parameters.items():
             if name in docs:
                 default = str(parameter.default).lower() if isinstance(parameter.default, bool) else str(parameter.default)
                 rows.append((f"{short}: {name}", _type_name(parameter.annotation), default, docs[name]))
     return rows
+
+
+def _row(key: str, kind: str, default: str, text: str) -> str:
+    kind, text = kind.replace("|", "\\|"), text.replace("|", "\\|")
+    return f"| `{key}` | `{kind}` | `{default}` | {text} |"
 
 
 def render() -> str:
@@ -109,10 +100,10 @@ def render() -> str:
     ]
     for task in TASKS:
         lines += [f"## task: {task}", "", "| key | type | default | what |", "|---|---|---|---|"]
-        lines += [f"| `{key}` | `{kind}` | `{default}` | {text} |" for key, kind, default, text in _rows(task)]
+        lines += [_row(*row) for row in rows(task)]
         lines.append("")
     lines += ["## engine options (`model.engine.init_args`)", "", "| engine: key | type | default | what |", "|---|---|---|---|"]
-    lines += [f"| `{key}` | `{kind}` | `{default}` | {text} |" for key, kind, default, text in _engine_rows()]
+    lines += [_row(*row) for row in _engine_rows()]
     lines.append("")
     return "\n".join(lines)
 

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from lightning_rl.errors import RecipeError
+
+
+def resolved_against(path: str | os.PathLike) -> str:
+    """What a path that was not found was looked for from, for its message: a relative one is read from the working
+    directory (not the recipe's folder)."""
+    return "" if os.path.isabs(path) else f" (a relative path, read from the working directory {os.getcwd()})"
 
 
 def _is_number(value: Any) -> bool:

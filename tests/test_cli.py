@@ -52,7 +52,7 @@ def set_key(dotted: str, value):
 RECIPE_MISTAKES = {
     "typo in a model key": (set_key("model.learnin_rate", 1.0), "unknown key 'model.learnin_rate'"),
     "typo in a trainer key": (set_key("trainer.max_stepz", 3), "unknown key 'trainer.max_stepz'"),
-    "unknown top-level block": (set_key("lora.r", 4), "unknown key 'lora.r'"),
+    "unknown top-level block": (set_key("lora.r", 4), "unknown key 'lora' (did you mean 'model.lora'?)"),
     "wrong type": (set_key("model.learning_rate", "fast"), "model.learning_rate must be a number, got fast"),
     "bad choice": (set_key("data.packing", "zip"), "data.packing must be one of auto, tree, flat, none, got zip"),
     "missing data file": (set_key("data.train_data", "no/such.jsonl"), "data.train_data: no such file or folder: no/such.jsonl"),

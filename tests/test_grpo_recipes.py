@@ -44,9 +44,9 @@ def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
     "override,message",
     [
         ("--model.num_generations=1", "num_generations=1: GRPO needs G >= 2"),
-        ("--model.rewards=[{function: nowhere.module:score}]", "reward function 'nowhere.module:score': cannot import"),
-        ("--model.tools=[nowhere.tools:calc]", "tool 'nowhere.tools:calc': cannot import module 'nowhere.tools'"),
-        ("--data.path=tests/missing.jsonl", "data.path: no such file or folder: tests/missing.jsonl"),
+        ("--model.rewards=[{function: nowhere.module:score}]", "reward function 'nowhere.module:score': no module 'nowhere' in the recipe's folder"),
+        ("--model.tools=[nowhere.tools:calc]", "tool 'nowhere.tools:calc': no module 'nowhere' in the recipe's folder"),
+        ("--data.train_data=tests/missing.jsonl", "data.train_data: no such file or folder: tests/missing.jsonl"),
     ],
 )
 def test_bad_recipe_input_fails_before_training_with_one_error_line(tmp_path, capsys, override, message):

@@ -40,6 +40,7 @@ ALLOWED = {
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe", "dotted", "rollout"},
+    "trl_migration": {"recipe_reference"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",
             "run_folder"},
 }

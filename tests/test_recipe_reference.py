@@ -7,6 +7,6 @@ def test_the_recipe_reference_is_up_to_date(capsys):
     assert recipe_reference.main(["--check"]) == 0, capsys.readouterr().err
     text = recipe_reference.OUTPUT.read_text()
     for key in ("`model.loss.loss_type`", "`model.num_iterations`", "`model.dynamic_sampling`", "`data.max_tokens`",
-                "`logger.kind`", "`checkpoint_every_n_steps`"):  # fmt: skip
+                "`logger.kind`", "`checkpoint_every_n_steps`", "`model.lora.r`", "`model.rewards[].weight`"):  # fmt: skip
         assert key in text
     assert "|  |" not in text, "every key has its docstring"

@@ -9,6 +9,7 @@ the prompts; `PromptRenderer` turns one record into the tokens (and images) an e
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl import validation
+from lightning_rl.errors import RecipeError
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
@@ -99,21 +101,31 @@ class PromptDataModule(L.LightningDataModule):
     GRPO module).
 
     Args:
-        path: a data file (JSONL, JSON, Parquet) or saved dataset folder; ``toy``: the embedded task's problems.
+        train_data: a data file (JSONL, JSON, Parquet) or saved dataset folder; ``toy``: the embedded task's problems.
+            TRL: `dataset_name`.
         prompt_field: the column holding the prompt: a string, or chat messages (trailing assistant turns dropped);
             every other column reaches the reward functions.
-        batch_size: prompts per optimizer step and rank.
+        path: the earlier name of ``train_data`` (the name SFT gives its data file too); still read, and said so.
+        batch_size: prompts per optimizer step and rank (times ``model.num_generations`` completions). TRL:
+            `per_device_train_batch_size` (which counts completions).
         seed: the order of the prompts, a fresh shuffle per pass (a recipe's top-level ``seed``).
     """
 
     def __init__(
-        self, path: str = TOY_DATASET, prompt_field: str = "prompt", batch_size: int = 8, seed: int = 0
+        self, train_data: str = TOY_DATASET, prompt_field: str = "prompt", batch_size: int = 8, seed: int = 0,
+        path: str | None = None,
     ) -> None:
         super().__init__()
         validation.positive_int("batch_size", batch_size)
-        path = toy_source(path)  # toy_shapes: the embedded image task's prompts
+        key = "train_data"
+        if path is not None:
+            if train_data != TOY_DATASET:
+                raise RecipeError(f"path is the earlier name of train_data: give only train_data, got both ({path!r}, {train_data!r})", "path")
+            print("note: data.path is the earlier name of data.train_data; write data.train_data", file=sys.stderr)
+            key, train_data = "path", path
+        path = toy_source(train_data)  # toy_shapes: the embedded image task's prompts
         if path != TOY_DATASET:
-            check_source("path", path)
+            check_source(key, path)
         self.path = str(PROBLEMS_FILE) if path == TOY_DATASET else path
         self.prompt_field = "messages" if path == TOY_DATASET else prompt_field
         self.batch_size = batch_size

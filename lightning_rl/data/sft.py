@@ -92,7 +92,7 @@ def check_source(key: str, source: DataSource) -> None:
         return
     path = Path(source)
     if not path.exists():
-        raise DataError(f"{key}: no such file or folder: {source}", key)
+        raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(source)}", key)
     if path.is_dir() and (problem := _folder_problem(path)):
         raise DataError(f"{key}: {source}: {problem}", key)
 
@@ -142,7 +142,7 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
         return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(source, start=1)]
     path = Path(source)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
+        raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
     if path.is_dir() and (problem := _folder_problem(path)):
         raise DataError(f"{path}: {problem}")
     if path.suffix == ".jsonl" or (path.is_file() and path.suffix not in (".json", ".parquet")):
@@ -213,7 +213,7 @@ def _check_row(row: Any) -> dict:
             raise ValueError("`messages` has no assistant turn to train on")
         return {"messages": messages}
     if "prompt" not in row or "completion" not in row:
-        raise ValueError("missing `messages` (or both `prompt` and `completion`)")
+        raise ValueError(f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         if not completion.strip():
@@ -455,15 +455,19 @@ class SFTDataModule(LightningDataModule):
     Args:
         train_data: JSONL / JSON / Parquet file, a ``save_to_disk`` folder, or a ``datasets.Dataset``; rows whose user turns
             hold image parts (``{"type": "image", "image": PATH_OR_URL}``, a path relative to the file, an http(s) or data URL, or bytes) need an image-text model.
-            ``toy_shapes`` (and ``toy_shapes_heldout``): the embedded image task.
+            ``toy_shapes`` (and ``toy_shapes_heldout``): the embedded image task. TRL: `dataset_name`.
         val_data: the same for the held-out split (validation loss and exact-match generation).
         tokenizer: a tokenizer folder; by default the model's (``model.model_name_or_path`` in a recipe).
-        max_tokens: tokens forwarded per packed row (unique tokens under tree packing).
-        max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens``.
+        max_tokens: tokens forwarded per packed row (unique tokens under tree packing): the batch size, in tokens. TRL:
+            `per_device_train_batch_size` (rows, not tokens).
+        max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens``. TRL: `max_length`.
         packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
-            (one example per row), or ``auto``: tree when the data shares prefixes, else flat.
+            (one example per row), or ``auto``: tree when the data shares prefixes, else flat. TRL: `packing`,
+            `packing_strategy`, `padding_free`.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
-        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order).
+            TRL: the same name.
+        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order). TRL:
+            `shuffle_dataset`.
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
     """

@@ -27,7 +27,14 @@ from lightning_rl.models.weights import iter_adapter_weights, iter_full_weights
 @dataclass
 class LoraSettings:
     """The ``lora:`` block of a recipe. ``target_modules`` is a list of module names or "all-linear"; every name must
-    match modules of the model (checked when it loads)."""
+    match modules of the model (checked when it loads).
+
+    Args:
+        r: the adapters' rank. TRL: `lora_r`.
+        alpha: their scale is ``alpha / r``. TRL: `lora_alpha`.
+        dropout: dropout on the adapters' input. TRL: `lora_dropout`.
+        target_modules: the module names adapted, or ``all-linear``. TRL: `lora_target_modules`.
+    """
 
     r: int = 16
     alpha: int = 32

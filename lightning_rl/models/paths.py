@@ -6,6 +6,7 @@ import functools
 import re
 from pathlib import Path
 
+from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.toy.model import TINY_MOE_NAME, TINY_NAME, tiny_model_path, tiny_moe_path
 from lightning_rl.toy.vlm import TINY_VLM_NAME, tiny_vlm_path
@@ -38,7 +39,7 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> No
             raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
         return
     if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
-        raise RecipeError(f"{key}: no model folder at {name_or_path}", key)
+        raise RecipeError(f"{key}: no model folder at {name_or_path}{validation.resolved_against(path)}", key)
     if problem := _hub_problem(name_or_path):
         raise RecipeError(f"{key}: {name_or_path} is neither a local folder nor {problem}", key)
 

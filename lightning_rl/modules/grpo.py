@@ -76,7 +76,7 @@ class GRPOModule(PolicyModule):
             it; ``zero`` trains on with 0 for it.
         reward_timeout_s: a reward call running longer fails the samples it was given (kind ``timeout``); null: no
             limit.
-        num_generations: completions per prompt (G >= 2: advantages compare samples of a prompt).
+        num_generations: completions per prompt (G >= 2: advantages compare a prompt's). TRL: `num_generations`.
         sampling: the ``sampling:`` group, every field of `SamplingSettings` (``max_new_tokens``, ``temperature``,
             ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``: TRL's names; ``max_support``: the widest a filter's
             support may be). With a filter on, the trainer scores each token over the support it was sampled from.
@@ -107,23 +107,23 @@ class GRPOModule(PolicyModule):
             engine records them; ``true`` refuses a dense model or an engine that cannot).
         mismatch_alarm_kl: stop when ``train/mismatch/kl`` (KL(engine || trainer), batches of staleness 0) exceeds it;
             null: never. 1e-2 is ten times what rounding gives in bf16 (about 1e-3; fp32: below 1e-6).
-        learning_rate, weight_decay: AdamW settings.
-        warmup_steps, lr_schedule: linear warmup, then a ``transformers.get_scheduler`` schedule (as for SFT).
-        max_grad_norm: clip the gradient norm (over every mesh the weights live on); None: no clipping.
+        learning_rate, weight_decay: AdamW settings. TRL: the same names.
+        warmup_steps, lr_schedule: linear warmup, then a schedule (as SFT's). TRL: `warmup_steps`, `lr_scheduler_type`.
+        max_grad_norm: clip the gradient norm (over every mesh of the weights); None: none. TRL: `max_grad_norm`.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
         gradient_checkpointing, offload_activations: recompute each decoder layer in backward; keep saved activations
-            in host memory until backward. Less memory, the same loss and gradients.
+            in host memory until backward. TRL: `gradient_checkpointing`, `activation_offloading`.
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
             one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
         async_mode, max_staleness: generate on a background thread; ``max_staleness`` bounds how many weight
             versions old a trained rollout may be (0: the synchronous run's rollouts).
-        tools, max_turns: dotted paths of tool functions; enables multi-turn rollouts up to ``max_turns``.
+        tools, max_turns: tool functions (dotted paths): multi-turn rollouts. TRL: `max_tool_calling_iterations`.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
             as 2 samples), giving nested forks; leaves of a prompt are its group.
         tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.

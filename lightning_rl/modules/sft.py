@@ -33,20 +33,20 @@ class SFTModule(PolicyModule):
     """SFT on packed rows with loss on assistant / completion tokens only.
 
     Args:
-        model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
-        learning_rate, weight_decay, betas: AdamW settings.
+        model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default. TRL: `model_name_or_path`.
+        learning_rate, weight_decay, betas: AdamW's. TRL: `learning_rate`, `weight_decay`, `adam_beta1`, `adam_beta2`.
         warmup_steps, lr_schedule: linear warmup; then ``lr_schedule``, a ``transformers.get_scheduler`` schedule
             (``linear``, ``cosine``, ``cosine_with_restarts`` and ``polynomial`` run over the run's length, so need
-            ``max_steps``).
+            ``max_steps``). TRL: `warmup_steps`, `lr_scheduler_type`.
         lora: adapt with LoRA through peft instead of full fine-tuning.
         export: the final Hugging Face folder: ``model`` (full model), ``merged`` (LoRA merged into the
             base) or ``adapter`` (the LoRA adapter alone); default ``model``, or ``merged`` with LoRA.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         attention_backend: tree attention kernel: ``auto`` (FlexAttention on CUDA, shape-only on XLA/Neuron, fused
             SDPA blocks elsewhere), ``blocks``, ``flex``, ``varlen`` (CUDA) or ``dense``.
-        gradient_checkpointing: recompute each decoder layer's activations in backward (less memory, more time).
+        gradient_checkpointing: recompute each layer's activations in backward. TRL: `gradient_checkpointing`.
         offload_activations: keep the activations a forward saves for backward in host memory until then (less
-            accelerator memory, more host-device traffic); with ``gradient_checkpointing`` only the layers' inputs.
+            accelerator memory); with ``gradient_checkpointing`` only the layers' inputs. TRL: `activation_offloading`.
         compile: ``torch.compile`` each decoder layer for training (the tree attention inside stays eager).
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).

@@ -34,12 +34,13 @@ class SamplingSettings:
     from, and the engine reports its support (the tokens the filters kept) so the trainer scores the same one.
 
     Args:
-        max_new_tokens: tokens sampled per completion (per turn, with tools) at most.
-        temperature: softmax temperature (0: greedy); the trainer scores under the same temperature.
-        top_p: nucleus filter: the smallest set of tokens whose probability reaches it.
-        top_k: keep the k most likely tokens (0: off).
-        min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off).
-        repetition_penalty: CTRL's penalty on tokens already in the prompt or completion (1: off).
+        max_new_tokens: tokens sampled per completion (per turn, with tools) at most. TRL: `max_completion_length`.
+        temperature: softmax temperature (0: greedy); the trainer scores under the same one. TRL: `temperature`.
+        top_p: nucleus filter: the smallest set of tokens whose probability reaches it. TRL: `top_p`.
+        top_k: keep the k most likely tokens (0: off). TRL: `top_k`.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off). TRL: `min_p`.
+        repetition_penalty: CTRL's penalty on tokens already in the prompt or completion (1: off). TRL: the same
+            name.
         max_support: the most tokens the filters may keep at one sampled token: the trainer holds each token's
             support, and the vLLM engines report max_support + 1 top log-probs per token to find it (fewer with
             top_k), so a wider support (top_p alone at a high temperature on a large vocabulary) is refused at run

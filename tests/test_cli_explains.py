@@ -1,0 +1,174 @@
+"""The command line explains itself: `--help` lists the keys with types, defaults and docs; a run needs no recipe file;
+every unknown key is named in one line, where it was written, with the key meant; Trainer arguments a task cannot take
+are one line naming what it takes instead (every Trainer argument is tried under both tasks); the recipe's own
+modules are found beside it; data keys, columns and relative paths say what they are."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.configuration_validator import _verify_loop_configurations
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_rl import cli
+from lightning_rl.errors import UserError
+from lightning_rl.recipe import build
+from support.paths import REPO, TOY_TRAIN
+
+SFT, GRPO = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "grpo.yaml"))
+SHORT = ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+SHORT_SFT = [*SHORT, "--data.val_data=null", "--data.max_tokens=256", "--model.eval_generations=0",
+             "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
+
+
+def error_lines(capsys, argv: list[str]) -> list[str]:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_help_lists_each_tasks_keys_with_type_default_and_doc(capsys):
+    for argv, keys in ((["run", "--task=sft", "--help"], ["--data.max_tokens", "--model.lora.help"]),
+                       (["run", GRPO, "--help"], ["--model.loss.beta", "--data.train_data", "--model.max_grad_norm"])):  # fmt: skip
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        assert done.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        for key in keys:
+            assert key in out
+        # A docstring entry naming several keys ("learning_rate, weight_decay: AdamW ...") documents each of them.
+        assert "--model.learning_rate LEARNING_RATE AdamW" in out and "(type: float, default:" in out
+    assert cli.main(["run", "--help"]) == 0  # no task yet: how to ask for each task's keys
+    assert "lightning-rl run --task=grpo --help" in capsys.readouterr().out
+
+
+def test_a_run_needs_no_recipe_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["run", "--task=sft", "--model.model_name_or_path=tiny", f"--data.train_data={TOY_TRAIN}", f"--output_dir={out}", *SHORT_SFT]
+    assert cli.main(argv) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["data"]["train_data"] == str(TOY_TRAIN)
+    assert error_lines(capsys, ["run", "--model.learning_rate=1e-3"]) == ["error: `run` needs a recipe file or --task=sft|grpo"]
+
+
+def test_every_unknown_key_is_named_at_once_where_it_was_written_with_the_key_meant(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(Path(SFT).read_text().replace("model:\n", "model:\n  learnin_rate: 0.1\n  beta: 0.1\n", 1))
+    line = next(n for n, text in enumerate(recipe.read_text().splitlines(), 1) if "learnin_rate" in text)
+    [error] = error_lines(capsys, ["run", str(recipe), "--trainer.max_stpes=2", "--data.batch_size=4", "--lora.r=8"])
+    assert error == (
+        f"error: {recipe}: line {line}: unknown key 'model.learnin_rate' (did you mean 'model.learning_rate'?); "
+        f"{recipe}: line {line + 1}: unknown key 'model.beta' (did you mean 'model.betas'?); "
+        "command line: unknown key 'trainer.max_stpes' (did you mean 'trainer.max_steps'?); "
+        "command line: unknown key 'data.batch_size' (a GRPO key; SFT batches by tokens: data.max_tokens); "
+        "command line: unknown key 'lora.r' (did you mean 'model.lora.r'?)"
+    )
+    [error] = error_lines(capsys, ["run", GRPO, "--data.max_tokens=512", "--model.beta=0.1"])
+    assert error.startswith("error: command line: unknown key 'data.max_tokens' (an SFT key; a GRPO step is data.batch_size prompts")
+    assert error.endswith("command line: unknown key 'model.beta' (did you mean 'model.loss.beta'?)")
+    # A wrong value typed on the command line is blamed on it; a key set from another one names that one.
+    assert error_lines(capsys, ["run", SFT, "--model.learning_rate=fast"]) == ["error: command line: model.learning_rate must be a number, got fast"]
+    assert error_lines(capsys, ["run", SFT, "--trainer.default_root_dir=x"]) == ["error: command line: trainer.default_root_dir is set from output_dir: give output_dir"]
+
+
+@pytest.mark.parametrize("key, names", [("accumulate_grad_batches=4", "model.max_tokens_per_row"), ("gradient_clip_val=1.0", "model.max_grad_norm"),
+                                        ("gradient_clip_algorithm=norm", "model.max_grad_norm")])  # fmt: skip
+def test_trainer_arguments_grpo_cannot_take_name_its_own_key(key, names, capsys):
+    [error] = error_lines(capsys, ["run", GRPO, f"--trainer.{key}"])
+    assert error.startswith(f"error: trainer.{key.replace('=', '=')}".split("=")[0]) and "is not taken by GRPO" in error and names in error
+
+
+# A plausible value other than the default for every argument of Trainer.__init__.
+TRAINER_VALUES = {
+    "accelerator": "cpu", "strategy": "ddp", "devices": "1", "num_nodes": "2", "precision": "bf16-mixed", "logger": "true",
+    "callbacks": '[{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]', "fast_dev_run": "1",
+    "max_epochs": "2", "min_epochs": "1", "max_steps": "5", "min_steps": "2", "max_time": "00:00:10:00",
+    "limit_train_batches": "5", "limit_val_batches": "0", "limit_test_batches": "2", "limit_predict_batches": "2",
+    "overfit_batches": "2", "val_check_interval": "10", "check_val_every_n_epoch": "2", "num_sanity_val_steps": "0",
+    "log_every_n_steps": "5", "enable_checkpointing": "false", "enable_progress_bar": "false", "enable_model_summary": "false",
+    "accumulate_grad_batches": "2", "gradient_clip_val": "1.0", "gradient_clip_algorithm": "value", "deterministic": "true",
+    "benchmark": "true", "inference_mode": "false", "use_distributed_sampler": "true", "profiler": "simple",
+    "detect_anomaly": "true", "barebones": "true", "sync_batchnorm": "true", "reload_dataloaders_every_n_epochs": "1",
+    "plugins": '{"class_path": "lightning.pytorch.plugins.environments.LightningEnvironment"}',
+    "default_root_dir": "elsewhere", "enable_autolog_hparams": "false", "model_registry": "my-model",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", [SFT, GRPO], ids=["sft", "grpo"])
+def test_every_trainer_argument_is_taken_or_one_line(recipe, tmp_path, capsys):
+    """Each Trainer argument, through the parser, the build and Lightning's own checks of a fit's configuration (what
+    it refuses only once `fit` starts): it is taken, or refused as a UserError (one `error:` line), never a crash."""
+    assert set(TRAINER_VALUES) == set(inspect.signature(Trainer.__init__).parameters) - {"self"}, "a new Trainer argument"
+    outcomes = {}
+    for name, value in TRAINER_VALUES.items():
+        try:
+            run = build(recipe, [f"--output_dir={tmp_path / 'out'}", f"--trainer.{name}={value}"])
+            run.trainer.strategy.connect(run.model)
+            run.trainer.state.fn = TrainerFn.FITTING
+            _verify_loop_configurations(run.trainer)
+            outcomes[name] = "taken"
+        except UserError as error:
+            assert error.line().startswith(f"trainer.{name}") or f"trainer.{name}" in error.line(), error.line()
+            outcomes[name] = "refused"
+    capsys.readouterr()
+    refused = {name for name, outcome in outcomes.items() if outcome == "refused"}
+    grpo_only = {"accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm"}
+    always = {"logger", "fast_dev_run", "enable_checkpointing", "use_distributed_sampler", "barebones", "default_root_dir"}
+    assert refused == always | (grpo_only if recipe == GRPO else set())
+
+
+def test_reward_modules_beside_the_recipe_are_found_and_a_missing_one_names_the_folders(tmp_path, monkeypatch, capsys):
+    folder, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    folder.mkdir(), elsewhere.mkdir()
+    (folder / "beside_recipe_rewards.py").write_text("def short(completions, **kwargs):\n    return [-len(c) / 10 for c in completions]\n")
+    config = yaml.safe_load(Path(GRPO).read_text())
+    config["model"]["rewards"] = [{"function": "beside_recipe_rewards:short"}]
+    recipe = folder / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(elsewhere)  # neither the working directory nor the installed packages hold it
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # the folders a run adds go with the test
+    run = build(str(recipe), [f"--output_dir={tmp_path / 'out'}"])
+    assert run.model.hparams.rewards[0]["function"] == "beside_recipe_rewards:short"
+    config["model"]["rewards"] = [{"function": "nowhere_rewards:short"}]
+    recipe.write_text(yaml.safe_dump(config))
+    [error] = error_lines(capsys, ["run", str(recipe), f"--output_dir={tmp_path / 'out'}"])
+    assert "no module 'nowhere_rewards' in the recipe's folder " + str(folder) in error
+    assert "the working directory " + str(elsewhere) in error and "the installed packages" in error
+
+
+def test_grpo_reads_its_data_file_as_train_data_and_path_as_its_earlier_name(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    assert build(GRPO, [f"--data.train_data={prompts}"]).datamodule.path == str(prompts)
+    assert build(GRPO, [f"--data.path={prompts}"]).datamodule.path == str(prompts)  # over the recipe's train_data
+    assert "note: data.path is the earlier name of data.train_data" in capsys.readouterr().err
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(Path(GRPO).read_text().replace("  train_data: toy", f"  path: {prompts}"))
+    assert build(str(recipe), []).datamodule.path == str(prompts)
+    assert "note: data.path is the earlier name of data.train_data" in capsys.readouterr().err
+    recipe.write_text(Path(GRPO).read_text().replace("  train_data: toy", f"  path: {prompts}\n  train_data: {prompts}"))
+    [error] = error_lines(capsys, ["run", str(recipe)])
+    assert error.startswith("error: data.path is the earlier name of train_data: give only train_data")
+
+
+def test_a_row_with_the_wrong_columns_lists_the_columns_it_has(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    [error] = error_lines(capsys, ["run", SFT, f"--data.train_data={rows}", f"--output_dir={tmp_path / 'out'}", *SHORT_SFT])
+    assert error == f"error: {rows}: line 1: missing `messages` (or both `prompt` and `completion`); the row has 'answer', 'question'"
+    [error] = error_lines(capsys, ["run", GRPO, f"--data.train_data={rows}", f"--output_dir={tmp_path / 'out'}", *SHORT])
+    assert error == f"error: {rows}: line 1: no field 'prompt' (row has ['answer', 'question'])"
+
+
+def test_a_relative_path_not_found_says_what_it_was_read_from(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    [error] = error_lines(capsys, ["run", SFT, "--data.train_data=data/train.jsonl"])
+    assert error == f"error: data.train_data: no such file or folder: data/train.jsonl (a relative path, read from the working directory {tmp_path})"
+    [error] = error_lines(capsys, ["run", SFT, "--model.model_name_or_path=./outputs/sft/hf"])
+    assert error.endswith(f"(a relative path, read from the working directory {tmp_path})")

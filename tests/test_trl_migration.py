@@ -1,0 +1,32 @@
+"""docs/migrating_from_trl.md is what the schema's TRL annotations say today, and every TRL name it uses is a field of
+TRL 1.16's own classes (so a renamed or invented field fails here)."""
+
+import dataclasses
+
+import trl
+
+from lightning_rl import trl_migration
+
+TRL_CLASSES = (trl.SFTConfig, trl.GRPOConfig, trl.ModelConfig, trl.ScriptArguments)
+
+
+def test_the_migration_guide_is_up_to_date(capsys):
+    assert trl_migration.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_every_trl_name_is_a_field_of_trl_and_every_field_is_mapped_or_explained():
+    fields = {field.name for cls in TRL_CLASSES for field in dataclasses.fields(cls)}
+    named = {name for task in ("sft", "grpo") for name in trl_migration.annotations(task)}
+    named |= {name for _, name in trl_migration.TRAINER} | set(trl_migration.COMMON)
+    assert named - fields == set(), "annotations naming no TRL field"
+    patterns = [pattern for pattern in trl_migration.NO_EQUIVALENT if not any(c in pattern for c in "*?[")]
+    assert set(patterns) - fields == set(), "reasons for fields TRL does not have"
+    for title, names in trl_migration.trl_fields().items():
+        task = "grpo" if title == "GRPOConfig" else "sft"
+        found = trl_migration.annotations(task)
+        unexplained = [name for name in names if trl_migration.mapping(task, name, found) == ("", "")]
+        assert unexplained == [], f"{title}: neither a key nor a reason"
+    text = trl_migration.OUTPUT.read_text()
+    for row in ("| `epsilon` | `model.loss.epsilon_low` |", "| `--lora_r` | `model.lora.r` |", "| `max_length` | `data.max_length` |",
+                "| `gradient_accumulation_steps` | `trainer.accumulate_grad_batches` |", "| `trust_remote_code` | none | only model classes"):  # fmt: skip
+        assert row in text
