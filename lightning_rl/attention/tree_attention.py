@@ -83,6 +83,7 @@ class _RowState:
         self.plans: dict = {}
         self.block_masks: dict = {}
         self.layers_called: set[int] = set()
+        self.prefix_calls = 0  # attention calls that took their prefix keys and values so far
 
 
 @dataclass
@@ -98,6 +99,13 @@ class TreeAttentionMeta:
     # [N] per token: the block of tokens it also attends to ahead of it (an image's tokens in a model whose image
     # tokens attend to each other both ways), -1 outside any. A block lies on one path, so every branch sees it whole.
     both_ways: Tensor | None = None
+    # A row that continues a prefix forwarded on its own (``ops/prefix_rows.py``): the first ``prefix_len`` tokens of
+    # this tree are that prefix, one chain above every other token, present only as the keys and values its forward
+    # captured (``prefix_kv``: (attention module id, key, value) per call, in call order); queries are the row's own.
+    prefix_len: int = 0
+    prefix_kv: list[tuple[int, Tensor, Tensor]] | None = None
+    # A prefix's own forward: each attention call appends (module id, key, value) here.
+    capture: list[tuple[int, Tensor, Tensor]] | None = None
 
     @classmethod
     def from_batch(
@@ -118,6 +126,32 @@ class TreeAttentionMeta:
             both_ways=None if both_ways is None else both_ways.to(device),
         )
 
+    def after_prefix(self, prefix_len: int, prefix_kv: list[tuple[int, Tensor, Tensor]]) -> TreeAttentionMeta:
+        """This row's tree below a chain of ``prefix_len`` tokens whose keys and values are ``prefix_kv``: the same
+        ancestor relation as the whole tree packed in one row, the prefix's queries left out."""
+        if self.backend == "varlen" or self.both_ways is not None:
+            raise PackingRefused(f"{self.model_name}: a row continuing a prefix forwarded apart runs the blocks, flex or dense tree attention only, without image blocks")
+        p, n, device = prefix_len, self.num_tokens, self.depth.device
+        segments = [(0, p, p + n)] + [(s + p, e + p, se + p) for s, e, se in self.segments]
+        return TreeAttentionMeta(
+            segments=segments,
+            depth=torch.cat([torch.arange(p, device=device), self.depth]),
+            subtree_end=torch.cat([torch.full((p,), p + n, device=device), self.subtree_end + p]),
+            backend=self.backend,
+            model_name=self.model_name,
+            prefix_len=p,
+            prefix_kv=prefix_kv,
+        )
+
+    def prefix_keys_values(self, module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The prefix's keys and values of this attention call joined in front of the row's own."""
+        k = self.shared.prefix_calls
+        self.shared.prefix_calls += 1
+        if k >= len(self.prefix_kv) or self.prefix_kv[k][0] != id(module):
+            raise PackingRefused(f"{self.model_name}: its attention modules run in another order for a row than for its prefix; the prefix's keys and values cannot be matched to them")
+        _, pk, pv = self.prefix_kv[k]
+        return torch.cat([pk.to(key.dtype), key], dim=2), torch.cat([pv.to(value.dtype), value], dim=2)
+
     @property
     def layers_called(self) -> set[int]:
         return self.shared.layers_called
@@ -131,6 +165,7 @@ class TreeAttentionMeta:
         key = (window, dtype)
         if key not in self.shared.plans:
             spans, levels = tree_blocks(self.segments, self.depth.cpu(), window)
+            spans = spans[1:] if self.prefix_len else spans  # the prefix's queries are not computed here
             n, device = self.num_tokens, self.depth.device
             if self.backend == "varlen":
                 self.shared.plans[key] = _varlen_calls(spans, levels, n, window, device)
@@ -252,7 +287,7 @@ class _TreeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, calls, scale):
+    def forward(ctx, q, k, v, calls, scale, uncovered):
         n, hq, d = q.shape[2], q.shape[1], q.shape[3]
         qr, kr, vr = _rows(q), _rows(k), _rows(v)
         acc = _accumulation_dtype(q.dtype)
@@ -273,7 +308,7 @@ class _TreeAttention(torch.autograd.Function):
             rq.write(lse, new)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.scale = calls, scale
+        ctx.calls, ctx.scale, ctx.uncovered = calls, scale, uncovered
         return out[:n].unsqueeze(0).transpose(1, 2)
 
     @staticmethod
@@ -282,9 +317,11 @@ class _TreeAttention(torch.autograd.Function):
         n = q.shape[2]
         gr, qr, kr, vr = _rows(grad_out), _rows(q), _rows(k), _rows(v)
         acc = _accumulation_dtype(q.dtype)
-        dq = torch.empty(n + 1, *qr.shape[1:], dtype=acc, device=q.device)
-        dk = torch.empty(n + 1, *kr.shape[1:], dtype=acc, device=k.device)
-        dv = torch.empty(n + 1, *vr.shape[1:], dtype=acc, device=v.device)
+        # Rows no self call covers (a prefix's, whose queries are not computed) are only added to: they start at 0.
+        new = torch.zeros if ctx.uncovered else torch.empty
+        dq = new(n + 1, *qr.shape[1:], dtype=acc, device=q.device)
+        dk = new(n + 1, *kr.shape[1:], dtype=acc, device=k.device)
+        dv = new(n + 1, *vr.shape[1:], dtype=acc, device=v.device)
         for call in ctx.calls:
             rq, rk = call.q, call.k
             inputs = (rq.gather(gr), rq.gather(qr), rk.gather(kr), rk.gather(vr), rq.gather(out), rq.gather(lse))
@@ -292,7 +329,7 @@ class _TreeAttention(torch.autograd.Function):
             for rows, buf, g in ((rq, dq, gq), (rk, dk, gk), (rk, dv, gv)):
                 (rows.accumulate if call.merge else rows.write)(buf, g.to(acc))
         grads = [g[:n].to(x.dtype).unsqueeze(0).transpose(1, 2) for g, x in ((dq, q), (dk, k), (dv, v))]
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -442,15 +479,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if window not in meta.shared.block_masks:
-        sub_end, depth, blocks = meta.subtree_end, meta.depth, meta.both_ways
+        sub_end, depth, blocks, offset = meta.subtree_end, meta.depth, meta.both_ways, meta.prefix_len
 
         def visible(b, h, qi, ki):
+            qi = qi + offset  # the row's queries follow the prefix's keys
             seen = (ki <= qi) & (qi < sub_end[ki])
             seen = seen & (depth[qi] - depth[ki] < window) if window is not None else seen
             return seen | ((blocks[qi] == blocks[ki]) & (blocks[qi] >= 0)) if blocks is not None else seen
 
         n = meta.num_tokens
-        meta.shared.block_masks[window] = create_block_mask(visible, None, None, n, n, device=q.device)
+        meta.shared.block_masks[window] = create_block_mask(visible, None, None, n - offset, n, device=q.device)
     return _compiled_flex()(q, k, v, block_mask=meta.shared.block_masks[window], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -478,7 +516,7 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
     if meta.backend == "dense":
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(window), scale=scale)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask(window)[meta.prefix_len :], scale=scale)
     if meta.backend == "blocks" and q.device.type != "cpu":
         raise ValueError(f"the 'blocks' tree attention runs on CPU tensors; on {q.device.type} use 'flex' or 'varlen'")
     dv = v.shape[-1]
@@ -495,7 +533,11 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
 def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, scale: float, window: int | None) -> Tensor:
     if meta.backend == "flex":
         return _flex(q, k, v, meta, scale, window)
-    return _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale)
+    p = meta.prefix_len
+    if p:  # the block kernels index one row for queries and keys: the prefix's query rows are zeros no call reads
+        q = nn.functional.pad(q, (0, 0, p, 0))
+    out = _TreeAttention.apply(q, k, v, meta.plan(window, q.dtype), scale, p > 0)
+    return out[:, :, p:] if p else out
 
 
 def _causal_window_mask(q_len: int, kv_len: int, window: int, device) -> Tensor:
@@ -584,6 +626,10 @@ def tree_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _refuse_packed_call(module, tree_attention, attention_mask, sliding_window, dropout, kwargs)
     tree_attention.layers_called.add(id(module))
+    if tree_attention.capture is not None:
+        tree_attention.capture.append((id(module), key, value))
+    if tree_attention.prefix_kv is not None:
+        key, value = tree_attention.prefix_keys_values(module, key, value)
     out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 

@@ -32,6 +32,7 @@ from lightning_rl.models.multimodal import (
 )
 from lightning_rl.packing.images import image_runs, images_on_path, placeholder_blocks, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
+from lightning_rl.ops.prefix_rows import PrefixedRow
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
 # bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.
@@ -93,13 +94,16 @@ def _agree(error: float, model: nn.Module, device: torch.device) -> float:
 
 def packed_hidden_states(
     model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", route_agreement: RouteAgreement | None = None,
-    replay_routes: bool = True,
+    replay_routes: bool = True, capture: list | None = None,
 ) -> Tensor:
     """Final hidden states [N, hidden] of a packed row, each token attending only to its ancestors. A row with
     ``batch.routes`` sends each token to the experts they name (``replay_routes``; else the model routes it and the
-    routes are only compared), and adds to ``route_agreement`` how often the model would have chosen them itself."""
+    routes are only compared), and adds to ``route_agreement`` how often the model would have chosen them itself.
+    A `PrefixedRow` attends to its prefix too (forwarded once per model, ``ops/prefix_rows.py``); ``capture``: the
+    list a prefix's own forward records each attention call's keys and values in."""
     enable_tree_attention(model)
-    check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens)
+    prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
+    check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens + (prefix.length if prefix else 0))
     device = batch.input_ids.device
     # A model whose image tokens attend to each other both ways sees each image's placeholders as one block.
     token = image_token_id(model.config)
@@ -119,12 +123,18 @@ def packed_hidden_states(
     # Multi-axis rotary positions go in as the model's own [axes, batch, tokens]; images as its own inputs, which
     # its forward encodes once each and writes into the row's placeholders.
     positions = batch.position_ids if batch.rope_position_ids is None else batch.rope_position_ids[:, None]
+    if prefix is not None:
+        options = dict(attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
+        meta = meta.after_prefix(prefix.length, prefix.keys_values(model, lambda into: packed_hidden_states(model, prefix.batch, **options, capture=into)))
+    meta.capture = capture
     replay = None if batch.routes is None else RouteReplay(batch.routes, force=replay_routes)
     if replay is not None:
         replay.check(model, batch.num_tokens)
     with packed_forward(meta), replaying(model, replay):
         hidden = head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
     _check_every_layer_applied(model, meta)
+    if prefix is not None and meta.shared.prefix_calls != len(meta.prefix_kv):
+        raise PackingRefused(f"{type(model).__name__}: {meta.shared.prefix_calls} attention calls of a row took keys and values of its prefix's {len(meta.prefix_kv)}")
     if replay is not None and route_agreement is not None:
         route_agreement.merge(replay.agreement)
     return hidden
@@ -336,13 +346,16 @@ def verify_row(
         error, dtype = 0.0, torch.float32
         token = image_token_id(model.config)
         images = split_images(batch.image_inputs, image_runs(batch.input_ids.tolist(), token) if token is not None else None)
+        head = batch.prefix.batch if isinstance(batch, PrefixedRow) else None  # a span's row: its prefix leads each path
         for rows, terms in sequence_paths(batch, chosen):
-            ids = _right_padded(batch.input_ids[rows], batch.pad_to_multiple_of)
+            ids = batch.input_ids[rows] if head is None else torch.cat([head.input_ids, batch.input_ids[rows]])
+            routes = None if batch.routes is None else (batch.routes[rows] if head is None else torch.cat([head.routes, batch.routes[rows]]))
+            ids = _right_padded(ids, batch.pad_to_multiple_of)
             positions = torch.arange(len(ids), device=ids.device)
             if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
                 positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
             own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
-            with replaying(model, None if batch.routes is None else RouteReplay(_right_padded_routes(batch.routes[rows], len(ids)))):
+            with replaying(model, None if routes is None else RouteReplay(_right_padded_routes(routes, len(ids)))):
                 hidden = head_inputs(model, ids, positions, **own, **(image_token_types(model, ids[None]) if own else {}))
             dtype = _compute_dtype(hidden)
             if terms.numel():

@@ -6,25 +6,37 @@
   the same number of rows and about the same attention work (GRPO).
 
 Sequences of one group (the G completions of a prompt) stay in one row where they fit, so their shared prompt is
-forwarded once. A group too large for one row is split into sub-groups that each keep the prompt.
+forwarded once. A group too large for one row is either split into sub-groups that each keep the prompt, or (with
+``prefix_across_rows``) cut into the prefix every sequence of the group shares, forwarded once on its own, and rows of
+the rest (a *span*) that attend to that prefix's keys and values (`ops/prefix_rows.py`). A span's rows go to one rank,
+one after the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_rl.packing.tree import PrefixCounter, count_unique_tokens, pack_sequences
 
 
+PrefixAcrossRows = Literal["auto", "always", "never"]
+# What forwarding a prefix on its own costs beyond its tokens (one more forward and backward, its keys and values
+# joined in front of every row's), in tokens: an estimate that makes ``auto`` keep sub-groups where little is saved.
+PREFIX_OVERHEAD_TOKENS = 64
+
+
 @dataclass
 class RowPlan:
     ranks: list[list[list[int]]]  # ranks[r][k] = indices of the sequences in row k of rank r
-    unique_tokens: list[list[int]]  # the same layout: unique tokens per row
+    unique_tokens: list[list[int]]  # the same layout: unique tokens per row (a span's rows: the prefix excluded)
     attention_cost: list[float]  # per rank: (query, visible key) pairs over its rows
     num_flat_tokens: int
     num_unique_tokens: int
+    # The same layout: (span, prefix length) for a row of a span, None for a row of its own. A span's rows are
+    # consecutive on one rank; every row of span s drops the same first prefix-length tokens of its sequences.
+    prefixes: list[list[tuple[int, int] | None]] = field(default_factory=list)
 
     @property
     def packing_ratio(self) -> float:
@@ -43,39 +55,55 @@ def plan_rows(
     *,
     num_ranks: int = 1,
     groups: Sequence[int] | None = None,
+    prefix_across_rows: PrefixAcrossRows = "never",
+    prefix_limits: Sequence[int] | None = None,
 ) -> RowPlan:
     """Pack ``sequences`` into rows of at most ``max_tokens`` unique tokens, dealt to ``num_ranks`` ranks.
 
     Every rank gets the same number of rows (collectives such as FSDP all-gathers need every rank to run the
     same number of forwards); a rank with less work gets empty rows. Rows are dealt by attention cost, largest
-    first, to the least-loaded rank that still has room.
+    first, to the least-loaded rank that still has room (a span's rows together).
+
+    ``prefix_across_rows``: for a group too large for one row, ``always`` forwards the prefix its sequences share
+    once (a span), ``never`` splits it into sub-groups, ``auto`` takes the span where it saves more tokens than
+    `PREFIX_OVERHEAD_TOKENS`. ``prefix_limits[i]``: the most leading tokens of sequence ``i`` a prefix may take
+    (none of them may be the input of a loss term, since the prefix's forward produces no outputs); default: all
+    but its last. A sequence longer than ``max_tokens`` is refused unless its group's span leaves it within.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
-    for i, s in enumerate(sequences):
-        if len(s) > max_tokens:
-            raise ValueError(f"sequence {i} has {len(s)} tokens, more than max_tokens={max_tokens}")
+    if prefix_across_rows not in ("auto", "always", "never"):
+        raise ValueError(f"prefix_across_rows must be auto, always or never, got {prefix_across_rows!r}")
     group_of = list(groups) if groups is not None else list(range(len(sequences)))
     if len(group_of) != len(sequences):
         raise ValueError(f"{len(group_of)} group ids for {len(sequences)} sequences")
+    limits = list(prefix_limits) if prefix_limits is not None else [len(s) - 1 for s in sequences]
+    if len(limits) != len(sequences):
+        raise ValueError(f"{len(limits)} prefix limits for {len(sequences)} sequences")
 
     members: dict[int, list[int]] = {}
     for i, g in enumerate(group_of):
         members.setdefault(g, []).append(i)
 
-    # Units: a whole group, or the largest slices of it that fit in one row.
+    # Units: a whole group, or the largest slices of it that fit in one row; spans: a group's shared prefix and rows.
     units: list[list[int]] = []
+    spans: list[tuple[int, list[list[int]], list[int]]] = []  # (prefix length, rows, unique tokens per row)
     for idx in members.values():
-        current, tree = [], PrefixCounter()
-        for i in idx:
-            if current and tree.size + tree.added_by(sequences[i]) > max_tokens:
-                units.append(current)
-                current, tree = [], PrefixCounter()
-            current.append(i)
-            tree.add(sequences[i])
-        units.append(current)
+        seqs = [sequences[i] for i in idx]
+        span = None
+        if prefix_across_rows != "never" and count_unique_tokens(seqs) > max_tokens:
+            span = _span(seqs, [limits[i] for i in idx], max_tokens)
+        subgroups = _slices(seqs, max_tokens) if all(len(s) <= max_tokens for s in seqs) else None
+        if span is not None and (subgroups is None or prefix_across_rows == "always" or _saves(span, subgroups, seqs)):
+            length, rows, tokens = span
+            spans.append((length, [[idx[j] for j in row] for row in rows], tokens))
+            continue
+        if subgroups is None:
+            i = next(i for i in idx if len(sequences[i]) > max_tokens)
+            raise ValueError(f"sequence {i} has {len(sequences[i])} tokens, more than max_tokens={max_tokens}")
+        units += [[idx[j] for j in unit] for unit in subgroups]
 
     # First-fit decreasing on unique tokens; a unit joining a row costs what it adds to the row's tree.
     sized = sorted(units, key=lambda u: count_unique_tokens([sequences[j] for j in u]), reverse=True)
@@ -90,29 +118,80 @@ def plan_rows(
         rows[k] += unit
         for seq in seqs:
             trees[k].add(seq)
-    row_tokens = [tree.size for tree in trees]
 
-    costs = [attention_pairs([sequences[j] for j in row]) for row in rows]
-    per_rank = -(-len(rows) // num_ranks) if rows else 0
+    # Dealing units: a row of its own, or a span's rows (kept together on one rank, in order).
+    dealt = [([row], [tree.size], [None]) for row, tree in zip(rows, trees)]
+    dealt += [(span_rows, tokens, [(s, length)] * len(span_rows)) for s, (length, span_rows, tokens) in enumerate(spans)]
+    costs = [sum(attention_pairs([sequences[j] for j in row]) for row in unit[0]) for unit in dealt]
+    per_rank = -(-sum(len(unit[0]) for unit in dealt) // num_ranks)
     ranks: list[list[list[int]]] = [[] for _ in range(num_ranks)]
     tokens: list[list[int]] = [[] for _ in range(num_ranks)]
+    prefixes: list[list[tuple[int, int] | None]] = [[] for _ in range(num_ranks)]
     load = [0.0] * num_ranks
-    for k in sorted(range(len(rows)), key=lambda k: costs[k], reverse=True):
-        r = min((r for r in range(num_ranks) if len(ranks[r]) < per_rank), key=lambda r: load[r])
-        ranks[r].append(sorted(rows[k]))
-        tokens[r].append(row_tokens[k])
+    for k in sorted(range(len(dealt)), key=lambda k: costs[k], reverse=True):
+        unit_rows, unit_tokens, unit_prefixes = dealt[k]
+        room = [r for r in range(num_ranks) if len(ranks[r]) + len(unit_rows) <= per_rank] or list(range(num_ranks))
+        r = min(room, key=lambda r: load[r])
+        ranks[r] += [sorted(row) for row in unit_rows]
+        tokens[r] += unit_tokens
+        prefixes[r] += unit_prefixes
         load[r] += costs[k]
+    most = max((len(rank) for rank in ranks), default=0)
     for r in range(num_ranks):
-        while len(ranks[r]) < per_rank:
+        while len(ranks[r]) < most:
             ranks[r].append([])
             tokens[r].append(0)
+            prefixes[r].append(None)
     return RowPlan(
         ranks=ranks,
         unique_tokens=tokens,
         attention_cost=load,
         num_flat_tokens=sum(len(s) for s in sequences),
-        num_unique_tokens=sum(row_tokens),
+        num_unique_tokens=sum(tree.size for tree in trees) + sum(length + sum(t) for length, _, t in spans),
+        prefixes=prefixes,
     )
+
+
+def _slices(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of ``seqs`` in order, cut into the largest runs whose tree fits in ``max_tokens``."""
+    units: list[list[int]] = []
+    current, tree = [], PrefixCounter()
+    for i, seq in enumerate(seqs):
+        if current and tree.size + tree.added_by(seq) > max_tokens:
+            units.append(current)
+            current, tree = [], PrefixCounter()
+        current.append(i)
+        tree.add(seq)
+    units.append(current)
+    return units
+
+
+def _span(seqs: Sequence[Sequence[int]], limits: Sequence[int], max_tokens: int) -> tuple[int, list[list[int]], list[int]] | None:
+    """The prefix every sequence shares (within ``limits``) and the rows of what follows it, each within
+    ``max_tokens``; None when they share nothing or a rest does not fit."""
+    length = min(min(limits), *(len(s) - 1 for s in seqs))  # every rest keeps a token
+    for s in seqs[1:]:
+        length = min(length, _common_prefix(seqs[0], s))
+    rests = [s[length:] for s in seqs]
+    if length < 1 or any(len(r) > max_tokens for r in rests):
+        return None
+    rows = _slices(rests, max_tokens)
+    return length, rows, [count_unique_tokens([rests[j] for j in row]) for row in rows]
+
+
+def _saves(span: tuple[int, list[list[int]], list[int]], subgroups: list[list[int]], seqs: Sequence[Sequence[int]]) -> bool:
+    """Whether the span forwards fewer tokens than the sub-groups, by more than the prefix's own forward costs."""
+    length, _, tokens = span
+    return length + sum(tokens) + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def plan_ordered_rows(sequences: Sequence[Sequence[int]], max_tokens: int, packing: Literal["tree", "flat", "none"]) -> list[list[int]]:

@@ -1,0 +1,150 @@
+"""One prefix, many rows: a group whose tree does not fit in one row forwards its shared prefix once.
+
+The prefix (the tokens every sequence of the group shares, before any loss term reads an output) is forwarded on
+its own, and every attention layer's keys and values (after rotary and the model's own transforms) are captured.
+Each row of the rest (a *span*) then runs with its queries attending to those keys and values in front of its own
+tree, as in the single tree they make together, positions continuing at the prefix's depth. Within the row the
+prefix's keys and values are leaves, so every row's backward adds its gradient to them; after the span's last row,
+one backward runs through the prefix's forward with those sums (``finish_prefix``). Loss and gradients are those
+of the whole group packed in one row.
+
+A frozen model (the reference, or any forward without gradients) keeps its capture for the span's rows and runs no
+backward. Refused in one line: images or multi-axis positions (an image-text prefix), padded rows (static-shape
+devices), a sharded policy (FSDP2: the prefix's backward would come after the rows' gradients were reduced), and
+the varlen kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.packing.tree import PackedBatch, pack_sequences
+
+
+@dataclass
+class _Capture:
+    keys_values: list[tuple[int, Tensor, Tensor]]  # what the rows attend to: leaves where gradients flow
+    outputs: list[Tensor]  # the prefix forward's own keys and values (with its graph), when gradients flow
+
+
+class SharedPrefix:
+    """The prefix of a span of ``rows`` rows: its chain of tokens as a packed batch, and per model its captured
+    keys and values (one capture per model, gradient mode and train/eval mode)."""
+
+    def __init__(self, batch: PackedBatch, rows: int) -> None:
+        self.batch, self.rows = batch, rows
+        self.finished = 0  # rows whose backward has run
+        self._captures: dict[tuple[int, bool, bool], _Capture] = {}
+
+    @property
+    def length(self) -> int:
+        return self.batch.num_tokens
+
+    def keys_values(self, model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
+        """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
+        and appends (module id, key, value) per attention call to ``capture``."""
+        grad = torch.is_grad_enabled()
+        key = (id(model), grad, model.training)
+        if key not in self._captures:
+            if grad and any(isinstance(p, DTensor) for p in model.parameters()):
+                raise PackingRefused(
+                    f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) is backpropagated after "
+                    "its rows, which a sharded (FSDP2) model cannot do; set model.prefix_across_rows: never"
+                )
+            captured: list[tuple[int, Tensor, Tensor]] = []
+            forward(captured)
+            if grad:
+                leaves = [(m, k.detach().requires_grad_(), v.detach().requires_grad_()) for m, k, v in captured]
+                self._captures[key] = _Capture(leaves, [t for _, k, v in captured for t in (k, v)])
+            else:
+                self._captures[key] = _Capture(captured, [])
+        return self._captures[key].keys_values
+
+    def backward(self) -> None:
+        """Backpropagate the gradients the rows left on the prefix's keys and values through its forward, once."""
+        for key in [key for key in self._captures if key[1]]:
+            capture = self._captures.pop(key)
+            leaves = [t for _, k, v in capture.keys_values for t in (k, v)]
+            pairs = [(out, leaf.grad) for out, leaf in zip(capture.outputs, leaves) if leaf.grad is not None and out.requires_grad]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
+
+
+@dataclass
+class PrefixedRow(PackedBatch):
+    """A row of a span: its tokens follow ``prefix``'s (position ids continue at its depth; loss positions are this
+    row's own)."""
+
+    prefix: SharedPrefix | None = None
+
+    def to(self, device: torch.device | str) -> PrefixedRow:
+        moved = super().to(device)
+        self.prefix.batch = self.prefix.batch.to(device)
+        return PrefixedRow(**{f.name: getattr(moved, f.name) for f in fields(PackedBatch)}, prefix=self.prefix)
+
+
+def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int) -> PrefixedRow:
+    """``row`` (every sequence of it starting with the same tokens) without its first ``prefix`` tokens, which a
+    `SharedPrefix` (new for an int length, else the one given, shared with the span's other rows) forwards."""
+    length = prefix if isinstance(prefix, int) else prefix.length
+    why = None
+    if row.image_inputs or row.rope_position_ids is not None:
+        why = "its sequences carry images or multi-axis positions (the prefix's images would be encoded apart)"
+    elif row.pad_to_multiple_of:
+        why = "its rows are padded to fixed lengths (static-shape devices)"
+    elif not 0 < length < row.num_tokens or int(row.segments[0, 2]) != row.num_tokens or int(row.segments[0, 1]) < length:
+        why = f"its first {length} tokens are not one chain every sequence starts with"
+    elif row.loss_positions.numel() and int(row.loss_positions.min()) < length:
+        why = f"a loss term reads an output of its first {length} tokens"
+    if why is not None:
+        raise PackingRefused(f"a row cannot continue a prefix forwarded apart (model.prefix_across_rows): {why}; set model.prefix_across_rows: never")
+    if isinstance(prefix, int):
+        ids = row.input_ids[:length].tolist()
+        routes = None if row.routes is None else [row.routes[:length]]
+        prefix = SharedPrefix(pack_sequences([ids], [[False] * length], routes=routes).to(row.input_ids.device), rows=0)
+    elif not torch.equal(prefix.batch.input_ids, row.input_ids[:length]):
+        raise ValueError("the rows of a span must start with the same prefix")
+    prefix.rows += 1
+    segments = row.segments - length
+    segments[0, 0] = 0
+    if int(segments[0, 1]) == 0:  # the row forks right after the prefix: its first chain is the prefix alone
+        segments = segments[1:]
+    return PrefixedRow(
+        **{f.name: getattr(row, f.name) for f in fields(PackedBatch)} | dict(
+            input_ids=row.input_ids[length:], position_ids=row.position_ids[length:], subtree_end=row.subtree_end[length:] - length,
+            segments=segments, loss_positions=row.loss_positions - length,
+            routes=None if row.routes is None else row.routes[length:],
+            # the prefix's tokens count as forwarded by the span's first row
+            num_unique_tokens=row.num_unique_tokens - (length if prefix.rows > 1 else 0),
+        ),
+        prefix=prefix,
+    )
+
+
+def share_prefixes(rows: list[PackedBatch], prefixes: list[tuple[int, int] | None]) -> list[PackedBatch]:
+    """The planner's rows with each span's prefix cut off and shared: ``prefixes[k]`` is (span, prefix length) of row
+    ``k`` or None (`packing.planner.RowPlan.prefixes`)."""
+    shared: dict[int, SharedPrefix] = {}
+    out = []
+    for row, spec in zip(rows, prefixes):
+        if spec is None:
+            out.append(row)
+            continue
+        span, length = spec
+        cut = cut_prefix(row, shared.get(span, length))
+        shared[span] = cut.prefix
+        out.append(cut)
+    return out
+
+
+def finish_prefix(row: PackedBatch) -> None:
+    """After a row's backward: the span's last row backpropagates through its prefix."""
+    if isinstance(row, PrefixedRow):
+        row.prefix.finished += 1
+        if row.prefix.finished == row.prefix.rows:
+            row.prefix.backward()

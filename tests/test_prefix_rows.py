@@ -1,0 +1,139 @@
+"""One prefix, many rows: a group too large for one row forwards the prefix it shares once, its rows attend to the
+captured keys and values, and one backward runs through the prefix after the last row. Log-probs and gradients
+equal each sequence run alone (random trees, random row budgets), on three attention styles; what it cannot
+compute is refused in one line."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
+from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, share_prefixes
+from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
+from support import tiny_models
+from support.packing_families import GRAD_FLOOR, TOLERANCE, reference_logprobs
+
+MODELS = {name: tiny_models.build(name) for name in ("qwen3", "llama", "mistral_sliding")}  # windows of 3 reach into the prefix
+
+
+@st.composite
+def groups(draw):
+    """A prompt and G completions forking at random depths (nested forks included), and a row budget that the
+    whole group does not fit."""
+    token = st.integers(3, tiny_models.VOCAB - 1)
+    prompt = draw(st.lists(token, min_size=2, max_size=9))
+    completions: list[list[int]] = []
+    for _ in range(draw(st.integers(2, 5))):
+        stem = completions[draw(st.integers(0, len(completions) - 1))][: draw(st.integers(0, 3))] if completions else []
+        completions.append(stem + draw(st.lists(token, min_size=1, max_size=6)))
+    seqs = [prompt + c for c in completions]
+    longest, whole = max(len(c) for c in completions) + 1, count_unique_tokens(seqs)  # a row holds the prompt's last token
+    assume(longest < whole)
+    return seqs, len(prompt), draw(st.integers(longest, whole - 1))
+
+
+def _grads(model):
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def _grad_error(ours, theirs, dtype=torch.float32):
+    total = float(torch.stack([t.norm() for t in theirs]).norm())
+    return max(float((o - t).norm() / (t.norm() + GRAD_FLOOR[dtype] * total)) for o, t in zip(ours, theirs))
+
+
+def _cross_row(model, seqs, prompt_len, budget, backend):
+    """Log-probs of every trained token (in sequence order) and the gradient of their weighted sum, run as the
+    planner's span."""
+    masks = [[t >= prompt_len for t in range(len(s))] for s in seqs]
+    plan = plan_rows(seqs, budget, groups=[0] * len(seqs), prefix_across_rows="always", prefix_limits=[prompt_len - 1] * len(seqs))
+    rows, prefixes = plan.ranks[0], plan.prefixes[0]
+    assert all(p is not None for p in prefixes) and len(rows) >= 1
+    packed = share_prefixes([pack_sequences([seqs[i] for i in row], [masks[i] for i in row]) for row in rows], prefixes)
+    assert all(isinstance(p, PrefixedRow) for p in packed) and len({id(p.prefix) for p in packed}) == 1
+    model.zero_grad()
+    out: dict[int, torch.Tensor] = {}
+    for row, batch in zip(rows, packed):
+        lp = packed_logprobs(model, batch, chunk_size=5, attention_backend=backend)
+        weights = torch.linspace(0.5, 1.5, lp.numel())
+        (lp * weights).sum().backward()
+        finish_prefix(batch)
+        for k, i in enumerate(row):
+            out[i] = (lp.detach()[batch.loss_seq == k], weights[batch.loss_seq == k])
+    return out, _grads(model), packed
+
+
+@settings(max_examples=4, deadline=None)
+@given(groups(), st.sampled_from(sorted(MODELS)), st.sampled_from(["blocks", "dense"]))
+def test_cross_row_equals_each_sequence_alone(group, name, backend):
+    seqs, prompt_len, budget = group
+    model = MODELS[name]
+    out, grads, _ = _cross_row(model, seqs, prompt_len, budget, backend)
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    total = torch.zeros(())
+    lp_error = 0.0
+    for i, s in enumerate(seqs):
+        ref = reference_logprobs(reference, [s])[prompt_len - 1 :]  # the completion's tokens
+        ours, weights = out[i]
+        lp_error = max(lp_error, float((ours - ref.detach()).abs().max()))
+        total = total + (ref * weights).sum()
+    total.backward()
+    lp_tol, grad_tol = TOLERANCE[torch.float32]
+    assert lp_error <= lp_tol
+    assert _grad_error(grads, _grads(reference)) <= grad_tol
+
+
+def test_the_prefix_is_forwarded_once_and_verify_row_checks_the_span():
+    model = MODELS["qwen3"]
+    prompt = list(range(3, 23))
+    seqs = [prompt + [30 + k, 40 + k, 50 + k, 60] for k in range(6)]
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
+    try:
+        _, _, packed = _cross_row(model, seqs, len(prompt), budget=9, backend="blocks")
+    finally:
+        hook.remove()
+    assert len(packed) == 3 and calls == [19, 9, 9, 9]  # the prefix once (the prompt but its last token), then 3 rows
+    assert packed[0].prefix.finished == 3
+    error, _ = verify_row(model, packed[1])
+    assert error < 1e-5
+
+
+def test_the_planner_chooses_spans_by_what_they_save():
+    prompt = list(range(1000, 1200))
+    seqs = [prompt + [50 + k] * 4 for k in range(8)]
+    limits = [len(prompt) - 1] * 8
+    auto = plan_rows(seqs, 220, groups=[0] * 8, prefix_across_rows="auto", prefix_limits=limits)
+    never = plan_rows(seqs, 220, groups=[0] * 8, prefix_across_rows="never", prefix_limits=limits)
+    assert all(p is not None for p in auto.prefixes[0]) and auto.num_unique_tokens < never.num_unique_tokens
+    assert all(p is None for p in never.prefixes[0]) and len(never.ranks[0]) == 2
+    # A short prompt saves less than the prefix's own forward costs: sub-groups.
+    short = [[1, 2] + [50 + k] * 30 for k in range(4)]
+    assert all(p is None for p in plan_rows(short, 70, groups=[0] * 4, prefix_across_rows="auto").prefixes[0])
+    # A sequence longer than the row fits once its prefix is forwarded apart; never refuses it.
+    long = [list(range(3, 80)) + [90 + k] for k in range(3)]
+    span = plan_rows(long, 20, groups=[0] * 3, prefix_across_rows="auto")
+    assert [row for row in span.ranks[0]] == [[0, 1, 2]] and span.prefixes[0] == [(0, 77)]
+    with pytest.raises(ValueError, match="more than max_tokens=20"):
+        plan_rows(long, 20, groups=[0] * 3)
+    # Spans keep their rows on one rank, in order.
+    ranked = plan_rows(seqs + long, 40, num_ranks=2, groups=[0] * 8 + [1] * 3, prefix_across_rows="always", prefix_limits=limits + [77] * 3)
+    on_rank = [[p[0] for p in rank if p is not None] for rank in ranked.prefixes]
+    assert sorted(set(on_rank[0]) | set(on_rank[1])) == [0, 1] and not set(on_rank[0]) & set(on_rank[1])
+    assert all(spans == sorted(spans) for spans in on_rank)  # consecutive
+
+
+def test_what_cannot_continue_a_prefix_is_refused_in_one_line():
+    row = pack_sequences([[1, 2, 3, 4], [1, 2, 5]], [[0, 1, 1, 1], [0, 1, 1]])
+    with pytest.raises(PackingRefused, match="a loss term reads an output of its first 2 tokens.*prefix_across_rows: never"):
+        cut_prefix(row, 2)
+    padded = pack_sequences([[1, 2, 3, 4], [1, 2, 5]], [[0, 0, 1, 1], [0, 0, 1]], pad_to_multiple_of=8)
+    with pytest.raises(PackingRefused, match="padded to fixed lengths"):
+        cut_prefix(padded, 1)
+    apart = pack_sequences([[1, 2, 3], [7, 8, 9]], [[0, 0, 1], [0, 0, 1]])
+    with pytest.raises(PackingRefused, match="not one chain every sequence starts with"):
+        cut_prefix(apart, 1)
