@@ -22,7 +22,8 @@ class RegeneratedCounts(L.Callback):
         self.by_index: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.by_index[pl_module.last_trained.index] = float(trainer.callback_metrics["train/rollouts/regenerated_stale"])
+        count = trainer.callback_metrics["train/rollouts/regenerated_stale"]
+        self.by_index[pl_module.last_trained.index] = float(count)
 
 
 def test_a_queue_too_stale_for_the_resumed_bound_is_sampled_again_and_counted(tmp_path):
