@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_every_unknown_key_is_named_at_once_where_it_was_written_with_the_key_me
                                         ("gradient_clip_algorithm=norm", "model.max_grad_norm")])  # fmt: skip
 def test_trainer_arguments_grpo_cannot_take_name_its_own_key(key, names, capsys):
     [error] = error_lines(capsys, ["run", GRPO, f"--trainer.{key}"])
-    assert error.startswith(f"error: trainer.{key.replace('=', '=')}".split("=")[0]) and "is not taken by GRPO" in error and names in error
+    assert error.startswith(f"error: trainer.{key.split('=')[0]}=") and "is not taken by GRPO" in error and names in error
 
 
 # A plausible value other than the default for every argument of Trainer.__init__.
@@ -114,7 +115,7 @@ def test_every_trainer_argument_is_taken_or_one_line(recipe, tmp_path, capsys):
             _verify_loop_configurations(run.trainer)
             outcomes[name] = "taken"
         except UserError as error:
-            assert error.line().startswith(f"trainer.{name}") or f"trainer.{name}" in error.line(), error.line()
+            assert f"trainer.{name}" in error.line(), error.line()
             outcomes[name] = "refused"
     capsys.readouterr()
     refused = {name for name, outcome in outcomes.items() if outcome == "refused"}
@@ -132,7 +133,7 @@ def test_reward_modules_beside_the_recipe_are_found_and_a_missing_one_names_the_
     recipe = folder / "grpo.yaml"
     recipe.write_text(yaml.safe_dump(config))
     monkeypatch.chdir(elsewhere)  # neither the working directory nor the installed packages hold it
-    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # the folders a run adds go with the test
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folders a run adds go with the test
     run = build(str(recipe), [f"--output_dir={tmp_path / 'out'}"])
     assert run.model.hparams.rewards[0]["function"] == "beside_recipe_rewards:short"
     config["model"]["rewards"] = [{"function": "nowhere_rewards:short"}]
