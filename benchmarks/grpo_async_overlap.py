@@ -1,108 +1,194 @@
-"""Step time of GRPO with synchronous and asynchronous rollouts (generation overlapping training).
+"""Throughput of GRPO's loop, synchronous and asynchronous, on the vLLM server engine with long-tail completions.
 
-    python benchmarks/grpo_async_overlap.py --out benchmarks/results/grpo_async_overlap.json
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/grpo_async_overlap.py \
+        --out benchmarks/results/grpo_async_overlap.json
 
-Each mode trains the embedded tiny model on the bundled digit prompts with the transformers engine,
-on a real Lightning Trainer, from the same seed. Rounds alternate the two modes so that a change in
-the machine's load hits both; a step's time is measured from one training batch start to the next,
-the first `--warmup` steps of each round left out, and the figures are medians over all rounds. In asynchronous mode the next batch is
-generated on a background thread while the current one trains (`max_staleness` versions ahead), so
-the step time falls from about generation + training towards the larger of the two, as far as the
-cores allow. `--threads` sets torch's intra-op threads (default 1: generation and training each
-get a core of a 2-core machine instead of both contending for the same two). The first round of
-each process is slow while kernels warm up, so `--warmup` steps are dropped from every round.
+Modes, each a real Lightning Trainer run of the embedded tiny model on the bundled digit prompts from the same seed,
+against one `vllm serve` process (the CPU build) started here:
+
+- ``sync``: generate a batch, train on it, push the weights, and again;
+- ``async``: the next batch is generated on the rollout thread while this one trains (``max_staleness`` ahead), and a
+  weight push lets the completions in flight finish on the old weights first (engine ``pause: wait``);
+- ``async_keep``: as ``async``, but a push freezes the completions in flight and they continue under the new weights
+  (``pause: keep``: generation across updates, several weight versions in one completion).
+
+Long tail: the untrained tiny model samples near-uniformly from its 512-token vocabulary, so making a seeded set of
+``--stop-tokens`` of its tokens stop tokens (`SamplingConfig.stop_token_ids`) ends each completion after every token
+with probability about stop_tokens/512: lengths are geometric, most completions short, and about
+(1 - stop_tokens/512) ** max_new_tokens of them run to ``max_new_tokens`` (measured: ``completion_lengths``). A batch of
+``prompts * generations`` completions then usually holds one such straggler that the others wait for.
+
+Every figure is over the steps after ``--warmup``, from the first measured step's start to the last one's end:
+
+- ``tokens_per_s``: completion tokens trained per second of the whole loop;
+- ``trainer_idle_fraction``: the share of that time the trainer computes nothing (not in forward, backward or the
+  optimizer step): waiting for a batch, or for a weight push (which under ``pause: wait`` waits for the completions
+  in flight);
+- ``engine_idle_fraction``: the share with no generate request of ours in flight at the server;
+- ``max_staleness_trained`` and ``token_fraction_by_staleness``: a token's staleness is the batch's index (the
+  trainer's weight version when it trains it) minus the version that sampled that token (`Rollout.versions`).
+
+Every process runs single-threaded (the trainer through torch, the server through OMP_NUM_THREADS and an unbound
+vLLM CPU thread mask), so that on a small machine the modes measure overlap, not thread oversubscription.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import platform
-import statistics
+import random
+import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from transformers import AutoTokenizer
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
+from lightning_rl.rollout.vllm_server_process import VLLMServer
+from lightning_rl.toy.model import build_tiny
+
+MODES = {"sync": (False, "wait"), "async": (True, "wait"), "async_keep": (True, "keep")}
+ENGINE = "lightning_rl.rollout.vllm_server.VLLMServerEngine"
+SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-class StepClock(L.Callback):
+class LoopClock(L.Callback):
+    """Times each step, the trainer's pushes and the engine's generate calls (as intervals, to measure overlap)."""
+
     def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.generation: list[float] = []
-        self.training: list[float] = []
-        self.waiting: list[float] = []
+        self.step_starts: list[float] = []
+        self.step_ends: list[float] = []
+        self.train_s: list[float] = []
+        self.push_s: list[float] = []
+        self.generating: list[tuple[float, float]] = []
+        self.batches: list[Any] = []
+        self._lock = threading.Lock()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.perf_counter())
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        engine = pl_module.engine  # built by now; wrapped before the module's own on_train_start uses it
+        generate, push = engine.generate, engine.push_weights
+
+        def timed_generate(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.generating.append((started, time.perf_counter()))
+
+        def timed_push(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return push(*args, **kwargs)
+            finally:
+                self.push_s.append(time.perf_counter() - started)
+
+        engine.generate, engine.push_weights = timed_generate, timed_push
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.step_starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        metrics = trainer.callback_metrics
-        self.generation.append(pl_module.last_trained.generation_seconds)
-        self.training.append(float(metrics["train/time/train_s"]))
-        self.waiting.append(float(metrics["train/time/wait_for_rollouts_s"]))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.starts.append(time.perf_counter())
+        self.step_ends.append(time.perf_counter())
+        self.train_s.append(float(trainer.callback_metrics["train/time/train_s"]))
+        self.batches.append(pl_module.last_trained)
 
 
-def run(async_mode: bool, args: argparse.Namespace) -> dict[str, list[float]]:
+def busy_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """The length of the union of `intervals` clipped to [start, end]."""
+    total, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
+def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
+    async_mode, pause = MODES[mode]
     L.seed_everything(0, verbose=False)
     module = GRPOModule(
+        model_name_or_path=str(model),
         rewards=[RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})],
         num_generations=args.generations, sampling={"max_new_tokens": args.max_new_tokens}, learning_rate=1e-3,
         async_mode=async_mode, max_staleness=args.max_staleness, log_rollouts_every_n_steps=0,
+        engine={"class_path": ENGINE, "init_args": {"url": url, "pause": pause}},
     )
-    clock = StepClock()
+    module.sampling = dataclasses.replace(module.sampling, stop_token_ids=stop_ids)  # the long tail (module docstring)
+    clock = LoopClock()
     trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        max_steps=args.warmup + args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
     )
     trainer.fit(module, PromptDataModule(batch_size=args.prompts))
-    keep = slice(args.warmup, None)
+    measured = slice(args.warmup, None)
+    start, end = clock.step_starts[measured][0], clock.step_ends[-1]
+    wall = end - start
+    pushes = clock.push_s[1:]  # the first push is on_train_start's, before any step
+    compute = sum(t - p for t, p in zip(clock.train_s[measured], pushes[measured]))
+    staleness: Counter[int] = Counter()
+    lengths = []
+    for scored in clock.batches[measured]:
+        for rollout in scored.rollouts:
+            lengths.append(len(rollout.completion_ids))
+            staleness.update(scored.index - v for v in rollout.versions)
+    tokens = sum(staleness.values())
     return {
-        "step_s": [b - a for a, b in zip(clock.starts, clock.starts[1:])][keep],
-        "generation_s": clock.generation[keep],
-        "train_s": clock.training[keep],
-        "wait_for_rollouts_s": clock.waiting[keep],
-        "staleness": [float(b["index"] - b["weight_version"]) for b in module.trained_batches],
+        "steps_measured": len(clock.batches[measured]),
+        "wall_s": wall,
+        "tokens_trained": tokens,
+        "tokens_per_s": tokens / wall,
+        "trainer_idle_fraction": 1 - compute / wall,
+        "push_s_mean": sum(pushes[measured]) / max(len(pushes[measured]), 1),
+        "engine_idle_fraction": 1 - busy_seconds(clock.generating, start, end) / wall,
+        "max_staleness_trained": max(staleness),
+        "token_fraction_by_staleness": {str(k): staleness[k] / tokens for k in sorted(staleness)},
+        "completion_lengths": {
+            "mean": sum(lengths) / len(lengths), "max": max(lengths),
+            "fraction_at_max_new_tokens": sum(n == args.max_new_tokens for n in lengths) / len(lengths),
+        },
     }
-
-
-def summarise(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
-    pooled = {key: [v for r in rounds for v in r[key]] for key in rounds[0]}
-    summary = {f"median_{key}": statistics.median(values) for key, values in pooled.items() if key != "staleness"}
-    summary["max_staleness_trained"] = max(pooled["staleness"])
-    summary["steps_measured"] = len(pooled["step_s"])
-    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per mode")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out at the start of each mode")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--stop-tokens", type=int, default=16, help="of the 512-token vocabulary: the long tail's rate")
     parser.add_argument("--max-staleness", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--machine-note", default=None, help="what the machine was doing, written as given")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
-    rounds: dict[bool, list[dict[str, list[float]]]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for async_mode in (False, True):
-            rounds[async_mode].append(run(async_mode, args))
-    sync, asynchronous = summarise(rounds[False]), summarise(rounds[True])
+    with tempfile.TemporaryDirectory(prefix="grpo-async-overlap-") as folder:
+        model = build_tiny(Path(folder) / "tiny")
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        ordinary = [t for t in range(len(tokenizer)) if t not in set(tokenizer.all_special_ids)]
+        stop_ids = tuple(sorted(random.Random(0).sample(ordinary, args.stop_tokens)))
+        server = VLLMServer(
+            model, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True,
+            env=SINGLE_THREADED,
+        ).start()
+        try:
+            modes = {mode: run(mode, server.url, model, stop_ids, args) for mode in MODES}
+        finally:
+            server.stop()
     result = {
         "benchmark": "grpo_async_overlap",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -110,12 +196,17 @@ def main() -> None:
             "platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_1min": [load_before, os.getloadavg()[0]],
         },
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "sync": sync,
-        "async": asynchronous,
-        "async_over_sync_step_time": asynchronous["median_step_s"] / sync["median_step_s"],
-        "sync_step_over_generation_plus_train": sync["median_step_s"] / (sync["median_generation_s"] + sync["median_train_s"]),
+        **({"machine_note": args.machine_note} if args.machine_note else {}),
+        "engine": "vllm_server (CPU build), one server process; trainer and server single-threaded",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "machine_note")},
+        "stop_token_ids": list(stop_ids),
+        **modes,
+        "partial_over_sync_tokens_per_s": modes["async_keep"]["tokens_per_s"] / modes["sync"]["tokens_per_s"],
+        "async_over_sync_tokens_per_s": modes["async"]["tokens_per_s"] / modes["sync"]["tokens_per_s"],
+        "goal": "partial_over_sync_tokens_per_s >= 1.5 with async_keep trainer_idle_fraction < 0.10",
     }
+    keep = modes["async_keep"]
+    result["goal_met"] = result["partial_over_sync_tokens_per_s"] >= 1.5 and keep["trainer_idle_fraction"] < 0.10
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
