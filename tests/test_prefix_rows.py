@@ -5,6 +5,7 @@ compute is refused in one line."""
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -15,6 +16,9 @@ from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
 from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, share_prefixes
 from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
 from support import tiny_models
+from support.grpo import LENGTH_REWARD, GradientRecorder, fit
+
+from lightning_rl.losses import GRPOLoss
 from support.packing_families import GRAD_FLOOR, TOLERANCE, reference_logprobs
 
 MODELS = {name: tiny_models.build(name) for name in ("qwen3", "llama", "mistral_sliding")}  # windows of 3 reach into the prefix
@@ -137,3 +141,35 @@ def test_what_cannot_continue_a_prefix_is_refused_in_one_line():
     apart = pack_sequences([[1, 2, 3], [7, 8, 9]], [[0, 0, 1], [0, 0, 1]])
     with pytest.raises(PackingRefused, match="not one chain every sequence starts with"):
         cut_prefix(apart, 1)
+
+
+class PrefixForwards(L.Callback):
+    """Tokens of every packed forward of the policy and the reference, in order."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[int]] = {"policy": [], "reference": []}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name in self.calls:
+            def record(module, args, kwargs, name=name) -> None:
+                if kwargs.get("tree_attention") is not None:
+                    self.calls[name].append(int(kwargs["input_ids"].shape[1]))
+
+            getattr(pl_module, name).register_forward_pre_hook(record, with_kwargs=True)
+
+
+def test_a_grpo_step_across_rows_equals_its_sub_groups():
+    """The same step (KL to the reference included) with each group's prompt forwarded once, or once per row."""
+    grads, forwards, rows = {}, {}, {}
+    for setting in ("always", "never"):
+        recorder, forwards[setting] = GradientRecorder(), PrefixForwards()
+        _, trainer = fit(1, [recorder, forwards[setting]], batch_size=2, loss=GRPOLoss(beta=0.04), rewards=LENGTH_REWARD,
+                         max_grad_norm=None, num_generations=8, max_tokens_per_row=48, prefix_across_rows=setting)  # fmt: skip
+        grads[setting], rows[setting] = recorder.steps[0], int(trainer.callback_metrics["train/rows"])
+        assert float(trainer.callback_metrics["train/packing_error"]) < 1e-5  # verify_packing ran on the first row
+    always, never = forwards["always"].calls, forwards["never"].calls
+    # The reference (no backward) forwards each group's prefix once, then the rows: its probe, 2 prefixes, the rows.
+    assert len(always["reference"]) == 1 + 2 + rows["always"] and rows["always"] < rows["never"]
+    assert sum(always["reference"]) < sum(never["reference"]) and sum(always["policy"]) < sum(never["policy"])
+    for name, grad in grads["never"].items():
+        torch.testing.assert_close(grads["always"][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -37,6 +37,7 @@ from lightning_rl.models.loading import LoraSettings, TowerTraining, check_tower
 from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import PolicyModule
+from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, check_source
@@ -48,7 +49,8 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
-from lightning_rl.packing.planner import plan_rows
+from lightning_rl.packing.planner import PrefixAcrossRows, plan_rows
+from lightning_rl.ops.prefix_rows import finish_prefix, share_prefixes, span_settings
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -112,6 +114,8 @@ class GRPOModule(PolicyModule):
         max_grad_norm: clip the gradient norm (over every mesh of the weights); None: none. TRL: `max_grad_norm`.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
+        prefix_across_rows: a group too large for a row forwards its shared prompt once, its rows attend to it (``always``),
+            or is split into sub-groups that each forward it (``never``); ``auto``: whichever forwards fewer tokens.
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
@@ -174,6 +178,7 @@ class GRPOModule(PolicyModule):
         lr_schedule: LrSchedule = "constant_with_warmup",
         max_grad_norm: float | None = 1.0,
         max_tokens_per_row: int | None = None,
+        prefix_across_rows: PrefixAcrossRows = "auto",
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         compile: bool = False,
@@ -356,6 +361,7 @@ class GRPOModule(PolicyModule):
         )
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
+        share_cores_with_rollouts(self.engine, self.trainer)  # the rollout thread computes beside this one from here on
         self.producer.start()
 
     def on_fit_end(self) -> None:
@@ -396,14 +402,14 @@ class GRPOModule(PolicyModule):
         rollouts = scored.rollouts
         if self.hparams.mask_truncated_completions:
             rollouts = [_untrained(r) if r.finish_reason == "length" else r for r in rollouts]
-        rows = self._plan_rows(rollouts)
+        rows, prefixes = self._plan_rows(rollouts)
         counts = self._step_counts(rollouts)
 
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
         stats = StepStats()
-        packed_rows = [self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows]
+        packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes)
         if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":
             with torch.no_grad():  # the sampling policy's, before the first of this batch's updates
                 self._old_logprobs = [self.policy_logprobs(self.policy, packed)[0].cpu() for packed in packed_rows]
@@ -423,6 +429,7 @@ class GRPOModule(PolicyModule):
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
+            finish_prefix(packed)  # a span's last row: one backward through its prefix
             stats.add(loss.detach(), terms, entropy, packed)
             if self.entropy_control is not None:
                 kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
@@ -558,18 +565,15 @@ class GRPOModule(PolicyModule):
             return normalize_then_sum(per_function.reshape(len(groups), len(names)), weights, groups, over_ranks)
         return group_advantages(torch.tensor(scored.rewards), groups, self.hparams.scale_rewards, over_ranks)
 
-    def _plan_rows(self, rollouts: list[Rollout]) -> list[list[int]]:
-        """Micro-batches of this rank; every rank runs the same number (padded with empty rows)."""
-        if self.hparams.max_tokens_per_row is None:
-            rows = [list(range(len(rollouts)))]
-        else:
-            plan = plan_rows(
-                [r.sequence for r in rollouts], self.hparams.max_tokens_per_row,
-                groups=[r.group_id for r in rollouts],
-            )
-            rows = plan.ranks[0]
+    def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[tuple[int, int] | None]]:
+        """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
+        rows, prefixes = [list(range(len(rollouts)))], [None]
+        if self.hparams.max_tokens_per_row is not None:
+            spans = span_settings(self.hparams.prefix_across_rows, self.policy, [r.loss_mask for r in rollouts], any(r.metadata.get("images") for r in rollouts))
+            plan = plan_rows([r.sequence for r in rollouts], self.hparams.max_tokens_per_row, groups=[r.group_id for r in rollouts], **spans)
+            rows, prefixes = plan.ranks[0], plan.prefixes[0]
         most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))
-        return rows + [[] for _ in range(most - len(rows))]
+        return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))
 
     def _step_counts(self, rollouts: list[Rollout]) -> StepCounts:
         rank_tokens = sum(sum(r.completion_mask) for r in rollouts)

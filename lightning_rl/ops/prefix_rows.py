@@ -148,3 +148,16 @@ def finish_prefix(row: PackedBatch) -> None:
         row.prefix.finished += 1
         if row.prefix.finished == row.prefix.rows:
             row.prefix.backward()
+
+
+def span_settings(setting: str, model: nn.Module, loss_masks, images: bool) -> dict:
+    """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
+    trained token's input. ``auto`` keeps sub-groups where a span would be refused (image rollouts, a sharded
+    policy); ``always`` leaves the refusal to the row."""
+    if setting == "auto" and (images or any(isinstance(p, DTensor) for p in model.parameters())):
+        setting = "never"
+    limits = []
+    for mask in loss_masks:
+        trained = [t for t, on in enumerate(mask) if on and t > 0]
+        limits.append(trained[0] - 1 if trained else len(mask) - 1)
+    return dict(prefix_across_rows=setting, prefix_limits=limits)
