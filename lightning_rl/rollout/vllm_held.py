@@ -27,7 +27,10 @@ class HeldWeightsError(ValueError):
 def _live_weight(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
     """The values the module computes with: the parameter, or a linear weight its CPU kernel holds in its place."""
     if name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
-        identity = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+        # A layer split over tensor-parallel ranks holds its share of the inputs; a ReplicatedLinear (a vision
+        # connector's projection) holds them all and has no per-partition size.
+        inputs = getattr(module, "input_size_per_partition", module.input_size)
+        identity = torch.eye(inputs, dtype=param.dtype, device=param.device)
         return module.quant_method.apply(module, identity).t()  # [in, out] -> the [out, in] weight
     return param
 
