@@ -40,10 +40,11 @@ from lightning_rl.modules.policy import PolicyModule
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
-from lightning_rl.data.sft import DataError, check_source
+from lightning_rl.data.sft import DataError
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
+from lightning_rl.modules.grpo_options import check_combinations, check_values, reward_spec
 from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, log_rollouts, rollout_table, run_summary
-from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, alarm_bound, old_logprobs_source, replay_routes
+from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
@@ -205,7 +206,7 @@ class GRPOModule(PolicyModule):
         summary_window: int = 10,
     ) -> None:
         super().__init__()
-        specs = [_reward_spec(r) for r in rewards]
+        specs = [reward_spec(r) for r in rewards]
         self.loss = validation.settings_group(GRPOLoss, loss, "loss")
         try:
             self.engine_spec = EngineSpec.of(engine)
@@ -229,53 +230,10 @@ class GRPOModule(PolicyModule):
             num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
             tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
         )
-        counts = {"num_iterations": num_iterations, "chunk_size": chunk_size, "verify_packing_every": verify_packing_every,
-                  "summary_window": summary_window}  # fmt: skip
-        for key, value in {**counts, "max_tokens_per_row": max_tokens_per_row}.items():
-            if value is not None:
-                validation.positive_int(key, value)
-        validation.positive_int("eval_max_new_tokens", eval_max_new_tokens)
-        if eval_generations and eval_data is None:
-            raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
-        if eval_data not in (None, TOY_DATASET):
-            check_source("eval_data", toy_source(eval_data))
-        for key, value in {"eval_generations": eval_generations, "max_staleness": max_staleness, "warmup_steps": warmup_steps,
-                           "log_rollouts_every_n_steps": log_rollouts_every_n_steps}.items():  # fmt: skip
-            validation.non_negative_int(key, value)
-        validation.finite_non_negative("weight_decay", weight_decay)
-        alarm_bound(mismatch_alarm_kl)
-        for key, value in {"learning_rate": learning_rate, "reward_timeout_s": reward_timeout_s, "max_grad_norm": max_grad_norm}.items():
-            if value is not None:
-                validation.finite_positive(key, value)
+        check_values(self.hparams)
         old_logprobs = self.hparams["old_logprobs"] = old_logprobs_source(
             old_logprobs, self.loss, async_mode, max_staleness, num_iterations, ignore_staleness=ignore_staleness)  # fmt: skip
-        uses_engine = [key for key, on in (("loss.importance_sampling_cap", self.loss.importance_sampling_cap is not None),
-                       ("loss.importance_sampling_floor", self.loss.importance_sampling_floor is not None), ("old_logprobs", old_logprobs == "engine"),
-                       ("loss.off_policy_mask_threshold", self.loss.off_policy_mask_threshold is not None)) if on]  # fmt: skip
-        if sampling.repetition_penalty != 1.0 and uses_engine:
-            # The penalty depends on every token before (how each engine counts them differs: transformers' counts the
-            # padding): the trainer does not replay it, so the engine's log-probs are not of the policy it scores.
-            raise RecipeError(
-                f"sampling.repetition_penalty={sampling.repetition_penalty} with {uses_engine[0]}: the engine's log-probs "
-                "then include a penalty the trainer does not replay, so the correction would compare different "
-                "distributions; leave repetition_penalty at 1 or turn the correction off", "sampling.repetition_penalty",
-            )
-        if reward_aggregation == "normalize_then_sum" and scale_rewards not in ("group", "std"):
-            raise RecipeError(
-                f"scale_rewards={scale_rewards!r} with reward_aggregation='normalize_then_sum': that aggregation "
-                "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
-                "scale_rewards",
-            )
-        if ref_sync_every is not None:
-            validation.positive_int("ref_sync_every", ref_sync_every)
-            validation.fraction("ref_mixup_alpha", ref_mixup_alpha, low_open=True, high_open=False)
-            if self.loss.beta == 0:
-                raise RecipeError("ref_sync_every: loss.beta is 0, so there is no reference model to refresh", "ref_sync_every")
-            if self.lora is not None:
-                raise RecipeError(
-                    "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
-                    "separate reference to refresh", "ref_sync_every",
-                )
+        check_combinations(self.loss, sampling, old_logprobs, scale_rewards, reward_aggregation, ref_sync_every, ref_mixup_alpha, self.lora)
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self.scorer = RewardScorer(specs, on_error=reward_on_error, all_failed=reward_all_failed, timeout_s=reward_timeout_s)
         self.sampling = SamplingConfig(**asdict(sampling))
@@ -677,10 +635,3 @@ def _untrained(rollout: Rollout) -> Rollout:
     """The rollout with none of its tokens trained (``mask_truncated_completions``)."""
     return dataclasses.replace(rollout, completion_mask=[False] * len(rollout.completion_ids))
 
-
-def _reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:
-    if isinstance(spec, RewardSpec):
-        return spec
-    if isinstance(spec, str):
-        return RewardSpec(spec)
-    return RewardSpec(**spec)

@@ -1,0 +1,91 @@
+"""GRPO's refusals of options that each pass their own check but cannot run together, and the reward entries.
+
+A settings group checks its own values (``GRPOLoss``, ``SamplingSettings``, ``RolloutSettings``); what spans groups
+(the sampling penalty and the loss's correction, the advantages' scaling and aggregation, the reference's refresh
+and LoRA) is refused here, in one line naming the key, before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_rl import validation
+from lightning_rl.data.prompts import TOY_DATASET
+from lightning_rl.data.sft import check_source
+from lightning_rl.errors import RecipeError
+from lightning_rl.losses import GRPOLoss
+from lightning_rl.models.loading import LoraSettings
+from lightning_rl.modules.mismatch import alarm_bound
+from lightning_rl.rewards import RewardSpec
+from lightning_rl.rollout.base import SamplingSettings
+from lightning_rl.toy.shapes import toy_source
+
+
+def check_values(hparams: Mapping[str, Any]) -> None:
+    """Each of ``GRPOModule``'s own scalar arguments (as ``save_hyperparameters`` recorded them) within its bounds."""
+    for key in ("num_iterations", "chunk_size", "verify_packing_every", "summary_window", "eval_max_new_tokens", "max_tokens_per_row"):
+        if hparams[key] is not None:
+            validation.positive_int(key, hparams[key])
+    for key in ("eval_generations", "max_staleness", "warmup_steps", "log_rollouts_every_n_steps"):
+        validation.non_negative_int(key, hparams[key])
+    validation.finite_non_negative("weight_decay", hparams["weight_decay"])
+    for key in ("learning_rate", "reward_timeout_s", "max_grad_norm"):
+        if hparams[key] is not None:
+            validation.finite_positive(key, hparams[key])
+    alarm_bound(hparams["mismatch_alarm_kl"])
+    if hparams["eval_generations"] and hparams["eval_data"] is None:
+        raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
+    if hparams["eval_data"] not in (None, TOY_DATASET):
+        check_source("eval_data", toy_source(hparams["eval_data"]))
+
+
+def check_combinations(
+    loss: GRPOLoss,
+    sampling: SamplingSettings,
+    old_logprobs: str,
+    scale_rewards: str,
+    reward_aggregation: str,
+    ref_sync_every: int | None,
+    ref_mixup_alpha: float,
+    lora: LoraSettings | None,
+) -> None:
+    uses_engine = [key for key, on in (
+        ("loss.importance_sampling_cap", loss.importance_sampling_cap is not None),
+        ("loss.importance_sampling_floor", loss.importance_sampling_floor is not None),
+        ("old_logprobs", old_logprobs == "engine"),
+        ("loss.off_policy_mask_threshold", loss.off_policy_mask_threshold is not None),
+    ) if on]  # fmt: skip
+    if sampling.repetition_penalty != 1.0 and uses_engine:
+        # The penalty depends on every token before (how each engine counts them differs: transformers' counts the
+        # padding): the trainer does not replay it, so the engine's log-probs are not of the policy it scores.
+        raise RecipeError(
+            f"sampling.repetition_penalty={sampling.repetition_penalty} with {uses_engine[0]}: the engine's log-probs "
+            "then include a penalty the trainer does not replay, so the correction would compare different "
+            "distributions; leave repetition_penalty at 1 or turn the correction off", "sampling.repetition_penalty",
+        )
+    if reward_aggregation == "normalize_then_sum" and scale_rewards not in ("group", "std"):
+        raise RecipeError(
+            f"scale_rewards={scale_rewards!r} with reward_aggregation='normalize_then_sum': that aggregation "
+            "normalises each reward per group and their sum over the step itself; leave scale_rewards: group",
+            "scale_rewards",
+        )
+    if ref_sync_every is not None:
+        validation.positive_int("ref_sync_every", ref_sync_every)
+        validation.fraction("ref_mixup_alpha", ref_mixup_alpha, low_open=True, high_open=False)
+        if loss.beta == 0:
+            raise RecipeError("ref_sync_every: loss.beta is 0, so there is no reference model to refresh", "ref_sync_every")
+        if lora is not None:
+            raise RecipeError(
+                "ref_sync_every: with lora the reference is the adapter-free base inside the policy; there is no "
+                "separate reference to refresh", "ref_sync_every",
+            )
+
+
+def reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:
+    """A ``rewards:`` entry as a ``RewardSpec``: a spec already, a name or dotted path, or its fields."""
+    if isinstance(spec, RewardSpec):
+        return spec
+    if isinstance(spec, str):
+        return RewardSpec(spec)
+    return RewardSpec(**spec)
