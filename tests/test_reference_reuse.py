@@ -27,7 +27,8 @@ class TreeForwards(L.Callback):
 
 def test_the_reference_forwards_the_policys_packed_tree():
     forwards = TreeForwards()
-    module, trainer = fit(1, [forwards], batch_size=2, loss=GRPOLoss(beta=0.04), max_tokens_per_row=48, verify_packing="never")
+    # Sub-groups (each row holds its prompt); a group whose prompt is forwarded once across rows: test_prefix_rows.py.
+    module, trainer = fit(1, [forwards], batch_size=2, loss=GRPOLoss(beta=0.04), max_tokens_per_row=48, verify_packing="never", prefix_across_rows="never")
     rows = int(trainer.callback_metrics["train/rows"])
     assert rows >= 2 and float(trainer.callback_metrics["train/packing_ratio"]) > 1  # rows that are trees
     policy, reference = forwards.calls["policy"], forwards.calls["reference"]
