@@ -124,10 +124,12 @@ def test_a_text_run_imports_nothing_that_warns_about_torchvision():
     assert done.returncode == 0 and "torchvision" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("async_mode", [True, False])
-def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_cores(tmp_path, monkeypatch, async_mode):
+@pytest.mark.parametrize("mode,shared", [(("--model.async_mode=true",), True), ((), False),
+                                         (("--model.async_mode=true", "--model.max_staleness=0"), False)])  # fmt: skip
+def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_cores(tmp_path, monkeypatch, mode, shared):
     """Without OMP_NUM_THREADS, a rollout thread sampling on the CPU beside the trainer halves torch's intra-op threads
-    (process-wide: each side then runs teams of half the cores); a run without that thread keeps them."""
+    (process-wide: each side then runs teams of half the cores); a sync run, and an async one at staleness 0 (whose
+    rollout thread samples only between steps, and which trains as the sync run does), keep them."""
     import os
 
     import torch
@@ -137,7 +139,7 @@ def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_
     torch.set_num_threads(8)
     try:
         assert cli.main(["run", GRPO, f"--output_dir={tmp_path / 'run'}", "--trainer.max_steps=1", "--logger.kind=none",
-                         f"--model.async_mode={str(async_mode).lower()}", "--model.num_generations=2", "--data.batch_size=1"]) == 0  # fmt: skip
-        assert torch.get_num_threads() == (max(1, len(os.sched_getaffinity(0)) // 2) if async_mode else 8)
+                         "--model.num_generations=2", "--data.batch_size=1", *mode]) == 0  # fmt: skip
+        assert torch.get_num_threads() == (max(1, len(os.sched_getaffinity(0)) // 2) if shared else 8)
     finally:
         torch.set_num_threads(before)

@@ -319,7 +319,7 @@ class GRPOModule(PolicyModule):
         )
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
-        share_cores_with_rollouts(self.engine, self.trainer)  # the rollout thread computes beside this one from here on
+        share_cores_with_rollouts(self.engine, self.trainer, self.hparams.max_staleness)  # the rollout thread computes beside this one
         self.producer.start()
 
     def on_fit_end(self) -> None:

@@ -18,12 +18,13 @@ from lightning.pytorch import Trainer
 from lightning_rl.rollout.hf import HFRolloutEngine
 
 
-def share_cores_with_rollouts(engine: object, trainer: Trainer) -> int | None:
+def share_cores_with_rollouts(engine: object, trainer: Trainer, max_staleness: int) -> int | None:
     """Halve torch's intra-op threads for a run of one process whose transformers engine samples on the CPU, on a
     thread of its own, while the trainer trains on the CPU; the threads each side now has, or None where nothing was
-    changed (OMP_NUM_THREADS set, several processes, or either side off the CPU)."""
+    changed (OMP_NUM_THREADS set, several processes, either side off the CPU, or ``max_staleness`` 0: the rollout thread
+    then samples only between two steps, and the run keeps the threads, hence the sums, of a sync run)."""
     on_cpu = trainer.strategy.root_device.type == "cpu" and isinstance(engine, HFRolloutEngine) and engine.device.type == "cpu"
-    if "OMP_NUM_THREADS" in os.environ or trainer.world_size > 1 or not on_cpu:
+    if "OMP_NUM_THREADS" in os.environ or trainer.world_size > 1 or not on_cpu or max_staleness == 0:
         return None
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     torch.set_num_threads(threads)
