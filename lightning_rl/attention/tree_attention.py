@@ -83,7 +83,7 @@ class _RowState:
         self.plans: dict = {}
         self.block_masks: dict = {}
         self.layers_called: set[int] = set()
-        self.prefix_calls = 0  # attention calls that took their prefix keys and values so far
+        self.prefix_taken: set[int] = set()  # attention modules that took their prefix keys and values
 
 
 @dataclass
@@ -101,9 +101,9 @@ class TreeAttentionMeta:
     both_ways: Tensor | None = None
     # A row that continues a prefix forwarded on its own (``ops/prefix_rows.py``): the first ``prefix_len`` tokens of
     # this tree are that prefix, one chain above every other token, present only as the keys and values its forward
-    # captured (``prefix_kv``: (attention module id, key, value) per call, in call order); queries are the row's own.
+    # captured (``prefix_kv``: attention module id -> (key, value)); queries are the row's own.
     prefix_len: int = 0
-    prefix_kv: list[tuple[int, Tensor, Tensor]] | None = None
+    prefix_kv: dict[int, tuple[Tensor, Tensor]] | None = None
     # A prefix's own forward: each attention call appends (module id, key, value) here.
     capture: list[tuple[int, Tensor, Tensor]] | None = None
 
@@ -126,7 +126,7 @@ class TreeAttentionMeta:
             both_ways=None if both_ways is None else both_ways.to(device),
         )
 
-    def after_prefix(self, prefix_len: int, prefix_kv: list[tuple[int, Tensor, Tensor]]) -> TreeAttentionMeta:
+    def after_prefix(self, prefix_len: int, prefix_kv: dict[int, tuple[Tensor, Tensor]]) -> TreeAttentionMeta:
         """This row's tree below a chain of ``prefix_len`` tokens whose keys and values are ``prefix_kv``: the same
         ancestor relation as the whole tree packed in one row, the prefix's queries left out."""
         if self.backend == "varlen" or self.both_ways is not None:
@@ -144,12 +144,12 @@ class TreeAttentionMeta:
         )
 
     def prefix_keys_values(self, module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """The prefix's keys and values of this attention call joined in front of the row's own."""
-        k = self.shared.prefix_calls
-        self.shared.prefix_calls += 1
-        if k >= len(self.prefix_kv) or self.prefix_kv[k][0] != id(module):
-            raise PackingRefused(f"{self.model_name}: its attention modules run in another order for a row than for its prefix; the prefix's keys and values cannot be matched to them")
-        _, pk, pv = self.prefix_kv[k]
+        """The prefix's keys and values of this attention module joined in front of the row's own (by module, so a
+        layer recomputed in backward takes them again)."""
+        if id(module) not in self.prefix_kv:
+            raise PackingRefused(f"{self.model_name}: {type(module).__name__} attends in a row but did not in its prefix's forward; it has no prefix keys and values")
+        self.shared.prefix_taken.add(id(module))
+        pk, pv = self.prefix_kv[id(module)]
         return torch.cat([pk.to(key.dtype), key], dim=2), torch.cat([pv.to(value.dtype), value], dim=2)
 
     @property

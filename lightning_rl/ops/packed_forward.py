@@ -133,8 +133,8 @@ def packed_hidden_states(
     with packed_forward(meta), replaying(model, replay):
         hidden = head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
     _check_every_layer_applied(model, meta)
-    if prefix is not None and meta.shared.prefix_calls != len(meta.prefix_kv):
-        raise PackingRefused(f"{type(model).__name__}: {meta.shared.prefix_calls} attention calls of a row took keys and values of its prefix's {len(meta.prefix_kv)}")
+    if prefix is not None and meta.shared.prefix_taken != set(meta.prefix_kv):
+        raise PackingRefused(f"{type(model).__name__}: {len(meta.shared.prefix_taken)} attention modules of a row took keys and values of its prefix's {len(meta.prefix_kv)}")
     if replay is not None and route_agreement is not None:
         route_agreement.merge(replay.agreement)
     return hidden

@@ -28,7 +28,7 @@ from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 @dataclass
 class _Capture:
-    keys_values: list[tuple[int, Tensor, Tensor]]  # what the rows attend to: leaves where gradients flow
+    keys_values: dict[int, tuple[Tensor, Tensor]]  # attention module id -> what the rows attend to (leaves where gradients flow)
     outputs: list[Tensor]  # the prefix forward's own keys and values (with its graph), when gradients flow
 
 
@@ -45,7 +45,7 @@ class SharedPrefix:
     def length(self) -> int:
         return self.batch.num_tokens
 
-    def keys_values(self, model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
+    def keys_values(self, model: nn.Module, forward) -> dict[int, tuple[Tensor, Tensor]]:
         """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
         and appends (module id, key, value) per attention call to ``capture``."""
         grad = torch.is_grad_enabled()
@@ -58,18 +58,21 @@ class SharedPrefix:
                 )
             captured: list[tuple[int, Tensor, Tensor]] = []
             forward(captured)
+            captured = list(captured)  # a layer recomputed in the prefix's backward appends again: not read
+            if len({m for m, _, _ in captured}) != len(captured):
+                raise PackingRefused(f"{type(model).__name__}: an attention module runs twice in one forward; a row cannot tell which of its prefix keys and values to take")
             if grad:
-                leaves = [(m, k.detach().requires_grad_(), v.detach().requires_grad_()) for m, k, v in captured]
+                leaves = {m: (k.detach().requires_grad_(), v.detach().requires_grad_()) for m, k, v in captured}
                 self._captures[key] = _Capture(leaves, [t for _, k, v in captured for t in (k, v)])
             else:
-                self._captures[key] = _Capture(captured, [])
+                self._captures[key] = _Capture({m: (k, v) for m, k, v in captured}, [])
         return self._captures[key].keys_values
 
     def backward(self) -> None:
         """Backpropagate the gradients the rows left on the prefix's keys and values through its forward, once."""
         for key in [key for key in self._captures if key[1]]:
             capture = self._captures.pop(key)
-            leaves = [t for _, k, v in capture.keys_values for t in (k, v)]
+            leaves = [t for k, v in capture.keys_values.values() for t in (k, v)]
             pairs = [(out, leaf.grad) for out, leaf in zip(capture.outputs, leaves) if leaf.grad is not None and out.requires_grad]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
