@@ -72,3 +72,14 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
     for name, param in module.named_parameters():
         torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_prefix_across_rows_is_refused_under_data_parallelism(tmp_path, tiny_path):
+    """The prefix's backward runs after its rows, outside the strategy's backward: DDP would not reduce its gradients,
+    so ranks would part. `always` is refused in one line (and `auto` keeps sub-groups)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(HERE)}
+    options = {"max_tokens_per_row": 48, "prefix_across_rows": "always"}
+    done = subprocess.run([sys.executable, str(HERE / "support" / "grpo_ddp_worker.py"), str(tmp_path), json.dumps(options)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent)  # fmt: skip
+    assert done.returncode != 0 and not (tmp_path / "rank0.pt").exists()
+    assert "data parallelism (FSDP2, DDP) would not reduce its gradients; set model.prefix_across_rows: never" in done.stderr, done.stderr[-3000:]

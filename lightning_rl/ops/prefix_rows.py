@@ -10,8 +10,8 @@ of the whole group packed in one row.
 
 A frozen model (the reference, or any forward without gradients) keeps its capture for the span's rows and runs no
 backward. Refused in one line: images or multi-axis positions (an image-text prefix), padded rows (static-shape
-devices), a sharded policy (FSDP2: the prefix's backward would come after the rows' gradients were reduced), and
-the varlen kernel.
+devices), a policy trained on several processes (FSDP2 or DDP: the prefix's backward runs after the rows', outside
+the strategy's backward, so its gradients would be neither reduced nor resharded), and the varlen kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -51,10 +52,11 @@ class SharedPrefix:
         grad = torch.is_grad_enabled()
         key = (id(model), grad, model.training)
         if key not in self._captures:
-            if grad and any(isinstance(p, DTensor) for p in model.parameters()):
+            if grad and _trained_on_several_processes(model):
                 raise PackingRefused(
                     f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) is backpropagated after "
-                    "its rows, which a sharded (FSDP2) model cannot do; set model.prefix_across_rows: never"
+                    "its rows, outside the strategy's backward, so data parallelism (FSDP2, DDP) would not reduce its "
+                    "gradients; set model.prefix_across_rows: never"
                 )
             captured: list[tuple[int, Tensor, Tensor]] = []
             forward(captured)
@@ -153,11 +155,17 @@ def finish_prefix(row: PackedBatch) -> None:
             row.prefix.backward()
 
 
+def _trained_on_several_processes(model: nn.Module) -> bool:
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def span_settings(setting: str, model: nn.Module, loss_masks, images: bool) -> dict:
     """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
-    trained token's input. ``auto`` keeps sub-groups where a span would be refused (image rollouts, a sharded
-    policy); ``always`` leaves the refusal to the row."""
-    if setting == "auto" and (images or any(isinstance(p, DTensor) for p in model.parameters())):
+    trained token's input. ``auto`` keeps sub-groups where a span would be refused (image rollouts, a policy trained
+    on several processes); ``always`` leaves the refusal to the row."""
+    if setting == "auto" and (images or _trained_on_several_processes(model)):
         setting = "never"
     limits = []
     for mask in loss_masks:
