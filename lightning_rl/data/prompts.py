@@ -52,9 +52,6 @@ class PromptSource(Protocol):
     def epoch_of(self, index: int) -> float:
         """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
 
-    def epoch_of(self, index: int) -> float:
-        """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
-
     @property
     def image_folder(self) -> Path | None:
         """The folder relative image paths of the prompts start from (None: the working directory)."""
@@ -105,10 +102,10 @@ class PromptDataModule(L.LightningDataModule):
             TRL: `dataset_name`.
         prompt_field: the column holding the prompt: a string, or chat messages (trailing assistant turns dropped);
             every other column reaches the reward functions.
-        path: the earlier name of ``train_data`` (the name SFT gives its data file too); still read, and said so.
         batch_size: prompts per optimizer step and rank (times ``model.num_generations`` completions). TRL:
             `per_device_train_batch_size` (which counts completions).
         seed: the order of the prompts, a fresh shuffle per pass (a recipe's top-level ``seed``).
+        path: the earlier name of ``train_data`` (the name SFT gives its data file too); still read, and said so.
     """
 
     def __init__(
@@ -153,10 +150,6 @@ class PromptDataModule(L.LightningDataModule):
     def columns(self) -> set[str]:
         self.setup()
         return set.intersection(*(set(record) for record in self.records))
-
-    def epoch_of(self, index: int) -> float:
-        self.setup()
-        return index * self.batch_size * self._rank_and_world[1] / len(self.records)
 
     def epoch_of(self, index: int) -> float:
         self.setup()
