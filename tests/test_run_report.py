@@ -141,5 +141,6 @@ def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_
         assert cli.main(["run", GRPO, f"--output_dir={tmp_path / 'run'}", "--trainer.max_steps=1", "--logger.kind=none",
                          "--model.num_generations=2", "--data.batch_size=1", *mode]) == 0  # fmt: skip
         assert torch.get_num_threads() == (max(1, len(os.sched_getaffinity(0)) // 2) if shared else 8)
+        assert not (tmp_path / "run" / "rollouts.jsonl").exists()  # a run that logs nowhere writes no rollout rows
     finally:
         torch.set_num_threads(before)

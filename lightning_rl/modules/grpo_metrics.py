@@ -144,12 +144,13 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 
 def log_rollouts(trainer: Trainer, step: int, table: tuple[list[str], list[list[Any]]]) -> None:
     """A batch's rollout table (``rollout_table``), logged at trainer step ``step``: a W&B table when the run logs to
-    W&B, else rows of OUTPUT_DIR/rollouts.jsonl (rank zero's rollouts, as a logger has: each rank samples its own)."""
+    W&B, rows of OUTPUT_DIR/rollouts.jsonl when it logs elsewhere (CSV), nothing when it logs nowhere. Rank zero's
+    rollouts, as a logger has them: each rank samples its own."""
     columns, rows = table
     wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
     for logger in wandb:
         logger.log_table(key="rollouts", columns=columns, data=rows, step=step)
-    if not wandb and trainer.is_global_zero:
+    if trainer.loggers and not wandb and trainer.is_global_zero:
         append_rows(Path(trainer.default_root_dir) / ROLLOUTS_FILE, [dict(zip(columns, row, strict=True)) for row in rows])
 
 
