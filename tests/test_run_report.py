@@ -7,15 +7,19 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import logging
 import math
+import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_rl import cli, run_folder
+from lightning_rl.launch import slurm
 from lightning_rl.modules.grpo_metrics import append_rows
 from support.paths import REPO
 
@@ -130,10 +134,6 @@ def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_
     """Without OMP_NUM_THREADS, a rollout thread sampling on the CPU beside the trainer halves torch's intra-op threads
     (process-wide: each side then runs teams of half the cores); a sync run, and an async one at staleness 0 (whose
     rollout thread samples only between steps, and which trains as the sync run does), keep them."""
-    import os
-
-    import torch
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(8)
@@ -144,3 +144,10 @@ def test_an_async_grpo_run_on_the_cpu_gives_the_rollout_thread_its_share_of_the_
         assert not (tmp_path / "run" / "rollouts.jsonl").exists()  # a run that logs nowhere writes no rollout rows
     finally:
         torch.set_num_threads(before)
+
+
+def test_launch_checks_a_recipe_without_seeding_or_saying_so(capsys, caplog):
+    with caplog.at_level(logging.INFO):
+        assert slurm.main(["slurm", SFT, "--nodes", "1", "--gpus-per-node", "1", "--partition", "p", "--dry-run"]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("#!/bin/bash") and "Seed set" not in caplog.text + said.err + said.out
