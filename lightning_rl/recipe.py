@@ -3,9 +3,10 @@ recipe with it (``parse``), with the same keys, types and checks and the command
 
 A recipe is a LightningCLI config: ``task`` picks the module and datamodule classes, ``model`` and ``data`` are their
 init arguments, ``trainer`` the Trainer's, plus ``output_dir``, ``seed``, ``logger``, ``checkpoint_every_n_steps``,
-``keep_checkpoints``, ``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and ``overwrite``. Parsing refuses an
-unknown (or abbreviated) key and a wrong type, ``check_trainer`` the Trainer values a run relies on, and the module and
-datamodule check their own values as they are built. Every mistake is a ``UserError`` keyed from the recipe's top.
+``keep_checkpoints``, ``ckpt_path`` (``last`` resumes from the newest complete checkpoint of the run) and
+``overwrite``. Parsing refuses an unknown (or abbreviated) key and a wrong type, ``check_trainer`` the Trainer values a
+run relies on, and the module and datamodule check their own values as they are built. Every mistake is a
+``UserError`` keyed from the recipe's top.
 """
 
 from __future__ import annotations

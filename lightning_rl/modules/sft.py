@@ -106,11 +106,13 @@ class SFTModule(PolicyModule):
         return self.policy
 
     def setup(self, stage: str) -> None:
-        # The datamodule is set up by now: held-out generations asked of data that has none are refused before a model loads.
-        if self.hparams.eval_generations and not getattr(self.trainer.datamodule, "generation_cases", None):
+        # The datamodule is set up by now: generations asked of held-out data that has none are refused before a
+        # model loads.
+        n = self.hparams.eval_generations
+        if n and not getattr(self.trainer.datamodule, "generation_cases", None):
             given = getattr(self.trainer.datamodule, "val_data", None)
             why = "data.val_data is not set" if given is None else f"data.val_data ({given}) has no conversation ending in a reply"
-            raise RecipeError(f"eval_generations={self.hparams.eval_generations} needs held-out conversations to decode, but {why}", "eval_generations")
+            raise RecipeError(f"eval_generations={n} needs held-out conversations to decode, but {why}", "eval_generations")
 
     def configure_model(self) -> None:
         if self.policy is None:
