@@ -39,7 +39,8 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_before_the_model_lo
     message = str(caught.value)
     assert "\n" not in message and message.endswith(
         "problems.jsonl: reward 'needs_solution' needs 'solution', which is neither a data column nor a reward argument "
-        "(there are: answer, completion_ids, completions, kind, messages, prompt_messages, prompts, tool_calls, transcripts)"
+        "(there are: answer, completion_ids, completions, kind, log_extra, log_metric, messages, prompt_messages, prompts, "
+        "tool_calls, trainer_state, transcripts)"
     )
     assert module.policy is None and module.engine is None
 
