@@ -294,8 +294,8 @@ def fit_recipe(recipe_path: Path, setting: Setting, out: Path) -> dict[str, Any]
     if verify:
         model_args["verify_packing"] = "first_step"
     data_args = dict(recipe["data"])
-    for key in ("train_data", "val_data"):  # recipe paths are relative to the repository
-        if isinstance(data_args.get(key), str):
+    for key in ("train_data", "val_data"):  # recipe paths are relative to the repository; embedded names (toy) are not
+        if isinstance(data_args.get(key), str) and (ROOT / data_args[key]).exists():
             data_args[key] = str(ROOT / data_args[key])
     data_params = inspect.signature(data_class.__init__).parameters  # what the CLI links: seed, and the model's tokenizer
     if "seed" in data_params:
