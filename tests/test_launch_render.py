@@ -166,7 +166,9 @@ def test_the_recipe_is_read_by_the_run_parser_with_the_overrides_applied(tmp_pat
     data = yaml.safe_load(view.path.read_text())
     data["model"]["learnin_rate"] = 1e-3  # the job would fail on the cluster, after its wait in the queue
     view.path.write_text(yaml.safe_dump(data))
-    assert launch(capsys, str(view.path), *allocation) == (2, "", [f"error: {view.path}: unknown key 'model.learnin_rate'"])
+    assert launch(capsys, str(view.path), *allocation) == (
+        2, "", [f"error: {view.path}: line 4: unknown key 'model.learnin_rate' (did you mean 'model.learning_rate'?)"]
+    )
     del data["model"]["learnin_rate"]
     view.path.write_text(yaml.safe_dump(data))
     # An override is part of the recipe the job runs: one that undoes the allocation check is refused like the recipe.
@@ -175,8 +177,12 @@ def test_the_recipe_is_read_by_the_run_parser_with_the_overrides_applied(tmp_pat
         f"error: {view.path}: `trainer.devices: 4` would leave 4 of 8 devices per node idle (--gpus-per-node = 8); "
         "set `trainer.devices: auto` or match the allocation"
     ]
-    assert launch(capsys, str(view.path), *allocation, "--", "--trainer.max_stepz=3")[2] == [f"error: {view.path}: unknown key 'trainer.max_stepz'"]
-    assert launch(capsys, str(view.path), *allocation, "--", "--model.learning_rat=3")[2] == [f"error: {view.path}: unknown key 'model.learning_rat'"]
+    assert launch(capsys, str(view.path), *allocation, "--", "--trainer.max_stepz=3")[2] == [
+        "error: command line: unknown key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"
+    ]
+    assert launch(capsys, str(view.path), *allocation, "--", "--model.learning_rat=3")[2] == [
+        "error: command line: unknown key 'model.learning_rat' (did you mean 'model.learning_rate'?)"
+    ]
     assert launch(capsys, str(view.path), *allocation, "--", "--trainer.accumulate_grad_batches=0")[2] == [
         "error: trainer.accumulate_grad_batches must be >= 1, got 0"
     ]
