@@ -1,4 +1,4 @@
-"""`lightning-rl run` of the tiny Muse Spark LoRA recipe on two FSDP2 processes, as the tests start it.
+"""`lightning-rl run` of a recipe (the tiny Muse Spark LoRA one mostly) on two FSDP2 processes, as the tests start it.
 
 Also: its exported weights, the same run stopped by SIGTERM and resumed beside an uninterrupted one (its checkpoints
 read by the safe readers), and a run with the sharded loader's check (support/sharded_load_check.py)."""
@@ -19,15 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def run_tiny_muse(base: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """Run recipes/tiny/muse_lora_sft.yaml on ``base`` into ``out`` (a free port of its own); tests/ is importable for
-    test callbacks."""
-    cmd = [
-        str(Path(sys.executable).parent / "lightning-rl"), "run", "recipes/tiny/muse_lora_sft.yaml",
-        "--trainer.devices=2", f"--model.model_name_or_path={base}", f"--output_dir={out}", *extra,
-    ]  # fmt: skip
+def run_on_two(recipe: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run ``recipe`` on two processes into ``out`` (a free port of its own); tests/ is importable for test callbacks
+    and rewards."""
+    cmd = [str(Path(sys.executable).parent / "lightning-rl"), "run", recipe, "--trainer.devices=2", f"--output_dir={out}", *extra]
     env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def run_tiny_muse(base: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run recipes/tiny/muse_lora_sft.yaml on ``base`` into ``out``."""
+    return run_on_two("recipes/tiny/muse_lora_sft.yaml", out, f"--model.model_name_or_path={base}", *extra)
 
 
 def exported(out: Path) -> dict[str, torch.Tensor]:
