@@ -108,21 +108,23 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/recipe_reference.md is not up to date")
+def write_or_check(text: str, output: Path, module: str, argv: list[str] | None, description: str) -> int:
+    """The command of a generated doc: write ``text`` to ``output``, or with ``--check`` say whether it is current."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if {output.relative_to(REPO)} is not up to date")
     args = parser.parse_args(argv)
-    text = render()
     if args.check:
-        current = OUTPUT.read_text() if OUTPUT.exists() else ""
-        if current != text:
-            print(f"{OUTPUT.relative_to(REPO)} is out of date: run python -m lightning_rl.recipe_reference", file=sys.stderr)
+        if (output.read_text() if output.exists() else "") != text:
+            print(f"{output.relative_to(REPO)} is out of date: run python -m {module}", file=sys.stderr)
             return 1
         return 0
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(REPO)}")
+    output.write_text(text)
+    print(f"wrote {output.relative_to(REPO)}")
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(render(), OUTPUT, "lightning_rl.recipe_reference", argv, __doc__.splitlines()[0])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,13 +10,12 @@ Run: ``python -m lightning_rl.trl_migration`` writes the file; ``--check`` says 
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import re
 import sys
 from collections import defaultdict
 
-from lightning_rl.recipe_reference import REPO, rows
+from lightning_rl.recipe_reference import REPO, rows, write_or_check
 
 OUTPUT = REPO / "docs" / "migrating_from_trl.md"
 # The TrainingArguments fields a TRL user sets, beside those the config classes define themselves (transformers 5 has
@@ -171,19 +170,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/migrating_from_trl.md is not up to date")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if (OUTPUT.read_text() if OUTPUT.exists() else "") != text:
-            print(f"{OUTPUT.relative_to(REPO)} is out of date: run python -m lightning_rl.trl_migration", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(REPO)}")
-    return 0
-
+    return write_or_check(render(), OUTPUT, "lightning_rl.trl_migration", argv, __doc__.splitlines()[0])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -98,6 +98,19 @@ def wait_until(condition, proc: subprocess.Popen, out: Path, timeout: float = 30
         time.sleep(poll)
 
 
+def exit_after_signal(proc: subprocess.Popen, out: Path, what: str) -> tuple[int, float]:
+    """The exit code of a process just signalled, and the seconds it took; a process still running after
+    ``EXIT_BOUND_S`` is killed and the test fails, showing its log."""
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"{what}: no exit within {EXIT_BOUND_S}s\n{log_of(out)[-3000:]}")
+    return code, time.monotonic() - sent
+
+
 def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, to_group: bool, resume: bool, max_steps: int) -> int:
     """Signal the run at a random moment of a random step; it must exit 143 within the bound, having saved a complete
     checkpoint of the step it stopped after. Returns that step."""
@@ -113,14 +126,7 @@ def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, 
         os.killpg(proc.pid, signum)  # as a scheduler does: every rank at once
     else:
         proc.send_signal(signum)  # rank 0 only: the others learn it at the next step boundary
-    sent = time.monotonic()
-    try:
-        code = proc.wait(timeout=EXIT_BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{name} after step {after}: no exit within {EXIT_BOUND_S}s\n{log_of(out)[-3000:]}")
-    assert time.monotonic() - sent < EXIT_BOUND_S
+    code, _ = exit_after_signal(proc, out, f"{name} after step {after}")
     log = log_of(out)
     assert code == 143, f"{name} after step {after}: exit {code}\n{log[-3000:]}"
     stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
