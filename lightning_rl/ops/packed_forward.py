@@ -140,7 +140,6 @@ def packed_hidden_states(
     return hidden
 
 
-
 def _check_every_layer_applied(model: nn.Module, meta: TreeAttentionMeta) -> None:
     """As many attention modules applied the row as in the model's probe (which checked them layer by layer)."""
     called, expected = len(meta.layers_called), _ATTENTION_MODULES.get(model, 0)

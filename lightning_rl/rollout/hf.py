@@ -16,8 +16,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from lightning_rl.models.multimodal import image_token_types
-from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
+from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import (
