@@ -8,6 +8,7 @@ prefix, and Mllama, whose text reaches its images by cross-attention, are refuse
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -249,10 +250,14 @@ def test_packed_image_rows_equal_each_sequence_alone(family, backend, dtype):
     reference = copy.deepcopy(model)
     seqs, images, inputs = conversations(make_image, dtype)
     batch, row_images = packed(model, seqs, images, inputs)
-    if family in FP32_INSIDE and dtype == torch.float64:  # fp32 rounding inside: the fp64 self-check refuses it
-        with pytest.raises(PackingRefused, match=r"the packing self-check measured packed log-probs \d\.\d\de-\d\d away"):
+    if family in FP32_INSIDE and dtype == torch.float64:
+        # fp32 rounding inside: where this CPU's fp32 kernels round the packed row differently from each sequence
+        # alone, the fp64 self-check refuses it; where they round alike, the row is held to fp64's tolerances below.
+        try:
             packed_logprobs(model, batch, attention_backend=backend)
-        return
+        except PackingRefused as refused:
+            assert re.search(r"the packing self-check measured packed log-probs \d\.\d\de-\d\d away", str(refused))
+            return
     # The image prompt's image once for its four completions; the two-turn conversation shares it too.
     assert row_images.count("a") == 1 and sorted(row_images) == ["a", "b", "c"]
     assert (batch.input_ids == IMAGE).sum() * len(seqs) < sum(s.count(IMAGE) for s in seqs) * 3
