@@ -131,7 +131,8 @@ def signal_mid_step(recipe: Recipe, out: Path, rng: random.Random, signum: int, 
     assert code == 143, f"{name} after step {after}: exit {code}\n{log[-3000:]}"
     stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
     assert stopped[-1].startswith(f"stopped by {name} after step"), stopped
-    step = int(stopped[-1].split("after step ")[1].split(";")[0])
+    # "after step N; resume ...", or "after step N (step N+1 given up: ...)" when the signal found a reward running
+    step = int(stopped[-1].split("after step ")[1].split(";")[0].split(" (")[0])
     assert after <= step < max_steps and not (out / "hf").exists()
     assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / f"hpc_ckpt_{step}.ckpt"]  # it replaced the earlier one
     assert checkpoint_step(out / f"hpc_ckpt_{step}.ckpt") == step  # saved where the signal found it, complete
