@@ -10,17 +10,24 @@ from typing import Any
 
 # The folders the run put on the import path for the recipe's own modules, with what they are (named when one fails).
 IMPORT_FOLDERS: dict[str, str] = {}
+_ADDED: list[str] = []  # those of them this module appended to sys.path (one already there is left to its owner)
 
 
 def set_import_folders(folders: dict[Path, str]) -> None:
     """Let recipes name modules in ``folders`` (the recipe's folder, the working directory: folder -> what it is): put
-    them on the import path, after any already there, so a module of the recipe's never hides an installed one."""
+    them on the import path, after any already there, so a module of the recipe's never hides an installed one. The
+    folders an earlier recipe of this process put there are taken off first: a run's modules come from its own."""
+    for name in _ADDED:
+        if name in sys.path:
+            sys.path.remove(name)
+    _ADDED.clear()
     IMPORT_FOLDERS.clear()
     for folder, what in folders.items():
         name = str(Path(folder).resolve())
         IMPORT_FOLDERS.setdefault(name, what)
         if name not in sys.path:
             sys.path.append(name)
+            _ADDED.append(name)
 
 
 def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) -> Any:

@@ -61,7 +61,7 @@ def test_invalid_schemas_and_paths_are_refused():
         Tool.from_function(label, parameters={"type": "string"})
     with pytest.raises(ValueError, match="cannot derive a JSON schema"):
         Tool.from_function(lambda x: x)
-    with pytest.raises(ValueError, match="no module 'no' in the installed packages"):
+    with pytest.raises(ValueError, match="no module 'no' in .*the installed packages"):
         load_tool("no.such:tool")
 
 
