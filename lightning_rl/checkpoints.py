@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.io.xla import XLACheckpointIO
@@ -322,20 +323,39 @@ def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Pat
     return (None if newest is None else Checkpoint(newest[2], newest[0])), passed_over
 
 
-def _no_room(error: BaseException) -> OSError | None:
-    """The disk-full (or file-too-large) error behind ``error``: torch's writer wraps the OSError in its own."""
+def no_room(error: BaseException | None) -> OSError | None:
+    """The disk-full (or file-too-large) error behind ``error``: torch's writer wraps the OSError in its own, and a
+    sharded write's ``CheckpointException`` holds each failed rank's."""
     while error is not None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return error
+        for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> (its error, traceback)
+            if (found := no_room(failure[0] if isinstance(failure, tuple) else failure)) is not None:
+                return found
         error = error.__cause__ or error.__context__
     return None
 
 
 def tensor_bytes(checkpoint: Any) -> int:
-    """The bytes of every tensor in ``checkpoint`` (each storage once): about what its file takes."""
+    """The bytes of every tensor in ``checkpoint`` (each storage once; a sharded tensor's local shard): about what
+    its file takes, or this rank's part of a sharded checkpoint."""
     storages: dict[int, int] = {}
-    apply_to_collection(checkpoint, torch.Tensor, lambda t: storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+
+    def count(tensor: torch.Tensor) -> None:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storages.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
+
+    apply_to_collection(checkpoint, torch.Tensor, count)
     return sum(storages.values())
+
+
+def space_error(final: Path, needed: int, full: OSError) -> CheckpointSpaceError:
+    """The one line for a checkpoint ``final`` that did not fit: the folder, the bytes it needs and those free."""
+    free = shutil.disk_usage(final.parent).free
+    return CheckpointSpaceError(
+        f"output_dir: no room for the checkpoint {final.name} in {final.parent} ({full.strerror}): it needs about "
+        f"{needed} bytes, {free} are free; the partial file was removed, earlier checkpoints are kept"
+    )
 
 
 def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
@@ -353,14 +373,10 @@ def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
             os.fsync(f.fileno())
     except BaseException as error:
         _delete(staging)
-        full = _no_room(error)
+        full = no_room(error)
         if full is None:
             raise
-        free = shutil.disk_usage(final.parent).free
-        raise CheckpointSpaceError(
-            f"output_dir: no room for the checkpoint {final.name} in {final.parent} ({full.strerror}): it needs about "
-            f"{tensor_bytes(checkpoint)} bytes, {free} are free; the partial file was removed, earlier checkpoints are kept"
-        ) from None
+        raise space_error(final, tensor_bytes(checkpoint), full) from None
     commit(staging, final)
 
 

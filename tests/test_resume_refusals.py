@@ -21,6 +21,7 @@ from lightning_rl import cli
 from lightning_rl.checkpoints import checkpoint_step
 from lightning_rl.modules.policy import WRITER
 from support.paths import REPO, TOY_TRAIN
+from support.recipe_runs import run_on_two
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--logger.kind=none"]
 SFT = [str(REPO / "recipes" / "tiny" / "sft.yaml"), *QUIET, "--data.val_data=null", "--data.max_tokens=256",
@@ -100,14 +101,8 @@ def little_room(folder: Path, room: int) -> Iterator[str]:
         finally:
             subprocess.run(["umount", str(folder)], check=True)
         return
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (room, hard))
-    try:
+    with file_size_limit(room):
         yield "File too large"
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
@@ -126,3 +121,50 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_good_che
         assert errors[0].endswith("; the partial file was removed, earlier checkpoints are kept") and "Traceback" not in err
         assert last.read_bytes() == saved and checkpoint_step(last) == 1  # the last good checkpoint, untouched
         assert not list(disk.rglob("*.staging"))
+
+
+def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_and_keeps_the_last_good_one(tmp_path):
+    """Two FSDP2 ranks write a sharded checkpoint onto a disk that fills up: one line (said once) naming the folder
+    and the bytes, the partial folder removed, the step-1 checkpoint untouched."""
+    disk = tmp_path / "disk"
+    out, rows = disk / "run", tmp_path / "rows.jsonl"
+    rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:20]))
+    last = out / "checkpoints" / "last.ckpt"
+    two_ranks = [*SFT, f"--data.train_data={rows}", "--trainer.strategy=fsdp2", "--checkpoint_every_n_steps=1"]
+    with little_room(disk, 32 * 2**20) as failure:
+        assert run_on_two(two_ranks[0], out, *two_ranks[1:], "--trainer.max_steps=1").returncode == 0
+        manifest = (last / "manifest.json").read_bytes()
+        limit = None
+        if failure == "No space left on device":  # fill the disk but for 1 MB: the next checkpoint cannot fit
+            (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 2**20))
+        else:  # no tmpfs here: the ranks' files are limited to 1 MB instead (the limit passes to child processes)
+            limit = 2**20
+        with file_size_limit(limit):
+            resumed = run_on_two(two_ranks[0], out, *two_ranks[1:], "--ckpt_path=last", "--trainer.max_steps=2")
+        errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+        assert resumed.returncode == 2 and len(errors) == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+        assert errors[0].startswith(f"error: output_dir: no room for the checkpoint step=2.ckpt in {last.parent} ({failure}): it needs about ")
+        needed = int(errors[0].split("it needs about ")[1].split()[0])
+        assert 0.8 * folder_bytes(last) < needed < 1.2 * folder_bytes(last)  # the figure is the checkpoint's size
+        assert checkpoint_step(last) == 1 and (last / "manifest.json").read_bytes() == manifest
+        assert not list(disk.rglob("*.staging"))
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int | None) -> Iterator[None]:
+    """Files written by this process and its children limited to ``limit`` bytes (EFBIG past it); None: no limit."""
+    if limit is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
 
-from lightning_rl.checkpoints import ForeignCheckpointError, commit, remove, staging_path, write_manifest
+from lightning_rl.checkpoints import ForeignCheckpointError, commit, no_room, remove, space_error, staging_path, tensor_bytes, write_manifest
 from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.structure import enable_activation_checkpointing, find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
@@ -238,7 +238,19 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.is_global_zero:
             remove(staging)  # a partial one left by a kill
         self.barrier("stage-checkpoint")
-        super().save_checkpoint(checkpoint, staging, storage_options)
+        # Every rank's shards are about the size of this one's (counted now: the save takes the tensors out).
+        needed = tensor_bytes(checkpoint) * self.world_size
+        try:
+            super().save_checkpoint(checkpoint, staging, storage_options)
+        except BaseException as error:  # every rank gets the failure of any (the save gathers their results)
+            full = no_room(error)
+            if full is None:
+                raise
+            if self.is_global_zero:
+                remove(staging)
+            space = space_error(final, needed, full)
+            space.on_every_rank = True
+            raise space from None
         if self.is_global_zero:  # the save returns once every rank's shards are written
             write_manifest(staging, step)
             commit(staging, final)

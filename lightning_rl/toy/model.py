@@ -7,6 +7,7 @@ model is a transformers config with seeded random weights, and both are written 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -156,21 +157,24 @@ def default_cache_dir() -> Path:
 
 def cached_build(target: Path, marker: str, build: Callable[[Path], object]) -> Path:
     """``target``, a folder of the cache, built by ``build(folder)`` on first use: into a temporary folder beside it,
-    then renamed, so no reader ever sees half of it (concurrent first uses each build one; the first rename wins).
-    ``marker`` is a file the complete folder holds."""
+    then renamed, so no reader ever sees half of it. ``marker`` is a file the complete folder holds. Processes that
+    want it at once (the ranks of a job on one machine) take turns on a lock beside it: one builds, the rest find it
+    built."""
     if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(staging)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / marker).exists():  # built by the process that held the lock before
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
+            build(staging)
+            if target.exists():  # a folder left by an interrupted build, without its marker
+                shutil.rmtree(target)
             staging.rename(target)
-        except OSError:  # another process finished the same build first
-            if not (target / marker).exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
