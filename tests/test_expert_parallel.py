@@ -20,7 +20,6 @@ from transformers.models.muse_spark.modeling_muse_spark import MuseSparkMoE
 from lightning_rl.rollout.vllm_server_process import free_port
 from lightning_rl.strategies.expert_parallel import ExpertParallelError, distribute_experts, expert_mesh
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
-from lightning_rl.toy.model import tiny_moe_path
 from support.distributed import leave_worker
 from support.recipe_runs import checkpoint_elements, exported, run_on_two, run_tiny_muse, run_with_check, stopped_and_resumed
 
@@ -145,13 +144,11 @@ def test_split_experts_train_the_same_from_a_whole_model_loaded_first(tiny_muse_
 def test_router_replay_in_grpo_with_split_experts(tmp_path, async_mode):
     """The tiny MoE GRPO recipe with its experts split over both ranks: the trainer's forward, tokens sent to the
     experts' ranks, chooses the experts the engine recorded at every step, synchronous or generating ahead."""
-    tiny_moe_path()  # built here once: two ranks building it together into an empty cache collide
     done = run_on_two(
         "recipes/tiny/grpo_moe.yaml", tmp_path, "--trainer.max_steps=2", f"--model.async_mode={str(async_mode).lower()}",
         "--model.max_staleness=0", '--model.rewards=[{"function": "test_mismatch:token_spread"}]',  # a gradient every step
+        # tiny-moe is saved one tensor per expert: each rank reads only its experts' tensors straight into its shard
         "--trainer.strategy.class_path=lightning_rl.strategies.fsdp2.FSDP2Strategy", _ep(2),
-        # tiny-moe is saved one tensor per expert, which the sharded loader does not read (it refuses, naming the tensor)
-        "--trainer.strategy.init_args.sharded_loading=false",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (metrics,) = tmp_path.glob("csv/version_*/metrics.csv")

@@ -111,6 +111,20 @@ def _tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, tensor
 
 
+# A stacked experts tensor of the model, and the per-expert tensors a checkpoint may hold for it instead (in order).
+_PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _per_expert_keys(key: str, experts: int, files: dict[str, Path]) -> list[list[str]] | None:
+    """For ``PREFIX.experts.gate_up_proj`` (or ``down_proj``), each expert's keys ``PREFIX.experts.E.gate_proj.weight``
+    and ``...up_proj.weight`` (``down_proj.weight``), when the checkpoint holds every one of them; else None."""
+    prefix, _, fused = key.rpartition(".")
+    if fused not in _PER_EXPERT or not prefix.endswith("experts"):
+        return None
+    keys = [[f"{prefix}.{e}.{part}.weight" for part in _PER_EXPERT[fused]] for e in range(experts)]
+    return keys if all(k in files for group in keys for k in group) else None
+
+
 @torch.no_grad()
 def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadReport:
     """Fill a sharded, allocated model from the checkpoint ``defer_weights`` recorded; returns this rank's reads."""
@@ -130,11 +144,26 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
                 _lora_init(name, local, tensor.shape, rows, seed)
             else:
                 key = hf_name(name)
+
+                def read(key: str) -> object:
+                    if files[key] not in handles:
+                        handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
+                    return handles[files[key]].get_slice(key)
+
+                if key not in files and (per_expert := _per_expert_keys(key, tensor.shape[0], files)) is not None:
+                    # Experts saved one tensor each (as save_pretrained writes them): this rank's rows of the stacked
+                    # tensor are its experts' tensors, gate and up joined as the model's fused gate_up_proj holds them.
+                    part = torch.stack([torch.cat([read(k)[...] for k in keys]) for keys in per_expert[rows[0] : rows[0] + rows[1]]])
+                    if tuple(part.shape[1:]) != tuple(tensor.shape[1:]):
+                        raise CheckpointMismatchError(f"{folder}: the experts of '{key}' stack to {tuple(part.shape[1:])} per expert, the model expects {tuple(tensor.shape[1:])}")
+                    local.copy_(part)
+                    report.elements_read += part.numel()
+                    tensor._is_hf_initialized = True
+                    report.tensors += 1
+                    continue
                 if key not in files:
                     raise CheckpointMismatchError(f"{folder}: the checkpoint has no tensor '{key}' (model parameter '{name}')")
-                if files[key] not in handles:
-                    handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
-                stored = handles[files[key]].get_slice(key)
+                stored = read(key)
                 if tuple(stored.get_shape()) != tuple(tensor.shape):
                     raise CheckpointMismatchError(
                         f"{files[key]}: '{key}' has shape {tuple(stored.get_shape())}, the model expects {tuple(tensor.shape)}"
