@@ -33,7 +33,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_rl.models.loading import load_causal_lm
 from lightning_rl.ops.packed_forward import packed_logprobs
-from lightning_rl.ops.saved_activations import OffloadedForwards, is_weight
+from lightning_rl.ops.saved_activations import OffloadedForwards, SavedInPlace
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.planner.memory_plan import Hardware, Training, plan_memory
 from lightning_rl.planner.model_census import count_model
@@ -42,20 +42,6 @@ RESULTS = Path(__file__).resolve().parent / "results" / "activation_memory.json"
 SETTINGS = {"none": (False, False), "checkpointing": (True, False), "offload": (False, True), "both": (True, True)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MB = 2**20
-
-
-class SavedInPlace(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the activations autograd keeps where they were made (offloaded ones, and the inside of a checkpointed
-    layer, are packed by hooks nearer the operation and never reach this one)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self.bytes += 0 if is_weight(tensor) else tensor.numel() * tensor.element_size()
-            return tensor
-
-        super().__init__(pack, lambda tensor: tensor)
 
 
 def model_config(args: argparse.Namespace) -> Qwen3Config:

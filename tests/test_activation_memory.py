@@ -17,7 +17,7 @@ from transformers import Qwen3Config
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.packed_forward import packed_logprobs
-from lightning_rl.ops.saved_activations import OffloadedForwards, is_weight
+from lightning_rl.ops.saved_activations import OffloadedForwards, SavedInPlace
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.planner import plan
 from lightning_rl.planner.memory_plan import GIB, Hardware, Training, plan_memory
@@ -27,20 +27,6 @@ from lightning_rl.rewards import RewardSpec
 LORA = LoraSettings(r=4, alpha=8)
 TOKEN_REWARD = [RewardSpec("test_activation_memory:token_parity")]
 SETTINGS = {"checkpointing": (True, False), "offload": (False, True), "both": (True, True)}
-
-
-class SavedOnDevice(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of activations autograd keeps where they were made (weights aside); offloaded ones and the
-    inside of a checkpointed layer are packed by hooks nearer the operation, so they do not reach this one."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self.bytes += 0 if is_weight(tensor) else tensor.numel() * tensor.element_size()
-            return tensor
-
-        super().__init__(pack, lambda tensor: tensor)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +48,7 @@ def sft_step(folder: str, lora: LoraSettings | None, checkpointing: bool, offloa
         part.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
     row = pack_sequences(NESTED, share_prefixes=True)
     assert row.num_unique_tokens < row.num_flat_tokens  # a tree: shared prefixes forwarded once
-    saved = SavedOnDevice()
+    saved = SavedInPlace()
     with saved:
         loss = -packed_logprobs(model, row, attention_backend="blocks").sum()
     forward_calls = calls[0]  # the packing probe's forwards too, the first time a model is packed

@@ -21,6 +21,21 @@ def is_weight(tensor: Tensor) -> bool:
     return isinstance(base, nn.Parameter)
 
 
+class SavedInPlace(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the activations autograd keeps where they were made (weights aside): what offloading and
+    checkpointing save. Offloaded tensors, and those inside a checkpointed layer, are packed by hooks nearer the
+    operation and never reach this one."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+        def pack(tensor: Tensor) -> Tensor:
+            self.bytes += 0 if is_weight(tensor) else tensor.numel() * tensor.element_size()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Inside this block, a tensor saved for backward is moved to host memory (pinned, where the device is CUDA,
     so the copy back runs asynchronously); ``host_bytes`` counts what was moved."""

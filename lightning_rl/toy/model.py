@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -128,22 +129,19 @@ def seeded_model(auto_class: type, config: PretrainedConfig, tokenizer: PreTrain
 
 def build_tiny(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny model and its tokenizer to ``path`` (a from_pretrained-loadable folder)."""
-    path = Path(path)
-    tokenizer = build_tokenizer()
-    config = tiny_config(vocab_size=len(tokenizer))
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    model = seeded_model(AutoModelForCausalLM, config, tokenizer, seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _build_with_tokenizer(path, tiny_config, seed)
 
 
 def build_tiny_moe(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny mixture-of-experts model and the tiny model's tokenizer to ``path``."""
+    return _build_with_tokenizer(path, tiny_moe_config, seed)
+
+
+def _build_with_tokenizer(path: str | os.PathLike, config_of: Callable[..., Any], seed: int) -> Path:
+    """A model of ``config_of(vocab_size=...)`` with random weights from ``seed``, and the tiny tokenizer, in ``path``."""
     path = Path(path)
     tokenizer = build_tokenizer()
-    config = tiny_moe_config(vocab_size=len(tokenizer))
+    config = config_of(vocab_size=len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     seeded_model(AutoModelForCausalLM, config, tokenizer, seed).save_pretrained(path)
