@@ -403,7 +403,9 @@ class RequeueOnSignal(Callback):
 
     def _save(self, trainer: Trainer, step: int) -> None:
         self.checkpoint = self.output_dir / f"hpc_ckpt_{step}.ckpt"
-        trainer.save_checkpoint(self.checkpoint)  # a collective under sharded strategies: every rank is here
+        # The whole state, said outright (Lightning logs a line when it has to assume it); a collective under sharded
+        # strategies: every rank is here.
+        trainer.save_checkpoint(self.checkpoint, weights_only=False)
         if trainer.is_global_zero:
             for older in self.output_dir.glob("hpc_ckpt_*.ckpt"):
                 if older != self.checkpoint:
