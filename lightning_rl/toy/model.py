@@ -144,9 +144,21 @@ def _build_with_tokenizer(path: str | os.PathLike, config_of: Callable[..., Any]
     config = config_of(vocab_size=len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-    seeded_model(AutoModelForCausalLM, config, tokenizer, seed).save_pretrained(path)
+    save_from_any_process(seeded_model(AutoModelForCausalLM, config, tokenizer, seed), path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_from_any_process(model: PreTrainedModel, path: Path) -> None:
+    """``model.save_pretrained(path)``, written whole by whichever process calls it. transformers writes the config
+    and weights only on rank 0 of an initialized process group; a cached model is built by whichever rank of a job
+    takes the lock first (and on every machine of a multi-machine job), so that rule would leave a folder of
+    tokenizer files alone."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # this instance only
+    try:
+        model.save_pretrained(path)
+    finally:
+        del model.should_save_on_this_rank
 
 
 def default_cache_dir() -> Path:
@@ -168,6 +180,8 @@ def cached_build(target: Path, marker: str, build: Callable[[Path], object]) -> 
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             build(staging)
+            if not (staging / marker).exists():
+                raise RuntimeError(f"building {target.name} into {staging} wrote no {marker}")
             if target.exists():  # a folder left by an interrupted build, without its marker
                 shutil.rmtree(target)
             staging.rename(target)

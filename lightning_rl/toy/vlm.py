@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoModelForImageTextToText, LlavaConfig, LlavaProcessor
 
-from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir, seeded_model
+from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir, save_from_any_process, seeded_model
 
 TINY_VLM_NAME = "tiny-vlm"
 TINY_VLM_VERSION = 1  # bump when the config, processor or template changes
@@ -57,7 +57,7 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
         image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
         chat_template=VLM_CHAT_TEMPLATE, image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
     )  # fmt: skip
-    model.save_pretrained(path)
+    save_from_any_process(model, path)
     processor.save_pretrained(path)
     return path
 
