@@ -54,6 +54,10 @@ def last_digit_unless_tied(completions: list[str], tied: list[bool], **_: Any) -
     return [0.0 if t else float(c.strip()[-1]) for c, t in zip(completions, tied, strict=True)]
 
 
+def starts_with_digit(completions: list[str], **_: Any) -> list[float]:
+    return [float(c[:1].isdigit()) for c in completions]
+
+
 def failed_calls(completions: list[str], tool_calls: list[list[dict]], **_: Any) -> list[float]:
     return [float(sum(call["failure"] is not None for call in calls)) for calls in tool_calls]
 
@@ -154,3 +158,24 @@ def test_a_history_that_would_outgrow_the_context_ends_with_its_reply(tiny_token
     assert [r.metadata.get("ended") for r in scored.rollouts] == ["context_length", "context_length"]
     assert all(len(r.sequence) <= limit for r in scored.rollouts)
     assert scored.tool_failures == {"unknown_tool": 2} and scored.rewards == [1.0, 1.0]
+
+
+def test_rewards_read_replies_as_trl_decodes_them_and_calls_tagged_by_special_tokens_still_run(tiny_tokenizer):
+    # TRL decodes completions with every special token skipped: a reward scores "<|im_start|>7" as "7" there, so here.
+    marked = lambda prompt: ["<|im_start|>7", "x7"]  # noqa: E731
+    scored = collector(tiny_tokenizer, marked, PromptList([{"prompt": "a?"}]), "starts_with_digit").collect(0)
+    assert scored.rewards == [1.0, 0.0]
+    # The tiny tokenizer's <tool_call> tags are special tokens: the call is parsed from the text that keeps them, run,
+    # and shown to rewards as TRL shows it (the reply's text without special tokens, the call under tool_calls).
+    adds = {"operation": "add", "a": 3, "b": 4}
+    replies = lambda prompt: ["7"] if "<tool_response>" in prompt else [call("calculator", adds)]  # noqa: E731
+    rollouts = collector(tiny_tokenizer, replies, PromptList([{"prompt": "add 3 and 4"}]), "starts_with_digit", max_new_tokens=64,
+                         tools=("lightning_rl.tools.builtin:calculator",), max_turns=2)
+    try:
+        scored = rollouts.collect(0)
+    finally:
+        rollouts.close()
+    first = scored.rollouts[0]
+    assert first.metadata["tool_calls"][0]["content"] == "7" and first.metadata["final_reply"] == "7" and scored.rewards == [1.0, 1.0]
+    assert first.messages[0]["content"] == json.dumps({"name": "calculator", "arguments": adds})
+    assert first.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "calculator", "arguments": adds}}]

@@ -23,7 +23,7 @@ from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards import RewardScorer, TrainerState
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
-from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_calls, visible_text
+from lightning_rl.rollout.conversation import ToolConversation, completion_text, distinct_tool_calls, visible_text
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class RolloutCollector:
 
     def reply_text(self, rollout: Rollout) -> str:
         """What rewards read as the completion: the model's last reply."""
-        return rollout.metadata.get("final_reply", self.text(rollout.completion_ids))
+        return rollout.metadata.get("final_reply", completion_text(self.renderer.tokenizer, rollout.completion_ids))
 
     def reply_messages(self, rollout: Rollout) -> list[dict[str, Any]]:
         """What rewards read as the completion of a conversational prompt (TRL's shape): the messages the model's

@@ -29,9 +29,17 @@ from lightning_rl.tools.executor import ToolExecutor
 
 
 def visible_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
-    """Decoded tokens, keeping tool-call markup (special tokens) but not end or padding tokens."""
+    """Decoded tokens, keeping tool-call markup (special tokens) but not end or padding tokens: what tool calls are
+    parsed from, and what transcripts and logs show."""
     hidden = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     return tokenizer.decode([t for t in token_ids if t not in hidden])
+
+
+def completion_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """What reward functions read as a reply: every special token skipped, as TRL's GRPOTrainer decodes completions,
+    so a reward scores the same text under both. Tool-call tags that a tokenizer marks special are skipped too; the
+    calls themselves are parsed from `visible_text` and handed over as `tool_calls`."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[dict[str, Any]]) -> list[int]:
@@ -86,9 +94,9 @@ class ToolConversation:
         for turn in range(1, self.max_turns + 1):
             calling = []
             for history, reply in live:
-                text = visible_text(self.tokenizer, reply)
+                text = completion_text(self.tokenizer, reply)
                 history.messages.append({"role": "assistant", "content": text})
-                calls = parse_tool_calls(text)
+                calls = parse_tool_calls(visible_text(self.tokenizer, reply))
                 if not calls or turn == self.max_turns or history.finish_reason != "stop":
                     history.metadata["final_reply"] = text
                     finished.append(history)
