@@ -1,0 +1,44 @@
+"""Nothing lost, nothing repeated, on the vLLM server engine with sequences generated across weight updates
+(``pause: keep``): an asynchronous GRPO run stopped by SIGTERM and by SIGKILL at random moments, each time resumed
+with ``--ckpt_path=last``, trains every prompt batch exactly once (the multiset of trained indices), and some trained
+completions hold tokens of two weight versions.
+
+A save waits until the rollout thread has finished the batches the current weights allow, so a checkpoint holds whole
+completions only; the completions a SIGKILL cuts were never saved and are sampled again on the resume, with the
+same seeds (docs/architecture.md, "Nothing lost, nothing repeated"). The runs share the session's server (by url):
+the server outlives a killed run, as a server of its own would not be stopped by a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from support.kill_resume import stopped_killed_and_resumed
+from support.paths import REPO
+from support.signalled_runs import Recipe
+
+MAX_STEPS = 8
+MAX_STALENESS = 1
+
+
+def test_async_grpo_across_updates_killed_and_signalled_trains_every_prompt_batch_once(
+    server_engine, tiny_model_dir, tmp_path, monkeypatch
+):
+    versions_file = tmp_path / "token_versions.jsonl"
+    monkeypatch.setenv("TOKEN_VERSIONS_FILE", str(versions_file))
+    recipe = Recipe([
+        str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--model.model_name_or_path={tiny_model_dir}",
+        "--model.engine.class_path=VLLMServerEngine", f"--model.engine.init_args.url={server_engine.url}",
+        "--model.engine.init_args.pause=keep", f"--trainer.max_steps={MAX_STEPS}", "--checkpoint_every_n_steps=1",
+        "--model.async_mode=true", f"--model.max_staleness={MAX_STALENESS}", "--model.num_generations=4",
+        "--model.sampling.max_new_tokens=48", "--data.batch_size=2", "--trainer.enable_progress_bar=false",
+        "--logger.kind=none", "--trainer.callbacks+=support.kill_resume.TokenVersions",
+    ], ranks=1)  # fmt: skip
+    stopped_killed_and_resumed(recipe, tmp_path / "run", random.Random(23), MAX_STEPS, MAX_STALENESS)
+
+    trained = [json.loads(line) for line in versions_file.read_text().splitlines()]
+    spanning = [v for batch in trained for v in batch["versions"] if len(set(v)) > 1]
+    assert spanning, "no trained completion was generated across a weight update"
+    for batch in trained:  # each token's version within the bound, and never newer than the trainer's
+        assert all(0 <= batch["index"] - v <= MAX_STALENESS for versions in batch["versions"] for v in versions)
+    assert all(v == sorted(v) for v in spanning)  # versions only move forward along a completion
