@@ -17,7 +17,6 @@ global step, whatever its name (``last.ckpt``, ``last-v1.ckpt``, ``step=N.ckpt``
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -29,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.io.xla import XLACheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
+from lightning_rl.disk_space import no_room, space_error, tensor_bytes
 from lightning_rl.errors import UserError
 
 STAGING = ".staging"  # being written
@@ -53,13 +52,6 @@ class ForeignFileError(IncompleteCheckpointError):
     """A file holding objects our checkpoints never hold, which the safe readers refuse: never read another way."""
 
     what = "not a checkpoint of this run"
-
-
-class CheckpointSpaceError(UserError):
-    """The disk (or the file size limit) had no room for a checkpoint: its partial write is removed, the previous
-    checkpoint kept."""
-
-    key = "output_dir"
 
 
 class ForeignCheckpointError(UserError, ValueError):
@@ -323,45 +315,10 @@ def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Pat
     return (None if newest is None else Checkpoint(newest[2], newest[0])), passed_over
 
 
-def no_room(error: BaseException | None) -> OSError | None:
-    """The disk-full (or file-too-large) error behind ``error``: torch's writer wraps the OSError in its own, and a
-    sharded write's ``CheckpointException`` holds each failed rank's."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return error
-        for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> (its error, traceback)
-            if (found := no_room(failure[0] if isinstance(failure, tuple) else failure)) is not None:
-                return found
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def tensor_bytes(checkpoint: Any) -> int:
-    """The bytes of every tensor in ``checkpoint`` (each storage once; a sharded tensor's local shard): about what
-    its file takes, or this rank's part of a sharded checkpoint."""
-    storages: dict[int, int] = {}
-
-    def count(tensor: torch.Tensor) -> None:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storages.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
-
-    apply_to_collection(checkpoint, torch.Tensor, count)
-    return sum(storages.values())
-
-
-def space_error(final: Path, needed: int, full: OSError) -> CheckpointSpaceError:
-    """The one line for a checkpoint ``final`` that did not fit: the folder, the bytes it needs and those free."""
-    free = shutil.disk_usage(final.parent).free
-    return CheckpointSpaceError(
-        f"output_dir: no room for the checkpoint {final.name} in {final.parent} ({full.strerror}): it needs about "
-        f"{needed} bytes, {free} are free; the partial file was removed, earlier checkpoints are kept"
-    )
-
-
 def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
     """Write a single-file checkpoint as ``final.staging``, flush it to disk, then rename it to ``final``.
 
-    A disk without room for it (or a file size limit) is ``CheckpointSpaceError``, naming the folder and the bytes
+    A disk without room for it (or a file size limit) is ``disk_space.NoRoomError``, naming the folder and the bytes
     needed; the partial staging file is removed and ``final`` (the previous checkpoint) is left as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(final)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_rl import cli
 from lightning_rl.checkpoints import checkpoint_step
@@ -148,6 +149,42 @@ def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_and_keeps
         assert 0.8 * folder_bytes(last) < needed < 1.2 * folder_bytes(last)  # the figure is the checkpoint's size
         assert checkpoint_step(last) == 1 and (last / "manifest.json").read_bytes() == manifest
         assert not list(disk.rglob("*.staging"))
+
+
+class NoRoomAfterTraining(Callback):
+    """Leaves about 1 MB for what a run writes once its training and checkpoints are done (the final export, whose
+    callback comes after the recipe's): fills the tmpfs ``disk`` or, where there is none (``fill`` false), limits this
+    process's files to 1 MB (the test puts the limit back)."""
+
+    def __init__(self, disk: str, fill: bool) -> None:
+        self.disk, self.fill = Path(disk), fill
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.fill:
+            (self.disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(self.disk).free - 2**20))
+        else:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_a_full_disk_while_exporting_is_one_line_and_keeps_the_earlier_export(tmp_path, capsys):
+    """The disk fills up after the last step: the export to hf/ is one line naming the folder and the bytes, its
+    staging folder is removed, and the export of the run's earlier part stays as it was."""
+    disk = tmp_path / "disk"
+    out = disk / "run"
+    with little_room(disk, 16 * 2**20) as failure:
+        one_step(capsys, SFT, out)
+        earlier = {path.name: path.read_bytes() for path in (out / "hf").iterdir()}
+        no_room = ["--trainer.callbacks+=test_resume_refusals.NoRoomAfterTraining", f"--trainer.callbacks.disk={disk}",
+                   f"--trainer.callbacks.fill={failure == 'No space left on device'}"]  # fmt: skip
+        with file_size_limit(2**40):  # puts back the limit the callback lowers where no tmpfs can be mounted
+            code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2", *no_room)
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        assert errors[0].startswith(f"error: output_dir: no room for the Hugging Face export hf in {out} ({failure}): it needs about ")
+        needed = int(errors[0].split("it needs about ")[1].split()[0])
+        assert 0.9 * len(earlier["model.safetensors"]) < needed < 1.1 * len(earlier["model.safetensors"])  # the weights' size
+        assert errors[0].endswith("; the partial folder hf.tmp was removed, the earlier hf/ is kept")
+        assert {path.name: path.read_bytes() for path in (out / "hf").iterdir()} == earlier and not (out / "hf.tmp").exists()
+        assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 2  # the run's last step is saved all the same
 
 
 def folder_bytes(folder: Path) -> int:

@@ -11,10 +11,11 @@ from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from lightning_rl import validation
+from lightning_rl.disk_space import no_room, space_error, tensor_bytes
 from lightning_rl.errors import RecipeError
 from lightning_rl.packing.images import stack_images
 from lightning_rl.models import sharded_loading
@@ -227,15 +228,24 @@ def export_hf(
         return path
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=state_dict)
-    tokenizer.save_pretrained(staging)
-    if mode == "adapter" and base_model is not None:
-        # After saving: peft reads the base's config from this name as it saves (to see whether the vocabulary grew).
-        adapter_config = staging / "adapter_config.json"
-        config = json.loads(adapter_config.read_text(encoding="utf-8"))
-        adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2) + "\n", encoding="utf-8")
-    if model_card is not None:
-        (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
+    try:
+        model.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+        if mode == "adapter" and base_model is not None:
+            # After saving: peft reads the base's config from this name as it saves (to see whether the vocabulary grew).
+            adapter_config = staging / "adapter_config.json"
+            config = json.loads(adapter_config.read_text(encoding="utf-8"))
+            adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2) + "\n", encoding="utf-8")
+        if model_card is not None:
+            (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)  # an earlier export at ``path`` stays as it was
+        full = no_room(error)
+        if full is None:
+            raise
+        written = state_dict if state_dict is not None else get_peft_model_state_dict(model) if mode == "adapter" else model.state_dict()
+        kept = f"the partial folder {staging.name} was removed, " + (f"the earlier {path.name}/ is kept" if path.exists() else "no earlier export")
+        raise space_error(path, tensor_bytes(written), full, what="the Hugging Face export", kept=kept) from None
     if path.exists():
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
