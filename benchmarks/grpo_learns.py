@@ -1,7 +1,9 @@
 """Does GRPO make the SFT model better, on every seed? For each seed, the SFT recipe, then the GRPO-from-SFT recipe
 from its export, as a user runs them (``--seed=S`` on both); held-out exact match before and after GRPO (the SFT
 evaluator, the same held-out problems, greedy), per kind of problem too, and the wall time of each run. Reports the
-mean and the smallest gain over the seeds (the demo must hold on each, not on one lucky seed).
+mean and the smallest gain over the seeds (the demo must hold on each, not on one lucky seed). CPU seconds are the
+runs' processes' own (user + system, every thread), which a machine busy with other work inflates less than wall
+seconds; the load average before and after each seed says how busy it was.
 Run: python benchmarks/grpo_learns.py [--seeds 3] [--workdir /tmp/grpo-learns]   (about three minutes a seed on two
 CPU cores; --sft-steps/--grpo-steps shorten the runs for a smoke test, with --out elsewhere)
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -24,11 +28,17 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "grpo_learns.json"
 
 
-def run(recipe: str, *overrides: str) -> float:
-    started = time.perf_counter()
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(recipe: str, *overrides: str) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``lightning-rl run``."""
+    started, cpu = time.perf_counter(), children_cpu_seconds()
     command = [str(Path(sys.executable).parent / "lightning-rl"), "run", recipe, "--overwrite", "--trainer.enable_progress_bar=false", *overrides]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, children_cpu_seconds() - cpu
 
 
 def per_kind(model_dir: Path) -> dict[str, float]:
@@ -51,8 +61,9 @@ def per_kind(model_dir: Path) -> dict[str, float]:
 
 def one_seed(seed: int, workdir: Path, sft_steps: list[str], grpo_steps: list[str]) -> dict:
     sft, grpo = workdir / f"seed{seed}" / "sft", workdir / f"seed{seed}" / "grpo"
-    sft_seconds = run("recipes/tiny/sft.yaml", f"--output_dir={sft}", f"--seed={seed}", *sft_steps)
-    grpo_seconds = run("recipes/tiny/grpo_from_sft.yaml", f"--output_dir={grpo}", f"--model.model_name_or_path={sft / 'hf'}",
+    load_before = os.getloadavg()[0]
+    sft_seconds, sft_cpu = run("recipes/tiny/sft.yaml", f"--output_dir={sft}", f"--seed={seed}", *sft_steps)
+    grpo_seconds, grpo_cpu = run("recipes/tiny/grpo_from_sft.yaml", f"--output_dir={grpo}", f"--model.model_name_or_path={sft / 'hf'}",
                        f"--seed={seed}", *grpo_steps)  # fmt: skip
     summary = json.loads((grpo / "summary.json").read_text())
     return {
@@ -66,8 +77,12 @@ def one_seed(seed: int, workdir: Path, sft_steps: list[str], grpo_steps: list[st
         "reward_first_window_mean": summary["reward_first_window_mean"],
         "reward_last_window_mean": summary["reward_last_window_mean"],
         "sft_wall_seconds": round(sft_seconds, 1),
+        "sft_cpu_seconds": round(sft_cpu, 1),
         "grpo_wall_seconds": round(grpo_seconds, 1),
+        "grpo_cpu_seconds": round(grpo_cpu, 1),
         "grpo_train_seconds": round(summary["train_seconds"], 1),
+        "load_average_1min_before": round(load_before, 2),
+        "load_average_1min_after": round(os.getloadavg()[0], 2),
     }
 
 
@@ -78,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT recipe's max_steps (smoke runs)")
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO recipe's max_steps (smoke runs)")
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
     args = parser.parse_args(argv)
     steps = lambda n: [] if n is None else [f"--trainer.max_steps={n}"]  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="grpo-learns-") as tmp:
@@ -93,9 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         "grpo_heldout_exact_match_before_mean": round(statistics.mean(r["grpo_heldout_exact_match_before"] for r in runs), 4),
         "grpo_heldout_exact_match_after_mean": round(statistics.mean(r["grpo_heldout_exact_match_after"] for r in runs), 4),
         "grpo_train_seconds_max": max(r["grpo_train_seconds"] for r in runs),
+        "grpo_cpu_seconds_max": max(r["grpo_cpu_seconds"] for r in runs),
         "per_seed": runs,
         "command": " ".join(["python benchmarks/grpo_learns.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": {"cpus": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine_note": args.note,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

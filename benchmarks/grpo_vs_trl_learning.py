@@ -12,7 +12,8 @@ weight decay, gradient norm clipped at 1, fp32 on a CPU. Rewards: our ``math_ans
 ``lightning_rl.cli.main`` (its own Trainer, the ``hf`` rollout engine); TRL's ``GRPOTrainer`` generates with
 transformers' ``generate``. One evaluator for both: our greedy held-out exact match (``modules/evaluation.py``, the
 200 held-out problems) on each exported model folder. Wall time: everything a user waits for, from building the
-trainer to the exported folder.
+trainer to the exported folder; CPU time: this process's (every thread's) over the same span, which a busy machine
+inflates less than the wall time; the load average before and after each run says how busy the machine was.
 
 Verdict ``ours_within_or_above_trl``: our mean last-window reward and mean held-out gain are each at least TRL's
 smallest over its seeds (within its spread, or better), and our mean wall time is below TRL's.
@@ -70,17 +71,15 @@ def windows(rewards: list[float], window: int) -> dict[str, float]:
 # -- ours ----------------------------------------------------------------------------------------------------------
 
 
-def train_ours(seed: int, steps: int, out: Path) -> tuple[list[float], float, Path]:
-    """The recipe as a user runs it; per-step mean reward (train/reward of its CSV log), wall seconds, export."""
-    started = time.perf_counter()
+def train_ours(seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
+    """The recipe as a user runs it; per-step mean reward (train/reward of its CSV log), export."""
     code = lightning_rl_main(["run", str(RECIPE), f"--output_dir={out}", f"--seed={seed}", f"--trainer.max_steps={steps}",
                               "--checkpoint_every_n_steps=100000", "--trainer.enable_progress_bar=false", "--overwrite"])  # fmt: skip
-    seconds = time.perf_counter() - started
     if code != 0:
         raise SystemExit(f"our run failed (exit {code}): {out}")
     (metrics,) = out.glob("csv/version_*/metrics.csv")
     rewards = [float(row["train/reward"]) for row in csv.DictReader(metrics.open()) if row["train/reward"]]
-    return rewards, seconds, out / "hf"
+    return rewards, out / "hf"
 
 
 # -- TRL -----------------------------------------------------------------------------------------------------------
@@ -104,8 +103,7 @@ def toy_prompts() -> Dataset:
     return Dataset.from_list([{"prompt": row["messages"][:-1], "answer": row["answer"]} for row in read_jsonl(PROBLEMS_FILE)])
 
 
-def train_trl(seed: int, steps: int, out: Path) -> tuple[list[float], float, Path]:
-    started = time.perf_counter()
+def train_trl(seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
     model_path = tiny_model_path()
     config = GRPOConfig(
         output_dir=str(out), seed=seed, max_steps=steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant",
@@ -121,9 +119,17 @@ def train_trl(seed: int, steps: int, out: Path) -> tuple[list[float], float, Pat
                           processing_class=AutoTokenizer.from_pretrained(model_path))  # fmt: skip
     trainer.train()
     trainer.save_model(str(out / "hf"))
-    seconds = time.perf_counter() - started
     rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
-    return rewards, seconds, out / "hf"
+    return rewards, out / "hf"
+
+
+def timed(train, seed: int, steps: int, out: Path) -> tuple[list[float], Path, dict]:
+    """One training run with its wall and process CPU seconds and the load average (1 min) before and after."""
+    load_before, wall, cpu = os.getloadavg()[0], time.perf_counter(), time.process_time()
+    rewards, export = train(seed, steps, out)
+    cost = {"wall_seconds": round(time.perf_counter() - wall, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
+            "load_average_1min_before": round(load_before, 2), "load_average_1min_after": round(os.getloadavg()[0], 2)}  # fmt: skip
+    return rewards, export, cost
 
 
 # -- report --------------------------------------------------------------------------------------------------------
@@ -135,7 +141,7 @@ def summarise(runs: list[dict]) -> dict:
         return {"mean": statistics.mean(values), "min": min(values), "max": max(values),
                 "std": statistics.stdev(values) if len(values) > 1 else 0.0}  # fmt: skip
 
-    return {key: spread(key) for key in ("reward_last_window_mean", "gain_points", "wall_seconds")}
+    return {key: spread(key) for key in ("reward_first_window_mean", "reward_last_window_mean", "gain_points", "wall_seconds", "cpu_seconds")}
 
 
 def verdict(ours: dict, theirs: dict) -> bool:
@@ -161,7 +167,7 @@ def plot(report: dict, path: Path) -> str:
         ax.fill_between(steps, low, high, alpha=0.25)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward (math_answer + 0.5 format)")
-    ax.set_title("GRPO on the embedded tiny model and toy task: min-max over seeds shaded")
+    ax.set_title("GRPO, embedded tiny model and toy task (shaded: min to max over seeds)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=5, help="steps in the first and last reward windows (the recipe's summary_window)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON; the PNG goes beside it")
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
@@ -183,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     window = min(args.window, args.steps)
     report: dict = {"command": " ".join(["python benchmarks/grpo_vs_trl_learning.py", *(sys.argv[1:] if argv is None else argv)]),
-                    "steps": args.steps, "window": window, **environment()}  # fmt: skip
+                    "steps": args.steps, "window": window, "threads": args.threads, "machine_note": args.note,
+                    **environment()}  # fmt: skip
     before = heldout_exact_match(tiny_model_path())
     report["heldout_exact_match_start"] = before
     trainers = {"ours": train_ours, "trl": train_trl}
@@ -192,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             report[side] = {"runs": []}
         for seed in range(args.seeds):
             for side, train in trainers.items():  # interleaved, so a change in machine load falls on both
-                rewards, seconds, export = train(seed, args.steps, Path(tmp) / f"{side}-{seed}")
+                rewards, export, cost = timed(train, seed, args.steps, Path(tmp) / f"{side}-{seed}")
                 after = heldout_exact_match(export)
                 run = {"seed": seed, "rewards": rewards, **windows(rewards, window), "heldout_exact_match_before": before,
-                       "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), "wall_seconds": round(seconds, 1)}  # fmt: skip
+                       "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), **cost}  # fmt: skip
                 report[side]["runs"].append(run)
                 print(side, json.dumps({k: v for k, v in run.items() if k != "rewards"}), flush=True)
     for side in trainers:
