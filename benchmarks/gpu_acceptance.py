@@ -10,7 +10,9 @@ Parts, each in its own try/except so one failure does not hide the others:
 - ``tree_packing``: flat against tree packing, forward and backward, on the four cases of
   ``benchmarks/tree_packing.py`` with a Qwen3-1.7B config (random weights) in bf16. A row holds as many
   independent draws of a case as fit in 32K flat tokens (the dry run thins each case to about 512 instead);
-  seconds (median) and peak memory per layout.
+  seconds (median) and peak memory per layout. Its two cases whose group spans rows (a prompt of 8192 tokens and
+  G=16 answers, a two-level fork), at full length in rows of 4096 tokens (the dry run: 1/32), whole steps run
+  flat, as sub-groups and cross-row (the prompt forwarded once across the rows).
 - ``trainer_steps``: SFT and GRPO steps of the tiny embedded model through a real ``lightning.Trainer``, built
   from ``recipes/tiny/{sft,grpo}.yaml`` the way ``lightning-rl run`` builds them but without the CLI (the CLI needs
   jsonargparse, which the GPU machine lacks), with ``verify_packing`` on where the modules offer it.
@@ -51,6 +53,7 @@ sys.path[:0] = [str(ROOT), str(BENCHMARKS)]
 
 GiB = 2**30
 CASES = ("no_sharing", "shared_prompt_long", "shared_prompt_short", "nested_forks")
+SPAN_CASES = ("long_prompt_spans_rows", "nested_spans_rows")
 # What each part imports beyond torch.
 NEEDS = {
     "cuda_tests": ("pytest", "hypothesis", "transformers"),
@@ -71,6 +74,7 @@ class Setting:
     model: dict[str, Any]  # Qwen3Config arguments of the tree-packing model
     row_tokens: int  # flat tokens per tree-packing row, at most
     rounds: int  # timed rounds per tree-packing layout
+    span_scale: int  # the span cases' lengths divided by this
     logprob_tokens: int
     logprob_vocab: int
     logprob_hidden: int
@@ -81,12 +85,12 @@ class Setting:
         if dry_run:
             tiny = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32, vocab_size=2048, tie_word_embeddings=True)  # fmt: skip
-            return cls(device=torch.device("cpu"), dtype=torch.float32, model=tiny, row_tokens=512, rounds=rounds or 1,
+            return cls(device=torch.device("cpu"), dtype=torch.float32, model=tiny, row_tokens=512, rounds=rounds or 1, span_scale=32,
                        logprob_tokens=512, logprob_vocab=4096, logprob_hidden=64, trainer_steps=2)  # fmt: skip
         # Qwen3-1.7B's shapes, as in the reference's table.
         qwen3_1_7b = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                           num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
-        return cls(device=torch.device("cuda"), dtype=torch.bfloat16, model=qwen3_1_7b, row_tokens=32768, rounds=rounds or 3,
+        return cls(device=torch.device("cuda"), dtype=torch.bfloat16, model=qwen3_1_7b, row_tokens=32768, rounds=rounds or 3, span_scale=1,
                    logprob_tokens=32768, logprob_vocab=151936, logprob_hidden=2048, trainer_steps=2)  # fmt: skip
 
 
@@ -193,9 +197,9 @@ def tree_packing(setting: Setting, out: Path) -> dict[str, Any]:
     with setting.device:
         model = Qwen3ForCausalLM(config).to(setting.dtype)
     cases = {}
-    for case in CASES:
+    for case in CASES + SPAN_CASES:
         try:
-            cases[case] = packing_case(model, config, case, setting)
+            cases[case] = (span_case if case in SPAN_CASES else packing_case)(model, config, case, setting)
         except torch.OutOfMemoryError:  # a finding at this row size; the other cases still run
             cases[case] = {"out_of_memory": True}
         model.zero_grad(set_to_none=True)
@@ -267,6 +271,53 @@ def packing_case(model: torch.nn.Module, config: Any, case: str, setting: Settin
     flat, tree = figures["flat"], figures["tree"]
     return {"sequences": len(seqs), **scale, "t_over_u": round(flat["tokens"] / tree["tokens"], 3),
             "speedup": round(flat["seconds"] / tree["seconds"], 3), **figures}  # fmt: skip
+
+
+def span_case(model: torch.nn.Module, config: Any, case: str, setting: Setting) -> dict[str, Any]:
+    """A case whose group spans rows: whole steps flat, as sub-groups and cross-row (benchmarks/tree_packing.py's
+    rows and learner step), peak memory of one and the median seconds of rounds in rotating order."""
+    import tree_packing as bench
+
+    from lightning_rl.packing import pack_sequences
+
+    device = setting.device
+    seqs, masks = bench.rollouts(case, config.vocab_size, random.Random(case), scale=setting.span_scale)
+    budget = bench.SPAN_ROW_BUDGET // setting.span_scale
+    advantages = torch.randn(len(seqs), device=device)
+    layouts = bench.span_layouts(model, seqs, masks, budget, device)
+    tree = pack_sequences(seqs, masks)
+    trained = int(tree.loss_positions.numel())
+    bound = bench.layout_flops(config, tree.num_unique_tokens, int((tree.position_ids + 1).sum()), trained)
+
+    def run(name: str) -> None:
+        model.zero_grad(set_to_none=True)
+        bench.rows_step(model, layouts[name], advantages)
+
+    figures = {}
+    for name, layout in layouts.items():
+        if device.type == "cuda":
+            run(name)  # warm-up: compiles the rows' FlexAttention kernels
+        _, _, peak, _ = measured(lambda: run(name), device)
+        tokens, flops = bench.layout_cost(config, layout, trained)
+        figures[name] = {"rows": len(layout[0]), "tokens": tokens, "peak_gib": round(peak / GiB, 4), "flops": flops, "times": []}
+    for r in range(setting.rounds):
+        for name in list(layouts)[r % 3 :] + list(layouts)[: r % 3]:
+            synchronize(device)
+            start = time.perf_counter()
+            run(name)
+            synchronize(device)
+            figures[name]["times"].append(time.perf_counter() - start)
+    for layout in figures.values():
+        seconds = statistics.median(layout.pop("times"))
+        layout["seconds"] = round(seconds, 4)
+        layout["tflops"] = round(layout.pop("flops") / seconds / 1e12, 2)
+    flat, sub, cross = figures["flat"], figures["subgroups"], figures["cross_row"]
+    flop_bound = bench.layout_cost(config, layouts["flat"], trained)[1] / bound
+    return {"sequences": len(seqs), "span_scale": setting.span_scale, "row_budget": budget, "tokens_unique": tree.num_unique_tokens,
+            "t_over_u": round(flat["tokens"] / tree.num_unique_tokens, 3), "flop_bound": round(flop_bound, 3),
+            "speedup": round(flat["seconds"] / cross["seconds"], 3),
+            "speedup_over_flop_bound": round(flat["seconds"] / cross["seconds"] / flop_bound, 3),
+            "speedup_over_subgroups": round(sub["seconds"] / cross["seconds"], 3), **figures}  # fmt: skip
 
 
 def fit_recipe(recipe_path: Path, setting: Setting, out: Path) -> dict[str, Any]:
@@ -415,12 +466,24 @@ def markdown(report: dict[str, Any]) -> str:
                   "| case | flat tokens | tree tokens | T/U | flat s | tree s | speedup | flat GiB | tree GiB | flat TFLOP/s | tree TFLOP/s |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for case, c in packing["cases"].items():
+            if case in SPAN_CASES:
+                continue
             if c.get("out_of_memory"):
                 lines.append(f"| {case} | out of memory |" + " |" * 10)
                 continue
             f, t = c["flat"], c["tree"]
             lines.append(f"| {case} | {f['tokens']} | {t['tokens']} | {c['t_over_u']} | {f['seconds']} | {t['seconds']} | "
                          f"{c['speedup']} | {f['peak_gib']} | {t['peak_gib']} | {f['tflops']} | {t['tflops']} |")  # fmt: skip
+        lines += ["", "A group spanning rows (whole steps; speedup and FLOP bound: cross-row against flat):", "",
+                  "| case | T/U | FLOP bound | flat s | sub-groups s | cross-row s | speedup | speedup / bound | over sub-groups | "
+                  "flat GiB | sub-groups GiB | cross-row GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for case in SPAN_CASES:
+            if (c := packing["cases"].get(case)) is None or c.get("out_of_memory"):
+                lines.append(f"| {case} | {'out of memory' if c else 'not run'} |" + " |" * 11)
+                continue
+            f, g, x = c["flat"], c["subgroups"], c["cross_row"]
+            lines.append(f"| {case} | {c['t_over_u']} | {c['flop_bound']} | {f['seconds']} | {g['seconds']} | {x['seconds']} | {c['speedup']} | "
+                         f"{c['speedup_over_flop_bound']} | {c['speedup_over_subgroups']} | {f['peak_gib']} | {g['peak_gib']} | {x['peak_gib']} |")  # fmt: skip
     steps = parts["trainer_steps"]["figures"]
     if steps.get("sft") or steps.get("grpo"):
         lines += ["", f"Trainer steps ({steps['accelerator']}):", "",

@@ -8,12 +8,25 @@ alternate flat and tree in one process. Yardsticks per case: T/U (flat over uniq
 (flat FLOPs over tree FLOPs, with attention counted on visible (query, key) pairs and the LM head on trained
 tokens only). The body (the decoder layers alone, no LM head) has its own FLOP bound: per-token layers and
 attention pairs only; where attention to shared ancestors is a large share, it sits below T/U.
+
+Cases whose group does not fit in one row (``*_spans_rows``) run a whole learner step over rows of at most
+``--row-budget`` unique tokens three ways: flat (one sequence per row's causal attention), sub-groups (today's
+planner without ``prefix_across_rows``: every row keeps the prompt) and cross-row (the prompt forwarded once, its
+keys and values shared by the rows, ``ops/prefix_rows.py``). A sequence longer than the budget does not fit flat or
+in a sub-group, so those two get the least row that holds it (``wide_row_budget``). ``speedup`` and ``flop_bound``
+are cross-row against flat, the bound counting the whole step as one tree; ``speedup_over_subgroups`` is cross-row
+against sub-groups. ``--span-scale`` divides every length of these cases (a CPU runs them at 1/16):
+
+    OMP_NUM_THREADS=1 python benchmarks/tree_packing.py --cases long_prompt_spans_rows nested_spans_rows
+
+Only the cases run are replaced in ``--out``; the others' entries stay.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -28,13 +41,18 @@ from memory import peak_memory_bytes, saved_for_backward  # noqa: E402
 
 from lightning_rl.ops.logprobs import lm_head_of, token_logprobs  # noqa: E402
 from lightning_rl.ops.packed_forward import packed_hidden_states  # noqa: E402
-from lightning_rl.packing import pack_sequences  # noqa: E402
+from lightning_rl.ops.prefix_rows import PrefixedRow, finish_prefix, share_prefixes, span_settings  # noqa: E402
+from lightning_rl.packing import pack_sequences, plan_ordered_rows, plan_rows  # noqa: E402
 
 MB = 2**20
+ROW_CASES = ("no_sharing", "shared_prompt_long", "shared_prompt_short", "nested_forks")  # one row per layout
+SPAN_CASES = ("long_prompt_spans_rows", "nested_spans_rows")  # a group larger than a row
+SPAN_ROW_BUDGET = 4096  # the span cases' row budget at full scale
 
 
-def rollouts(case: str, vocab: int, rng: random.Random) -> tuple[list[list[int]], list[list[bool]]]:
-    """Sequences and loss masks (answers trained, prompts not) for one benchmark case."""
+def rollouts(case: str, vocab: int, rng: random.Random, scale: int = 1) -> tuple[list[list[int]], list[list[bool]]]:
+    """Sequences and loss masks (answers trained, prompts not) for one benchmark case; a span case's lengths
+    divided by ``scale``."""
     tok = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
     seqs, masks = [], []
 
@@ -64,6 +82,16 @@ def rollouts(case: str, vocab: int, rng: random.Random) -> tuple[list[list[int]]
             turn1 = tok(128)
             for _ in range(2):
                 add(prompt, [(turn1, True), (tok(32), False), (tok(96), True)])
+    elif case == "long_prompt_spans_rows":  # G=16 answers of 512 to one prompt of 8192
+        prompt = tok(8192 // scale)
+        for _ in range(16):
+            add(prompt, [(tok(512 // scale), True)])
+    elif case == "nested_spans_rows":  # prompt 2048 -> 2 first turns of 2048 -> 8 answers of 512 each: a turn's subtree exceeds a row
+        prompt = tok(2048 // scale)
+        for _ in range(2):
+            turn1 = tok(2048 // scale)
+            for _ in range(8):
+                add(prompt, [(turn1, False), (tok(512 // scale), True)])
     else:
         raise ValueError(case)
     return seqs, masks
@@ -88,6 +116,84 @@ def step(model, batch, advantages):
     return saved["bytes"]
 
 
+def span_layouts(model, seqs, masks, budget: int, device: str | torch.device = "cpu") -> dict:
+    """The rows of a group that spans rows, three ways: (sequence indices, packed row) per row, and the spans'
+    prefixes (cross-row only: `share_prefixes` cuts them afresh for every step, a span being used once)."""
+    wide = max(budget, *map(len, seqs))  # flat and sub-groups refuse a sequence longer than their row
+    groups = [0] * len(seqs)
+    plans = {
+        "flat": (plan_ordered_rows(seqs, wide, "flat"), None),
+        "subgroups": (plan_rows(seqs, wide, groups=groups).ranks[0], None),
+    }
+    spans = plan_rows(seqs, budget, groups=groups, **span_settings("always", model, masks, images=False))
+    plans["cross_row"] = (spans.ranks[0], spans.prefixes[0])
+    return {
+        name: ([(row, pack_sequences([seqs[i] for i in row], [masks[i] for i in row], share_prefixes=(name != "flat")).to(device)) for row in rows], prefixes)
+        for name, (rows, prefixes) in plans.items()
+    }  # fmt: skip
+
+
+def rows_step(model, layout, advantages) -> None:
+    """One learner step over a layout's rows: each row's backward, then a span's prefix's once after its last row."""
+    rows, prefixes = layout
+    batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes)
+    for (seq_ids, _), batch in zip(rows, batches):
+        step(model, batch, advantages[seq_ids])
+        finish_prefix(batch)
+
+
+def layout_cost(config, layout, trained: int) -> tuple[int, float]:
+    """Forwarded tokens and fwd+bwd FLOPs of a layout's rows, a span's prefix counted once."""
+    rows, prefixes = layout
+    batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes)
+    parts = list(batches) + list({id(b.prefix): b.prefix.batch for b in batches if isinstance(b, PrefixedRow)}.values())
+    tokens = sum(b.num_tokens for b in parts)
+    return tokens, layout_flops(config, tokens, sum(int((b.position_ids + 1).sum()) for b in parts), trained)
+
+
+def span_case(model, config, case: str, args) -> dict:
+    """Flat, sub-groups and cross-row on a case whose group spans rows: medians of interleaved whole steps."""
+    seqs, masks = rollouts(case, args.vocab, random.Random(case), scale=args.span_scale)
+    budget = SPAN_ROW_BUDGET // args.span_scale
+    advantages = torch.randn(len(seqs))
+    layouts = span_layouts(model, seqs, masks, budget)
+    tree = pack_sequences(seqs, masks)
+    trained = int(tree.loss_positions.numel())
+    bound = layout_flops(config, tree.num_unique_tokens, int((tree.position_ids + 1).sum()), trained)
+    costs = {name: layout_cost(config, layout, trained) for name, layout in layouts.items()}
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for name in layouts:  # warm-up
+        rows_step(model, layouts[name], advantages)
+    for r in range(args.span_rounds):  # the order rotates each round
+        names = list(layouts)[r % 3 :] + list(layouts)[: r % 3]
+        for name in names:
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            rows_step(model, layouts[name], advantages)
+            times[name].append(time.perf_counter() - t0)
+    peak = {}
+    for name, layout in layouts.items():
+        model.zero_grad(set_to_none=True)
+        peak[name] = peak_memory_bytes(lambda: rows_step(model, layout, advantages)) / MB
+    s = {name: statistics.median(t) for name, t in times.items()}
+    flop_bound = costs["flat"][1] / bound
+    return {
+        "case": case, "shape": f"lengths 1/{args.span_scale} of the case's; Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32",
+        "sequences": len(seqs), "row_budget": budget, "wide_row_budget": max(budget, *map(len, seqs)),
+        "rows": {name: len(layout[0]) for name, layout in layouts.items()},
+        "tokens_flat": costs["flat"][0], "tokens_unique": tree.num_unique_tokens, "t_over_u": round(costs["flat"][0] / tree.num_unique_tokens, 3),
+        "tokens_subgroups": costs["subgroups"][0], "tokens_cross_row": costs["cross_row"][0], "trained_tokens": trained,
+        "flop_bound": round(flop_bound, 3), "subgroups_flop_bound": round(costs["subgroups"][1] / bound, 3),
+        "flat_s": round(s["flat"], 4), "subgroups_s": round(s["subgroups"], 4), "cross_row_s": round(s["cross_row"], 4),
+        "speedup": round(s["flat"] / s["cross_row"], 3),
+        "speedup_over_flop_bound": round(s["flat"] / s["cross_row"] / flop_bound, 3),
+        "speedup_over_subgroups": round(s["subgroups"] / s["cross_row"], 3),
+        "flat_peak_mb": round(peak["flat"], 1), "subgroups_peak_mb": round(peak["subgroups"], 1), "cross_row_peak_mb": round(peak["cross_row"], 1),
+        "rounds": args.span_rounds,
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads" + (f"; {args.note}" if args.note else ""),
+    }  # fmt: skip
+
+
 def body_step(model, batch):
     """The transformer body alone, forward and backward (the hidden states' sum as the loss)."""
     packed_hidden_states(model, batch)[: batch.num_unique_tokens].sum().backward()
@@ -100,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--cases", nargs="*", default=["no_sharing", "shared_prompt_long", "shared_prompt_short", "nested_forks"])
+    parser.add_argument("--cases", nargs="*", default=[*ROW_CASES, *SPAN_CASES], choices=[*ROW_CASES, *SPAN_CASES])
+    parser.add_argument("--span-scale", type=int, default=16)  # 1 on an accelerator; 16 keeps a case within two minutes on one CPU core
+    parser.add_argument("--span-rounds", type=int, default=3)  # whole steps of the three layouts
+    parser.add_argument("--note", default="", help="about the machine while measured (e.g. other work running), kept in the span cases' entries")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -110,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation="sdpa", tie_word_embeddings=False,
     )  # fmt: skip
     model = Qwen3ForCausalLM(config).float()
-    rows = []
+    rows, spans = [], []
     for case in args.cases:
+        if case in SPAN_CASES:
+            spans.append(span_case(model, config, case, args))
+            print(json.dumps(spans[-1]), flush=True)
+            continue
         seqs, masks = rollouts(case, args.vocab, random.Random(case))
         advantages = torch.randn(len(seqs))
         layouts = {name: pack_sequences(seqs, masks, share_prefixes=(name == "tree")) for name in ("flat", "tree")}
@@ -157,15 +270,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    kept = json.loads(args.out.read_text()) if args.out.exists() else []
+    measured = {row["case"]: row for row in rows + spans}
+    order = [*ROW_CASES, *SPAN_CASES]
+    merged = sorted([row for row in kept if row["case"] not in measured] + list(measured.values()), key=lambda row: order.index(row["case"]))
+    args.out.write_text(json.dumps(merged, indent=2) + "\n")
     cols = ["case", "tokens_flat", "tokens_unique", "t_over_u", "flop_bound", "flat_s", "tree_s", "speedup",
             "speedup_over_flop_bound", "body_speedup", "body_speedup_over_t_over_u", "body_flop_bound",
             "body_speedup_over_body_flop_bound", "flat_peak_mb", "tree_peak_mb", "flat_saved_mb", "tree_saved_mb", "saved_ratio_over_u_over_t"]  # fmt: skip
-    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    if rows:
+        print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    span_cols = ["case", "t_over_u", "flop_bound", "flat_s", "subgroups_s", "cross_row_s", "speedup", "speedup_over_flop_bound",
+                 "speedup_over_subgroups", "flat_peak_mb", "subgroups_peak_mb", "cross_row_peak_mb"]  # fmt: skip
+    if spans:
+        print("\n| " + " | ".join(span_cols) + " |\n|" + "---|" * len(span_cols))
+    for row in spans:
+        print("| " + " | ".join(str(row[c]) for c in span_cols) + " |")
     print(f"\nmodel: Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds")  # fmt: skip
+          f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds ({args.span_rounds} for the span cases)")  # fmt: skip
     return 0
 
 

@@ -16,6 +16,7 @@ from support.paths import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_acceptance.py"
 CASES = {"no_sharing", "shared_prompt_long", "shared_prompt_short", "nested_forks"}
+SPAN_CASES = {"long_prompt_spans_rows", "nested_spans_rows"}  # a group spanning rows: flat, sub-groups, cross-row
 def python_without_them(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", WITHOUT_THEM + textwrap.dedent(code), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -64,6 +65,7 @@ def test_dry_run_runs_every_part_and_says_what_is_missing(dry_run):
     assert report["imports"] == line
     markdown = (out / "gpu_acceptance.md").read_text()
     assert "| tree_packing | ok |" in markdown and "| cuda_tests | skipped |" in markdown
+    assert all(f"| {case} | " in markdown for case in SPAN_CASES)
     assert markdown.strip() in done.stdout
 
 
@@ -72,8 +74,15 @@ def test_dry_run_reports_every_figure(dry_run):
     parts = json.loads((out / "gpu_acceptance.json").read_text())["parts"]
 
     packing = parts["tree_packing"]["figures"]
-    assert set(packing["cases"]) == CASES
-    for case in packing["cases"].values():
+    assert set(packing["cases"]) == CASES | SPAN_CASES
+    for name in SPAN_CASES:
+        case = packing["cases"][name]
+        for layout in ("flat", "subgroups", "cross_row"):
+            assert case[layout]["seconds"] > 0 and case[layout]["peak_gib"] > 0 and case[layout]["tokens"] > 0
+        # Cross-row forwards the prompt once: fewer rows and tokens than sub-groups, which keep it in every row.
+        assert case["cross_row"]["tokens"] < case["subgroups"]["tokens"] <= case["flat"]["tokens"]
+        assert case["flop_bound"] > 1 and case["speedup_over_subgroups"] > 0
+    for case in (packing["cases"][name] for name in CASES):
         for layout in ("flat", "tree"):
             assert case[layout]["seconds"] > 0 and case[layout]["peak_gib"] > 0 and case[layout]["tokens"] > 0
         assert case["flat"]["tokens"] >= case["tree"]["tokens"]
