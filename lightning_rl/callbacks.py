@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_rl.checkpoints import remove
 from lightning_rl.errors import UserError
 from lightning_rl.ops.grad_norm import total_grad_norm
-from lightning_rl.stopping import StepAbandoned, request_stop, withdraw_stop
+from lightning_rl.stopping import StepAbandoned, may_abandon, signal_came
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -289,11 +289,11 @@ class RequeueOnSignal(Callback):
     runs ``scontrol requeue``, and the ranks wait for the SIGTERM with which SLURM then stops the job (the requeued
     job's ``--ckpt_path=last`` takes this checkpoint). Elsewhere the requeue signal stops the run like SIGTERM.
 
-    A step that waits on something that does not return (a reward, a tool) would hold the stop back until its timeout.
-    So in a run of one process, a signal inside a step that starts at an optimizer-step boundary also requests the stop
-    (``stopping``): the wait gives the step up (``StepAbandoned``), and the state of the last complete step, which the
-    abandoned one had not yet changed, is saved as above, with the loops' counters of a run between two steps, so
-    that the resume trains the abandoned step once. (With several ranks the others may be in a collective already.)
+    A step that waits on something that does not return (a reward, a tool, async GRPO's rollout producer) would hold
+    the stop back until its timeout. So a signal inside a step that starts at an optimizer-step boundary gives the step
+    up (``stopping``: its wait raises ``StepAbandoned``, on every rank at once, before the step's first collective),
+    and the state of the last complete step, which the abandoned one had not yet changed, is saved as above, with the
+    loops' counters of a run between two steps, so that the resume trains the abandoned step once.
     """
 
     def __init__(self, output_dir: str | Path, sigterm_wait_s: float = 300.0) -> None:
@@ -319,6 +319,7 @@ class RequeueOnSignal(Callback):
             signal.signal(signum, self._record)
 
     def restore(self) -> None:
+        may_abandon(False)  # the stop request stays: async GRPO's rollout producer, closed after this, gives up on it
         for signum, handler in self.previous_handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
@@ -326,14 +327,14 @@ class RequeueOnSignal(Callback):
 
     def _record(self, signum: int, _frame: Any) -> None:
         self.received.add(signum)
-        if self._may_abandon:
-            request_stop()
+        signal_came()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         environment = getattr(trainer.strategy, "cluster_environment", None)
         self._slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
             self.requeue_signal = environment.requeue_signal
+        signal_came(bool(self.received))  # not a request left by an earlier fit in this process
         if self._slurm_requeue:
             print(f"SLURM auto-requeueing enabled: {signal.Signals(self.requeue_signal).name} requeues the job at the next step boundary", flush=True)
         self.install()
@@ -346,13 +347,12 @@ class RequeueOnSignal(Callback):
         self._agree_and_stop(trainer, save=False)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._may_abandon = trainer.world_size == 1 and self._at_boundary
-        if self._may_abandon and self.received:  # one that came since the last boundary
-            request_stop()
+        self._may_abandon = self._at_boundary
+        may_abandon(self._may_abandon)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._may_abandon = False
-        withdraw_stop()
+        may_abandon(False)
         self._at_boundary = trainer.global_step != self._last_step
         if not self._at_boundary:
             return  # mid-accumulation: no optimizer step yet, nothing consistent to save
@@ -363,7 +363,6 @@ class RequeueOnSignal(Callback):
         if isinstance(exception, StepAbandoned) and self._may_abandon:
             self._save_abandoned(trainer, exception)
         self._may_abandon = False
-        withdraw_stop()
         self.restore()
 
     def _save_abandoned(self, trainer: Trainer, abandoned: StepAbandoned) -> None:
@@ -373,22 +372,28 @@ class RequeueOnSignal(Callback):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         for tracker in (progress.total, progress.current):
             tracker.ready = tracker.started = tracker.processed = tracker.completed
-        terminate = signal.SIGTERM in self.received
+        terminate, _ = self._agreed_signals(trainer)  # every rank gave the step up at the same point: all are here
         step = trainer.global_step
         self._save(trainer, step)
         if not terminate and self._slurm_requeue and self._requeue(trainer):
             self._wait_for_sigterm()
         self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name
-        print(f"stopped by {self.stopped_by} after step {step} (step {step + 1} given up: {abandoned.what} had not "
-              "returned); resume with --ckpt_path=last", file=sys.stderr, flush=True)
+        if trainer.is_global_zero:
+            print(f"stopped by {self.stopped_by} after step {step} (step {step + 1} given up: {abandoned.why}); resume "
+                  "with --ckpt_path=last", file=sys.stderr, flush=True)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.restore()
 
-    def _agree_and_stop(self, trainer: Trainer, save: bool) -> None:
+    def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
+        """Whether any rank received SIGTERM, and the requeue signal (one all-reduce)."""
         local = [signal.SIGTERM in self.received, self.requeue_signal in self.received]
         flags = torch.tensor(local, dtype=torch.float32, device=trainer.strategy.root_device)
         terminate, requeue = (bool(flag) for flag in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
+        return terminate, requeue
+
+    def _agree_and_stop(self, trainer: Trainer, save: bool) -> None:
+        terminate, requeue = self._agreed_signals(trainer)
         if not (terminate or requeue):
             return
         if save:
@@ -396,6 +401,7 @@ class RequeueOnSignal(Callback):
         if not terminate and self._slurm_requeue:
             if not self._requeue(trainer):
                 self.received.discard(self.requeue_signal)
+                signal_came(bool(self.received))
                 return  # no scheduler took the job back: training goes on
             self._wait_for_sigterm()
         self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name

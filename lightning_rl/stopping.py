@@ -1,11 +1,18 @@
 """The run's stop request, which the waits that could outlast a stop signal watch (a reward or a tool that does not
-return); a leaf.
+return, async GRPO's wait for its rollout producer); a leaf.
 
-``RequeueOnSignal`` requests the stop when a stop signal comes inside a training step it may abandon (one process;
-between two optimizer steps). A wait on the trainer's thread (the main one, where signal handlers run) that sees it
-gives up at once with ``StepAbandoned``; the callback then saves the last complete step, whose weights the abandoned
-one had not yet changed, and the process exits 143. A wait on another thread (async GRPO's rollout producer) runs
-to its own end or timeout: its failure would reach the trainer's thread wrapped as a producer failure.
+``RequeueOnSignal`` says when a stop signal came (``signal_came``) and whether the trainer's thread is inside a step
+it may give up (``may_abandon``: one that started at an optimizer-step boundary). A wait on the trainer's thread (the
+main one, where signal handlers run) inside such a step gives up at once with ``StepAbandoned``; the callback then
+saves the last complete step, whose weights the abandoned one had not yet changed, and the process exits 143.
+
+Async GRPO's rollout producer works for batches a stopped run does not keep (``discard_on_stop``): once a stop signal
+came, its waits give up too, and the checkpoint holds the batches it finished, not the one in the making
+(``signalled``), which the resumed run generates again.
+
+With several ranks a step's inputs are fetched by ``fetched_on_every_rank``: the ranks agree, before the step's first
+collective, whether one of them is giving the step up, so that a rank stuck in a reward never leaves the others
+waiting in a collective it does not join; they give it up together, or none does.
 """
 
 from __future__ import annotations
@@ -13,40 +20,59 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 EXIT_CODE = 128 + 15  # the shell's code for a process ended by SIGTERM
 POLL_S = 0.05  # how often a wait looks at the request: a signal is honoured within this
 
-# A plain flag, not a threading.Event: a signal handler sets it, and an Event's lock, taken by the handler while the
+T = TypeVar("T")
+
+# Plain flags, not threading.Events: a signal handler sets them, and an Event's lock, taken by the handler while the
 # interrupted main thread holds it, would never be released.
-_requested = False
+_signalled = False  # a stop signal came
+_abandonable = False  # the trainer's thread is inside a step it may give up
+_discarded = threading.local()  # ``discard`` set: the thread's work is dropped when the run stops
 
 
 class StepAbandoned(SystemExit):
-    """A training step given up because the run is stopping; ``what`` it was waiting for.
+    """A training step given up because the run is stopping; ``why``, for the closing line.
 
     A ``SystemExit`` with code 143: the handlers of a reward's or a tool's own failures (``except Exception``) let it
     through, and nothing that does not handle it prints a traceback; the process ends as the signal asked."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, why: str) -> None:
         super().__init__(EXIT_CODE)
-        self.what = what
+        self.why = why
 
 
-def request_stop() -> None:
-    global _requested
-    _requested = True
+def signal_came(came: bool = True) -> None:
+    """Record a stop signal (False: the run goes on after all, a requeue that no scheduler took)."""
+    global _signalled
+    _signalled = came
 
 
-def withdraw_stop() -> None:
-    global _requested
-    _requested = False
+def signalled() -> bool:
+    return _signalled
+
+
+def may_abandon(allowed: bool) -> None:
+    """Whether the trainer's thread is inside a step that a stop signal may give up."""
+    global _abandonable
+    _abandonable = allowed
+
+
+def discard_on_stop() -> None:
+    """The calling thread's work is dropped when the run stops: its waits give up as soon as a stop signal came."""
+    _discarded.discard = True
 
 
 def abandon_if_stopping(what: str) -> None:
-    """Raise ``StepAbandoned`` if the stop is requested and this is the trainer's thread."""
-    if _requested and threading.current_thread() is threading.main_thread():
-        raise StepAbandoned(what)
+    """Raise ``StepAbandoned`` if a stop signal came and this thread may give ``what`` up: the trainer's thread inside
+    a step it may abandon, or a thread that ``discard_on_stop``."""
+    if not _signalled:
+        return
+    if (_abandonable and threading.current_thread() is threading.main_thread()) or getattr(_discarded, "discard", False):
+        raise StepAbandoned(f"{what} had not returned")
 
 
 def wait_unless_stopping(done: Callable[[float], bool], timeout_s: float | None, what: str) -> bool:
@@ -60,3 +86,24 @@ def wait_unless_stopping(done: Callable[[float], bool], timeout_s: float | None,
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return False
+
+
+def fetched_on_every_rank(fetch: Callable[[], T], any_rank: Callable[[bool], bool], give_back: Callable[[T], None] | None = None) -> T:
+    """``fetch()``'s result (a step's inputs, fetched in waits a stop signal may abandon) once every rank has its own.
+
+    Then the ranks agree (``any_rank``: one all-reduce of a flag, True if any rank's is) whether one of them is giving
+    the step up: its wait abandoned, or a stop signal come on it meanwhile. If one is, all raise ``StepAbandoned``
+    before the step's first collective (a fetched result goes back through ``give_back``, to be taken again on resume);
+    if none is, the step is no longer abandoned anywhere, since its collectives come next."""
+    try:
+        fetched = fetch()
+    except StepAbandoned:
+        any_rank(True)  # the others are waiting in the agreement, or will be once their own fetch returns
+        raise
+    local = _signalled and _abandonable
+    if any_rank(local):
+        if give_back is not None:
+            give_back(fetched)
+        raise StepAbandoned("a stop signal came before its training" if local else "another rank was stopping")
+    may_abandon(False)
+    return fetched

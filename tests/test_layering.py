@@ -25,7 +25,7 @@ ALLOWED = {
     "checkpoints": {"errors", "disk_space"},
     "losses": {"errors"},
     "rewards": {"dotted", "errors", "models", "stopping"},
-    "rollout": {"data", "dotted", "errors", "models", "packing", "rewards", "tools", "validation"},
+    "rollout": {"data", "dotted", "errors", "models", "packing", "rewards", "stopping", "tools", "validation"},
     "tools": {"dotted", "stopping"},
     "attention": {"packing", "device_policy", "errors"},
     "models": {"toy", "errors", "validation", "packing", "disk_space"},
@@ -33,7 +33,7 @@ ALLOWED = {
     "data": {"packing", "device_policy", "models", "toy", "errors", "validation"},
     "strategies": {"models", "checkpoints", "device_policy", "ops", "errors"},
     "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
-                "rollout", "strategies", "validation"},  # tools only through the rollout collector
+                "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
     "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "validation"},

@@ -1,15 +1,18 @@
 """Stop signals that find the run somewhere other than its own training step, through real `lightning-rl run`s:
-DataLoader worker processes (a scheduler signals the whole process group), and a reward that does not return."""
+DataLoader worker processes (a scheduler signals the whole process group), and a reward that does not return (in the
+training step, on async GRPO's rollout thread, on one of two ranks)."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import time
+from pathlib import Path
 
 import torch
 
-from lightning_rl.checkpoints import checkpoint_step
+from lightning_rl.checkpoints import checkpoint_step, load_safely
 from support.paths import REPO
 from support.recipe_runs import exported
 from support.signalled_runs import Recipe, exit_after_signal, log_of, progress, signal_mid_step, wait_until
@@ -35,31 +38,34 @@ first one's checkpoint."""
 
 
 GRPO_STEPS = 5
+GRPO = [
+    str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={GRPO_STEPS}", "--model.num_generations=4",
+    "--data.batch_size=2", '--model.rewards=[{"function": "support.signalled_runs:length_until_stuck"}]',
+    "--model.reward_timeout_s=3600", "--trainer.enable_progress_bar=false", "--logger.kind=none",
+]  # fmt: skip
 
 
-def test_a_signal_does_not_wait_for_a_reward_that_does_not_return(tiny_path, tmp_path, monkeypatch):
-    """A GRPO run whose reward never returns on step 3 (its timeout an hour): SIGTERM ends it within seconds, exit 143,
-    with the checkpoint of step 2; the resume trains step 3 once and ends with the weights of an uninterrupted run."""
-    recipe = Recipe([
-        str(REPO / "recipes" / "tiny" / "grpo.yaml"), f"--trainer.max_steps={GRPO_STEPS}", "--model.num_generations=4",
-        "--data.batch_size=2", '--model.rewards=[{"function": "support.signalled_runs:length_until_stuck"}]',
-        "--model.reward_timeout_s=3600", "--trainer.enable_progress_bar=false", "--logger.kind=none",
-    ], ranks=1)  # fmt: skip
-    reference, out, marker = tmp_path / "reference", tmp_path / "run", tmp_path / "stuck"
+def stopped_in_a_stuck_reward_then_resumed(recipe: Recipe, root: Path, monkeypatch, why: str, stuck_rank: int | None = None) -> None:
+    """An uninterrupted run, and one whose reward never returns on step 3 (on ``stuck_rank`` alone, if given; its
+    timeout an hour): SIGTERM to every process ends it within seconds, exit 143, with the checkpoint of step 2 (step 3
+    given up for ``why``); the resume trains step 3 once and ends with the weights of the uninterrupted run."""
+    reference, out, marker = root / "reference", root / "run", root / "stuck"
     recipe.run(reference)
 
     monkeypatch.setenv("STUCK_REWARD_CALL", "3")
     monkeypatch.setenv("STUCK_REWARD_MARKER", str(marker))
+    if stuck_rank is not None:
+        monkeypatch.setenv("STUCK_REWARD_RANK", str(stuck_rank))
     proc = recipe.start(out)
     wait_until(marker.exists, proc, out, poll=0.1)
+    time.sleep(0.5)  # the other ranks reach the step's first collective meanwhile
     os.killpg(proc.pid, signal.SIGTERM)
     code, seconds = exit_after_signal(proc, out, "SIGTERM during a reward that does not return")
     log = log_of(out)
     assert code == 143, log[-3000:]
-    assert seconds < 15, "the stop waited for the reward"
+    assert seconds < 20, "the stop waited for the reward"
     stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
-    assert stopped == ["stopped by SIGTERM after step 2 (step 3 given up: reward 'length_until_stuck' had not returned); "
-                       "resume with --ckpt_path=last"], log[-3000:]  # fmt: skip
+    assert stopped == [f"stopped by SIGTERM after step 2 (step 3 given up: {why}); resume with --ckpt_path=last"], log[-3000:]
     assert "Traceback" not in log and not (out / "hf").exists()
     assert sorted(out.glob("hpc_ckpt_*.ckpt")) == [out / "hpc_ckpt_2.ckpt"] and checkpoint_step(out / "hpc_ckpt_2.ckpt") == 2
 
@@ -67,7 +73,28 @@ def test_a_signal_does_not_wait_for_a_reward_that_does_not_return(tiny_path, tmp
     log = recipe.run(out, "--ckpt_path=last")
     assert "resume: step 2 from hpc_ckpt_2.ckpt, the newest complete checkpoint" in log
     assert [step for step, _ in progress(out)] == [3, 4, 5]  # the abandoned step trained once, none skipped
+    last = out / "checkpoints" / "last.ckpt"  # a sharded (FSDP2) one keeps the loops' and the module's state in meta.pt
+    trained = load_safely(last / "meta.pt" if last.is_dir() else last)["grpo"]["trained_batches"]
+    assert [batch["index"] for batch in trained] == list(range(GRPO_STEPS))  # every prompt batch once, in order
     want, got = exported(reference), exported(out)
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_signal_does_not_wait_for_a_reward_that_does_not_return(tiny_path, tmp_path, monkeypatch):
+    stopped_in_a_stuck_reward_then_resumed(Recipe(GRPO, ranks=1), tmp_path, monkeypatch, "reward 'length_until_stuck' had not returned")
+
+
+def test_a_signal_does_not_wait_for_the_rollout_producer_stuck_in_a_reward(tiny_path, tmp_path, monkeypatch):
+    """Async GRPO (k=0, deterministic): the trainer waits for batch 2 while the producer thread's reward hangs. The
+    checkpoint holds what was finished, not the batch in the making, which the resumed run generates again."""
+    recipe = Recipe([*GRPO, "--model.async_mode=true", "--model.max_staleness=0"], ranks=1)
+    stopped_in_a_stuck_reward_then_resumed(recipe, tmp_path, monkeypatch, "rollout batch 2 had not returned")
+
+
+def test_two_ranks_stop_together_when_one_is_stuck_in_a_reward(tiny_path, tmp_path, monkeypatch):
+    """Two FSDP2 ranks on gloo: rank 1's reward hangs while rank 0 has its rollouts and waits for rank 1 before the
+    step's first collective. Both give the step up at once and save the step before together."""
+    recipe = Recipe([*GRPO, "--trainer.devices=2", "--trainer.strategy=fsdp2"], ranks=2)
+    stopped_in_a_stuck_reward_then_resumed(recipe, tmp_path, monkeypatch, "another rank was stopping", stuck_rank=1)

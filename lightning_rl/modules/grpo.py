@@ -61,6 +61,7 @@ from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.collector import ROLLOUT_COLUMNS, RolloutCollector, RolloutSettings
 from lightning_rl.rollout.conversation import visible_text
 from lightning_rl.rollout.hf import HFRolloutEngine
+from lightning_rl.stopping import fetched_on_every_rank
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
 from lightning_rl.models.policy_sync import PolicySync, WeightSync, check_weight_sync, engine_options_for, resolve_weight_sync
 
@@ -347,8 +348,9 @@ class GRPOModule(PolicyModule):
             raise RuntimeError(f"prompt batch {int(batch_index)} arrived at optimizer step {step}")
         index, iteration = divmod(step, self.hparams.num_iterations)
         started = time.perf_counter()
-        if iteration == 0 or self._batch is None:
-            self._batch = self.producer.take(index) if self.producer is not None else self.collector.collect(index)
+        if iteration == 0 or self._batch is None:  # a stop signal gives the step up while its rollouts are awaited
+            fetch = functools.partial(self.producer.take if self.producer is not None else self.collector.collect, index)
+            self._batch = fetched_on_every_rank(fetch, self._any_rank, self.producer and self.producer.give_back)
             self._old_logprobs = self._mismatch = None
         scored = self._batch
         self.current_batch = scored
@@ -412,6 +414,9 @@ class GRPOModule(PolicyModule):
         self.reward_history.append(float(rewards.nanmean()))
         self._log_step(scored, stats, staleness, waited, train_seconds)
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
+
+    def _any_rank(self, flag: bool) -> bool:
+        return bool(self.trainer.strategy.reduce(torch.tensor(float(flag), device=self.device), reduce_op="sum"))
 
     def policy_logprobs(
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False,

@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning_rl.errors import UserError
 from lightning_rl.rollout.base import Rollout
+from lightning_rl.stopping import POLL_S, StepAbandoned, discard_on_stop, signalled, wait_unless_stopping
 
 
 @dataclass
@@ -102,6 +103,7 @@ class RolloutProducer:
         return queue_has_room and self._current_version() >= index - self.max_staleness
 
     def _run(self) -> None:
+        discard_on_stop()  # a stopped run keeps the finished batches only (`state_dict`)
         try:
             while True:
                 with self._changed:
@@ -134,10 +136,21 @@ class RolloutProducer:
     def take(self, index: int) -> ScoredBatch:
         """Batch `index`, to train at weights of version `index`: one staler than `max_staleness` is sampled again
         (the trainer holds version `index` until this step is done, so the new sample is not stale)."""
-        regenerations = 0
+        regenerations, stale = 0, None
+
+        def arrived(seconds: float) -> bool:
+            return self._changed.wait_for(lambda: index in self._ready or self._error is not None, seconds)
+
         with self._changed:
             while True:
-                self._changed.wait_for(lambda: index in self._ready or self._error is not None)
+                try:  # a stop signal does not wait for a batch that may never come (a reward that does not return)
+                    wait_unless_stopping(arrived, None, f"rollout batch {index}")
+                    if index not in self._ready and isinstance(self._error, StepAbandoned):
+                        raise self._error  # the producer gave the batch up for the stop
+                except StepAbandoned:
+                    if stale is not None:  # it stays in the queue, for the resumed run to sample again
+                        self._ready.setdefault(index, stale)
+                    raise
                 if index not in self._ready:
                     if isinstance(self._error, UserError):  # the user's mistake (a reward failing on every sample):
                         raise self._error  # its own line, as the synchronous run says it at the same step
@@ -153,7 +166,7 @@ class RolloutProducer:
                         f"(max_staleness={self.max_staleness})"
                     )
                 regenerations += 1
-                self._regenerate = index
+                self._regenerate, stale = index, batch
 
     def _settled(self) -> bool:
         """Nothing is being generated, and nothing may be until the weights change."""
@@ -167,8 +180,16 @@ class RolloutProducer:
         timing, and a resumed run finds its next batch in the queue (its engine reports version 0 until the first
         weight push after the resume, so the producer would not generate that batch)."""
         with self._changed:
-            self._changed.wait_for(self._settled)
+            # Once a stop signal came, not the batch in the making (it may never come): the resumed run generates it.
+            while not self._changed.wait_for(lambda: self._settled() or signalled(), POLL_S):
+                pass
             return {"ready": [self._ready[i].state() for i in sorted(self._ready)]}
+
+    def give_back(self, batch: ScoredBatch) -> None:
+        """Put a batch taken for a step that was then given up back at the front of the queue."""
+        with self._changed:
+            self._ready[batch.index] = batch
+            self._changed.notify_all()
 
     def load_state_dict(self, state: dict[str, Any], next_step: int) -> None:
         """Restore before `start()`; `next_step` is the first batch index still to train."""

@@ -143,11 +143,13 @@ _reward_calls = 0
 
 
 def length_until_stuck(completions: list[str], **_: Any) -> list[float]:
-    """A reward (the completions' length) whose call number $STUCK_REWARD_CALL in this process never returns: it
-    creates the file $STUCK_REWARD_MARKER, for the test to aim its signal by, and sleeps."""
+    """A reward (the completions' length) whose call number $STUCK_REWARD_CALL in this process (on the rank
+    $STUCK_REWARD_RANK only, if it is set) never returns: it creates the file $STUCK_REWARD_MARKER, for the test to
+    aim its signal by, and sleeps."""
     global _reward_calls
     _reward_calls += 1
-    if str(_reward_calls) == os.environ.get("STUCK_REWARD_CALL"):
+    rank = os.environ.get("STUCK_REWARD_RANK")
+    if str(_reward_calls) == os.environ.get("STUCK_REWARD_CALL") and rank in (None, os.environ.get("LOCAL_RANK", "0")):
         Path(os.environ["STUCK_REWARD_MARKER"]).touch()
         time.sleep(3600)
     return [len(c) / 10 for c in completions]
