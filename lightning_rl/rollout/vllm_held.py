@@ -11,7 +11,7 @@ the trainer's. Runs inside the worker that holds the model (in-process, or a ser
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -104,3 +104,19 @@ def lora_targets(worker: object) -> list[str]:
     manager = worker.model_runner.lora_manager._adapter_manager
     packed = manager.packed_modules_mapping
     return sorted({part for module in manager.supported_lora_modules for part in packed.get(module, [module])})
+
+
+def write_groups(packed: Mapping[str, Sequence[str]], names: Iterable[str]) -> dict[str, str]:
+    """Checkpoint name -> the group it is written with, for the tensors a delta must send together: the parts of a
+    fused module (``packed``: vLLM's ``qkv_proj`` -> q, k, v) and a layer's experts, since vLLM's reload of a module
+    rebuilds it from what it receives. Names in no group are left out."""
+    fused = {part: module for module, parts in packed.items() for part in parts}
+    groups = {}
+    for name in names:
+        module, _, param = name.rpartition(".")
+        head, _, leaf = module.rpartition(".")
+        if leaf in fused:
+            groups[name] = f"{head}.{fused[leaf]}.{param}"
+        elif ".experts." in name:
+            groups[name] = name[: name.index(".experts.")] + ".experts"
+    return groups

@@ -29,6 +29,7 @@ import io
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,10 +39,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import torch
 
 from lightning_rl.errors import UserError
-from lightning_rl.models.weights import SentDigests, verify_held
+from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
-from lightning_rl.rollout.vllm_engine import sampling_params_of, support_of
+from lightning_rl.rollout.vllm_engine import sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
+from lightning_rl.rollout.vllm_held import write_groups
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+ADAPTER = "policy"  # the served name of the LoRA adapter sent alone (the server's one adapter, lora id 1)
 Transport = Literal["auto", "gloo", "nccl"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
@@ -144,6 +147,10 @@ class VLLMServerEngine(RolloutEngine):
             a host-memory copy of the last weights pushed (the model's size, twice during a push) to re-sync a restarted
             server. 0: none
             kept, and the first death stops the run. A server given by ``url`` is not restarted.
+        max_lora_rank: start the server serving a LoRA adapter of up to this rank, sent alone (`push_adapter`, a
+            recipe's ``weight_sync: adapter``): the server keeps the base weights it loaded, and each sync stages the
+            adapter on the server while it generates, then pauses it only to load the adapter in place. None: no
+            LoRA serving (a server given by ``url`` serves one if it was started with ``--enable-lora``).
     """
 
     @classmethod
@@ -172,6 +179,7 @@ class VLLMServerEngine(RolloutEngine):
         verify_weights: bool = True,
         engine_max_restarts: int = 3,
         pause: Literal["keep", "wait"] = "keep",
+        max_lora_rank: int | None = None,
     ) -> None:
         if url is None and model is None:
             raise ValueError("VLLMServerEngine needs the url of a running server or a model to start one for")
@@ -187,7 +195,8 @@ class VLLMServerEngine(RolloutEngine):
         self.model = model
         self.server = None
         if url is None:
-            self.server = VLLMServer(model, seed=seed, transport=self.transport, **dict(server_options or {})).start()
+            lora = {} if max_lora_rank is None else {"max_lora_rank": served_lora_rank(max_lora_rank)}
+            self.server = VLLMServer(model, seed=seed, transport=self.transport, **lora, **dict(server_options or {})).start()
         # A server started here must not outlive this process, even if close is never called.
         self._stop_server = weakref.finalize(self, self.server.stop) if self.server is not None else None
         self.url = (url or self.server.url).rstrip("/")
@@ -205,7 +214,11 @@ class VLLMServerEngine(RolloutEngine):
         self.engine_max_restarts = engine_max_restarts if self.server is not None else 0
         self.restarts = 0
         self._lives = 0  # counts the server's starts: a request that failed in an earlier life is just sent again
-        self._kept: list[tuple[str, torch.Tensor]] | None = None  # the last weights pushed, to re-sync a restart
+        self._kept: dict[str, torch.Tensor] | None = None  # the weights last pushed (and changed since), to re-sync a restart
+        self._kept_adapter: tuple[dict[str, torch.Tensor], AdapterSpec] | None = None  # likewise, the adapter
+        self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
+        self._adapter_loaded = False  # generation names the adapter once one is loaded
+        self._info: dict[str, Any] | None = None  # the worker's `lightning_rl_model_info`
         super().__init__(seed)
         # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
         self._lock = threading.RLock()
@@ -232,7 +245,7 @@ class VLLMServerEngine(RolloutEngine):
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
             {**_request_prompt(prompt, own[g]), "sampling_params": sampling_params_of(sampling, n, seed + g * n, vocab_size),
-             "output_mode": "tokens"}
+             "output_mode": "tokens", **({"model": ADAPTER} if self._adapter_loaded else {})}
             for g, prompt in enumerate(prompts)
         ]
         requests = [self._pool.submit(self._healing, lambda body=body: self._post("inference/v1/generate", body)) for body in bodies]
@@ -279,32 +292,121 @@ class VLLMServerEngine(RolloutEngine):
             ))
         return rollouts
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the weights to the server as `version`.
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Stream the weights to the server as `version`; returns the seconds the server was paused.
 
         Over gloo, a refused chunk (a name or shape the model lacks) is refused whole by the server, which keeps
         serving with the version unchanged; chunks it had already loaded stay loaded, so push the full weights
         again. Over nccl, such a name is refused here, before the server pauses, and nothing is sent.
         """
+        return self._push(named_tensors, version, changed=False)
+
+    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """`push_weights` of only the changed tensors (whole `write_groups`): vLLM's layerwise reload rebuilds the
+        modules that get tensors and leaves the others as they are, and every tensor not sent must still hold what
+        the last verified push left in it."""
+        return self._push(named_tensors, version, changed=True)
+
+    def write_groups(self) -> dict[str, str]:
+        """`vllm_held.write_groups` of the server's model: fused parts and a layer's experts travel together."""
+        from transformers import AutoConfig
+
+        from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+
+        names = CheckpointLayout(AutoConfig.from_pretrained(self._model_source())).shapes
+        return write_groups(self._model_info()["packed"], names)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, changed: bool) -> float:
         with self._lock:
             if self.engine_max_restarts:  # kept whole: a restart mid-push sends them again, and so does a later one
                 named_tensors = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
-            self._healing(lambda: self._push_verified(named_tensors, version))
+            earlier = self._verified if changed else None
+            paused = self._healing(lambda: self._push_verified(named_tensors, version, earlier))
             self._version = version
-            if self.engine_max_restarts:
-                self._kept = named_tensors
+            if self.engine_max_restarts:  # a delta on top of the weights kept: together, all the server holds
+                self._kept = {**(self._kept or {}), **dict(named_tensors)} if changed else dict(named_tensors)
+            return paused
 
-    def _push_verified(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _push_verified(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       earlier: dict[str, int] | None = None) -> float:
         if self.verify_weights and self._held_dtypes is None:  # before the push: mid-update the server has no weights
             self._held_dtypes = {n: getattr(torch, dtype) for n, (dtype, _) in self._held()["tensors"].items()}
         sent = SentDigests(named_tensors, self._held_dtypes.get) if self.verify_weights else None
+        self._verified = None  # until this push is verified
         if self.transport == "nccl":
-            self._push_nccl(sent or named_tensors, version)
+            paused = self._push_nccl(sent or named_tensors, version)
         else:
-            self._push_gloo(sent or named_tensors, version)
+            paused = self._push_gloo(sent or named_tensors, version)
         if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
             held = self._held()
-            verify_held(sent, {name: digest for name, (_, digest) in held["tensors"].items()}, held["ties"], version)
+            digests = {name: digest for name, (_, digest) in held["tensors"].items()}
+            verify_held(sent, digests, held["ties"], version, earlier)
+            self._verified = digests
+        return paused
+
+    def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
+        if self.transport != "gloo":
+            return "an adapter sent alone travels over the gloo transport, and this server's is nccl"
+        lora = (self._server_config().get("lora_config") or {})
+        if not lora.get("max_lora_rank"):
+            return "this vLLM server serves no LoRA adapter (set model.engine.init_args.max_lora_rank)"
+        info = self._model_info()
+        return vllm_adapter_refusal(adapter, int(lora["max_lora_rank"]), info["lora_targets"], info["architecture"])
+
+    def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
+        """Send the adapter alone as `version`: staged on the server while it keeps generating (its worker receives
+        it and writes it as a peft folder there), then the server is paused only to load it in place under one name;
+        generation after it applies it. With `verify_weights`, each adapted layer's A and B as the worker holds them
+        must be those sent (`vllm_engine.verify_adapter`). Returns the seconds the server was paused."""
+        with self._lock:
+            received = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+            paused = self._healing(lambda: self._push_adapter(received, adapter, version))
+            self._version = version
+            if self.engine_max_restarts:
+                self._kept_adapter = (received, adapter)
+            return paused
+
+    def _push_adapter(self, received: dict[str, torch.Tensor], adapter: AdapterSpec, version: int) -> float:
+        group = self._group or self._open_group()
+        try:
+            for chunk in gloo_transport.chunks(received.items(), self.chunk_bytes):
+                manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
+                # Returns at once: a thread of the worker receives the chunk while the engine goes on generating.
+                self._rpc("lightning_rl_stage_adapter", update_info=manifest)
+                gloo_transport.send_chunk(group, chunk)
+        except gloo_transport.WeightTransferError:
+            self._group = None  # a broken collective: the next push opens a fresh group
+            raise
+        folder = self._rpc("lightning_rl_write_adapter", config=adapter.config)
+        self._adapter_loaded = False  # until this version is loaded
+        started = time.perf_counter()
+        self._post(f"pause?mode={self.pause}")
+        try:
+            self._post("v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": folder, "load_inplace": True})
+            self._post("update_weight_version", {"new_version": str(version)})
+        finally:
+            self._resume()  # drops the prefix cache, whose keys and values the previous adapter computed
+        paused = time.perf_counter() - started
+        if self.verify_weights:
+            verify_adapter(received, self._rpc("lightning_rl_held_adapter", lora_id=1, rank=adapter.rank), adapter, version)
+        self._adapter_loaded = True
+        return paused
+
+    def _rpc(self, method: str, **kwargs: Any) -> Any:
+        """`method` of the server's worker extension (`vllm_gloo_backend.WeightSyncWorker`), on its one worker."""
+        return self._post("collective_rpc", {"method": method, "kwargs": kwargs})["results"][0]
+
+    def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = self._rpc("lightning_rl_model_info")
+        return self._info
+
+    def _server_config(self) -> dict[str, Any]:
+        return request_json(f"{self.url}/server_info?config_format=json", None, self.request_timeout, "GET")["vllm_config"]
+
+    def _model_source(self) -> str:
+        """This engine's model, else the one the server loaded."""
+        return str(self.model) if self.model is not None else self._server_config()["model_config"]["model"]
 
     def _healing(self, action: Callable[[], T]) -> T:
         """`action()`, done again on a restarted server each time the server dies under it."""
@@ -336,7 +438,9 @@ class VLLMServerEngine(RolloutEngine):
                     self.server.restart()
                     self._lives += 1
                     if self._kept is not None:
-                        self._push_verified(iter(self._kept), self._version)
+                        self._push_verified(iter(self._kept.items()), self._version)
+                    if self._kept_adapter is not None:
+                        self._push_adapter(*self._kept_adapter, self._version)
                     return
                 except VLLMServerError as again:  # it would not start, or died again while being re-synced
                     error = again
@@ -365,8 +469,9 @@ class VLLMServerEngine(RolloutEngine):
                                   "reads whole tensors from one (tensor_parallel_size 1), or set verify_weights: false")
         return workers[0]
 
-    def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         group = self._group or self._open_group()
+        started = time.perf_counter()
         self._post(f"pause?mode={self.pause}")
         try:
             self._post("start_weight_update")
@@ -380,10 +485,12 @@ class VLLMServerEngine(RolloutEngine):
             raise
         finally:
             self._resume()
+        return time.perf_counter() - started
 
-    def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         sender = self._nccl or self._open_nccl()
         tensors = sender.round(named_tensors)  # gathered and checked while the server still generates
+        started = time.perf_counter()
         self._post(f"pause?mode={self.pause}")
         try:
             sender.send(tensors, version)
@@ -392,6 +499,7 @@ class VLLMServerEngine(RolloutEngine):
             raise
         finally:
             self._resume()
+        return time.perf_counter() - started
 
     def _resume(self) -> None:
         if self.pause == "keep":

@@ -37,13 +37,15 @@ def request_json(url: str, body: Any | None, timeout: float, method: str = "POST
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            payload = response.read()
+            payload, kind = response.read(), response.headers.get_content_type()
     except urllib.error.HTTPError as err:
         raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:2000]}") from err
     except (urllib.error.URLError, OSError) as err:
         if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
             raise VLLMServerTimeout(f"{method} {url}: no answer within {timeout:g} s") from err
         raise VLLMServerError(f"{method} {url}: {err}") from err
+    if kind != "application/json":  # a few routes answer in plain text (/v1/load_lora_adapter)
+        return payload.decode(errors="replace")
     return json.loads(payload) if payload else None
 
 
@@ -58,7 +60,8 @@ class VLLMServer:
     `with` block). `python` is the interpreter of an environment with vLLM and lightning-rl installed (its
     workers load `vllm_gloo_backend`); it may differ from the trainer's. `transport` is the server's
     weight-transfer backend: "gloo" (`vllm_gloo_backend`) or "nccl" (vLLM's built-in backend, GPUs only).
-    Its output goes to `log_path` (without one, to a file of its own in a temporary folder, removed by `stop`), whose
+    `max_lora_rank` turns on LoRA serving (one adapter, loaded at runtime). Its output goes to `log_path` (without
+    one, to a file of its own in a temporary folder, removed by `stop`), whose
     last lines an error names (`log_tail`); a `restart` appends to it.
     """
 
@@ -75,6 +78,7 @@ class VLLMServer:
         transport: str = "gloo",
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
+        max_lora_rank: int | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike | None = None,
@@ -104,9 +108,15 @@ class VLLMServer:
             self.command += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
         if enforce_eager:
             self.command.append("--enforce-eager")
+        lora_env = {}
+        if max_lora_rank is not None:
+            # One adapter slot: the policy's, loaded again in place at each sync (/v1/load_lora_adapter, a route
+            # mounted only with runtime LoRA updating on).
+            self.command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
+            lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
         self.command += list(extra_args)
         # The weight-transfer and pause routes are only mounted in vLLM's development mode.
-        self.env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        self.env = {**os.environ, **(env or {}), **lora_env, "VLLM_SERVER_DEV_MODE": "1"}
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path is not None else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
