@@ -4,6 +4,11 @@ The engine and its worker live in the trainer's process (`VLLM_ENABLE_V1_MULTIPR
 is built, and the "uni" executor), so `push_weights` hands the trainer's tensors to vLLM's in-place reload directly:
 nothing is copied through a socket or a file. vLLM spawns processes of its own at start-up, so a script
 that builds this engine needs an `if __name__ == "__main__":` guard.
+
+Generation across updates: `generate` runs vLLM's engine one step at a time, and a push (from another thread) lands
+between two steps without waiting for the completions in flight. Their KV cache is dropped and recomputed under the
+new weights (as the server's ``pause: keep``), and each completion records the version that sampled each of its
+tokens (`Rollout.token_versions`): a step samples one token per running sequence, with the weights loaded then.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -28,7 +34,7 @@ from lightning_rl.rollout.base import (
 )
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of, write_groups
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -157,37 +163,74 @@ class VLLMEngine(RolloutEngine):
         self._adapter: Any = None  # the LoRARequest generation applies, once an adapter is pushed
         self._adapter_folder: str | None = None
         super().__init__(seed)
+        # A push waiting for the lock goes before generate's next step (a step re-takes the lock at once otherwise).
+        self._push_wanted = threading.Event()
+        self._turn = threading.Condition(self._lock)
+        self._generating = threading.Lock()  # one generate at a time: its steps run every request in the engine
+        self._switches: list[tuple[dict[tuple[str, int], int], int]] = []  # per push mid-generation: tokens then, version
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         from vllm import SamplingParams
 
         check_request(prompts, n, images)
         own = list(images) if images is not None else [None] * len(prompts)
-        with self._lock:
-            seed = self._seeds.next(sampling)
-            version = self._version
-            # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
-            params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n, self._vocab_size), detokenize=False)
-                      for g in range(len(prompts))]
-            outputs = self._llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False,
-                                         lora_request=self._adapter)
+        with self._generating:
+            with self._turn:
+                seed = self._seeds.next(sampling)
+                version = self._version
+                self._switches = []
+                # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
+                params = [SamplingParams(**sampling_params_of(sampling, n, seed + g * n, self._vocab_size), detokenize=False)
+                          for g in range(len(prompts))]
+                self._llm.enqueue([vllm_prompt(p, i) for p, i in zip(prompts, own)], params, use_tqdm=False,
+                                  lora_request=self._adapter)
+            outputs = self._run_steps()
+            switches, self._switches = self._switches, []
         groups = []
         for g, (prompt, output) in enumerate(zip(prompts, outputs)):
             if own[g]:
                 check_expanded(type(self).__name__, g, output.prompt_token_ids, prompt)
-            groups.append([
-                Rollout(
+            rollouts = []
+            for completion in output.outputs:
+                versions = [version] * len(completion.token_ids)
+                for sampled, new in switches:  # the tokens after a push were sampled by its weights
+                    start = sampled.get((output.request_id, completion.index))
+                    if start is not None:  # else finished before that push
+                        versions[start:] = [new] * max(len(versions) - start, 0)
+                rollouts.append(Rollout(
                     prompt_ids=list(prompt),
                     completion_ids=list(completion.token_ids),
                     logprobs=[step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)],
                     support=support_of([[(t, e.logprob) for t, e in step.items()] for step in completion.logprobs], sampling, self._vocab_size),
-                    weight_version=version,
+                    weight_version=min(versions, default=version),
                     group_id=g,
                     finish_reason=completion.finish_reason or "length",
-                )
-                for completion in output.outputs
-            ])
+                    token_versions=versions if len(set(versions)) > 1 else None,
+                ))
+            groups.append(rollouts)
         return RolloutBatch(groups)
+
+    def _run_steps(self) -> list[Any]:
+        """Step the engine until every request enqueued is finished, letting a push in between two steps; the finished
+        outputs in the order of their requests (as `LLM.generate` returns them)."""
+        engine, finished = self._llm.llm_engine, []
+        while True:
+            with self._turn:
+                self._turn.wait_for(lambda: not self._push_wanted.is_set())
+                if not engine.has_unfinished_requests():
+                    return sorted(finished, key=lambda output: int(output.request_id))
+                finished.extend(output for output in engine.step() if output.finished)
+
+    def _in_flight(self) -> dict[tuple[str, int], int]:
+        """The tokens sampled so far by each unfinished completion, by (request id, sample index), between two steps."""
+        states = self._llm.llm_engine.output_processor.request_states.values()
+        return {(state.external_req_id, state.request_index): state.detokenizer.num_output_tokens() for state in states}
+
+    def _updated(self, version: int) -> None:
+        """Under the lock, once `version` is loaded: completions in flight sample their next tokens with it."""
+        if in_flight := self._in_flight():
+            self._switches.append((in_flight, version))
+        self._version = version
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Reload in place, then (with `verify_weights`) prove the live weights are what was sent. A tensor the model
@@ -201,14 +244,27 @@ class VLLMEngine(RolloutEngine):
         return self._push(named_tensors, version, earlier=self._verified)
 
     def write_groups(self) -> dict[str, str]:
-        """`vllm_held.write_groups` of the model: fused parts and a layer's experts travel together."""
-        return write_groups(self._packed, self._layout.shapes)
+        """The parts of each fused module (q/k/v, gate/up) and a layer's experts are written together: vLLM's reload
+        of a module rebuilds it from what it receives."""
+        fused = {part: module for module, parts in self._packed.items() for part in parts}
+        groups = {}
+        for name in self._layout.shapes:
+            module, _, param = name.rpartition(".")
+            head, _, leaf = module.rpartition(".")
+            if leaf in fused:
+                groups[name] = f"{head}.{fused[leaf]}.{param}"
+            elif ".experts." in name:
+                groups[name] = name[: name.index(".experts.")] + ".experts"
+        return groups
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
         sent = SentDigests(named_tensors, self._held_dtypes.get)
         weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(sent if self.verify_weights else named_tensors))
         self._verified = None  # until this push is verified
-        with self._lock:
+        self._push_wanted.set()
+        with self._turn:
+            self._push_wanted.clear()
+            self._turn.notify_all()
             paused = time.perf_counter()
             try:
                 self._reload(weights)
@@ -218,14 +274,15 @@ class VLLMEngine(RolloutEngine):
                 raise
             finally:
                 # Cached prefixes hold keys and values computed with the old weights, cached encoder outputs image
-                # features: both are dropped (the worker's reload drops its encoder outputs, not the scheduler's record of them).
-                self._llm.reset_prefix_cache()
+                # features: both are dropped (the worker's reload drops its encoder outputs, not the scheduler's record of them),
+                # and so are the running requests' blocks: their keys and values are recomputed under the new weights.
+                self._llm.reset_prefix_cache(reset_running_requests=True)
                 self._llm.llm_engine.reset_encoder_cache()
             if self.verify_weights:
                 held = {name: digest for name, (_, digest) in self._held().items()}
                 verify_held(sent, held, ties_of(self._layout), version, earlier)
                 self._verified = held
-            self._version = version
+            self._updated(version)
             return time.perf_counter() - paused
 
     def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
@@ -242,16 +299,20 @@ class VLLMEngine(RolloutEngine):
         folder = self._adapter_folder = self._adapter_folder or tempfile.mkdtemp(prefix="lightning-rl-adapter-")
         received = write_adapter(named_tensors, adapter, folder)
         request = LoRARequest("policy", 1, folder, load_inplace=True)
-        with self._lock:
+        self._push_wanted.set()
+        with self._turn:
+            self._push_wanted.clear()
+            self._turn.notify_all()
             paused = time.perf_counter()
             self._adapter = None  # until this version is loaded
             self._llm.llm_engine.add_lora(request)
-            self._llm.reset_prefix_cache()  # cached keys and values were computed with the previous adapter
+            # Cached keys and values, running requests' too, were computed with the previous adapter.
+            self._llm.reset_prefix_cache(reset_running_requests=True)
             if self.verify_weights:
                 held = self._llm.collective_rpc(held_adapter, kwargs={"lora_id": 1, "rank": adapter.rank})[0]
                 verify_adapter(received, held, adapter, version)
             self._adapter = LoRARequest("policy", 1, folder)
-            self._version = version
+            self._updated(version)
             return time.perf_counter() - paused
 
     def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

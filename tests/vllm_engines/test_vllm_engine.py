@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -204,3 +207,47 @@ def test_a_support_wider_than_the_cap_is_refused_naming_the_key(engine):
     with pytest.raises(RecipeError, match=r"^sampling.max_support=16: a sampled token's filters kept at least 17 tokens") as refused:
         engine.generate(PROMPTS[:1], 2, SamplingConfig(max_new_tokens=4, top_p=0.9, max_support=16, seed=0))
     assert refused.value.key == "sampling.max_support"
+
+
+
+def test_generation_continues_across_a_push_with_every_token_versioned(engine, synced, tiny_model_dir):
+    """A push from another thread lands between two of generate's steps, without waiting for the completions in flight:
+    they continue under the new weights, their KV cache recomputed, and each token records the version that sampled it
+    (its log-prob is that version's model on the whole prefix, not the other's)."""
+    from engine_checks import reference_logprobs
+
+    old_model, new = synced
+    old = new - 1
+    new_model = load_trainer_model(tiny_model_dir)
+    new_model.load_state_dict(old_model.state_dict())
+    perturb_(new_model, seed=300)
+    generated = []
+    generating = threading.Thread(target=lambda: generated.extend(
+        engine.generate(PROMPTS, n=2, sampling=SamplingConfig(max_new_tokens=200, seed=4)).rollouts))
+    generating.start()
+    while sampled_so_far(engine) < 16 and generating.is_alive():
+        time.sleep(0.01)
+    engine.push_weights(iter_full_weights(new_model), version=new)
+    assert generating.is_alive()  # the push did not wait for the completions in flight
+    generating.join()
+    spanning = [r for r in generated if r.token_versions is not None]
+    assert len(generated) == 6 and spanning, "no completion was in flight across the push"
+    for rollout in generated:
+        versions = rollout.versions
+        switch = versions.count(old)
+        assert versions == [old] * switch + [new] * (len(versions) - switch) and rollout.weight_version == min(versions)
+        of = {v: reference_logprobs(m, rollout.prompt_ids, rollout.completion_ids) for v, m in ((old, old_model), (new, new_model))}
+        own = torch.stack([of[v][t] for t, v in enumerate(versions)])
+        assert (torch.tensor(rollout.logprobs) - own).abs().max() < LOGPROB_ATOL
+        if rollout in spanning:  # the tokens either side of the switch are not the other version's
+            assert 0 < switch < len(versions)
+            for t, v in ((switch - 1, new), (switch, old)):
+                assert abs(rollout.logprobs[t] - of[v][t]) > 100 * LOGPROB_ATOL, t
+
+
+def sampled_so_far(engine) -> int:
+    """Tokens the completions in flight have sampled (read from another thread while the engine steps)."""
+    try:
+        return sum(engine._in_flight().values())
+    except RuntimeError:  # the engine changed its requests while they were read
+        return 0
