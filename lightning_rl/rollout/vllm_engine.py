@@ -34,7 +34,7 @@ from lightning_rl.rollout.base import (
 )
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of, write_groups
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -244,18 +244,8 @@ class VLLMEngine(RolloutEngine):
         return self._push(named_tensors, version, earlier=self._verified)
 
     def write_groups(self) -> dict[str, str]:
-        """The parts of each fused module (q/k/v, gate/up) and a layer's experts are written together: vLLM's reload
-        of a module rebuilds it from what it receives."""
-        fused = {part: module for module, parts in self._packed.items() for part in parts}
-        groups = {}
-        for name in self._layout.shapes:
-            module, _, param = name.rpartition(".")
-            head, _, leaf = module.rpartition(".")
-            if leaf in fused:
-                groups[name] = f"{head}.{fused[leaf]}.{param}"
-            elif ".experts." in name:
-                groups[name] = name[: name.index(".experts.")] + ".experts"
-        return groups
+        """`vllm_held.write_groups` of the model: fused parts and a layer's experts travel together."""
+        return write_groups(self._packed, self._layout.shapes)
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
         sent = SentDigests(named_tensors, self._held_dtypes.get)
