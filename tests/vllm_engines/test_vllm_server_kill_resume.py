@@ -5,8 +5,9 @@ completions hold tokens of two weight versions.
 
 A save waits until the rollout thread has finished the batches the current weights allow, so a checkpoint holds whole
 completions only; the completions a SIGKILL cuts were never saved and are sampled again on the resume, with the
-same seeds (docs/architecture.md, "Nothing lost, nothing repeated"). The runs share the session's server (by url):
-the server outlives a killed run, as a server of its own would not be stopped by a SIGKILL."""
+same seeds (README, "Generation never stops for a weight update"). The runs share the session's server (by url), as
+runs share a server started beside them on a cluster; one started by the run itself would outlive its SIGKILL (the
+server has a session of its own)."""
 
 from __future__ import annotations
 
