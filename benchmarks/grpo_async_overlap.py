@@ -23,8 +23,8 @@ Every figure is over the steps after ``--warmup``, from the first measured step'
 - ``tokens_per_s``: completion tokens trained per second of the whole loop;
 - ``trainer_idle_fraction``: the share of that time the trainer computes nothing (not in forward, backward or the
   optimizer step): waiting for a batch, or for a weight push (which under ``pause: wait`` waits for the completions
-  in flight); ``trainer_idle_parts`` splits it into those two and the rest (the step's bookkeeping, Lightning's
-  loop);
+  in flight); ``trainer_idle_parts`` splits it into those two, the step's bookkeeping (advantages, packing,
+  logging) and the time between steps (Lightning's loop, callbacks);
 - ``engine_idle_fraction``: the share with no generate request of ours in flight at the server;
 - ``max_staleness_trained`` and ``token_fraction_by_staleness``: a token's staleness is the batch's index (the
   trainer's weight version when it trains it) minus the version that sampled that token (`Rollout.versions`).
@@ -141,6 +141,7 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
     wall = end - start
     pushes = clock.push_s[1:]  # the first push is on_train_start's, before any step
     compute = sum(t - p for t, p in zip(clock.train_s[measured], pushes[measured]))
+    in_steps = sum(b - a for a, b in zip(clock.step_starts[measured], clock.step_ends[measured]))
     staleness: Counter[int] = Counter()
     lengths = []
     for scored in clock.batches[measured]:
@@ -157,7 +158,9 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
         "trainer_idle_parts": {  # of the whole loop's time: where the trainer's idle time goes
             "waiting_for_rollouts": sum(clock.wait_s[measured]) / wall,
             "pushing_weights": sum(pushes[measured]) / wall,
-            "other": 1 - (compute + sum(clock.wait_s[measured]) + sum(pushes[measured])) / wall,
+            # in the step, besides (advantages, packing, logging), and between steps (Lightning's loop, callbacks)
+            "step_bookkeeping": (in_steps - sum(clock.wait_s[measured]) - sum(clock.train_s[measured])) / wall,
+            "between_steps": 1 - in_steps / wall,
         },
         "push_s_mean": sum(pushes[measured]) / max(len(pushes[measured]), 1),
         "engine_idle_fraction": 1 - busy_seconds(clock.generating, start, end) / wall,
