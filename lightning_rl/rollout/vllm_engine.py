@@ -40,6 +40,14 @@ _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
 
 
+def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`engine_kwargs`, refused with vLLM's asynchronous scheduling (see `VLLMEngine`)."""
+    if (engine_kwargs or {}).get("async_scheduling"):
+        raise ValueError("engine_kwargs.async_scheduling: true is refused: a push would land while a step's tokens are "
+                         "in flight, and which weights sampled them would not be known")
+    return dict(engine_kwargs or {})
+
+
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int, vocab_size: int) -> dict[str, Any]:
     """vLLM `SamplingParams` fields for one request; `logprobs` asks for the sampled token's log-prob, and with a
     filter on for enough top log-probs to read its support off (`support_request`)."""
@@ -98,8 +106,10 @@ class VLLMEngine(RolloutEngine):
 
     Log-probs are vLLM's `processed_logprobs`: those of the temperature-scaled distribution the token
     was drawn from (with top-k, top-p or min-p filtering, of the filtered, renormalised one, whose support
-    is read off the top log-probs: `support_request`). `generate` and
-    `push_weights` exclude each other, so a generation always finishes on the weights it started with.
+    is read off the top log-probs: `support_request`). A push lands between two of `generate`'s steps (the module
+    docstring), so a completion may hold tokens of several versions, each recorded. vLLM's asynchronous scheduling
+    (``engine_kwargs.async_scheduling``) is off: it would have a step's tokens in flight when a push lands, so which
+    weights sampled them would not be known.
     On a CPU, `kv_cache_memory_bytes` sizes the KV cache in host memory.
 
     Args:
@@ -115,6 +125,7 @@ class VLLMEngine(RolloutEngine):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(f"{cls.__name__} needs vLLM, which is not installed in this Python environment (pip install 'lightning-rl[vllm]'; on a CPU, `make vllm-venv`)")
         check_dtype(options["dtype"], VLLM_DTYPES)
+        _check_scheduling(options["engine_kwargs"])
 
     def __init__(
         self,
@@ -143,7 +154,7 @@ class VLLMEngine(RolloutEngine):
                 enforce_eager=enforce_eager, distributed_executor_backend="uni",
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
                 **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": served_lora_rank(max_lora_rank), "max_loras": 1}),
-                **dict(engine_kwargs or {}),
+                **{"async_scheduling": False, **_check_scheduling(engine_kwargs)},
             )
         finally:
             if previous is None:

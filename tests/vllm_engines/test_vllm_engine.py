@@ -251,3 +251,12 @@ def sampled_so_far(engine) -> int:
         return sum(engine._in_flight().values())
     except RuntimeError:  # the engine changed its requests while they were read
         return 0
+
+
+def test_asynchronous_scheduling_is_refused_naming_the_key():
+    """It would have a step's tokens in flight when a push lands: which weights sampled them would not be known."""
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"^engine_kwargs.async_scheduling: true is refused"):
+        VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": True}})
+    VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": False}})
