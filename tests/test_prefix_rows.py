@@ -1,7 +1,8 @@
 """One prefix, many rows: a group too large for one row forwards the prefix it shares once, its rows attend to the
 captured keys and values, and one backward runs through the prefix after the last row. Log-probs and gradients
-equal each sequence run alone (random trees, random row budgets), on three attention styles; what it cannot
-compute is refused in one line."""
+equal each sequence run alone (random trees, random row budgets), on three attention styles, in fp32 and fp64;
+the family matrix's attention styles in fp64; what it cannot compute is refused in one line, and the probe checks
+the path before a model's first span."""
 
 import copy
 
@@ -12,16 +13,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
+from lightning_rl.ops.packed_forward import packed_logprobs, probe_across_rows, verify_row
 from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, share_prefixes
 from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
 from support import tiny_models
 from support.grpo import LENGTH_REWARD, GradientRecorder, fit
 
 from lightning_rl.losses import GRPOLoss
-from support.packing_families import GRAD_FLOOR, TOLERANCE, reference_logprobs
+from support import packing_families
+from support.packing_families import FP32_INSIDE, FP32_INSIDE_LOGPROB_TOLERANCE, GRAD_FLOOR, TOLERANCE, reference_logprobs
 
 MODELS = {name: tiny_models.build(name) for name in ("qwen3", "llama", "mistral_sliding")}  # windows of 3 reach into the prefix
+MODELS_FP64 = {name: copy.deepcopy(model).double() for name, model in MODELS.items()}
 
 
 @st.composite
@@ -70,11 +73,7 @@ def _cross_row(model, seqs, prompt_len, budget, backend):
     return out, _grads(model), packed
 
 
-@settings(max_examples=4, deadline=None)
-@given(groups(), st.sampled_from(sorted(MODELS)), st.sampled_from(["blocks", "dense"]))
-def test_cross_row_equals_each_sequence_alone(group, name, backend):
-    seqs, prompt_len, budget = group
-    model = MODELS[name]
+def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, grad_tol):
     out, grads, _ = _cross_row(model, seqs, prompt_len, budget, backend)
     reference = copy.deepcopy(model)
     reference.zero_grad()
@@ -86,9 +85,44 @@ def test_cross_row_equals_each_sequence_alone(group, name, backend):
         lp_error = max(lp_error, float((ours - ref.detach()).abs().max()))
         total = total + (ref * weights).sum()
     total.backward()
-    lp_tol, grad_tol = TOLERANCE[torch.float32]
+    dtype = next(model.parameters()).dtype
     assert lp_error <= lp_tol
-    assert _grad_error(grads, _grads(reference)) <= grad_tol
+    assert _grad_error(grads, _grads(reference), dtype) <= grad_tol
+
+
+@settings(max_examples=6, deadline=None)
+@given(groups(), st.sampled_from(sorted(MODELS)), st.sampled_from(["blocks", "dense"]), st.sampled_from([torch.float32, torch.float64]))
+def test_cross_row_equals_each_sequence_alone(group, name, backend, dtype):
+    model = (MODELS if dtype == torch.float32 else MODELS_FP64)[name]
+    _check_against_each_alone(model, *group, backend, *TOLERANCE[dtype])
+
+
+# The family matrix's attention styles (support/packing_families.py) in fp64: exact across rows, or refused in one line.
+STYLES = {
+    "llama": None, "qwen3": None, "phi": None,  # rotary, q/k norms, partial rotary
+    "mistral": None, "cohere2": None,  # a sliding window reaching into the prefix; sliding and full layers
+    "gpt2": None,  # learned positions, continued at the prefix's depth
+    "gemma3n_text_kvshare": None,  # later layers reuse earlier layers' keys and values
+    "qwen3_moe": None, "deepseek_v3": None,  # experts; latent attention (rounds to fp32 inside)
+    "gemma2": r"passes 'softcap' to its attention",
+    "diffllama": r"an attention module runs twice in one forward",
+    "llama_dynamic": r"its dynamic rope picks frequencies from the longest position",
+}  # fmt: skip
+FORKS = [[3, 4, 5, 6, 7, 8] + tail for tail in ([10, 11, 12], [10, 11, 13, 14], [20, 21], [22, 23, 24, 25], [10, 30])]
+
+
+@pytest.mark.parametrize("backend", ["blocks", "dense"])
+@pytest.mark.parametrize("family", sorted(STYLES))
+def test_cross_row_in_fp64_is_exact_or_refused_on_each_attention_style(family, backend):
+    model = packing_families.build(family, torch.float64)
+    lp_tol, grad_tol = TOLERANCE[torch.float64]
+    if family in FP32_INSIDE:
+        lp_tol = FP32_INSIDE_LOGPROB_TOLERANCE
+    if STYLES[family] is None:  # rows of 6 tokens after the prefix: 3 rows, one a nested fork
+        _check_against_each_alone(model, FORKS, 6, 6, backend, lp_tol, grad_tol)
+    else:
+        with pytest.raises(PackingRefused, match=STYLES[family]):
+            _check_against_each_alone(model, FORKS, 6, 6, backend, lp_tol, grad_tol)
 
 
 def test_the_prefix_is_forwarded_once_and_verify_row_checks_the_span():
@@ -144,6 +178,25 @@ def test_what_cannot_continue_a_prefix_is_refused_in_one_line():
         cut_prefix(apart, 1)
 
 
+def test_the_probe_checks_the_cross_row_path_before_a_models_first_span():
+    model = tiny_models.build("qwen3")
+    error, dtype = probe_across_rows(copy.deepcopy(model), "blocks", torch.device("cpu"))  # a copy: this probes it
+    assert error < 1e-5 and dtype == torch.float32
+    seqs = [list(range(3, 12)) + [20 + k, 30 + k] for k in range(4)]
+    masks = [[t >= 9 for t in range(len(s))] for s in seqs]
+    packed_logprobs(model, pack_sequences(seqs, masks))  # one row: the probe within a row only
+    span = share_prefixes([pack_sequences(seqs[:2], masks[:2]), pack_sequences(seqs[2:], masks[2:])], [(0, 8), (0, 8)])
+    # Stands for a model that computes a prefix forwarded on its own otherwise than the same tokens in a row: the
+    # probe's prefix (2 tokens) has its embeddings moved. The probe across rows runs before the first span, and refuses.
+    hook = model.model.embed_tokens.register_forward_hook(lambda module, args, out: out + 0.1 if args[0].shape[1] == 2 else None)
+    try:
+        with pytest.raises(PackingRefused, match=r"self-check measured .* away .*; a prefix forwarded once across rows \(model.prefix_across_rows: never"):
+            packed_logprobs(model, span[0])
+    finally:
+        hook.remove()
+    assert torch.isfinite(packed_logprobs(model, span[0])).all()  # probed again, and now agrees
+
+
 class PrefixForwards(L.Callback):
     """Tokens of every packed forward of the policy and the reference, in order."""
 
@@ -169,8 +222,10 @@ def test_a_grpo_step_across_rows_equals_its_sub_groups():
         grads[setting], rows[setting] = recorder.steps[0], int(trainer.callback_metrics["train/rows"])
         assert float(trainer.callback_metrics["train/packing_error"]) < 1e-5  # verify_packing ran on the first row
     always, never = forwards["always"].calls, forwards["never"].calls
-    # The reference (no backward) forwards each group's prefix once, then the rows: its probe, 2 prefixes, the rows.
-    assert len(always["reference"]) == 1 + 2 + rows["always"] and rows["always"] < rows["never"]
+    # The reference (no backward) forwards each group's prefix once, then the rows: its probe (one row), its probe
+    # across rows (a prefix and two rows), 2 prefixes, the rows.
+    assert len(always["reference"]) == 1 + 3 + 2 + rows["always"] and rows["always"] < rows["never"]
+    assert len(never["reference"]) == 1 + rows["never"]  # no probe across rows where no row continues a prefix
     assert sum(always["reference"]) < sum(never["reference"]) and sum(always["policy"]) < sum(never["policy"])
     for name, grad in grads["never"].items():
         torch.testing.assert_close(grads["always"][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

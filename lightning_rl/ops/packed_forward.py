@@ -6,7 +6,8 @@ some kernels only run on hardware the tests do not have. So the model checks its
 - the **probe**: when tree attention is first used on a model (per backend, device and dtype), a few short random
   sequences forming nested forks and a separate root are scored packed and one by one, without gradients, in
   eval mode; every decoder layer must have applied the row's tree, and the log-probs must agree within a
-  dtype-aware tolerance, or the model is refused with the measured error;
+  dtype-aware tolerance, or the model is refused with the measured error; a row continuing a prefix forwarded
+  apart (``ops/prefix_rows.py``) first has the probe's sequences run that way too, as a span of two rows;
 - ``verify_row``: the real row of a training step against per-sequence runs of a sample of its sequences.
 
 Both run the same number of forwards on every rank and agree on the error across ranks, so a sharded run checks
@@ -32,7 +33,7 @@ from lightning_rl.models.multimodal import (
 )
 from lightning_rl.packing.images import image_runs, images_on_path, placeholder_blocks, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
-from lightning_rl.ops.prefix_rows import PrefixedRow
+from lightning_rl.ops.prefix_rows import PrefixedRow, share_prefixes
 
 # Max |packed - per-sequence| log-prob accepted, by the dtype the model computes in. fp32 noise is ~1e-6, fp64 ~1e-13;
 # bf16 and fp16 kernels that sum in another order differ by ~1e-2. A leak across sequences moves log-probs by far more.
@@ -103,13 +104,15 @@ def packed_hidden_states(
     list a prefix's own forward records each attention call's keys and values in."""
     enable_tree_attention(model)
     prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
+    if prefix is not None:
+        prefix.check(model)
     check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens + (prefix.length if prefix else 0))
     device = batch.input_ids.device
     # A model whose image tokens attend to each other both ways sees each image's placeholders as one block.
     token = image_token_id(model.config)
     both_ways = placeholder_blocks(batch.input_ids, token) if batch.image_inputs and token is not None and attends_within_images_both_ways(model) else None
     meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__, both_ways=both_ways)
-    _probe_once(model, meta.backend, device, batch.pad_to_multiple_of)
+    _probe_once(model, meta.backend, device, batch.pad_to_multiple_of, across_rows=prefix is not None)
     if batch.image_inputs and image_block_rule(type(model)) == "other":
         raise PackingRefused(
             f"{type(model).__name__} groups its image tokens into blocks that attend both ways by a rule of its own "
@@ -249,20 +252,27 @@ def _right_padded(ids: Tensor, multiple: int | None) -> Tensor:
     return torch.nn.functional.pad(ids, (0, multiple - len(ids) % multiple))
 
 
-def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> None:
+def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None, across_rows: bool = False) -> None:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # a model cast later is probed again
     key = (backend, device.type, autocast, weights)
-    if key in _PROBED.setdefault(model, set()):
-        return
-    error, dtype = probe(model, backend, device, pad_to_multiple_of)
-    tolerance = _tolerance(dtype)
-    if error > tolerance:
-        raise PackingRefused(
-            f"{type(model).__name__}: the packing self-check measured packed log-probs {error:.2e} away from each sequence "
-            f"run alone ({backend} attention, {str(dtype).removeprefix('torch.')}, tolerance {tolerance:.0e}); this model cannot be tree-packed exactly"
-        )
-    _PROBED[model].add(key)
+    for way, run in ((key, lambda: probe(model, backend, device, pad_to_multiple_of)), ((*key, "across rows"), lambda: probe_across_rows(model, backend, device))):
+        if way in _PROBED.setdefault(model, set()) or (not across_rows and way != key):
+            continue
+        _PROBED[model].add(way)  # the probe's own rows come through here
+        try:
+            error, dtype = run()
+        except BaseException:
+            _PROBED[model].discard(way)
+            raise
+        tolerance = _tolerance(dtype)
+        if error > tolerance:
+            _PROBED[model].discard(way)
+            how = "a prefix forwarded once across rows (model.prefix_across_rows: never avoids it)" if way != key else "this model cannot be tree-packed exactly"
+            raise PackingRefused(
+                f"{type(model).__name__}: the packing self-check measured packed log-probs {error:.2e} away from each sequence "
+                f"run alone ({backend} attention, {str(dtype).removeprefix('torch.')}, tolerance {tolerance:.0e}); {how}"
+            )
 
 
 @torch.no_grad()
@@ -301,6 +311,31 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         for module, training in modes:
             module.training = training
     return _agree(error, model, device), _compute_dtype(hidden)
+
+
+@torch.no_grad()
+def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype]:
+    """Max |cross-row - per-sequence| log-prob of ``probe_sequences``' four that share a prefix, run as a span: the
+    first two tokens forwarded once, two rows (one of them a nested fork) attending to their keys and values."""
+    seqs = [probe_sequences(model.config)[k] for k in (1, 2, 0, 3)]
+    masks = [[t >= 3 for t in range(len(s))] for s in seqs]  # no loss term reads the prefix's outputs
+    rows = share_prefixes([pack_sequences(seqs[:2], masks[:2]).to(device), pack_sequences(seqs[2:], masks[2:]).to(device)], [(0, 2), (0, 2)])
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        error, dtype = 0.0, torch.float32
+        for row, row_seqs in zip(rows, (seqs[:2], seqs[2:])):
+            packed = packed_logprobs(model, row, attention_backend=backend)
+            for k, s in enumerate(row_seqs):
+                ids = torch.tensor(s, device=device)[None]
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+                dtype = _compute_dtype(logits)
+                alone = torch.log_softmax(logits[2:-1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, ids[0, 3:, None]).squeeze(1)
+                error = max(error, float((packed[row.loss_seq == k] - alone).abs().max()))
+    finally:
+        for module, training in modes:
+            module.training = training
+    return _agree(error, model, device), dtype
 
 
 # -- the check of real rows ------------------------------------------------------------------------------------

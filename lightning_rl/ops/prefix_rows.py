@@ -46,18 +46,23 @@ class SharedPrefix:
     def length(self) -> int:
         return self.batch.num_tokens
 
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """Refused before any forward of a span's row (the probe's and the reference's included, so that no rank runs
+        forwards the others do not): a policy trained on several processes."""
+        if _trained_on_several_processes(model):
+            raise PackingRefused(
+                f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) is backpropagated after "
+                "its rows, outside the strategy's backward, so data parallelism (FSDP2, DDP) would not reduce its "
+                "gradients; set model.prefix_across_rows: never"
+            )
+
     def keys_values(self, model: nn.Module, forward) -> dict[int, tuple[Tensor, Tensor]]:
         """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
         and appends (module id, key, value) per attention call to ``capture``."""
         grad = torch.is_grad_enabled()
         key = (id(model), grad, model.training)
         if key not in self._captures:
-            if grad and _trained_on_several_processes(model):
-                raise PackingRefused(
-                    f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) is backpropagated after "
-                    "its rows, outside the strategy's backward, so data parallelism (FSDP2, DDP) would not reduce its "
-                    "gradients; set model.prefix_across_rows: never"
-                )
             captured: list[tuple[int, Tensor, Tensor]] = []
             forward(captured)
             captured = list(captured)  # a layer recomputed in the prefix's backward appends again: not read
