@@ -106,6 +106,17 @@ def lora_targets(worker: object) -> list[str]:
     return sorted({part for module in manager.supported_lora_modules for part in packed.get(module, [module])})
 
 
+def lora_refusal(worker: object) -> str | None:
+    """Why the worker can apply no LoRA adapter at all, or None. vLLM's CPU build wraps each MoE layer for LoRA (even
+    an adapter on attention alone) with kernels written in Triton, which has no CPU backend: generation fails."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    moe = [name for name, module in manager.modules.items() if type(module).__name__ == "FusedMoEWithLoRA"]
+    if moe and next(worker.get_model().parameters()).device.type == "cpu":
+        return (f"vLLM's CPU build applies LoRA on a MoE model's expert layers ({moe[0]}) with Triton kernels, which "
+                "have no CPU backend: it serves no adapter on a MoE model")
+    return None
+
+
 def write_groups(packed: Mapping[str, Sequence[str]], names: Iterable[str]) -> dict[str, str]:
     """Checkpoint name -> the group it is written with, for the tensors a delta must send together: the parts of a
     fused module (``packed``: vLLM's ``qkv_proj`` -> q, k, v) and a layer's experts, since vLLM's reload of a module

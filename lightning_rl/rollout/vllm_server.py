@@ -351,7 +351,7 @@ class VLLMServerEngine(RolloutEngine):
         if not lora.get("max_lora_rank"):
             return "this vLLM server serves no LoRA adapter (set model.engine.init_args.max_lora_rank)"
         info = self._model_info()
-        return vllm_adapter_refusal(adapter, int(lora["max_lora_rank"]), info["lora_targets"], info["architecture"])
+        return info["lora_refusal"] or vllm_adapter_refusal(adapter, int(lora["max_lora_rank"]), info["lora_targets"], info["architecture"])
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Send the adapter alone as `version`: staged on the server while it keeps generating (its worker receives

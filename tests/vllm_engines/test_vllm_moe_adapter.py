@@ -1,0 +1,70 @@
+"""A LoRA adapter on the tiny MoE model and the in-process vLLM engine: refused in one line before a run starts.
+
+vLLM (0.32) serves LoRA on Qwen3-MoE, experts included (one 2D adapter per expert), but its CPU build runs every MoE
+layer of a LoRA-serving model through Triton kernels it has no CPU backend for, so generation fails even with an
+adapter on attention alone (the first test shows it, and that the engine says so beforehand). Targets vLLM cannot
+serve on any build (the router; peft's adapter on the fused experts' 3D weights) are refused naming the module.
+``auto`` falls back to a merged sync. The engine runs with ``verify_weights: false``: the digest read-back
+(`vllm_held`) maps no fused expert weight of vLLM's to a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from engine_checks import KV_CACHE_BYTES, load_trainer_model
+from peft import LoraConfig, get_peft_model
+
+from lightning_rl.errors import RecipeError
+from lightning_rl.models.policy_sync import PolicySync, resolve_weight_sync
+from lightning_rl.models.weights import AdapterSpec, adapter_spec
+from lightning_rl.rollout.base import SamplingConfig
+
+ATTENTION = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from lightning_rl.toy.model import build_tiny_moe
+
+    return build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir):
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(moe_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        enforce_eager=True, max_lora_rank=16, verify_weights=False)
+    yield engine
+    engine.close()
+
+
+def lora(moe_dir, **targets):
+    return get_peft_model(load_trainer_model(moe_dir), LoraConfig(r=16, lora_alpha=32, **targets)).eval()
+
+
+def test_an_adapter_on_the_moe_model_is_refused_on_the_cpu_build_which_cannot_generate_with_it(engine, moe_dir):
+    policy = lora(moe_dir, **ATTENTION)
+    with pytest.raises(RecipeError, match=r"^weight_sync: adapter: vLLM's CPU build applies LoRA on a MoE model's "
+                       r"expert layers \(model.layers.0.mlp.experts\) with Triton kernels"):
+        resolve_weight_sync("adapter", policy, engine, lora=True)
+    assert resolve_weight_sync("auto", policy, engine, lora=True) == "merged"
+    # Negative control: sent anyway, the adapter loads, and generation with it fails in vLLM's Triton MoE kernel.
+    PolicySync("adapter").sync(policy, engine, 1)
+    with pytest.raises(AttributeError, match="triton"):
+        engine.generate([[5, 6, 7]], n=1, sampling=SamplingConfig(max_new_tokens=2, seed=1))
+
+
+@pytest.mark.parametrize(("targets", "module"), [
+    pytest.param({"target_modules": ["gate"]}, "model.layers.0.mlp.gate (Qwen3MoeTopKRouter)", id="router"),
+    pytest.param({"target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]},
+                 "model.layers.0.mlp.experts (Qwen3MoeExperts)", id="fused-experts"),
+])
+def test_moe_targets_vllm_serves_on_no_build_are_refused_naming_the_module(engine, moe_dir, targets, module):
+    from lightning_rl.rollout.vllm_engine import vllm_adapter_refusal
+
+    spec: AdapterSpec = adapter_spec(lora(moe_dir, **targets))
+    refusal = vllm_adapter_refusal(spec, engine.max_lora_rank, engine._lora_targets, "Qwen3MoeForCausalLM")
+    assert re.fullmatch(rf"vLLM's Qwen3MoeForCausalLM serves LoRA on .*experts\.0\.gate_proj.*, not on {re.escape(module)}", refusal)
