@@ -34,7 +34,7 @@ from lightning_rl.rollout.base import (
 )
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_targets, ties_of, write_groups
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_refusal, lora_targets, ties_of, write_groups
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -289,7 +289,8 @@ class VLLMEngine(RolloutEngine):
     def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
         if self.max_lora_rank is None:
             return "this vLLM engine serves no LoRA adapter (set model.engine.init_args.max_lora_rank)"
-        return vllm_adapter_refusal(adapter, self.max_lora_rank, self._lora_targets, self._layout.architecture)
+        return self._llm.collective_rpc(lora_refusal)[0] or vllm_adapter_refusal(
+            adapter, self.max_lora_rank, self._lora_targets, self._layout.architecture)
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Write the adapter as a peft folder and load it in place under one name (vLLM loads adapters from folders);
