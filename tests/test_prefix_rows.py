@@ -209,7 +209,8 @@ class PrefixForwards(L.Callback):
                 if kwargs.get("tree_attention") is not None:
                     self.calls[name].append(int(kwargs["input_ids"].shape[1]))
 
-            getattr(pl_module, name).register_forward_pre_hook(record, with_kwargs=True)
+            if getattr(pl_module, name) is not None:  # no reference without a KL term
+                getattr(pl_module, name).register_forward_pre_hook(record, with_kwargs=True)
 
 
 def test_a_grpo_step_across_rows_equals_its_sub_groups():
@@ -229,3 +230,15 @@ def test_a_grpo_step_across_rows_equals_its_sub_groups():
     assert sum(always["reference"]) < sum(never["reference"]) and sum(always["policy"]) < sum(never["policy"])
     for name, grad in grads["never"].items():
         torch.testing.assert_close(grads["always"][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_trainers_old_logprobs_forward_the_prefix_once_and_later_passes_reuse_them():
+    """num_iterations=2 with the trainer's old log-probs: the sampling policy's log-probs of a span (no gradient)
+    forward its prefix once too, and the batch's second pass reuses them without any forward."""
+    forwards = PrefixForwards()
+    _, trainer = fit(2, [forwards], batch_size=2, rewards=LENGTH_REWARD, num_generations=8, max_tokens_per_row=48, prefix_across_rows="always",
+                     num_iterations=2, old_logprobs="trainer", verify_packing="never")  # fmt: skip
+    rows, calls = int(trainer.callback_metrics["train/rows"]), forwards.calls["policy"]
+    # The probe (one row) and the probe across rows (a prefix, two rows); then 2 prefixes and the rows per pass: the
+    # first step's old log-probs and its loss, the second step's loss.
+    assert len(calls) == 1 + 3 + 3 * (2 + rows), calls
