@@ -280,6 +280,7 @@ def span_case(model: torch.nn.Module, config: Any, case: str, setting: Setting) 
 
     from lightning_rl.packing import pack_sequences
 
+    fresh_compiles()  # its rows bring shapes of their own (the prefix, rows of each length) after the four cases'
     device = setting.device
     seqs, masks = bench.rollouts(case, config.vocab_size, random.Random(case), scale=setting.span_scale)
     budget = bench.SPAN_ROW_BUDGET // setting.span_scale

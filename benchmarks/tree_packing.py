@@ -10,12 +10,15 @@ tokens only). The body (the decoder layers alone, no LM head) has its own FLOP b
 attention pairs only; where attention to shared ancestors is a large share, it sits below T/U.
 
 Cases whose group does not fit in one row (``*_spans_rows``) run a whole learner step over rows of at most
-``--row-budget`` unique tokens three ways: flat (one sequence per row's causal attention), sub-groups (today's
+4096 unique tokens (``SPAN_ROW_BUDGET``) three ways: flat (per-sequence causal attention, rows filled in order), sub-groups (today's
 planner without ``prefix_across_rows``: every row keeps the prompt) and cross-row (the prompt forwarded once, its
 keys and values shared by the rows, ``ops/prefix_rows.py``). A sequence longer than the budget does not fit flat or
 in a sub-group, so those two get the least row that holds it (``wide_row_budget``). ``speedup`` and ``flop_bound``
 are cross-row against flat, the bound counting the whole step as one tree; ``speedup_over_subgroups`` is cross-row
-against sub-groups. ``--span-scale`` divides every length of these cases (a CPU runs them at 1/16):
+against sub-groups. Cross-row holds its prefix's activations while each row runs, so its peak is the prefix's and
+one row's, against a sub-group row's prompt and its answers; a second-level shared part cut across rows
+(``nested_spans_rows``' first turns) is forwarded again in each row it reaches. ``--span-scale`` divides every length
+of these cases (a CPU runs them at 1/16):
 
     OMP_NUM_THREADS=1 python benchmarks/tree_packing.py --cases long_prompt_spans_rows nested_spans_rows
 
