@@ -9,7 +9,8 @@ Sequences of one group (the G completions of a prompt) stay in one row where the
 forwarded once. A group too large for one row is either split into sub-groups that each keep the prompt, or (with
 ``prefix_across_rows``) cut into the prefix every sequence of the group shares, forwarded once on its own, and rows of
 the rest (a *span*) that attend to that prefix's keys and values (`ops/prefix_rows.py`). A span's rows go to one rank,
-one after the other.
+one after the other. Only the group's prefix is forwarded once: a deeper shared part (a first turn whose answers do
+not fit in one row beside it) is cut into rows that each forward it again, as sub-groups would.
 """
 
 from __future__ import annotations
