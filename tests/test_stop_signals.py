@@ -7,12 +7,17 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from lightning_rl import stopping
 from lightning_rl.checkpoints import checkpoint_step, load_safely
+from lightning_rl.rollout.base import Rollout
+from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from support.paths import REPO
 from support.recipe_runs import exported
 from support.signalled_runs import Recipe, exit_after_signal, log_of, progress, signal_mid_step, wait_until
@@ -98,3 +103,56 @@ def test_two_ranks_stop_together_when_one_is_stuck_in_a_reward(tiny_path, tmp_pa
     step's first collective. Both give the step up at once and save the step before together."""
     recipe = Recipe([*GRPO, "--trainer.devices=2", "--trainer.strategy=fsdp2"], ranks=2)
     stopped_in_a_stuck_reward_then_resumed(recipe, tmp_path, monkeypatch, "another rank was stopping", stuck_rank=1)
+
+
+def scored(index: int, version: int) -> ScoredBatch:
+    rollout = Rollout([1, 2], [3, 4], [-0.5, -0.25], weight_version=version, group_id=0)
+    return ScoredBatch(index, [{"prompt": f"p{index}"}], [rollout], [1.0], {"r": [1.0]})
+
+
+@pytest.fixture
+def inside_a_step():
+    """The trainer's thread inside a step a stop signal may give up, as ``RequeueOnSignal`` marks it; undone after."""
+    stopping.may_abandon(True)
+    yield
+    stopping.may_abandon(False)
+    stopping.signal_came(False)
+
+
+def test_a_step_given_up_while_its_stale_batch_is_sampled_again_leaves_a_resumable_queue(inside_a_step):
+    """Batch 3 came back from a checkpoint too stale: the producer samples it again, and that sample never comes (a
+    reward that does not return). A stop signal gives the wait up; the queue a checkpoint then takes, without waiting
+    for the sample, still holds batches 3 and 4, so the resumed run trains them in order."""
+    release = threading.Event()
+
+    def produce(index: int) -> ScoredBatch:
+        release.wait()
+        return scored(index, 3)
+
+    producer = RolloutProducer(produce, lambda: 3, max_staleness=1)
+    producer.load_state_dict({"ready": [scored(3, 1).state(), scored(4, 3).state()]}, next_step=3)
+    producer.start()
+    threading.Timer(0.3, stopping.signal_came).start()  # once the trainer waits for the new sample
+    try:
+        with pytest.raises(stopping.StepAbandoned) as abandoned:
+            producer.take(3)
+        state = producer.state_dict()
+    finally:
+        release.set()
+        producer.close()
+    assert abandoned.value.why == "rollout batch 3 had not returned" and abandoned.value.code == 143
+    assert [batch["index"] for batch in state["ready"]] == [3, 4]
+    RolloutProducer(produce, lambda: 3, max_staleness=1).load_state_dict(state, next_step=3)  # refuses a gap
+
+
+def test_a_batch_taken_for_a_step_another_rank_gives_up_goes_back_to_the_queue(inside_a_step):
+    producer = RolloutProducer(lambda index: scored(index, 3), lambda: 3, max_staleness=1)
+    producer.load_state_dict({"ready": [scored(3, 3).state()]}, next_step=3)
+    producer.start()
+    try:
+        with pytest.raises(stopping.StepAbandoned) as abandoned:
+            stopping.fetched_on_every_rank(lambda: producer.take(3), lambda _: True, producer.give_back)  # the other rank's vote
+        assert abandoned.value.why == "another rank was stopping"
+        assert [batch["index"] for batch in producer.state_dict()["ready"]] == [3, 4]  # 4: generated meanwhile
+    finally:
+        producer.close()
