@@ -171,7 +171,7 @@ def plot(report: dict, path: Path) -> str:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return str(path)
+    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else path.name  # no machine paths in the JSON
 
 
 def main(argv: list[str] | None = None) -> int:
