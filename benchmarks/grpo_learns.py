@@ -4,8 +4,8 @@ evaluator, the same held-out problems, greedy), per kind of problem too, and the
 mean and the smallest gain over the seeds (the demo must hold on each, not on one lucky seed). CPU seconds are the
 runs' processes' own (user + system, every thread), which a machine busy with other work inflates less than wall
 seconds; the load average before and after each seed says how busy it was.
-Run: python benchmarks/grpo_learns.py [--seeds 3] [--workdir /tmp/grpo-learns]   (about three minutes a seed on two
-CPU cores; --sft-steps/--grpo-steps shorten the runs for a smoke test, with --out elsewhere)
+Run: OMP_NUM_THREADS=1 python benchmarks/grpo_learns.py [--seeds 3] [--workdir DIR]   (about 5 CPU minutes a seed, SFT
+and GRPO; --sft-steps/--grpo-steps shorten the runs for a smoke test, with --out elsewhere)
 """
 
 from __future__ import annotations
