@@ -22,7 +22,7 @@ from lightning.pytorch import Callback
 from lightning_rl.checkpoints import checkpoint_step
 from support.recipe_runs import exported
 from support.paths import REPO, TOY_TRAIN
-from support.signalled_runs import Recipe, log_of, signal_mid_step, steps_done, wait_until
+from support.signalled_runs import Recipe, signal_mid_step, steps_done, wait_until
 
 MAX_STEPS = 14
 

@@ -269,7 +269,7 @@ def test_adaptive_entropy_control_follows_its_rule_and_gates_the_bonus():
     loss = {"adaptive_entropy": True, "entropy_coef": 0.05, "entropy_coef_delta": 0.02, "entropy_target": target,
             "entropy_coef_max": 0.08}  # fmt: skip
     module, _ = fit(5, [log_, recorder], batch_size=2, rewards=LENGTH_REWARD, loss=loss)
-    coef, last = 0.05, float("inf")
+    coef = 0.05
     for step, entropy in enumerate(log_.entropy):
         coef = min(coef + 0.02, 0.08) if entropy <= target else max(coef - 0.02, 0.0)
         assert log_.coef[step] == pytest.approx(coef), step

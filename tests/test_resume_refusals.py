@@ -14,7 +14,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.pytorch import Callback
 

@@ -4,7 +4,6 @@ each is one error line naming the file and line, before anything is written."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image

@@ -1,7 +1,5 @@
 """Weights loaded straight into FSDP2 shards equal a plain from_pretrained, and no rank reads the whole model."""
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
