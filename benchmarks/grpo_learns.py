@@ -26,6 +26,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "grpo_learns.json"
+SFT_RECIPE, GRPO_FROM_SFT_RECIPE = "recipes/tiny/sft.yaml", "recipes/tiny/grpo_from_sft.yaml"
 
 
 def children_cpu_seconds() -> float:
@@ -39,6 +40,11 @@ def run(recipe: str, *overrides: str) -> tuple[float, float]:
     command = [str(Path(sys.executable).parent / "lightning-rl"), "run", recipe, "--overwrite", "--trainer.enable_progress_bar=false", *overrides]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - started, children_cpu_seconds() - cpu
+
+
+def run_sft(seed: int, out: Path, *overrides: str) -> tuple[float, float]:
+    """The SFT recipe as a user runs it, its export in ``out/hf``: wall and CPU seconds."""
+    return run(SFT_RECIPE, f"--output_dir={out}", f"--seed={seed}", *overrides)
 
 
 def per_kind(model_dir: Path) -> dict[str, float]:
@@ -62,8 +68,8 @@ def per_kind(model_dir: Path) -> dict[str, float]:
 def one_seed(seed: int, workdir: Path, sft_steps: list[str], grpo_steps: list[str]) -> dict:
     sft, grpo = workdir / f"seed{seed}" / "sft", workdir / f"seed{seed}" / "grpo"
     load_before = os.getloadavg()[0]
-    sft_seconds, sft_cpu = run("recipes/tiny/sft.yaml", f"--output_dir={sft}", f"--seed={seed}", *sft_steps)
-    grpo_seconds, grpo_cpu = run("recipes/tiny/grpo_from_sft.yaml", f"--output_dir={grpo}", f"--model.model_name_or_path={sft / 'hf'}",
+    sft_seconds, sft_cpu = run_sft(seed, sft, *sft_steps)
+    grpo_seconds, grpo_cpu = run(GRPO_FROM_SFT_RECIPE, f"--output_dir={grpo}", f"--model.model_name_or_path={sft / 'hf'}",
                        f"--seed={seed}", *grpo_steps)  # fmt: skip
     summary = json.loads((grpo / "summary.json").read_text())
     return {

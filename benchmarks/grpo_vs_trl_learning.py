@@ -2,6 +2,8 @@
 
     python benchmarks/grpo_vs_trl_learning.py [--steps 30] [--seeds 3] [--threads 1]
         -> benchmarks/results/grpo_vs_trl_learning.json and .png (the plot needs matplotlib)
+    python benchmarks/grpo_vs_trl_learning.py --from-sft [--steps 400] [--seeds 3] [--threads 1]
+        -> benchmarks/results/grpo_vs_trl_learning_from_sft.json and .png
 
 Both sides start from the embedded ``tiny`` model and train on the embedded toy prompts (``problems.jsonl``: chat
 messages without the reply, the ``answer`` column the reward's reference) with ``recipes/tiny/grpo.yaml``'s settings:
@@ -14,6 +16,13 @@ transformers' ``generate``. One evaluator for both: our greedy held-out exact ma
 200 held-out problems) on each exported model folder. Wall time: everything a user waits for, from building the
 trainer to the exported folder; CPU time: this process's (every thread's) over the same span, which a busy machine
 inflates less than the wall time; the load average before and after each run says how busy the machine was.
+
+``--from-sft``: the untrained tiny model answers no held-out problem before or after, so the comparison above says
+nothing about held-out gains. This one starts both sides from one SFT'd model (``recipes/tiny/sft.yaml`` at seed 0,
+run once as ``benchmarks/grpo_learns.py`` runs it) and uses ``recipes/tiny/grpo_from_sft.yaml``'s GRPO settings, the
+demo's: 16 prompts a step, AdamW at 3e-4, beta 0.3 (k3 KL to the SFT model), 20-step reward windows, the rest as
+above. Ours logs every step and skips the recipe's own before/after held-out decoding (TRL's side has none; the one
+evaluator here scores both exports); the seeds vary GRPO only.
 
 Verdict ``ours_within_or_above_trl``: our mean last-window reward and mean held-out gain are each at least TRL's
 smallest over its seeds (within its spread, or better), and our mean wall time is below TRL's.
@@ -31,9 +40,11 @@ import sys
 import tempfile
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
+import yaml
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -41,6 +52,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare_trl import environment  # noqa: E402
+from grpo_learns import GRPO_FROM_SFT_RECIPE, SFT_RECIPE, run_sft  # noqa: E402
 
 from lightning_rl.cli import main as lightning_rl_main  # noqa: E402
 from lightning_rl.modules.evaluation import exact_match, heldout_cases  # noqa: E402
@@ -51,10 +63,22 @@ from lightning_rl.toy.task import HELDOUT_FILE, PROBLEMS_FILE, read_jsonl  # noq
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tiny" / "grpo.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "grpo_vs_trl_learning.json"
-# recipes/tiny/grpo.yaml's settings, given to TRL under its names (ours reads them from the recipe itself).
-G, PROMPTS_PER_STEP, MAX_NEW_TOKENS, TEMPERATURE = 8, 4, 4, 1.0
-LEARNING_RATE, BETA, EPSILON_LOW, EPSILON_HIGH, MAX_GRAD_NORM = 2e-3, 0.0, 0.2, 0.28, 1.0
-FORMAT_PATTERN, FORMAT_WEIGHT = r"\s*\d", 0.5
+RESULTS_FROM_SFT = REPO / "benchmarks" / "results" / "grpo_vs_trl_learning_from_sft.json"
+# Both recipes' rewards (checked in recipe_settings), and the settings neither sets (the GRPO module's defaults).
+REWARDS = [("math_answer", 1.0, {}), ("format", 0.5, {"pattern": r"\s*\d"})]
+FORMAT_PATTERN = REWARDS[1][2]["pattern"]
+MAX_GRAD_NORM = 1.0
+
+
+def recipe_settings(recipe: Path) -> dict:
+    """The recipe's GRPO settings that TRL is given under its own names (ours reads the recipe itself)."""
+    config = yaml.safe_load(recipe.read_text())
+    model = config["model"]
+    if [(r["function"], r["weight"], r.get("kwargs", {})) for r in model["rewards"]] != REWARDS:
+        raise SystemExit(f"{recipe}: model.rewards differ from the ones TRL's side computes ({REWARDS})")
+    return {"G": model["num_generations"], "prompts_per_step": config["data"]["batch_size"], "max_new_tokens": model["sampling"]["max_new_tokens"],
+            "temperature": model["sampling"]["temperature"], "learning_rate": model["learning_rate"], "warmup_steps": model.get("warmup_steps", 0),
+            "loss": model["loss"], "window": model["summary_window"], "steps": config["trainer"]["max_steps"]}  # fmt: skip
 
 
 def heldout_exact_match(model_dir: Path) -> float:
@@ -71,10 +95,10 @@ def windows(rewards: list[float], window: int) -> dict[str, float]:
 # -- ours ----------------------------------------------------------------------------------------------------------
 
 
-def train_ours(seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
+def train_ours(recipe: Path, overrides: list[str], seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
     """The recipe as a user runs it; per-step mean reward (train/reward of its CSV log), export."""
-    code = lightning_rl_main(["run", str(RECIPE), f"--output_dir={out}", f"--seed={seed}", f"--trainer.max_steps={steps}",
-                              "--checkpoint_every_n_steps=100000", "--trainer.enable_progress_bar=false", "--overwrite"])  # fmt: skip
+    code = lightning_rl_main(["run", str(recipe), f"--output_dir={out}", f"--seed={seed}", f"--trainer.max_steps={steps}",
+                              "--checkpoint_every_n_steps=100000", "--trainer.enable_progress_bar=false", "--overwrite", *overrides])  # fmt: skip
     if code != 0:
         raise SystemExit(f"our run failed (exit {code}): {out}")
     (metrics,) = out.glob("csv/version_*/metrics.csv")
@@ -103,16 +127,16 @@ def toy_prompts() -> Dataset:
     return Dataset.from_list([{"prompt": row["messages"][:-1], "answer": row["answer"]} for row in read_jsonl(PROBLEMS_FILE)])
 
 
-def train_trl(seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
-    model_path = tiny_model_path()
+def train_trl(settings: dict, model_path: str, seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
+    G, loss = settings["G"], settings["loss"]
     config = GRPOConfig(
-        output_dir=str(out), seed=seed, max_steps=steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, per_device_train_batch_size=PROMPTS_PER_STEP * G,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, num_generations=G,
-        max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0, loss_type="dapo", beta=BETA,
-        epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH, scale_rewards="group", mask_truncated_completions=False,
-        reward_weights=[1.0, FORMAT_WEIGHT], use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=1,
-        save_strategy="no", disable_tqdm=True,
+        output_dir=str(out), seed=seed, max_steps=steps, learning_rate=settings["learning_rate"], lr_scheduler_type="constant",
+        warmup_steps=settings["warmup_steps"], weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM,
+        per_device_train_batch_size=settings["prompts_per_step"] * G, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_iterations=1, num_generations=G, max_completion_length=settings["max_new_tokens"], temperature=settings["temperature"],
+        top_p=1.0, top_k=0, loss_type=loss["loss_type"], beta=loss["beta"], epsilon=loss["epsilon_low"], epsilon_high=loss["epsilon_high"],
+        scale_rewards="group", mask_truncated_completions=False, reward_weights=[weight for _, weight, _ in REWARDS], use_cpu=True,
+        bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_math_answer, trl_format], args=config, train_dataset=toy_prompts(),
@@ -150,7 +174,7 @@ def verdict(ours: dict, theirs: dict) -> bool:
             and ours["wall_seconds"]["mean"] < theirs["wall_seconds"]["mean"])  # fmt: skip
 
 
-def plot(report: dict, path: Path) -> str:
+def plot(report: dict, path: Path, start: str) -> str:
     try:
         import matplotlib
 
@@ -167,7 +191,7 @@ def plot(report: dict, path: Path) -> str:
         ax.fill_between(steps, low, high, alpha=0.25)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward (math_answer + 0.5 format)")
-    ax.set_title("GRPO, embedded tiny model and toy task (shaded: min to max over seeds)", fontsize=10)
+    ax.set_title(f"GRPO from the {start}, toy task (shaded: min to max over seeds)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -176,31 +200,47 @@ def plot(report: dict, path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the recipe's max_steps: 30)")
+    parser.add_argument("--from-sft", action="store_true", help="both sides start from one SFT'd model, with grpo_from_sft.yaml's settings")
+    parser.add_argument("--sft-steps", type=int, default=None, help="with --from-sft: override the SFT recipe's max_steps (smoke runs)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the recipe's max_steps, 30 or 400)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 for each side")
-    parser.add_argument("--window", type=int, default=5, help="steps in the first and last reward windows (the recipe's summary_window)")
+    parser.add_argument("--window", type=int, default=None, help="steps in the first and last reward windows (default: the recipe's summary_window)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON; the PNG goes beside it")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON (default: grpo_vs_trl_learning[_from_sft].json); the PNG goes beside it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
     args = parser.parse_args(argv)
+    recipe = REPO / GRPO_FROM_SFT_RECIPE if args.from_sft else RECIPE
+    settings = recipe_settings(recipe)
+    steps = args.steps or settings["steps"]
+    out = args.out or (RESULTS_FROM_SFT if args.from_sft else RESULTS)
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    window = min(args.window, args.steps)
+    window = min(args.window or settings["window"], steps)
     report: dict = {"command": " ".join(["python benchmarks/grpo_vs_trl_learning.py", *(sys.argv[1:] if argv is None else argv)]),
-                    "steps": args.steps, "window": window, "threads": args.threads, "machine_note": args.note,
-                    **environment()}  # fmt: skip
-    before = heldout_exact_match(tiny_model_path())
-    report["heldout_exact_match_start"] = before
-    trainers = {"ours": train_ours, "trl": train_trl}
+                    "recipe": str(recipe.relative_to(REPO)), "steps": steps, "window": window, "threads": args.threads,
+                    "machine_note": args.note, **environment()}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
+        if args.from_sft:
+            sft_load, sft = os.getloadavg()[0], Path(tmp) / "sft"
+            sft_wall, sft_cpu = run_sft(0, sft, *([] if args.sft_steps is None else [f"--trainer.max_steps={args.sft_steps}"]))
+            sft_steps = args.sft_steps or yaml.safe_load((REPO / SFT_RECIPE).read_text())["trainer"]["max_steps"]
+            report["sft"] = {"recipe": SFT_RECIPE, "seed": 0, "max_steps": sft_steps, "wall_seconds": round(sft_wall, 1),
+                             "cpu_seconds": round(sft_cpu, 1), "load_average_1min_before": round(sft_load, 2)}  # fmt: skip
+            start, start_name = str(sft / "hf"), "SFT'd tiny model"
+            ours_overrides = [f"--model.model_name_or_path={start}", "--model.eval_generations=0", "--trainer.log_every_n_steps=1"]
+        else:
+            start, start_name, ours_overrides = tiny_model_path(), "embedded tiny model", []
+        before = heldout_exact_match(Path(start))
+        report["heldout_exact_match_start"] = before
+        trainers = {"ours": partial(train_ours, recipe, ours_overrides), "trl": partial(train_trl, settings, start)}
         for side in trainers:
             report[side] = {"runs": []}
         for seed in range(args.seeds):
             for side, train in trainers.items():  # interleaved, so a change in machine load falls on both
-                rewards, export, cost = timed(train, seed, args.steps, Path(tmp) / f"{side}-{seed}")
+                rewards, export, cost = timed(train, seed, steps, Path(tmp) / f"{side}-{seed}")
                 after = heldout_exact_match(export)
                 run = {"seed": seed, "rewards": rewards, **windows(rewards, window), "heldout_exact_match_before": before,
                        "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), **cost}  # fmt: skip
@@ -210,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         report[side]["summary"] = summarise(report[side]["runs"])
     report["ours_within_or_above_trl"] = verdict(report["ours"]["summary"], report["trl"]["summary"])
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    report["plot"] = plot(report, args.out.with_suffix(".png"))
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["plot"] = plot(report, out.with_suffix(".png"), start_name)
+    out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({side: report[side]["summary"] for side in trainers}, indent=1))
-    print(f"ours_within_or_above_trl: {report['ours_within_or_above_trl']}; {args.out}; {report['plot']}")
+    print(f"ours_within_or_above_trl: {report['ours_within_or_above_trl']}; {out}; {report['plot']}")
     return 0
 
 
