@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_rl.rollout import orphan_watch
+
 
 class VLLMServerError(RuntimeError):
     """The server refused a request or could not be reached; the message carries its answer."""
@@ -120,6 +122,7 @@ class VLLMServer:
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path is not None else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self._watch: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -136,6 +139,7 @@ class VLLMServer:
         with open(self.log_path, "ab" if append else "wb") as log:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+        self._watch = orphan_watch.start(self.process.pid)  # ends the server should this process die unannounced
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -179,6 +183,13 @@ class VLLMServer:
         if self.process is None:
             return
         try:
+            self._end_group(timeout)
+        finally:
+            self._end_watch()
+
+    def _end_group(self, timeout: float) -> None:
+        assert self.process is not None
+        try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
@@ -193,6 +204,17 @@ class VLLMServer:
             if not self._kill_group():
                 break
             time.sleep(0.1)
+
+    def _end_watch(self) -> None:
+        """Reap the watcher, which exits by itself once the server's group is gone."""
+        if self._watch is None:
+            return
+        try:
+            self._watch.wait(orphan_watch.POLL_S * 4)
+        except subprocess.TimeoutExpired:
+            self._watch.kill()
+            self._watch.wait()
+        self._watch = None
 
     def _kill_group(self) -> bool:
         """SIGKILL the server's process group; False once no process of it is left."""

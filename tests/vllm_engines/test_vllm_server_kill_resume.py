@@ -6,8 +6,7 @@ completions hold tokens of two weight versions.
 A save waits until the rollout thread has finished the batches the current weights allow, so a checkpoint holds whole
 completions only; the completions a SIGKILL cuts were never saved and are sampled again on the resume, with the
 same seeds (README, "Generation never stops for a weight update"). The runs share the session's server (by url), as
-runs share a server started beside them on a cluster; one started by the run itself would outlive its SIGKILL (the
-server has a session of its own)."""
+runs share a server started beside them on a cluster, so that one server start serves them all."""
 
 from __future__ import annotations
 
