@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import (
-    AdapterReceiver, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, iter_adapter_weights,
+    AdapterReceiver, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors, iter_adapter_weights,
     iter_full_weights, push_stream,
 )
 
@@ -131,7 +131,8 @@ class PolicySync:
         if self.mode == "adapter":
             spec = adapter_spec(policy)
             push = None if engine is None else (lambda named: engine.push_adapter(named, spec, version))
-            return push_stream(iter_adapter_weights(policy), push, SyncReport(version, "adapter"))
+            stream = cast_lora_tensors(iter_adapter_weights(policy), None if engine is None else engine.adapter_dtype())
+            return push_stream(stream, push, SyncReport(version, "adapter"))
         if self.delta is None or engine is None:
             push = None if engine is None else (lambda named: engine.push_weights(named, version))
             return push_stream(iter_full_weights(policy), push, SyncReport(version, self.mode))

@@ -93,6 +93,10 @@ class AdapterReceiver(Protocol):
     def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
         """Why this engine cannot serve ``adapter`` (naming the module), or None if it can."""
 
+    def adapter_dtype(self) -> torch.dtype | None:
+        """The dtype the engine casts an adapter's LoRA tensors to as it loads them, or None if it keeps them as
+        trained: the adapter is sent in it, which loses nothing the engine would keep and sends fewer bytes."""
+
     def push_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], adapter: AdapterSpec, version: int) -> float | None:
         """Load the adapter's tensors (peft's names) as ``version``; generation after it uses them."""
 
@@ -351,6 +355,13 @@ def iter_adapter_weights(
     _check_same_plan(names, [state[n] for n in names], gatherer)
     for index, name in enumerate(names):
         yield name, gatherer.full(state[name], f"adapter tensor '{name}' (#{index + 1} of {len(names)})")
+
+
+def cast_lora_tensors(stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """``stream`` with its LoRA tensors (peft's ``lora_A``/``lora_B``/``lora_embedding_*``) cast to ``dtype``; whole
+    modules (``modules_to_save``) as they are."""
+    for name, tensor in stream:
+        yield name, (tensor.to(dtype) if dtype is not None and ".lora_" in name else tensor)
 
 
 def adapter_spec(module: nn.Module) -> AdapterSpec:

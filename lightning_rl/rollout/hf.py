@@ -184,6 +184,9 @@ class HFRolloutEngine(RolloutEngine):
     def adapter_refusal(self, adapter: AdapterSpec) -> str | None:
         return None  # peft applies on this engine's copy whatever it trains on the trainer's
 
+    def adapter_dtype(self) -> torch.dtype | None:
+        return None  # peft keeps the adapter's dtype on this engine's copy as on the trainer's
+
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Load the adapter's tensors into this engine's copy of the base, adapted by peft (on the first push) as the
         trainer's is; with `verify_weights`, prove every adapter tensor the engine holds is the one sent."""

@@ -34,7 +34,7 @@ from lightning_rl.rollout.base import (
 )
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_refusal, lora_targets, ties_of, write_groups
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of, write_groups
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -171,6 +171,7 @@ class VLLMEngine(RolloutEngine):
         self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
         self.max_lora_rank = None if max_lora_rank is None else served_lora_rank(max_lora_rank)
         self._lora_targets = self._llm.collective_rpc(lora_targets)[0] if max_lora_rank is not None else []
+        self._lora_dtype = getattr(torch, self._llm.collective_rpc(lora_dtype)[0]) if max_lora_rank is not None else None
         self._adapter: Any = None  # the LoRARequest generation applies, once an adapter is pushed
         self._adapter_folder: str | None = None
         super().__init__(seed)
@@ -291,6 +292,9 @@ class VLLMEngine(RolloutEngine):
             return "this vLLM engine serves no LoRA adapter (set model.engine.init_args.max_lora_rank)"
         return self._llm.collective_rpc(lora_refusal)[0] or vllm_adapter_refusal(
             adapter, self.max_lora_rank, self._lora_targets, self._layout.architecture)
+
+    def adapter_dtype(self) -> torch.dtype | None:
+        return self._lora_dtype
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Write the adapter as a peft folder and load it in place under one name (vLLM loads adapters from folders);

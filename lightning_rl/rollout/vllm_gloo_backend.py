@@ -32,7 +32,7 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.models.weights import AdapterSpec
 from lightning_rl.rollout.vllm_engine import write_adapter
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_refusal, lora_targets, ties_of
+from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of
 
 BACKEND = "gloo"
 
@@ -125,6 +125,7 @@ class WeightSyncWorker:
         return {"packed": {fused: list(parts) for fused, parts in packed.items()},
                 "lora_targets": lora_targets(self) if serves_lora else [],
                 "lora_refusal": lora_refusal(self) if serves_lora else None,
+                "lora_dtype": lora_dtype(self) if serves_lora else None,
                 "architecture": CheckpointLayout(self.model_config.hf_config).architecture}
 
     def lightning_rl_stage_adapter(self, update_info: dict[str, Any]) -> None:

@@ -106,6 +106,12 @@ def lora_targets(worker: object) -> list[str]:
     return sorted({part for module in manager.supported_lora_modules for part in packed.get(module, [module])})
 
 
+def lora_dtype(worker: object) -> str:
+    """The dtype the worker holds LoRA adapters in (vLLM casts each adapter tensor to it as it loads it): the
+    recipe's ``lora_dtype``, else the model's."""
+    return str(worker.vllm_config.lora_config.lora_dtype).removeprefix("torch.")
+
+
 def lora_refusal(worker: object) -> str | None:
     """Why the worker can apply no LoRA adapter at all, or None. vLLM's CPU build wraps each MoE layer for LoRA (even
     an adapter on attention alone) with kernels written in Triton, which has no CPU backend: generation fails."""

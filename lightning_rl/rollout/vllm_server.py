@@ -353,6 +353,10 @@ class VLLMServerEngine(RolloutEngine):
         info = self._model_info()
         return info["lora_refusal"] or vllm_adapter_refusal(adapter, int(lora["max_lora_rank"]), info["lora_targets"], info["architecture"])
 
+    def adapter_dtype(self) -> torch.dtype | None:
+        held = self._model_info()["lora_dtype"]
+        return getattr(torch, held) if held else None
+
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Send the adapter alone as `version`: staged on the server while it keeps generating (its worker receives
         it and writes it as a peft folder there), then the server is paused only to load it in place under one name;

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 
 from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error
 from lightning_rl.models.policy_sync import PolicySync, resolve_weight_sync
-from lightning_rl.models.weights import AdapterSpec, WeightMismatchError, adapter_spec, iter_full_weights
+from lightning_rl.models.weights import AdapterSpec, WeightMismatchError, adapter_spec, iter_adapter_weights, iter_full_weights
 from lightning_rl.rollout.base import SamplingConfig
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -121,3 +121,26 @@ def test_adapters_vllm_cannot_serve_are_refused_naming_the_module(engine):
         AdapterSpec(**plain, unmergeable=("model.layers.0.self_attn.q_proj",)))
     assert "lora.r 32 is above the engine's max_lora_rank 16" in engine.adapter_refusal(
         AdapterSpec({"r": 32, "lora_alpha": 16}, plain["layers"]))
+
+
+def test_an_adapter_travels_in_the_dtype_the_engine_holds_it_in_and_loses_nothing(tiny_model_dir):
+    """A bf16 engine holds adapters in bf16 (vLLM casts each tensor as it loads it): the fp32 adapter is sent cast,
+    half the bytes, and the engine then holds exactly what it held when the fp32 adapter was sent as trained."""
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+    from lightning_rl.rollout.vllm_held import held_adapter
+
+    engine = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        enforce_eager=True, max_lora_rank=16)
+    try:
+        assert engine.adapter_dtype() == torch.bfloat16
+        policy = lora_trainer(tiny_model_dir, seed=5)
+        held = lambda: engine._llm.collective_rpc(held_adapter, kwargs={"lora_id": 1, "rank": 16})[0]  # noqa: E731
+        engine.push_adapter(iter_adapter_weights(policy), adapter_spec(policy), 1)  # as trained, fp32
+        as_trained = held()
+        report = PolicySync("adapter").sync(policy, engine, 2)
+        assert held() == as_trained and {dtype for dtype, _ in as_trained.values()} == {"bfloat16"}
+        trained_bytes = sum(t.numel() * t.element_size() for _, t in iter_adapter_weights(policy))
+        assert report.num_bytes * 2 == trained_bytes  # every tensor of this adapter is a LoRA tensor, fp32 as trained
+        assert all(r.weight_version == 2 for r in engine.generate(PROMPTS, n=1, sampling=SAMPLING).rollouts)
+    finally:
+        engine.close()
