@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_rl import run_folder
+from lightning_rl import run_folder, stopping
 from lightning_rl.checkpoints import ForeignCheckpointError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
 from lightning_rl.errors import RecipeError, UserError, report
 
@@ -197,6 +197,7 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         raise cli.keyed(error) from None
     finally:
         cli.requeue.restore()
+        stopping.signal_came(False)  # the stop request was this run's: a later run in this process starts without it
         if lock is not None:
             lock.release()
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from lightning_rl import stopping
 from lightning_rl.checkpoints import checkpoint_step
 from support.recipe_runs import exported
 from support.paths import REPO, TOY_TRAIN
@@ -170,6 +171,7 @@ def test_a_signal_before_the_first_step_stops_the_run_at_its_start(tmp_path, cap
     assert "stopped by SIGTERM after step 0; resume with --ckpt_path=last" in capsys.readouterr().err
     assert not list(out.rglob("*.ckpt")) and not (out / "hf").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back after the run
+    assert not stopping.signalled()  # and the stop request with them: a later run in this process would give up its steps
 
 
 class SignalAfterTheLastStep(Callback):

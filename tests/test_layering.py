@@ -43,7 +43,7 @@ ALLOWED = {
     "recipe_reference": {"recipe", "dotted", "rollout"},
     "trl_migration": {"recipe_reference"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",
-            "run_folder"},
+            "run_folder", "stopping"},
 }
 # Imports of ours inside a function, each for a reason other than a circle.
 DEFERRED = {
