@@ -42,3 +42,33 @@ def perturb_(model: PreTrainedModel, seed: int, scale: float = 0.05) -> None:
     generator = torch.Generator().manual_seed(seed)
     for parameter in model.parameters():
         parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@torch.no_grad()
+def nudge_(model: torch.nn.Module, seed: int, only: str) -> None:
+    """Move the parameters whose names hold ``only`` by seeded noise."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if only in name:
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def lora_trainer(path: Path, seed: int):
+    """The trainer's model at ``path`` with a LoRA (r=16 on attention and MLP) whose weights are moved off zero."""
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(load_trainer_model(path), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+    nudge_(policy, seed=seed, only="lora_")
+    return policy.eval()
+
+
+def merged_copy(policy: torch.nn.Module, path: Path) -> PreTrainedModel:
+    """The base at ``path`` with ``policy``'s adapter merged in, as a merged sync sends it."""
+    from lightning_rl.models.weights import iter_full_weights
+
+    model = load_trainer_model(path)
+    model.load_state_dict(dict(iter_full_weights(policy)), strict=False)  # the tied head follows the embedding
+    return model

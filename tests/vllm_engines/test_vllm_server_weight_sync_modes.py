@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error
-from peft import LoraConfig, get_peft_model
+from engine_checks import (
+    KV_CACHE_BYTES, LOGPROB_ATOL, LORA_TARGETS, load_trainer_model, lora_trainer, max_logprob_error, merged_copy, nudge_,
+)
 
 from lightning_rl.models.policy_sync import PolicySync, resolve_weight_sync
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,6 @@ def sampling(seed: int):
     from lightning_rl.rollout.base import SamplingConfig
 
     return SamplingConfig(max_new_tokens=10, seed=seed)
-
-
-@torch.no_grad()
-def nudge_(model: torch.nn.Module, seed: int, only: str) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if only in name:
-            param.add_(0.05 * torch.randn(param.shape, generator=generator))
 
 
 def test_a_delta_writes_only_what_changed_and_keeps_the_server_on_the_trainers_weights(engine, tiny_model_dir):
@@ -78,18 +70,6 @@ def test_a_delta_without_the_fused_parts_is_caught_and_the_next_sync_is_full(eng
     assert max_logprob_error(trainer, engine.generate(PROMPTS, n=1, sampling=sampling(7)).rollouts) < LOGPROB_ATOL
 
 
-def lora_trainer(tiny_model_dir, seed: int):
-    policy = get_peft_model(load_trainer_model(tiny_model_dir), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
-    nudge_(policy, seed=seed, only="lora_")
-    return policy.eval()
-
-
-def merged_copy(policy, tiny_model_dir):
-    model = load_trainer_model(tiny_model_dir)
-    model.load_state_dict(dict(iter_full_weights(policy)), strict=False)  # the tied head follows the embedding
-    return model
-
-
 def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, tiny_model_dir):
     policy = lora_trainer(tiny_model_dir, seed=5)
     base = load_trainer_model(tiny_model_dir)
@@ -99,7 +79,7 @@ def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, 
     for version in (7, 8):
         nudge_(policy, seed=version, only="lora_B")
         report = sync.sync(policy, engine, version)
-        assert report.mode == "adapter" and report.num_tensors == 2 * 2 * len(TARGETS)
+        assert report.mode == "adapter" and report.num_tensors == 2 * 2 * len(LORA_TARGETS)
         assert 0 < report.pause_seconds <= report.seconds
         batch = engine.generate(PROMPTS, n=2, sampling=sampling(version))
         # The version comes back from the server with every token.
