@@ -42,7 +42,7 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -257,8 +257,18 @@ def packing_case(model: torch.nn.Module, config: Any, case: str, setting: Settin
         _, _, peak, _ = measured(lambda: run(name), device)
         flops = bench.layout_flops(config, batch.num_unique_tokens, int((batch.position_ids + 1).sum()), trained)
         figures[name] = {"tokens": batch.num_unique_tokens, "peak_gib": round(peak / GiB, 4), "flops": flops, "times": []}
-    for r in range(setting.rounds):  # flat and tree alternate which goes first
-        for name in ("flat", "tree") if r % 2 == 0 else ("tree", "flat"):
+    # flat and tree alternate which goes first
+    timed_rounds(run, figures, [("flat", "tree") if r % 2 == 0 else ("tree", "flat") for r in range(setting.rounds)], device)
+    flat, tree = figures["flat"], figures["tree"]
+    return {"sequences": len(seqs), **scale, "t_over_u": round(flat["tokens"] / tree["tokens"], 3),
+            "speedup": round(flat["seconds"] / tree["seconds"], 3), **figures}  # fmt: skip
+
+
+def timed_rounds(run: Callable[[str], None], figures: dict[str, dict[str, Any]], orders: list[Sequence[str]], device: torch.device) -> None:
+    """Time ``run(name)`` for each name of each round's order, then put each layout's median seconds and its TFLOP/s
+    (from its ``flops``) in ``figures``."""
+    for order in orders:
+        for name in order:
             synchronize(device)
             start = time.perf_counter()
             run(name)
@@ -268,9 +278,6 @@ def packing_case(model: torch.nn.Module, config: Any, case: str, setting: Settin
         seconds = statistics.median(layout.pop("times"))
         layout["seconds"] = round(seconds, 4)
         layout["tflops"] = round(layout.pop("flops") / seconds / 1e12, 2)
-    flat, tree = figures["flat"], figures["tree"]
-    return {"sequences": len(seqs), **scale, "t_over_u": round(flat["tokens"] / tree["tokens"], 3),
-            "speedup": round(flat["seconds"] / tree["seconds"], 3), **figures}  # fmt: skip
 
 
 def span_case(model: torch.nn.Module, config: Any, case: str, setting: Setting) -> dict[str, Any]:
@@ -301,17 +308,7 @@ def span_case(model: torch.nn.Module, config: Any, case: str, setting: Setting) 
         _, _, peak, _ = measured(lambda: run(name), device)
         tokens, flops = bench.layout_cost(config, layout, trained)
         figures[name] = {"rows": len(layout[0]), "tokens": tokens, "peak_gib": round(peak / GiB, 4), "flops": flops, "times": []}
-    for r in range(setting.rounds):
-        for name in list(layouts)[r % 3 :] + list(layouts)[: r % 3]:
-            synchronize(device)
-            start = time.perf_counter()
-            run(name)
-            synchronize(device)
-            figures[name]["times"].append(time.perf_counter() - start)
-    for layout in figures.values():
-        seconds = statistics.median(layout.pop("times"))
-        layout["seconds"] = round(seconds, 4)
-        layout["tflops"] = round(layout.pop("flops") / seconds / 1e12, 2)
+    timed_rounds(run, figures, [list(layouts)[r % 3 :] + list(layouts)[: r % 3] for r in range(setting.rounds)], device)
     flat, sub, cross = figures["flat"], figures["subgroups"], figures["cross_row"]
     flop_bound = bench.layout_cost(config, layouts["flat"], trained)[1] / bound
     return {"sequences": len(seqs), "span_scale": setting.span_scale, "row_budget": budget, "tokens_unique": tree.num_unique_tokens,
