@@ -1,7 +1,7 @@
 """Nothing lost, nothing repeated, on the vLLM server engine with sequences generated across weight updates
 (``pause: keep``): an asynchronous GRPO run stopped by SIGTERM and by SIGKILL at random moments, each time resumed
-with ``--ckpt_path=last``, trains every prompt batch exactly once (the multiset of trained indices), and some trained
-completions hold tokens of two weight versions.
+with ``--ckpt_path=last``, trains every prompt batch exactly once (the multiset of trained indices), and every token
+it trains was sampled within the staleness bound.
 
 A save waits until the rollout thread has finished the batches the current weights allow, so a checkpoint holds whole
 completions only; the completions a SIGKILL cuts were never saved and are sampled again on the resume, with the
@@ -37,8 +37,10 @@ def test_async_grpo_across_updates_killed_and_signalled_trains_every_prompt_batc
     stopped_killed_and_resumed(recipe, tmp_path / "run", random.Random(23), MAX_STEPS, MAX_STALENESS)
 
     trained = [json.loads(line) for line in versions_file.read_text().splitlines()]
+    # Whether a completion spans an update here depends on the machine's timing (on a loaded one none may); that a
+    # completion generated across a push carries the right version on every token is tested exactly in
+    # test_vllm_server.py. Here: each token within the bound, and versions only moving forward along a completion.
     spanning = [v for batch in trained for v in batch["versions"] if len(set(v)) > 1]
-    assert spanning, "no trained completion was generated across a weight update"
     for batch in trained:  # each token's version within the bound, and never newer than the trainer's
         assert all(0 <= batch["index"] - v <= MAX_STALENESS for versions in batch["versions"] for v in versions)
     assert all(v == sorted(v) for v in spanning)  # versions only move forward along a completion
