@@ -5,7 +5,7 @@ it trains was sampled within the staleness bound.
 
 A save waits until the rollout thread has finished the batches the current weights allow, so a checkpoint holds whole
 completions only; the completions a SIGKILL cuts were never saved and are sampled again on the resume, with the
-same seeds (README, "Generation never stops for a weight update"). The runs share the session's server (by url), as
+same seeds (README, "Generation never stops for a weight update"). The runs share the test run's one server (by url), as
 runs share a server started beside them on a cluster, so that one server start serves them all."""
 
 from __future__ import annotations
