@@ -232,8 +232,6 @@ def measure_modes(steps: int, learning_rate: float) -> dict:
     """One entry per sync mode on the tiny model into the transformers engine: ``full`` and ``delta`` across ``steps``
     AdamW steps (fp32, a language-model loss on random tokens, at ``learning_rate``), ``merged`` and ``adapter`` for a
     LoRA of r=16 on attention and MLP. Each: bytes sent, seconds, the engine's pause, per sync after the first."""
-    import copy
-
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
