@@ -330,7 +330,7 @@ def write_staged(checkpoint: dict[str, Any], final: Path) -> None:
             os.fsync(f.fileno())
     except BaseException as error:
         _delete(staging)
-        full = no_room(error)
+        full = no_room(error, final.parent, tensor_bytes(checkpoint))
         if full is None:
             raise
         raise space_error(final, tensor_bytes(checkpoint), full) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import resource
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,42 @@ class NoRoomError(UserError):
     key = "output_dir"
 
 
-def no_room(error: BaseException | None) -> OSError | None:
+def no_room(error: BaseException | None, folder: Path | None = None, needed: int = 0) -> OSError | None:
     """The disk-full (or file-too-large) error behind ``error``: torch's writer wraps the OSError in its own, a
     sharded write's ``CheckpointException`` holds each failed rank's, and safetensors' writer (in Rust) gives its
-    code only in its message."""
+    code only in its message.
+
+    Some failures lose the code: torch's zip writer chains the OSError to its own ("unexpected pos"), but a sharded
+    save gathers each rank's failure pickled, which drops the chain. So a write into ``folder`` that failed for a
+    reason not named (a stop excepted) is also one without room when ``folder``'s disk, or the file size limit,
+    has fewer than the ``needed`` bytes."""
+    found = _named(error)
+    if found is not None or folder is None or error is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return found
+    if shutil.disk_usage(_existing(folder)).free < needed:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    return None
+
+
+def _existing(folder: Path) -> Path:
+    """``folder``, or its nearest parent that exists (a failed write may have left none)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def _named(error: BaseException | None) -> OSError | None:
+    """The ENOSPC, EDQUOT or EFBIG error in ``error``'s chain, if one is there."""
     while error is not None:
         said = None if isinstance(error, OSError) else re.search(r"\(os error (\d+)\)", str(error))
         os_error = OSError(int(said[1]), os.strerror(int(said[1]))) if said else error
         if isinstance(os_error, OSError) and os_error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return os_error
         for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> (its error, traceback)
-            if (found := no_room(failure[0] if isinstance(failure, tuple) else failure)) is not None:
+            if (found := _named(failure[0] if isinstance(failure, tuple) else failure)) is not None:
                 return found
         error = error.__cause__ or error.__context__
     return None
@@ -60,7 +86,7 @@ def space_error(
 ) -> NoRoomError:
     """The one line for ``what`` (``final``) that did not fit: the folder, the bytes it needs, those free, and what
     was removed and kept."""
-    free = shutil.disk_usage(final.parent).free
+    free = shutil.disk_usage(_existing(final.parent)).free
     return NoRoomError(
         f"output_dir: no room for {what} {final.name} in {final.parent} ({full.strerror}): it needs about "
         f"{needed} bytes, {free} are free; {kept}"

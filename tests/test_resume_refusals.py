@@ -7,18 +7,24 @@ so a real ENOSPC; where mounting is not allowed, a real file size limit, EFBIG).
 from __future__ import annotations
 
 import contextlib
+import errno
+import pickle
 import resource
 import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from traceback import StackSummary
 
+import pytest
 import torch
 from lightning.pytorch import Callback
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_rl import cli
 from lightning_rl.checkpoints import checkpoint_step
+from lightning_rl.disk_space import no_room, tensor_bytes
 from lightning_rl.modules.policy import WRITER
 from support.paths import REPO, TOY_TRAIN
 from support.recipe_runs import run_on_two
@@ -148,6 +154,20 @@ def test_a_full_disk_while_a_sharded_checkpoint_is_written_is_one_line_and_keeps
         assert 0.8 * folder_bytes(last) < needed < 1.2 * folder_bytes(last)  # the figure is the checkpoint's size
         assert checkpoint_step(last) == 1 and (last / "manifest.json").read_bytes() == manifest
         assert not list(disk.rglob("*.staging"))
+
+
+def test_a_failed_write_whose_error_lost_its_code_is_still_no_room(tmp_path):
+    """A sharded save gathers each rank's failure pickled, which drops the OSError that torch's zip writer chained to
+    its own ("unexpected pos"): the write is still said to have had no room, from the room its folder has."""
+    tensors = {"w": torch.zeros(2**19)}  # 2 MB
+    with file_size_limit(2**20), pytest.raises(RuntimeError) as failed, open(tmp_path / "w.pt", "wb") as file:
+        torch.save(tensors, file)  # as a sharded save writes each file
+    gathered = CheckpointException("write", {0: (pickle.loads(pickle.dumps(failed.value)), StackSummary())})  # a BaseException
+    assert no_room(failed.value).errno == errno.EFBIG and no_room(gathered) is None
+    with file_size_limit(2**20):
+        assert no_room(gathered, tmp_path, tensor_bytes(tensors)).errno == errno.EFBIG
+        assert no_room(gathered, tmp_path, 2**19) is None  # it would have fit: another failure, raised as it is
+    assert no_room(gathered, tmp_path, shutil.disk_usage(tmp_path).free + 2**30).errno == errno.ENOSPC
 
 
 class NoRoomAfterTraining(Callback):

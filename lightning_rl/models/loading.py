@@ -240,10 +240,10 @@ def export_hf(
             (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # an earlier export at ``path`` stays as it was
-        full = no_room(error)
+        written = state_dict if state_dict is not None else get_peft_model_state_dict(model) if mode == "adapter" else model.state_dict()
+        full = no_room(error, path.parent, tensor_bytes(written))
         if full is None:
             raise
-        written = state_dict if state_dict is not None else get_peft_model_state_dict(model) if mode == "adapter" else model.state_dict()
         kept = f"the partial folder {staging.name} was removed, " + (f"the earlier {path.name}/ is kept" if path.exists() else "no earlier export")
         raise space_error(path, tensor_bytes(written), full, what="the Hugging Face export", kept=kept) from None
     if path.exists():

@@ -243,7 +243,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         try:
             super().save_checkpoint(checkpoint, staging, storage_options)
         except BaseException as error:  # every rank gets the failure of any (the save gathers their results)
-            full = no_room(error)
+            # Every rank's verdict is the same: the error (the save gathers every rank's), and the disk's room (this
+            # rank's shards may have been written, but the whole checkpoint needs ``needed``).
+            full = no_room(error, final.parent, needed)
             if full is None:
                 raise
             if self.is_global_zero:
