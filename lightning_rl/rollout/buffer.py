@@ -146,7 +146,9 @@ class RolloutProducer:
                 try:  # a stop signal does not wait for a batch that may never come (a reward that does not return)
                     wait_unless_stopping(arrived, None, f"rollout batch {index}")
                     if index not in self._ready and isinstance(self._error, StepAbandoned):
-                        raise self._error  # the producer gave the batch up for the stop
+                        # The producer gave the batch up for the stop (whichever thread saw the signal first): said
+                        # as the trainer sees it, the batch it waited for.
+                        raise StepAbandoned(f"rollout batch {index} had not returned")
                 except StepAbandoned:
                     if stale is not None:  # it stays in the queue, for the resumed run to sample again
                         self._ready.setdefault(index, stale)
