@@ -12,6 +12,10 @@ against one `vllm serve` process (the CPU build) started here:
 - ``async_keep``: as ``async``, but a push freezes the completions in flight and they continue under the new weights
   (``pause: keep``: generation across updates, several weight versions in one completion).
 
+The async modes push in the background (``push_in_background: auto``): the trainer stages the weights and trains its
+next step while they are sent; ``async_keep_foreground`` is ``async_keep`` with the trainer waiting for every push
+(``never``), for comparison.
+
 Long tail: the untrained tiny model samples near-uniformly from its 512-token vocabulary, so making a seeded set of
 ``--stop-tokens`` of its tokens stop tokens (`SamplingConfig.stop_token_ids`) ends each completion after every token
 with probability about stop_tokens/512: lengths are geometric, most completions short, and about
@@ -22,9 +26,10 @@ Every figure is over the steps after ``--warmup``, from the first measured step'
 
 - ``tokens_per_s``: completion tokens trained per second of the whole loop;
 - ``trainer_idle_fraction``: the share of that time the trainer computes nothing (not in forward, backward or the
-  optimizer step): waiting for a batch, or for a weight push (which under ``pause: wait`` waits for the completions
-  in flight); ``trainer_idle_parts`` splits it into those two, the step's bookkeeping (advantages, packing,
-  logging) and the time between steps (Lightning's loop, callbacks);
+  optimizer step): waiting for a batch, or in its part of a weight push (the whole push in the foreground, which
+  under ``pause: wait`` waits for the completions in flight; staging the weights in the background);
+  ``trainer_idle_parts`` splits it into those two, the step's bookkeeping (advantages, packing, logging) and the
+  time between steps (Lightning's loop, callbacks); ``push_s_mean`` is a push's own time, on whichever thread;
 - ``engine_idle_fraction``: the share with no generate request of ours in flight at the server;
 - ``max_staleness_trained`` and ``token_fraction_by_staleness``: a token's staleness is the batch's index (the
   trainer's weight version when it trains it) minus the version that sampled that token (`Rollout.versions`).
@@ -59,7 +64,10 @@ from lightning_rl.rewards import RewardSpec
 from lightning_rl.rollout.vllm_server_process import VLLMServer
 from lightning_rl.toy.model import build_tiny
 
-MODES = {"sync": (False, "wait"), "async": (True, "wait"), "async_keep": (True, "keep")}
+# mode: (async_mode, the server's pause, push_in_background)
+MODES = {"sync": (False, "wait", "auto"), "async": (True, "wait", "auto"), "async_keep": (True, "keep", "auto"),
+         "async_keep_foreground": (True, "keep", "never")}
+COMPARED = ("sync", "async", "async_keep")  # the ratios and the goal
 ENGINE = "lightning_rl.rollout.vllm_server.VLLMServerEngine"
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -72,7 +80,9 @@ class LoopClock(L.Callback):
         self.step_ends: list[float] = []
         self.train_s: list[float] = []
         self.wait_s: list[float] = []
-        self.push_s: list[float] = []
+        self.push_s: list[float] = []  # the engine's push, on whichever thread
+        self.trainer_push_s: list[float] = []  # the trainer's part: the whole push, or its staging in the background
+        self.pushed_off_trainer: list[bool] = []  # whether each push ran on a thread other than the trainer's
         self.generating: list[tuple[float, float]] = []
         self.batches: list[Any] = []
         self._lock = threading.Lock()
@@ -90,6 +100,7 @@ class LoopClock(L.Callback):
                     self.generating.append((started, time.perf_counter()))
 
         def timed_push(*args: Any, **kwargs: Any) -> Any:
+            self.pushed_off_trainer.append(threading.current_thread() is not threading.main_thread())
             started = time.perf_counter()
             try:
                 return push(*args, **kwargs)
@@ -97,6 +108,16 @@ class LoopClock(L.Callback):
                 self.push_s.append(time.perf_counter() - started)
 
         engine.generate, engine.push_weights = timed_generate, timed_push
+        module_push = pl_module._push_weights
+
+        def timed_module_push(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return module_push(*args, **kwargs)
+            finally:
+                self.trainer_push_s.append(time.perf_counter() - started)
+
+        pl_module._push_weights = timed_module_push
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.step_starts.append(time.perf_counter())
@@ -120,13 +141,13 @@ def busy_seconds(intervals: list[tuple[float, float]], start: float, end: float)
 
 
 def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
-    async_mode, pause = MODES[mode]
+    async_mode, pause, background = MODES[mode]
     L.seed_everything(0, verbose=False)
     module = GRPOModule(
         model_name_or_path=str(model),
         rewards=[RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})],
         num_generations=args.generations, sampling={"max_new_tokens": args.max_new_tokens}, learning_rate=1e-3,
-        async_mode=async_mode, max_staleness=args.max_staleness, log_rollouts_every_n_steps=0,
+        async_mode=async_mode, max_staleness=args.max_staleness, push_in_background=background, log_rollouts_every_n_steps=0,
         engine={"class_path": ENGINE, "init_args": {"url": url, "pause": pause}},
     )
     module.sampling = dataclasses.replace(module.sampling, stop_token_ids=stop_ids)  # the long tail (module docstring)
@@ -139,8 +160,9 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
     measured = slice(args.warmup, None)
     start, end = clock.step_starts[measured][0], clock.step_ends[-1]
     wall = end - start
-    pushes = clock.push_s[1:]  # the first push is on_train_start's, before any step
+    pushes = clock.trainer_push_s[1:]  # the first push is on_train_start's, before any step
     compute = sum(t - p for t, p in zip(clock.train_s[measured], pushes[measured]))
+    engine_pushes = clock.push_s[1:]
     in_steps = sum(b - a for a, b in zip(clock.step_starts[measured], clock.step_ends[measured]))
     staleness: Counter[int] = Counter()
     lengths = []
@@ -162,7 +184,9 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
             "step_bookkeeping": (in_steps - sum(clock.wait_s[measured]) - sum(clock.train_s[measured])) / wall,
             "between_steps": 1 - in_steps / wall,
         },
-        "push_s_mean": sum(pushes[measured]) / max(len(pushes[measured]), 1),
+        "push_s_mean": sum(engine_pushes[measured]) / max(len(engine_pushes[measured]), 1),
+        "trainer_push_s_mean": sum(pushes[measured]) / max(len(pushes[measured]), 1),
+        "push_in_background": all(clock.pushed_off_trainer[1:]),
         "engine_idle_fraction": 1 - busy_seconds(clock.generating, start, end) / wall,
         "max_staleness_trained": max(staleness),
         "token_fraction_by_staleness": {str(k): staleness[k] / tokens for k in sorted(staleness)},
@@ -183,7 +207,7 @@ def main() -> None:
     parser.add_argument("--stop-tokens", type=int, default=16, help="of the 512-token vocabulary: the long tail's rate")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                        help="the modes to run; the ratios and the goal need all three")
+                        help=f"the modes to run; the ratios and the goal need {', '.join(COMPARED)}")
     parser.add_argument("--machine-note", default=None, help="what the machine was doing, written as given")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -215,7 +239,7 @@ def main() -> None:
         "stop_token_ids": list(stop_ids),
         **modes,
     }
-    if set(modes) == set(MODES):  # the ratios and the goal compare the three modes
+    if set(COMPARED) <= set(modes):  # the ratios and the goal compare these three
         result["partial_over_sync_tokens_per_s"] = modes["async_keep"]["tokens_per_s"] / modes["sync"]["tokens_per_s"]
         result["async_over_sync_tokens_per_s"] = modes["async"]["tokens_per_s"] / modes["sync"]["tokens_per_s"]
         result["goal"] = "partial_over_sync_tokens_per_s >= 1.5 with async_keep trainer_idle_fraction < 0.10"

@@ -3,14 +3,19 @@ that survives checkpoint and resume without losing or repeating a prompt."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import lightning as L
 import pytest
 import torch
-from support.grpo import LENGTH_REWARD, TrainedRollouts, fit
+from support.grpo import FAST, LENGTH_REWARD, TrainedRollouts, fit
 from transformers import AutoModelForCausalLM
 
 from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.errors import RecipeError
+from lightning_rl.models.weights import WeightMismatchError
+from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 
@@ -146,3 +151,54 @@ def test_a_sample_still_too_stale_after_regenerating_is_an_error_naming_the_vers
     with pytest.raises(RuntimeError, match="batch 5 sampled again came back at weight version 0"):
         producer.take(5)
     producer.close()
+
+
+class PushWatch(L.Callback):
+    """Records whether each push ran on the trainer's thread; drops ``skip`` from the push of version ``broken`` (a real
+    tensor the engine never gets); keeps the engine's weights as they are once the run has joined its last push."""
+
+    def __init__(self, broken: int | None = None, skip: str = "model.norm.weight") -> None:
+        self.broken, self.skip = broken, skip
+        self.on_trainer_thread: dict[int, bool] = {}
+        self.engine_weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, module) -> None:  # before the module's own: its first push is watched too
+        push = module.engine.push_weights
+
+        def watched(named, version):
+            self.on_trainer_thread[version] = threading.current_thread() is threading.main_thread()
+            return push((item for item in named if item[0] != self.skip) if version == self.broken else named, version)
+
+        module.engine.push_weights = watched
+
+    def on_fit_end(self, trainer, module) -> None:  # after on_train_end joined the last push, before the engine closes
+        self.engine_weights = {k: v.clone() for k, v in module.engine.model.state_dict().items()}
+
+
+def test_pushes_in_background_leave_the_trainer_and_end_on_its_weights():
+    """Async GRPO (k=1): every push after the first runs on its own thread while the next step trains; the run still
+    trains every batch once within the bound and ends with the engine holding the trainer's weights, verified."""
+    trained, watch = TrainedRollouts(), PushWatch()
+    module, _ = fit(4, [trained, watch], async_mode=True, max_staleness=1, push_in_background="always")
+    assert watch.on_trainer_thread == {0: True, 1: False, 2: False, 3: False, 4: False}
+    assert [b["index"] for b in trained.batches] == [0, 1, 2, 3]
+    assert all(b["index"] - b["weight_version"] <= 1 for b in trained.batches)
+    policy = module.policy.state_dict()
+    assert watch.engine_weights.keys() == policy.keys()
+    for name, tensor in policy.items():
+        torch.testing.assert_close(watch.engine_weights[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_push_in_background_that_fails_its_check_stops_the_run_a_step_later():
+    """A tensor left out of the push of version 2 (sent after step 1) is caught by the engine's check on the push's
+    thread, and raised on the trainer's at the next push: the run stops naming the tensor and the version."""
+    watch = PushWatch(broken=2)
+    with pytest.raises(WeightMismatchError, match="version 2 failed verification: 'model.norm.weight' was not sent"):
+        fit(4, [watch], async_mode=True, max_staleness=1, push_in_background="always")
+    assert max(watch.on_trainer_thread) == 2  # the push after step 2 met the failure first, and sent nothing
+
+
+def test_push_in_background_is_refused_where_the_trainer_would_wait_for_it_anyway():
+    for kwargs in ({}, {"async_mode": True, "max_staleness": 0}):
+        with pytest.raises(RecipeError, match="push_in_background: always needs async_mode with max_staleness >= 1"):
+            GRPOModule(**FAST, rewards=LENGTH_REWARD, push_in_background="always", **kwargs)

@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, get_args
 
 import torch
@@ -23,12 +26,13 @@ from torch import Tensor, nn
 
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import (
-    AdapterReceiver, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors, iter_adapter_weights,
+    AdapterReceiver, AdapterSpec, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors, iter_adapter_weights,
     iter_full_weights, push_stream,
 )
 
 WeightSync = Literal["auto", "full", "merged", "adapter", "delta"]
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSync)
+PushInBackground = Literal["auto", "always", "never"]
 
 
 def check_weight_sync(mode: str, lora: bool) -> None:
@@ -120,34 +124,112 @@ def _same_bits(kept: Tensor, tensor: Tensor) -> bool:
 
 
 class PolicySync:
-    """Syncs the policy to one engine in a run's mode (`resolve_weight_sync`); call `sync` on every rank (the engine
-    is None on ranks that only help gather)."""
+    """Syncs the policy to one engine in a run's mode (`resolve_weight_sync`); call `sync` (or `stage`) on every rank
+    (the engine is None on ranks that only help gather)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.delta = DeltaTracker() if mode == "delta" else None
 
     def sync(self, policy: nn.Module, engine: WeightReceiver | None, version: int) -> SyncReport:
+        return self.send(lambda: self._weights(policy, engine), engine, version, adapter_spec(policy) if self.mode == "adapter" else None)
+
+    def stage(self, policy: nn.Module, engine: WeightReceiver | None) -> Callable[[int], SyncReport] | None:
+        """What the next sync sends, gathered now (on every rank) and copied to host memory: returns the send of that
+        copy as a version (``send``), to run on another thread while the trainer goes on; None on ranks without the
+        engine. Gathered in full even for a delta: the copy is also what a failed delta falls back to."""
+        spec = adapter_spec(policy) if self.mode == "adapter" else None
+        stream = self._weights(policy, engine)
+        if engine is None:
+            for _ in stream:
+                pass
+            return None
+        staged = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in stream]
+        return lambda version: self.send(lambda: iter(staged), engine, version, spec)
+
+    def _weights(self, policy: nn.Module, engine: WeightReceiver | None) -> Iterator[tuple[str, Tensor]]:
         if self.mode == "adapter":
-            spec = adapter_spec(policy)
-            push = None if engine is None else (lambda named: engine.push_adapter(named, spec, version))
-            stream = cast_lora_tensors(iter_adapter_weights(policy), None if engine is None else engine.adapter_dtype())
-            return push_stream(stream, push, SyncReport(version, "adapter"))
+            return cast_lora_tensors(iter_adapter_weights(policy), None if engine is None else engine.adapter_dtype())
+        return iter_full_weights(policy)
+
+    def send(self, weights: Callable[[], Iterator[tuple[str, Tensor]]], engine: WeightReceiver | None, version: int,
+             adapter: AdapterSpec | None = None) -> SyncReport:
+        """Push what ``weights()`` gives (called again, for the full weights, if a delta fails its check) as ``version``."""
+        if self.mode == "adapter":
+            push = None if engine is None else (lambda named: engine.push_adapter(named, adapter, version))
+            return push_stream(weights(), push, SyncReport(version, "adapter"))
         if self.delta is None or engine is None:
             push = None if engine is None else (lambda named: engine.push_weights(named, version))
-            return push_stream(iter_full_weights(policy), push, SyncReport(version, self.mode))
+            return push_stream(weights(), push, SyncReport(version, self.mode))
         tracker = self.delta
         if tracker.holds(engine):
             tracker.version = None  # set again once the engine has taken (and verified) the push
             try:
-                report = push_stream(tracker.changed(iter_full_weights(policy), engine.write_groups()),
+                report = push_stream(tracker.changed(weights(), engine.write_groups()),
                                      lambda named: engine.push_changed(named, version), SyncReport(version, "delta"))
                 tracker.version = version
                 return report
             except WeightMismatchError:
                 pass  # the engine's state is not the trainer's: send it all, verified again (a second failure stops the run)
         tracker.version = None
-        report = push_stream(tracker.record_full(iter_full_weights(policy)),
-                             lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
+        report = push_stream(tracker.record_full(weights()), lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
         tracker.version = version
         return report
+
+
+def check_push_in_background(setting: str, async_mode: bool, max_staleness: int) -> None:
+    if setting not in get_args(PushInBackground):
+        raise RecipeError(f"push_in_background must be one of {', '.join(get_args(PushInBackground))}, got {setting!r}", "push_in_background")
+    if setting == "always" and not (async_mode and max_staleness >= 1):
+        raise RecipeError("push_in_background: always needs async_mode with max_staleness >= 1: otherwise the next batch "
+                          "is sampled by the weights being pushed, and the trainer waits for them all the same", "push_in_background")
+
+
+def pushes_in_background(setting: str, async_mode: bool, max_staleness: int, policy: nn.Module, mode: str) -> bool:
+    """Whether a run's pushes go through `BackgroundPush`: ``always``, ``never``, or ``auto``: in async mode with
+    ``max_staleness >= 1``, where the host copy it stages (the adapter, or every weight) takes at most a quarter of the
+    host memory free now (a model too large for it is streamed to the engine tensor by tensor, as before)."""
+    if setting != "auto":
+        return setting == "always"
+    if not (async_mode and max_staleness >= 1):
+        return False
+    staged = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if mode != "adapter" or "lora_" in n)
+    return staged <= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+class BackgroundPush:
+    """Asynchronous GRPO's weight pushes off the trainer's thread: each is staged on the trainer's thread (gathered on
+    every rank, copied to host memory: `PolicySync.stage`) and sent from a worker thread while the trainer trains its
+    next step on a batch the previous weights sampled (``max_staleness >= 1``). One push at a time: the next one, and
+    ``join``, wait for it and raise its failure (a weight mismatch stops the run a step later, never unseen)."""
+
+    def __init__(self, sync: PolicySync, landed: Callable[[], None]) -> None:
+        self.sync, self.landed = sync, landed
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="weight-push")
+        self._pending: Future[SyncReport] | None = None
+
+    def push(self, policy: nn.Module, engine: WeightReceiver | None, version: int) -> SyncReport | None:
+        """Stage the weights as ``version`` and send them on the worker; returns the previous push's report."""
+        previous = self.join()
+        staged = self.sync.stage(policy, engine)
+        if staged is not None:
+            self._pending = self._worker.submit(self._send, staged, version)
+        return previous
+
+    def _send(self, staged: Callable[[int], SyncReport], version: int) -> SyncReport:
+        report = staged(version)
+        self.landed()
+        return report
+
+    def join(self) -> SyncReport | None:
+        """Wait for the push in flight, if any: its report, or its failure raised here."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for the push in flight (its failure is not raised: the run is ending by another error, or has joined)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(BaseException):
+                pending.result()
+        self._worker.shutdown(wait=True)

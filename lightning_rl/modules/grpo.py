@@ -46,6 +46,7 @@ from lightning_rl.modules.grpo_options import check_combinations, check_values, 
 from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, log_rollouts, rollout_table, run_summary
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
+from lightning_rl.models.weights import SyncReport
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
@@ -63,7 +64,10 @@ from lightning_rl.rollout.conversation import visible_text
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.stopping import fetched_on_every_rank
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
-from lightning_rl.models.policy_sync import PolicySync, WeightSync, check_weight_sync, engine_options_for, resolve_weight_sync
+from lightning_rl.models.policy_sync import (
+    BackgroundPush, PolicySync, PushInBackground, WeightSync, check_push_in_background, check_weight_sync, engine_options_for,
+    pushes_in_background, resolve_weight_sync,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,11 @@ class GRPOModule(PolicyModule):
             one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
         async_mode, max_staleness: generate on a background thread; ``max_staleness`` bounds how many weight
             versions old a trained rollout may be (0: the synchronous run's rollouts).
+        push_in_background: send each step's weights from a thread of their own while the trainer trains its next
+            step (on a batch the previous weights sampled): staged in host memory first, then pushed and verified
+            there; a failed push stops the run at the next step. ``auto``: with ``async_mode`` and ``max_staleness >= 1``
+            where the staged copy takes at most a quarter of the free host memory; ``always`` (refused without them);
+            ``never``: the trainer waits for every push.
         tools, max_turns: tool functions (dotted paths): multi-turn rollouts. TRL: `max_tool_calling_iterations`.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
             as 2 samples), giving nested forks; leaves of a prompt are its group.
@@ -191,6 +200,7 @@ class GRPOModule(PolicyModule):
         verify_packing_every: int = 100,
         async_mode: bool = False,
         max_staleness: int = 1,
+        push_in_background: PushInBackground = "auto",
         tools: Sequence[str] = (),
         max_turns: int = 1,
         samples_per_turn: Sequence[int] = (),
@@ -225,6 +235,7 @@ class GRPOModule(PolicyModule):
         check_towers(towers, self.lora)
         self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
         check_weight_sync(weight_sync, self.lora is not None)
+        check_push_in_background(push_in_background, async_mode, max_staleness)
         self.automatic_optimization = False
         check_model_source(model_name_or_path)
         self.rollout = RolloutSettings(
@@ -257,6 +268,7 @@ class GRPOModule(PolicyModule):
         self.route_layers = 0  # routers whose engine routes the trainer replays (router_replay)
         self._mismatch: dict[str, float] | None = None  # the batch's engine-vs-trainer figures, from its first pass
         self.weight_sync, self._sync_metrics = None, {}  # how weights reach the engine (on_fit_start), the last sync's figures
+        self._background: BackgroundPush | None = None  # pushes from a thread of their own (push_in_background)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -322,6 +334,13 @@ class GRPOModule(PolicyModule):
             self.producer.load_state_dict(self._restored_queue, next_step=first)
         share_cores_with_rollouts(self.engine, self.trainer, self.hparams.max_staleness)  # the rollout thread computes beside this one
         self.producer.start()
+        hp = self.hparams
+        if pushes_in_background(hp.push_in_background, hp.async_mode, hp.max_staleness, self.policy, self.weight_sync.mode):
+            self._background = BackgroundPush(self.weight_sync, self.producer.weights_updated)
+
+    def on_train_end(self) -> None:
+        if self._background is not None:  # the last push's failure is the run's
+            self._record_sync(self._background.join())
 
     def on_fit_end(self) -> None:
         self.close()
@@ -332,7 +351,10 @@ class GRPOModule(PolicyModule):
         return [_CloseOnException()]
 
     def close(self) -> None:
-        """Stop the rollout thread, the tool workers and the engine."""
+        """Stop the weight push and the rollout thread, the tool workers and the engine."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
         if self.producer is not None:
             self.producer.close()
         if self.collector is not None:
@@ -553,9 +575,17 @@ class GRPOModule(PolicyModule):
         return self.sampling.max_new_tokens * max(self.hparams.max_turns, 1)
 
     def _push_weights(self, version: int) -> None:
-        self._sync_metrics = self.weight_sync.sync(self.policy, self.engine, version).metrics()  # FSDP2 shards gathered
+        if self._background is not None:  # staged here (FSDP2 shards gathered on every rank), sent on its thread
+            self._record_sync(self._background.push(self.policy, self.engine, version))
+            return
+        self._record_sync(self.weight_sync.sync(self.policy, self.engine, version))  # FSDP2 shards gathered
         if self.producer is not None:
             self.producer.weights_updated()
+
+    def _record_sync(self, report: SyncReport | None) -> None:
+        """The figures logged as ``train/sync/*``: the last push that landed (in the background, the one before)."""
+        if report is not None:
+            self._sync_metrics = report.metrics()
 
     def _text(self, token_ids: Sequence[int]) -> str:
         return visible_text(self.tokenizer, token_ids)
@@ -605,6 +635,8 @@ class GRPOModule(PolicyModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume
+        if self._background is not None:  # the engine holds the saved weights: the queue then fills as in a foreground run
+            self._record_sync(self._background.join())
         checkpoint["grpo"] = {
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
             "reward_history": list(self.reward_history),
