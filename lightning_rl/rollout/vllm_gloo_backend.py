@@ -48,11 +48,13 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """The fields of `gloo_transport.ChunkManifest`, as the `/update_weights` route delivers them."""
+    """The fields of `gloo_transport.ChunkManifest`, as the `/update_weights` route delivers them; ``staged``: no
+    chunk follows, the update loads what was staged (`WeightSyncWorker.lightning_rl_stage`) while the engine ran."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    staged: bool = False
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -67,6 +69,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: torch.distributed.ProcessGroupGloo | None = None
         self.layout = CheckpointLayout(self.model_config.hf_config)
         self.loaded: set[str] = set()
+        self._staged: list[tuple[str, torch.Tensor]] = []  # received while the engine generates (`stage`)
+        self._staging: threading.Thread | None = None
+        self._staging_error: BaseException | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         timeout = timedelta(seconds=init_info.timeout_s)
@@ -84,10 +89,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer: /init_weight_transfer_engine was not called")
-        manifest = gloo_transport.ChunkManifest.from_dict(vars(update_info))
         try:
-            # The whole chunk is received before anything is checked, so the stream stays in step on a refusal.
-            received = gloo_transport.receive_chunk(self.group, manifest)
+            if update_info.staged:
+                received = self.take_staged()
+            else:  # the whole chunk is received before anything is checked, so the stream stays in step on a refusal
+                received = gloo_transport.receive_chunk(self.group, gloo_transport.ChunkManifest.from_dict(vars(update_info)))
             self.model.load_weights(list(self.layout.checked_with_ties(received, self.loaded)))
         except Exception:
             # Modules that got nothing yet take their old weights back, so the server goes on serving.
@@ -97,6 +103,36 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
 
+    def stage(self, manifest: gloo_transport.ChunkManifest) -> None:
+        """Receive one chunk on a thread of this worker, into host memory, while the engine goes on generating;
+        returns at once (the previous chunk received first: they arrive one after the other)."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer: /init_weight_transfer_engine was not called")
+        self._staging_wait()
+
+        def receive() -> None:
+            try:
+                self._staged.extend(gloo_transport.receive_chunk(self.group, manifest))
+            except BaseException as error:  # raised again by the next call from the trainer
+                self._staging_error = error
+
+        self._staging = threading.Thread(target=receive, name="lightning-rl-stage", daemon=True)
+        self._staging.start()
+
+    def take_staged(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor staged since the last take, once the last chunk is in."""
+        self._staging_wait()
+        staged, self._staged = self._staged, []
+        return staged
+
+    def _staging_wait(self) -> None:
+        if self._staging is not None:
+            self._staging.join()
+            self._staging = None
+        if self._staging_error is not None:
+            error, self._staging_error, self._staged = self._staging_error, None, []
+            raise RuntimeError(f"receiving a staged chunk failed: {error}") from error
+
     def shutdown(self) -> None:
         self.group = None
 
@@ -104,10 +140,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 class WeightSyncWorker:
     """vLLM's worker extension: each server worker imports (and so registers) the backend, and gains these methods.
 
-    A LoRA adapter sent alone is staged while the engine keeps generating: `lightning_rl_stage_adapter` returns at
-    once and a thread of the worker receives the chunk over the transfer group (the engine's step loop goes on);
-    `lightning_rl_write_adapter` waits for the last chunk and writes the adapter as a peft folder on the server's
-    machine, which vLLM's ``/v1/load_lora_adapter`` then loads while the server is paused.
+    A push is staged while the engine keeps generating: `lightning_rl_stage` returns at once and a thread of the
+    worker receives the chunk over the transfer group (the engine's step loop goes on). Weights then load while the
+    server is paused, through vLLM's update routes with a ``staged`` update; a LoRA adapter sent alone is written as
+    a peft folder on the server's machine (`lightning_rl_write_adapter`), which vLLM's ``/v1/load_lora_adapter`` then
+    loads while the server is paused.
     """
 
     def lightning_rl_held_weights(self) -> dict[str, Any]:
@@ -128,43 +165,24 @@ class WeightSyncWorker:
                 "lora_dtype": lora_dtype(self) if serves_lora else None,
                 "architecture": CheckpointLayout(self.model_config.hf_config).architecture}
 
-    def lightning_rl_stage_adapter(self, update_info: dict[str, Any]) -> None:
-        """Receive one chunk of an adapter's tensors on a thread of this worker; returns at once."""
-        self._lightning_rl_staged_wait()  # chunks arrive one after the other
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, GlooWeightTransferEngine) or engine.group is None:
-            raise RuntimeError("gloo weight transfer: /init_weight_transfer_engine was not called")
-        staged = self.__dict__.setdefault("_lightning_rl_staged", {"tensors": {}, "error": None, "thread": None})
-        manifest = gloo_transport.ChunkManifest.from_dict(update_info)
-
-        def receive() -> None:
-            try:
-                staged["tensors"].update(gloo_transport.receive_chunk(engine.group, manifest))
-            except BaseException as error:  # raised again by the next call from the trainer
-                staged["error"] = error
-
-        staged["thread"] = threading.Thread(target=receive, name="lightning-rl-stage-adapter", daemon=True)
-        staged["thread"].start()
+    def lightning_rl_stage(self, update_info: dict[str, Any]) -> None:
+        """Receive one chunk of a push (weights or an adapter) on a thread of this worker; returns at once."""
+        self._lightning_rl_transfer().stage(gloo_transport.ChunkManifest.from_dict(update_info))
 
     def lightning_rl_write_adapter(self, config: dict[str, Any]) -> str:
         """Once the staged chunks are in: write them as a peft adapter folder (``config``: its adapter_config.json,
         the same folder every time) and return the folder's path."""
-        self._lightning_rl_staged_wait()
-        staged = self.__dict__.pop("_lightning_rl_staged", None) or {"tensors": {}}
+        staged = self._lightning_rl_transfer().take_staged()
         folder = self.__dict__.get("_lightning_rl_adapter_folder") or tempfile.mkdtemp(prefix="lightning-rl-adapter-")
         self._lightning_rl_adapter_folder = folder
-        write_adapter(staged["tensors"].items(), AdapterSpec(config, {}), folder)
+        write_adapter(staged, AdapterSpec(config, {}), folder)
         return folder
 
-    def _lightning_rl_staged_wait(self) -> None:
-        staged = self.__dict__.get("_lightning_rl_staged")
-        if staged is None or staged["thread"] is None:
-            return
-        staged["thread"].join()
-        staged["thread"] = None
-        if staged["error"] is not None:
-            error, self._lightning_rl_staged = staged["error"], None
-            raise RuntimeError(f"receiving an adapter chunk failed: {error}") from error
+    def _lightning_rl_transfer(self) -> GlooWeightTransferEngine:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, GlooWeightTransferEngine) or engine.group is None:
+            raise RuntimeError("gloo weight transfer: /init_weight_transfer_engine was not called")
+        return engine
 
     def lightning_rl_held_adapter(self, lora_id: int, rank: int) -> dict[str, list]:
         """`vllm_held.held_adapter` of this worker: the adapter ``lora_id`` as its slot holds it."""

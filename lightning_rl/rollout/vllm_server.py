@@ -147,6 +147,9 @@ class VLLMServerEngine(RolloutEngine):
             a host-memory copy of the last weights pushed (the model's size, twice during a push) to re-sync a restarted
             server. 0: none
             kept, and the first death stops the run. A server given by ``url`` is not restarted.
+        stage_weights: over gloo, a push (full or delta) is received on the server while it goes on generating, into
+            host memory there (one more copy of what is pushed, on the server's machine), and the server is paused
+            only to load it; false: paused for the whole transfer, which then holds one chunk at a time.
         max_lora_rank: start the server serving a LoRA adapter of up to this rank, sent alone (`push_adapter`, a
             recipe's ``weight_sync: adapter``): the server keeps the base weights it loaded, and each sync stages the
             adapter on the server while it generates, then pauses it only to load the adapter in place. None: no
@@ -172,6 +175,7 @@ class VLLMServerEngine(RolloutEngine):
         server_options: Mapping[str, Any] | None = None,
         transfer_address: str = "127.0.0.1",
         chunk_bytes: int = gloo_transport.DEFAULT_CHUNK_BYTES,
+        stage_weights: bool = True,
         request_timeout: float = 600.0,
         transfer_timeout: float = 300.0,
         max_concurrent_requests: int = 64,
@@ -202,6 +206,7 @@ class VLLMServerEngine(RolloutEngine):
         self.url = (url or self.server.url).rstrip("/")
         self.transfer_address = transfer_address
         self.chunk_bytes = chunk_bytes
+        self.stage_weights = stage_weights
         self.transfer_timeout = timedelta(seconds=transfer_timeout)
         self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="vllm-generate")
         # Weight-transfer posts get their own thread: generate requests held by a paused server must not starve them.
@@ -376,7 +381,7 @@ class VLLMServerEngine(RolloutEngine):
             for chunk in gloo_transport.chunks(received.items(), self.chunk_bytes):
                 manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
                 # Returns at once: a thread of the worker receives the chunk while the engine goes on generating.
-                self._rpc("lightning_rl_stage_adapter", update_info=manifest)
+                self._rpc("lightning_rl_stage", update_info=manifest)
                 gloo_transport.send_chunk(group, chunk)
         except gloo_transport.WeightTransferError:
             self._group = None  # a broken collective: the next push opens a fresh group
@@ -475,20 +480,27 @@ class VLLMServerEngine(RolloutEngine):
 
     def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         group = self._group or self._open_group()
-        started = time.perf_counter()
-        self._post(f"pause?mode={self.pause}")
         try:
-            self._post("start_weight_update")
-            for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
-                manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
-                self._while_posting("update_weights", {"update_info": manifest},
-                                    lambda: gloo_transport.send_chunk(group, chunk))
-            self._post("finish_weight_update", {"weight_version": str(version)})
+            if self.stage_weights:  # received on the server while it generates; the pause only loads them
+                for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
+                    self._rpc("lightning_rl_stage", update_info=gloo_transport.ChunkManifest.of(chunk).to_dict())
+                    gloo_transport.send_chunk(group, chunk)
+            started = time.perf_counter()
+            self._post(f"pause?mode={self.pause}")
+            try:
+                self._post("start_weight_update")
+                if self.stage_weights:
+                    self._post("update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": [], "staged": True}})
+                for chunk in () if self.stage_weights else gloo_transport.chunks(named_tensors, self.chunk_bytes):
+                    manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
+                    self._while_posting("update_weights", {"update_info": manifest},
+                                        lambda: gloo_transport.send_chunk(group, chunk))
+                self._post("finish_weight_update", {"weight_version": str(version)})
+            finally:
+                self._resume()
         except gloo_transport.WeightTransferError:
             self._group = None  # a broken collective: the next push opens a fresh group
             raise
-        finally:
-            self._resume()
         return time.perf_counter() - started
 
     def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
 
+from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
@@ -48,6 +49,37 @@ def held_by(version: int, tiny_model_dir):
     for seed in range(1, version + 1):
         perturb_(model, seed=seed)
     return model
+
+
+def test_a_push_travels_while_the_server_generates_and_the_pause_only_loads_it(server_engine, tiny_model_dir, monkeypatch):
+    """Staged (the default over gloo): every chunk is sent before the server is paused, and the pause loads what the
+    server received meanwhile; with ``stage_weights`` false the chunks travel inside the pause. Either way the push
+    ends verified against the server's live weights."""
+    events: list[str] = []
+    post, send = server_engine._post, gloo_transport.send_chunk
+
+    def posted(route, *args, **kwargs):
+        events.append(route.split("?")[0])
+        return post(route, *args, **kwargs)
+
+    def sent(group, chunk):
+        events.append("chunk")
+        return send(group, chunk)
+
+    monkeypatch.setattr(server_engine, "_post", posted)
+    monkeypatch.setattr(gloo_transport, "send_chunk", sent)
+    version = server_engine.weight_version
+    trainer = held_by(version, tiny_model_dir)  # what it holds, sent again: the tests below see no change
+    server_engine.chunk_bytes = 2**20  # a few chunks of the 2 MB model
+    for staged in (True, False):
+        events.clear()
+        server_engine.stage_weights = staged
+        server_engine.push_weights(iter_full_weights(trainer), version=version)
+        order = [event for event in events if event in ("chunk", "pause", "resume")]
+        chunks = order.count("chunk")
+        assert chunks > 1 and server_engine.weight_version == version
+        assert order == (["chunk"] * chunks + ["pause", "resume"] if staged else ["pause", *["chunk"] * chunks, "resume"])
+    server_engine.stage_weights = True
 
 
 def test_every_push_is_verified_and_faults_are_caught(server_engine, tiny_model_dir, monkeypatch):
@@ -127,7 +159,7 @@ def test_a_push_in_wait_mode_waits_for_generation(server_engine, tiny_model_dir,
         assert max_logprob_error(models[rollout.weight_version], [rollout]) < LOGPROB_ATOL
 
 
-def test_generation_continues_across_a_push_with_every_token_versioned_and_corrected(server_engine, tiny_model_dir):
+def test_generation_continues_across_a_push_with_every_token_versioned_and_corrected(server_engine, tiny_model_dir, monkeypatch):
     """``pause: keep`` (the default): a push freezes the completions in flight, and they continue under the new weights.
 
     Every token carries the version that sampled it: its recorded log-prob is that of its version's model on the
@@ -140,6 +172,9 @@ def test_generation_continues_across_a_push_with_every_token_versioned_and_corre
 
     old = server_engine.weight_version
     models = models_up_to(old + 1, tiny_model_dir)
+    # The pause must come while the completions are in flight: staged, it comes after the whole transfer, which a
+    # loaded machine may not finish before them (the staged push's order is tested above).
+    monkeypatch.setattr(server_engine, "stage_weights", False)
     # Long completions (the server's max_model_len is 256), so the push lands while they are sampled.
     generated = generated_mid_push(server_engine, models, old + 1, PROMPTS, SamplingConfig(max_new_tokens=240, seed=3))
     spanning = [r for r in generated if r.token_versions is not None]
