@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             "flagship_estimate": flagship_adapter_estimate(),
         }
     result = json.loads(args.out.read_text()) if args.out.exists() else {}  # read now: the other part may have written
-    kept = {} if args.part == "server" else {k: v for k, v in result.get("sync_modes", {}).items() if k == "server"}
+    server_part = ("server", "qwen3_0_6b_vllm")  # what --part server writes, kept by the main part and the reverse
+    kept = {} if args.part == "server" else {k: v for k, v in result.get("sync_modes", {}).items() if k in server_part}
     result["sync_modes"] = {**(result.get("sync_modes", {}) if args.part == "server" else kept), **measured}
     result["sync_modes"]["machine"] = args.machine
     args.out.write_text(json.dumps(result, indent=2) + "\n")
