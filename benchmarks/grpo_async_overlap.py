@@ -12,9 +12,8 @@ against one `vllm serve` process (the CPU build) started here:
 - ``async_keep``: as ``async``, but a push freezes the completions in flight and they continue under the new weights
   (``pause: keep``: generation across updates, several weight versions in one completion).
 
-The async modes push in the background (``push_in_background: auto``): the trainer stages the weights and trains its
-next step while they are sent; ``async_keep_foreground`` is ``async_keep`` with the trainer waiting for every push
-(``never``), for comparison.
+The trainer waits for each push (``push_in_background: auto`` is off on a CPU); ``async_keep_background`` is
+``async_keep`` with the push sent from a thread of its own while the trainer trains its next step (``always``).
 
 Long tail: the untrained tiny model samples near-uniformly from its 512-token vocabulary, so making a seeded set of
 ``--stop-tokens`` of its tokens stop tokens (`SamplingConfig.stop_token_ids`) ends each completion after every token
@@ -66,7 +65,7 @@ from lightning_rl.toy.model import build_tiny
 
 # mode: (async_mode, the server's pause, push_in_background)
 MODES = {"sync": (False, "wait", "auto"), "async": (True, "wait", "auto"), "async_keep": (True, "keep", "auto"),
-         "async_keep_foreground": (True, "keep", "never")}
+         "async_keep_background": (True, "keep", "always")}
 COMPARED = ("sync", "async", "async_keep")  # the ratios and the goal
 ENGINE = "lightning_rl.rollout.vllm_server.VLLMServerEngine"
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

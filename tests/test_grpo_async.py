@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.errors import RecipeError
+from lightning_rl.models.policy_sync import pushes_in_background
 from lightning_rl.models.weights import WeightMismatchError
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rollout.base import Rollout
@@ -202,3 +203,15 @@ def test_push_in_background_is_refused_where_the_trainer_would_wait_for_it_anywa
     for kwargs in ({}, {"async_mode": True, "max_staleness": 0}):
         with pytest.raises(RecipeError, match="push_in_background: always needs async_mode with max_staleness >= 1"):
             GRPOModule(**FAST, rewards=LENGTH_REWARD, push_in_background="always", **kwargs)
+
+
+def test_auto_pushes_in_background_only_where_it_frees_the_trainer(tiny_path):
+    """``auto``: async at ``max_staleness >= 1`` on an accelerator; not on a CPU (the push there takes the cores the
+    step and the engine need), not at k=0 (the next batch needs the pushed weights), never in a synchronous run."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert pushes_in_background("auto", True, 1, model, "full", cuda)
+    assert not pushes_in_background("auto", True, 1, model, "full", cpu)
+    assert not pushes_in_background("auto", True, 0, model, "full", cuda)
+    assert not pushes_in_background("auto", False, 1, model, "full", cuda)
+    assert pushes_in_background("always", True, 1, model, "full", cpu) and not pushes_in_background("never", True, 1, model, "full", cuda)

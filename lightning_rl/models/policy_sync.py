@@ -185,13 +185,15 @@ def check_push_in_background(setting: str, async_mode: bool, max_staleness: int)
                           "is sampled by the weights being pushed, and the trainer waits for them all the same", "push_in_background")
 
 
-def pushes_in_background(setting: str, async_mode: bool, max_staleness: int, policy: nn.Module, mode: str) -> bool:
+def pushes_in_background(setting: str, async_mode: bool, max_staleness: int, policy: nn.Module, mode: str, device: torch.device) -> bool:
     """Whether a run's pushes go through `BackgroundPush`: ``always``, ``never``, or ``auto``: in async mode with
-    ``max_staleness >= 1``, where the host copy it stages (the adapter, or every weight) takes at most a quarter of the
-    host memory free now (a model too large for it is streamed to the engine tensor by tensor, as before)."""
+    ``max_staleness >= 1``, training on an accelerator, where the host copy it stages (the adapter, or every weight)
+    takes at most a quarter of the host memory free now (a model too large for it is streamed to the engine tensor by
+    tensor, as before). Not on a CPU: there the push's own work takes the cores the step and the engine compute on,
+    and measured on 2 cores it gained nothing (``benchmarks/grpo_async_overlap.py``, ``async_keep_background``)."""
     if setting != "auto":
         return setting == "always"
-    if not (async_mode and max_staleness >= 1):
+    if not (async_mode and max_staleness >= 1) or device.type == "cpu":
         return False
     staged = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if mode != "adapter" or "lora_" in n)
     return staged <= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4

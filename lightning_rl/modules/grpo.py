@@ -135,9 +135,10 @@ class GRPOModule(PolicyModule):
             versions old a trained rollout may be (0: the synchronous run's rollouts).
         push_in_background: send each step's weights from a thread of their own while the trainer trains its next
             step (on a batch the previous weights sampled): staged in host memory first, then pushed and verified
-            there; a failed push stops the run at the next step. ``auto``: with ``async_mode`` and ``max_staleness >= 1``
-            where the staged copy takes at most a quarter of the free host memory; ``always`` (refused without them);
-            ``never``: the trainer waits for every push.
+            there; a failed push stops the run at the next step. ``auto``: with ``async_mode`` and ``max_staleness >= 1``,
+            training on an accelerator (on a CPU the push takes the cores the step and the engine need), where the
+            staged copy takes at most a quarter of the free host memory; ``always`` (refused without async_mode and
+            max_staleness >= 1); ``never``: the trainer waits for every push.
         tools, max_turns: tool functions (dotted paths): multi-turn rollouts. TRL: `max_tool_calling_iterations`.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
             as 2 samples), giving nested forks; leaves of a prompt are its group.
@@ -335,7 +336,7 @@ class GRPOModule(PolicyModule):
         share_cores_with_rollouts(self.engine, self.trainer, self.hparams.max_staleness)  # the rollout thread computes beside this one
         self.producer.start()
         hp = self.hparams
-        if pushes_in_background(hp.push_in_background, hp.async_mode, hp.max_staleness, self.policy, self.weight_sync.mode):
+        if pushes_in_background(hp.push_in_background, hp.async_mode, hp.max_staleness, self.policy, self.weight_sync.mode, self.device):
             self._background = BackgroundPush(self.weight_sync, self.producer.weights_updated)
 
     def on_train_end(self) -> None:
