@@ -15,6 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from support.grpo import LENGTH_REWARD, fit
 
 from lightning_rl.errors import RecipeError
+from lightning_rl.models import policy_sync
 from lightning_rl.models.loading import LoraSettings
 from lightning_rl.models.policy_sync import PolicySync, check_weight_sync, resolve_weight_sync
 from lightning_rl.models.weights import WeightMismatchError, adapter_spec, iter_full_weights, tensor_digest
@@ -127,7 +128,7 @@ def test_a_delta_sync_sends_only_what_changed_and_keeps_the_engine_on_the_traine
     assert sync.sync(policy, engine, 4).num_bytes == 0 and engine.weight_version == 4
 
 
-def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check() -> None:
+def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check(monkeypatch) -> None:
     policy, engine = base(seed=1), HFRolloutEngine(base())
     sync = PolicySync("delta")
     sync.sync(policy, engine, 0)
@@ -144,8 +145,12 @@ def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_c
     with torch.no_grad():
         restarted.model.model.layers[0].self_attn.o_proj.weight[0, 0] += 1.0
     train_step(policy, seed=3, only="layers.1.self_attn.q_proj")
+    gathers = []  # the fallback sends the copies the delta's stream left: one gather, as on every other rank
+    monkeypatch.setattr(policy_sync, "iter_full_weights", lambda *a, **k: gathers.append(1) or iter_full_weights(*a, **k))
     report = resumed.sync(policy, restarted, 4)
     assert report.mode == "full" and restarted.weight_version == 4 and held_equals_trainer(restarted, policy)
+    assert len(gathers) == 1
+    monkeypatch.undo()
     train_step(policy, seed=4, only="layers.1.self_attn.q_proj")
     assert resumed.sync(policy, restarted, 5).names == ["model.layers.1.self_attn.q_proj.weight"]
 

@@ -162,6 +162,7 @@ class PolicySync:
             push = None if engine is None else (lambda named: engine.push_weights(named, version))
             return push_stream(weights(), push, SyncReport(version, self.mode))
         tracker = self.delta
+        stream = None
         if tracker.holds(engine):
             tracker.version = None  # set again once the engine has taken (and verified) the push
             try:
@@ -170,9 +171,13 @@ class PolicySync:
                 tracker.version = version
                 return report
             except WeightMismatchError:
-                pass  # the engine's state is not the trainer's: send it all, verified again (a second failure stops the run)
+                # The engine's state is not the trainer's: send it all, verified again (a second failure stops the
+                # run). The delta's stream was read to its end, so the copies are every weight as it is now: sent
+                # from them, not gathered again, which the other ranks (they gathered once) would not join.
+                stream = iter(list(tracker.copies.items()))
         tracker.version = None
-        report = push_stream(tracker.record_full(weights()), lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
+        stream = stream if stream is not None else tracker.record_full(weights())
+        report = push_stream(stream, lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
         tracker.version = version
         return report
 
