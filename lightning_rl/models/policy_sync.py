@@ -132,12 +132,12 @@ class PolicySync:
         self.delta = DeltaTracker() if mode == "delta" else None
 
     def sync(self, policy: nn.Module, engine: WeightReceiver | None, version: int) -> SyncReport:
-        return self.send(lambda: self._weights(policy, engine), engine, version, adapter_spec(policy) if self.mode == "adapter" else None)
+        return self.send(self._weights(policy, engine), engine, version, adapter_spec(policy) if self.mode == "adapter" else None)
 
     def stage(self, policy: nn.Module, engine: WeightReceiver | None) -> Callable[[int], SyncReport] | None:
         """What the next sync sends, gathered now (on every rank) and copied to host memory: returns the send of that
         copy as a version (``send``), to run on another thread while the trainer goes on; None on ranks without the
-        engine. Gathered in full even for a delta: the copy is also what a failed delta falls back to."""
+        engine. Gathered in full even for a delta, which is filtered as it is sent."""
         spec = adapter_spec(policy) if self.mode == "adapter" else None
         stream = self._weights(policy, engine)
         if engine is None:
@@ -145,28 +145,27 @@ class PolicySync:
                 pass
             return None
         staged = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in stream]
-        return lambda version: self.send(lambda: iter(staged), engine, version, spec)
+        return lambda version: self.send(iter(staged), engine, version, spec)
 
     def _weights(self, policy: nn.Module, engine: WeightReceiver | None) -> Iterator[tuple[str, Tensor]]:
         if self.mode == "adapter":
             return cast_lora_tensors(iter_adapter_weights(policy), None if engine is None else engine.adapter_dtype())
         return iter_full_weights(policy)
 
-    def send(self, weights: Callable[[], Iterator[tuple[str, Tensor]]], engine: WeightReceiver | None, version: int,
+    def send(self, stream: Iterator[tuple[str, Tensor]], engine: WeightReceiver | None, version: int,
              adapter: AdapterSpec | None = None) -> SyncReport:
-        """Push what ``weights()`` gives (called again, for the full weights, if a delta fails its check) as ``version``."""
+        """Push ``stream`` (every weight, or the adapter) as ``version``; a delta sends only what changed in it."""
         if self.mode == "adapter":
             push = None if engine is None else (lambda named: engine.push_adapter(named, adapter, version))
-            return push_stream(weights(), push, SyncReport(version, "adapter"))
+            return push_stream(stream, push, SyncReport(version, "adapter"))
         if self.delta is None or engine is None:
             push = None if engine is None else (lambda named: engine.push_weights(named, version))
-            return push_stream(weights(), push, SyncReport(version, self.mode))
-        tracker = self.delta
-        stream = None
+            return push_stream(stream, push, SyncReport(version, self.mode))
+        tracker, full = self.delta, None
         if tracker.holds(engine):
             tracker.version = None  # set again once the engine has taken (and verified) the push
             try:
-                report = push_stream(tracker.changed(weights(), engine.write_groups()),
+                report = push_stream(tracker.changed(stream, engine.write_groups()),
                                      lambda named: engine.push_changed(named, version), SyncReport(version, "delta"))
                 tracker.version = version
                 return report
@@ -174,10 +173,10 @@ class PolicySync:
                 # The engine's state is not the trainer's: send it all, verified again (a second failure stops the
                 # run). The delta's stream was read to its end, so the copies are every weight as it is now: sent
                 # from them, not gathered again, which the other ranks (they gathered once) would not join.
-                stream = iter(list(tracker.copies.items()))
+                full = iter(list(tracker.copies.items()))
         tracker.version = None
-        stream = stream if stream is not None else tracker.record_full(weights())
-        report = push_stream(stream, lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
+        full = full if full is not None else tracker.record_full(stream)
+        report = push_stream(full, lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
         tracker.version = version
         return report
 
