@@ -16,7 +16,9 @@ keys and values shared by the rows, ``ops/prefix_rows.py``). A sequence longer t
 in a sub-group, so those two get the least row that holds it (``wide_row_budget``). ``speedup`` and ``flop_bound``
 are cross-row against flat, the bound counting the whole step as one tree; ``speedup_over_subgroups`` is cross-row
 against sub-groups. Cross-row holds its prefix's activations while each row runs, so its peak is the prefix's and
-one row's, against a sub-group row's prompt and its answers; a second-level shared part cut across rows
+one row's, against a sub-group row's prompt and its answers; ``cross_row_recompute`` (what a policy trained with
+gradient checkpointing does) keeps only the prefix's keys and values across the rows and runs its forward again
+for the backward; a second-level shared part cut across rows
 (``nested_spans_rows``' first turns) is forwarded again in each row it reaches. ``--span-scale`` divides every length
 of these cases (a CPU runs them at 1/16):
 
@@ -129,17 +131,18 @@ def span_layouts(model, seqs, masks, budget: int, device: str | torch.device = "
         "subgroups": (plan_rows(seqs, wide, groups=groups).ranks[0], None),
     }
     spans = plan_rows(seqs, budget, groups=groups, **span_settings("always", model, masks, images=False))
-    plans["cross_row"] = (spans.ranks[0], spans.prefixes[0])
+    plans["cross_row"] = plans["cross_row_recompute"] = (spans.ranks[0], spans.prefixes[0])
     return {
-        name: ([(row, pack_sequences([seqs[i] for i in row], [masks[i] for i in row], share_prefixes=(name != "flat")).to(device)) for row in rows], prefixes)
+        name: ([(row, pack_sequences([seqs[i] for i in row], [masks[i] for i in row], share_prefixes=(name != "flat")).to(device)) for row in rows],
+               prefixes, name.endswith("recompute"))
         for name, (rows, prefixes) in plans.items()
     }  # fmt: skip
 
 
 def rows_step(model, layout, advantages) -> None:
     """One learner step over a layout's rows: each row's backward, then a span's prefix's once after its last row."""
-    rows, prefixes = layout
-    batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes)
+    rows, prefixes, recompute = layout
+    batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes, recompute=recompute)
     for (seq_ids, _), batch in zip(rows, batches):
         step(model, batch, advantages[seq_ids])
         finish_prefix(batch)
@@ -147,7 +150,7 @@ def rows_step(model, layout, advantages) -> None:
 
 def layout_cost(config, layout, trained: int) -> tuple[int, float]:
     """Forwarded tokens and fwd+bwd FLOPs of a layout's rows, a span's prefix counted once."""
-    rows, prefixes = layout
+    rows, prefixes, _ = layout
     batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes)
     parts = list(batches) + list({id(b.prefix): b.prefix.batch for b in batches if isinstance(b, PrefixedRow)}.values())
     tokens = sum(b.num_tokens for b in parts)
@@ -168,7 +171,7 @@ def span_case(model, config, case: str, args) -> dict:
     for name in layouts:  # warm-up
         rows_step(model, layouts[name], advantages)
     for r in range(args.span_rounds):  # the order rotates each round
-        names = list(layouts)[r % 3 :] + list(layouts)[: r % 3]
+        names = list(layouts)[r % len(layouts) :] + list(layouts)[: r % len(layouts)]
         for name in names:
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -192,6 +195,9 @@ def span_case(model, config, case: str, args) -> dict:
         "speedup_over_flop_bound": round(s["flat"] / s["cross_row"] / flop_bound, 3),
         "speedup_over_subgroups": round(s["subgroups"] / s["cross_row"], 3),
         "flat_peak_mb": round(peak["flat"], 1), "subgroups_peak_mb": round(peak["subgroups"], 1), "cross_row_peak_mb": round(peak["cross_row"], 1),
+        # gradient checkpointing's way for a span: the prefix's forward run again for its backward instead of kept
+        "cross_row_recompute_s": round(s["cross_row_recompute"], 4), "cross_row_recompute_peak_mb": round(peak["cross_row_recompute"], 1),
+        "recompute_speedup_over_subgroups": round(s["subgroups"] / s["cross_row_recompute"], 3),
         "rounds": args.span_rounds,
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads" + (f"; {args.note}" if args.note else ""),
     }  # fmt: skip
@@ -286,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
     span_cols = ["case", "t_over_u", "flop_bound", "flat_s", "subgroups_s", "cross_row_s", "speedup", "speedup_over_flop_bound",
-                 "speedup_over_subgroups", "flat_peak_mb", "subgroups_peak_mb", "cross_row_peak_mb"]  # fmt: skip
+                 "speedup_over_subgroups", "flat_peak_mb", "subgroups_peak_mb", "cross_row_peak_mb", "cross_row_recompute_s",
+                 "recompute_speedup_over_subgroups", "cross_row_recompute_peak_mb"]  # fmt: skip
     if spans:
         print("\n| " + " | ".join(span_cols) + " |\n|" + "---|" * len(span_cols))
     for row in spans:

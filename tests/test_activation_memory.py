@@ -15,6 +15,7 @@ from support.trees import NESTED
 from transformers import Qwen3Config
 
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
+from lightning_rl.modules import grpo
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.ops.packed_forward import packed_logprobs
 from lightning_rl.ops.saved_activations import OffloadedForwards, SavedInPlace
@@ -92,21 +93,27 @@ def token_parity(completion_ids: list[list[int]], **_) -> list[float]:
     return [float(sum(ids) % 5) for ids in completion_ids]
 
 
+@pytest.mark.parametrize("across_rows", ["never", "always"])
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
-def test_a_grpo_step_over_tree_packed_rows_has_the_same_gradients(lora):
-    """The real module and Trainer: the same rollouts, cut into several tree-packed rows, give the same gradients."""
-    runs = {}
+def test_a_grpo_step_over_tree_packed_rows_has_the_same_gradients(lora, across_rows, monkeypatch):
+    """The real module and Trainer: the same rollouts, cut into several tree-packed rows, give the same gradients;
+    a group's prompt forwarded once across its rows too (with checkpointing, that forward is run again for its
+    backward rather than kept)."""
+    runs, spans = {}, []
+    share = grpo.share_prefixes  # rows that continue a prefix, counted
+    monkeypatch.setattr(grpo, "share_prefixes", lambda rows, prefixes, **kw: spans.append(sum(p is not None for p in prefixes)) or share(rows, prefixes, **kw))
     for setting, (checkpointing, offload) in {"none": (False, False), **SETTINGS}.items():
         if lora is not None and setting in ("checkpointing", "offload"):
             continue  # each alone is covered on full fine-tuning; LoRA runs them together
         recorder = GradientRecorder()
-        module, trainer = fit(1, [recorder], batch_size=4, rewards=TOKEN_REWARD, max_grad_norm=None, max_tokens_per_row=48,
-                              lora=lora, gradient_checkpointing=checkpointing, offload_activations=offload)  # fmt: skip
+        module, trainer = fit(1, [recorder], batch_size=4, num_generations=8, rewards=TOKEN_REWARD, max_grad_norm=None, max_tokens_per_row=48,
+                              prefix_across_rows=across_rows, lora=lora, gradient_checkpointing=checkpointing, offload_activations=offload)  # fmt: skip
         assert float(trainer.callback_metrics["train/rows"]) >= 2
         assert float(trainer.callback_metrics["train/packing_ratio"]) > 1  # tree-packed: the prompts shared
         assert any(getattr(m, "gradient_checkpointing", False) for m in module.policy.modules()) == checkpointing
         assert (module.offloaded is not None and module.offloaded.host_bytes > 0) == offload
         runs[setting] = recorder.steps[0]
+    assert (min(spans) > 0 if across_rows == "always" else max(spans) == 0), spans
     base = runs.pop("none")
     assert any(g.abs().sum() > 0 for g in base.values())
     for setting, grads in runs.items():

@@ -52,14 +52,14 @@ def _grad_error(ours, theirs, dtype=torch.float32):
     return max(float((o - t).norm() / (t.norm() + GRAD_FLOOR[dtype] * total)) for o, t in zip(ours, theirs))
 
 
-def _cross_row(model, seqs, prompt_len, budget, backend):
+def _cross_row(model, seqs, prompt_len, budget, backend, recompute=False):
     """Log-probs of every trained token (in sequence order) and the gradient of their weighted sum, run as the
     planner's span."""
     masks = [[t >= prompt_len for t in range(len(s))] for s in seqs]
     plan = plan_rows(seqs, budget, groups=[0] * len(seqs), prefix_across_rows="always", prefix_limits=[prompt_len - 1] * len(seqs))
     rows, prefixes = plan.ranks[0], plan.prefixes[0]
     assert all(p is not None for p in prefixes) and len(rows) >= 1
-    packed = share_prefixes([pack_sequences([seqs[i] for i in row], [masks[i] for i in row]) for row in rows], prefixes)
+    packed = share_prefixes([pack_sequences([seqs[i] for i in row], [masks[i] for i in row]) for row in rows], prefixes, recompute=recompute)
     assert all(isinstance(p, PrefixedRow) for p in packed) and len({id(p.prefix) for p in packed}) == 1
     model.zero_grad()
     out: dict[int, torch.Tensor] = {}
@@ -73,8 +73,8 @@ def _cross_row(model, seqs, prompt_len, budget, backend):
     return out, _grads(model), packed
 
 
-def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, grad_tol):
-    out, grads, _ = _cross_row(model, seqs, prompt_len, budget, backend)
+def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, grad_tol, recompute=False):
+    out, grads, _ = _cross_row(model, seqs, prompt_len, budget, backend, recompute)
     reference = copy.deepcopy(model)
     reference.zero_grad()
     total = torch.zeros(())
@@ -91,10 +91,44 @@ def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, 
 
 
 @settings(max_examples=6, deadline=None)
-@given(groups(), st.sampled_from(sorted(MODELS)), st.sampled_from(["blocks", "dense"]), st.sampled_from([torch.float32, torch.float64]))
-def test_cross_row_equals_each_sequence_alone(group, name, backend, dtype):
+@given(groups(), st.sampled_from(sorted(MODELS)), st.sampled_from(["blocks", "dense"]), st.sampled_from([torch.float32, torch.float64]), st.booleans())
+def test_cross_row_equals_each_sequence_alone(group, name, backend, dtype, recompute):
     model = (MODELS if dtype == torch.float32 else MODELS_FP64)[name]
-    _check_against_each_alone(model, *group, backend, *TOLERANCE[dtype])
+    _check_against_each_alone(model, *group, backend, *TOLERANCE[dtype], recompute=recompute)
+
+
+def test_a_recomputed_prefix_keeps_no_graph_across_its_rows_and_gives_the_same_gradients():
+    """With recompute (gradient checkpointing), the prefix's first forward saves nothing for backward; it runs again,
+    with dropout drawing the same masks, for its one backward after the last row: the same gradients as kept."""
+    model = copy.deepcopy(MODELS["llama"]).train()
+    drop = {"p": 0.0}
+    for layer in model.model.layers:  # dropout after each MLP: the rerun must draw the masks the first forward drew
+        layer.mlp.register_forward_hook(lambda module, args, out: torch.nn.functional.dropout(out, drop["p"], training=True))
+    prompt = list(range(3, 23))
+    seqs = [prompt + [30 + k, 40 + k, 50 + k, 60] for k in range(6)]
+    _cross_row(model, seqs, len(prompt), budget=9, backend="blocks")  # the packing probe first (it refuses a random forward)
+    drop["p"] = 0.3
+    grads, saved, calls = {}, {}, {}
+    for recompute in (False, True):
+        hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.setdefault(recompute, []).append(args[0].shape[1]))
+        saved[recompute] = []  # (forwards begun so far, elements) of each tensor saved for backward
+        pack = lambda t: saved[recompute].append((len(calls.get(recompute, [])), t.numel())) or t  # noqa: E731
+        try:
+            torch.manual_seed(0)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                _, grads[recompute], packed = _cross_row(model, seqs, len(prompt), budget=9, backend="blocks", recompute=recompute)
+        finally:
+            hook.remove()
+        assert packed[0].prefix.finished == 3
+    # Kept: the prefix once, then 3 rows. Recomputed: the prefix, 3 rows, the prefix again in its backward.
+    assert calls[False] == [19, 9, 9, 9] and calls[True] == [19, 9, 9, 9, 19]
+    by_prefix = {}  # saved from the prefix's first forward until the first row's (the row's own inputs included)
+    for recompute in (False, True):
+        first = 1
+        by_prefix[recompute] = sum(n for k, n in saved[recompute] if k == first)
+    assert by_prefix[True] * 50 < by_prefix[False], by_prefix
+    for ours, kept in zip(grads[True], grads[False]):
+        torch.testing.assert_close(ours, kept, rtol=1e-5, atol=1e-7)
 
 
 # The family matrix's attention styles (support/packing_families.py) in fp64: exact across rows, or refused in one line.

@@ -125,8 +125,9 @@ class GRPOModule(PolicyModule):
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
-        gradient_checkpointing, offload_activations: recompute each decoder layer in backward; keep saved activations
-            in host memory until backward. TRL: `gradient_checkpointing`, `activation_offloading`.
+        gradient_checkpointing, offload_activations: recompute each decoder layer in backward (and a prefix shared
+            across rows: its forward keeps only its keys and values while the rows run); keep saved activations in
+            host memory until backward. TRL: `gradient_checkpointing`, `activation_offloading`.
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
@@ -392,7 +393,8 @@ class GRPOModule(PolicyModule):
         optimizer.zero_grad()
         train_started = time.perf_counter()
         stats = StepStats()
-        packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes)
+        packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
+                                     recompute=self.hparams.gradient_checkpointing)
         if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":
             with torch.no_grad():  # the sampling policy's, before the first of this batch's updates
                 self._old_logprobs = [self.policy_logprobs(self.policy, packed)[0].cpu() for packed in packed_rows]

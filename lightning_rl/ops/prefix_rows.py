@@ -9,13 +9,20 @@ one backward runs through the prefix's forward with those sums (``finish_prefix`
 of the whole group packed in one row.
 
 A frozen model (the reference, or any forward without gradients) keeps its capture for the span's rows and runs no
-backward. Refused in one line: images or multi-axis positions (an image-text prefix), padded rows (static-shape
-devices), a policy trained on several processes (FSDP2 or DDP: the prefix's backward runs after the rows', outside
-the strategy's backward, so its gradients would be neither reduced nor resharded), and the varlen kernel.
+backward. With ``recompute`` (a policy trained with gradient checkpointing), the prefix's forward keeps no graph while
+the rows run: only its keys and values stay, and the forward runs again, from the same random state, for the one
+backward after the last row. That costs one more forward of the prefix, and across the rows holds its keys and
+values alone instead of every activation of its forward.
+
+Refused in one line: images or multi-axis positions (an image-text prefix), padded rows (static-shape devices), a
+policy trained on several processes (FSDP2 or DDP: the prefix's backward runs after the rows', outside the
+strategy's backward, so its gradients would be neither reduced nor resharded), and the varlen kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -31,14 +38,15 @@ from lightning_rl.packing.tree import PackedBatch, pack_sequences
 class _Capture:
     keys_values: dict[int, tuple[Tensor, Tensor]]  # attention module id -> what the rows attend to (leaves where gradients flow)
     outputs: list[Tensor]  # the prefix forward's own keys and values (with its graph), when gradients flow
+    rerun: Callable[[], list[Tensor]] | None = None  # recompute: what gives `outputs` for the backward
 
 
 class SharedPrefix:
     """The prefix of a span of ``rows`` rows: its chain of tokens as a packed batch, and per model its captured
     keys and values (one capture per model, gradient mode and train/eval mode)."""
 
-    def __init__(self, batch: PackedBatch, rows: int) -> None:
-        self.batch, self.rows = batch, rows
+    def __init__(self, batch: PackedBatch, rows: int, recompute: bool = False) -> None:
+        self.batch, self.rows, self.recompute = batch, rows, recompute
         self.finished = 0  # rows whose backward has run
         self._captures: dict[tuple[int, bool, bool], _Capture] = {}
 
@@ -63,14 +71,15 @@ class SharedPrefix:
         grad = torch.is_grad_enabled()
         key = (id(model), grad, model.training)
         if key not in self._captures:
-            captured: list[tuple[int, Tensor, Tensor]] = []
-            forward(captured)
-            captured = list(captured)  # a layer recomputed in the prefix's backward appends again: not read
-            if len({m for m, _, _ in captured}) != len(captured):
-                raise PackingRefused(f"{type(model).__name__}: an attention module runs twice in one forward; a row cannot tell which of its prefix keys and values to take")
+            recompute = grad and self.recompute
+            rng = _RandomState(self.batch.input_ids.device) if recompute else None
+            with torch.no_grad() if recompute else contextlib.nullcontext():
+                captured = _captured(model, forward)
             if grad:
                 leaves = {m: (k.detach().requires_grad_(), v.detach().requires_grad_()) for m, k, v in captured}
-                self._captures[key] = _Capture(leaves, [t for _, k, v in captured for t in (k, v)])
+                outputs = [] if recompute else [t for _, k, v in captured for t in (k, v)]
+                rerun = _rerun(model, forward, rng, [m for m, _, _ in captured]) if recompute else None
+                self._captures[key] = _Capture(leaves, outputs, rerun)
             else:
                 self._captures[key] = _Capture({m: (k, v) for m, k, v in captured}, [])
         return self._captures[key].keys_values
@@ -80,9 +89,55 @@ class SharedPrefix:
         for key in [key for key in self._captures if key[1]]:
             capture = self._captures.pop(key)
             leaves = [t for k, v in capture.keys_values.values() for t in (k, v)]
-            pairs = [(out, leaf.grad) for out, leaf in zip(capture.outputs, leaves) if leaf.grad is not None and out.requires_grad]
+            if not any(leaf.grad is not None for leaf in leaves):
+                continue
+            outputs = capture.outputs if capture.rerun is None else capture.rerun()
+            pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None and out.requires_grad]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
+
+
+def _captured(model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
+    captured: list[tuple[int, Tensor, Tensor]] = []
+    forward(captured)
+    captured = list(captured)  # a layer recomputed in the prefix's backward appends again: not read
+    if len({m for m, _, _ in captured}) != len(captured):
+        raise PackingRefused(f"{type(model).__name__}: an attention module runs twice in one forward; a row cannot tell which of its prefix keys and values to take")
+    return captured
+
+
+class _RandomState:
+    """The random state a forward starts from (the host's and the device's), to run it again the same (dropout)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.get_rng_state()
+        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=[self.device] if self.accelerator is not None else []):
+            torch.set_rng_state(self.host)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield
+
+
+def _rerun(model: nn.Module, forward, rng: _RandomState, modules: list[int]) -> Callable[[], list[Tensor]]:
+    """The prefix's forward again, with gradients and the random state of the first: its keys and values in the
+    order the first forward captured them."""
+    training = model.training
+
+    def rerun() -> list[Tensor]:
+        if model.training != training:
+            raise RuntimeError(f"{type(model).__name__} left {'train' if training else 'eval'} mode between a prefix's forward and its backward")
+        with torch.enable_grad(), rng.restored():
+            captured = _captured(model, forward)
+        if [m for m, _, _ in captured] != modules:
+            raise RuntimeError(f"{type(model).__name__}: the prefix's forward, run again for its backward, took other attention modules")
+        return [t for _, k, v in captured for t in (k, v)]
+
+    return rerun
 
 
 @dataclass
@@ -98,9 +153,10 @@ class PrefixedRow(PackedBatch):
         return PrefixedRow(**{f.name: getattr(moved, f.name) for f in fields(PackedBatch)}, prefix=self.prefix)
 
 
-def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int) -> PrefixedRow:
+def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = False) -> PrefixedRow:
     """``row`` (every sequence of it starting with the same tokens) without its first ``prefix`` tokens, which a
-    `SharedPrefix` (new for an int length, else the one given, shared with the span's other rows) forwards."""
+    `SharedPrefix` (new for an int length, else the one given, shared with the span's other rows) forwards;
+    ``recompute``: a new one's (`SharedPrefix`)."""
     length = prefix if isinstance(prefix, int) else prefix.length
     why = None
     if row.image_inputs or row.rope_position_ids is not None:
@@ -116,7 +172,7 @@ def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int) -> PrefixedRow:
     if isinstance(prefix, int):
         ids = row.input_ids[:length].tolist()
         routes = None if row.routes is None else [row.routes[:length]]
-        prefix = SharedPrefix(pack_sequences([ids], [[False] * length], routes=routes).to(row.input_ids.device), rows=0)
+        prefix = SharedPrefix(pack_sequences([ids], [[False] * length], routes=routes).to(row.input_ids.device), rows=0, recompute=recompute)
     elif not torch.equal(prefix.batch.input_ids, row.input_ids[:length]):
         raise ValueError("the rows of a span must start with the same prefix")
     prefix.rows += 1
@@ -136,9 +192,10 @@ def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int) -> PrefixedRow:
     )
 
 
-def share_prefixes(rows: list[PackedBatch], prefixes: list[tuple[int, int] | None]) -> list[PackedBatch]:
+def share_prefixes(rows: list[PackedBatch], prefixes: list[tuple[int, int] | None], recompute: bool = False) -> list[PackedBatch]:
     """The planner's rows with each span's prefix cut off and shared: ``prefixes[k]`` is (span, prefix length) of row
-    ``k`` or None (`packing.planner.RowPlan.prefixes`)."""
+    ``k`` or None (`packing.planner.RowPlan.prefixes`). ``recompute``: the prefixes' forwards keep no graph across
+    the rows, and run again for their backward (`SharedPrefix`)."""
     shared: dict[int, SharedPrefix] = {}
     out = []
     for row, spec in zip(rows, prefixes):
@@ -146,7 +203,7 @@ def share_prefixes(rows: list[PackedBatch], prefixes: list[tuple[int, int] | Non
             out.append(row)
             continue
         span, length = spec
-        cut = cut_prefix(row, shared.get(span, length))
+        cut = cut_prefix(row, shared.get(span, length), recompute)
         shared[span] = cut.prefix
         out.append(cut)
     return out
