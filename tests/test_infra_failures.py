@@ -23,6 +23,7 @@ from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.collector import ALL_EXCLUDED_ATTEMPTS, InfraFailureError, RolloutCollector, RolloutSettings
+from lightning_rl.rollout.conversation import visible_text
 
 TOOLS = ("lightning_rl.tools.builtin:calculator", "support.tool_faults:dies")
 
@@ -84,13 +85,14 @@ def slow_digit(completions: list[str], **_: Any) -> list[float]:
     if len(completions) > 1:
         raise RuntimeError("one completion at a time")
     if completions[0] in SLOW:
-        time.sleep(1.0)
+        time.sleep(10.0)
     return last_digit(completions)
 
 
 def collector(tokenizer: Any, script: Any, records: list[dict[str, Any]], reward: str, **settings: Any) -> RolloutCollector:
     settings = RolloutSettings(**{"num_generations": 3, **settings})
-    scorer = RewardScorer([RewardSpec(f"test_infra_failures:{reward}")], all_failed="zero", timeout_s=0.2)
+    # 1 s: ample for the fast calls on a loaded machine, and a tenth of the slow ones' sleep
+    scorer = RewardScorer([RewardSpec(f"test_infra_failures:{reward}")], all_failed="zero", timeout_s=1.0)
     renderer = PromptRenderer(tokenizer, tools=settings.tool_specs)
     return RolloutCollector(ScriptedEngine(tokenizer, script), Prompts(records), renderer, scorer,
                             SamplingConfig(max_new_tokens=64), settings)  # fmt: skip
@@ -175,7 +177,7 @@ def slow_on_some(transcripts: list[str], **_: Any) -> list[float]:
     k = CALLS["count"]
     CALLS["count"] += 1
     if k % 8 in (0, 1, 2, 4):
-        time.sleep(1.0)
+        time.sleep(10.0)
     return [len(transcripts[0]) / 10]
 
 
@@ -190,7 +192,7 @@ class RecordingGRPO(GRPOModule):
 def test_a_grpo_run_leaves_timed_out_samples_out_of_the_advantages_and_logs_the_counts(tmp_path):
     CALLS["count"] = 0
     L.seed_everything(0, verbose=False)
-    module = RecordingGRPO(**{**FAST, "rewards": [RewardSpec("test_infra_failures:slow_on_some")], "reward_timeout_s": 0.2})
+    module = RecordingGRPO(**{**FAST, "rewards": [RewardSpec("test_infra_failures:slow_on_some")], "reward_timeout_s": 1.0})
     module.packed = []
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=1,
@@ -201,7 +203,7 @@ def test_a_grpo_run_leaves_timed_out_samples_out_of_the_advantages_and_logs_the_
     for rollouts, advantages in module.packed:
         # Only the second prompt's three answered samples are trained, with advantages over those three alone.
         assert len(rollouts) == 3 and {r.group_id for r in rollouts} == {0}
-        rewards = torch.tensor([len(module._text(r.completion_ids)) / 10 for r in rollouts])
+        rewards = torch.tensor([len(visible_text(module.tokenizer, r.completion_ids)) / 10 for r in rollouts])
         by_hand = (rewards - rewards.mean()) / (rewards.std() + STD_EPSILON)
         assert torch.allclose(advantages, by_hand, atol=1e-6)
     with next(tmp_path.glob("**/metrics.csv")).open() as f:

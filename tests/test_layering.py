@@ -134,6 +134,13 @@ def test_the_rollout_side_knows_no_lightning_module_or_trainer():
     assert rollout_side_problems(sorted(PACKAGE.rglob("*.py"))) == []
 
 
+def test_the_grpo_module_keeps_to_the_training_side():
+    """``modules/grpo.py`` holds the training side only (advantages, rows, loss, step, push, logging, state): what
+    grows past 650 lines belongs to a part of its own."""
+    lines = len((PACKAGE / "modules" / "grpo.py").read_text().splitlines())
+    assert lines <= 650, f"modules/grpo.py has {lines} lines"
+
+
 def test_the_rollout_rules_catch_lightning_the_trainer_and_tools_crossing_over(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
     for part in ("rollout", "modules", "tools"):

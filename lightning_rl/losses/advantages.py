@@ -85,6 +85,20 @@ def normalize_then_sum(
     return torch.where(scored, (combined - mean) / (std + STD_EPSILON), 0.0)
 
 
+def step_advantages(
+    rewards: list[float], reward_terms: dict[str, list[float]], weights: dict[str, float], groups: list[int],
+    aggregation: RewardAggregation, scale: RewardScaling, reduce: Reduce = _identity,
+) -> torch.Tensor:
+    """Each rollout's advantage under the step's aggregation: the weighted sum ``rewards`` normalised
+    (`group_advantages`), or each function's ``reward_terms`` normalised and weighted by ``weights`` (in that order)
+    (`normalize_then_sum`); ``reduce`` sums the step's statistics over every rank."""
+    group_ids = torch.tensor(groups)
+    if aggregation == "normalize_then_sum":
+        per_function = torch.tensor([reward_terms[name] for name in weights], dtype=torch.float32).T
+        return normalize_then_sum(per_function.reshape(len(group_ids), len(weights)), torch.tensor(list(weights.values())), group_ids, reduce)
+    return group_advantages(torch.tensor(rewards), group_ids, scale, reduce)
+
+
 def _check_shapes(rewards: torch.Tensor, groups: torch.Tensor) -> None:
     if rewards.shape != groups.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} must both be [N]")

@@ -14,6 +14,7 @@ ahead on a background thread (`RolloutProducer`), never more than `max_staleness
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -30,8 +31,8 @@ from transformers import AutoTokenizer
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError
-from lightning_rl.losses import GRPOLoss, StepCounts, group_advantages
-from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, normalize_then_sum
+from lightning_rl.losses import GRPOLoss, StepCounts
+from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, step_advantages
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
@@ -43,7 +44,7 @@ from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import check_combinations, check_values, reward_spec
-from lightning_rl.modules.grpo_metrics import StepStats, batch_metrics, log_rollouts, rollout_table, run_summary
+from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
 from lightning_rl.models.weights import SyncReport
@@ -404,7 +405,6 @@ class GRPOModule(PolicyModule):
         step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
-        bonus_entropy = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed entropy, tokens
         mismatch = MismatchStats(self.route_layers) if self._mismatch is None else None  # at the batch's first pass
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
@@ -416,16 +416,14 @@ class GRPOModule(PolicyModule):
             self.manual_backward(loss)
             finish_prefix(packed)  # a span's last row: one backward through its prefix
             stats.add(loss.detach(), terms, entropy, packed)
-            if self.entropy_control is not None:
-                kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
-                bonus_entropy += torch.stack([kept.double().sum(), kept.new_tensor(kept.numel(), dtype=torch.float64)])
         if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
             self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
         stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped
         optimizer.step()
         self.lr_schedulers().step()
         if self.entropy_control is not None:  # over every rank, for the next step's coefficient
-            total, tokens = self.trainer.strategy.reduce(bonus_entropy, reduce_op="sum").tolist()
+            bonus = torch.tensor([stats.bonus_entropy, stats.bonus_tokens], dtype=torch.float64, device=self.device)
+            total, tokens = self.trainer.strategy.reduce(bonus, reduce_op="sum").tolist()
             self.entropy_control.update(self.loss, total / max(tokens, 1.0))
         if self.hparams.ref_sync_every is not None and (step + 1) % self.hparams.ref_sync_every == 0:
             self._refresh_reference()
@@ -541,17 +539,10 @@ class GRPOModule(PolicyModule):
 
     def _advantages(self, scored: ScoredBatch) -> torch.Tensor:
         """Each rollout's advantage; the statistics that span the step are summed over every rank."""
-        groups = torch.tensor([r.group_id for r in scored.rollouts])
-
-        def over_ranks(t: torch.Tensor) -> torch.Tensor:
-            return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu()
-
-        if self.hparams.reward_aggregation == "normalize_then_sum":
-            names = list(self.scorer.rewards)
-            per_function = torch.tensor([scored.reward_terms[name] for name in names], dtype=torch.float32).T
-            weights = torch.tensor([self.scorer.weights[name] for name in names])
-            return normalize_then_sum(per_function.reshape(len(groups), len(names)), weights, groups, over_ranks)
-        return group_advantages(torch.tensor(scored.rewards), groups, self.hparams.scale_rewards, over_ranks)
+        return step_advantages(
+            scored.rewards, scored.reward_terms, {name: self.scorer.weights[name] for name in self.scorer.rewards}, [r.group_id for r in scored.rollouts],
+            self.hparams.reward_aggregation, self.hparams.scale_rewards, lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
+        )  # fmt: skip
 
     def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[tuple[int, int] | None]]:
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
@@ -567,15 +558,10 @@ class GRPOModule(PolicyModule):
         rank_tokens = sum(sum(r.completion_mask) for r in rollouts)
         local = torch.tensor([len(rollouts), rank_tokens], dtype=torch.float64, device=self.device)
         total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
-        return StepCounts(
-            num_sequences=int(total[0]), num_tokens=int(total[1]), rank_tokens=rank_tokens,
-            world_size=self.trainer.world_size, max_completion_length=self._max_completion_length,
+        return StepCounts(  # Dr.GRPO's constant: the most tokens a completion can be trained on
+            num_sequences=int(total[0]), num_tokens=int(total[1]), rank_tokens=rank_tokens, world_size=self.trainer.world_size,
+            max_completion_length=self.sampling.max_new_tokens * max(self.hparams.max_turns, 1),
         )
-
-    @property
-    def _max_completion_length(self) -> int:
-        """Dr.GRPO's constant: the most tokens a completion can be trained on."""
-        return self.sampling.max_new_tokens * max(self.hparams.max_turns, 1)
 
     def _push_weights(self, version: int) -> None:
         if self._background is not None:  # staged here (FSDP2 shards gathered on every rank), sent on its thread
@@ -590,30 +576,17 @@ class GRPOModule(PolicyModule):
         if report is not None:
             self._sync_metrics = report.metrics()
 
-    def _text(self, token_ids: Sequence[int]) -> str:
-        return visible_text(self.tokenizer, token_ids)
-
     # -- logging and checkpoints ---------------------------------------------------------------
 
     def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> None:
-        metrics = {
-            **batch_metrics(scored, with_tools=bool(self.rollout.tools)),
-            "rollout/staleness": float(staleness),
-            "time/wait_for_rollouts_s": waited,
-            "time/train_s": train_seconds,
-            "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
-            "lr": self.optimizers().param_groups[0]["lr"],
-            **({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}),
-            **stats.metrics(),
-            **(self._mismatch or {}),
-            **self._sync_metrics,
-        }
+        extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
+        metrics = step_metrics(scored, stats, staleness, waited, train_seconds, self.optimizers().param_groups[0]["lr"], bool(self.rollout.tools), extra)
         self._sync_metrics = {}
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
         self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps
         if every and scored.index % every == 0:  # at the step just taken, where Lightning logs its figures
-            log_rollouts(self.trainer, self.global_step - 1, rollout_table(scored, self._text))
+            log_rollouts(self.trainer, self.global_step - 1, rollout_table(scored, functools.partial(visible_text, self.tokenizer)))
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
@@ -642,28 +615,26 @@ class GRPOModule(PolicyModule):
             self._record_sync(self._background.join())
         checkpoint["grpo"] = {
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
-            "reward_history": list(self.reward_history),
-            "trained_batches": list(self.trained_batches),
-            # Saved inside a batch's num_iterations passes: the batch and its old log-probs, to finish them.
+            # Saved inside a batch's num_iterations passes: the batch and its old log-probs (in _SAVED), to finish them.
             "batch": None if self._batch is None else self._batch.state(),
-            "old_logprobs": None if self._old_logprobs is None else list(self._old_logprobs),
             "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
-            "heldout_before": self.heldout_before,
-            "mismatch": self._mismatch,
+            **{key: copy.copy(getattr(self, name)) for key, name in _SAVED.items()},
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("grpo", {})
         self._restored_queue = state.get("rollout_queue")
-        self.reward_history = list(state.get("reward_history", []))
-        self.trained_batches = list(state.get("trained_batches", []))
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
-        self._old_logprobs = state.get("old_logprobs")
-        self.heldout_before = state.get("heldout_before")
-        self._mismatch = state.get("mismatch")
+        for key, name in _SAVED.items():  # absent from an older checkpoint: the fresh module's value
+            setattr(self, name, copy.copy(state.get(key, getattr(self, name))))
         if self.entropy_control is not None and state.get("entropy_control") is not None:
             self.entropy_control = EntropyControl(**state["entropy_control"])
+
+
+# What a checkpoint keeps of the module as it is (plain data, copied): its key, the attribute.
+_SAVED = {"reward_history": "reward_history", "trained_batches": "trained_batches", "old_logprobs": "_old_logprobs",
+          "heldout_before": "heldout_before", "mismatch": "_mismatch"}  # fmt: skip
 
 
 class _CloseOnException(Callback):

@@ -29,6 +29,7 @@ class StepStats:
         self.tokens = 0
         self.low = self.high = 0.0
         self.kl = self.entropy = self.ratio = 0.0
+        self.bonus_entropy, self.bonus_tokens = 0.0, 0  # over the tokens an entropy bonus acts on (adaptive control)
         self.flat_tokens = self.unique_tokens = 0
         self.rows = 0
         self.has_kl = False
@@ -45,6 +46,9 @@ class StepStats:
             self.kl += float(terms.kl.sum())
         if entropy is not None:
             self.entropy += float(entropy.sum())
+            kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
+            self.bonus_entropy += float(kept.double().sum())
+            self.bonus_tokens += kept.numel()
         self.flat_tokens += packed.num_flat_tokens
         self.unique_tokens += packed.num_unique_tokens
         self.rows += 1
@@ -105,6 +109,22 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         for kind, count in scored.tool_failures.items():
             metrics[f"tools/failures/{kind}"] = float(count)
     return metrics
+
+
+def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float, lr: float, with_tools: bool,
+                 extra: dict[str, float]) -> dict[str, Any]:
+    """One optimizer step's ``train/`` figures (without the prefix): its batch's, its staleness and times, the
+    step's own, then ``extra``."""
+    return {
+        **batch_metrics(scored, with_tools=with_tools),
+        "rollout/staleness": float(staleness),
+        "time/wait_for_rollouts_s": waited,
+        "time/train_s": train_seconds,
+        "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
+        "lr": lr,
+        **stats.metrics(),
+        **extra,
+    }
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:

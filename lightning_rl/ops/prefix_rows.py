@@ -88,11 +88,13 @@ class SharedPrefix:
         """Backpropagate the gradients the rows left on the prefix's keys and values through its forward, once."""
         for key in [key for key in self._captures if key[1]]:
             capture = self._captures.pop(key)
-            leaves = [t for k, v in capture.keys_values.values() for t in (k, v)]
-            if not any(leaf.grad is not None for leaf in leaves):
+            grads = [t.grad for k, v in capture.keys_values.values() for t in (k, v)]
+            if all(grad is None for grad in grads):
                 continue
-            outputs = capture.outputs if capture.rerun is None else capture.rerun()
-            pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None and out.requires_grad]
+            outputs, rerun = capture.outputs, capture.rerun
+            del capture  # the captured keys and values, freed before a recompute makes them again
+            outputs = outputs if rerun is None else rerun()
+            pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
 

@@ -145,11 +145,14 @@ _reward_calls = 0
 def length_until_stuck(completions: list[str], **_: Any) -> list[float]:
     """A reward (the completions' length) whose call number $STUCK_REWARD_CALL in this process (on the rank
     $STUCK_REWARD_RANK only, if it is set) never returns: it creates the file $STUCK_REWARD_MARKER, for the test to
-    aim its signal by, and sleeps."""
+    aim its signal by, and sleeps. On the other ranks that call returns, and creates $STUCK_REWARD_MARKER.returned.<rank>
+    first: that rank is on its way to the step's first collective."""
     global _reward_calls
     _reward_calls += 1
-    rank = os.environ.get("STUCK_REWARD_RANK")
-    if str(_reward_calls) == os.environ.get("STUCK_REWARD_CALL") and rank in (None, os.environ.get("LOCAL_RANK", "0")):
-        Path(os.environ["STUCK_REWARD_MARKER"]).touch()
-        time.sleep(3600)
+    rank, own = os.environ.get("STUCK_REWARD_RANK"), os.environ.get("LOCAL_RANK", "0")
+    if str(_reward_calls) == os.environ.get("STUCK_REWARD_CALL"):
+        if rank in (None, own):
+            Path(os.environ["STUCK_REWARD_MARKER"]).touch()
+            time.sleep(3600)
+        Path(f"{os.environ['STUCK_REWARD_MARKER']}.returned.{own}").touch()
     return [len(c) / 10 for c in completions]
