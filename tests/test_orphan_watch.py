@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from lightning_rl.rollout import orphan_watch
 
@@ -44,6 +45,13 @@ def _start() -> tuple[subprocess.Popen, int]:
     return starter, group
 
 
+def _ignores(pid: int, signum: int) -> bool:
+    """Whether process `pid` ignores `signum` (its SigIgn mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return bool(ignored & (1 << (signum - 1)))
+
+
 def test_a_group_left_by_a_killed_starter_is_ended():
     starter, group = _start()
     try:
@@ -62,9 +70,13 @@ def test_the_watcher_ignores_group_signals_and_leaves_with_the_group():
     try:
         watchers = subprocess.run(["pgrep", "-f", f"orphan_watch {starter.pid} {group}"], capture_output=True, text=True)
         (watcher,) = map(int, watchers.stdout.split())
+        deadline = time.monotonic() + 30  # a signal sent before the watcher set its handlers would end it
+        while not _ignores(watcher, signal.SIGTERM):
+            assert time.monotonic() < deadline, "the watcher never came to ignore SIGTERM"
+            time.sleep(0.05)
         os.kill(watcher, signal.SIGTERM)  # what a scheduler's signal to every process would do: it stays
         time.sleep(2 * orphan_watch.POLL_S)
-        os.kill(watcher, 0)
+        assert Path(f"/proc/{watcher}/stat").read_text().split()[2] != "Z", "the watcher died of the signal"
         os.killpg(group, signal.SIGKILL)  # the starter's own stop ends the group: the watcher goes with it
         deadline = time.monotonic() + 5
         while subprocess.run(["pgrep", "-f", f"orphan_watch {starter.pid} {group}"], capture_output=True).returncode == 0:

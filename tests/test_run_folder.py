@@ -182,7 +182,7 @@ def test_a_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pa
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (progress.exists() and len(progress.read_text().split()) >= 6):  # a few steps in, checkpoints written
             assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read()[-3000:]
             time.sleep(0.05)

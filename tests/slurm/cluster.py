@@ -89,7 +89,7 @@ class LocalSlurmCluster:
         """Environment for SLURM client commands (and for jobs, which inherit it through sbatch)."""
         return {**os.environ, "SLURM_CONF": str(self.root / "slurm.conf")}
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 120.0) -> None:
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()

@@ -59,7 +59,7 @@ def test_trainer_node_pushes_weights_to_the_server_node(tmp_path: Path, monkeypa
         ])  # fmt: skip
         assert code == 0
         (job_id,) = cluster.run("squeue", "-h", "-o", "%i").stdout.split()
-        state = cluster.wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+        state = cluster.wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=600)
     finally:
         cluster.stop()
     logs = tmp_path / "logs" / f"lrl-grpo-{job_id}"

@@ -33,7 +33,8 @@ def killed_at_a_random_moment(recipe: Recipe, out: Path, rng: random.Random, max
     """Resume the run and SIGKILL every process of it somewhere inside a random step: nothing is saved."""
     proc = recipe.start(out, "--ckpt_path=last")
     wait_until(lambda: progress(out), proc, out)
-    after = progress(out)[0][0] + rng.randint(1, 2)
+    first = progress(out)[0][0]
+    after = max(first, min(first + rng.randint(1, 2), max_steps - 2))  # a step or two in, with steps left to kill in
     wait_until(lambda: steps_done(out) >= after, proc, out)
     time.sleep(rng.uniform(0.0, step_seconds(out)))
     os.killpg(proc.pid, signal.SIGKILL)
