@@ -18,8 +18,8 @@ run: venv
 	$(VENV)/bin/lightning-rl run $(RECIPE) --overwrite
 
 test: venv slurm vllm-venv
-	$(PY) -m pytest -q tests
-	$(VLLM_PY) -m pytest -q tests/vllm_engines tests/slurm/test_grpo_layout.py
+	$(PY) -m pytest -q --durations=20 tests
+	$(VLLM_PY) -m pytest -q --durations=10 tests/vllm_engines tests/slurm/test_grpo_layout.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs
@@ -48,4 +48,4 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 vllm-venv: $(VLLM_VENV)/.installed
 
 test-vllm: vllm-venv slurm
-	$(VLLM_PY) -m pytest -q tests/vllm_engines tests/slurm/test_grpo_layout.py
+	$(VLLM_PY) -m pytest -q --durations=10 tests/vllm_engines tests/slurm/test_grpo_layout.py
