@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -72,7 +73,7 @@ class SharedPrefix:
         key = (id(model), grad, model.training)
         if key not in self._captures:
             recompute = grad and self.recompute
-            rng = _RandomState(self.batch.input_ids.device) if recompute else None
+            rng = _RandomState(self.batch.input_ids) if recompute else None
             with torch.no_grad() if recompute else contextlib.nullcontext():
                 captured = _captured(model, forward)
             if grad:
@@ -109,19 +110,19 @@ def _captured(model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
 
 
 class _RandomState:
-    """The random state a forward starts from (the host's and the device's), to run it again the same (dropout)."""
+    """The random state a forward on ``on``'s device starts from (the host's and the accelerator's, as
+    `torch.utils.checkpoint` keeps it), to run the forward again the same (dropout)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, on: Tensor) -> None:
         self.host = torch.get_rng_state()
-        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device_type = on.device.type
+        self.devices, self.states = get_device_states(on)  # none for a CPU tensor
 
     @contextlib.contextmanager
     def restored(self):
-        with torch.random.fork_rng(devices=[self.device] if self.accelerator is not None else []):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
             torch.set_rng_state(self.host)
-            if self.accelerator is not None:
-                torch.cuda.set_rng_state(self.accelerator, self.device)
+            set_device_states(self.devices, self.states, device_type=self.device_type)
             yield
 
 
