@@ -393,7 +393,7 @@ class GRPOModule(PolicyModule):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
-        stats = StepStats()
+        stats = StepStats(bonus=self.entropy_control is not None)
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
         if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":

@@ -22,14 +22,16 @@ from lightning_rl.rollout.conversation import distinct_tool_calls
 
 
 class StepStats:
-    """Sums over the rows of one step of what is logged about the loss."""
+    """Sums over the rows of one step of what is logged about the loss; with ``bonus``, also the entropy of the
+    tokens an entropy bonus acts on (adaptive entropy control reads it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bonus: bool = False) -> None:
+        self.bonus = bonus
         self.loss = 0.0
         self.tokens = 0
         self.low = self.high = 0.0
         self.kl = self.entropy = self.ratio = 0.0
-        self.bonus_entropy, self.bonus_tokens = 0.0, 0  # over the tokens an entropy bonus acts on (adaptive control)
+        self.bonus_entropy, self.bonus_tokens = 0.0, 0
         self.flat_tokens = self.unique_tokens = 0
         self.rows = 0
         self.has_kl = False
@@ -46,6 +48,7 @@ class StepStats:
             self.kl += float(terms.kl.sum())
         if entropy is not None:
             self.entropy += float(entropy.sum())
+        if entropy is not None and self.bonus:
             kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
             self.bonus_entropy += float(kept.double().sum())
             self.bonus_tokens += kept.numel()
