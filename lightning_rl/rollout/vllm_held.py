@@ -2,7 +2,9 @@
 
 vLLM fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (its ``packed_modules_mapping``), stacked
 along the output rows, and pads the vocabulary rows of its embeddings; each checkpoint tensor is then a block of
-rows of a live parameter, cut back out here. On a CPU, vLLM also hands each linear layer's weight to a GEMM kernel
+rows of a live parameter, cut back out here. A MoE layer's experts live in two [experts, rows, columns] parameters
+(``w13``: gate and up stacked; ``w2``: down), read as the checkpoint's fused ``gate_up_proj``/``down_proj`` or cut
+per expert. On a CPU, vLLM also hands each linear layer's weight to a GEMM kernel
 of its own (oneDNN) and leaves the parameter empty: that weight is read back through the layer itself, as the
 product of its own kernel with the identity (one non-zero term per output, so the read is exact), which is what
 the engine really computes with. The digests of these tensors are what `models.weights.verify_held` compares with
@@ -49,6 +51,10 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                 seen.add(id(param))
                 full = f"{module_name}.{name}"
                 live = _live_weight(module, name, param)
+                experts = _expert_tensors(module_name, name, live, layout)
+                if experts is not None:
+                    yield from experts
+                    continue
                 head, _, fused = module_name.rpartition(".")
                 parts = [f"{head}.{part}.{name}" for part in packed.get(fused, ())] or [full]
                 shapes = [layout.shapes.get(part) for part in parts]
@@ -62,6 +68,36 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                 for part, shape in zip(parts, shapes):
                     yield part, live[start : start + shape[0]]
                     start += shape[0]
+
+
+# vLLM's fused experts (every expert of a layer in one [experts, rows, columns] parameter, gate and up stacked along
+# the rows of w13) -> the checkpoint's parts: transformers' own fused tensors, else one 2D tensor per expert.
+_EXPERT_PARTS = {"w13_weight": (("gate_up_proj",), (("gate_proj", "up_proj"), ("w1", "w3"))), "w2_weight": (("down_proj",), (("down_proj",), ("w2",)))}
+
+
+def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: CheckpointLayout) -> list[tuple[str, torch.Tensor]] | None:
+    """A fused-experts parameter (``...experts.routed_experts.w13_weight``, or on the ``experts`` module itself) as the
+    checkpoint names it, or None if it is not one. The checkpoint's experts are ``{base}.gate_up_proj`` ([experts,
+    2 x intermediate, hidden], as vLLM's) or ``{base}.{e}.gate_proj.weight`` and ``up_proj`` per expert (``w1``/``w3``)."""
+    if name not in _EXPERT_PARTS or live.dim() != 3:
+        return None
+    base = module_name.removesuffix(".routed_experts")
+    fused, per_expert = _EXPERT_PARTS[name]
+    for part in fused:
+        if layout.shapes.get(f"{base}.{part}") == tuple(live.shape):
+            return [(f"{base}.{part}", live)]
+    for parts in per_expert:
+        names = [[f"{base}.{e}.{part}.weight" for part in parts] for e in range(live.shape[0])]
+        shapes = [layout.shapes.get(n) for row in names for n in row]
+        if all(shapes) and sum(layout.shapes[n][0] for n in names[0]) == live.shape[1] and all(s[1:] == live.shape[2:] for s in shapes):
+            out = []
+            for e, row in enumerate(names):
+                start = 0
+                for n in row:
+                    out.append((n, live[e, start : start + layout.shapes[n][0]]))
+                    start += layout.shapes[n][0]
+            return out
+    return None
 
 
 def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
@@ -89,8 +125,8 @@ def held_adapter(worker: object, lora_id: int, rank: int) -> dict[str, list]:
     with torch.no_grad():
         for module_name, module in manager.modules.items():
             stacked_a, stacked_b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
-            if not isinstance(stacked_a, (tuple, list)):
-                continue  # embeddings: adapters on them are refused before they are sent
+            if not isinstance(stacked_a, (tuple, list)) or any(a.dim() != 4 for a in stacked_a):
+                continue  # embeddings and fused experts: adapters on them are refused before they are sent
             head, _, leaf = module_name.rpartition(".")
             for part, a, b in zip(packed.get(leaf, [leaf]), stacked_a, stacked_b):
                 prefix = f"base_model.model.{head}.{part}"

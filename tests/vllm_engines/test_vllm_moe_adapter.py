@@ -4,8 +4,8 @@ vLLM (0.32) serves LoRA on Qwen3-MoE, experts included (one 2D adapter per exper
 layer of a LoRA-serving model through Triton kernels it has no CPU backend for, so generation fails even with an
 adapter on attention alone (the first test shows it, and that the engine says so beforehand). Targets vLLM cannot
 serve on any build (the router; peft's adapter on the fused experts' 3D weights) are refused naming the module.
-``auto`` falls back to a merged sync. The engine runs with ``verify_weights: false``: the digest read-back
-(`vllm_held`) maps no fused expert weight of vLLM's to a checkpoint name.
+``auto`` falls back to a merged sync. Every push is verified (``verify_weights``, the default): the digest read-back
+(`vllm_held`) maps vLLM's fused experts to the checkpoint's, and a fault in one expert is caught naming its tensor.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from engine_checks import KV_CACHE_BYTES, load_trainer_model
 from peft import LoraConfig, get_peft_model
 
 from lightning_rl.errors import RecipeError
+from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 from lightning_rl.models.policy_sync import PolicySync, resolve_weight_sync
 from lightning_rl.models.weights import AdapterSpec, adapter_spec
 from lightning_rl.rollout.base import SamplingConfig
@@ -36,7 +38,7 @@ def engine(moe_dir):
     from lightning_rl.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(moe_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                        enforce_eager=True, max_lora_rank=16, verify_weights=False)
+                        enforce_eager=True, max_lora_rank=16)
     yield engine
     engine.close()
 
@@ -68,3 +70,29 @@ def test_moe_targets_vllm_serves_on_no_build_are_refused_naming_the_module(engin
     spec: AdapterSpec = adapter_spec(lora(moe_dir, **targets))
     refusal = vllm_adapter_refusal(spec, engine.max_lora_rank, engine._lora_targets, "Qwen3MoeForCausalLM")
     assert re.fullmatch(rf"vLLM's Qwen3MoeForCausalLM serves LoRA on .*experts\.0\.gate_proj.*, not on {re.escape(module)}", refusal)
+
+
+def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(engine, moe_dir, monkeypatch):
+    trainer = load_trainer_model(moe_dir)
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.add_(torch.randn_like(param) * 1e-3)
+    version = engine.weight_version + 1
+    engine.push_weights(iter_full_weights(trainer), version=version)  # every expert's weights read back and equal
+    assert engine.weight_version == version
+    # Negative control: one value of one expert's up projection (the second half of vLLM's w13) changed after loading.
+    reload = engine._reload
+
+    def corrupt_one_expert(weights):
+        reload(weights)
+
+        def corrupt(model):
+            model.model.layers[0].mlp.experts.routed_experts.w13_weight.data[1, -1, 0] += 1e-3
+
+        engine._llm.apply_model(corrupt)
+
+    monkeypatch.setattr(engine, "_reload", corrupt_one_expert)
+    with pytest.raises(WeightMismatchError, match=rf"^weight sync to version {version + 1} failed verification: the engine's "
+                       r"'model.layers.0.mlp.experts.gate_up_proj' differs"):
+        engine.push_weights(iter_full_weights(trainer), version=version + 1)
+
