@@ -3,9 +3,8 @@
 vLLM fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (its ``packed_modules_mapping``), stacked
 along the output rows, and pads the vocabulary rows of its embeddings; each checkpoint tensor is then a block of
 rows of a live parameter, cut back out here. A MoE layer's experts live in two [experts, rows, columns] parameters
-(``w13``: gate and up stacked; ``w2``: down), read as the checkpoint's fused ``gate_up_proj``/``down_proj`` or cut
-per expert. On a CPU, vLLM also hands each linear layer's weight to a GEMM kernel
-of its own (oneDNN) and leaves the parameter empty: that weight is read back through the layer itself, as the
+(``w13``: gate and up stacked; ``w2``: down), as transformers' fused ``gate_up_proj`` and ``down_proj`` do. On a
+CPU, vLLM also hands each linear layer's weight to a GEMM kernel of its own (oneDNN) and leaves the parameter empty: that weight is read back through the layer itself, as the
 product of its own kernel with the identity (one non-zero term per output, so the read is exact), which is what
 the engine really computes with. The digests of these tensors are what `models.weights.verify_held` compares with
 the trainer's. Runs inside the worker that holds the model (in-process, or a server's worker); no vLLM import.
@@ -71,33 +70,17 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
 
 
 # vLLM's fused experts (every expert of a layer in one [experts, rows, columns] parameter, gate and up stacked along
-# the rows of w13) -> the checkpoint's parts: transformers' own fused tensors, else one 2D tensor per expert.
-_EXPERT_PARTS = {"w13_weight": (("gate_up_proj",), (("gate_proj", "up_proj"), ("w1", "w3"))), "w2_weight": (("down_proj",), (("down_proj",), ("w2",)))}
+# the rows of w13) -> the checkpoint's: transformers fuses them the same way (``gate_up_proj``, ``down_proj``).
+_EXPERT_PARTS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
 
 def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: CheckpointLayout) -> list[tuple[str, torch.Tensor]] | None:
-    """A fused-experts parameter (``...experts.routed_experts.w13_weight``, or on the ``experts`` module itself) as the
-    checkpoint names it, or None if it is not one. The checkpoint's experts are ``{base}.gate_up_proj`` ([experts,
-    2 x intermediate, hidden], as vLLM's) or ``{base}.{e}.gate_proj.weight`` and ``up_proj`` per expert (``w1``/``w3``)."""
-    if name not in _EXPERT_PARTS or live.dim() != 3:
+    """A fused-experts parameter (``...experts.routed_experts.w13_weight``) under its checkpoint name, or None if it
+    is not one the checkpoint holds in the same layout (then nothing maps it, and the caller says so)."""
+    if name not in _EXPERT_PARTS:
         return None
-    base = module_name.removesuffix(".routed_experts")
-    fused, per_expert = _EXPERT_PARTS[name]
-    for part in fused:
-        if layout.shapes.get(f"{base}.{part}") == tuple(live.shape):
-            return [(f"{base}.{part}", live)]
-    for parts in per_expert:
-        names = [[f"{base}.{e}.{part}.weight" for part in parts] for e in range(live.shape[0])]
-        shapes = [layout.shapes.get(n) for row in names for n in row]
-        if all(shapes) and sum(layout.shapes[n][0] for n in names[0]) == live.shape[1] and all(s[1:] == live.shape[2:] for s in shapes):
-            out = []
-            for e, row in enumerate(names):
-                start = 0
-                for n in row:
-                    out.append((n, live[e, start : start + layout.shapes[n][0]]))
-                    start += layout.shapes[n][0]
-            return out
-    return None
+    checkpoint_name = f"{module_name.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"
+    return [(checkpoint_name, live)] if layout.shapes.get(checkpoint_name) == tuple(live.shape) else None
 
 
 def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
