@@ -1,13 +1,14 @@
 """What a vLLM model holds, per Hugging Face name: its live weights, with vLLM's loading transforms undone.
 
 vLLM fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (its ``packed_modules_mapping``), stacked
-along the output rows, and pads the vocabulary rows of its embeddings; each checkpoint tensor is then a block of
-rows of a live parameter, cut back out here. A MoE layer's experts live in two [experts, rows, columns] parameters
-(``w13``: gate and up stacked; ``w2``: down), as transformers' fused ``gate_up_proj`` and ``down_proj`` do. On a
-CPU, vLLM also hands each linear layer's weight to a GEMM kernel of its own (oneDNN) and leaves the parameter empty: that weight is read back through the layer itself, as the
-product of its own kernel with the identity (one non-zero term per output, so the read is exact), which is what
-the engine really computes with. The digests of these tensors are what `models.weights.verify_held` compares with
-the trainer's. Runs inside the worker that holds the model (in-process, or a server's worker); no vLLM import.
+along the output rows, and pads the vocabulary rows of its embeddings; each checkpoint tensor is then a block of rows
+of a live parameter, cut back out here. A MoE layer's experts live in two [experts, rows, columns] parameters
+(``w13``: gate and up stacked; ``w2``: down), as transformers' fused ``gate_up_proj`` and ``down_proj`` do. On a CPU,
+vLLM also hands each linear layer's weight to a GEMM kernel of its own (oneDNN) and leaves the parameter empty: that
+weight is read back through the layer itself, as the product of its own kernel with the identity (one non-zero term
+per output, so the read is exact), which is what the engine really computes with. The digests of these tensors are
+what `models.weights.verify_held` compares with the trainer's. Runs inside the worker that holds the model
+(in-process, or a server's worker); no vLLM import.
 """
 
 from __future__ import annotations
