@@ -8,7 +8,7 @@ any module that received nothing, so a tied output embedding must be sent again 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 import torch
 from transformers import PretrainedConfig
@@ -41,16 +41,21 @@ class CheckpointLayout:
             raise WeightNameError(f"'{name}': shape {tuple(tensor.shape)} sent, {self.architecture} holds {expected}")
 
     def checked_with_ties(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], sent: set[str] | None = None
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], sent: set[str] | None = None,
+        held_aliases: Container[str] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Check each pair, yield it, then the same tensor under each name tied to it; names in `sent` are skipped.
+        ``held_aliases``: the tied names the receiving model holds a tensor of its own under (vLLM's `held_aliases`);
+        the others are not sent, since that model ties them itself or has no such tensor (vLLM's Gemma computes
+        its logits with the embedding and loads no ``lm_head``). None: every tied name.
 
         Pass one `sent` set to consecutive calls that stream parts of the same update.
         """
         sent = set() if sent is None else sent
         for name, tensor in named_tensors:
             self.check(name, tensor)
-            for out_name in [name, *self.aliases.get(name, ())]:
+            aliases = [a for a in self.aliases.get(name, ()) if held_aliases is None or a in held_aliases]
+            for out_name in [name, *aliases]:
                 if out_name not in sent:
                     sent.add(out_name)
                     yield out_name, tensor

@@ -34,7 +34,7 @@ from lightning_rl.rollout.base import (
 )
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of, write_groups
+from lightning_rl.rollout.vllm_held import held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of, write_groups
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -166,6 +166,7 @@ class VLLMEngine(RolloutEngine):
         # The dtype each tensor is held in (the trainer's are digested cast to it); a model whose weights cannot be
         # read back is refused here, before a run starts.
         self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
+        self._held_aliases: set[str] = self._llm.apply_model(functools.partial(held_aliases, layout=self._layout))[0]
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
@@ -261,7 +262,7 @@ class VLLMEngine(RolloutEngine):
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
         sent = SentDigests(named_tensors, self._held_dtypes.get)
-        weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(sent if self.verify_weights else named_tensors))
+        weights = ((name, tensor.detach()) for name, tensor in self._layout.checked_with_ties(sent if self.verify_weights else named_tensors, held_aliases=self._held_aliases))
         self._verified = None  # until this push is verified
         self._push_wanted.set()
         with self._turn:

@@ -32,7 +32,7 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.models.weights import AdapterSpec
 from lightning_rl.rollout.vllm_engine import write_adapter
-from lightning_rl.rollout.vllm_held import held_adapter, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of
+from lightning_rl.rollout.vllm_held import held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of
 
 BACKEND = "gloo"
 
@@ -69,6 +69,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: torch.distributed.ProcessGroupGloo | None = None
         self.layout = CheckpointLayout(self.model_config.hf_config)
         self.loaded: set[str] = set()
+        self.aliases: set[str] | None = None  # `vllm_held.held_aliases`, read before any update
         self._staged: list[tuple[str, torch.Tensor]] = []  # received while the engine generates (`stage`)
         self._staging: threading.Thread | None = None
         self._staging_error: BaseException | None = None
@@ -81,6 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             init_info.master_address, init_info.master_port, init_info.world_size, timeout
         )
         self.group = gloo_transport.join_group(store, rank, init_info.world_size, timeout)
+        self.aliases = held_aliases(self.model, self.layout)
 
     def start_weight_update(self) -> None:
         self.loaded = set()
@@ -94,7 +96,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 received = self.take_staged()
             else:  # the whole chunk is received before anything is checked, so the stream stays in step on a refusal
                 received = gloo_transport.receive_chunk(self.group, gloo_transport.ChunkManifest.from_dict(vars(update_info)))
-            self.model.load_weights(list(self.layout.checked_with_ties(received, self.loaded)))
+            self.model.load_weights(list(self.layout.checked_with_ties(received, self.loaded, held_aliases=self.aliases)))
         except Exception:
             # Modules that got nothing yet take their old weights back, so the server goes on serving.
             finalize_layerwise_reload(self.model, self.model_config)

@@ -26,9 +26,15 @@ class HeldWeightsError(ValueError):
     """A live parameter of the vLLM model that maps to no checkpoint tensor: its weights cannot be verified."""
 
 
+def _own_kernel(module: nn.Module, name: str) -> bool:
+    """Whether the module computes with a copy of its weight its CPU kernel keeps (every linear layer, and the LM
+    head, whose weight the tied embedding shares while the kernel holds a copy of its own)."""
+    return name == "weight" and hasattr(module, "cpu_linear")
+
+
 def _live_weight(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
-    """The values the module computes with: the parameter, or a linear weight its CPU kernel holds in its place."""
-    if name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+    """The values the module computes with: the parameter, or the weight its CPU kernel holds."""
+    if _own_kernel(module, name):
         # A layer split over tensor-parallel ranks holds its share of the inputs; a ReplicatedLinear (a vision
         # connector's projection) holds them all and has no per-partition size.
         inputs = getattr(module, "input_size_per_partition", module.input_size)
@@ -38,15 +44,16 @@ def _live_weight(module: nn.Module, name: str, param: torch.Tensor) -> torch.Ten
 
 
 def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every tensor of the checkpoint the model holds, one at a time (tied: once)."""
+    """``(hf_name, tensor)`` for every tensor of the checkpoint the model holds, one at a time (tied: once, unless a
+    module computes with a kernel's copy of its own, read as such: a head that kept its old weights is caught)."""
     packed = getattr(type(model), "packed_modules_mapping", {})
     seen: set[int] = set()
     with torch.no_grad():
-        for module_name, module in model.named_modules():
+        for module_name, module in model.named_modules():  # a module under two names computes once: read once
             # With LoRA serving on, vLLM wraps each adapted layer and keeps the layer itself as its ``base_layer``.
             module_name = module_name.replace(".base_layer", "")
             for name, param in module.named_parameters(recurse=False):
-                if id(param) in seen:
+                if id(param) in seen and not _own_kernel(module, name):
                     continue
                 seen.add(id(param))
                 full = f"{module_name}.{name}"
@@ -87,6 +94,14 @@ def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: Che
 def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
     """``{hf_name: [dtype name, digest]}`` of what the model holds (JSON-safe: a server returns it over HTTP)."""
     return {name: [str(t.dtype).removeprefix("torch."), tensor_digest(t)] for name, t in held_tensors(model, layout)}
+
+
+def held_aliases(model: nn.Module, layout: CheckpointLayout) -> set[str]:
+    """The tied names (``lm_head.weight``) the model has a parameter under, shared or not: only these are sent (a
+    CPU kernel keeps its own copy of a shared weight, made again when the name is loaded). vLLM has no tensor under
+    the others (its Gemma computes its logits with the embedding and has no ``lm_head``)."""
+    names = {name.replace(".base_layer", "") for name, _ in model.named_parameters(remove_duplicate=False)}
+    return names & set(ties_of(layout))
 
 
 def ties_of(layout: CheckpointLayout) -> dict[str, str]:

@@ -173,6 +173,18 @@ def test_a_fault_inside_the_engine_stops_the_push_naming_tensor_and_version(engi
     assert engine.weight_version == version - 1
 
 
+def test_a_head_left_computing_with_its_old_copy_of_the_tied_embedding_is_caught(engine, synced, monkeypatch):
+    """vLLM's LM head shares the embedding's parameter, but its CPU kernel computes with a copy of its own, made again
+    only when ``lm_head.weight`` is loaded: a push without that name leaves the head on the old weights. The check
+    reads the head through its kernel, so it sees it."""
+    trainer, version = synced
+    monkeypatch.setattr(engine, "_held_aliases", set())  # the tied name not sent
+    perturb_(trainer, seed=version)
+    with pytest.raises(WeightMismatchError, match=rf"version {version} failed verification: the engine's 'lm_head.weight' differs"):
+        engine.push_weights(iter_full_weights(trainer), version=version)
+    assert engine.weight_version == version - 1
+
+
 def test_tied_weights_not_sent_and_a_stale_lora_merge_are_caught(engine, synced, tiny_model_dir, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
