@@ -20,7 +20,7 @@ when the transport is NCCL, so a gloo trainer needs no vLLM.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -88,8 +88,10 @@ class NCCLSender:
         world_size: int,
         device: torch.device,
         buffer_bytes: int,
+        held_aliases: Container[str] | None = None,
     ) -> None:
         self.layout = CheckpointLayout(AutoConfig.from_pretrained(model))
+        self.held_aliases = held_aliases  # the tied names the server's model has a parameter under (None: all)
         self.device = device
         self.client = RouteClient(post)
         self.source = RoundSource()
@@ -106,7 +108,7 @@ class NCCLSender:
         plain model are its own parameters, but gathered (FSDP) or merged (LoRA) ones are copies, and this GPU
         then needs room for one full copy of the weights.
         """
-        checked = self.layout.checked_with_ties(named_tensors)
+        checked = self.layout.checked_with_ties(named_tensors, held_aliases=self.held_aliases)
         return [(name, tensor.detach().to(self.device)) for name, tensor in checked]
 
     def send(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:

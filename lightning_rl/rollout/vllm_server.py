@@ -546,7 +546,8 @@ class VLLMServerEngine(RolloutEngine):
 
         device = torch.device("cuda", torch.cuda.current_device())
         self._nccl = NCCLSender(self._post, self.model, address=self.transfer_address,
-                                world_size=self._transfer_world_size(), device=device, buffer_bytes=self.chunk_bytes)
+                                world_size=self._transfer_world_size(), device=device, buffer_bytes=self.chunk_bytes,
+                                held_aliases=set(self._model_info()["held_aliases"]))
         return self._nccl
 
     def _open_group(self) -> torch.distributed.ProcessGroupGloo:
