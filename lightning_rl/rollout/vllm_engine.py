@@ -48,6 +48,21 @@ def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]
     return dict(engine_kwargs or {})
 
 
+def transformers_backend_refusal(model: str | os.PathLike) -> str | None:
+    """Why ``model`` cannot run in this process's vLLM, or None: vLLM serves some architectures (GPT-NeoX, Phi,
+    OLMo 2, StarCoder 2 in 0.32) through its Transformers backend, which rewrites transformers' own classes of that
+    architecture for the whole process: the trainer's copy of the model then fails on its first forward."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in AutoConfig.from_pretrained(model).architectures or []:
+        entry = ModelRegistry.models.get(arch)
+        if entry is None or getattr(entry, "module_name", "").endswith(".transformers"):
+            return (f"vLLM serves {arch} through its Transformers backend, which rewrites transformers' {arch} classes in "
+                    "the process it runs in, and the trainer's model would then fail; run vLLM in a process of its own "
+                    "(model.engine: vllm_server)")
+    return None
+
+
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int, vocab_size: int) -> dict[str, Any]:
     """vLLM `SamplingParams` fields for one request; `logprobs` asks for the sampled token's log-prob, and with a
     filter on for enough top log-probs to read its support off (`support_request`)."""
@@ -143,6 +158,8 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         from vllm import LLM
 
+        if (refusal := transformers_backend_refusal(model)) is not None:
+            raise ValueError(refusal)
         # With the "uni" executor this keeps the worker in this process, which is what lets reload_weights take
         # live tensors. vLLM reads it only while building the engine; servers started later must not inherit it.
         previous = os.environ.get(_IN_PROCESS)

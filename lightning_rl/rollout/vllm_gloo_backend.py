@@ -57,6 +57,18 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     staged: bool = False
 
 
+def worker_layout(model_config: Any) -> CheckpointLayout:
+    """The checkpoint's layout, read off a meta-device transformers model under a vLLM config that compiles nothing:
+    where vLLM serves the architecture through its Transformers backend, it has rewritten transformers' classes in
+    this process, and their constructor asks for one."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+
+    config = VllmConfig(model_config=model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    with set_current_vllm_config(config):
+        return CheckpointLayout(model_config.hf_config)
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Receives checkpoint-format (Hugging Face named) tensors from trainer rank 0 over gloo."""
 
@@ -67,7 +79,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: torch.distributed.ProcessGroupGloo | None = None
-        self.layout = CheckpointLayout(self.model_config.hf_config)
+        self.layout = worker_layout(self.model_config)
         self.loaded: set[str] = set()
         self.aliases: set[str] | None = None  # `vllm_held.held_aliases`, read before any update
         self._staged: list[tuple[str, torch.Tensor]] = []  # received while the engine generates (`stage`)
@@ -153,7 +165,7 @@ class WeightSyncWorker:
         """``{"tensors": {hf_name: [dtype, digest]}, "ties": {tied name: source}}`` of the weights this worker holds."""
         layout = getattr(self, "_lightning_rl_layout", None)
         if layout is None:
-            layout = self._lightning_rl_layout = CheckpointLayout(self.model_config.hf_config)
+            layout = self._lightning_rl_layout = worker_layout(self.model_config)
         return {"tensors": held_digests(self.get_model(), layout), "ties": ties_of(layout)}
 
     def lightning_rl_model_info(self) -> dict[str, Any]:
@@ -161,7 +173,7 @@ class WeightSyncWorker:
         delta), the layers this worker serves LoRA on, the architecture's name, and the tied names to send
         (`vllm_held.held_aliases`)."""
         packed = getattr(type(self.get_model()), "packed_modules_mapping", {})
-        layout = CheckpointLayout(self.model_config.hf_config)
+        layout = worker_layout(self.model_config)
         serves_lora = getattr(self.model_runner, "lora_manager", None) is not None
         return {"packed": {fused: list(parts) for fused, parts in packed.items()},
                 "lora_targets": lora_targets(self) if serves_lora else [],

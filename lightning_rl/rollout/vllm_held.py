@@ -47,6 +47,7 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
     """``(hf_name, tensor)`` for every tensor of the checkpoint the model holds, one at a time (tied: once, unless a
     module computes with a kernel's copy of its own, read as such: a head that kept its old weights is caught)."""
     packed = getattr(type(model), "packed_modules_mapping", {})
+    renamed = _checkpoint_names(model, layout)
     seen: set[int] = set()
     with torch.no_grad():
         for module_name, module in model.named_modules():  # a module under two names computes once: read once
@@ -56,7 +57,8 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                 if id(param) in seen and not _own_kernel(module, name):
                     continue
                 seen.add(id(param))
-                full = f"{module_name}.{name}"
+                full = renamed.get(f"{module_name}.{name}", f"{module_name}.{name}")
+                module_name = full.rpartition(".")[0]
                 live = _live_weight(module, name, param)
                 experts = _expert_tensors(module_name, name, live, layout)
                 if experts is not None:
@@ -89,6 +91,21 @@ def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: Che
         return None
     checkpoint_name = f"{module_name.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"
     return [(checkpoint_name, live)] if layout.shapes.get(checkpoint_name) == tuple(live.shape) else None
+
+
+def _checkpoint_names(model: nn.Module, layout: CheckpointLayout) -> dict[str, str]:
+    """vLLM's name -> the checkpoint's, where the model renames what it loads (``hf_to_vllm_mapper``: vLLM's
+    Transformers backend puts GPT-NeoX's ``gpt_neox.embed_in`` under ``model.embed_in``); a name loaded into a shard
+    of a fused tensor is left to ``packed_modules_mapping``."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {}
+    names = {}
+    for checkpoint_name in layout.shapes:
+        mapped = mapper._map_name_with_shard(checkpoint_name)
+        if mapped is not None and mapped[1] is None and mapped[0] != checkpoint_name:
+            names[mapped[0]] = checkpoint_name
+    return names
 
 
 def held_digests(model: nn.Module, layout: CheckpointLayout) -> dict[str, list]:
