@@ -65,7 +65,9 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                     yield from experts
                     continue
                 head, _, fused = module_name.rpartition(".")
-                parts = [f"{head}.{part}.{name}" for part in packed.get(fused, ())] or [full]
+                parts = [f"{head}.{part}.{name}" for part in packed.get(fused, _FUSED.get(fused, ()))]
+                if full in layout.shapes or not all(part in layout.shapes for part in parts):
+                    parts = [full]
                 shapes = [layout.shapes.get(part) for part in parts]
                 rows = sum(shape[0] for shape in shapes if shape) if all(shapes) else -1
                 if not all(shapes) or tuple(live.shape[1:]) != tuple(shapes[0][1:]) or rows > live.shape[0]:
@@ -78,6 +80,9 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                     yield part, live[start : start + shape[0]]
                     start += shape[0]
 
+
+# vLLM's own names for fused layers, for a model that does not list them in its ``packed_modules_mapping``.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 # vLLM's fused experts (every expert of a layer in one [experts, rows, columns] parameter, gate and up stacked along
 # the rows of w13) -> the checkpoint's: transformers fuses them the same way (``gate_up_proj``, ``down_proj``).
