@@ -66,7 +66,7 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                     continue
                 head, _, fused = module_name.rpartition(".")
                 parts = [f"{head}.{part}.{name}" for part in packed.get(fused, _FUSED.get(fused, ()))]
-                if full in layout.shapes or not all(part in layout.shapes for part in parts):
+                if not parts or full in layout.shapes or not all(part in layout.shapes for part in parts):
                     parts = [full]
                 shapes = [layout.shapes.get(part) for part in parts]
                 rows = sum(shape[0] for shape in shapes if shape) if all(shapes) else -1
