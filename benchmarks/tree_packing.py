@@ -111,12 +111,13 @@ def layout_flops(config: Qwen3Config, tokens: int, pairs: int, trained: int) -> 
     return 3 * (L * (tokens * per_token + pairs * per_pair) + trained * 2 * h * config.vocab_size)
 
 
-def step(model, batch, advantages):
-    """One GRPO-like learner step: log-probs of trained tokens, weighted, backward. Returns body-saved bytes."""
+def step(model, batch, advantages, chunk_size: int = 1024):
+    """One GRPO-like learner step: log-probs of trained tokens (the LM head ``chunk_size`` tokens at a time, the
+    library's default), weighted, backward. Returns body-saved bytes."""
     with saved_for_backward(model) as saved:
         hidden = packed_hidden_states(model, batch)
     weight, bias, transform = lm_head_of(model)
-    logp = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform)
+    logp = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, chunk_size=chunk_size)
     (-(logp * advantages[batch.loss_seq]).sum() / logp.numel()).backward()
     return saved["bytes"]
 
@@ -139,12 +140,12 @@ def span_layouts(model, seqs, masks, budget: int, device: str | torch.device = "
     }  # fmt: skip
 
 
-def rows_step(model, layout, advantages) -> None:
+def rows_step(model, layout, advantages, chunk_size: int = 1024) -> None:
     """One learner step over a layout's rows: each row's backward, then a span's prefix's once after its last row."""
     rows, prefixes, recompute = layout
     batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes, recompute=recompute)
     for (seq_ids, _), batch in zip(rows, batches):
-        step(model, batch, advantages[seq_ids])
+        step(model, batch, advantages[seq_ids], chunk_size)
         finish_prefix(batch)
 
 
@@ -177,10 +178,13 @@ def span_case(model, config, case: str, args) -> dict:
             t0 = time.perf_counter()
             rows_step(model, layouts[name], advantages)
             times[name].append(time.perf_counter() - t0)
-    peak = {}
+    peak, block_peak = {}, {}
+    block = max(len(masks[0]) - masks[0].index(True), 1)  # one answer's trained tokens
     for name, layout in layouts.items():
         model.zero_grad(set_to_none=True)
         peak[name] = peak_memory_bytes(lambda: rows_step(model, layout, advantages)) / MB
+        model.zero_grad(set_to_none=True)
+        block_peak[name] = peak_memory_bytes(lambda: rows_step(model, layout, advantages, chunk_size=block)) / MB
     s = {name: statistics.median(t) for name, t in times.items()}
     flop_bound = costs["flat"][1] / bound
     return {
@@ -198,6 +202,10 @@ def span_case(model, config, case: str, args) -> dict:
         # gradient checkpointing's way for a span: the prefix's forward run again for its backward instead of kept
         "cross_row_recompute_s": round(s["cross_row_recompute"], 4), "cross_row_recompute_peak_mb": round(peak["cross_row_recompute"], 1),
         "recompute_speedup_over_subgroups": round(s["subgroups"] / s["cross_row_recompute"], 3),
+        # the same peaks with the LM head run `peak_chunk_size` tokens at a time (one answer's), so that every layout
+        # holds the same [chunk x vocab] logits block and the peaks differ by the body alone: at 1/16 of the lengths
+        # the vocabulary is not scaled down, and a cross-row row's many trained tokens make that block most of it
+        "peak_chunk_size": block, **{f"{name}_peak_mb_at_chunk": round(block_peak[name], 1) for name in layouts},
         "rounds": args.span_rounds,
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads" + (f"; {args.note}" if args.note else ""),
     }  # fmt: skip
@@ -293,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
     span_cols = ["case", "t_over_u", "flop_bound", "flat_s", "subgroups_s", "cross_row_s", "speedup", "speedup_over_flop_bound",
                  "speedup_over_subgroups", "flat_peak_mb", "subgroups_peak_mb", "cross_row_peak_mb", "cross_row_recompute_s",
-                 "recompute_speedup_over_subgroups", "cross_row_recompute_peak_mb"]  # fmt: skip
+                 "recompute_speedup_over_subgroups", "cross_row_recompute_peak_mb", "peak_chunk_size", "subgroups_peak_mb_at_chunk",
+                 "cross_row_peak_mb_at_chunk", "cross_row_recompute_peak_mb_at_chunk"]  # fmt: skip
     if spans:
         print("\n| " + " | ".join(span_cols) + " |\n|" + "---|" * len(span_cols))
     for row in spans:
