@@ -68,6 +68,9 @@ RESULTS_FROM_SFT = REPO / "benchmarks" / "results" / "grpo_vs_trl_learning_from_
 REWARDS = [("math_answer", 1.0, {}), ("format", 0.5, {"pattern": r"\s*\d"})]
 FORMAT_PATTERN = REWARDS[1][2]["pattern"]
 MAX_GRAD_NORM = 1.0
+# Logged per step by both sides under these names (ours as train/NAME; None where a side logs none, as TRL's kl at
+# beta 0): kept per run beside the rewards.
+STEP_METRICS = ("kl", "grad_norm", "entropy")
 
 
 def recipe_settings(recipe: Path) -> dict:
@@ -102,8 +105,9 @@ def train_ours(recipe: Path, overrides: list[str], seed: int, steps: int, out: P
     if code != 0:
         raise SystemExit(f"our run failed (exit {code}): {out}")
     (metrics,) = out.glob("csv/version_*/metrics.csv")
-    rewards = [float(row["train/reward"]) for row in csv.DictReader(metrics.open()) if row["train/reward"]]
-    return rewards, out / "hf"
+    rows = [row for row in csv.DictReader(metrics.open()) if row["train/reward"]]
+    rewards = [float(row["train/reward"]) for row in rows]
+    return rewards, out / "hf", {key: [float(row[f"train/{key}"]) if row.get(f"train/{key}") else None for row in rows] for key in STEP_METRICS}
 
 
 # -- TRL -----------------------------------------------------------------------------------------------------------
@@ -143,17 +147,17 @@ def train_trl(settings: dict, model_path: str, seed: int, steps: int, out: Path)
                           processing_class=AutoTokenizer.from_pretrained(model_path))  # fmt: skip
     trainer.train()
     trainer.save_model(str(out / "hf"))
-    rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
-    return rewards, out / "hf"
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    return [float(entry["reward"]) for entry in logged], out / "hf", {key: [float(entry[key]) if key in entry else None for entry in logged] for key in STEP_METRICS}
 
 
-def timed(train, seed: int, steps: int, out: Path) -> tuple[list[float], Path, dict]:
+def timed(train, seed: int, steps: int, out: Path) -> tuple[list[float], Path, dict, dict]:
     """One training run with its wall and process CPU seconds and the load average (1 min) before and after."""
     load_before, wall, cpu = os.getloadavg()[0], time.perf_counter(), time.process_time()
-    rewards, export = train(seed, steps, out)
+    rewards, export, per_step = train(seed, steps, out)
     cost = {"wall_seconds": round(time.perf_counter() - wall, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
             "load_average_1min_before": round(load_before, 2), "load_average_1min_after": round(os.getloadavg()[0], 2)}  # fmt: skip
-    return rewards, export, cost
+    return rewards, export, cost, per_step
 
 
 # -- report --------------------------------------------------------------------------------------------------------
@@ -240,12 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             report[side] = {"runs": []}
         for seed in range(args.seeds):
             for side, train in trainers.items():  # interleaved, so a change in machine load falls on both
-                rewards, export, cost = timed(train, seed, steps, Path(tmp) / f"{side}-{seed}")
+                rewards, export, cost, per_step = timed(train, seed, steps, Path(tmp) / f"{side}-{seed}")
                 after = heldout_exact_match(export)
                 run = {"seed": seed, "rewards": rewards, **windows(rewards, window), "heldout_exact_match_before": before,
-                       "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), **cost}  # fmt: skip
+                       "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), **cost, **per_step}  # fmt: skip
                 report[side]["runs"].append(run)
-                print(side, json.dumps({k: v for k, v in run.items() if k != "rewards"}), flush=True)
+                print(side, json.dumps({k: v for k, v in run.items() if k not in ("rewards", *STEP_METRICS)}), flush=True)
     for side in trainers:
         report[side]["summary"] = summarise(report[side]["runs"])
     report["ours_within_or_above_trl"] = verdict(report["ours"]["summary"], report["trl"]["summary"])
