@@ -17,6 +17,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -58,14 +59,15 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 def worker_layout(model_config: Any) -> CheckpointLayout:
-    """The checkpoint's layout, read off a meta-device transformers model under a vLLM config that compiles nothing:
-    where vLLM serves the architecture through its Transformers backend, it has rewritten transformers' classes in
-    this process, and their constructor asks for one."""
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    """The checkpoint's layout, read off a meta-device transformers model under a stand-in vLLM config that compiles
+    nothing: where vLLM serves the architecture through its Transformers backend, it has rewritten transformers'
+    classes in this process, and their constructor reads the current config's compilation mode and model config (a
+    stand-in, so that building a `VllmConfig` cannot touch the server's own)."""
+    from vllm.config import CompilationConfig, set_current_vllm_config
     from vllm.config.compilation import CompilationMode
 
-    config = VllmConfig(model_config=model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE))
-    with set_current_vllm_config(config):
+    stand_in = SimpleNamespace(compilation_config=CompilationConfig(mode=CompilationMode.NONE), model_config=model_config)
+    with set_current_vllm_config(stand_in):
         return CheckpointLayout(model_config.hf_config)
 
 
