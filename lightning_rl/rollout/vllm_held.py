@@ -58,13 +58,13 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                     continue
                 seen.add(id(param))
                 full = renamed.get(f"{module_name}.{name}", f"{module_name}.{name}")
-                module_name = full.rpartition(".")[0]
+                owner = full.rpartition(".")[0]  # the module's checkpoint name
                 live = _live_weight(module, name, param)
-                experts = _expert_tensors(module_name, name, live, layout)
+                experts = _expert_tensors(owner, name, live, layout)
                 if experts is not None:
                     yield from experts
                     continue
-                head, _, fused = module_name.rpartition(".")
+                head, _, fused = owner.rpartition(".")
                 parts = [f"{head}.{part}.{name}" for part in packed.get(fused, _FUSED.get(fused, ()))]
                 if not parts or full in layout.shapes or not all(part in layout.shapes for part in parts):
                     parts = [full]
@@ -122,8 +122,9 @@ def held_aliases(model: nn.Module, layout: CheckpointLayout) -> set[str]:
     """The tied names (``lm_head.weight``) the model has a parameter under, shared or not: only these are sent (a
     CPU kernel keeps its own copy of a shared weight, made again when the name is loaded). vLLM has no tensor under
     the others (its Gemma computes its logits with the embedding and has no ``lm_head``)."""
+    renamed = _checkpoint_names(model, layout)
     names = {name.replace(".base_layer", "") for name, _ in model.named_parameters(remove_duplicate=False)}
-    return names & set(ties_of(layout))
+    return {renamed.get(name, name) for name in names} & set(ties_of(layout))
 
 
 def ties_of(layout: CheckpointLayout) -> dict[str, str]:
