@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from lightning_rl.rollout.base import (
     ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, support_rows,
@@ -48,13 +48,13 @@ def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]
     return dict(engine_kwargs or {})
 
 
-def transformers_backend_refusal(model: str | os.PathLike) -> str | None:
-    """Why ``model`` cannot run in this process's vLLM, or None: vLLM serves some architectures (GPT-NeoX, Phi,
+def transformers_backend_refusal(config: PretrainedConfig) -> str | None:
+    """Why the model of ``config`` cannot run in this process's vLLM, or None: vLLM serves some architectures (GPT-NeoX, Phi,
     OLMo 2, StarCoder 2 in 0.32) through its Transformers backend, which rewrites transformers' own classes of that
     architecture for the whole process: the trainer's copy of the model then fails on its first forward."""
     from vllm.model_executor.models import ModelRegistry
 
-    for arch in AutoConfig.from_pretrained(model).architectures or []:
+    for arch in config.architectures or []:
         entry = ModelRegistry.models.get(arch)
         if entry is None or getattr(entry, "module_name", "").endswith(".transformers"):
             return (f"vLLM serves {arch} through its Transformers backend, which rewrites transformers' {arch} classes in "
@@ -158,7 +158,8 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         from vllm import LLM
 
-        if (refusal := transformers_backend_refusal(model)) is not None:
+        config = AutoConfig.from_pretrained(model)
+        if (refusal := transformers_backend_refusal(config)) is not None:
             raise ValueError(refusal)
         # With the "uni" executor this keeps the worker in this process, which is what lets reload_weights take
         # live tensors. vLLM reads it only while building the engine; servers started later must not inherit it.
@@ -178,7 +179,7 @@ class VLLMEngine(RolloutEngine):
                 del os.environ[_IN_PROCESS]
             else:
                 os.environ[_IN_PROCESS] = previous
-        self._layout = CheckpointLayout(AutoConfig.from_pretrained(model))
+        self._layout = CheckpointLayout(config)
         self.verify_weights = verify_weights
         # The dtype each tensor is held in (the trainer's are digested cast to it); a model whose weights cannot be
         # read back is refused here, before a run starts.

@@ -163,11 +163,15 @@ class WeightSyncWorker:
     loads while the server is paused.
     """
 
+    def _lightning_rl_layout(self) -> CheckpointLayout:
+        """`worker_layout` of this worker's model, built once."""
+        if getattr(self, "_lightning_rl_cached_layout", None) is None:
+            self._lightning_rl_cached_layout = worker_layout(self.model_config)
+        return self._lightning_rl_cached_layout
+
     def lightning_rl_held_weights(self) -> dict[str, Any]:
         """``{"tensors": {hf_name: [dtype, digest]}, "ties": {tied name: source}}`` of the weights this worker holds."""
-        layout = getattr(self, "_lightning_rl_layout", None)
-        if layout is None:
-            layout = self._lightning_rl_layout = worker_layout(self.model_config)
+        layout = self._lightning_rl_layout()
         return {"tensors": held_digests(self.get_model(), layout), "ties": ties_of(layout)}
 
     def lightning_rl_model_info(self) -> dict[str, Any]:
@@ -175,7 +179,7 @@ class WeightSyncWorker:
         delta), the layers this worker serves LoRA on, the architecture's name, and the tied names to send
         (`vllm_held.held_aliases`)."""
         packed = getattr(type(self.get_model()), "packed_modules_mapping", {})
-        layout = worker_layout(self.model_config)
+        layout = self._lightning_rl_layout()
         serves_lora = getattr(self.model_runner, "lora_manager", None) is not None
         return {"packed": {fused: list(parts) for fused, parts in packed.items()},
                 "lora_targets": lora_targets(self) if serves_lora else [],
