@@ -18,8 +18,8 @@ are cross-row against flat, the bound counting the whole step as one tree; ``spe
 against sub-groups. Cross-row holds its prefix's activations while each row runs, so its peak is the prefix's and
 one row's, against a sub-group row's prompt and its answers; ``cross_row_recompute`` (what a policy trained with
 gradient checkpointing does) keeps only the prefix's keys and values across the rows and runs its forward again
-for the backward; a second-level shared part cut across rows
-(``nested_spans_rows``' first turns) is forwarded again in each row it reaches. ``--span-scale`` divides every length
+for the backward. Spans nest: a second-level shared part whose subtree does not fit in one row either
+(``nested_spans_rows``' first turns) is forwarded once too, after the prompt. ``--span-scale`` divides every length
 of these cases (a CPU runs them at 1/16):
 
     OMP_NUM_THREADS=1 python benchmarks/tree_packing.py --cases long_prompt_spans_rows nested_spans_rows
@@ -153,7 +153,7 @@ def layout_cost(config, layout, trained: int) -> tuple[int, float]:
     """Forwarded tokens and fwd+bwd FLOPs of a layout's rows, a span's prefix counted once."""
     rows, prefixes, _ = layout
     batches = [b for _, b in rows] if prefixes is None else share_prefixes([b for _, b in rows], prefixes)
-    parts = list(batches) + list({id(b.prefix): b.prefix.batch for b in batches if isinstance(b, PrefixedRow)}.values())
+    parts = list(batches) + list({id(p): p.batch for b in batches if isinstance(b, PrefixedRow) for p in b.prefix.chain}.values())
     tokens = sum(b.num_tokens for b in parts)
     return tokens, layout_flops(config, tokens, sum(int((b.position_ids + 1).sum()) for b in parts), trained)
 

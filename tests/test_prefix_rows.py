@@ -5,6 +5,7 @@ the family matrix's attention styles in fp64; what it cannot compute is refused 
 the path before a model's first span."""
 
 import copy
+import random
 
 import lightning as L
 import pytest
@@ -60,7 +61,7 @@ def _cross_row(model, seqs, prompt_len, budget, backend, recompute=False):
     rows, prefixes = plan.ranks[0], plan.prefixes[0]
     assert all(p is not None for p in prefixes) and len(rows) >= 1
     packed = share_prefixes([pack_sequences([seqs[i] for i in row], [masks[i] for i in row]) for row in rows], prefixes, recompute=recompute)
-    assert all(isinstance(p, PrefixedRow) for p in packed) and len({id(p.prefix) for p in packed}) == 1
+    assert all(isinstance(p, PrefixedRow) for p in packed) and len({id(_root(p.prefix)) for p in packed}) == 1
     model.zero_grad()
     out: dict[int, torch.Tensor] = {}
     for row, batch in zip(rows, packed):
@@ -71,6 +72,10 @@ def _cross_row(model, seqs, prompt_len, budget, backend, recompute=False):
         for k, i in enumerate(row):
             out[i] = (lp.detach()[batch.loss_seq == k], weights[batch.loss_seq == k])
     return out, _grads(model), packed
+
+
+def _root(prefix):
+    return prefix if prefix.parent is None else _root(prefix.parent)
 
 
 def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, grad_tol, recompute=False):
@@ -129,6 +134,42 @@ def test_a_recomputed_prefix_keeps_no_graph_across_its_rows_and_gives_the_same_g
     assert by_prefix[True] * 50 < by_prefix[False], by_prefix
     for ours, kept in zip(grads[True], grads[False]):
         torch.testing.assert_close(ours, kept, rtol=1e-5, atol=1e-7)
+
+
+def _nested_group(answer_len=6):
+    """A prompt of 8 tokens, two untrained turns of 100 below it (a tool's output), four answers of each: a turn's
+    subtree (124 tokens) does not fit a row of 120 either."""
+    rng = random.Random(0)
+    tok = lambda n: [rng.randrange(3, tiny_models.VOCAB) for _ in range(n)]  # noqa: E731
+    prompt = tok(8)
+    turns = [[10 + k] + tok(99) for k in range(2)]
+    return [prompt + turn + tok(answer_len) for turn in turns for _ in range(4)]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_nested_span_forwards_each_shared_part_once_and_equals_each_sequence_alone(recompute):
+    """Spans nest: the prompt forwarded once, each turn once after it (attending to its keys and values; its last token
+    stays in the rows, whose first output it gives), each turn's answers in a row attending to both; the turn's backward adds to the prompt's, which runs once after both turns'.
+    fp64, against each sequence alone, with the prefixes' forwards kept or recomputed."""
+    model, seqs = MODELS_FP64["qwen3"], _nested_group()
+    plan = plan_rows(seqs, 120, groups=[0] * 8, prefix_across_rows="auto", prefix_limits=[107] * 8)
+    assert plan.prefixes[0] == [((0, 8), (1, 107)), ((0, 8), (2, 107))] and plan.ranks[0] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.num_unique_tokens == count_unique_tokens(seqs) == 8 + 2 * (99 + 1 + 4 * 6)
+    # Turns of 12: a nested span would forward more than rows that each repeat the turn (its own forward's cost counted).
+    short = [s[:20] + s[-6:] for s in seqs]
+    assert plan_rows(short, 30, groups=[0] * 8, prefix_across_rows="auto", prefix_limits=[19] * 8).prefixes[0] == [(0, 8)] * 4
+    _cross_row(model, seqs, 108, budget=120, backend="blocks")  # the packing probes first
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
+    try:
+        _check_against_each_alone(model, seqs, 108, 120, "blocks", *TOLERANCE[torch.float64], recompute=recompute)
+    finally:
+        hook.remove()
+    cross_row = calls[: len(calls) - len(seqs)]  # then each sequence alone
+    if recompute:  # each prefix forwarded again for its backward: a turn's after its row, the prompt's after both turns'
+        assert cross_row == [8, 99, 25, 99, 99, 25, 99, 8]
+    else:
+        assert cross_row == [8, 99, 25, 99, 25]
 
 
 # The family matrix's attention styles (support/packing_families.py) in fp64: exact across rows, or refused in one line.

@@ -104,7 +104,8 @@ class TreeAttentionMeta:
     # captured (``prefix_kv``: attention module id -> (key, value)); queries are the row's own.
     prefix_len: int = 0
     prefix_kv: dict[int, tuple[Tensor, Tensor]] | None = None
-    # A prefix's own forward: each attention call appends (module id, key, value) here.
+    # A prefix's own forward: each attention call appends (module id, key, value) here, those of the prefixes it
+    # continues (a nested one's) joined in front.
     capture: list[tuple[int, Tensor, Tensor]] | None = None
 
     @classmethod
@@ -626,10 +627,10 @@ def tree_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _refuse_packed_call(module, tree_attention, attention_mask, sliding_window, dropout, kwargs)
     tree_attention.layers_called.add(id(module))
-    if tree_attention.capture is not None:
-        tree_attention.capture.append((id(module), key, value))
     if tree_attention.prefix_kv is not None:
         key, value = tree_attention.prefix_keys_values(module, key, value)
+    if tree_attention.capture is not None:  # after the join: a nested prefix captures its whole chain's
+        tree_attention.capture.append((id(module), key, value))
     out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 

@@ -52,7 +52,7 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
-from lightning_rl.packing.planner import PrefixAcrossRows, plan_rows
+from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_rows
 from lightning_rl.ops.prefix_rows import finish_prefix, share_prefixes, span_settings
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
@@ -544,7 +544,7 @@ class GRPOModule(PolicyModule):
             self.hparams.reward_aggregation, self.hparams.scale_rewards, lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
         )  # fmt: skip
 
-    def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[tuple[int, int] | None]]:
+    def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[RowPrefix | None]]:
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
         rows, prefixes = [list(range(len(rollouts)))], [None]
         if self.hparams.max_tokens_per_row is not None:

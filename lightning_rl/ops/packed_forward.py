@@ -380,7 +380,7 @@ def verify_row(
         error, dtype = 0.0, torch.float32
         token = image_token_id(model.config)
         images = split_images(batch.image_inputs, image_runs(batch.input_ids.tolist(), token) if token is not None else None)
-        head = batch.prefix.batch if isinstance(batch, PrefixedRow) else None  # a span's row: its prefix leads each path
+        head = batch.prefix if isinstance(batch, PrefixedRow) else None  # a span's row: its prefix (chain) leads each path
         for rows, terms in sequence_paths(batch, chosen):
             ids = batch.input_ids[rows] if head is None else torch.cat([head.input_ids, batch.input_ids[rows]])
             routes = None if batch.routes is None else (batch.routes[rows] if head is None else torch.cat([head.routes, batch.routes[rows]]))

@@ -8,6 +8,11 @@ prefix's keys and values are leaves, so every row's backward adds its gradient t
 one backward runs through the prefix's forward with those sums (``finish_prefix``). Loss and gradients are those
 of the whole group packed in one row.
 
+Spans nest (`packing.planner.RowPrefix`): a nested span's prefix is itself a row of its parent's, forwarded once
+attending to the parent's keys and values, and it captures its whole chain's (the parent's joined in front of its
+own). Its rows attend to that chain; after its last row, its backward adds to the parent's keys and values, and it
+counts as one finished row of the parent.
+
 A frozen model (the reference, or any forward without gradients) keeps its capture for the span's rows and runs no
 backward. With ``recompute`` (a policy trained with gradient checkpointing), the prefix's forward keeps no graph while
 the rows run: only its keys and values stay, and the forward runs again, from the same random state, for the one
@@ -22,6 +27,7 @@ strategy's backward, so its gradients would be neither reduced nor resharded), a
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -32,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.packing.planner import RowPrefix
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 
@@ -42,18 +49,63 @@ class _Capture:
     rerun: Callable[[], list[Tensor]] | None = None  # recompute: what gives `outputs` for the backward
 
 
+# Set while a recomputed prefix's first forward runs without gradients: the prefixes it continues give the keys and
+# values its backward will attend to (their capture for gradients), not a capture of their own without them.
+_FOR_BACKWARD = threading.local()
+
+
 class SharedPrefix:
-    """The prefix of a span of ``rows`` rows: its chain of tokens as a packed batch, and per model its captured
-    keys and values (one capture per model, gradient mode and train/eval mode)."""
+    """The prefix of a span of ``rows`` rows: its chain of tokens as a packed batch (a nested span's: a row of its
+    parent's span), and per model its captured keys and values (one capture per model, gradient mode and train/eval
+    mode)."""
 
     def __init__(self, batch: PackedBatch, rows: int, recompute: bool = False) -> None:
         self.batch, self.rows, self.recompute = batch, rows, recompute
         self.finished = 0  # rows whose backward has run
+        self.counted = False  # whether a row's unique tokens counted this prefix's own
         self._captures: dict[tuple[int, bool, bool], _Capture] = {}
 
     @property
+    def parent(self) -> SharedPrefix | None:
+        return self.batch.prefix if isinstance(self.batch, PrefixedRow) else None
+
+    @property
     def length(self) -> int:
-        return self.batch.num_tokens
+        """Tokens from the sequences' start to this prefix's end (its parents' included)."""
+        return self.batch.num_tokens + (self.parent.length if self.parent is not None else 0)
+
+    @property
+    def input_ids(self) -> Tensor:
+        """The ``length`` tokens the rows of its span start with."""
+        own = self.batch.input_ids
+        return own if self.parent is None else torch.cat([self.parent.input_ids, own.to(self.parent.input_ids.device)])
+
+    @property
+    def routes(self) -> Tensor | None:
+        """The experts the engine routed the ``length`` tokens to (None without them)."""
+        own = self.batch.routes
+        return own if self.parent is None or own is None else torch.cat([self.parent.routes, own])
+
+    @property
+    def chain(self) -> list[SharedPrefix]:
+        """This prefix and the ones it continues, outermost first."""
+        return [self] if self.parent is None else [*self.parent.chain, self]
+
+    def uncounted_tokens(self) -> int:
+        """The tokens of this chain of prefixes no row has counted yet, now counted."""
+        tokens, prefix = 0, self
+        while prefix is not None and not prefix.counted:
+            prefix.counted, tokens, prefix = True, tokens + prefix.batch.num_tokens, prefix.parent
+        return tokens
+
+    def finish_row(self) -> None:
+        """One of its rows' backward has run: after the last, backpropagate through the prefix, and a nested
+        prefix's own row of its parent is done."""
+        self.finished += 1
+        if self.finished == self.rows:
+            self.backward()
+            if self.parent is not None:
+                self.parent.finish_row()
 
     @staticmethod
     def check(model: nn.Module) -> None:
@@ -69,12 +121,12 @@ class SharedPrefix:
     def keys_values(self, model: nn.Module, forward) -> dict[int, tuple[Tensor, Tensor]]:
         """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
         and appends (module id, key, value) per attention call to ``capture``."""
-        grad = torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() or getattr(_FOR_BACKWARD, "active", False)
         key = (id(model), grad, model.training)
         if key not in self._captures:
             recompute = grad and self.recompute
             rng = _RandomState(self.batch.input_ids) if recompute else None
-            with torch.no_grad() if recompute else contextlib.nullcontext():
+            with torch.no_grad() if recompute else contextlib.nullcontext(), _for_backward(recompute):
                 captured = _captured(model, forward)
             if grad:
                 leaves = {m: (k.detach().requires_grad_(), v.detach().requires_grad_()) for m, k, v in captured}
@@ -98,6 +150,16 @@ class SharedPrefix:
             pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
+
+
+@contextlib.contextmanager
+def _for_backward(active: bool):
+    earlier = getattr(_FOR_BACKWARD, "active", False)
+    _FOR_BACKWARD.active = earlier or active
+    try:
+        yield
+    finally:
+        _FOR_BACKWARD.active = earlier
 
 
 def _captured(model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
@@ -160,6 +222,12 @@ def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = F
     """``row`` (every sequence of it starting with the same tokens) without its first ``prefix`` tokens, which a
     `SharedPrefix` (new for an int length, else the one given, shared with the span's other rows) forwards;
     ``recompute``: a new one's (`SharedPrefix`)."""
+    return _cut(row, prefix, recompute, counts=True)
+
+
+def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, counts: bool) -> PrefixedRow:
+    """`cut_prefix`; ``counts``: whether the row's unique tokens count the prefix's where no row has yet (not for a
+    nested prefix's own chain, which is not a row of the step)."""
     length = prefix if isinstance(prefix, int) else prefix.length
     why = None
     if row.image_inputs or row.rope_position_ids is not None:
@@ -173,10 +241,8 @@ def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = F
     if why is not None:
         raise PackingRefused(f"a row cannot continue a prefix forwarded apart (model.prefix_across_rows): {why}; set model.prefix_across_rows: never")
     if isinstance(prefix, int):
-        ids = row.input_ids[:length].tolist()
-        routes = None if row.routes is None else [row.routes[:length]]
-        prefix = SharedPrefix(pack_sequences([ids], [[False] * length], routes=routes).to(row.input_ids.device), rows=0, recompute=recompute)
-    elif not torch.equal(prefix.batch.input_ids, row.input_ids[:length]):
+        prefix = _new_prefix(row, length, None, recompute)
+    elif not torch.equal(prefix.input_ids, row.input_ids[:length]):
         raise ValueError("the rows of a span must start with the same prefix")
     prefix.rows += 1
     segments = row.segments - length
@@ -188,36 +254,44 @@ def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = F
             input_ids=row.input_ids[length:], position_ids=row.position_ids[length:], subtree_end=row.subtree_end[length:] - length,
             segments=segments, loss_positions=row.loss_positions - length,
             routes=None if row.routes is None else row.routes[length:],
-            # the prefix's tokens count as forwarded by the span's first row
-            num_unique_tokens=row.num_unique_tokens - (length if prefix.rows > 1 else 0),
+            # the prefixes' tokens count as forwarded by the first row that reaches them
+            num_unique_tokens=row.num_unique_tokens - length + (prefix.uncounted_tokens() if counts else 0),
         ),
         prefix=prefix,
     )
 
 
-def share_prefixes(rows: list[PackedBatch], prefixes: list[tuple[int, int] | None], recompute: bool = False) -> list[PackedBatch]:
+def _new_prefix(row: PackedBatch, length: int, parent: SharedPrefix | None, recompute: bool) -> SharedPrefix:
+    """The prefix of ``row``'s first ``length`` tokens; below ``parent`` (a nested span's), a row of its span."""
+    routes = None if row.routes is None else [row.routes[:length]]
+    chain = pack_sequences([row.input_ids[:length].tolist()], [[False] * length], routes=routes).to(row.input_ids.device)
+    return SharedPrefix(chain if parent is None else _cut(chain, parent, recompute, counts=False), rows=0, recompute=recompute)
+
+
+def share_prefixes(rows: list[PackedBatch], prefixes: list[RowPrefix | None], recompute: bool = False) -> list[PackedBatch]:
     """The planner's rows with each span's prefix cut off and shared: ``prefixes[k]`` is (span, prefix length) of row
-    ``k`` or None (`packing.planner.RowPlan.prefixes`). ``recompute``: the prefixes' forwards keep no graph across
-    the rows, and run again for their backward (`SharedPrefix`)."""
+    ``k``, or a nested span's chain of them, or None (`packing.planner.RowPlan.prefixes`). ``recompute``: the
+    prefixes' forwards keep no graph across the rows, and run again for their backward (`SharedPrefix`)."""
     shared: dict[int, SharedPrefix] = {}
     out = []
     for row, spec in zip(rows, prefixes):
         if spec is None:
             out.append(row)
             continue
-        span, length = spec
-        cut = cut_prefix(row, shared.get(span, length), recompute)
-        shared[span] = cut.prefix
-        out.append(cut)
+        prefix = None
+        for span, length in [spec] if isinstance(spec[0], int) else spec:
+            if span not in shared:
+                shared[span] = _new_prefix(row, length, prefix, recompute)
+            prefix = shared[span]
+        out.append(cut_prefix(row, prefix))
     return out
 
 
 def finish_prefix(row: PackedBatch) -> None:
-    """After a row's backward: the span's last row backpropagates through its prefix."""
+    """After a row's backward: the span's last row backpropagates through its prefix (and a nested one's last,
+    through its parent's after the parent's own last row)."""
     if isinstance(row, PrefixedRow):
-        row.prefix.finished += 1
-        if row.prefix.finished == row.prefix.rows:
-            row.prefix.backward()
+        row.prefix.finish_row()
 
 
 def _trained_on_several_processes(model: nn.Module) -> bool:

@@ -9,13 +9,14 @@ Sequences of one group (the G completions of a prompt) stay in one row where the
 forwarded once. A group too large for one row is either split into sub-groups that each keep the prompt, or (with
 ``prefix_across_rows``) cut into the prefix every sequence of the group shares, forwarded once on its own, and rows of
 the rest (a *span*) that attend to that prefix's keys and values (`ops/prefix_rows.py`). A span's rows go to one rank,
-one after the other. Only the group's prefix is forwarded once: a deeper shared part (a first turn whose answers do
-not fit in one row beside it) is cut into rows that each forward it again, as sub-groups would.
+one after the other. Spans nest: within a span, a deeper shared part whose subtree does not fit in one row either (a
+first turn and its answers) becomes a span of its own below it, its prefix forwarded once after its parent's, where
+that forwards fewer tokens than cutting the subtree into rows that each repeat it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +24,8 @@ from lightning_rl.packing.tree import PrefixCounter, count_unique_tokens, pack_s
 
 
 PrefixAcrossRows = Literal["auto", "always", "never"]
+# A span row's prefix: (span, prefix length), or for a nested span the chain of them from the outermost.
+RowPrefix = tuple[int, int] | tuple[tuple[int, int], ...]
 # What forwarding a prefix on its own costs beyond its tokens (one more forward and backward, its keys and values
 # joined in front of every row's), in tokens: an estimate that makes ``auto`` keep sub-groups where little is saved.
 PREFIX_OVERHEAD_TOKENS = 64
@@ -36,8 +39,10 @@ class RowPlan:
     num_flat_tokens: int
     num_unique_tokens: int
     # The same layout: (span, prefix length) for a row of a span, None for a row of its own. A span's rows are
-    # consecutive on one rank; every row of span s drops the same first prefix-length tokens of its sequences.
-    prefixes: list[list[tuple[int, int] | None]] = field(default_factory=list)
+    # consecutive on one rank; every row of span s drops the same first prefix-length tokens of its sequences. A row
+    # of a nested span: its chain of (span, prefix length), outermost first, the lengths counted from the sequences'
+    # start (`RowPrefix`).
+    prefixes: list[list[RowPrefix | None]] = field(default_factory=list)
 
     @property
     def packing_ratio(self) -> float:
@@ -90,16 +95,15 @@ def plan_rows(
 
     # Units: a whole group, or the largest slices of it that fit in one row; spans: a group's shared prefix and rows.
     units: list[list[int]] = []
-    spans: list[tuple[int, list[list[int]], list[int]]] = []  # (prefix length, rows, unique tokens per row)
+    spans: list[_Span] = []
     for idx in members.values():
         seqs = [sequences[i] for i in idx]
         span = None
         if prefix_across_rows != "never" and count_unique_tokens(seqs) > max_tokens:
-            span = _span(seqs, [limits[i] for i in idx], max_tokens)
+            span = _span(sequences, idx, limits, max_tokens)
         subgroups = _slices(seqs, max_tokens) if all(len(s) <= max_tokens for s in seqs) else None
         if span is not None and (subgroups is None or prefix_across_rows == "always" or _saves(span, subgroups, seqs)):
-            length, rows, tokens = span
-            spans.append((length, [[idx[j] for j in row] for row in rows], tokens))
+            spans.append(span)
             continue
         if subgroups is None:
             i = next(i for i in idx if len(sequences[i]) > max_tokens)
@@ -122,7 +126,8 @@ def plan_rows(
 
     # Dealing units: a row of its own, or a span's rows (kept together on one rank, in order).
     dealt = [([row], [tree.size], [None]) for row, tree in zip(rows, trees)]
-    dealt += [(span_rows, tokens, [(s, length)] * len(span_rows)) for s, (length, span_rows, tokens) in enumerate(spans)]
+    ids = iter(range(1 << 62))  # span ids, nested ones included
+    dealt += [span.flat(ids) for span in spans]
     costs = [sum(attention_pairs([sequences[j] for j in row]) for row in unit[0]) for unit in dealt]
     per_rank = -(-sum(len(unit[0]) for unit in dealt) // num_ranks)
     ranks: list[list[list[int]]] = [[] for _ in range(num_ranks)]
@@ -148,7 +153,7 @@ def plan_rows(
         unique_tokens=tokens,
         attention_cost=load,
         num_flat_tokens=sum(len(s) for s in sequences),
-        num_unique_tokens=sum(tree.size for tree in trees) + sum(length + sum(t) for length, _, t in spans),
+        num_unique_tokens=sum(tree.size for tree in trees) + sum(span.forwarded for span in spans),
         prefixes=prefixes,
     )
 
@@ -167,23 +172,69 @@ def _slices(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     return units
 
 
-def _span(seqs: Sequence[Sequence[int]], limits: Sequence[int], max_tokens: int) -> tuple[int, list[list[int]], list[int]] | None:
-    """The prefix every sequence shares (within ``limits``) and the rows of what follows it, each within
-    ``max_tokens``; None when they share nothing or a rest does not fit."""
-    length = min(min(limits), *(len(s) - 1 for s in seqs))  # every rest keeps a token
+@dataclass
+class _Span:
+    """A span: the prefix its sequences share (``length`` tokens from their start, of which ``base`` are its parent
+    span's), rows of what follows it for the sequences in no nested span (``tokens``: unique tokens per row), and
+    its nested spans."""
+
+    base: int
+    length: int
+    rows: list[list[int]]
+    tokens: list[int]
+    children: list[_Span]
+
+    @property
+    def forwarded(self) -> int:
+        """Tokens forwarded for it: its own prefix, its rows and its nested spans."""
+        return self.length - self.base + sum(self.tokens) + sum(child.forwarded for child in self.children)
+
+    def flat(self, ids: Iterator[int], chain: tuple[tuple[int, int], ...] = ()) -> tuple[list[list[int]], list[int], list[RowPrefix]]:
+        """Its rows and its nested spans' (each span's together, in order), their unique tokens and `RowPrefix`es."""
+        chain = (*chain, (next(ids), self.length))
+        rows, tokens = list(self.rows), list(self.tokens)
+        prefixes: list[RowPrefix] = [chain[0] if len(chain) == 1 else chain] * len(rows)
+        for child in self.children:
+            child_rows, child_tokens, child_prefixes = child.flat(ids, chain)
+            rows, tokens, prefixes = rows + child_rows, tokens + child_tokens, prefixes + child_prefixes
+        return rows, tokens, prefixes
+
+
+def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequence[int], max_tokens: int, base: int = 0) -> _Span | None:
+    """The prefix the sequences ``idx`` share beyond ``base`` tokens (within ``limits``), and rows of what follows
+    it, each within ``max_tokens``; a subtree of those rests too large for one row becomes a nested span where that
+    forwards fewer tokens. None when they share nothing more or a rest does not fit."""
+    seqs = [sequences[i] for i in idx]
+    length = min(min(limits[i] for i in idx), *(len(s) - 1 for s in seqs))  # every rest keeps a token
     for s in seqs[1:]:
         length = min(length, _common_prefix(seqs[0], s))
-    rests = [s[length:] for s in seqs]
-    if length < 1 or any(len(r) > max_tokens for r in rests):
+    if length <= base:
         return None
-    rows = _slices(rests, max_tokens)
-    return length, rows, [count_unique_tokens([rests[j] for j in row]) for row in rows]
+    rest = {i: sequences[i][length:] for i in idx}
+    parts: dict[int, list[int]] = {}  # by the first token after the prefix: the subtrees below it
+    for i in idx:
+        parts.setdefault(rest[i][0], []).append(i)
+    plain, children = [], []
+    for part in parts.values():
+        child = None
+        if len(part) > 1 and count_unique_tokens([rest[i] for i in part]) > max_tokens:
+            child = _span(sequences, part, limits, max_tokens, base=length)
+        if child is not None and all(len(rest[i]) <= max_tokens for i in part):
+            repeated = sum(count_unique_tokens([rest[part[j]] for j in row]) for row in _slices([rest[i] for i in part], max_tokens))
+            child = child if child.forwarded + PREFIX_OVERHEAD_TOKENS < repeated else None
+        if child is None:
+            plain += part
+        else:
+            children.append(child)
+    if any(len(rest[i]) > max_tokens for i in plain):
+        return None
+    rows = [[plain[j] for j in row] for row in _slices([rest[i] for i in plain], max_tokens)] if plain else []
+    return _Span(base, length, rows, [count_unique_tokens([rest[i] for i in row]) for row in rows], children)
 
 
-def _saves(span: tuple[int, list[list[int]], list[int]], subgroups: list[list[int]], seqs: Sequence[Sequence[int]]) -> bool:
+def _saves(span: _Span, subgroups: list[list[int]], seqs: Sequence[Sequence[int]]) -> bool:
     """Whether the span forwards fewer tokens than the sub-groups, by more than the prefix's own forward costs."""
-    length, _, tokens = span
-    return length + sum(tokens) + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
+    return span.forwarded + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
