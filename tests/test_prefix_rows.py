@@ -6,6 +6,7 @@ the path before a model's first span."""
 
 import copy
 import random
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -55,9 +56,10 @@ def _grad_error(ours, theirs, dtype=torch.float32):
 
 def _cross_row(model, seqs, prompt_len, budget, backend, recompute=False):
     """Log-probs of every trained token (in sequence order) and the gradient of their weighted sum, run as the
-    planner's span."""
-    masks = [[t >= prompt_len for t in range(len(s))] for s in seqs]
-    plan = plan_rows(seqs, budget, groups=[0] * len(seqs), prefix_across_rows="always", prefix_limits=[prompt_len - 1] * len(seqs))
+    planner's span. ``prompt_len``: where training starts, in every sequence or per sequence."""
+    starts = _starts(prompt_len, seqs)
+    masks = [[t >= start for t in range(len(s))] for s, start in zip(seqs, starts)]
+    plan = plan_rows(seqs, budget, groups=[0] * len(seqs), prefix_across_rows="always", prefix_limits=[start - 1 for start in starts])
     rows, prefixes = plan.ranks[0], plan.prefixes[0]
     assert all(p is not None for p in prefixes) and len(rows) >= 1
     packed = share_prefixes([pack_sequences([seqs[i] for i in row], [masks[i] for i in row]) for row in rows], prefixes, recompute=recompute)
@@ -74,6 +76,10 @@ def _cross_row(model, seqs, prompt_len, budget, backend, recompute=False):
     return out, _grads(model), packed
 
 
+def _starts(prompt_len, seqs):
+    return list(prompt_len) if isinstance(prompt_len, list) else [prompt_len] * len(seqs)
+
+
 def _root(prefix):
     return prefix if prefix.parent is None else _root(prefix.parent)
 
@@ -85,7 +91,7 @@ def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, 
     total = torch.zeros(())
     lp_error = 0.0
     for i, s in enumerate(seqs):
-        ref = reference_logprobs(reference, [s])[prompt_len - 1 :]  # the completion's tokens
+        ref = reference_logprobs(reference, [s])[_starts(prompt_len, seqs)[i] - 1 :]  # the completion's tokens
         ours, weights = out[i]
         lp_error = max(lp_error, float((ours - ref.detach()).abs().max()))
         total = total + (ref * weights).sum()
@@ -100,6 +106,35 @@ def _check_against_each_alone(model, seqs, prompt_len, budget, backend, lp_tol, 
 def test_cross_row_equals_each_sequence_alone(group, name, backend, dtype, recompute):
     model = (MODELS if dtype == torch.float32 else MODELS_FP64)[name]
     _check_against_each_alone(model, *group, backend, *TOLERANCE[dtype], recompute=recompute)
+
+
+@st.composite
+def nested_groups(draw):
+    """A prompt, untrained turns below it (a tool's output; random lengths, some sharing a stem), trained answers
+    below each turn: the shared parts beyond the prompt may be nested spans' prefixes. A row budget the whole group
+    does not fit and every sequence does; where training starts in each sequence."""
+    token = st.integers(3, tiny_models.VOCAB - 1)
+    prompt = draw(st.lists(token, min_size=1, max_size=5))
+    seqs, starts, turns = [], [], []
+    for _ in range(draw(st.integers(2, 3))):
+        stem = turns[draw(st.integers(0, len(turns) - 1))][: draw(st.integers(0, 3))] if turns else []
+        turns.append(stem + draw(st.lists(token, min_size=2, max_size=10)))
+        for _ in range(draw(st.integers(2, 4))):
+            seqs.append(prompt + turns[-1] + draw(st.lists(token, min_size=1, max_size=4)))
+            starts.append(len(prompt) + len(turns[-1]))
+    longest, whole = max(map(len, seqs)), count_unique_tokens(seqs)
+    assume(longest < whole)
+    return seqs, starts, draw(st.integers(longest, (longest + whole) // 2))  # the lower half: turns' subtrees span rows
+
+
+@settings(max_examples=8, deadline=None)
+@given(nested_groups(), st.sampled_from(sorted(MODELS)), st.sampled_from([torch.float32, torch.float64]), st.booleans())
+def test_nested_spans_equal_each_sequence_alone(group, name, dtype, recompute):
+    """Random trees with untrained parts below the prompt, random budgets; a nested span wherever it forwards fewer
+    tokens at all (no cost counted for a prefix's own forward, so that small trees nest too)."""
+    model = (MODELS if dtype == torch.float32 else MODELS_FP64)[name]
+    with mock.patch("lightning_rl.packing.planner.PREFIX_OVERHEAD_TOKENS", 0):
+        _check_against_each_alone(model, *group, "blocks", *TOLERANCE[dtype], recompute=recompute)
 
 
 def test_a_recomputed_prefix_keeps_no_graph_across_its_rows_and_gives_the_same_gradients():
