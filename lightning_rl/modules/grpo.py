@@ -121,7 +121,8 @@ class GRPOModule(PolicyModule):
         max_grad_norm: clip the gradient norm (over every mesh of the weights); None: none. TRL: `max_grad_norm`.
         chunk_size: tokens per LM-head chunk (bounds the logits memory).
         max_tokens_per_row: unique tokens per packed micro-batch (None: the whole step in one row).
-        prefix_across_rows: a group too large for a row forwards its shared prompt once, its rows attend to it (``always``),
+        prefix_across_rows: a group too large for a row forwards its shared prompt once, its rows attend to it (``always``;
+            an untrained part below it that its subtree shares, such as a tool's output, once too where that saves),
             or is split into sub-groups that each forward it (``never``); ``auto``: whichever forwards fewer tokens.
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
