@@ -219,6 +219,9 @@ STYLES = {
     "llama_dynamic": r"its dynamic rope picks frequencies from the longest position",
 }  # fmt: skip
 FORKS = [[3, 4, 5, 6, 7, 8] + tail for tail in ([10, 11, 12], [10, 11, 13, 14], [20, 21], [22, 23, 24, 25], [10, 30])]
+# Two untrained turns of 4 below the prompt, answers below each (trained from token 10): a turn's subtree spans rows of 5.
+NESTED_FORKS = [[3, 4, 5, 6, 7, 8] + turn + answer for turn, answers in (([10, 11, 12, 13], ([20, 21], [22, 23, 24], [25])),
+                                                                         ([30, 31, 32, 33], ([40, 41], [42, 43]))) for answer in answers]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["blocks", "dense"])
@@ -230,6 +233,10 @@ def test_cross_row_in_fp64_is_exact_or_refused_on_each_attention_style(family, b
         lp_tol = FP32_INSIDE_LOGPROB_TOLERANCE
     if STYLES[family] is None:  # rows of 6 tokens after the prefix: 3 rows, one a nested fork
         _check_against_each_alone(model, FORKS, 6, 6, backend, lp_tol, grad_tol)
+        # Nested spans: each turn's prefix forwarded once after the prompt's, attending to its keys and values.
+        plan = plan_rows(NESTED_FORKS, 5, groups=[0] * 5, prefix_across_rows="always", prefix_limits=[9] * 5)
+        assert plan.prefixes[0] == [((0, 6), (1, 9))] * 2 + [((0, 6), (2, 9))]
+        _check_against_each_alone(model, NESTED_FORKS, 10, 5, backend, lp_tol, grad_tol)
     else:
         with pytest.raises(PackingRefused, match=STYLES[family]):
             _check_against_each_alone(model, FORKS, 6, 6, backend, lp_tol, grad_tol)
