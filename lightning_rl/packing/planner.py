@@ -200,6 +200,20 @@ class _Span:
         return rows, tokens, prefixes
 
 
+def _balanced(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """`_slices` into as few rows, as even as they go: the least budget that needs no more rows than
+    ``max_tokens`` does (a span's largest row sets its peak memory; the rows' tokens are about the same)."""
+    rows = _slices(seqs, max_tokens)
+    low, high = 1, max_tokens  # the least budget giving len(rows) rows lies in (low - 1, high]
+    while low < high:
+        middle = (low + high) // 2
+        if max(map(len, seqs)) <= middle and len(_slices(seqs, middle)) <= len(rows):
+            high = middle
+        else:
+            low = middle + 1
+    return _slices(seqs, high)
+
+
 def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequence[int], max_tokens: int, base: int = 0) -> _Span | None:
     """The prefix the sequences ``idx`` share beyond ``base`` tokens (within ``limits``), and rows of what follows
     it, each within ``max_tokens``; a subtree of those rests too large for one row becomes a nested span where that
@@ -228,7 +242,7 @@ def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequen
             children.append(child)
     if any(len(rest[i]) > max_tokens for i in plain):
         return None
-    rows = [[plain[j] for j in row] for row in _slices([rest[i] for i in plain], max_tokens)] if plain else []
+    rows = [[plain[j] for j in row] for row in _balanced([rest[i] for i in plain], max_tokens)] if plain else []
     return _Span(base, length, rows, [count_unique_tokens([rest[i] for i in row]) for row in rows], children)
 
 
