@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.ops.packed_forward import packed_logprobs, probe_across_rows, verify_row
+from lightning_rl.ops.packed_forward import packed_logprobs, probe_across_rows, probe_sequences, verify_row
 from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, share_prefixes
 from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
 from support import tiny_models
@@ -314,6 +314,24 @@ def test_the_probe_checks_the_cross_row_path_before_a_models_first_span():
     assert torch.isfinite(packed_logprobs(model, span[0])).all()  # probed again, and now agrees
 
 
+def test_the_probe_across_rows_checks_a_nested_prefix_too():
+    model = tiny_models.build("qwen3")
+    nested = probe_sequences(model.config)[1][2:4]  # the probe's nested prefix: two tokens below its outer one
+
+    def moved(module, args, out):  # stands for a model whose nested prefix alone is computed otherwise
+        return out + 0.1 if args[0].shape[1] == 2 and args[0][0].tolist() == nested else None
+
+    seqs = [list(range(3, 12)) + [20 + k, 30 + k] for k in range(2)]
+    masks = [[t >= 9 for t in range(len(s))] for s in seqs]
+    span = share_prefixes([pack_sequences(seqs, masks)], [(0, 8)])
+    hook = model.model.embed_tokens.register_forward_hook(moved)
+    try:
+        with pytest.raises(PackingRefused, match=r"self-check measured .* away .*; a prefix forwarded once across rows"):
+            packed_logprobs(model, span[0])
+    finally:
+        hook.remove()
+
+
 class PrefixForwards(L.Callback):
     """Tokens of every packed forward of the policy and the reference, in order."""
 
@@ -341,8 +359,8 @@ def test_a_grpo_step_across_rows_equals_its_sub_groups():
         assert float(trainer.callback_metrics["train/packing_error"]) < 1e-5  # verify_packing ran on the first row
     always, never = forwards["always"].calls, forwards["never"].calls
     # The reference (no backward) forwards each group's prefix once, then the rows: its probe (one row), its probe
-    # across rows (a prefix and two rows), 2 prefixes, the rows.
-    assert len(always["reference"]) == 1 + 3 + 2 + rows["always"] and rows["always"] < rows["never"]
+    # across rows (a prefix, a nested prefix and three rows), 2 prefixes, the rows.
+    assert len(always["reference"]) == 1 + 5 + 2 + rows["always"] and rows["always"] < rows["never"]
     assert len(never["reference"]) == 1 + rows["never"]  # no probe across rows where no row continues a prefix
     assert sum(always["reference"]) < sum(never["reference"]) and sum(always["policy"]) < sum(never["policy"])
     for name, grad in grads["never"].items():
@@ -356,6 +374,6 @@ def test_the_trainers_old_logprobs_forward_the_prefix_once_and_later_passes_reus
     _, trainer = fit(2, [forwards], batch_size=2, rewards=LENGTH_REWARD, num_generations=8, max_tokens_per_row=48, prefix_across_rows="always",
                      num_iterations=2, old_logprobs="trainer", verify_packing="never")  # fmt: skip
     rows, calls = int(trainer.callback_metrics["train/rows"]), forwards.calls["policy"]
-    # The probe (one row) and the probe across rows (a prefix, two rows); then 2 prefixes and the rows per pass: the
-    # first step's old log-probs and its loss, the second step's loss.
-    assert len(calls) == 1 + 3 + 3 * (2 + rows), calls
+    # The probe (one row) and the probe across rows (a prefix, a nested prefix, three rows); then 2 prefixes and the
+    # rows per pass: the first step's old log-probs and its loss, the second step's loss.
+    assert len(calls) == 1 + 5 + 3 * (2 + rows), calls

@@ -315,22 +315,25 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
 
 @torch.no_grad()
 def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype]:
-    """Max |cross-row - per-sequence| log-prob of ``probe_sequences``' four that share a prefix, run as a span: the
-    first two tokens forwarded once, two rows (one of them a nested fork) attending to their keys and values."""
-    seqs = [probe_sequences(model.config)[k] for k in (1, 2, 0, 3)]
-    masks = [[t >= 3 for t in range(len(s))] for s in seqs]  # no loss term reads the prefix's outputs
-    rows = share_prefixes([pack_sequences(seqs[:2], masks[:2]).to(device), pack_sequences(seqs[2:], masks[2:]).to(device)], [(0, 2), (0, 2)])
+    """Max |cross-row - per-sequence| log-prob of ``probe_sequences``' four that share a prefix, run as a nested span:
+    the first two tokens forwarded once; the two sequences that fork after them share two more, forwarded once as a
+    nested prefix, each in a row of its own; the other two in a third row. No loss term reads a prefix's outputs."""
+    seqs = probe_sequences(model.config)
+    # (sequences, prefix or chain of nested prefixes, first scored token): one past the innermost prefix
+    rows = [([seqs[1]], ((0, 2), (1, 4)), 5), ([seqs[2]], ((0, 2), (1, 4)), 5), ([seqs[0], seqs[3]], (0, 2), 3)]
+    masks = [[[t >= first for t in range(len(s))] for s in row_seqs] for row_seqs, _, first in rows]
+    packed_rows = share_prefixes([pack_sequences(row_seqs, m).to(device) for (row_seqs, _, _), m in zip(rows, masks)], [chain for _, chain, _ in rows])
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         error, dtype = 0.0, torch.float32
-        for row, row_seqs in zip(rows, (seqs[:2], seqs[2:])):
+        for row, (row_seqs, _, f) in zip(packed_rows, rows):
             packed = packed_logprobs(model, row, attention_backend=backend)
             for k, s in enumerate(row_seqs):
                 ids = torch.tensor(s, device=device)[None]
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
                 dtype = _compute_dtype(logits)
-                alone = torch.log_softmax(logits[2:-1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, ids[0, 3:, None]).squeeze(1)
+                alone = torch.log_softmax(logits[f - 1 : -1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, ids[0, f:, None]).squeeze(1)
                 error = max(error, float((packed[row.loss_seq == k] - alone).abs().max()))
     finally:
         for module, training in modes:
