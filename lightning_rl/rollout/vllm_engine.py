@@ -35,6 +35,7 @@ from lightning_rl.rollout.base import (
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of, write_groups
+from lightning_rl.rollout.vllm_server_process import vllm_on_cpu
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -172,7 +173,8 @@ class VLLMEngine(RolloutEngine):
                 enforce_eager=enforce_eager, distributed_executor_backend="uni",
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
                 **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": served_lora_rank(max_lora_rank), "max_loras": 1}),
-                **{"async_scheduling": False, **_check_scheduling(engine_kwargs)},
+                # Whole prefills on a CPU (`vllm_server_process.vllm_on_cpu`).
+                **{"async_scheduling": False, **({"enable_chunked_prefill": False} if vllm_on_cpu() else {}), **_check_scheduling(engine_kwargs)},
             )
         finally:
             if previous is None:

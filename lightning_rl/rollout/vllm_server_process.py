@@ -55,6 +55,22 @@ def request_json(url: str, body: Any | None, timeout: float, method: str = "POST
 WEIGHT_TRANSFER_BACKENDS = ("gloo", "nccl")
 
 
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on this machine's CPU (its CPU build, or no CUDA where vLLM is not importable).
+
+    There, a request's prompt must be prefilled in one engine step: vLLM (0.32) splits a prefill over steps when a
+    step holds more prompt tokens than ``max_num_batched_tokens``, and then rewinds the seeded request's random
+    generator by an offset, which a CPU generator does not have, so the engine dies. Seeded requests are what every
+    rollout sends. Without chunked prefill vLLM raises ``max_num_batched_tokens`` to the model's length itself."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        import torch
+
+        return not torch.cuda.is_available()
+    return current_platform.is_cpu()
+
+
 class VLLMServer:
     """A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes over `transport`.
 
@@ -104,6 +120,8 @@ class VLLMServer:
         # Importing this class in the server's workers registers the gloo backend there, and gives them the method
         # that reads their weights back for verification (over either transport).
         self.command += ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker"]
+        if vllm_on_cpu():
+            self.command.append("--no-enable-chunked-prefill")  # see `vllm_on_cpu`
         if max_model_len is not None:
             self.command += ["--max-model-len", str(max_model_len)]
         if kv_cache_memory_bytes is not None:

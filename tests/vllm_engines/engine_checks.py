@@ -12,6 +12,8 @@ from lightning_rl.rollout.base import Rollout
 # fp32 on both sides; the differences measured are about 1e-6.
 LOGPROB_ATOL = 1e-4
 KV_CACHE_BYTES = 64 * 2**20
+# More prompt tokens (12 x 240) than one vLLM step schedules on a CPU (2,048): a batch of long prompts, each seeded.
+LONG_PROMPTS = [[(7 * g + 3 * t) % 250 + 5 for t in range(240)] for g in range(12)]
 
 
 def load_trainer_model(path: Path) -> PreTrainedModel:

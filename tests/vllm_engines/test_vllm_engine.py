@@ -10,7 +10,7 @@ import torch
 
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
-from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
+from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, LONG_PROMPTS, load_trainer_model, max_logprob_error, perturb_
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
@@ -34,6 +34,13 @@ def test_generates_n_samples_per_prompt_with_logprobs_of_transformers(engine, ti
         assert all(len(r.completion_ids) == len(r.logprobs) > 0 for r in group)
     assert len({tuple(r.completion_ids) for r in batch.rollouts}) == 9  # independent samples
     assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
+
+
+def test_a_batch_of_more_prompt_tokens_than_one_step_takes_is_sampled(engine, tiny_model_dir):
+    # vLLM's CPU build dies when it splits a seeded request's prefill over steps; the engine prefills whole prompts.
+    batch = engine.generate(LONG_PROMPTS, n=2, sampling=SamplingConfig(max_new_tokens=3, seed=1))
+    assert [len(group) for group in batch.groups] == [2] * len(LONG_PROMPTS)
+    assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts[::6]) < LOGPROB_ATOL
 
 
 def test_logprobs_follow_the_sampling_temperature(engine, tiny_model_dir):

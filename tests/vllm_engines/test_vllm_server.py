@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 import torch
-from engine_checks import LOGPROB_ATOL, load_trainer_model, max_logprob_error, perturb_
+from engine_checks import LOGPROB_ATOL, LONG_PROMPTS, load_trainer_model, max_logprob_error, perturb_
 
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
@@ -26,6 +26,13 @@ def test_generates_over_http_with_logprobs_of_transformers(server_engine, tiny_m
     assert all(r.weight_version == 0 and r.group_id == g for g, group in enumerate(batch.groups) for r in group)
     assert len({tuple(r.completion_ids) for r in batch.rollouts}) == 6
     assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
+
+
+def test_a_batch_of_more_prompt_tokens_than_one_step_takes_is_sampled(server_engine, tiny_model_dir):
+    # vLLM's CPU build dies when it splits a seeded request's prefill over steps; the server prefills whole prompts.
+    batch = server_engine.generate(LONG_PROMPTS, n=2, sampling=SamplingConfig(max_new_tokens=3, seed=1))
+    assert [len(group) for group in batch.groups] == [2] * len(LONG_PROMPTS)
+    assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts[::6]) < LOGPROB_ATOL
 
 
 def test_pushed_weights_reach_the_server_and_it_reports_their_version(server_engine, tiny_model_dir):
