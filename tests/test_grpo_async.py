@@ -33,10 +33,11 @@ class _Engine:
         self.version = 0
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
-def test_producer_never_hands_out_a_batch_staler_than_the_bound(max_staleness):
+def test_producer_never_hands_out_a_batch_staler_than_the_bound(max_staleness, concurrent):
     engine = _Engine()
-    producer = RolloutProducer(lambda i: _batch(i, engine.version), lambda: engine.version, max_staleness)
+    producer = RolloutProducer(lambda i: _batch(i, engine.version), lambda: engine.version, max_staleness, concurrent=concurrent)
     producer.start()
     seen = []
     for step in range(8):
@@ -48,6 +49,33 @@ def test_producer_never_hands_out_a_batch_staler_than_the_bound(max_staleness):
     producer.close()
     assert max(seen) == max_staleness, seen
     assert min(seen) >= 0
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_a_concurrent_producer_starts_the_next_batch_beside_a_straggling_one(concurrent):
+    """Batch 1's last completion runs long. Once the step-0 weights are pushed, the bound allows batch 2: a concurrent
+    producer starts it at once, beside batch 1 (a sequential one waits for batch 1); batches still arrive in order."""
+    engine, started, release = _Engine(), {i: threading.Event() for i in range(4)}, threading.Event()
+
+    def produce(index: int) -> ScoredBatch:
+        version = engine.version
+        started[index].set()
+        if index == 1:
+            assert release.wait(60)
+        return _batch(index, version)
+
+    producer = RolloutProducer(produce, lambda: engine.version, max_staleness=1, concurrent=concurrent)
+    producer.start()
+    assert producer.take(0).index == 0 and started[1].wait(10)
+    engine.version = 1
+    producer.weights_updated()
+    assert started[2].wait(10 if concurrent else 0.5) is concurrent
+    assert not started[3].is_set()  # version 1 allows batches up to 2 (max_staleness=1)
+    release.set()
+    taken = [producer.take(i) for i in (1, 2)]
+    producer.close()
+    assert [b.index for b in taken] == [1, 2]
+    assert [i - b.weight_version for i, b in zip((1, 2), taken)] == [1, 1]  # within max_staleness=1
 
 
 def test_a_failure_on_the_producer_thread_reaches_the_trainer():

@@ -333,6 +333,7 @@ class GRPOModule(PolicyModule):
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
         self.producer = RolloutProducer(
             self.collector.collect, lambda: self.engine.weight_version, self.hparams.max_staleness, start_index=first,
+            concurrent=self.engine.concurrent_batches,
         )
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)

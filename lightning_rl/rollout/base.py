@@ -307,6 +307,9 @@ class RolloutEngine(abc.ABC):
     # run switches it on when it replays routes (`model.router_replay`).
     can_record_routes: bool = False
     record_routes: bool = False
+    # Whether `generate` may be called from several threads at once and serves the calls together (continuous
+    # batching): the asynchronous producer then starts the next batch while an earlier one's last completions run.
+    concurrent_batches: bool = False
 
     def __init__(self, seed: int = 0) -> None:
         self._seeds = RequestSeeds(seed)

@@ -6,6 +6,11 @@ only once the engine holds version `i - max_staleness` or newer, so no trained b
 staler than `max_staleness`; with `max_staleness=0` it waits for every update, which is exactly
 the synchronous loop run on another thread.
 
+With an engine that serves several callers at once (`RolloutEngine.concurrent_batches`), the producer starts a batch
+as soon as the bound allows, while earlier ones are still generating: their last long completions then share the
+engine with the next batch's first tokens, instead of the engine waiting on one straggler. Batches still arrive in
+order (`take`), each within the bound.
+
 A batch that is staler all the same (a resume whose recipe lowered `max_staleness` finds the checkpointed queue
 too old for the new bound) is never trained and never dropped: `take` has the producer sample the same prompt
 batch again under the current weights, and the batch counts it (`ScoredBatch.stale_regenerations`).
@@ -65,10 +70,11 @@ class ScoredBatch:
 
 
 class RolloutProducer:
-    """Runs `produce(index)` for index = start, start+1, ... on a background thread.
+    """Runs `produce(index)` for index = start, start+1, ... on background threads (one at a time unless
+    ``concurrent``: then each batch the bound allows starts at once, on a thread of its own).
 
     `current_version()` is the version of the weights generation uses now. `take(index)` blocks
-    until that batch is ready; a failure on the producer thread is raised there (a `UserError` as it is).
+    until that batch is ready; a failure on a producer thread is raised there (a `UserError` as it is).
     """
 
     def __init__(
@@ -77,20 +83,23 @@ class RolloutProducer:
         current_version: Callable[[], int],
         max_staleness: int,
         start_index: int = 0,
+        concurrent: bool = False,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self._produce = produce
         self._current_version = current_version
         self.max_staleness = max_staleness
+        self.concurrent = concurrent
         self._ready: dict[int, ScoredBatch] = {}
         self._next_index = start_index
         self._error: BaseException | None = None
         self._stopping = False
-        self._generating = False
+        self._generating: set[int] = set()  # the batches being produced now
         self._regenerate: int | None = None  # a batch index `take` found too stale: generated again, before the next
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
 
     def start(self) -> None:
         if self._thread is None:
@@ -99,34 +108,50 @@ class RolloutProducer:
 
     def _may_generate(self, index: int) -> bool:
         # The queue bound only matters if versions run ahead of the steps (they never should).
-        queue_has_room = len(self._ready) <= self.max_staleness
+        queue_has_room = len(self._ready) + len(self._generating) <= self.max_staleness
         return queue_has_room and self._current_version() >= index - self.max_staleness
 
+    def _may_start(self) -> bool:
+        return (self.concurrent or not self._generating) and self._error is None and (
+            self._regenerate is not None or self._may_generate(self._next_index))
+
     def _run(self) -> None:
+        """Starts each batch once the bound allows it: on this thread, or with ``concurrent`` on a thread of its own."""
         discard_on_stop()  # a stopped run keeps the finished batches only (`state_dict`)
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopping or self._error is not None or self._may_start())
+                if self._stopping or self._error is not None:
+                    return
+                again = self._regenerate is not None
+                index = self._regenerate if again else self._next_index
+                self._regenerate = None
+                if not again:
+                    self._next_index = index + 1
+                self._generating.add(index)
+                if self.concurrent:
+                    self._workers = [w for w in self._workers if w.is_alive()]
+                    worker = threading.Thread(target=self._produce_one, args=(index,), name=f"rollout-batch-{index}", daemon=True)
+                    self._workers.append(worker)
+                    worker.start()
+                    continue
+            self._produce_one(index)
+
+    def _produce_one(self, index: int) -> None:
+        discard_on_stop()
         try:
-            while True:
-                with self._changed:
-                    self._changed.wait_for(
-                        lambda: self._stopping or self._regenerate is not None or self._may_generate(self._next_index)
-                    )
-                    if self._stopping:
-                        return
-                    again = self._regenerate is not None
-                    index = self._regenerate if again else self._next_index
-                    self._regenerate = None
-                    self._generating = True
-                batch = self._produce(index)
-                with self._changed:
-                    self._ready[index] = batch
-                    if not again:
-                        self._next_index = index + 1
-                    self._generating = False
-                    self._changed.notify_all()
+            batch = self._produce(index)
         except BaseException as error:  # handed to the trainer thread by `take`
             with self._changed:
-                self._error = error
+                self._generating.discard(index)
+                if self._error is None:
+                    self._error = error
                 self._changed.notify_all()
+            return
+        with self._changed:
+            self._ready[index] = batch
+            self._generating.discard(index)
+            self._changed.notify_all()
 
     def weights_updated(self) -> None:
         """Call after every weight push: it may unblock the next batch."""
@@ -211,3 +236,6 @@ class RolloutProducer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for worker in self._workers:
+            worker.join()
+        self._workers = []

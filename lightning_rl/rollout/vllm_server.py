@@ -156,6 +156,8 @@ class VLLMServerEngine(RolloutEngine):
             LoRA serving (a server given by ``url`` serves one if it was started with ``--enable-lora``).
     """
 
+    concurrent_batches = True  # requests from several threads are batched together by the server
+
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
         if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
