@@ -10,7 +10,11 @@ against one `vllm serve` process (the CPU build) started here:
 - ``async``: the next batch is generated on the rollout thread while this one trains (``max_staleness`` ahead), and a
   weight push lets the completions in flight finish on the old weights first (engine ``pause: wait``);
 - ``async_keep``: as ``async``, but a push freezes the completions in flight and they continue under the new weights
-  (``pause: keep``: generation across updates, several weight versions in one completion).
+  (``pause: keep``: generation across updates, several weight versions in one completion), and each batch starts as
+  soon as the bound allows, beside the straggling completions of the one before (`RolloutEngine.concurrent_batches`).
+
+On a CPU the server prefills each prompt in one step (`vllm_server_process.vllm_on_cpu`), which also made every mode
+about three times faster than with vLLM's default chunked prefill (sync: 379 tokens/s before, about 1,050 after).
 
 The trainer waits for each push (``push_in_background: auto`` is off on a CPU); ``async_keep_background`` is
 ``async_keep`` with the push sent from a thread of its own while the trainer trains its next step (``always``).
