@@ -86,6 +86,16 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     return transport
 
 
+def split_prefill_refusal(url: str, config: Mapping[str, Any]) -> str | None:
+    """Why a server given by `url` (its ``/server_info`` ``vllm_config``) cannot serve rollouts, or None: on a CPU with
+    chunked prefill on, vLLM dies on the first step that splits a seeded request's prefill (`vllm_on_cpu`)."""
+    on_cpu = (config.get("device_config") or {}).get("device") == "cpu"
+    if on_cpu and (config.get("scheduler_config") or {}).get("enable_chunked_prefill"):
+        return (f"the vLLM server at {url} runs on a CPU with chunked prefill on: vLLM's CPU build dies when it splits a "
+                "seeded request's prompt over steps (every rollout request is seeded); start it with --no-enable-chunked-prefill")
+    return None
+
+
 def token_versions(spans: Sequence[Mapping[str, Any]], length: int, unlabelled: int) -> list[int]:
     """The weight version of each of a completion's `length` tokens, from vLLM's spans (``version``, ``start``,
     ``end``: the label `push_weights` commits); a token no numeric label covers was sampled at `unlabelled`."""
@@ -239,8 +249,11 @@ class VLLMServerEngine(RolloutEngine):
         return request_json(f"{self.url}/{route}", body, timeout or self.request_timeout)
 
     def _backend_of(self, url: str) -> str:
-        """The weight-transfer backend the server at `url` was started with."""
+        """The weight-transfer backend the server at `url` was started with; a server that would die on a rollout
+        request is refused (`split_prefill_refusal`)."""
         info = request_json(f"{url}/server_info?config_format=json", None, self.request_timeout, "GET")
+        if (refusal := split_prefill_refusal(url, info.get("vllm_config") or {})) is not None:
+            raise VLLMServerError(refusal)
         backend = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
         if backend not in WEIGHT_TRANSFER_BACKENDS:
             raise VLLMServerError(f"{url} runs weight-transfer backend {backend!r}, not one of "
