@@ -75,6 +75,7 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
         assert flag in server
     # GPU nodes: vLLM's own NCCL backend, which the trainer's engine on transport "auto" then follows.
     assert '"backend": "nccl"' in server and "WeightSyncWorker" in server and "log_path" not in server
+    assert "--no-enable-chunked-prefill" not in server  # the server node's devices decide, not the rendering machine's
     assert "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=16 --ntasks-per-node=8" in script
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
@@ -114,6 +115,7 @@ def test_a_cpu_grpo_server_runs_the_gloo_backend_and_the_engine_is_checked_by_th
     view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
     server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)
     assert '"backend": "gloo"' in server and "WeightSyncWorker" in server
+    assert "--no-enable-chunked-prefill" in server  # vLLM's CPU build dies on a split prefill (vllm_on_cpu)
     # The engine's options are typed by its signature: the launcher's parse (run's parser) refuses a bad transport.
     with pytest.raises(RecipeError, match="model.engine.transport must be one of auto, gloo, nccl, got mpi"):
         RecipeView.parse(view.path, ["--model.engine.init_args.transport=mpi"])

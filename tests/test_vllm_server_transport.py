@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, resolve_transport
-from lightning_rl.rollout.vllm_server_process import VLLMServer
+from lightning_rl.rollout.vllm_server_process import VLLMServer, vllm_on_cpu
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -55,8 +55,8 @@ def test_a_running_servers_backend_decides_auto_and_must_match_a_choice():
             resolve_transport("auto", server_backend="nccl")
 
 
-def server_command(transport: str) -> list[str]:
-    return VLLMServer("some/model", port=8123, python="python", seed=3, transport=transport).command
+def server_command(transport: str, whole_prefills: bool = False) -> list[str]:
+    return VLLMServer("some/model", port=8123, python="python", seed=3, transport=transport, whole_prefills=whole_prefills).command
 
 
 COMMON = [
@@ -74,6 +74,14 @@ EXTENSION = ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.W
 
 def test_a_gloo_server_loads_our_backend_through_the_worker_extension():
     assert server_command("gloo") == [*COMMON, "--weight-transfer-config", '{"backend": "gloo"}', *EXTENSION]
+
+
+def test_a_cpu_server_prefills_each_prompt_in_one_step():
+    # vLLM's CPU build dies when it splits a seeded request's prefill; by default the machine running vLLM decides.
+    assert server_command("gloo", whole_prefills=True) == [*COMMON, "--weight-transfer-config", '{"backend": "gloo"}', *EXTENSION,
+                                                          "--no-enable-chunked-prefill"]  # fmt: skip
+    default = VLLMServer("some/model", python="python", transport="gloo").command
+    assert ("--no-enable-chunked-prefill" in default) is vllm_on_cpu()
 
 
 def test_an_nccl_server_runs_vllms_own_backend_with_our_extension_for_verification():

@@ -99,7 +99,7 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
             f"VLLMServerEngine (class_path), got {spec.engine_class.__name__}"
         )
     server_options = dict(spec.init_args.get("server_options") or {})
-    for local_only in ("env", "log_path", "port", "host"):
+    for local_only in ("env", "log_path", "port", "host", "whole_prefills"):
         server_options.pop(local_only, None)
     server_options.setdefault("python", "python")
     extra = list(server_options.pop("extra_args", ())) + ["--tensor-parallel-size", str(layout.devices_per_node)]
@@ -109,7 +109,8 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
         transport = "nccl" if layout.uses_gpus else "gloo"
     try:
         server = VLLMServer(
-            recipe.model_id, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra, **server_options
+            recipe.model_id, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra,
+            whole_prefills=not layout.uses_gpus, **server_options,  # decided by the server node's devices, not this one's
         )
     except (TypeError, ValueError) as err:
         raise LaunchError(f"{recipe.path}: `model.engine.init_args.server_options`: {err}") from None
