@@ -90,6 +90,19 @@ def test_a_failure_on_the_producer_thread_reaches_the_trainer():
     producer.close()
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_a_failure_reading_the_engines_version_reaches_the_trainer(concurrent):
+    def version() -> int:
+        raise ConnectionError("engine went away")
+
+    producer = RolloutProducer(lambda i: _batch(i, 0), version, max_staleness=1, concurrent=concurrent)
+    producer.start()
+    with pytest.raises(RuntimeError, match="rollout generation failed") as error:
+        producer.take(0)
+    assert isinstance(error.value.__cause__, ConnectionError)
+    producer.close()
+
+
 def test_queue_state_round_trips_and_resumes_after_the_queued_batches():
     producer = RolloutProducer(lambda i: _batch(i, i), lambda: 10, max_staleness=1)
     producer.start()

@@ -118,24 +118,29 @@ class RolloutProducer:
     def _run(self) -> None:
         """Starts each batch once the bound allows it: on this thread, or with ``concurrent`` on a thread of its own."""
         discard_on_stop()  # a stopped run keeps the finished batches only (`state_dict`)
-        while True:
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stopping or self._error is not None or self._may_start())
+                    if self._stopping or self._error is not None:
+                        return
+                    again = self._regenerate is not None
+                    index = self._regenerate if again else self._next_index
+                    self._regenerate = None
+                    if not again:
+                        self._next_index = index + 1
+                    self._generating.add(index)
+                    if self.concurrent:
+                        self._workers = [w for w in self._workers if w.is_alive()]
+                        worker = threading.Thread(target=self._produce_one, args=(index,), name=f"rollout-batch-{index}", daemon=True)
+                        self._workers.append(worker)
+                        worker.start()
+                        continue
+                self._produce_one(index)
+        except BaseException as error:  # reading the engine's version failed: handed to the trainer thread by `take`
             with self._changed:
-                self._changed.wait_for(lambda: self._stopping or self._error is not None or self._may_start())
-                if self._stopping or self._error is not None:
-                    return
-                again = self._regenerate is not None
-                index = self._regenerate if again else self._next_index
-                self._regenerate = None
-                if not again:
-                    self._next_index = index + 1
-                self._generating.add(index)
-                if self.concurrent:
-                    self._workers = [w for w in self._workers if w.is_alive()]
-                    worker = threading.Thread(target=self._produce_one, args=(index,), name=f"rollout-batch-{index}", daemon=True)
-                    self._workers.append(worker)
-                    worker.start()
-                    continue
-            self._produce_one(index)
+                self._error = self._error or error
+                self._changed.notify_all()
 
     def _produce_one(self, index: int) -> None:
         discard_on_stop()
