@@ -31,6 +31,7 @@ smallest over its seeds (within its spread, or better), and our mean wall time i
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import logging
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 import yaml
 from datasets import Dataset
+from lightning.pytorch import Callback
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 from trl import GRPOConfig, GRPOTrainer
@@ -56,7 +58,9 @@ from grpo_learns import GRPO_FROM_SFT_RECIPE, SFT_RECIPE, run_sft  # noqa: E402
 
 from lightning_rl.cli import main as lightning_rl_main  # noqa: E402
 from lightning_rl.modules.evaluation import exact_match, heldout_cases  # noqa: E402
+from lightning_rl.recipe import build  # noqa: E402
 from lightning_rl.rewards.builtin import format_match, math_answer  # noqa: E402
+from lightning_rl.rollout.buffer import ScoredBatch  # noqa: E402
 from lightning_rl.toy.model import tiny_model_path  # noqa: E402
 from lightning_rl.toy.task import HELDOUT_FILE, PROBLEMS_FILE, read_jsonl  # noqa: E402
 
@@ -131,9 +135,10 @@ def toy_prompts() -> Dataset:
     return Dataset.from_list([{"prompt": row["messages"][:-1], "answer": row["answer"]} for row in read_jsonl(PROBLEMS_FILE)])
 
 
-def train_trl(settings: dict, model_path: str, seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
+def trl_config(settings: dict, out: Path, seed: int, steps: int, **overrides: object) -> GRPOConfig:
+    """TRL's GRPOConfig for the recipe's settings (``overrides``: any field set otherwise)."""
     G, loss = settings["G"], settings["loss"]
-    config = GRPOConfig(
+    fields = dict(
         output_dir=str(out), seed=seed, max_steps=steps, learning_rate=settings["learning_rate"], lr_scheduler_type="constant",
         warmup_steps=settings["warmup_steps"], weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM,
         per_device_train_batch_size=settings["prompts_per_step"] * G, gradient_accumulation_steps=1, steps_per_generation=1,
@@ -142,13 +147,73 @@ def train_trl(settings: dict, model_path: str, seed: int, steps: int, out: Path)
         scale_rewards="group", mask_truncated_completions=False, reward_weights=[weight for _, weight, _ in REWARDS], use_cpu=True,
         bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
+    return GRPOConfig(**{**fields, **overrides})
+
+
+def trl_trainer(config: GRPOConfig, model_path: str, dataset: Dataset, **options: object) -> GRPOTrainer:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[trl_math_answer, trl_format], args=config, train_dataset=toy_prompts(),
-                          processing_class=AutoTokenizer.from_pretrained(model_path))  # fmt: skip
+    return GRPOTrainer(model=model, reward_funcs=[trl_math_answer, trl_format], args=config, train_dataset=dataset,
+                       processing_class=AutoTokenizer.from_pretrained(model_path), **options)  # fmt: skip
+
+
+def logged_steps(trainer: GRPOTrainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "reward" in entry]
+
+
+def train_trl(settings: dict, model_path: str, seed: int, steps: int, out: Path) -> tuple[list[float], Path]:
+    trainer = trl_trainer(trl_config(settings, out, seed, steps), model_path, toy_prompts())
     trainer.train()
     trainer.save_model(str(out / "hf"))
-    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    logged = logged_steps(trainer)
     return [float(entry["reward"]) for entry in logged], out / "hf", {key: [float(entry[key]) if key in entry else None for entry in logged] for key in STEP_METRICS}
+
+
+# -- replay: our samples through TRL's trainer ----------------------------------------------------------------------
+
+
+class KeepBatches(Callback):
+    """Each step's scored batch as the step trained it (prompt records, completions, rewards), in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[ScoredBatch] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batches.append(copy.deepcopy(pl_module.current_batch))
+
+
+def replayed_through_trl(recipe: Path, overrides: list[str], settings: dict, start: str, seed: int, steps: int, out: Path) -> dict:
+    """Our run's steps, then TRL's ``GRPOTrainer`` on exactly those samples: the same prompts in the same order (its
+    sampler unshuffled) and our completions handed in through its ``rollout_func``. TRL scores them with its reward
+    functions and computes its own advantages, reference log-probs, loss, clipping and AdamW step. Returns how far
+    apart the two runs' weight updates end (relative, per tensor) and each step's reward and gradient norm on both."""
+    cli = build(str(recipe), [f"--output_dir={out / 'ours'}", f"--seed={seed}", f"--trainer.max_steps={steps}", "--checkpoint_every_n_steps=100000",
+                              "--trainer.enable_progress_bar=false", "--overwrite", *overrides])  # fmt: skip
+    kept = KeepBatches()
+    cli.trainer.callbacks.append(kept)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    ours_rows = [row for row in csv.DictReader(next((out / "ours").glob("csv/version_*/metrics.csv")).open()) if row["train/reward"]]
+    queue = iter(kept.batches)
+
+    def rollout_func(prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
+        scored = next(queue)
+        if prompts != [record["prompt"] for record in scored.records for _ in range(settings["G"])]:
+            raise SystemExit(f"replay: TRL's prompts at step {scored.index} are not the ones our step {scored.index} sampled for")
+        return {"prompt_ids": [r.prompt_ids for r in scored.rollouts], "completion_ids": [r.completion_ids for r in scored.rollouts],
+                "logprobs": [r.logprobs for r in scored.rollouts]}  # fmt: skip
+
+    dataset = Dataset.from_list([{"prompt": record["prompt"], "answer": record["answer"]} for scored in kept.batches for record in scored.records])
+    trainer = trl_trainer(trl_config(settings, out / "trl", seed, steps, shuffle_dataset=False), start, dataset, rollout_func=rollout_func)
+    trainer.train()
+    initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).state_dict()
+    ours, theirs = cli.model.policy.state_dict(), trainer.model.state_dict()
+    differences = {name: float((ours[name] - theirs[name]).norm() / (theirs[name] - initial[name]).norm().clamp_min(1e-30)) for name in initial}
+    logged = logged_steps(trainer)
+    return {
+        "steps": steps, "seed": seed, "worst_relative_update_difference": max(differences.values()),
+        "worst_tensor": max(differences, key=differences.get),
+        "ours": {"reward": [float(row["train/reward"]) for row in ours_rows], "grad_norm": [float(row["train/grad_norm"]) for row in ours_rows]},
+        "trl": {"reward": [float(entry["reward"]) for entry in logged], "grad_norm": [float(entry["grad_norm"]) for entry in logged]},
+    }  # fmt: skip
 
 
 def timed(train, seed: int, steps: int, out: Path) -> tuple[list[float], Path, dict, dict]:
@@ -212,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     parser.add_argument("--out", type=Path, default=None, help="the JSON (default: grpo_vs_trl_learning[_from_sft].json); the PNG goes beside it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
+    parser.add_argument("--replay", action="store_true", help="no learning comparison: our steps replayed through TRL's trainer on the same samples")
     args = parser.parse_args(argv)
     recipe = REPO / GRPO_FROM_SFT_RECIPE if args.from_sft else RECIPE
     settings = recipe_settings(recipe)
     steps = args.steps or settings["steps"]
     out = args.out or (RESULTS_FROM_SFT if args.from_sft else RESULTS)
+    if args.replay and args.out is None:
+        out = out.with_name(out.name.replace("_learning", "_replay"))
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -237,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             ours_overrides = [f"--model.model_name_or_path={start}", "--model.eval_generations=0", "--trainer.log_every_n_steps=1"]
         else:
             start, start_name, ours_overrides = tiny_model_path(), "embedded tiny model", []
+        if args.replay:
+            report["replay"] = [replayed_through_trl(recipe, ours_overrides, settings, start, seed, steps, Path(tmp) / f"replay-{seed}")
+                                for seed in range(args.seeds)]  # fmt: skip
+            report["worst_relative_update_difference"] = max(run["worst_relative_update_difference"] for run in report["replay"])
+            out.write_text(json.dumps(report, indent=1) + "\n")
+            print(f"worst relative difference of the weight updates over {args.seeds} seed(s) of {steps} steps: "
+                  f"{report['worst_relative_update_difference']:.2e}; {out}")  # fmt: skip
+            return 0
         before = heldout_exact_match(Path(start))
         report["heldout_exact_match_start"] = before
         trainers = {"ours": partial(train_ours, recipe, ours_overrides), "trl": partial(train_trl, settings, start)}
