@@ -4,6 +4,10 @@
         -> benchmarks/results/grpo_vs_trl_learning.json and .png (the plot needs matplotlib)
     python benchmarks/grpo_vs_trl_learning.py --from-sft [--steps 400] [--seeds 3] [--threads 1]
         -> benchmarks/results/grpo_vs_trl_learning_from_sft.json and .png
+    python benchmarks/grpo_vs_trl_learning.py [--from-sft] --extend --seeds N
+        -> N more seeds added to that JSON (it must hold the same settings and versions); summaries, verdict, plot redone
+    python benchmarks/grpo_vs_trl_learning.py [--from-sft] --replay [--steps 150] [--seeds 2]
+        -> benchmarks/results/grpo_vs_trl_replay[_from_sft].json: our run's samples replayed through TRL's trainer
 
 Both sides start from the embedded ``tiny`` model and train on the embedded toy prompts (``problems.jsonl``: chat
 messages without the reply, the ``answer`` column the reward's reference) with ``recipes/tiny/grpo.yaml``'s settings:
@@ -23,6 +27,12 @@ run once as ``benchmarks/grpo_learns.py`` runs it) and uses ``recipes/tiny/grpo_
 demo's: 16 prompts a step, AdamW at 3e-4, beta 0.3 (k3 KL to the SFT model), 20-step reward windows, the rest as
 above. Ours logs every step and skips the recipe's own before/after held-out decoding (TRL's side has none; the one
 evaluator here scores both exports); the seeds vary GRPO only.
+
+``--replay`` asks whether the two trainers differ anywhere but in what they sample: our run goes first, keeping each
+step's batch; TRL's ``GRPOTrainer`` then trains on exactly those prompts (its sampler unshuffled) and completions
+(handed in through its ``rollout_func``), and scores them, computes advantages, reference log-probs, the loss, clipping
+and its AdamW step itself. It writes, per seed, the largest relative difference of the two runs' weight updates over
+every tensor, and each step's reward and gradient norm on both sides.
 
 Verdict ``ours_within_or_above_trl``: our mean last-window reward and mean held-out gain are each at least TRL's
 smallest over its seeds (within its spread, or better), and our mean wall time is below TRL's.
@@ -185,7 +195,8 @@ def replayed_through_trl(recipe: Path, overrides: list[str], settings: dict, sta
     """Our run's steps, then TRL's ``GRPOTrainer`` on exactly those samples: the same prompts in the same order (its
     sampler unshuffled) and our completions handed in through its ``rollout_func``. TRL scores them with its reward
     functions and computes its own advantages, reference log-probs, loss, clipping and AdamW step. Returns how far
-    apart the two runs' weight updates end (relative, per tensor) and each step's reward and gradient norm on both."""
+    apart the two runs' weight updates end (relative: over all weights, and in the worst tensor) and each step's reward
+    and gradient norm on both."""
     cli = build(str(recipe), [f"--output_dir={out / 'ours'}", f"--seed={seed}", f"--trainer.max_steps={steps}", "--checkpoint_every_n_steps=100000",
                               "--trainer.enable_progress_bar=false", "--overwrite", *overrides])  # fmt: skip
     kept = KeepBatches()
@@ -207,9 +218,11 @@ def replayed_through_trl(recipe: Path, overrides: list[str], settings: dict, sta
     initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).state_dict()
     ours, theirs = cli.model.policy.state_dict(), trainer.model.state_dict()
     differences = {name: float((ours[name] - theirs[name]).norm() / (theirs[name] - initial[name]).norm().clamp_min(1e-30)) for name in initial}
+    apart = sum(float((ours[name] - theirs[name]).norm() ** 2) for name in initial) ** 0.5
+    moved = sum(float((theirs[name] - initial[name]).norm() ** 2) for name in initial) ** 0.5
     logged = logged_steps(trainer)
     return {
-        "steps": steps, "seed": seed, "worst_relative_update_difference": max(differences.values()),
+        "steps": steps, "seed": seed, "relative_update_difference": apart / max(moved, 1e-30), "worst_relative_update_difference": max(differences.values()),
         "worst_tensor": max(differences, key=differences.get),
         "ours": {"reward": [float(row["train/reward"]) for row in ours_rows], "grad_norm": [float(row["train/grad_norm"]) for row in ours_rows]},
         "trl": {"reward": [float(entry["reward"]) for entry in logged], "grad_norm": [float(entry["grad_norm"]) for entry in logged]},
@@ -267,6 +280,18 @@ def plot(report: dict, path: Path, start: str) -> str:
     return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else path.name  # no machine paths in the JSON
 
 
+def extended(out: Path, report: dict) -> dict:
+    """The report at ``out``, to add seeds to: written with the same recipe, steps, window, threads and versions."""
+    if not out.is_file():
+        raise SystemExit(f"--extend: {out} does not exist; run without --extend first")
+    earlier = json.loads(out.read_text())
+    differs = [key for key in ("recipe", "steps", "window", "threads", "versions") if earlier.get(key) != report[key]]
+    if differs:
+        raise SystemExit(f"--extend: {out} was written with other {', '.join(differs)} ({', '.join(f'{k}={earlier.get(k)}' for k in differs)})")
+    earlier["extended_by"] = [*earlier.get("extended_by", []), {key: report[key] for key in ("command", "machine_note", "date_utc", "load_average_1_5_15")}]
+    return earlier
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from-sft", action="store_true", help="both sides start from one SFT'd model, with grpo_from_sft.yaml's settings")
@@ -277,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     parser.add_argument("--out", type=Path, default=None, help="the JSON (default: grpo_vs_trl_learning[_from_sft].json); the PNG goes beside it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
+    parser.add_argument("--extend", action="store_true", help="add --seeds more seeds to the JSON already written with the same settings and versions")
     parser.add_argument("--replay", action="store_true", help="no learning comparison: our steps replayed through TRL's trainer on the same samples")
     args = parser.parse_args(argv)
     recipe = REPO / GRPO_FROM_SFT_RECIPE if args.from_sft else RECIPE
@@ -291,16 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     window = min(args.window or settings["window"], steps)
-    report: dict = {"command": " ".join(["python benchmarks/grpo_vs_trl_learning.py", *(sys.argv[1:] if argv is None else argv)]),
-                    "recipe": str(recipe.relative_to(REPO)), "steps": steps, "window": window, "threads": args.threads,
+    command = " ".join(["python benchmarks/grpo_vs_trl_learning.py", *(sys.argv[1:] if argv is None else argv)])
+    report: dict = {"command": command, "recipe": str(recipe.relative_to(REPO)), "steps": steps, "window": window, "threads": args.threads,
                     "machine_note": args.note, **environment()}  # fmt: skip
+    if args.extend:
+        report = extended(out, report)
+    first_seed = len(report["ours"]["runs"]) if args.extend else 0
     with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
         if args.from_sft:
             sft_load, sft = os.getloadavg()[0], Path(tmp) / "sft"
             sft_wall, sft_cpu = run_sft(0, sft, *([] if args.sft_steps is None else [f"--trainer.max_steps={args.sft_steps}"]))
             sft_steps = args.sft_steps or yaml.safe_load((REPO / SFT_RECIPE).read_text())["trainer"]["max_steps"]
-            report["sft"] = {"recipe": SFT_RECIPE, "seed": 0, "max_steps": sft_steps, "wall_seconds": round(sft_wall, 1),
-                             "cpu_seconds": round(sft_cpu, 1), "load_average_1min_before": round(sft_load, 2)}  # fmt: skip
+            report["sft_of_extension" if args.extend else "sft"] = {
+                "recipe": SFT_RECIPE, "seed": 0, "max_steps": sft_steps, "wall_seconds": round(sft_wall, 1), "cpu_seconds": round(sft_cpu, 1),
+                "load_average_1min_before": round(sft_load, 2)}  # fmt: skip
             start, start_name = str(sft / "hf"), "SFT'd tiny model"
             ours_overrides = [f"--model.model_name_or_path={start}", "--model.eval_generations=0", "--trainer.log_every_n_steps=1"]
         else:
@@ -314,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{report['worst_relative_update_difference']:.2e}; {out}")  # fmt: skip
             return 0
         before = heldout_exact_match(Path(start))
+        if args.extend and before != report["heldout_exact_match_start"]:
+            raise SystemExit(f"--extend: the start model scores {before} held out, not {report['heldout_exact_match_start']} as in {out}: another start")
         report["heldout_exact_match_start"] = before
         trainers = {"ours": partial(train_ours, recipe, ours_overrides), "trl": partial(train_trl, settings, start)}
         for side in trainers:
-            report[side] = {"runs": []}
-        for seed in range(args.seeds):
+            report.setdefault(side, {"runs": []})
+        for seed in range(first_seed, first_seed + args.seeds):
             for side, train in trainers.items():  # interleaved, so a change in machine load falls on both
                 rewards, export, cost, per_step = timed(train, seed, steps, Path(tmp) / f"{side}-{seed}")
                 after = heldout_exact_match(export)
