@@ -4,6 +4,8 @@
         -> benchmarks/results/grpo_vs_trl_learning.json and .png (the plot needs matplotlib)
     python benchmarks/grpo_vs_trl_learning.py --from-sft [--steps 400] [--seeds 3] [--threads 1]
         -> benchmarks/results/grpo_vs_trl_learning_from_sft.json and .png
+    python benchmarks/grpo_vs_trl_learning.py [--from-sft] --report-only
+        -> that JSON's summaries, verdict, differences (with their permutation p-values) and plot redone from its runs
     python benchmarks/grpo_vs_trl_learning.py [--from-sft] --extend --seeds N
         -> N more seeds added to that JSON (it must hold the same settings and versions); summaries, verdict, plot redone
     python benchmarks/grpo_vs_trl_learning.py [--from-sft] --replay [--steps 150] [--seeds 2]
@@ -43,9 +45,12 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import itertools
 import json
 import logging
+import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -250,6 +255,33 @@ def summarise(runs: list[dict]) -> dict:
     return {key: spread(key) for key in ("reward_first_window_mean", "reward_last_window_mean", "gain_points", "wall_seconds", "cpu_seconds")}
 
 
+def permutation_p(ours: list[float], theirs: list[float], samples: int = 200_000) -> float:
+    """Two-sided permutation test of the difference of the means: the share of the ways to split the pooled runs into
+    two groups of these sizes whose means differ at least as much (every split when they are few, else ``samples``
+    random ones from a fixed seed). Small: a difference that seed-to-seed noise rarely gives."""
+    pooled, k = [*ours, *theirs], len(ours)
+    observed = abs(statistics.mean(ours) - statistics.mean(theirs)) - 1e-12
+    total = sum(pooled)
+
+    def apart(chosen: tuple[int, ...]) -> float:
+        first = sum(pooled[i] for i in chosen)
+        return abs(first / k - (total - first) / (len(pooled) - k))
+
+    if math.comb(len(pooled), k) <= samples:
+        splits = list(itertools.combinations(range(len(pooled)), k))
+    else:
+        rng = random.Random(0)
+        splits = [tuple(rng.sample(range(len(pooled)), k)) for _ in range(samples)]
+    return sum(apart(chosen) >= observed for chosen in splits) / len(splits)
+
+
+def differences(report: dict) -> dict:
+    """Ours minus TRL on the mean, and how often noise alone would part the two sets of seeds that much."""
+    return {key: {"ours_minus_trl": statistics.mean(run[key] for run in report["ours"]["runs"]) - statistics.mean(run[key] for run in report["trl"]["runs"]),
+                  "permutation_p": permutation_p([run[key] for run in report["ours"]["runs"]], [run[key] for run in report["trl"]["runs"]])}
+            for key in ("reward_last_window_mean", "gain_points")}  # fmt: skip
+
+
 def verdict(ours: dict, theirs: dict) -> bool:
     return (ours["reward_last_window_mean"]["mean"] >= theirs["reward_last_window_mean"]["min"]
             and ours["gain_points"]["mean"] >= theirs["gain_points"]["min"]
@@ -303,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the JSON (default: grpo_vs_trl_learning[_from_sft].json); the PNG goes beside it")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, written as machine_note")
     parser.add_argument("--extend", action="store_true", help="add --seeds more seeds to the JSON already written with the same settings and versions")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: redo the summaries, verdict, differences and plot of the JSON")
     parser.add_argument("--replay", action="store_true", help="no learning comparison: our steps replayed through TRL's trainer on the same samples")
     args = parser.parse_args(argv)
     recipe = REPO / GRPO_FROM_SFT_RECIPE if args.from_sft else RECIPE
@@ -311,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (RESULTS_FROM_SFT if args.from_sft else RESULTS)
     if args.replay and args.out is None:
         out = out.with_name(out.name.replace("_learning", "_replay"))
+    if args.report_only:
+        return finish(json.loads(out.read_text()), out)
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -331,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             report["sft_of_extension" if args.extend else "sft"] = {
                 "recipe": SFT_RECIPE, "seed": 0, "max_steps": sft_steps, "wall_seconds": round(sft_wall, 1), "cpu_seconds": round(sft_cpu, 1),
                 "load_average_1min_before": round(sft_load, 2)}  # fmt: skip
-            start, start_name = str(sft / "hf"), "SFT'd tiny model"
+            start = str(sft / "hf")
             ours_overrides = [f"--model.model_name_or_path={start}", "--model.eval_generations=0", "--trainer.log_every_n_steps=1"]
         else:
-            start, start_name, ours_overrides = tiny_model_path(), "embedded tiny model", []
+            start, ours_overrides = tiny_model_path(), []
         if args.replay:
             report["replay"] = [replayed_through_trl(recipe, ours_overrides, settings, start, seed, steps, Path(tmp) / f"replay-{seed}")
                                 for seed in range(args.seeds)]  # fmt: skip
@@ -358,14 +393,20 @@ def main(argv: list[str] | None = None) -> int:
                        "heldout_exact_match_after": after, "gain_points": round(100 * (after - before), 1), **cost, **per_step}  # fmt: skip
                 report[side]["runs"].append(run)
                 print(side, json.dumps({k: v for k, v in run.items() if k not in ("rewards", *STEP_METRICS)}), flush=True)
-    for side in trainers:
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return finish(report, out)
+
+
+def finish(report: dict, out: Path) -> int:
+    """Summaries, verdict, differences and plot of the runs in ``report``, written to ``out`` and printed."""
+    for side in ("ours", "trl"):
         report[side]["summary"] = summarise(report[side]["runs"])
     report["ours_within_or_above_trl"] = verdict(report["ours"]["summary"], report["trl"]["summary"])
-    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    report["differences"] = differences(report)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report["plot"] = plot(report, out.with_suffix(".png"), start_name)
+    report["plot"] = plot(report, out.with_suffix(".png"), "SFT'd tiny model" if "sft" in report else "embedded tiny model")
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({side: report[side]["summary"] for side in trainers}, indent=1))
+    print(json.dumps({side: report[side]["summary"] for side in ("ours", "trl")} | {"differences": report["differences"]}, indent=1))
     print(f"ours_within_or_above_trl: {report['ours_within_or_above_trl']}; {out}; {report['plot']}")
     return 0
 
