@@ -4,32 +4,18 @@ TRL is a benchmark/test-only reference."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl", reason="TRL is the reference; install the dev extra")
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def compare_trl():
-    # pytest puts tests/ on sys.path, where tests/vllm would pass for the vllm package when TRL probes for it.
-    here = Path(__file__).resolve().parent
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    try:
-        spec = importlib.util.spec_from_file_location("compare_trl", BENCHMARKS / "compare_trl.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["compare_trl"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+    from support.benchmarks import load_benchmark
+
+    return load_benchmark("compare_trl")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ normalisation, clipping, the schedule. TRL is a benchmark/test-only reference.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,17 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    # pytest puts tests/ on sys.path, where tests/vllm would pass for the vllm package when TRL probes for it.
-    here = Path(__file__).resolve().parent
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    try:
-        spec = importlib.util.spec_from_file_location("grpo_vs_trl_learning", REPO / "benchmarks" / "grpo_vs_trl_learning.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+    from support.benchmarks import load_benchmark
+
+    return load_benchmark("grpo_vs_trl_learning")
 
 
 @pytest.fixture(autouse=True)
