@@ -33,8 +33,8 @@ evaluator here scores both exports); the seeds vary GRPO only.
 ``--replay`` asks whether the two trainers differ anywhere but in what they sample: our run goes first, keeping each
 step's batch; TRL's ``GRPOTrainer`` then trains on exactly those prompts (its sampler unshuffled) and completions
 (handed in through its ``rollout_func``), and scores them, computes advantages, reference log-probs, the loss, clipping
-and its AdamW step itself. It writes, per seed, the largest relative difference of the two runs' weight updates over
-every tensor, and each step's reward and gradient norm on both sides.
+and its AdamW step itself. It writes, per seed, the relative difference of the two runs' weight updates (over all
+weights, and in the worst tensor), and each step's reward and gradient norm on both sides.
 
 Verdict ``ours_within_or_above_trl``: our mean last-window reward and mean held-out gain are each at least TRL's
 smallest over its seeds (within its spread, or better), and our mean wall time is below TRL's.
