@@ -144,14 +144,18 @@ def models_up_to(version: int, tiny_model_dir):
 
 
 def generated_mid_push(engine, models, new_version, prompts, sampling):
-    """Push `models[new_version]` once `engine`'s server has sampled some tokens of `generate(prompts, ...)`."""
+    """Push `models[new_version]` once `engine`'s server has sampled some tokens of `generate(prompts, ...)`.
+
+    The weights are gathered first: on a loaded machine, gathering them while the server's threads take every core
+    took a second, as long as the whole generation, so the push landed after it."""
+    weights = list(iter_full_weights(models[new_version]))
     before = generated_tokens(engine)
     generated = []
     generating = threading.Thread(target=lambda: generated.extend(engine.generate(prompts, n=2, sampling=sampling).rollouts))
     generating.start()
     while generated_tokens(engine) < before + 16 and generating.is_alive():
         time.sleep(0.02)
-    engine.push_weights(iter_full_weights(models[new_version]), version=new_version)
+    engine.push_weights(iter(weights), version=new_version)
     generating.join()
     return generated
 
@@ -185,11 +189,14 @@ def test_generation_continues_across_a_push_with_every_token_versioned_and_corre
     from lightning_rl.modules.grpo import GRPOModule
     from engine_checks import reference_logprobs
 
-    attempts = 3
+    attempts = 8  # each about a second; under load as few as half of them landed mid-generation
     models = models_up_to(server_engine.weight_version + attempts, tiny_model_dir)
     # The pause must come while the completions are in flight: staged, it comes after the whole transfer, which a
     # loaded machine may not finish before them (the staged push's order is tested above).
     monkeypatch.setattr(server_engine, "stage_weights", False)
+    # Nor may the push do tensor work before it pauses: on a machine whose cores the server's threads take, copying
+    # the weights to keep for a restart (a parallel op) took as long as the whole generation.
+    monkeypatch.setattr(server_engine, "engine_max_restarts", 0)
     # Long completions (the server's max_model_len is 256), so the push lands while they are sampled. Whether it does
     # is a race the test cannot hold: a machine loaded enough to finish them first gets the next version pushed again.
     for _ in range(attempts):
