@@ -34,7 +34,7 @@ def killed_at_a_random_moment(recipe: Recipe, out: Path, rng: random.Random, max
     proc = recipe.start(out, "--ckpt_path=last")
     wait_until(lambda: progress(out), proc, out)
     first = progress(out)[0][0]
-    after = max(first, min(first + rng.randint(1, 2), max_steps - 2))  # a step or two in, with steps left to kill in
+    after = max(first, min(first + rng.randint(1, 2), max_steps - 3))  # a step or two in, with steps left to kill in
     wait_until(lambda: steps_done(out) >= after, proc, out)
     # A step's length needs two finished steps; when the resume starts so late that the kill must follow its first
     # step (after == first), only one is known, and the kill lands at the start of the next step.

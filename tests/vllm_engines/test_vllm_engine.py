@@ -236,21 +236,23 @@ def test_generation_continues_across_a_push_with_every_token_versioned(engine, s
     from engine_checks import reference_logprobs
 
     old_model, new = synced
-    attempts = 3
+    attempts = 8
     # Whether the push lands while completions are in flight is a race the test cannot hold: a machine loaded enough
-    # to finish them first gets the next version pushed again.
+    # to finish them first gets the next version pushed again. The weights are gathered before generation starts, so
+    # the push has nothing to compute once tokens are sampled.
     old = new - 1
     for attempt in range(attempts):
         new_model = load_trainer_model(tiny_model_dir)
         new_model.load_state_dict(old_model.state_dict())
         perturb_(new_model, seed=300 + attempt)
+        weights = list(iter_full_weights(new_model))
         generated = []
         generating = threading.Thread(target=lambda: generated.extend(
             engine.generate(PROMPTS, n=2, sampling=SamplingConfig(max_new_tokens=200, seed=4)).rollouts))
         generating.start()
         while sampled_so_far(engine) < 16 and generating.is_alive():
             time.sleep(0.01)
-        engine.push_weights(iter_full_weights(new_model), version=new)
+        engine.push_weights(iter(weights), version=new)
         returned_mid_flight = generating.is_alive()  # the push did not wait for the completions in flight
         generating.join()
         spanning = [r for r in generated if r.token_versions is not None]
