@@ -143,8 +143,9 @@ def models_up_to(version: int, tiny_model_dir):
     return models
 
 
-def generated_mid_push(engine, models, new_version, prompts, sampling):
-    """Push `models[new_version]` once `engine`'s server has sampled some tokens of `generate(prompts, ...)`.
+def generated_mid_push(engine, models, new_version, prompts, sampling) -> tuple[list, bool]:
+    """Push `models[new_version]` once `engine`'s server has sampled some tokens of `generate(prompts, ...)`; returns
+    the rollouts and whether the generation was still running when the push started.
 
     The weights are gathered first: on a loaded machine, gathering them while the server's threads take every core
     took a second, as long as the whole generation, so the push landed after it."""
@@ -155,9 +156,10 @@ def generated_mid_push(engine, models, new_version, prompts, sampling):
     generating.start()
     while generated_tokens(engine) < before + 16 and generating.is_alive():
         time.sleep(0.02)
+    in_flight = generating.is_alive()
     engine.push_weights(iter(weights), version=new_version)
     generating.join()
-    return generated
+    return generated, in_flight
 
 
 def generated_tokens(engine) -> float:
@@ -168,10 +170,16 @@ def generated_tokens(engine) -> float:
 
 def test_a_push_in_wait_mode_waits_for_generation(server_engine, tiny_model_dir, monkeypatch):
     """``pause: wait``: completions in flight finish on the weights they started with."""
-    new_version = server_engine.weight_version + 1
-    models = models_up_to(new_version, tiny_model_dir)
+    attempts = 8  # as below: the push must start while the completions are sampled, a race a loaded machine can lose
+    models = models_up_to(server_engine.weight_version + attempts, tiny_model_dir)
     monkeypatch.setattr(server_engine, "pause", "wait")
-    generated = generated_mid_push(server_engine, models, new_version, PROMPTS * 2, SamplingConfig(max_new_tokens=32, seed=9))
+    monkeypatch.setattr(server_engine, "engine_max_restarts", 0)
+    for _ in range(attempts):
+        new_version = server_engine.weight_version + 1
+        generated, in_flight = generated_mid_push(server_engine, models, new_version, PROMPTS * 2, SamplingConfig(max_new_tokens=64, seed=9))
+        if in_flight:
+            break
+    assert in_flight, f"no push of {attempts} started while the completions were sampled"
     assert len(generated) == 8
     for rollout in generated:
         assert rollout.token_versions is None  # a single version produced the whole completion
@@ -201,7 +209,7 @@ def test_generation_continues_across_a_push_with_every_token_versioned_and_corre
     # is a race the test cannot hold: a machine loaded enough to finish them first gets the next version pushed again.
     for _ in range(attempts):
         old = server_engine.weight_version
-        generated = generated_mid_push(server_engine, models, old + 1, PROMPTS, SamplingConfig(max_new_tokens=240, seed=3))
+        generated, _ = generated_mid_push(server_engine, models, old + 1, PROMPTS, SamplingConfig(max_new_tokens=240, seed=3))
         spanning = [r for r in generated if r.token_versions is not None]
         if spanning:
             break
