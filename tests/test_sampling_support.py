@@ -91,6 +91,21 @@ def test_a_target_outside_its_support_is_refused():
         token_logprobs(h, w, torch.tensor([2, 4, 7]), support=support)
     with pytest.raises(ValueError, match=r"support of shape \(3,\) for 3 tokens"):
         token_logprobs(h, w, torch.tensor([2, 3, 7]), support=torch.tensor([1, 2, 3]))
+    # An id named twice would count its probability twice; padding may repeat. A row without repeats passes.
+    with pytest.raises(ValueError, match=r"token 1: its sampling support names a token id twice \(\[3, 5, 3\]\)"):
+        token_logprobs(h, w, torch.tensor([2, 3, 7]), support=torch.tensor([[1, 2, -1], [3, 5, 3], [-1, -1, -1]]))
+    token_logprobs(h, w, torch.tensor([2, 3, 7]), support=torch.tensor([[1, 2, -1], [3, 5, -1], [-1, -1, -1]]))
+
+
+def test_a_suppressed_target_is_refused():
+    """A suppressed token is out of the distribution (never sampled): scoring it as a target is refused, not -1e30."""
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    never = LogitTransform(suppressed=(5, 8))
+    with pytest.raises(ValueError, match="token 2: target 8 is a suppressed token"):
+        token_logprobs(h, w, torch.tensor([2, 3, 8]), transform=never)
+    scored = token_logprobs(h, w, torch.tensor([2, 3, 7]), transform=never)
+    dense = torch.log_softmax((h @ w.t()).index_fill(1, torch.tensor([5, 8]), float("-inf")), -1)[torch.arange(3), [2, 3, 7]]
+    torch.testing.assert_close(scored, dense)
 
 
 def test_supports_travel_with_their_tokens_through_tree_packing():

@@ -90,6 +90,11 @@ def _support_logits(logits: Tensor, support: Tensor, kept: Tensor) -> Tensor:
 
 def _check_support(support: Tensor, targets: Tensor, start: int) -> None:
     kept, restricted = _kept(support)
+    ordered = support.sort(dim=1).values  # an id twice would count its probability twice in the normaliser
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
+    if bool(repeated.any()):
+        row = int(repeated.nonzero()[0, 0])
+        raise ValueError(f"token {start + row}: its sampling support names a token id twice ({support[row].tolist()})")
     outside = restricted & ~((support == targets[:, None]) & kept).any(dim=1)
     if bool(outside.any()):
         row = start + int(outside.nonzero()[0, 0])
@@ -170,6 +175,11 @@ def token_logprobs(
         return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)) + 0 * lm_head_weight.sum()
     if support is not None and (support.dim() != 2 or support.shape[0] != targets.shape[0]):
         raise ValueError(f"support of shape {tuple(support.shape)} for {targets.shape[0]} tokens (want [tokens, K])")
+    if transform.suppressed:
+        never = torch.isin(targets, torch.tensor(transform.suppressed, device=targets.device))
+        if bool(never.any()):
+            row = int(never.nonzero()[0, 0])
+            raise ValueError(f"token {row}: target {int(targets[row])} is a suppressed token (never sampled), so it has no log-prob")
     return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform, support)
 
 
