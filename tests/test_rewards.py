@@ -14,7 +14,7 @@ import torch
 
 from lightning_rl.losses import group_advantages
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rewards.scoring import RewardFailedError, load_reward_function
+from lightning_rl.rewards.scoring import RewardContractError, RewardFailedError, load_reward_function
 from lightning_rl.rewards.builtin import extract_answer, format_match, math_answer, tool_call_validity
 
 
@@ -84,13 +84,28 @@ def test_a_raising_reward_can_be_made_fatal():
         scorer.score(["a"], ["boom"], {})
 
 
-def test_wrong_number_of_scores_counts_as_a_failure():
-    scorer = RewardScorer([RewardSpec(lambda completions, **_: [1.0], name="short")])
-    scores = scorer.score(["a", "b"], ["x", "y"], {})
-    assert scores.total.tolist() == [1.0, 1.0]  # retried one sample at a time, where it is right
-    scorer = RewardScorer([RewardSpec(lambda completions, **_: [], name="empty")], all_failed="zero")
-    scores = scorer.score(["a"], ["x"], {})
-    assert scores.total.tolist() == [0.0] and "returned 0 scores for 1 completions" in scores.errors[0].error
+@pytest.mark.parametrize("on_error", ["zero", "raise"])
+def test_a_reward_that_breaks_its_contract_stops_the_run_in_one_line(on_error):
+    """One score (or None) per completion, each a number: anything else is a bug in the function. A retry sample by
+    sample would hide a count bug (one score for one sample is right), so it is not retried, under either on_error,
+    nor zeroed under all_failed: zero; TRL fails on it too."""
+    cases = {
+        "short": ([1.0], "returned 1 scores for 2 completions"),
+        "long": ([1.0, 2.0, 3.0], "returned 3 scores for 2 completions"),
+        "scalar": (1.0, "returned a float, not a list of one score per completion"),
+        "text": ("10", "returned a str, not a list"),
+        "strings": (["1.0", 2.0], r"returned '1.0' \(str\) for completion 0, not a number or None"),
+    }
+    for name, (returned, message) in cases.items():
+        scorer = RewardScorer([RewardSpec(lambda completions, _r=returned, **_: _r, name=name)], on_error=on_error, all_failed="zero")
+        with pytest.raises(RewardContractError, match=rf"^step 3: reward '{name}' {message}") as refused:
+            scorer.score(["a", "b"], ["x", "y"], {}, step=3)
+        assert refused.value.key == "rewards"
+    numpy = pytest.importorskip("numpy")
+    scorer = RewardScorer([RewardSpec(lambda completions, **_: numpy.array([1.5, True]), name="array")])
+    assert scorer.score(["a", "b"], ["x", "y"], {}).total.tolist() == [1.5, 1.0]  # numbers of any kind pass
+    scorer = RewardScorer([RewardSpec(lambda completions, **_: [torch.tensor(0.5), None, numpy.bool_(True)], name="mixed")])
+    assert scorer.score(["a", "b", "c"], ["x", "y", "z"], {}).per_function["mixed"].tolist()[::2] == [0.5, 1.0]
 
 
 def test_bad_reward_specs_are_refused_by_name():

@@ -12,7 +12,8 @@ neither the data nor the trainer provides (`check_arguments`), and, for the buil
 that do not work (they are called once on an empty batch, which compiles a regular expression).
 
 While training, a function that raises or returns a non-finite score costs only the samples it failed
-on (they score 0, are logged and counted); one that fails on every sample of a step stops the run
+on (they score 0, are logged and counted); one that returns something else than a number (or None) per completion
+stops the run at once (`RewardContractError`); one that fails on every sample of a step stops the run
 (`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
 past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
 its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. A stop signal
@@ -26,6 +27,7 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,10 +161,29 @@ class _Reward:
                     result = await _within(result, timeout_s, what)
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
+        result = _scores_of(result, len(batch), what)
         values = [math.nan if v is None else float(v) for v in result]
-        if len(values) != len(batch):
-            raise ValueError(f"returned {len(values)} scores for {len(batch)} completions")
         return torch.tensor(values, dtype=torch.float32), torch.tensor([v is not None for v in result])
+
+
+class RewardContractError(UserError, ValueError):
+    """A reward function that returned something other than one score (or None) per completion: a bug in it that a
+    retry sample by sample would hide (one score for one sample is the right count), so the run stops on it."""
+
+    key = "rewards"
+
+
+def _scores_of(result: Any, n: int, what: str) -> list[Any]:
+    """``result`` as a list of ``n`` scores (numbers, bools, or None); a `RewardContractError` otherwise."""
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+        raise RewardContractError(f"{what} returned a {type(result).__name__}, not a list of one score per completion")
+    scores = list(result)
+    if len(scores) != n:
+        raise RewardContractError(f"{what} returned {len(scores)} scores for {n} completions (one per completion, None where it does not apply)")
+    for i, score in enumerate(scores):
+        if score is not None and not isinstance(score, numbers.Real) and not (hasattr(score, "item") and getattr(score, "ndim", 1) == 0):
+            raise RewardContractError(f"{what} returned {score!r} ({type(score).__name__}) for completion {i}, not a number or None")
+    return scores
 
 
 class RewardTimeout(TimeoutError):
@@ -317,12 +338,15 @@ class RewardScorer:
             list(prompts), list(completions), {key: list(column) for key, column in columns.items()},
             None if chat_prompts is None else list(chat_prompts), None if chat_completions is None else list(chat_completions),
         )
-        scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
+        where = f"step {step}: " if step is not None else ""
+        try:
+            scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
+        except RewardContractError as error:
+            raise RewardContractError(f"{where}{error}") from None
         if self.all_failed == "stop" and completions:
             for name, counts in scores.failure_counts().items():
                 if sum(counts.values()) == len(completions):
                     first = next(e for e in scores.errors if e.function == name)
-                    where = f"step {step}: " if step is not None else ""
                     self.stopped_by = {"reward": name, "step": step, "error": first.error}
                     raise RewardFailedError(
                         f"{where}reward {name!r} failed on all {len(completions)} samples, first: {first.error} "
@@ -366,7 +390,7 @@ class RewardScorer:
         n = len(batch)
         try:
             values, applies = await reward(batch, shared(list(range(n))), self.timeout_s, one_at_a_time)
-        except StepAbandoned:
+        except (StepAbandoned, RewardContractError):
             raise
         except RewardTimeout as error:
             if self.on_error == "raise":
@@ -382,7 +406,7 @@ class RewardScorer:
                 try:
                     one, one_applies = await reward(batch.sample(i), shared([i]), self.timeout_s, one_at_a_time)
                     values[i], applies[i] = one[0], one_applies[0]
-                except StepAbandoned:
+                except (StepAbandoned, RewardContractError):
                     raise
                 except RewardTimeout as error:
                     self._failed(errors, reward.name, i, batch, str(error), "timeout")
