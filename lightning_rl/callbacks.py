@@ -271,6 +271,14 @@ class _RecordingSignalConnector(_SignalConnector):
         self._original_handlers = {}
 
 
+def _log_finished_step(trainer: Trainer) -> None:
+    """Hand the loggers the figures of the step just finished, as Lightning does right after ``on_train_batch_end``
+    (a stop raised there skips it: a stopped run's log would end a step before its checkpoint)."""
+    connector = trainer._logger_connector
+    connector.on_batch_end()
+    connector.log_metrics(connector.metrics["log"])
+
+
 class RequeueOnSignal(Callback):
     """SIGTERM and the requeue signal (SIGUSR1) handled at an optimizer-step boundary, on every rank at once, under
     every strategy.
@@ -405,6 +413,8 @@ class RequeueOnSignal(Callback):
                 return  # no scheduler took the job back: training goes on
             self._wait_for_sigterm()
         self.stopped_by = signal.Signals(signal.SIGTERM if terminate else self.requeue_signal).name
+        if save:
+            _log_finished_step(trainer)
         raise SIGTERMException
 
     def _save(self, trainer: Trainer, step: int) -> None:

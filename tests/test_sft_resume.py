@@ -1,6 +1,7 @@
 """A run stopped by SIGTERM and resumed from its last checkpoint ends with the same weights as an
 uninterrupted run of the same seed (the data order, optimizer and LR schedule all pick up exactly)."""
 
+import csv
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ def run_cli(output_dir: Path, data: Path, *extra: str) -> subprocess.CompletedPr
         "--data.max_tokens=256", "--model.eval_generations=0", "--model.warmup_steps=2",
         "--trainer.max_steps=8", "--checkpoint_every_n_steps=3", "--trainer.val_check_interval=null",
         "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        *extra,
+        "--trainer.log_every_n_steps=1", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -73,3 +74,13 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, tiny_path):
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
     initial = load_file(tiny_path / "model.safetensors")  # training moved the weights: equality is not trivial
     assert any(not torch.equal(initial[name], got[name]) for name in initial)
+
+    # The logged curve: the stopped run's log ends with the step it saved (Lightning logs a step after the hook the
+    # stop is raised in), and with the resumed run's it holds every step once, as the uninterrupted run logs them.
+    def losses(run: Path, version: int) -> dict[int, str]:
+        rows = csv.DictReader((run / "csv" / f"version_{version}" / "metrics.csv").open())
+        return {int(row["step"]): row["train/loss"] for row in rows if row.get("train/loss")}
+
+    before, after = losses(killed_dir, 0), losses(killed_dir, 1)
+    assert sorted(before) == list(range(5)) and sorted(after) == list(range(5, 8))
+    assert {**before, **after} == losses(tmp_path / "reference", 0)
