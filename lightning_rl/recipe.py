@@ -34,7 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_rl import dotted, run_folder, validation
+from lightning_rl import dotted, run_folder, trl_names, validation
 from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
@@ -396,6 +396,7 @@ class _Schema:
     and the keys set from another one (``output_dir --> trainer.default_root_dir``)."""
 
     def __init__(self, parser: LightningArgumentParser) -> None:
+        self.parser = parser
         self.leaves, self.groups, self.linked = set(), set(), {}
         for action in parser._actions:
             if " --> " in (link := (action.option_strings or [""])[0]):
@@ -433,7 +434,29 @@ class _Schema:
                     hint = _OTHER_TASK_HINTS.get((task, key))
                     return f"unknown key '{key}' ({_A[other]} key{'; ' + hint if hint else ''})"
         guess = self.nearest(key)
+        field = key.rpartition(".")[2]
+        if guess is None or guess.rpartition(".")[2] != field:  # a key of ours by that name is the better answer
+            if trl := trl_names.hint(task, field, self.documented()):
+                return f"unknown key '{key}' ({trl})"
         return f"unknown key '{key}'" + (f" (did you mean '{guess}'?)" if guess else "")
+
+    def documented(self) -> list[tuple[str, str]]:
+        """(key, doc) of every key, a dataclass-typed one's fields too (``model.sampling.temperature``,
+        ``model.rewards[].weight``): where the TRL names of `trl_names.annotations` are written."""
+        found = []
+        for action in self.parser._actions:
+            if action.dest in ("help", "config", "print_config") or action.dest.endswith(".help"):
+                continue
+            found.append((action.dest, " ".join((action.help or "").split())))
+            hint = getattr(action, "_typehint", None)
+            for candidate in (hint, *get_args(hint)):
+                key = action.dest
+                if get_origin(candidate) in (list, abc.Sequence):
+                    candidate, key = get_args(candidate)[0], f"{key}[]"
+                if dataclasses.is_dataclass(candidate):
+                    found += [(f"{key}.{name}", " ".join(text.split())) for name, text in docstring_args(candidate).items()]
+                    break
+        return found
 
     def nearest(self, key: str) -> str | None:
         known = sorted((self.leaves | self.groups) - {"seed_everything"})

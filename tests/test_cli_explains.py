@@ -78,6 +78,20 @@ def test_every_unknown_key_is_named_at_once_where_it_was_written_with_the_key_me
     assert error_lines(capsys, ["run", SFT, "--trainer.default_root_dir=x"]) == ["error: command line: trainer.default_root_dir is set from output_dir: give output_dir"]
 
 
+def test_a_trl_field_given_as_a_key_names_the_key_doing_its_work(capsys):
+    """From the same table as docs/migrating_from_trl.md; a key of ours with that very name still comes first."""
+    [error] = error_lines(capsys, ["run", GRPO, "--max_completion_length=8", "--model.epsilon=0.3", "--use_vllm=true", "--model.temperature=0.5"])
+    assert error == (
+        "error: command line: unknown key 'max_completion_length' (for TRL's max_completion_length, set model.sampling.max_new_tokens); "
+        "command line: unknown key 'model.epsilon' (for TRL's epsilon, set model.loss.epsilon_low); "
+        "command line: unknown key 'use_vllm' (TRL's use_vllm has no key here: give model.engine: vllm (in this process) or "
+        "vllm_server (a server of its own)); "
+        "command line: unknown key 'model.temperature' (did you mean 'model.sampling.temperature'?)"
+    )
+    [error] = error_lines(capsys, ["run", SFT, "--gradient_accumulation_steps=2"])
+    assert error == "error: command line: unknown key 'gradient_accumulation_steps' (for TRL's gradient_accumulation_steps, set trainer.accumulate_grad_batches)"
+
+
 @pytest.mark.parametrize("key, names", [("accumulate_grad_batches=4", "model.max_tokens_per_row"), ("gradient_clip_val=1.0", "model.max_grad_norm"),
                                         ("gradient_clip_algorithm=norm", "model.max_grad_norm")])  # fmt: skip
 def test_trainer_arguments_grpo_cannot_take_name_its_own_key(key, names, capsys):

@@ -36,12 +36,13 @@ ALLOWED = {
                 "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
-    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "validation"},
+    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "trl_names", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe", "dotted", "rollout"},
-    "trl_migration": {"recipe_reference"},
+    "trl_names": set(),
+    "trl_migration": {"recipe_reference", "trl_names"},
     "cli": {"callbacks", "checkpoints", "console", "data", "errors", "models", "modules", "strategies", "launch", "env_report", "recipe",
             "run_folder", "stopping"},
 }

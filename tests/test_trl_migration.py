@@ -5,7 +5,7 @@ import dataclasses
 
 import trl
 
-from lightning_rl import trl_migration
+from lightning_rl import recipe, recipe_reference, trl_migration, trl_names
 
 TRL_CLASSES = (trl.SFTConfig, trl.GRPOConfig, trl.ModelConfig, trl.ScriptArguments)
 
@@ -17,16 +17,24 @@ def test_the_migration_guide_is_up_to_date(capsys):
 def test_every_trl_name_is_a_field_of_trl_and_every_field_is_mapped_or_explained():
     fields = {field.name for cls in TRL_CLASSES for field in dataclasses.fields(cls)}
     named = {name for task in ("sft", "grpo") for name in trl_migration.annotations(task)}
-    named |= {name for _, name in trl_migration.TRAINER} | set(trl_migration.COMMON)
+    named |= {name for _, name in trl_names.TRAINER} | set(trl_names.COMMON)
     assert named - fields == set(), "annotations naming no TRL field"
-    patterns = [pattern for pattern in trl_migration.NO_EQUIVALENT if not any(c in pattern for c in "*?[")]
+    patterns = [pattern for pattern in trl_names.NO_EQUIVALENT if not any(c in pattern for c in "*?[")]
     assert set(patterns) - fields == set(), "reasons for fields TRL does not have"
     for title, names in trl_migration.trl_fields().items():
         task = "grpo" if title == "GRPOConfig" else "sft"
         found = trl_migration.annotations(task)
-        unexplained = [name for name in names if trl_migration.mapping(task, name, found) == ("", "")]
+        unexplained = [name for name in names if trl_names.mapping(task, name, found) == ("", "")]
         assert unexplained == [], f"{title}: neither a key nor a reason"
     text = trl_migration.OUTPUT.read_text()
     for row in ("| `epsilon` | `model.loss.epsilon_low` |", "| `--lora_r` | `model.lora.r` |", "| `max_length` | `data.max_length` |",
                 "| `gradient_accumulation_steps` | `trainer.accumulate_grad_batches` |", "| `trust_remote_code` | none | only model classes"):  # fmt: skip
         assert row in text
+
+
+def test_an_unknown_key_is_hinted_from_the_same_table_the_guide_renders():
+    """A run's unknown-key hint reads the TRL names from its own parser (`recipe._Schema.documented`), not from this
+    module: both must find the same names for the same keys."""
+    for task in ("sft", "grpo"):
+        schema = recipe._Schema(recipe._cli(str(recipe_reference.REPO / recipe_reference.EXAMPLES[task]), [], build=False).parser)
+        assert trl_names.annotations(schema.documented()) == trl_migration.annotations(task), task

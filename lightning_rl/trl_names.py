@@ -1,0 +1,134 @@
+"""TRL's field names and the recipe keys that do their work: the tables `trl_migration` renders as
+docs/migrating_from_trl.md, and the hint a recipe's unknown key gets when it is a TRL name (`recipe`).
+
+A key's docstring entry ends ``TRL: `name`, `other`.`` (or ``TRL: the same name(s).``) when it does the work of those
+TRL fields; Lightning's ``Trainer`` arguments doing a TRL field's work, and the fields with no key (with why), are the
+two tables below.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+# The TrainingArguments fields a TRL user sets, beside those the config classes define themselves (transformers 5 has
+# no warmup_ratio: a warmup_steps below 1 is the ratio, and ours counts steps).
+COMMON = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+          "max_grad_norm", "warmup_steps", "lr_scheduler_type", "weight_decay", "seed", "output_dir", "bf16",
+          "gradient_checkpointing", "save_steps", "logging_steps", "report_to", "resume_from_checkpoint")  # fmt: skip
+# Lightning's Trainer arguments doing a TRL field's work, per task ("*": both).
+TRAINER = {
+    ("*", "max_steps"): "trainer.max_steps",
+    ("*", "num_train_epochs"): "trainer.max_epochs",
+    ("*", "bf16"): "trainer.precision (`bf16-mixed`, or `bf16-true`)",
+    ("*", "logging_steps"): "trainer.log_every_n_steps",
+    ("sft", "gradient_accumulation_steps"): "trainer.accumulate_grad_batches",
+    ("sft", "max_grad_norm"): "trainer.gradient_clip_val",
+    ("grpo", "gradient_accumulation_steps"): "model.max_tokens_per_row (a step is data.batch_size prompts, forwarded in "
+    "micro-batches of at most this many tokens whose gradients add up)",
+}
+# TRL fields with no key here, and why (fnmatch patterns: the first that matches).
+NO_EQUIVALENT = {
+    "model_init_kwargs": "models load from model.model_name_or_path in the precision of trainer.precision; a recipe "
+    "holds typed keys, not a bag of keyword arguments",
+    "trust_remote_code": "only model classes transformers ships are loaded: no code runs from a model folder",
+    "router_aux_loss_coef": "the router's auxiliary loss is not added (MoE policies train with model.router_replay)",
+    "chat_template_path": "the tokenizer's own chat template renders rows (data.tokenizer picks another tokenizer)",
+    "dataset_text_field": "rows are `messages` or `prompt`/`completion`; plain text rows are not trained",
+    "dataset_kwargs": "a recipe holds typed keys, not a bag of keyword arguments",
+    "dataset_num_proc": "rows are tokenized once, in the main process",
+    "eos_token": "the chat template ends each turn with the tokenizer's own tokens",
+    "pad_token": "packed rows hold no padding to fill",
+    "truncation_mode": "an example longer than data.max_length is an error, never cut",
+    "eval_packing": "held-out rows are packed as the training ones are",
+    "pad_to_multiple_of": "GRPO's packed rows take the step's shape (model.max_tokens_per_row bounds them)",
+    "completion_only_loss": "always: the loss covers the completion (or the assistant turns) only",
+    "assistant_only_loss": "always: the loss covers the assistant turns (or the completion) only",
+    "loss_type": "SFT's loss is the negative log-likelihood only",
+    "disable_dropout": "models are trained with the dropout their config sets",
+    "cast_lm_head_to_fp32": "log-probs come from a chunked LM head computed in float32 (model.chunk_size)",
+    "num_generations_eval": "held-out scoring decodes greedily, once per prompt (model.eval_generations)",
+    "ds3_gather_for_generation": "DeepSpeed is not used: the engine gets whole weights from the trainer's sync",
+    "shuffle_dataset": "prompts are shuffled every pass, seeded by seed",
+    "generation_batch_size": "a step generates for data.batch_size prompts (times model.num_generations)",
+    "steps_per_generation": "model.num_iterations optimizer steps are taken on each batch of rollouts",
+    "generation_kwargs": "sampling takes the typed keys of model.sampling",
+    "chat_template_kwargs": "prompts are rendered by the tokenizer's chat template as it is",
+    "cache_implementation": "the hf engine uses transformers' default cache",
+    "use_vllm": "give model.engine: vllm (in this process) or vllm_server (a server of its own)",
+    "vllm_mode": "model.engine: vllm is TRL's colocate mode, vllm_server its server mode",
+    "vllm_importance_sampling_correction": "on when model.loss.importance_sampling_cap or _floor is set",
+    "vllm_importance_sampling_cap": "model.loss.importance_sampling_cap",
+    "vllm_*": "vLLM's own options are the engine's init_args (model.engine.init_args; docs/recipe_reference.md)",
+    "log_*": "rollouts are logged every model.log_rollouts_every_n_steps steps",
+    "num_completions_to_print": "rollouts are logged every model.log_rollouts_every_n_steps steps",
+    "use_transformers_*": "the hf engine generates with transformers' generate",
+    "transformers_continuous_batching_config": "the hf engine generates with transformers' generate",
+    # trl sft's model and script flags
+    "model_revision": "name a local folder or a hub id: a revision is not chosen",
+    "dtype": "weights load in the dtype trainer.precision implies",
+    "attn_implementation": "packed rows need the tree attention: model.attention_backend",
+    "use_peft": "a model.lora block turns LoRA on",
+    "lora_target_parameters": "LoRA adapts modules (model.lora.target_modules), not parameters",
+    "lora_modules_to_save": "only the adapters train under LoRA (and model.towers: train for image-text towers)",
+    "lora_task_type": "always a causal language model",
+    "use_rslora": "LoRA's scale is alpha / r",
+    "use_dora": "plain LoRA only",
+    "load_in_*": "quantized base models are not trained",
+    "bnb_*": "quantized base models are not trained",
+    "use_bnb_nested_quant": "quantized base models are not trained",
+    "dataset_config": "data files and saved datasets are read (data.train_data); no hub dataset is downloaded",
+    "dataset_train_split": "data.train_data is the training split",
+    "dataset_test_split": "SFT's held-out split is data.val_data (GRPO's: model.eval_data)",
+    "dataset_streaming": "rows are read whole",
+    "ignore_bias_buffers": "not needed: no distributed wrapper syncs buffers",
+}
+_TRL = re.compile(r"TRL: (.*?)\.?\s*$")
+
+
+def annotations(documented: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """TRL name -> the recipe keys whose docs (``documented``: (key, text) pairs) name it."""
+    entries: dict[str, list[str]] = defaultdict(list)  # an entry's text -> its keys (one docstring line, several keys)
+    for key, text in documented:
+        if match := _TRL.search(text):
+            entries[match[1]].append(key)
+    found: dict[str, list[str]] = defaultdict(list)
+    for annotation, keys in entries.items():
+        if annotation.startswith("none"):
+            continue
+        if annotation.startswith("the same name"):
+            for key in keys:
+                found[key.rpartition(".")[2]].append(key)
+            continue
+        names = re.findall(r"`(\w+)`", annotation)
+        fields = {key.rpartition(".")[2]: key for key in keys}
+        rest = [key for key in keys if key.rpartition(".")[2] not in names] or keys
+        for name in names:
+            found[name] += [fields[name]] if name in fields else rest
+    return found
+
+
+def mapping(task: str, name: str, found: dict[str, list[str]]) -> tuple[str, str]:
+    """(our key or keys, why none) for one TRL field under ``task``."""
+    if name in found:
+        return ", ".join(f"`{key}`" for key in dict.fromkeys(found[name])), ""
+    for where in (task, "*"):
+        if (where, name) in TRAINER:
+            key, _, note = TRAINER[(where, name)].partition(" ")
+            return f"`{key}` {note}".strip(), ""
+    for pattern, why in NO_EQUIVALENT.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return "", why
+    return "", ""
+
+
+def hint(task: str, name: str, documented: Iterable[tuple[str, str]]) -> str | None:
+    """For a key a recipe of ``task`` does not take whose last part ``name`` is a TRL field: the recipe key doing that
+    field's work, or why there is none (``documented``: the recipe's (key, doc) pairs); None for any other name."""
+    found = annotations(documented)
+    if not (name in found or any((where, name) in TRAINER for where in (task, "*")) or name in NO_EQUIVALENT):
+        return None  # a pattern of NO_EQUIVALENT (``vllm_*``) would match names that are no TRL field
+    ours, why = mapping(task, name, found)
+    return f"for TRL's {name}, set {ours.replace('`', '')}" if ours else f"TRL's {name} has no key here: {why}"
