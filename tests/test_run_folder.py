@@ -161,7 +161,7 @@ def test_an_empty_output_dir_is_refused_before_anything_is_written_where_it_poin
 def test_a_run_that_fails_during_setup_writes_nothing(tmp_path, capsys, rows):
     fresh = tmp_path / "fresh"
     code, errors = run(capsys, fresh, f"--data.train_data={rows}", "--data.max_tokens=8")  # every row too long
-    assert code == 2 and len(errors) == 1 and "longer than max_length=8" in errors[0]
+    assert code == 2 and len(errors) == 1 and "longer than max_length=8 (raise data.max_tokens, which max_length may not exceed, or shorten the row)" in errors[0]
     assert not fresh.exists()  # no logger folder, no lock, no recipe.yaml
 
     resumed = tmp_path / "resumed"  # a resume whose model cannot be loaded leaves the earlier recipe.yaml alone

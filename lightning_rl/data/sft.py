@@ -325,8 +325,9 @@ class Renderer:
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
 
-def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tuple[list[Example], list[GenerationCase]]:
-    """Check and render every row of ``source``; the first bad row raises DataError naming it."""
+def load_examples(source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length") -> tuple[list[Example], list[GenerationCase]]:
+    """Check and render every row of ``source``; the first bad row raises DataError naming it (a row longer than
+    ``max_length``: with ``fix``, what lets it in)."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(f"{name}: no rows")
@@ -344,7 +345,7 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int) -> tu
         except ValueError as e:
             raise DataError(f"{name}: {where}: {e}") from None
         if len(example.input_ids) > max_length:
-            raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than max_length={max_length}")
+            raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than max_length={max_length} ({fix}, or shorten the row)")
         examples.append(example)
         if case is not None:
             cases.append(case)
@@ -521,9 +522,10 @@ class SFTDataModule(LightningDataModule):
         self.processor, self.image_token_id = load_processor(path)
         self.position_rule = position_rule(path) if self.processor is not None else None  # multi-axis rotary positions
         renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id)
-        self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length)
+        fix = "raise data.max_length" if self.max_length < self.max_tokens else "raise data.max_tokens, which max_length may not exceed"
+        self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length, fix)
         if self.val_data is not None:
-            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, self.max_length)
+            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, self.max_length, fix)
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
 
