@@ -100,8 +100,9 @@ class _DropTips(logging.Filter):
 
 def quiet_third_party_noise() -> None:
     """Lightning's advertising tips, its hint to use ``srun`` on any machine where SLURM is installed, deprecation
-    warnings raised inside libraries by their own calls, two warnings about GRPO's own design, and the non-empty
-    checkpoint folder the CLI has already ruled on: none is about the user's run."""
+    warnings raised inside libraries by their own calls, two warnings about GRPO's own design, the non-empty
+    checkpoint folder the CLI has already ruled on, and the empty held-out list of a run without held-out data: none
+    is about the user's run."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -112,3 +113,5 @@ def quiet_third_party_noise() -> None:
     # The run folder is checked by the CLI itself (a folder with outputs is resumed or replaced, never mixed), before
     # Lightning looks: its warning about a non-empty checkpoint folder would only ever describe a resume or --overwrite.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # An SFT run without data.val_data has no held-out batches on purpose (a data file without rows is refused by name).
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
