@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -269,6 +270,17 @@ class _RecordingSignalConnector(_SignalConnector):
         # Lightning calls this before ``on_fit_end``: the handlers keep recording through the final export, which a
         # signal must not cut on one rank while another gathers; ``RequeueOnSignal.teardown`` puts them back.
         self._original_handlers = {}
+
+
+class PeriodicAndFinalCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` every ``every_n_train_steps`` steps, and at the end of training at its last step, whatever
+    that is. Lightning's saves ``last`` at the end only when no ``last`` was saved yet: a run of 25 steps every 10
+    ended with last.ckpt at step 20, and resuming the finished run trained its last 5 steps again."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self._last_global_step_saved:  # not reached after a stop (an exception) or a NaN
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, pl_module)
 
 
 def _log_finished_step(trainer: Trainer) -> None:

@@ -29,13 +29,14 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 from jsonargparse import ActionYesNo, ArgumentError, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_rl import dotted, run_folder, trl_names, validation
-from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite
+from lightning_rl.callbacks import (
+    ExportHuggingFace, LoggerAfterSetup, PeriodicAndFinalCheckpoint, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite,
+)
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
@@ -364,7 +365,7 @@ class RecipeCLI(LightningCLI):
             StopOnNonFinite(),
             ScheduleOnResume(),
             *([LoggerAfterSetup(logger)] if logger else []),
-            ModelCheckpoint(
+            PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
                 every_n_train_steps=config["checkpoint_every_n_steps"],

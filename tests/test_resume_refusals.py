@@ -82,8 +82,10 @@ def test_a_checkpoint_of_another_lora_layout_names_both(tmp_path, capsys):
 
 def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
     out = tmp_path / "run"
-    code, errors, _ = run(capsys, SFT, out, "--trainer.max_steps=3")
+    # The last step is no multiple of the checkpoints' period: the run still ends with a checkpoint of it.
+    code, errors, _ = run(capsys, SFT, out, "--trainer.max_steps=3", "--checkpoint_every_n_steps=2")
     assert code == 0 and errors == [] and checkpoint_step(out / "checkpoints" / "last.ckpt") == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt"]  # the periodic one
     exported = (out / "hf" / "model.safetensors").read_bytes()
     for max_steps in (2, 3):
         code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", f"--trainer.max_steps={max_steps}")
