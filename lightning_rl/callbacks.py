@@ -217,13 +217,21 @@ class ScheduleOnResume(Callback):
         change = _follow_new_schedule(configs[0].scheduler, step) if configs else None
         if change is not None:
             old, new = change
-            if old == new:
+            if old == new and not _spans_the_run(configs[0].scheduler):
                 said += f": the learning rate at this step stays {old:.3g} (its schedule does not depend on the run's length)"
+            elif old == new:  # at the end of the warmup, say, both schedules give the peak rate
+                said += (f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned "
+                         f"{recorded.get('schedule_steps')}); the learning rate at this step stays {old:.3g}, the next ones follow the new span")
             else:
                 said += (f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned "
                          f"{recorded.get('schedule_steps')}), so the learning rate at this step is {new:.3g}, not {old:.3g}")
         if trainer.is_global_zero:
             print(said, file=sys.stderr, flush=True)
+
+
+def _spans_the_run(scheduler: Any) -> bool:
+    """Whether a transformers schedule (a LambdaLR of partials) is built over the run's length (``num_training_steps``)."""
+    return any("num_training_steps" in (getattr(rule, "keywords", None) or {}) for rule in getattr(scheduler, "lr_lambdas", ()))
 
 
 def _follow_new_schedule(scheduler: Any, step: int) -> tuple[float, float] | None:

@@ -67,6 +67,29 @@ def test_an_sft_run_logs_each_evaluation_keeps_its_checkpoints_and_says_how_a_re
     assert said.out.strip().splitlines()[-1].startswith("done: 8 steps in ")
 
 
+def test_a_resume_at_the_end_of_the_warmup_does_not_call_a_cosine_schedule_length_free(tmp_path, capsys):
+    """There both schedules give the peak rate: the line says the span changed, and the next step follows the new one."""
+    out = tmp_path / "run"
+    args = ["run", SFT, f"--output_dir={out}", *QUIET, "--data.val_data=null", "--data.max_tokens=256", "--model.eval_generations=0",
+            "--model.warmup_steps=2", "--model.learning_rate=1e-3", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
+    assert cli.main([*args, "--trainer.max_steps=2"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--trainer.max_steps=6", "--ckpt_path=last"]) == 0
+    said = capsys.readouterr().err
+    assert ("resume at step 2: trainer.max_steps is 6, the checkpoint's run had 2: the learning-rate schedule now spans 6 steps "
+            "(it spanned 2); the learning rate at this step stays 0.001, the next ones follow the new span") in said
+    assert logged(out, "train/lr")[3] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 1 / 4)), rel=1e-6)
+    # Which schedules are built over the run's length (only those are said to span it).
+    from transformers import get_scheduler
+
+    from lightning_rl.callbacks import _spans_the_run
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    spans = {name: _spans_the_run(get_scheduler(name, optimizer, num_warmup_steps=2, num_training_steps=10))
+             for name in ("constant", "constant_with_warmup", "inverse_sqrt", "linear", "cosine", "cosine_with_restarts", "polynomial")}
+    assert [name for name, over in spans.items() if over] == ["linear", "cosine", "cosine_with_restarts", "polynomial"]
+
+
 def test_held_out_generations_without_held_out_data_are_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["run", SFT, f"--output_dir={out}", "--trainer.max_steps=1", "--data.val_data=null",
