@@ -54,13 +54,19 @@ def test_schema_comes_from_type_hints_and_docstring():
     ]
 
 
+UNDOCUMENTED = Tool.from_function(lambda x: x, {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}, name="echo")
+
+
 def test_invalid_schemas_and_paths_are_refused():
     with pytest.raises(ValueError, match="tool 'label': invalid JSON Schema at properties/key/type"):
         Tool.from_function(label, parameters={"type": "object", "properties": {"key": {"type": "word"}}})
     with pytest.raises(ValueError, match="must have type 'object'"):
         Tool.from_function(label, parameters={"type": "string"})
-    with pytest.raises(ValueError, match="cannot derive a JSON schema"):
+    with pytest.raises(ValueError, match=r"cannot derive a JSON schema .*or point model.tools at a Tool.from_function\(fn, parameters=...\)"):
         Tool.from_function(lambda x: x)
+    # ... which load_tool takes as it is: a function without a usable docstring, its schema given.
+    given = load_tool("test_tools:UNDOCUMENTED")
+    assert given is UNDOCUMENTED and given.parameters["required"] == ["x"]
     with pytest.raises(ValueError, match="no module 'no' in .*the installed packages"):
         load_tool("no.such:tool")
 

@@ -35,9 +35,12 @@ class Tool:
             try:
                 spec = get_json_schema(function)["function"]
             except Exception as error:
+                why = " ".join(str(error).split())
+                why = why if len(why) <= 160 else why[:157] + "..."  # transformers' explanations run to paragraphs
                 raise ValueError(
                     f"tool {getattr(function, '__name__', function)!r}: cannot derive a JSON schema from its "
-                    f"type hints and docstring ({error}); pass `parameters` explicitly"
+                    f"type hints and docstring ({why}); give every argument a JSON-typed hint and an `Args:` line in "
+                    "the docstring, or point model.tools at a Tool.from_function(fn, parameters=...) in your module"
                 ) from error
             parameters = spec.get("parameters", {"type": "object", "properties": {}})
             description = description or spec.get("description", "")
@@ -72,6 +75,9 @@ class Tool:
 
 
 def load_tool(path: str, parameters: Mapping[str, Any] | None = None) -> Tool:
-    """A tool from a dotted path to a function (`pkg.module:fn` or `pkg.module.fn`)."""
-    function = load_object(path, "tool")
-    return Tool.from_function(function, parameters)
+    """A tool from a dotted path (`pkg.module:fn` or `pkg.module.fn`) to a function, or to a `Tool` (built with its
+    own ``parameters`` schema, for a function whose hints and docstring do not give one)."""
+    found = load_object(path, "tool")
+    if isinstance(found, Tool):
+        return found
+    return Tool.from_function(found, parameters)
