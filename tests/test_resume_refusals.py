@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import pickle
 import resource
 import shutil
@@ -87,6 +88,9 @@ def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, c
     assert code == 0 and errors == [] and checkpoint_step(out / "checkpoints" / "last.ckpt") == 3
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt"]  # the periodic one
     exported = (out / "hf" / "model.safetensors").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)  # every file of the export as readable as a plain write makes it (the weights were 0600)
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in (out / "hf").iterdir()} == {f.name: oct(0o666 & ~umask) for f in (out / "hf").iterdir()}
     for max_steps in (2, 3):
         code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", f"--trainer.max_steps={max_steps}")
         assert code == 2 and errors == [

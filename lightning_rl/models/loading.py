@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -192,6 +193,16 @@ def generate_greedy(
     return texts
 
 
+def _readable_as_umask_allows(folder: Path) -> None:
+    """Give every file of ``folder`` the mode a plain write would (transformers writes the weights through a private
+    temporary file, mode 0600, so others on a shared machine could read every file of the export but the weights)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.rglob("*"):
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
+
+
 def export_hf(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -238,6 +249,7 @@ def export_hf(
             adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2) + "\n", encoding="utf-8")
         if model_card is not None:
             (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
+        _readable_as_umask_allows(staging)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # an earlier export at ``path`` stays as it was
         written = state_dict if state_dict is not None else get_peft_model_state_dict(model) if mode == "adapter" else model.state_dict()
