@@ -449,14 +449,7 @@ class _Schema:
             if action.dest in ("help", "config", "print_config") or action.dest.endswith(".help"):
                 continue
             found.append((action.dest, " ".join((action.help or "").split())))
-            hint = getattr(action, "_typehint", None)
-            for candidate in (hint, *get_args(hint)):
-                key = action.dest
-                if get_origin(candidate) in (list, abc.Sequence):
-                    candidate, key = get_args(candidate)[0], f"{key}[]"
-                if dataclasses.is_dataclass(candidate):
-                    found += [(f"{key}.{name}", " ".join(text.split())) for name, text in docstring_args(candidate).items()]
-                    break
+            found += [(key, " ".join(doc.split())) for key, _, doc in item_fields(action.dest, getattr(action, "_typehint", None))]
         return found
 
     def nearest(self, key: str) -> str | None:
@@ -485,6 +478,18 @@ def _override_keys(overrides: list[str]) -> list[str]:
 
 def _written_on_command_line(key: str, overrides: list[str]) -> bool:
     return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in _override_keys(overrides))
+
+
+def item_fields(key: str, hint: Any) -> list[tuple[str, dataclasses.Field, str]]:
+    """(key, field, doc) of each field of a block or list item typed by a dataclass (``model.lora.r``,
+    ``model.rewards[].weight``); none for another type."""
+    for candidate, inner in ((hint, key), *((arg, key) for arg in get_args(hint))):
+        if get_origin(candidate) in (list, abc.Sequence):
+            candidate, inner = get_args(candidate)[0], f"{key}[]"
+        if dataclasses.is_dataclass(candidate):
+            docs = docstring_args(candidate)
+            return [(f"{inner}.{field.name}", field, docs.get(field.name, "")) for field in dataclasses.fields(candidate)]
+    return []
 
 
 _ARG = re.compile(r"^(\s*)([\w, ]+?):\s+(.*)$")

@@ -14,13 +14,11 @@ import dataclasses
 import inspect
 import re
 import sys
-import typing
-from collections import abc
 from pathlib import Path
 from typing import Any
 
 from lightning_rl.dotted import load_object
-from lightning_rl.recipe import TASKS, _cli, docstring_args
+from lightning_rl.recipe import TASKS, _cli, docstring_args, item_fields
 from lightning_rl.rollout.base import SHORT_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,17 +39,11 @@ def _shown(default: Any) -> str:
 
 def _item_rows(key: str, hint: Any) -> list[tuple[str, str, str, str]]:
     """The fields of a block or list item typed by a dataclass (``model.lora.r``, ``model.rewards[].weight``)."""
-    for candidate, inner in ((hint, key), *((arg, key) for arg in typing.get_args(hint))):
-        if typing.get_origin(candidate) in (list, abc.Sequence):
-            candidate, inner = typing.get_args(candidate)[0], f"{key}[]"
-        if dataclasses.is_dataclass(candidate):
-            docs = docstring_args(candidate)
-            return [
-                (f"{inner}.{field.name}", _type_name(field.type), _shown(field.default if field.default is not dataclasses.MISSING
-                 else field.default_factory() if field.default_factory is not dataclasses.MISSING else None), docs.get(field.name, ""))
-                for field in dataclasses.fields(candidate)
-            ]  # fmt: skip
-    return []
+    return [
+        (inner, _type_name(field.type), _shown(field.default if field.default is not dataclasses.MISSING
+         else field.default_factory() if field.default_factory is not dataclasses.MISSING else None), doc)
+        for inner, field, doc in item_fields(key, hint)
+    ]  # fmt: skip
 
 
 def rows(task: str) -> list[tuple[str, str, str, str]]:
