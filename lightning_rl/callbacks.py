@@ -217,14 +217,13 @@ class ScheduleOnResume(Callback):
         change = _follow_new_schedule(configs[0].scheduler, step) if configs else None
         if change is not None:
             old, new = change
+            spans = f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned {recorded.get('schedule_steps')})"
             if old == new and not _spans_the_run(configs[0].scheduler):
                 said += f": the learning rate at this step stays {old:.3g} (its schedule does not depend on the run's length)"
             elif old == new:  # at the end of the warmup, say, both schedules give the peak rate
-                said += (f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned "
-                         f"{recorded.get('schedule_steps')}); the learning rate at this step stays {old:.3g}, the next ones follow the new span")
+                said += f"{spans}; the learning rate at this step stays {old:.3g}, the next ones follow the new span"
             else:
-                said += (f": the learning-rate schedule now spans {self.length['schedule_steps']} steps (it spanned "
-                         f"{recorded.get('schedule_steps')}), so the learning rate at this step is {new:.3g}, not {old:.3g}")
+                said += f"{spans}, so the learning rate at this step is {new:.3g}, not {old:.3g}"
         if trainer.is_global_zero:
             print(said, file=sys.stderr, flush=True)
 
