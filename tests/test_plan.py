@@ -105,9 +105,12 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     args = [MUSE_RECIPE, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--expert-parallel", "3"]
     assert plan.main(args) == 2
     assert "expert parallel 3 must divide both the 256 experts and the 64 GPUs" in capsys.readouterr().err
-    recipe.write_text("task: sft\nmodel: {model_name_or_path: x}\ndata: {train_data: rows.jsonl}\n")
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl}\n")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 0  # run's default
+    assert "1 GPUs x 2048 tokens x 1 accumulation" in capsys.readouterr().out
+    recipe.write_text("task: grpo\nmodel: {model_name_or_path: tiny}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
-    assert "`data.max_tokens` is missing" in capsys.readouterr().err
+    assert "`model.max_tokens_per_row` is null: each step is forwarded in one row" in capsys.readouterr().err
 
 
 def test_the_planner_finds_its_model_configs_from_any_working_directory(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -64,9 +64,19 @@ class RecipeView:
             raise LaunchError(f"{self.path}: `task` must be sft or grpo, got {task!r}")
         return task
 
+    def setting(self, dotted_key: str) -> Any:
+        """A ``model.*`` or ``data.*`` argument as ``run`` reads it: the recipe's value, else the task's module or
+        datamodule default (None where it has none)."""
+        value = self.get(dotted_key, _MISSING)
+        if value is not _MISSING:
+            return value
+        section, _, name = dotted_key.partition(".")
+        model_class, data_class = task_classes(self.task)
+        parameter = inspect.signature({"model": model_class, "data": data_class}[section]).parameters.get(name)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
     @property
     def model_id(self) -> str:
         """The model's hub id, local folder or embedded name, as ``run`` reads it: the module's default when the
         recipe does not say."""
-        model_class, _ = task_classes(self.task)
-        return str(self.get(MODEL_KEY, inspect.signature(model_class).parameters["model_name_or_path"].default))
+        return str(self.setting(MODEL_KEY))

@@ -75,7 +75,11 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         raise LaunchError(f"{recipe.path}: `trainer.precision: {precision}` is not one of {', '.join(_PRECISION_BYTES)}")
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
-    tokens = args.tokens_per_micro_batch or recipe.get(row_key)
+    tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
+    if tokens is None and recipe.task == "grpo":
+        raise LaunchError(f"{recipe.path}: `{row_key}` is null: each step is forwarded in one row, as long as its "
+                          "prompts and completions (data.batch_size x model.num_generations, model.sampling.max_new_tokens "
+                          "each); pass --tokens-per-micro-batch with that length")
     if not isinstance(tokens, int) or tokens < 1:
         raise LaunchError(f"{recipe.path}: `{row_key}` is missing or not a positive integer; pass --tokens-per-micro-batch")
     lora = recipe.get("model.lora")
@@ -92,7 +96,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         offload_activations=bool(recipe.get("model.offload_activations", False)),
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
         expert_parallel=_expert_parallel(recipe, args.expert_parallel),
-        logits_chunk=int(recipe.get("model.chunk_size", 1024)),
+        logits_chunk=int(recipe.setting("model.chunk_size")),
     )
 
 
