@@ -111,6 +111,10 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     recipe.write_text("task: grpo\nmodel: {model_name_or_path: tiny}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
     assert "`model.max_tokens_per_row` is null: each step is forwarded in one row" in capsys.readouterr().err
+    overrides = ["--", "--model.max_tokens_per_row=512", "--model.lora={r: 8}"]  # as run reads them
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "1 GPUs x 512 tokens x 1 accumulation" in out and "LoRA r=8" in out
 
 
 def test_the_planner_finds_its_model_configs_from_any_working_directory(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -25,6 +25,15 @@ class FlagParser(argparse.ArgumentParser):
         raise LaunchError(message)
 
 
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    """A launch command's own flags, and the ``lightning-rl run`` overrides after ``--`` that it passes on."""
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], tuple(argv[cut + 1 :])
+    return argv, ()
+
+
 _MISSING = object()
 MODEL_KEY = "model.model_name_or_path"
 

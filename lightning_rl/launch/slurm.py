@@ -12,7 +12,7 @@ from pathlib import Path
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
 from lightning_rl.launch.layout import Allocation
-from lightning_rl.launch.recipe_view import FlagParser, LaunchError, RecipeView
+from lightning_rl.launch.recipe_view import FlagParser, LaunchError, RecipeView, split_overrides
 from lightning_rl.launch.render import SlurmOptions, job_name, render_slurm_script, write_script
 
 
@@ -54,13 +54,7 @@ def _check_partition_exists(partition: str) -> None:
 
 
 def _split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
-    argv = list(argv)
-    if argv[:1] == ["slurm"]:
-        argv = argv[1:]
-    if "--" in argv:
-        cut = argv.index("--")
-        return argv[:cut], tuple(argv[cut + 1 :])
-    return argv, ()
+    return split_overrides(argv[1:] if list(argv[:1]) == ["slurm"] else argv)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

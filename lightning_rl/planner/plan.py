@@ -1,4 +1,4 @@
-"""`lightning-rl plan RECIPE.yaml --nodes N --gpus-per-node G --gpu-memory-gb M`: will it fit, how fast.
+"""`lightning-rl plan RECIPE.yaml --nodes N --gpus-per-node G --gpu-memory-gb M [-- RUN OVERRIDES]`: will it fit, how fast.
 
 Exit code 0 when the plan fits, 1 when it does not (the numbers say by how much), 2 on bad input.
 """
@@ -16,7 +16,7 @@ from lightning_rl.planner.memory_plan import Hardware, Training, format_plan, pl
 from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
-from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView
+from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView, split_overrides
 from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 
 # Where configs of models too large to download for planning are checked in, by model id.
@@ -26,7 +26,8 @@ _PRECISION_BYTES = {"bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = FlagParser(prog="lightning-rl plan", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="lightning-rl plan", description=__doc__.splitlines()[0],
+                        epilog="after --: lightning-rl run overrides of the recipe (--model.lora.r=32 ...), planned as run reads them")
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True)
@@ -133,9 +134,10 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        own_args, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+        args = _parser().parse_args(own_args)
         _check_flags(args)
-        recipe = RecipeView.parse(args.recipe)
+        recipe = RecipeView.parse(args.recipe, overrides)
         training = _training(recipe, args)
         census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe))
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
