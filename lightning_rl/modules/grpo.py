@@ -142,9 +142,10 @@ class GRPOModule(PolicyModule):
             training on an accelerator (on a CPU the push takes the cores the step and the engine need), where the
             staged copy takes at most a quarter of the free host memory; ``always`` (refused without async_mode and
             max_staleness >= 1); ``never``: the trainer waits for every push.
-        tools, max_turns: tool functions (dotted paths): multi-turn rollouts. TRL: `max_tool_calling_iterations`.
-        samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues
-            as 2 samples), giving nested forks; leaves of a prompt are its group.
+        tools: tool functions (dotted paths, or ``Tool`` objects): the model may call them, and reads their answers.
+        max_turns: replies a rollout may take, each after the tools' answers to the last. TRL: `max_tool_calling_iterations`.
+        samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues as 2 samples),
+            giving nested forks; leaves of a prompt are its group.
         tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.
         tool_output_max_chars: a tool's answer is cut to this many characters before the model reads it.
         max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
@@ -157,8 +158,7 @@ class GRPOModule(PolicyModule):
             ``merged`` into the weights or its ``adapter`` alone, ``delta`` (only changed tensors), ``auto``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily before training and after,
-            by the SFT module's evaluator: ``summary.json`` reports ``heldout_exact_match_before`` and
-            ``heldout_exact_match``.
+            by the SFT module's evaluator (``summary.json``: ``heldout_exact_match_before``, ``heldout_exact_match``).
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
     """
