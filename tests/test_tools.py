@@ -228,7 +228,7 @@ def test_closing_never_waits_for_a_hung_tool_and_an_exiting_run_leaves_no_worker
     time.sleep(2)  # the call is running (or its worker starting)
     started = time.monotonic()
     executor.close()
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # not the 600 s the call may take: a loaded machine may take seconds to reap
     caller.join(timeout=10)
     assert not caller.is_alive() and outcome[0].failure == "worker_lost"
     assert executor.run(_call("sleeps_forever")).content == "Error: sleeps_forever was not run: the run is ending"
