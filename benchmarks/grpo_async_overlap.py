@@ -34,6 +34,9 @@ Every figure is over the steps after ``--warmup``, from the first measured step'
   ``trainer_idle_parts`` splits it into those two, the step's bookkeeping (advantages, packing, logging) and the
   time between steps (Lightning's loop, callbacks); ``push_s_mean`` is a push's own time, on whichever thread;
 - ``engine_idle_fraction``: the share with no generate request of ours in flight at the server;
+- ``cores_busy``: CPU seconds per second of that time, of the trainer's process and of the server's (its API process
+  and engine core together), and their sum: on a machine of ``machine.cpus`` cores, a sum near that number means the
+  loop is bound by the cores, and overlapping its parts can only share them out differently;
 - ``max_staleness_trained`` and ``token_fraction_by_staleness``: a token's staleness is the batch's index (the
   trainer's weight version when it trains it) minus the version that sampled that token (`Rollout.versions`).
 
@@ -44,6 +47,7 @@ vLLM CPU thread mask), so that on a small machine the modes measure overlap, not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -58,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import psutil  # a dependency of vLLM, which this benchmark runs
 import torch
 from transformers import AutoTokenizer
 
@@ -75,10 +80,24 @@ ENGINE = "lightning_rl.rollout.vllm_server.VLLMServerEngine"
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-class LoopClock(L.Callback):
-    """Times each step, the trainer's pushes and the engine's generate calls (as intervals, to measure overlap)."""
+def cpu_seconds(process: psutil.Process, children: bool) -> float:
+    """User and system CPU time of ``process`` (and its children: those that already ended not counted), so far."""
+    total = 0.0
+    for proc in (process, *(process.children(recursive=True) if children else ())):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
-    def __init__(self) -> None:
+
+class LoopClock(L.Callback):
+    """Times each step, the trainer's pushes and the engine's generate calls (as intervals, to measure overlap), and
+    at each step's start and end the CPU time of the trainer's process and the server's."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.processes = {"trainer": psutil.Process(), "server": psutil.Process(server_pid)}
+        self.cpu_at_starts: list[dict[str, float]] = []
+        self.cpu_at_end: dict[str, float] = {}
         self.step_starts: list[float] = []
         self.step_ends: list[float] = []
         self.train_s: list[float] = []
@@ -122,11 +141,17 @@ class LoopClock(L.Callback):
 
         pl_module._push_weights = timed_module_push
 
+    def _cpu(self) -> dict[str, float]:
+        # The server is a child of this process: the trainer's own time is its process's alone.
+        return {name: cpu_seconds(process, children=name == "server") for name, process in self.processes.items()}
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.cpu_at_starts.append(self._cpu())
         self.step_starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.step_ends.append(time.perf_counter())
+        self.cpu_at_end = self._cpu()
         self.train_s.append(float(trainer.callback_metrics["train/time/train_s"]))
         self.wait_s.append(float(trainer.callback_metrics["train/time/wait_for_rollouts_s"]))
         self.batches.append(pl_module.last_trained)
@@ -143,7 +168,7 @@ def busy_seconds(intervals: list[tuple[float, float]], start: float, end: float)
     return total
 
 
-def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
+def run(mode: str, server: VLLMServer, model: Path, stop_ids: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     async_mode, pause, background = MODES[mode]
     L.seed_everything(0, verbose=False)
     module = GRPOModule(
@@ -151,10 +176,10 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
         rewards=[RewardSpec("math_answer"), RewardSpec("format", weight=0.5, kwargs={"pattern": r"\s*\d"})],
         num_generations=args.generations, sampling={"max_new_tokens": args.max_new_tokens}, learning_rate=1e-3,
         async_mode=async_mode, max_staleness=args.max_staleness, push_in_background=background, log_rollouts_every_n_steps=0,
-        engine={"class_path": ENGINE, "init_args": {"url": url, "pause": pause}},
+        engine={"class_path": ENGINE, "init_args": {"url": server.url, "pause": pause}},
     )
     module.sampling = dataclasses.replace(module.sampling, stop_token_ids=stop_ids)  # the long tail (module docstring)
-    clock = LoopClock()
+    clock = LoopClock(server.pid)
     trainer = L.Trainer(
         max_steps=args.warmup + args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
@@ -174,6 +199,7 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
             lengths.append(len(rollout.completion_ids))
             staleness.update(scored.index - v for v in rollout.versions)
     tokens = sum(staleness.values())
+    cores = {name: (clock.cpu_at_end[name] - clock.cpu_at_starts[args.warmup][name]) / wall for name in clock.processes}
     return {
         "steps_measured": len(clock.batches[measured]),
         "wall_s": wall,
@@ -191,6 +217,7 @@ def run(mode: str, url: str, model: Path, stop_ids: tuple[int, ...], args: argpa
         "trainer_push_s_mean": sum(pushes[measured]) / max(len(pushes[measured]), 1),
         "push_in_background": all(clock.pushed_off_trainer[1:]),
         "engine_idle_fraction": 1 - busy_seconds(clock.generating, start, end) / wall,
+        "cores_busy": {**cores, "sum": sum(cores.values())},
         "max_staleness_trained": max(staleness),
         "token_fraction_by_staleness": {str(k): staleness[k] / tokens for k in sorted(staleness)},
         "completion_lengths": {
@@ -226,7 +253,7 @@ def main() -> None:
             env=SINGLE_THREADED,
         ).start()
         try:
-            modes = {mode: run(mode, server.url, model, stop_ids, args) for mode in args.modes}
+            modes = {mode: run(mode, server, model, stop_ids, args) for mode in args.modes}
         finally:
             server.stop()
     result = {
