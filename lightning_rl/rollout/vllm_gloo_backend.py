@@ -33,7 +33,9 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.models.weights import AdapterSpec
 from lightning_rl.rollout.vllm_engine import write_adapter
-from lightning_rl.rollout.vllm_held import held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, ties_of
+from lightning_rl.rollout.vllm_held import (
+    held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, relayout_reloaded_experts, ties_of,
+)
 
 BACKEND = "gloo"
 
@@ -113,11 +115,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.model.load_weights(list(self.layout.checked_with_ties(received, self.loaded, held_aliases=self.aliases)))
         except Exception:
             # Modules that got nothing yet take their old weights back, so the server goes on serving.
-            finalize_layerwise_reload(self.model, self.model_config)
+            self.finish_weight_update()
             raise
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
+        relayout_reloaded_experts(self.model, self.loaded)
 
     def stage(self, manifest: gloo_transport.ChunkManifest) -> None:
         """Receive one chunk on a thread of this worker, into host memory, while the engine goes on generating;

@@ -6,7 +6,9 @@ of a live parameter, cut back out here. A MoE layer's experts live in two [exper
 (``w13``: gate and up stacked; ``w2``: down), as transformers' fused ``gate_up_proj`` and ``down_proj`` do. On a CPU,
 vLLM also hands each linear layer's weight to a GEMM kernel of its own (oneDNN) and leaves the parameter empty: that
 weight is read back through the layer itself, as the product of its own kernel with the identity (one non-zero term
-per output, so the read is exact), which is what the engine really computes with. The digests of these tensors are
+per output, so the read is exact), which is what the engine really computes with. Its MoE kernel keeps each expert's
+weights in a layout of its own (prepacked, the intermediate rows padded to its alignment), undone here by the
+permutation that kernel applies, read once per shape. The digests of these tensors are
 what `models.weights.verify_held` compares with the trainer's. Runs inside the worker that holds the model
 (in-process, or a server's worker); no vLLM import.
 """
@@ -60,6 +62,9 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                 full = renamed.get(f"{module_name}.{name}", f"{module_name}.{name}")
                 owner = full.rpartition(".")[0]  # the module's checkpoint name
                 live = _live_weight(module, name, param)
+                isa = _cpu_prepacked(module)
+                if isa is not None and name in _EXPERT_PARTS:
+                    live = _unpacked_experts(live, isa, layout.shapes.get(f"{owner.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"))
                 experts = _expert_tensors(owner, name, live, layout)
                 if experts is not None:
                     yield from experts
@@ -96,6 +101,65 @@ def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: Che
         return None
     checkpoint_name = f"{module_name.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"
     return [(checkpoint_name, live)] if layout.shapes.get(checkpoint_name) == tuple(live.shape) else None
+
+
+def _cpu_prepacked(module: nn.Module) -> str | None:
+    """The instruction set vLLM's CPU MoE kernel prepacked this experts module's weights for (None: not prepacked)."""
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if type(experts).__module__.rpartition(".")[2] != "cpu_moe" or getattr(experts, "_use_zentorch", True):
+        return None
+    return getattr(experts, "isa", None)
+
+
+_PREPACK_ORDER: dict[tuple[int, int, torch.dtype, str], torch.Tensor] = {}
+
+
+def _prepack_order(rows: int, columns: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """Where the CPU MoE kernel's prepack takes each element of an expert's [rows, columns] weight from: prepacked
+    flat element j is the original's element order[j]. Read by prepacking the index's base-256 digits, small integers
+    every float dtype holds exactly (the prepack only moves elements, one expert at a time)."""
+    key = (rows, columns, dtype, isa)
+    if key not in _PREPACK_ORDER:
+        index, order = torch.arange(rows * columns), torch.zeros(rows * columns, dtype=torch.long)
+        for place in range(max(1, ((rows * columns - 1).bit_length() + 7) // 8)):
+            digits = (index >> (8 * place)) % 256
+            packed = torch.empty(1, rows, columns, dtype=dtype)
+            torch.ops._C.prepack_moe_weight(digits.to(dtype).reshape(1, rows, columns), packed, isa)
+            order += packed.reshape(-1).long() << (8 * place)
+        _PREPACK_ORDER[key] = order
+    return _PREPACK_ORDER[key]
+
+
+def _unpacked_experts(live: torch.Tensor, isa: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """A prepacked [experts, rows, columns] parameter in the checkpoint's layout (``shape``): the prepack undone, and
+    the kernel's padding of the intermediate size cut (``w13``: gate and up rows each padded; ``w2``: columns)."""
+    experts, rows, columns = live.shape
+    order = _prepack_order(rows, columns, live.dtype, isa)
+    unpacked = torch.empty_like(live).reshape(experts, -1)
+    unpacked[:, order] = live.reshape(experts, -1)
+    unpacked = unpacked.reshape(experts, rows, columns)
+    if shape is None or tuple(unpacked.shape) == tuple(shape):
+        return unpacked
+    if shape[2] == columns and shape[1] % 2 == 0 and rows % 2 == 0 and rows >= shape[1]:  # w13: gate, then up
+        half, padded = shape[1] // 2, rows // 2
+        return torch.cat([unpacked[:, :half], unpacked[:, padded : padded + half]], dim=1)
+    if shape[1] == rows and columns >= shape[2]:  # w2: the intermediate columns
+        return unpacked[:, :, : shape[2]]
+    return unpacked
+
+
+def relayout_reloaded_experts(model: nn.Module, loaded: Iterable[str]) -> None:
+    """Prepack again the CPU MoE experts whose weights a reload wrote. vLLM's CPU kernel prepacks them once, after the
+    first load; its layerwise reload writes them back in the checkpoint's layout and, treating it as a weight update,
+    skips that step, so the kernel would compute with weights it reads in the wrong order. Call after the reload (a
+    failed one included: the layers it reached hold what it wrote); a layer it did not reach is left as it is."""
+    prefixes = {name.rpartition(".")[0] for name in loaded}
+    for module_name, module in model.named_modules():
+        if "w13_weight" not in dict(module.named_parameters(recurse=False)) or _cpu_prepacked(module) is None:
+            continue
+        owner = module_name.replace(".base_layer", "").removesuffix(".routed_experts")
+        if owner in prefixes or any(prefix.startswith(owner + ".") for prefix in prefixes):
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _checkpoint_names(model: nn.Module, layout: CheckpointLayout) -> dict[str, str]:

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from engine_checks import KV_CACHE_BYTES, load_trainer_model
+from engine_checks import KV_CACHE_BYTES, LOGPROB_ATOL, load_trainer_model, max_logprob_error
 from peft import LoraConfig, get_peft_model
 
 from lightning_rl.errors import RecipeError
@@ -39,6 +39,16 @@ def engine(moe_dir):
 
     engine = VLLMEngine(moe_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES,
                         enforce_eager=True, max_lora_rank=16)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def plain_engine(moe_dir):
+    """Without LoRA serving: on the CPU build, a LoRA-serving engine runs its MoE layers through Triton (see above)."""
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(moe_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
     yield engine
     engine.close()
 
@@ -72,16 +82,21 @@ def test_moe_targets_vllm_serves_on_no_build_are_refused_naming_the_module(engin
     assert re.fullmatch(rf"vLLM's Qwen3MoeForCausalLM serves LoRA on .*experts\.0\.gate_proj.*, not on {re.escape(module)}", refusal)
 
 
-def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(engine, moe_dir, monkeypatch):
+def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(plain_engine, moe_dir, monkeypatch):
+    """vLLM's CPU MoE kernel computes with experts it prepacked after the first load; a reload writes them back in the
+    checkpoint's layout, and the engine prepacks them again (`relayout_reloaded_experts`): the engine then computes
+    what the trainer does, and the read-back undoes the prepack to compare the checkpoint's layout."""
     trainer = load_trainer_model(moe_dir)
     with torch.no_grad():
         for param in trainer.parameters():
             param.add_(torch.randn_like(param) * 1e-3)
-    version = engine.weight_version + 1
-    engine.push_weights(iter_full_weights(trainer), version=version)  # every expert's weights read back and equal
-    assert engine.weight_version == version
+    version = plain_engine.weight_version + 1
+    plain_engine.push_weights(iter_full_weights(trainer), version=version)  # every expert's weights read back and equal
+    assert plain_engine.weight_version == version
+    sampled = plain_engine.generate([[5, 6, 7, 8], [9, 10, 11]], n=2, sampling=SamplingConfig(max_new_tokens=8, seed=4))
+    assert max_logprob_error(trainer, sampled.rollouts) < LOGPROB_ATOL  # 0.05 when the experts were left unpacked
     # Negative control: one value of one expert's up projection (the second half of vLLM's w13) changed after loading.
-    reload = engine._reload
+    reload = plain_engine._reload
 
     def corrupt_one_expert(weights):
         reload(weights)
@@ -89,10 +104,10 @@ def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(engine, moe_d
         def corrupt(model):
             model.model.layers[0].mlp.experts.routed_experts.w13_weight.data[1, -1, 0] += 1e-3
 
-        engine._llm.apply_model(corrupt)
+        plain_engine._llm.apply_model(corrupt)
 
-    monkeypatch.setattr(engine, "_reload", corrupt_one_expert)
+    monkeypatch.setattr(plain_engine, "_reload", corrupt_one_expert)
     with pytest.raises(WeightMismatchError, match=rf"^weight sync to version {version + 1} failed verification: the engine's "
                        r"'model.layers.0.mlp.experts.gate_up_proj' differs"):
-        engine.push_weights(iter_full_weights(trainer), version=version + 1)
+        plain_engine.push_weights(iter_full_weights(trainer), version=version + 1)
 
