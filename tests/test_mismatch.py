@@ -211,3 +211,30 @@ def test_the_tiny_moe_recipe_logs_every_mismatch_figure_and_a_route_agreement_of
         for name in ("ratio_mean", "ratio_min", "ratio_max"):
             assert float(row[f"train/mismatch/{name}"]) == pytest.approx(1.0, abs=1e-5)
         assert float(row["train/mismatch/corrected_fraction"]) == 0.0
+
+
+def logs_at_the_first_step(completions, trainer_state, log_metric, **_):
+    if trainer_state.global_step == 0:
+        log_metric("first_step_only", 123.0)
+    return [len(c) / 10 for c in completions]
+
+
+def test_a_figure_logged_at_some_steps_is_absent_from_the_others(tmp_path):
+    """Lightning logs each training figure logged so far at every later step of the epoch; a figure of some steps (the
+    mismatch of a fresh batch, a reward's metric) is absent where they did not log it, not repeated from the last."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rl.data.prompts import PromptDataModule
+    from support.grpo import FAST
+
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(**{**FAST, "rewards": [RewardSpec("test_mismatch:logs_at_the_first_step")], "async_mode": True,
+                           "max_staleness": 1})  # fmt: skip
+    run = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    run.fit(module, PromptDataModule(batch_size=2))
+    (metrics,) = tmp_path.glob("csv/*/metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.open()) if row.get("train/rollout/staleness")]
+    assert [row["train/rollout/staleness"] for row in rows] == ["0.0", "1.0", "1.0"]  # batch 0 of the first weights
+    assert [bool(row["train/mismatch/kl"]) for row in rows] == [True, False, False]  # a stale batch's is offpolicy/kl
+    assert [row["train/reward_metric/first_step_only"] for row in rows] == ["123.0", "", ""]

@@ -38,6 +38,20 @@ class PolicyModule(LightningModule):
         self._backends: dict[torch.device, str] = {}
         self.offloaded: OffloadedForwards | None = None  # with offload_activations: what the latest forward moved
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """A step's figures are those logged during it. Lightning logs every training figure logged so far in the epoch
+        at each step (a GRPO run is one long epoch), so one logged at some steps only (a packing check's error, a
+        failure count, a fresh batch's mismatch) would repeat its last value at every later step: at each step's first
+        micro-batch, those logged for a step alone are forgotten."""
+        if batch_idx % self.trainer.accumulate_grad_batches:
+            return
+        connector = self.trainer._logger_connector
+        for result in (self.trainer._results or {}).values():
+            if result.meta.on_step and not result.meta.on_epoch and not result.has_reset:
+                result.reset()
+                for cached in (connector._progress_bar_metrics, connector._callback_metrics):
+                    cached.pop(result.meta.name, None)
+
     def load_policy(self, path: str, lora: LoraSettings | None) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
         strategy loads them sharded, an image-text model's towers as ``towers`` says, each decoder layer recomputed
