@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from support.paths import TOY_TRAIN
@@ -192,3 +193,18 @@ def test_sampler_is_seeded_resumable_and_sharded(toy_examples):
     ranks = [make(rank=r, world_size=2) for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == len(b) // 2
     assert not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
+
+
+def test_every_epoch_trains_every_example_once_in_as_many_rows_as_the_first(toy_examples):
+    """Lightning reads the number of rows once per run: an epoch with more would end before its last rows."""
+    examples = toy_examples[:12]  # 37 and 42 tokens: rows of 120 hold two or three, depending on the order
+    orders = [torch.randperm(12, generator=torch.Generator().manual_seed(3 + epoch)).tolist() for epoch in range(4)]
+    assert len({len(plan_batches(examples, order, 120, "flat")) for order in orders}) > 1  # planned again, counts differ
+    sampler = TokenBudgetBatchSampler(examples, 120, "flat", shuffle=True, seed=3)
+    epochs = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+        assert len(sampler) == len(epochs[0]) == len(epochs[-1])
+        assert sorted(i for row in epochs[-1] for i in row) == list(range(12))
+    assert len({tuple(map(tuple, rows)) for rows in epochs}) > 1  # a new order of the rows

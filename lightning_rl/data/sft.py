@@ -363,6 +363,10 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Seeded, resumable batches under a token budget: epoch ``e`` always yields the same batches.
 
+    The rows are planned once, from a seeded shuffle of the examples, and each later epoch takes them in a new seeded
+    order: every epoch trains every example once in the same number of rows, which Lightning reads once per run (rows
+    planned again per epoch could number more, and it would end such an epoch before the last).
+
     Each of ``world_size`` ranks takes every ``world_size``-th batch, all ranks the same number (so
     collectives line up); this replaces Lightning's distributed sampler, which the CLI turns off.
     ``skip_batches`` drops the first batches of an epoch, which is how a resumed run continues
@@ -377,6 +381,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.skip: dict[int, int] = {}
+        self._plan: list[list[int]] | None = None
         self._cache: tuple[int, list[list[int]]] | None = None
         self.sampler = self  # Lightning calls `set_epoch` on a batch sampler's `sampler`, never on the batch sampler
 
@@ -387,16 +392,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.skip[epoch] = count
 
     def _batches(self) -> list[list[int]]:
+        if self._plan is None:
+            order = self._order(len(self.examples), epoch=0)
+            self._plan = plan_batches(self.examples, order, self.max_tokens, self.packing)
         if self._cache is None or self._cache[0] != self.epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                order = torch.randperm(len(self.examples), generator=g).tolist()
-            else:
-                order = list(range(len(self.examples)))
-            batches = plan_batches(self.examples, order, self.max_tokens, self.packing)
+            batches = self._plan if self.epoch == 0 else [self._plan[i] for i in self._order(len(self._plan), self.epoch)]
             per_rank = len(batches) // self.world_size
             self._cache = (self.epoch, batches[self.rank :: self.world_size][:per_rank])
         return self._cache[1]
+
+    def _order(self, n: int, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(n))
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self._batches()[self.skip.pop(self.epoch, 0) :]
@@ -467,8 +475,8 @@ class SFTDataModule(LightningDataModule):
             `packing_strategy`, `padding_free`.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
             TRL: the same name.
-        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order). TRL:
-            `shuffle_dataset`.
+        shuffle: the examples in a seeded order, packed into rows once, and the rows in a new order every epoch (a
+            resume sees the same orders). TRL: `shuffle_dataset`.
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
     """
