@@ -145,3 +145,31 @@ def step_metrics(out) -> dict[int, tuple[float, float]]:
     """Per optimizer step: the logged token-mean loss and gradient norm (rows of the run's metrics.csv)."""
     with next(out.glob("csv/*/metrics.csv")).open() as f:
         return {int(r["step"]): (float(r["train/loss"]), float(r["train/grad_norm"])) for r in csv.DictReader(f) if r["train/grad_norm"]}
+
+
+def test_greedy_generation_ends_a_reply_at_the_models_end_of_turn(tiny_path, tiny_tokenizer):
+    """A chat model whose generation config ends a reply at a token besides the tokenizer's end of text (Gemma's
+    ``<end_of_turn>``) stops there, as its own ``generate`` does: the held-out exact match compares that reply."""
+    from lightning_rl.models.loading import generate_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    prompt = tiny_tokenizer("12+7=")["input_ids"]
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+    assert len(ids) == 6 and tiny_tokenizer.eos_token_id not in ids
+    model.generation_config.eos_token_id = [tiny_tokenizer.eos_token_id, ids[0]]  # the first token plays the end of turn
+    assert generate_greedy(model, tiny_tokenizer, [prompt], max_new_tokens=6) == [tiny_tokenizer.decode(ids[:1], skip_special_tokens=True)]
+
+
+def test_a_model_transformers_runs_without_sdpa_loads_and_generates(tmp_path, tiny_tokenizer):
+    """Gemma-2 has no sdpa attention in transformers: it loads with eager attention for generation (its soft-capped
+    attention is refused by tree packing in one line, ``test_packing_families``; without soft-capping it trains)."""
+    from transformers import Gemma2Config
+
+    from lightning_rl.models.loading import generate_greedy
+
+    config = Gemma2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, attn_logit_softcapping=None)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path))
+    assert model.config._attn_implementation == "eager"
+    assert len(generate_greedy(model, tiny_tokenizer, [[5, 6, 7]], max_new_tokens=3)) == 1

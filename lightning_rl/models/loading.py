@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrainedTokenizerBase
 
 from lightning_rl import validation
 from lightning_rl.disk_space import no_room, space_error, tensor_bytes
@@ -93,14 +93,15 @@ def load_causal_lm(
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path)
     auto = auto_model_class(config)
+    attention = causal_attention(auto, config)
     if defer_weights:
         with torch.device("meta"):
-            model = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+            model = auto.from_config(config, attn_implementation=attention, dtype=torch.float32)
         if (Path(path) / "generation_config.json").exists():
             model.generation_config = GenerationConfig.from_pretrained(path)
         sharded_loading.defer_weights(model, path)
     else:
-        model = auto.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        model = auto.from_pretrained(path, attn_implementation=attention, dtype=torch.float32)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     check_towers(towers, lora)
@@ -155,6 +156,23 @@ def _outside_text_model(model: torch.nn.Module) -> str | None:
 
 
 @torch.no_grad()
+def causal_attention(model_class: type, config: PreTrainedConfig) -> str:
+    """``sdpa``, or ``eager`` for a model class transformers runs without it (Gemma-2: its attention soft-caps)."""
+    try:
+        model_class = model_class._model_mapping[type(config)] if hasattr(model_class, "_model_mapping") else model_class
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
+def end_of_turn_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens that end a reply: the model's generation config's (a chat model's end of turn, as Gemma's
+    ``<end_of_turn>``, besides its end of text) and the tokenizer's end of sequence."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
+
+
 def generate_greedy(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64,
     images: list[list[dict[str, torch.Tensor]]] | None = None,
@@ -164,7 +182,7 @@ def generate_greedy(
     was_training = model.training
     model.eval()
     # Packed training switches attention to the tree kernel; generation runs ordinary causal attention.
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(causal_attention(type(model), model.config))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts: list[str] = []
@@ -185,7 +203,7 @@ def generate_greedy(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=end_of_turn_ids(model, tokenizer),
             )
             texts.extend(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
     finally:
