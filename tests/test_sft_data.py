@@ -151,6 +151,21 @@ def test_example_longer_than_max_length(tiny_tokenizer, tmp_path):
         load_examples(path, Renderer(tiny_tokenizer, "tiny"), 64)
 
 
+def test_an_example_past_the_positions_the_model_learned_is_refused_naming_its_row(tiny_tokenizer, tmp_path):
+    """GPT-2 learned 64 positions here (``n_positions``): a longer row would index past its table in the forward."""
+    from transformers import GPT2Config
+
+    from lightning_rl.data.sft import SFTDataModule
+
+    GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")
+    tiny_tokenizer.save_pretrained(tmp_path / "gpt2")
+    long_row = {"prompt": "1+" * 40 + "1=", "completion": "41"}
+    data = SFTDataModule(write_jsonl(tmp_path / "long.jsonl", [GOOD, long_row]), max_tokens=256, tokenizer=str(tmp_path / "gpt2"))
+    with pytest.raises(DataError, match=r"^.*long.jsonl: line 2: \d+ tokens, longer than the 64 positions the model learned "
+                       r"\(its config's n_positions\) \(shorten the row\)$"):
+        data.setup("fit")
+
+
 def test_tokenizer_without_chat_template(tiny_path, tmp_path):
     bare = AutoTokenizer.from_pretrained(tiny_path)
     bare.chat_template = None

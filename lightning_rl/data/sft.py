@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.multimodal import load_processor, position_rule
-from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.models.paths import learned_positions, resolve_model_path
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import (
     ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
@@ -325,9 +325,11 @@ class Renderer:
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
 
-def load_examples(source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length") -> tuple[list[Example], list[GenerationCase]]:
+def load_examples(
+    source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length", limit: str | None = None
+) -> tuple[list[Example], list[GenerationCase]]:
     """Check and render every row of ``source``; the first bad row raises DataError naming it (a row longer than
-    ``max_length``: with ``fix``, what lets it in)."""
+    ``max_length``: with ``fix``, what lets it in; ``limit``: what ``max_length`` is, when not the key itself)."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(f"{name}: no rows")
@@ -345,7 +347,8 @@ def load_examples(source: DataSource, renderer: Renderer, max_length: int, fix: 
         except ValueError as e:
             raise DataError(f"{name}: {where}: {e}") from None
         if len(example.input_ids) > max_length:
-            raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than max_length={max_length} ({fix}, or shorten the row)")
+            hint = f"{fix}, or shorten the row" if fix else "shorten the row"
+            raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than {limit or f'max_length={max_length}'} ({hint})")
         examples.append(example)
         if case is not None:
             cases.append(case)
@@ -531,9 +534,14 @@ class SFTDataModule(LightningDataModule):
         self.position_rule = position_rule(path) if self.processor is not None else None  # multi-axis rotary positions
         renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id)
         fix = "raise data.max_length" if self.max_length < self.max_tokens else "raise data.max_tokens, which max_length may not exceed"
-        self.train_examples, _ = load_examples(self.train_data, renderer, self.max_length, fix)
+        max_length, limit = self.max_length, None
+        positions = learned_positions(path)
+        if positions is not None and positions[0] < max_length:  # a longer row would index past the model's table
+            (max_length, key), fix = positions, ""
+            limit = f"the {max_length} positions the model learned (its config's {key})"
+        self.train_examples, _ = load_examples(self.train_data, renderer, max_length, fix, limit)
         if self.val_data is not None:
-            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, self.max_length, fix)
+            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, max_length, fix, limit)
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
 

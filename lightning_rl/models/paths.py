@@ -6,6 +6,8 @@ import functools
 import re
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 from lightning_rl.toy.model import TINY_MOE_NAME, TINY_NAME, tiny_model_path, tiny_moe_path
@@ -26,6 +28,21 @@ def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> st
         return str(tiny_moe_path())
     check_model_source(name_or_path, key)
     return name_or_path
+
+
+_ROTARY_OR_RELATIVE = ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct", "rotary_emb_base", "alibi")
+
+
+def learned_positions(path: str) -> tuple[int, str] | None:
+    """``(size, config key)`` of the table of absolute positions a model learned (GPT-2's ``n_positions``), past which
+    its forward fails; None for a model whose positions are rotary or relative (they run past their trained length)."""
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    if any(getattr(config, key, None) for key in _ROTARY_OR_RELATIVE):
+        return None
+    for key in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key), key
+    return None
 
 
 def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:
