@@ -246,3 +246,20 @@ def test_a_batch_with_supports_goes_through_a_checkpoint(tmp_path):
     torch.save(batch.state(), tmp_path / "state.pt")
     restored = ScoredBatch.from_state(torch.load(tmp_path / "state.pt", weights_only=True))
     assert torch.equal(restored.rollouts[0].support, support) and restored.rollouts[0].sequence_support.shape == (4, 2)
+
+
+def test_the_vllm_engines_read_a_top_k_support_widened_by_ties():
+    """vLLM's top-k keeps every token tied with the k-th logit (frequent in low precision): the engines read supports
+    of up to 2 x top_k + 16 tokens, and a wider one is refused naming the ties, not the cap it is within."""
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.rollout.base import SamplingConfig
+    from lightning_rl.rollout.vllm_engine import support_of, support_request
+
+    sampling = SamplingConfig(max_new_tokens=1, top_k=5)
+    assert support_request(sampling, vocab_size=512) == 27
+    removed = -float("inf")
+    tied = [(token, -1.5 if token < 6 else removed) for token in range(27)]  # six kept: the 5th and 6th tie
+    assert sorted(support_of([tied], sampling, 512)[0].tolist()) == list(range(6))
+    with pytest.raises(RecipeError, match=r"kept at least 27 tokens, more than the 26 the engine reads for top_k .*; fewer ties"):
+        support_of([[(token, -3.3) for token in range(27)]], sampling, 512)
+    assert support_request(SamplingConfig(max_new_tokens=1, top_k=5, max_support=8), 512) == 9  # the cap still bounds it

@@ -42,9 +42,9 @@ class SamplingSettings:
         repetition_penalty: CTRL's penalty on tokens already in the prompt or completion (1: off). TRL: the same
             name.
         max_support: the most tokens the filters may keep at one sampled token: the trainer holds each token's
-            support, and the vLLM engines report max_support + 1 top log-probs per token to find it (fewer with
-            top_k), so a wider support (top_p alone at a high temperature on a large vocabulary) is refused at run
-            time. top_k bounds it.
+            support, and the vLLM engines report max_support + 1 top log-probs per token to find it (with top_k, at
+            most 2 x top_k + 17: top-k keeps the tokens tied with the k-th too), so a wider support (top_p alone at a
+            high temperature on a large vocabulary) is refused at run time. top_k bounds it, ties aside.
     """
 
     max_new_tokens: int = 32
@@ -218,12 +218,11 @@ def check_support_width(width: int, sampling: SamplingSettings) -> int:
     return width
 
 
-def support_too_wide(sampling: SamplingSettings, kept: str) -> RecipeError:
+def support_too_wide(sampling: SamplingSettings, kept: str, fix: str = "raise max_support, or bound the support with top_k") -> RecipeError:
     """The refusal of a sampled token whose filters ``kept`` more tokens than the trainer holds."""
     return RecipeError(
         f"sampling.max_support={sampling.max_support}: a sampled token's filters {kept} (top_p={sampling.top_p}, "
-        f"top_k={sampling.top_k}, min_p={sampling.min_p}, temperature={sampling.temperature}); raise max_support, "
-        "or bound the support with top_k", "sampling.max_support",
+        f"top_k={sampling.top_k}, min_p={sampling.min_p}, temperature={sampling.temperature}); {fix}", "sampling.max_support",
     )
 
 

@@ -83,7 +83,8 @@ _REMOVED = -9999.0
 
 def support_request(sampling: SamplingConfig, vocab_size: int) -> int:
     """Top log-probs to ask per sampled token: 0 (the sampled token's alone) without a filter; with one, one more
-    than the widest support allowed (top_k's, else max_support's), or the whole vocabulary if smaller.
+    than the widest support read (max_support; with top_k, at most 2 x top_k + 16 of it, since top-k keeps every token
+    tied with the k-th, as low-precision logits often are), or the whole vocabulary if smaller.
 
     vLLM's CPU build does not honour ``return_sampling_mask`` (it needs the V2 model runner, which needs Triton's GPU
     backends), so the support is read off the processed log-probs instead: they are those of the filtered
@@ -92,7 +93,7 @@ def support_request(sampling: SamplingConfig, vocab_size: int) -> int:
     wide to have been read, refused by `support_of`."""
     if not sampling.filtered:
         return 0
-    widest = min(sampling.top_k, sampling.max_support) if sampling.top_k else sampling.max_support
+    widest = min(2 * sampling.top_k + 16, sampling.max_support) if sampling.top_k else sampling.max_support
     return min(widest + 1, vocab_size)
 
 
@@ -106,6 +107,9 @@ def support_of(steps: Sequence[Iterable[tuple[int, float]]], sampling: SamplingC
     for step in steps:
         kept = [token for token, logprob in step if logprob > _REMOVED]
         if len(kept) >= asked and asked < vocab_size:
+            if sampling.top_k and asked <= sampling.max_support:
+                raise support_too_wide(sampling, f"kept at least {asked} tokens, more than the {asked - 1} the engine reads for "
+                                       "top_k (2 x top_k + 16: top-k keeps the tokens tied with the k-th)", "fewer ties (a float32 engine)")
             raise support_too_wide(sampling, f"kept at least {asked} tokens, more than the engine asked vLLM to report")
         rows.append(kept)
     return support_rows(rows, sampling)
