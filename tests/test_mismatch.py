@@ -129,6 +129,12 @@ def test_the_alarm_stops_a_run_whose_engine_holds_other_weights_before_its_first
     assert caught.value.exit_code == 1
 
 
+def test_the_alarm_names_a_sampling_setting_the_trainer_does_not_replay_first():
+    with pytest.raises(MismatchAlarm) as caught:
+        fit(1, batch_size=2, rewards=SPREAD_REWARD, sampling={"max_new_tokens": 6, "repetition_penalty": 1.5}, mismatch_alarm_kl=1e-7)
+    assert "likely causes: model.sampling.repetition_penalty=1.5, which the engine applies and the trainer does not replay" in caught.value.line()
+
+
 def test_a_healthy_run_measures_no_mismatch_and_no_alarm():
     module, _ = fit(2, batch_size=2, rewards=SPREAD_REWARD)
     assert module._mismatch["mismatch/kl"] < 1e-8 and module._mismatch["mismatch/ratio_mean"] == pytest.approx(1, abs=1e-5)

@@ -45,7 +45,7 @@ from lightning_rl.data.sft import DataError
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import check_combinations, check_values, reward_spec
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
-from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes
+from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
 from lightning_rl.models.weights import SyncReport
 from lightning_rl.toy.shapes import toy_source
@@ -407,7 +407,7 @@ class GRPOModule(PolicyModule):
         step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
-        mismatch = MismatchStats(self.route_layers) if self._mismatch is None else None  # at the batch's first pass
+        mismatch = MismatchStats(self.route_layers, unreplayed=unreplayed(self.sampling)) if self._mismatch is None else None  # first pass
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)

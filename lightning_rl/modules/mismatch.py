@@ -83,6 +83,13 @@ def replay_routes(setting: RouterReplaySetting, policy: nn.Module, engine: Rollo
     return len(find_routers(policy)) if engine.record_routes else 0
 
 
+def unreplayed(sampling: Any) -> str | None:
+    """The sampling settings the engine applies and the trainer's scoring does not (the repetition penalty), as keys."""
+    if sampling.repetition_penalty != 1.0:
+        return f"model.sampling.repetition_penalty={sampling.repetition_penalty:g}"
+    return None
+
+
 @dataclass
 class MismatchStats:
     """Sums over the rows of one batch's first pass: k3, ratio, its extremes and the corrected tokens, and the
@@ -96,6 +103,7 @@ class MismatchStats:
     ratio_max: float = -math.inf
     corrected: float = 0.0
     tokens: int = 0
+    unreplayed: str | None = None  # what the engine applies and the trainer does not: named first by an alarm
 
     def add(self, trainer_logprobs: Tensor, engine_logprobs: Tensor, corrected: Tensor | None) -> None:
         """One row's trained tokens: the trainer's log-probs at the first pass, the engine's, and which tokens the
@@ -124,9 +132,10 @@ class MismatchStats:
                    "mismatch/ratio_max": float(extremes[1]), "mismatch/corrected_fraction": corrected / tokens}  # fmt: skip
             out.update({"mismatch/kl": kl, "offpolicy/kl": 0.0} if staleness == 0 else {"offpolicy/kl": kl})
             if staleness == 0 and alarm_kl is not None and kl > alarm_kl:
+                cause = f"{self.unreplayed}, which the engine applies and the trainer does not replay; other " if self.unreplayed else ""
                 raise MismatchAlarm(
                     f"train/mismatch/kl is {kl:.3g} (> {alarm_kl:g}) on a batch the engine sampled with the trainer's "
-                    "own weights: engine and trainer score those tokens differently; likely causes: weights not synced "
+                    f"own weights: engine and trainer score those tokens differently; likely causes: {cause}weights not synced "
                     "to the engine, a chat template or tokenizer that differs between engine and trainer, a dtype "
                     "mismatch, or a sampling filter or expert route that is not replayed"
                 )
