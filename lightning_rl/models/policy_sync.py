@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import (
     AdapterReceiver, AdapterSpec, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors, iter_adapter_weights,
-    iter_full_weights, push_stream,
+    iter_full_weights, merge_refusal, push_stream,
 )
 
 WeightSync = Literal["auto", "full", "merged", "adapter", "delta"]
@@ -60,14 +60,20 @@ def resolve_weight_sync(mode: str, policy: nn.Module, engine: object, lora: bool
     """The mode a run syncs with, once its engine is built: ``auto`` decided, an engine that cannot do what was asked
     refused in one line naming the key."""
     check_weight_sync(mode, lora)
+    refusal = None
     if mode in ("adapter", "auto") and lora:
         refusal = engine.adapter_refusal(adapter_spec(policy)) if isinstance(engine, AdapterReceiver) else (
             f"{type(engine).__name__} applies no adapter sent alone")
         if refusal is None:
             return "adapter"
-        if mode == "adapter":
+        if mode == "adapter" and merge_refusal(policy) is None:
             raise RecipeError(f"weight_sync: adapter: {refusal}; sync merged (or auto)", "weight_sync")
-        return "merged"
+    if lora and mode in ("adapter", "auto", "merged", "delta"):
+        merging = merge_refusal(policy)
+        if merging is not None:  # neither the adapter alone nor merged: what the adapter targets is the fix
+            alone = f" and the adapter alone: {refusal}" if refusal else ""
+            raise RecipeError(f"weight_sync: {mode}: {merging} for a sync{alone}; leave that module out of "
+                              "model.lora.target_modules", "lora")
     if mode == "auto":
         return "merged" if lora else "full"
     if mode == "delta" and not isinstance(engine, DeltaReceiver):

@@ -167,6 +167,29 @@ class _Entry:
     lora: list[tuple[Tensor, Tensor, float, bool]] = field(default_factory=list)
 
 
+def _merge_problem(module: nn.Module, module_name: str, adapter: str) -> str | None:
+    """Why ``adapter`` of a peft LoRA layer cannot be merged into its base weight here (None: it can)."""
+    if module.lora_variant.get(adapter) is not None or module.lora_bias.get(adapter, False):
+        return f"merging adapter '{adapter}' of {module_name} ({type(module).__name__} with a LoRA variant or bias) is not supported"
+    if not isinstance(module.get_base_layer(), nn.Linear):
+        return f"merging LoRA into {type(module.get_base_layer()).__name__} at {module_name} is not supported"
+    return None
+
+
+def merge_refusal(module: nn.Module) -> str | None:
+    """Why the policy's LoRA adapters cannot be merged into its weights for a sync (None: they can), read before any
+    sync: the first layer that cannot."""
+    from peft.tuners.lora import LoraLayer
+
+    for module_name, layer in policy_model(module).named_modules():
+        if isinstance(layer, LoraLayer) and not (layer.disable_adapters or layer.merged):
+            for adapter in layer.active_adapters:
+                problem = _merge_problem(layer, module_name, adapter) if adapter in layer.lora_A else None
+                if problem is not None:
+                    return problem
+    return None
+
+
 def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Tensor, float, bool]]:
     """(A, B, scaling, fan_in_fan_out) of each active, unmerged adapter of a peft LoRA linear layer."""
     if module.disable_adapters or module.merged:
@@ -175,16 +198,9 @@ def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Ten
     for adapter in module.active_adapters:
         if adapter not in module.lora_A:
             continue
-        if module.lora_variant.get(adapter) is not None or module.lora_bias.get(adapter, False):
-            raise WeightSyncError(
-                f"merging adapter '{adapter}' of {module_name} ({type(module).__name__} with a LoRA variant or bias) "
-                "is not supported; sync the adapter alone with iter_adapter_weights()"
-            )
-        if not isinstance(module.get_base_layer(), nn.Linear):
-            raise WeightSyncError(
-                f"merging LoRA into {type(module.get_base_layer()).__name__} at {module_name} is not supported; "
-                "sync the adapter alone with iter_adapter_weights()"
-            )
+        problem = _merge_problem(module, module_name, adapter)
+        if problem is not None:
+            raise WeightSyncError(f"{problem}; sync the adapter alone with iter_adapter_weights()")
         factors.append((
             module.lora_A[adapter].weight,
             module.lora_B[adapter].weight,

@@ -69,6 +69,16 @@ def test_an_adapter_on_the_moe_model_is_refused_on_the_cpu_build_which_cannot_ge
         engine.generate([[5, 6, 7]], n=1, sampling=SamplingConfig(max_new_tokens=2, seed=1))
 
 
+def test_an_adapter_neither_sent_alone_nor_merged_is_refused_before_a_sync_naming_the_key(engine, moe_dir):
+    """peft's ``all-linear`` adapts the fused experts too, which no sync takes on the CPU build: neither alone (above)
+    nor merged (no merge into a 3D experts weight). Refused naming model.lora, before any weight is gathered."""
+    with pytest.raises(RecipeError, match=r"^weight_sync: auto: merging LoRA into Qwen3MoeExperts at "
+                       r"model.layers.0.mlp.experts is not supported for a sync and the adapter alone: .*; leave that "
+                       r"module out of model.lora.target_modules$") as refused:
+        resolve_weight_sync("auto", lora(moe_dir, target_modules="all-linear"), engine, lora=True)
+    assert refused.value.key == "lora"
+
+
 @pytest.mark.parametrize(("targets", "module"), [
     pytest.param({"target_modules": ["gate"]}, "model.layers.0.mlp.gate (Qwen3MoeTopKRouter)", id="router"),
     pytest.param({"target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]},
