@@ -190,8 +190,13 @@ class VLLMEngine(RolloutEngine):
         self._layout = CheckpointLayout(config)
         self.verify_weights = verify_weights
         # The dtype each tensor is held in (the trainer's are digested cast to it); a model whose weights cannot be
-        # read back is refused here, before a run starts.
-        self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
+        # read back is refused here, before a run starts (the engine shut down first: left to the interpreter's exit,
+        # its teardown fails on process groups the run has closed by then).
+        try:
+            self._held_dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in self._held().items()} if verify_weights else {}
+        except Exception:
+            self._llm.llm_engine.engine_core.shutdown()
+            raise
         self._held_aliases: set[str] = self._llm.apply_model(functools.partial(held_aliases, layout=self._layout))[0]
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)

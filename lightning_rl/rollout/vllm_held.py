@@ -20,12 +20,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import tensor_digest
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 
 
-class HeldWeightsError(ValueError):
-    """A live parameter of the vLLM model that maps to no checkpoint tensor: its weights cannot be verified."""
+class HeldWeightsError(RecipeError):
+    """A live parameter of the vLLM model that maps to no checkpoint tensor: its weights cannot be verified (the
+    engine's ``verify_weights`` is the key)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "engine")
 
 
 def _own_kernel(module: nn.Module, name: str) -> bool:

@@ -53,3 +53,21 @@ def test_a_push_is_verified_and_sampled_from(family_dir):
         assert max_logprob_error(trainer, rollouts) > 1e-2  # negative control: the check sees the head
     finally:
         engine.close()
+
+
+def test_a_model_whose_weights_cannot_be_read_back_is_refused_in_one_line_naming_the_key(tmp_path):
+    """vLLM's Mixtral names its router ``block_sparse_moe.gate``, which transformers 5 does not: refused before a run
+    starts, its engine shut down (left to the interpreter's exit, its teardown failed on closed process groups)."""
+    from transformers import MixtralConfig
+
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    tokenizer = build_tokenizer()
+    config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, vocab_size=len(tokenizer), **SHAPE)
+    save_from_any_process(seeded_model(AutoModelForCausalLM, config, tokenizer, seed=0), tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(RecipeError) as refused:
+        VLLMEngine(tmp_path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
+    assert refused.value.key == "engine" and "\n" not in str(refused.value)
+    assert "'model.layers.0.block_sparse_moe.gate.weight' (4, 128) maps to no tensor of the MixtralForCausalLM" in str(refused.value)
