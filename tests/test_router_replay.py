@@ -65,6 +65,21 @@ def test_engine_routes_replayed_give_the_engine_logprobs(family):
         torch.testing.assert_close(logprobs, row.token_values["engine"], rtol=0, atol=1e-5)
 
 
+def test_a_router_with_a_lora_is_replayed_like_the_router_itself():
+    """A recipe's LoRA (``all-linear``) reaches the router's weight through peft's parameter wrapper, which makes the
+    router a parametrized subclass of its class while it forwards: still replayed, by its class's rule."""
+    from lightning_rl.models.loading import LoraSettings, load_causal_lm
+
+    policy = load_causal_lm("tiny-moe", lora=LoraSettings(r=4, alpha=8)).eval()
+    assert any(type(m).__name__ == "ParamWrapper" and m.parameter_name == "weight" and "gate" in name
+               for name, m in policy.named_modules())  # fmt: skip
+    for group in _rollouts(policy.base_model.model):  # the transformers model, the adapters in place
+        row = _row(group)
+        logprobs, agreement = _logprobs(policy, row)
+        assert agreement == 1.0
+        torch.testing.assert_close(logprobs, row.token_values["engine"], rtol=0, atol=1e-5)
+
+
 def _perturb(model, family, seed=1):
     """Noise on the routers: on the selection bias alone for the sigmoid families (the weights of a given choice do
     not change), on the gate weights for the softmax ones."""

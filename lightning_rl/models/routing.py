@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_rl.errors import UserError
 
@@ -86,13 +87,20 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def is_moe(model: nn.Module) -> bool:
-    return any(is_experts_module(m) or type(m).__name__ in ROUTERS for m in model.modules())
+    return any(is_experts_module(m) or router_kind(m) in ROUTERS for m in model.modules())
+
+
+def router_kind(module: nn.Module) -> str:
+    """The class name ``ROUTERS`` knows a module by: its own, or its class's under a parametrization (peft's LoRA on
+    the router's weight makes a ``Parametrized...`` subclass of it)."""
+    cls = type(module)
+    return cls.__bases__[0].__name__ if parametrize.is_parametrized(module) and cls.__name__.startswith("Parametrized") else cls.__name__
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
     """The routers of ``model`` in module order (one route layer each); a mixture-of-experts model whose router
     this table does not know is refused, naming its experts' class."""
-    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    routers = [m for m in model.modules() if router_kind(m) in ROUTERS]
     if not routers and is_moe(model):
         experts = next(type(m).__name__ for m in model.modules() if is_experts_module(m))
         raise RouterReplayError(
@@ -251,7 +259,7 @@ def _replay(router: nn.Module, output: tuple[Tensor, Tensor, Tensor], layer: int
         return None
     replay, count = current
     logits, weights, own = output
-    rule = ROUTERS[type(router).__name__]
+    rule = ROUTERS[router_kind(router)]
     with torch.no_grad():
         ruled = rule(router, logits, own)
         if ruled.dtype != weights.dtype or not torch.allclose(ruled.float(), weights.float(), rtol=1e-5, atol=1e-6):
@@ -284,7 +292,7 @@ def router_replay_on(setting: RouterReplaySetting, model: nn.Module, engine: str
         return False
     moe = is_moe(model)
     if setting == "auto":
-        known = moe and any(type(m).__name__ in ROUTERS for m in model.modules())
+        known = moe and any(router_kind(m) in ROUTERS for m in model.modules())
         return known and engine_records_routes
     if not moe:
         raise RouterReplayError(
