@@ -1,5 +1,6 @@
 """SFT data: rendering and loss masks, every source format, clear errors on bad rows, token-budget rows."""
 
+import copy
 import json
 
 import pytest
@@ -223,3 +224,39 @@ def test_every_epoch_trains_every_example_once_in_as_many_rows_as_the_first(toy_
         assert len(sampler) == len(epochs[0]) == len(epochs[-1])
         assert sorted(i for row in epochs[-1] for i in row) == list(range(12))
     assert len({tuple(map(tuple, rows)) for rows in epochs}) > 1  # a new order of the rows
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def test_a_tools_column_reaches_the_chat_template_as_in_trl(tiny_tokenizer, tmp_path):
+    """The functions a conversation may call are rendered where the template puts them (here, a system turn), never
+    trained; a JSON string of them is read too; a row that cannot render them is refused naming the column."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, call, {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny."}]  # fmt: skip
+    rows = [{"messages": messages, "tools": WEATHER}, {"messages": messages, "tools": json.dumps(WEATHER)}, {"messages": messages},
+            {"prompt": messages[:1], "completion": messages[1:], "tools": WEATHER}]  # fmt: skip
+    (with_tools, as_string, without, split), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    text = tiny_tokenizer.decode(with_tools.input_ids)
+    assert "get_weather" in text.split("Weather in Paris?")[0] and "The weather in a city" in text
+    assert "The weather in a city" not in tiny_tokenizer.decode(without.input_ids)
+    assert as_string == with_tools and split.input_ids == with_tools.input_ids and split.loss_mask == with_tools.loss_mask
+    trained = tiny_tokenizer.decode([t for t, m in zip(with_tools.input_ids, with_tools.loss_mask) if m])
+    assert "get_weather" in trained and "The weather in a city" not in trained  # the call is trained, the schema is not
+    with pytest.raises(DataError, match=r"line 1: `tools` are rendered by the chat template: give the row as `messages`"):
+        load_examples(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "1+1=", "completion": "2", "tools": WEATHER}]), Renderer(tiny_tokenizer, "tiny"), 512)
+
+
+def test_a_conversational_prompt_is_matched_with_its_generation_prompt(tiny_tokenizer, tmp_path):
+    """A template that closes a conversation unlike an asked prompt (Phi-3's appends its eos without a generation
+    prompt) still splits prompt from completion: the prompt is rendered as asked, as TRL renders it."""
+    closing = tiny_tokenizer.chat_template + "{% if not add_generation_prompt %}<|endoftext|>{% endif %}"
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = closing
+    row = {"prompt": [{"role": "user", "content": "2+3="}], "completion": [{"role": "assistant", "content": "5"}]}
+    (example,), _ = load_examples(write_jsonl(tmp_path / "p.jsonl", [row]), Renderer(tokenizer, "closing"), 512)
+    messages = row["prompt"] + row["completion"]
+    (same,), _ = load_examples(write_jsonl(tmp_path / "m.jsonl", [{"messages": messages}]), Renderer(tokenizer, "closing"), 512)
+    assert example.input_ids == same.input_ids and example.loss_mask == same.loss_mask

@@ -201,17 +201,33 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
     return messages
 
 
+def _check_tools(tools: Any) -> list[dict]:
+    """A row's ``tools`` column: the JSON schemas of the functions its conversation may call (a JSON string of them
+    too, as some datasets store it), which the chat template renders, as TRL's SFT does."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"`tools` is a string but not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ValueError("`tools` must be a list of function schemas (objects)")
+    return tools
+
+
 def _check_row(row: Any) -> dict:
     """The row with its shape checked; raises ValueError with a message naming the field."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
     row = with_image_column(row)
+    tools = _check_tools(row["tools"]) if "tools" in row else None
+    if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
+        raise ValueError("`tools` are rendered by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
     if "messages" in row:
         messages = _check_messages(row["messages"], "messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("`messages` has no assistant turn to train on")
-        return {"messages": messages}
+        return {"messages": messages, **({"tools": tools} if tools else {})}
     if "prompt" not in row or "completion" not in row:
         raise ValueError(f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]
@@ -223,7 +239,7 @@ def _check_row(row: Any) -> dict:
         prompt, completion = _check_messages(prompt, "prompt"), _check_messages(completion, "completion")
         if not any(m["role"] == "assistant" for m in completion):
             raise ValueError("`completion` has no assistant turn to train on")
-        return {"prompt": prompt, "completion": completion}
+        return {"prompt": prompt, "completion": completion, **({"tools": tools} if tools else {})}
     raise ValueError("`prompt` and `completion` must both be strings or both be lists of messages")
 
 
@@ -255,30 +271,34 @@ class Renderer:
             raise ValueError("no trained tokens after rendering")
         return Example(ids, mask, images=list(zip(keys, inputs)), image_token_id=self.image_token_id)
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
         with rendering_row():
-            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)
+            out = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+            )
         return list(out["input_ids"])
 
     def _require_template(self) -> None:
         if not self.tokenizer.chat_template:
             raise DataError(f"tokenizer {self.name} has no chat template; conversational rows need one (or use string prompt/completion rows)")
 
-    def _assistant_mask(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def _assistant_mask(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
         if _GENERATION_BLOCK.search(self.tokenizer.chat_template):
             with rendering_row():
-                out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                out = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
             return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         # Templates without {% generation %} blocks: find each assistant turn by rendering the
         # conversation up to it; this needs every rendering to be a prefix of the full one.
-        ids = self._chat(messages)
+        ids = self._chat(messages, tools=tools)
         mask = [False] * len(ids)
         eos = self.tokenizer.eos_token_id
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._chat(messages[:k], add_generation_prompt=True)
-            through = self._chat(messages[: k + 1])
+            before = self._chat(messages[:k], add_generation_prompt=True, tools=tools)
+            through = self._chat(messages[: k + 1], tools=tools)
             start = len(before)
             if ids[: len(through)] != through or through[:start] != before:
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
@@ -291,10 +311,13 @@ class Renderer:
 
     def example(self, row: dict) -> Example:
         if row_has_images(row):
+            if row.get("tools"):
+                raise ValueError("`tools` in a row with images: the image processor's template is not given them here")
             return self._image_example(row)
+        tools = row.get("tools")
         if "messages" in row:
             self._require_template()
-            ids, mask = self._assistant_mask(row["messages"])
+            ids, mask = self._assistant_mask(row["messages"], tools)
         elif isinstance(row["prompt"], str):
             prompt = self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
             completion = self.tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
@@ -302,9 +325,13 @@ class Renderer:
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
-            ids, mask = self._assistant_mask(row["prompt"] + row["completion"])
-            prompt = self._chat(row["prompt"])
-            if ids[: len(prompt)] != prompt:
+            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], tools)
+            # The prompt as it is asked (with the template's generation prompt, where the completion opens with an
+            # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends.
+            asked = row["completion"][0]["role"] == "assistant"
+            renderings = [self._chat(row["prompt"], add_generation_prompt=True, tools=tools)] if asked else []
+            prompt = next((p for p in [*renderings, self._chat(row["prompt"], tools=tools)] if ids[: len(p)] == p), None)
+            if prompt is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
             mask[: len(prompt)] = [False] * len(prompt)
         if not any(mask[1:]):
@@ -321,7 +348,7 @@ class Renderer:
             if row_has_images(row) and self.images is not None:
                 ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)
                 return GenerationCase(ids, last["content"], images=inputs)
-            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True), last["content"])
+            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True, tools=row.get("tools")), last["content"])
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
 
