@@ -260,3 +260,10 @@ def test_a_conversational_prompt_is_matched_with_its_generation_prompt(tiny_toke
     messages = row["prompt"] + row["completion"]
     (same,), _ = load_examples(write_jsonl(tmp_path / "m.jsonl", [{"messages": messages}]), Renderer(tokenizer, "closing"), 512)
     assert example.input_ids == same.input_ids and example.loss_mask == same.loss_mask
+
+
+def test_turns_of_text_parts_read_as_their_text_in_every_role(tiny_tokenizer, tmp_path):
+    parts = lambda text: [{"type": "text", "text": text[:2]}, {"type": "text", "text": text[2:]}]  # noqa: E731
+    as_parts = {"messages": [{"role": m["role"], "content": parts(m["content"])} for m in GOOD["messages"]]}
+    (ours, theirs), _ = load_examples(write_jsonl(tmp_path / "p.jsonl", [as_parts, GOOD]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert ours == theirs

@@ -198,6 +198,11 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             raise ValueError(f"{where}: `content` must be a string, got {type(content).__name__}")
         if role == "assistant" and not content.strip():
             raise ValueError(f"{where}: the assistant turn is empty")
+    if not any(isinstance(m.get("content"), list) and any(p["type"] == "image" for p in m["content"]) for m in messages):
+        # A conversation without images: a user or system turn of text parts is its text (a text-only template
+        # renders strings); an image conversation keeps them, as its processor's template reads them.
+        messages = [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m
+                    for m in messages]  # fmt: skip
     return messages
 
 
