@@ -267,3 +267,9 @@ def test_turns_of_text_parts_read_as_their_text_in_every_role(tiny_tokenizer, tm
     as_parts = {"messages": [{"role": m["role"], "content": parts(m["content"])} for m in GOOD["messages"]]}
     (ours, theirs), _ = load_examples(write_jsonl(tmp_path / "p.jsonl", [as_parts, GOOD]), Renderer(tiny_tokenizer, "tiny"), 512)
     assert ours == theirs
+
+
+def test_a_conversation_of_one_assistant_turn_trains_and_asks_nothing_held_out(tiny_tokenizer, tmp_path):
+    row = {"messages": [{"role": "assistant", "content": "5"}]}
+    (example,), cases = load_examples(write_jsonl(tmp_path / "a.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert any(example.loss_mask) and cases == []

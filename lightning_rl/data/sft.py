@@ -348,7 +348,7 @@ class Renderer:
         if "messages" in row or isinstance(row["prompt"], list):
             messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
             last = messages[-1]
-            if last["role"] != "assistant" or last.get("tool_calls"):
+            if last["role"] != "assistant" or last.get("tool_calls") or len(messages) == 1:  # nothing asked: no case
                 return None
             if row_has_images(row) and self.images is not None:
                 ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)
