@@ -52,6 +52,7 @@ def test_the_cli_says_a_broken_recipe_in_one_line(tmp_path, capsys):
         "--model.samples_per_turn=[2, 0]": "samples_per_turn[1] must be >= 1, got 0",
         '--model.rewards=[{"function": "test_grpo_faults:needs_solution"}]': "reward 'needs_solution' needs 'solution'",
         "--model.reward_timeout_s=-1": "reward_timeout_s must be > 0, got -1.0",
+        "--model.rewards=[]": "model.rewards: at least one reward function is needed",
     }
     for i, (override, expected) in enumerate(cases.items()):
         assert main(["run", recipe, override, f"--output_dir={tmp_path / str(i)}"]) == 2

@@ -134,6 +134,18 @@ def test_rollout_rows_of_a_step_written_again_replace_the_earlier_ones(tmp_path)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 0, 10, 20]
 
 
+def test_a_reward_none_gave_is_null_in_the_rollouts_and_leaves_the_summary_means_alone(tmp_path):
+    """JSON has no NaN (strict readers refuse it); a step whose every reward was None scores nothing to average."""
+    from lightning_rl.modules.grpo_metrics import run_summary
+
+    path = tmp_path / "rollouts.jsonl"
+    append_rows(path, [{"step": 0, "rewards": {"r": float("nan")}, "reward": float("inf")}])
+    (row,) = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in JSON")) for line in path.read_text().splitlines()]
+    assert row == {"step": 0, "rewards": {"r": None}, "reward": None}
+    summary = run_summary([1.0, float("nan"), 2.0, 3.0], 2, [])
+    assert summary["reward_first_window_mean"] == 1.0 and summary["reward_last_window_mean"] == 2.5
+
+
 def test_a_lora_adapter_names_its_base_model_as_the_recipe_does(tmp_path):
     out = tmp_path / "run"
     assert cli.main(["run", SFT_LORA, f"--output_dir={out}", "--trainer.max_steps=1", "--model.export=adapter",

@@ -5,6 +5,7 @@ the run's summary.json says of its steps."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -152,7 +153,11 @@ def run_summary(reward_history: Sequence[float], summary_window: int, trained_ba
     """summary.json's figures of the steps: reward means of the first and last ``summary_window`` steps (at most half
     the run each), the steps, and the stalest batch trained."""
     window = max(1, min(summary_window, len(reward_history) // 2 or 1))
-    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+
+    def mean(values: Sequence[float]) -> float:  # over the steps that scored any sample (a step of None rewards is NaN)
+        scored = [value for value in values if not math.isnan(value)]
+        return sum(scored) / len(scored) if scored else float("nan")
+
     return {
         "reward_first_window_mean": mean(reward_history[:window]),
         "reward_last_window_mean": mean(reward_history[-window:]),
@@ -181,7 +186,7 @@ def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     """Append one batch's rows (their ``step`` the same) to a JSONL file. Rows already there of that step or a later
     one (a resumed run redoing steps, another pass over the batch) are replaced rather than repeated."""
     step = rows[0]["step"]
-    text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
+    text = "".join(json.dumps(_json_safe(row), default=str) + "\n" for row in rows)
     last = _last_line(path)
     if last is None or json.loads(last)["step"] < step:
         with open(path, "a", encoding="utf-8") as f:
@@ -191,6 +196,17 @@ def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept) + text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as None (JSON has no NaN: a sample a reward returned None for)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def _last_line(path: Path) -> bytes | None:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_rl.dotted import load_object
-from lightning_rl.errors import UserError
+from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards.arguments import RewardBatch, RewardLogs, TrainerState, reads_text
 from lightning_rl.rewards.builtin import BUILTIN_REWARDS
 from lightning_rl.stopping import POLL_S, StepAbandoned, abandon_if_stopping
@@ -291,7 +291,7 @@ class RewardScorer:
         all_failed: Literal["stop", "zero"] = "stop", timeout_s: float | None = 600.0,
     ) -> None:
         if not specs:
-            raise ValueError("at least one reward function is needed")
+            raise RecipeError("at least one reward function is needed", "rewards")
         if on_error not in ("zero", "raise"):
             raise ValueError(f"reward_on_error must be 'zero' or 'raise', got {on_error!r}")
         if all_failed not in ("stop", "zero"):
