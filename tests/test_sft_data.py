@@ -273,3 +273,21 @@ def test_a_conversation_of_one_assistant_turn_trains_and_asks_nothing_held_out(t
     row = {"messages": [{"role": "assistant", "content": "5"}]}
     (example,), cases = load_examples(write_jsonl(tmp_path / "a.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)
     assert any(example.loss_mask) and cases == []
+
+
+def test_tool_call_arguments_from_parquet_are_those_each_call_gave(tiny_tokenizer, tmp_path):
+    """Arrow stores every call's arguments of a column as one struct: a call read back has the others' names as null."""
+    import pyarrow
+    import pyarrow.parquet
+
+    def row(arguments):
+        call = {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return {"messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}  # fmt: skip
+
+    rows = [row({"city": "Paris"}), row({"city": "Oslo", "days": 3})]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "calls.parquet")
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    from_parquet, _ = load_examples(tmp_path / "calls.parquet", renderer, 512)
+    from_jsonl, _ = load_examples(write_jsonl(tmp_path / "calls.jsonl", rows), renderer, 512)
+    assert from_parquet == from_jsonl and "days" not in tiny_tokenizer.decode(from_parquet[0].input_ids)

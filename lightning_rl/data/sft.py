@@ -134,12 +134,29 @@ def _read_json(path: Path) -> list[Any]:
     return rows
 
 
+def _without_filled_arguments(row: Any) -> Any:
+    """A row read from Arrow (Parquet, ``datasets``) with the tool-call arguments each call gave: Arrow stores the
+    arguments of every call of a column as one struct, so a call gets every other call's argument names too, as null
+    (a null argument a call really gave is indistinguishable, and left out as well)."""
+    if not isinstance(row, dict):
+        return row
+    for column in ("messages", "prompt", "completion"):
+        messages = row.get(column)
+        for message in messages if isinstance(messages, list) else ():
+            for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), dict):
+                    function["arguments"] = {k: v for k, v in function["arguments"].items() if v is not None}
+    return row
+
+
 def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset. Each row
     comes with where it is, for messages: its line in a JSONL file, else ``row N`` counted from 1."""
     if not isinstance(source, (str, os.PathLike)):
         info = getattr(source, "info", None)
-        return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(source, start=1)]
+        rows = [_without_filled_arguments(row) for row in source]
+        return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
     path = Path(source)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
@@ -151,11 +168,11 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
         if path.is_dir():
             import datasets
 
-            rows = list(datasets.load_from_disk(str(path)))
+            rows = [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
         elif path.suffix == ".parquet":
             import pyarrow.parquet
 
-            rows = pyarrow.parquet.read_table(path).to_pylist()
+            rows = [_without_filled_arguments(row) for row in pyarrow.parquet.read_table(path).to_pylist()]
         else:
             rows = _read_json(path)
     except (OSError, ValueError) as e:  # a damaged Parquet or Arrow file (pyarrow's errors are ValueErrors)
