@@ -29,12 +29,12 @@ class SigtermAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_cli(output_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+def run_cli(output_dir: Path, data: Path, *extra: str, max_steps: int = 8) -> subprocess.CompletedProcess:
     args = [
         sys.executable, "-m", "lightning_rl.cli", "run", str(REPO / "recipes" / "tiny" / "sft.yaml"),
         f"--output_dir={output_dir}", f"--data.train_data={data}", "--data.val_data=null",
         "--data.max_tokens=256", "--model.eval_generations=0", "--model.warmup_steps=2",
-        "--trainer.max_steps=8", "--checkpoint_every_n_steps=3", "--trainer.val_check_interval=null",
+        f"--trainer.max_steps={max_steps}", "--checkpoint_every_n_steps=3", "--trainer.val_check_interval=null",
         "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         "--trainer.log_every_n_steps=1", *extra,
     ]  # fmt: skip
@@ -84,3 +84,21 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, tiny_path):
     before, after = losses(killed_dir, 0), losses(killed_dir, 1)
     assert sorted(before) == list(range(5)) and sorted(after) == list(range(5, 8))
     assert {**before, **after} == losses(tmp_path / "reference", 0)
+
+
+def test_a_finished_run_extended_from_its_last_checkpoint_trains_what_one_longer_run_does(tmp_path):
+    """A run that stopped at its max_steps inside an epoch saved its last checkpoint after Lightning closed that
+    epoch: extended (another max_steps, --ckpt_path=last), it goes on with the rest of the epoch's rows, not the next
+    epoch's (which skipped them, and trained other weights than one run of the longer length)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:60]))
+    constant = "--model.lr_schedule=constant_with_warmup"  # the same rate at a step, whatever the run's length
+    reference = run_cli(tmp_path / "reference", data, constant)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert run_cli(tmp_path / "extended", data, constant, max_steps=2).returncode == 0  # saved at its end, not every 3
+    extended = run_cli(tmp_path / "extended", data, constant, "--ckpt_path=last")
+    assert extended.returncode == 0 and "resume: step 2 from checkpoints/last.ckpt" in extended.stderr, extended.stderr[-3000:]
+    want = load_file(tmp_path / "reference" / "hf" / "model.safetensors")
+    got = load_file(tmp_path / "extended" / "hf" / "model.safetensors")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)

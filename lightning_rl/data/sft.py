@@ -436,9 +436,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._plan: list[list[int]] | None = None
         self._cache: tuple[int, list[list[int]]] | None = None
         self.sampler = self  # Lightning calls `set_epoch` on a batch sampler's `sampler`, never on the batch sampler
+        self.epoch_offset = 0  # the data's epoch minus the one Lightning sets
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch = epoch + self.epoch_offset
 
     def skip_batches(self, epoch: int, count: int) -> None:
         self.skip[epoch] = count
@@ -573,6 +574,7 @@ class SFTDataModule(LightningDataModule):
         self._sampler: TokenBudgetBatchSampler | None = None
         self._position = (0, 0)  # (epoch, training batches already taken in it)
         self._resume: tuple[int, int] | None = None
+        self._epoch_offset = 0  # the data's epoch minus Lightning's (train_dataloader)
 
     def setup(self, stage: str) -> None:
         if self.tokenizer is not None:
@@ -610,7 +612,12 @@ class SFTDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         loader, self._sampler = self._loader(self.train_examples, self.shuffle, self.seed)
         if self._resume is not None:
-            self._sampler.set_epoch(self._resume[0])  # Lightning draws a resumed run's first batch before it sets the epoch
+            # A run stopped at its last step (max_steps) saved its last checkpoint after Lightning closed the epoch: an
+            # extended run resumes in Lightning's next epoch, and the data goes on with the rest of its own (offset).
+            self._epoch_offset = self._resume[0] - (self.trainer.current_epoch if self.trainer is not None else self._resume[0])
+        self._sampler.epoch_offset = self._epoch_offset
+        if self._resume is not None:
+            self._sampler.epoch = self._resume[0]  # Lightning draws a resumed run's first batch before it sets the epoch
             self._sampler.skip_batches(*self._resume)
             self._resume = None
         return loader
@@ -621,7 +628,7 @@ class SFTDataModule(LightningDataModule):
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
         if self.trainer is not None and self.trainer.training:
             epoch, taken = self._position
-            current = self.trainer.current_epoch
+            current = self.trainer.current_epoch + self._epoch_offset
             self._position = (current, taken + 1 if epoch == current else 1)
         return batch
 
