@@ -1,6 +1,8 @@
 """Weights loaded straight into FSDP2 shards equal a plain from_pretrained, and no rank reads the whole model."""
 
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,13 +28,19 @@ def test_two_ranks_each_read_their_half(case, tiny_muse_path, tiny_path, tmp_pat
     assert sum(reads) < 1.1 * total
 
 
-def test_one_process_deferred_load_equals_from_pretrained(tiny_muse_path):
-    model = load_causal_lm(str(tiny_muse_path), lora=LoraSettings(target_modules=["q_proj"]), defer_weights=True)
+@pytest.mark.parametrize("case", ["muse_lora", "vlm"])
+def test_one_process_deferred_load_equals_from_pretrained(tiny_muse_path, case):
+    """The image-text model's checkpoint holds LLaVA's names (``vision_tower.*``), which transformers renames as it
+    loads (``model.vision_tower.*``): the deferred load finds them the same way."""
+    from lightning_rl.models.paths import resolve_model_path
+
+    path = tiny_muse_path if case == "muse_lora" else Path(resolve_model_path("tiny-vlm"))
+    model = load_causal_lm(str(path), lora=LoraSettings(target_modules=["q_proj"]), defer_weights=True)
     assert pending_checkpoint(model) is not None and all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
     report = load_deferred_weights(model)
-    assert report.elements_read == checkpoint_elements(tiny_muse_path) and pending_checkpoint(model) is None
-    reference = load_causal_lm(str(tiny_muse_path))
+    assert report.elements_read == checkpoint_elements(path) and pending_checkpoint(model) is None
+    reference = load_causal_lm(str(path))
     base = model.get_base_model()
     got = {hf_name(name): tensor for name, tensor in base.state_dict().items() if ".lora_" not in name}
     assert got.keys() == reference.state_dict().keys()

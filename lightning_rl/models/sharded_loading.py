@@ -33,6 +33,7 @@ from lightning_rl.models.weights import hf_name, policy_model
 # Models built on the meta device -> the folder their weights still have to come from. A registry beside the models,
 # not an attribute on them: the strategy asks ``pending_checkpoint``, the loader answers.
 _PENDING: weakref.WeakKeyDictionary[nn.Module, Path] = weakref.WeakKeyDictionary()
+_RENAMED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()  # model name -> checkpoint key
 
 
 class CheckpointMismatchError(UserError, RuntimeError):
@@ -52,8 +53,10 @@ class ShardedLoadReport:
 
 
 def defer_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Mark a meta-device model as waiting for the weights in ``checkpoint`` (a from_pretrained folder)."""
+    """Mark a meta-device model as waiting for the weights in ``checkpoint`` (a from_pretrained folder). The keys
+    transformers renames as it loads are read now, while the model's classes are its own (FSDP2 renames them)."""
     _PENDING[model] = Path(checkpoint)
+    _RENAMED[model] = _renamed_keys(model, {hf_name(name) for name, _ in _tensors(model)}, _checkpoint_files(Path(checkpoint)))
 
 
 def pending_checkpoint(model: nn.Module) -> Path | None:
@@ -125,6 +128,23 @@ def _per_expert_keys(key: str, experts: int, files: dict[str, Path]) -> list[lis
     return keys if all(k in files for group in keys for k in group) else None
 
 
+def _renamed_keys(model: nn.Module, names: set[str], files: dict[str, Path]) -> dict[str, str]:
+    """Model name -> checkpoint key, for the keys transformers renames as it loads (its conversion mapping: LLaVA's
+    checkpoints hold ``vision_tower.*``, its model ``model.vision_tower.*``), as ``from_pretrained`` finds them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    renamings = [t for t in get_model_conversion_mapping(inner) if isinstance(t, WeightRenaming)]
+    present = dict.fromkeys(names, True)
+    renamed: dict[str, str] = {}
+    for key in files:
+        name, _ = rename_source_key(key, renamings, [], getattr(inner, "base_model_prefix", None), present)
+        if name != key and name in present:
+            renamed.setdefault(name, key)
+    return renamed
+
+
 @torch.no_grad()
 def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadReport:
     """Fill a sharded, allocated model from the checkpoint ``defer_weights`` recorded; returns this rank's reads."""
@@ -132,10 +152,12 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
     folder = _PENDING[hf]
     start = time.perf_counter()
     files = _checkpoint_files(folder)
+    named = list(_tensors(hf))
+    renamed = _RENAMED.pop(hf, {})
     report = ShardedLoadReport()
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
-        for name, tensor in _tensors(hf):
+        for name, tensor in named:
             sharded = isinstance(tensor, DTensor)
             local = tensor.to_local() if sharded else tensor
             rows = _local_rows(tensor) if sharded else (0, tensor.shape[0] if tensor.dim() else 0)
@@ -144,6 +166,7 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
                 _lora_init(name, local, tensor.shape, rows, seed)
             else:
                 key = hf_name(name)
+                key = key if key in files else renamed.get(key, key)
 
                 def read(key: str) -> object:
                     if files[key] not in handles:
