@@ -2,7 +2,9 @@
 
 A module's ``training_step`` returns ``{"loss", "tokens", "flat_tokens"}`` (tokens forwarded, and what
 flat packing would have forwarded), and ``reported_loss`` when the ``loss`` it backpropagates is not the
-figure to report (SFT backpropagates a sum); a module may add figures to the summary with ``summary_metrics()``.
+figure to report (SFT backpropagates a sum); a module whose optimizer step spans micro-batches keeps that step's loss
+(over them and every rank) in ``step_loss``, which the summary's losses are then; a module may add figures to the
+summary with ``summary_metrics()``.
 A run that finishes ends with one closing line (``RunSummary``): where its summary and model are, its held-out score
 and its wall time.
 """
@@ -59,7 +61,9 @@ class RunSummary(Callback):
         self.written: dict[str, Any] | None = None  # the summary of a fit that finished
         self.task = task
         self.window = window
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # one per optimizer step (per micro-batch for a module without ``step_loss``)
+        self.micro_batches = 0
+        self._recorded_step: int | None = None  # the step whose loss ``losses`` ends with
         self.tokens = 0
         self.flat_tokens = 0
         self.train_seconds = 0.0
@@ -72,6 +76,7 @@ class RunSummary(Callback):
         # In every checkpoint, so that the summary of a resumed run describes the whole run.
         return {
             "losses": list(self.losses),
+            "micro_batches": self.micro_batches,
             "tokens": self.tokens,
             "flat_tokens": self.flat_tokens,
             "train_seconds": self.train_seconds,
@@ -80,6 +85,7 @@ class RunSummary(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = [float(loss) for loss in state["losses"]]
+        self.micro_batches = int(state.get("micro_batches", len(self.losses)))
         self.tokens, self.flat_tokens = int(state["tokens"]), int(state["flat_tokens"])
         self.train_seconds = float(state["train_seconds"])
         self.earlier_wall_seconds = float(state["wall_seconds"])
@@ -100,7 +106,13 @@ class RunSummary(Callback):
         self.train_seconds += seconds
         if not isinstance(outputs, dict):
             return
-        self.losses.append(float(outputs.get("reported_loss", outputs["loss"])))
+        self.micro_batches += 1
+        if not hasattr(pl_module, "step_loss"):
+            self.losses.append(float(outputs.get("reported_loss", outputs["loss"])))
+        elif pl_module.step_loss is not None and trainer.global_step != self._recorded_step:
+            # The step's loss over every micro-batch and rank (as train/loss), once the step is taken.
+            self.losses.append(float(pl_module.step_loss))
+            self._recorded_step = trainer.global_step
         tokens = int(outputs.get("tokens", 0))
         self.tokens += tokens
         self.flat_tokens += int(outputs.get("flat_tokens", tokens))
@@ -115,7 +127,7 @@ class RunSummary(Callback):
         return {
             "task": self.task,
             "steps": trainer.global_step,
-            "micro_batches": len(self.losses),
+            "micro_batches": self.micro_batches,
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,
             # Fixed names whatever the run's length (GRPO says reward_first_window_mean the same way); the window's

@@ -211,19 +211,20 @@ def test_sampler_is_seeded_resumable_and_sharded(toy_examples):
     assert not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
 
 
-def test_every_epoch_trains_every_example_once_in_as_many_rows_as_the_first(toy_examples):
+def test_every_epoch_trains_every_example_once_in_at_most_as_many_rows_as_the_first(toy_examples):
     """Lightning reads the number of rows once per run: an epoch with more would end before its last rows."""
     examples = toy_examples[:12]  # 37 and 42 tokens: rows of 120 hold two or three, depending on the order
-    orders = [torch.randperm(12, generator=torch.Generator().manual_seed(3 + epoch)).tolist() for epoch in range(4)]
-    assert len({len(plan_batches(examples, order, 120, "flat")) for order in orders}) > 1  # planned again, counts differ
+    orders = [torch.randperm(12, generator=torch.Generator().manual_seed(3 + epoch)).tolist() for epoch in range(6)]
+    counts = [len(plan_batches(examples, order, 120, "flat")) for order in orders]
+    assert any(count > counts[0] for count in counts[1:])  # an epoch's own order would pack into more rows
     sampler = TokenBudgetBatchSampler(examples, 120, "flat", shuffle=True, seed=3)
     epochs = []
-    for epoch in range(4):
+    for epoch in range(6):
         sampler.set_epoch(epoch)
         epochs.append(list(sampler))
-        assert len(sampler) == len(epochs[0]) == len(epochs[-1])
+        assert len(epochs[-1]) <= len(epochs[0]) == counts[0]
         assert sorted(i for row in epochs[-1] for i in row) == list(range(12))
-    assert len({tuple(map(tuple, rows)) for rows in epochs}) > 1  # a new order of the rows
+    assert len({tuple(map(tuple, rows)) for rows in epochs}) == 6  # every epoch its own
 
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

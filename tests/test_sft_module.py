@@ -79,6 +79,8 @@ def test_accumulation_and_bf16_precision_from_lightning(tmp_path):
     module = SFTModule(learning_rate=1e-3, eval_generations=8, max_new_tokens=8)
     trainer, summary = fit(tmp_path, module, max_steps=2, accumulate_grad_batches=2, precision="bf16-true", gradient_clip_val=1.0)
     assert summary["steps"] == 2 and summary["micro_batches"] == 4
+    # The step's loss over both micro-batches, as logged, not one micro-batch's (a row's mean).
+    assert summary["last_loss"] == pytest.approx(float(trainer.callback_metrics["train/loss"]), rel=1e-6)
     assert next(module.model.parameters()).dtype == torch.bfloat16
     assert all(k in trainer.callback_metrics for k in ("train/grad_norm", "train/lr", "train/packing_ratio", "train/tokens_per_s"))
     assert summary["packing"] == "tree" and summary["flat_tokens"] > summary["tokens"] > 0

@@ -412,12 +412,16 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
     return [[order[k] for k in row] for row in rows]
 
 
+_PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
+
+
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Seeded, resumable batches under a token budget: epoch ``e`` always yields the same batches.
 
-    The rows are planned once, from a seeded shuffle of the examples, and each later epoch takes them in a new seeded
-    order: every epoch trains every example once in the same number of rows, which Lightning reads once per run (rows
-    planned again per epoch could number more, and it would end such an epoch before the last).
+    Each epoch plans its rows from its own seeded shuffle of the examples, in at most as many rows as the first epoch:
+    Lightning reads that number once per run, and would end an epoch of more rows before its last. An order that packs
+    into more is drawn again (seeded too), and after a few such draws the epoch takes the first epoch's rows in an order
+    of its own. Every epoch trains every example once.
 
     Each of ``world_size`` ranks takes every ``world_size``-th batch, all ranks the same number (so
     collectives line up); this replaces Lightning's distributed sampler, which the CLI turns off.
@@ -446,18 +450,26 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _batches(self) -> list[list[int]]:
         if self._plan is None:
-            order = self._order(len(self.examples), epoch=0)
-            self._plan = plan_batches(self.examples, order, self.max_tokens, self.packing)
+            self._plan = plan_batches(self.examples, self._order(len(self.examples), epoch=0), self.max_tokens, self.packing)
         if self._cache is None or self._cache[0] != self.epoch:
-            batches = self._plan if self.epoch == 0 else [self._plan[i] for i in self._order(len(self._plan), self.epoch)]
+            batches = self._plan if self.epoch == 0 else self._plan_epoch(self.epoch)
             per_rank = len(batches) // self.world_size
             self._cache = (self.epoch, batches[self.rank :: self.world_size][:per_rank])
         return self._cache[1]
 
-    def _order(self, n: int, epoch: int) -> list[int]:
+    def _plan_epoch(self, epoch: int) -> list[list[int]]:
+        first = self._plan
+        for draw in range(_PLAN_DRAWS if self.shuffle else 1):
+            batches = plan_batches(self.examples, self._order(len(self.examples), epoch, draw), self.max_tokens, self.packing)
+            if len(batches) <= len(first):
+                return batches
+        return [first[i] for i in self._order(len(first), epoch)]
+
+    def _order(self, n: int, epoch: int, draw: int = 0) -> list[int]:
         if not self.shuffle:
             return list(range(n))
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        seed = self.seed + epoch + draw * 1_000_003  # draw 0: the epoch's own order
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self._batches()[self.skip.pop(self.epoch, 0) :]
@@ -528,8 +540,8 @@ class SFTDataModule(LightningDataModule):
             `packing_strategy`, `padding_free`.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
             TRL: the same name.
-        shuffle: the examples in a seeded order, packed into rows once, and the rows in a new order every epoch (a
-            resume sees the same orders). TRL: `shuffle_dataset`.
+        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order). TRL:
+            `shuffle_dataset`.
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
     """

@@ -94,6 +94,7 @@ class SFTModule(PolicyModule):
         if export in ("merged", "adapter") and lora is None:
             raise RecipeError(f"export={export!r} needs a model.lora block", "export")
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
+        self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         check_towers(towers, self.lora)
         self.export = export or ("merged" if lora is not None else "model")
@@ -158,6 +159,7 @@ class SFTModule(PolicyModule):
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
+            self.step_loss = loss_sum / tokens  # summary.json's, as logged
             self.log("train/loss", loss_sum / tokens, prog_bar=True)
             self.log("train/step_trained_tokens", tokens)
         if any(p.grad is not None for p in self.parameters()):
