@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import inspect
 import io
 import logging
 import os
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -175,6 +177,20 @@ class VLLMServerEngine(RolloutEngine):
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
+        for key in ("request_timeout", "transfer_timeout"):
+            if not options[key] > 0:
+                raise ValueError(f"{key} must be > 0 (seconds), got {options[key]}")
+        for key, least in (("engine_max_restarts", 0), ("max_concurrent_requests", 1), ("chunk_bytes", 1)):
+            if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < least:
+                raise ValueError(f"{key} must be an integer >= {least}, got {options[key]!r}")
+        url = options["url"]
+        parts = urllib.parse.urlsplit(str(url)) if url is not None else None
+        if parts is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
+            raise ValueError(f"url must be a server's http(s)://HOST:PORT, got {url!r}")
+        taken = set(inspect.signature(VLLMServer.__init__).parameters) - {"self", "model", "seed", "transport", "max_lora_rank"}
+        if unknown := sorted(set(options["server_options"] or {}) - taken):
+            raise ValueError(f"server_options: unknown {', '.join(map(repr, unknown))} (it takes {', '.join(sorted(taken))}; "
+                             "vLLM's own flags go in extra_args)")
         if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 f"{cls.__name__} starts its vLLM server with this Python, which has no vLLM installed: install it "
