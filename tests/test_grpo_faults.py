@@ -14,6 +14,7 @@ from lightning_rl.cli import main
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.data.sft import DataError
 from lightning_rl.losses import group_advantages
+from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.rewards.scoring import RewardFailedError
@@ -111,13 +112,22 @@ def test_non_finite_rewards_in_a_run_score_zero_are_logged_and_never_reach_the_a
     assert recorder.steps and all(torch.isfinite(g).all() for step in recorder.steps for g in step.values())
 
 
+class ShortContextEngine(HFRolloutEngine):
+    """An engine with a context of its own shorter than the model's (a vLLM server's max_model_len)."""
+
+    context_length = 60
+
+
 def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_line(tmp_path):
     """Past the model's positions an engine fails or samples from positions never trained: one line, no step taken."""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "2+2"}\n\n{"prompt": "%s"}\n' % ("1+1 " * 40))  # the long one is on line 3
-    for limit, said in ((60, "max_context_tokens"), (None, "the model's max_position_embeddings")):
-        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": limit, "sampling": {"max_new_tokens": 8}})
-        if limit is None:  # the embedded model's own context, made short
+    cases = ((60, "max_context_tokens", "hf"), (None, "the model's max_position_embeddings", "hf"),
+             (None, "the engine's max_model_len", ShortContextEngine))  # fmt: skip
+    for limit, said, engine in cases:
+        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": limit, "sampling": {"max_new_tokens": 8},
+                               "engine": engine})  # fmt: skip
+        if limit is None and engine == "hf":  # the embedded model's own context, made short
             module.configure_model()
             module.policy.config.max_position_embeddings = 60
         run = trainer(2)

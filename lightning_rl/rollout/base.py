@@ -321,6 +321,10 @@ class RolloutEngine(abc.ABC):
         arguments, the signature's defaults filled in): a ``ValueError`` whose message starts with the option's name,
         or with the engine's for what no option sets (a package it needs). ``EngineSpec.check_here`` calls it."""
 
+    # The most tokens (prompt and completion) a sequence may hold in this engine, where it sets its own (vLLM's
+    # max_model_len); None: the model's context alone bounds it.
+    context_length: int | None = None
+
     @property
     def weight_version(self) -> int:
         """Version of the weights `generate` currently samples with (0 = initial weights)."""

@@ -109,7 +109,12 @@ class RolloutCollector:
         self.scorer = scorer
         self.sampling = sampling
         self.settings = settings
-        self.context_limit = settings.max_context_tokens if settings.max_context_tokens is not None else model_context
+        # The tightest of the contexts a sequence must fit (the engine's own, vLLM's max_model_len, too), and its name.
+        limits = {"max_context_tokens": settings.max_context_tokens} if settings.max_context_tokens is not None else {
+            "the model's max_position_embeddings": model_context}
+        limits["the engine's max_model_len"] = getattr(engine, "context_length", None)
+        known = [(limit, said) for said, limit in limits.items() if limit is not None]
+        self.context_limit, self.context_said = min(known) if known else (None, None)
         self.max_steps, self.steps_per_batch = max_steps, steps_per_batch
         self.executor: ToolExecutor | None = None
         if settings.loaded_tools:
@@ -255,10 +260,9 @@ class RolloutCollector:
             return
         for record, prompt in zip(records, rendered, strict=True):
             if len(prompt.ids) + budget > limit:
-                said = "max_context_tokens" if self.settings.max_context_tokens is not None else "the model's max_position_embeddings"
                 raise DataError(
                     f"{self.prompts.location(record)}: the prompt is {len(prompt.ids)} tokens; with sampling.max_new_tokens={budget} "
-                    f"it does not fit the context of {limit} tokens ({said}): shorten it or lower sampling.max_new_tokens"
+                    f"it does not fit the context of {limit} tokens ({self.context_said}): shorten it or lower sampling.max_new_tokens"
                 )
 
 

@@ -199,6 +199,7 @@ class VLLMEngine(RolloutEngine):
             raise
         self._held_aliases: set[str] = self._llm.apply_model(functools.partial(held_aliases, layout=self._layout))[0]
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
+        self.context_length = self._llm.llm_engine.model_config.max_model_len
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
         self.max_lora_rank = None if max_lora_rank is None else served_lora_rank(max_lora_rank)

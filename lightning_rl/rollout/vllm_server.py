@@ -257,6 +257,7 @@ class VLLMServerEngine(RolloutEngine):
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         self._adapter_loaded = False  # generation names the adapter once one is loaded
         self._info: dict[str, Any] | None = None  # the worker's `lightning_rl_model_info`
+        self._context: int | None = None  # the server's max_model_len, read once
         super().__init__(seed)
         # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
         self._lock = threading.RLock()
@@ -445,6 +446,12 @@ class VLLMServerEngine(RolloutEngine):
         if self._info is None:
             self._info = self._rpc("lightning_rl_model_info")
         return self._info
+
+    @property
+    def context_length(self) -> int | None:  # type: ignore[override]
+        if self._context is None:
+            self._context = (self._server_config().get("model_config") or {}).get("max_model_len")
+        return self._context
 
     def _server_config(self) -> dict[str, Any]:
         return request_json(f"{self.url}/server_info?config_format=json", None, self.request_timeout, "GET")["vllm_config"]
