@@ -95,3 +95,14 @@ def test_the_server_takes_a_resolved_backend_only():
     # "auto" is the engine's to resolve (it knows the trainer's side); a server started alone names its backend.
     with pytest.raises(ValueError, match=r"^transport must be one of gloo, nccl; got 'auto'$"):
         VLLMServer("some/model", transport="auto", python=sys.executable)
+
+
+def test_a_server_that_fails_to_start_is_reported_by_its_first_error(tmp_path):
+    """vLLM's last lines only say its engine failed to start; the cause is the first error its workers logged."""
+    log = tmp_path / "server.log"
+    lines = ["INFO starting", "(EngineCore pid=7) ValueError: Available memory on node 0 (20.91/23.54 GiB) is less than desired",
+             *[f"  File 'frame{i}.py', line {i}" for i in range(60)], "RuntimeError: Engine core initialization failed. See root cause above."]  # fmt: skip
+    log.write_text("\n".join(lines) + "\n")
+    said = VLLMServer("no/such/model", log_path=log)._log_tail()
+    assert said.startswith(": ValueError: Available memory on node 0 (20.91/23.54 GiB) is less than desired:\n")
+    assert said.rstrip().endswith("Engine core initialization failed. See root cause above.")

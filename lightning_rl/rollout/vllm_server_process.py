@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_rl.rollout import orphan_watch
+
+
+_ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception): [^\n]+")  # a Python exception's last line, as a log holds it
 
 
 class VLLMServerError(RuntimeError):
@@ -190,8 +194,15 @@ class VLLMServer:
         return [line.strip() for line in text.splitlines() if line.strip()][-lines:]
 
     def _log_tail(self) -> str:
+        """The first error the server logged (its root cause: vLLM's last lines only say that its engine failed to
+        start), then its last 40 lines."""
         tail = self.log_tail(40)
-        return ":\n" + "\n".join(tail) if tail else ""
+        if not tail:
+            return ""
+        with open(self.log_path, "rb") as log:
+            text = log.read(1 << 20).decode(errors="replace")
+        errors = [m.group(0).strip() for m in _ERROR_LINE.finditer(text) if "initialization failed" not in m.group(0)]
+        return (f": {errors[0]}" if errors else "") + ":\n" + "\n".join(tail)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; return once none is. A log
