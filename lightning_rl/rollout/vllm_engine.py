@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from lightning_rl.rollout.base import (
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import (
-    held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, relayout_reloaded_experts, ties_of, write_groups,
+    held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, prepack_on_reload, ties_of, write_groups,
 )
 from lightning_rl.rollout.vllm_server_process import vllm_on_cpu
 
@@ -198,6 +198,7 @@ class VLLMEngine(RolloutEngine):
             self._llm.llm_engine.engine_core.shutdown()
             raise
         self._held_aliases: set[str] = self._llm.apply_model(functools.partial(held_aliases, layout=self._layout))[0]
+        self._llm.apply_model(prepack_on_reload)
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self.context_length = self._llm.llm_engine.model_config.max_model_len
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
@@ -301,15 +302,13 @@ class VLLMEngine(RolloutEngine):
             self._push_wanted.clear()
             self._turn.notify_all()
             paused = time.perf_counter()
-            loaded: list[str] = []
             try:
-                self._reload(_recorded(weights, loaded))
+                self._reload(weights)
             except Exception:
                 # An empty reload closes the interrupted one: modules that got nothing take their old weights back.
                 self._reload(iter(()))
                 raise
             finally:
-                self._llm.apply_model(functools.partial(relayout_reloaded_experts, loaded=loaded))
                 # Cached prefixes hold keys and values computed with the old weights, cached encoder outputs image
                 # features: both are dropped (the worker's reload drops its encoder outputs, not the scheduler's record of them),
                 # and so are the running requests' blocks: their keys and values are recomputed under the new weights.
@@ -374,13 +373,6 @@ class VLLMEngine(RolloutEngine):
         if self._adapter_folder is not None:
             shutil.rmtree(self._adapter_folder, ignore_errors=True)
         gc.collect()
-
-
-def _recorded(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights``, each name added to ``names`` as it goes out."""
-    for name, tensor in weights:
-        names.append(name)
-        yield name, tensor
 
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

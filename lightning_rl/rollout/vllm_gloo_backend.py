@@ -34,7 +34,7 @@ from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.models.weights import AdapterSpec
 from lightning_rl.rollout.vllm_engine import write_adapter
 from lightning_rl.rollout.vllm_held import (
-    held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, relayout_reloaded_experts, ties_of,
+    held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, prepack_on_reload, ties_of,
 )
 
 BACKEND = "gloo"
@@ -102,6 +102,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def start_weight_update(self) -> None:
         self.loaded = set()
+        prepack_on_reload(self.model)  # once per model: the reload's own post-load step prepacks what it writes
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
@@ -120,7 +121,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
-        relayout_reloaded_experts(self.model, self.loaded)
 
     def stage(self, manifest: gloo_transport.ChunkManifest) -> None:
         """Receive one chunk on a thread of this worker, into host memory, while the engine goes on generating;

@@ -153,18 +153,24 @@ def _unpacked_experts(live: torch.Tensor, isa: str, shape: tuple[int, ...] | Non
     return unpacked
 
 
-def relayout_reloaded_experts(model: nn.Module, loaded: Iterable[str]) -> None:
-    """Prepack again the CPU MoE experts whose weights a reload wrote. vLLM's CPU kernel prepacks them once, after the
-    first load; its layerwise reload writes them back in the checkpoint's layout and, treating it as a weight update,
-    skips that step, so the kernel would compute with weights it reads in the wrong order. Call after the reload (a
-    failed one included: the layers it reached hold what it wrote); a layer it did not reach is left as it is."""
-    prefixes = {name.rpartition(".")[0] for name in loaded}
-    for module_name, module in model.named_modules():
-        if "w13_weight" not in dict(module.named_parameters(recurse=False)) or _cpu_prepacked(module) is None:
+def prepack_on_reload(model: nn.Module) -> None:
+    """Make every reload prepack the CPU MoE experts it writes, as the first load did. vLLM's CPU kernel prepacks (and
+    pads) them once, after the first load; its layerwise reload writes them in the checkpoint's layout and, treating
+    it as a weight update, skips that step: the kernel read them in the wrong order (and a padded layer's copy back
+    into its storage failed on the shape). Each experts layer's post-load step then ends with its kernel's own
+    prepack, inside the reload, for exactly the layers it processes. Once per model; call after the first load."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if _cpu_prepacked(module) is None or getattr(method, "_lightning_rl_prepacks", False):
             continue
-        owner = module_name.replace(".base_layer", "").removesuffix(".routed_experts")
-        if owner in prefixes or any(prefix.startswith(owner + ".") for prefix in prefixes):
-            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        process = method.process_weights_after_loading
+
+        def process_and_prepack(layer: nn.Module, process=process, method=method) -> None:
+            process(layer)
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process_and_prepack
+        method._lightning_rl_prepacks = True
 
 
 def _checkpoint_names(model: nn.Module, layout: CheckpointLayout) -> dict[str, str]:

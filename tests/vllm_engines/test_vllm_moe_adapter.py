@@ -94,7 +94,7 @@ def test_moe_targets_vllm_serves_on_no_build_are_refused_naming_the_module(engin
 
 def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(plain_engine, moe_dir, monkeypatch):
     """vLLM's CPU MoE kernel computes with experts it prepacked after the first load; a reload writes them back in the
-    checkpoint's layout, and the engine prepacks them again (`relayout_reloaded_experts`): the engine then computes
+    checkpoint's layout, and the engine prepacks them again (`prepack_on_reload`): the engine then computes
     what the trainer does, and the read-back undoes the prepack to compare the checkpoint's layout."""
     trainer = load_trainer_model(moe_dir)
     with torch.no_grad():
@@ -121,3 +121,29 @@ def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(plain_engine,
                        r"'model.layers.0.mlp.experts.gate_up_proj' differs"):
         plain_engine.push_weights(iter_full_weights(trainer), version=version + 1)
 
+
+
+def test_a_push_to_experts_the_cpu_kernel_pads_is_exact(tmp_path):
+    """An expert size off the CPU kernel's 32-row alignment (48) is padded as well as prepacked after loading: a
+    reload's copy back into that storage failed on the shape before the reload prepacked what it wrote."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+    from lightning_rl.toy.model import build_tokenizer, save_from_any_process, seeded_model
+
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=64, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, vocab_size=len(tokenizer))  # fmt: skip
+    save_from_any_process(seeded_model(AutoModelForCausalLM, config, tokenizer, seed=0), tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = VLLMEngine(tmp_path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
+    try:
+        trainer = load_trainer_model(tmp_path)
+        with torch.no_grad():
+            for param in trainer.parameters():
+                param.add_(torch.randn_like(param) * 1e-3)
+        engine.push_weights(iter_full_weights(trainer), version=1)  # verified: the read-back cuts the padding
+        sampled = engine.generate([[5, 6, 7, 8]], n=2, sampling=SamplingConfig(max_new_tokens=8, seed=4))
+        assert max_logprob_error(trainer, sampled.rollouts) < LOGPROB_ATOL
+    finally:
+        engine.close()
