@@ -155,7 +155,8 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     comes with where it is, for messages: its line in a JSONL file, else ``row N`` counted from 1."""
     if not isinstance(source, (str, os.PathLike)):
         info = getattr(source, "info", None)
-        rows = [_without_filled_arguments(row) for row in source]
+        arrow = type(source).__module__.split(".")[0] == "datasets"  # a Dataset; not the caller's own rows, left as given
+        rows = [_without_filled_arguments(row) if arrow else row for row in source]
         return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
     path = Path(source)
     if not path.exists():
