@@ -155,7 +155,6 @@ def _outside_text_model(model: torch.nn.Module) -> str | None:
     return rf"^({'|'.join(map(re.escape, towers))})\..*" if towers else None
 
 
-@torch.no_grad()
 def causal_attention(model_class: type, config: PreTrainedConfig) -> str:
     """``sdpa``, or ``eager`` for a model class transformers runs without it (Gemma-2: its attention soft-caps)."""
     try:
@@ -173,6 +172,7 @@ def end_of_turn_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) 
     return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
 
 
+@torch.no_grad()
 def generate_greedy(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64,
     images: list[list[dict[str, torch.Tensor]]] | None = None,

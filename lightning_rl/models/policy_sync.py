@@ -66,14 +66,13 @@ def resolve_weight_sync(mode: str, policy: nn.Module, engine: object, lora: bool
             f"{type(engine).__name__} applies no adapter sent alone")
         if refusal is None:
             return "adapter"
-        if mode == "adapter" and merge_refusal(policy) is None:
-            raise RecipeError(f"weight_sync: adapter: {refusal}; sync merged (or auto)", "weight_sync")
-    if lora and mode in ("adapter", "auto", "merged", "delta"):
-        merging = merge_refusal(policy)
-        if merging is not None:  # neither the adapter alone nor merged: what the adapter targets is the fix
-            alone = f" and the adapter alone: {refusal}" if refusal else ""
-            raise RecipeError(f"weight_sync: {mode}: {merging} for a sync{alone}; leave that module out of "
-                              "model.lora.target_modules", "lora")
+    merging = merge_refusal(policy) if lora else None  # every mode left with a LoRA merges it (check_weight_sync)
+    if merging is not None:  # neither the adapter alone nor merged: what the adapter targets is the fix
+        alone = f" and the adapter alone: {refusal}" if refusal else ""
+        raise RecipeError(f"weight_sync: {mode}: {merging} for a sync{alone}; leave that module out of "
+                          "model.lora.target_modules", "lora")
+    if mode == "adapter":
+        raise RecipeError(f"weight_sync: adapter: {refusal}; sync merged (or auto)", "weight_sync")
     if mode == "auto":
         return "merged" if lora else "full"
     if mode == "delta" and not isinstance(engine, DeltaReceiver):

@@ -99,10 +99,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
         self.group = gloo_transport.join_group(store, rank, init_info.world_size, timeout)
         self.aliases = held_aliases(self.model, self.layout)
+        prepack_on_reload(self.model)  # the reloads' own post-load step prepacks what they write
 
     def start_weight_update(self) -> None:
         self.loaded = set()
-        prepack_on_reload(self.model)  # once per model: the reload's own post-load step prepacks what it writes
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:

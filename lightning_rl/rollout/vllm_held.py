@@ -67,10 +67,7 @@ def held_tensors(model: nn.Module, layout: CheckpointLayout) -> Iterator[tuple[s
                 full = renamed.get(f"{module_name}.{name}", f"{module_name}.{name}")
                 owner = full.rpartition(".")[0]  # the module's checkpoint name
                 live = _live_weight(module, name, param)
-                isa = _cpu_prepacked(module)
-                if isa is not None and name in _EXPERT_PARTS:
-                    live = _unpacked_experts(live, isa, layout.shapes.get(f"{owner.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"))
-                experts = _expert_tensors(owner, name, live, layout)
+                experts = _expert_tensors(owner, name, live, layout, _cpu_prepacked(module))
                 if experts is not None:
                     yield from experts
                     continue
@@ -99,12 +96,17 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _EXPERT_PARTS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
 
-def _expert_tensors(module_name: str, name: str, live: torch.Tensor, layout: CheckpointLayout) -> list[tuple[str, torch.Tensor]] | None:
+def _expert_tensors(
+    module_name: str, name: str, live: torch.Tensor, layout: CheckpointLayout, isa: str | None = None
+) -> list[tuple[str, torch.Tensor]] | None:
     """A fused-experts parameter (``...experts.routed_experts.w13_weight``) under its checkpoint name, or None if it
-    is not one the checkpoint holds in the same layout (then nothing maps it, and the caller says so)."""
+    is not one the checkpoint holds in the same layout (then nothing maps it, and the caller says so). ``isa``: the
+    CPU kernel's prepack it holds (`_cpu_prepacked`), undone first."""
     if name not in _EXPERT_PARTS:
         return None
     checkpoint_name = f"{module_name.removesuffix('.routed_experts')}.{_EXPERT_PARTS[name]}"
+    if isa is not None:
+        live = _unpacked_experts(live, isa, layout.shapes.get(checkpoint_name))
     return [(checkpoint_name, live)] if layout.shapes.get(checkpoint_name) == tuple(live.shape) else None
 
 
