@@ -69,6 +69,8 @@ def test_the_cli_says_a_broken_recipe_in_one_line(tmp_path, capsys):
         ({"samples_per_turn": [2, 0]}, r"samples_per_turn\[1\] must be >= 1, got 0"),
         ({"samples_per_turn": [-1]}, r"samples_per_turn\[0\] must be >= 1, got -1"),
         ({"max_turns": 0}, "max_turns must be >= 1, got 0"),
+        ({"samples_per_turn": [2]}, "samples_per_turn has 1 entries, but max_turns=1 leaves 0 turn"),
+        ({"tools": ["lightning_rl.tools.builtin:calculator"], "max_turns": 2, "samples_per_turn": [2, 2]}, "max_turns=2 leaves 1 turn"),
         ({"sampling": {"max_new_tokens": 0}}, "sampling.max_new_tokens must be >= 1, got 0"),
         ({"num_generations": 1}, "num_generations=1: GRPO needs G >= 2"),
         ({"tool_output_max_chars": 0}, "tool_output_max_chars must be >= 1, got 0"),

@@ -72,6 +72,12 @@ class RolloutSettings:
         validation.finite_positive("tool_timeout_s", self.tool_timeout_s)
         if self.max_turns > 1 and not self.tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
+        if len(self.samples_per_turn) > self.max_turns - 1:  # entry i forks turn i + 2's replies
+            raise RecipeError(
+                f"samples_per_turn has {len(self.samples_per_turn)} entries, but max_turns={self.max_turns} leaves "
+                f"{self.max_turns - 1} turn(s) after the first to fork; drop the extra entries or raise max_turns",
+                "samples_per_turn",
+            )
         tools = tuple(load_tool(path) for path in self.tools)
         validation.unique("tools", [tool.name for tool in tools])
         object.__setattr__(self, "loaded_tools", tools)
