@@ -31,21 +31,30 @@ def test_two_ranks_each_read_their_half(case, tiny_muse_path, tiny_path, tmp_pat
 @pytest.mark.parametrize("case", ["muse_lora", "vlm"])
 def test_one_process_deferred_load_equals_from_pretrained(tiny_muse_path, case):
     """The image-text model's checkpoint holds LLaVA's names (``vision_tower.*``), which transformers renames as it
-    loads (``model.vision_tower.*``): the deferred load finds them the same way."""
+    loads (``model.vision_tower.*``): the deferred load finds them the same way. The LoRA factors, which no
+    checkpoint holds, are drawn as a whole load on one process draws them from the same seed: a run sharded over
+    ranks starts from the adapters a run on one process does."""
     from lightning_rl.models.paths import resolve_model_path
 
     path = tiny_muse_path if case == "muse_lora" else Path(resolve_model_path("tiny-vlm"))
-    model = load_causal_lm(str(path), lora=LoraSettings(target_modules=["q_proj"]), defer_weights=True)
+    lora = LoraSettings(target_modules=["q_proj", "v_proj"])
+    model = load_causal_lm(str(path), lora=lora, defer_weights=True)
     assert pending_checkpoint(model) is not None and all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
-    report = load_deferred_weights(model)
+    report = load_deferred_weights(model, seed=7)
     assert report.elements_read == checkpoint_elements(path) and pending_checkpoint(model) is None
+    torch.manual_seed(7)
+    whole = load_causal_lm(str(path), lora=lora).get_base_model()
     reference = load_causal_lm(str(path))
     base = model.get_base_model()
     got = {hf_name(name): tensor for name, tensor in base.state_dict().items() if ".lora_" not in name}
     assert got.keys() == reference.state_dict().keys()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    factors = {name: tensor for name, tensor in whole.state_dict().items() if ".lora_" in name}
+    assert factors and any(".lora_A." in name and tensor.abs().sum() > 0 for name, tensor in factors.items())
+    for name, tensor in factors.items():
+        torch.testing.assert_close(base.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
     for (name, buffer), (_, want) in zip(base.named_buffers(), reference.named_buffers(), strict=True):
         torch.testing.assert_close(buffer, want, rtol=0, atol=0, msg=name)  # rotary frequencies rebuilt
 

@@ -120,7 +120,10 @@ def load_causal_lm(
         exclude_modules=None if towers == "lora" else outside,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if not defer_weights:  # drawn as a sharded load draws them, so a run on one process starts where FSDP2's does
+        sharded_loading.init_lora_factors(model, seed=torch.initial_seed() % 2**31)
+    return model
 
 
 def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:

@@ -91,16 +91,22 @@ def _local_rows(tensor: DTensor) -> tuple[int, int]:
     return (offset[0] if shape[0] else 0), shape[0]
 
 
-def _lora_init(name: str, local: Tensor, full_shape: torch.Size, rows: tuple[int, int], seed: int) -> None:
-    """peft's default LoRA init (A: Kaiming-uniform, B: zeros), the same full tensor on every rank."""
+def lora_factor(name: str, shape: torch.Size, seed: int) -> Tensor:
+    """peft's default init of a LoRA factor (A: Kaiming-uniform, B: zeros), drawn from ``seed`` and the factor's
+    name alone: the same tensor on every rank, and in a run on one process (`init_lora_factors`) as in a sharded one."""
     if ".lora_B." in name:
-        local.zero_()
-        return
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
-    full = torch.empty(full_shape)
-    bound = 1.0 / math.sqrt(full_shape[1])  # kaiming_uniform_(a=sqrt(5)) on a (out, in) weight
-    full.uniform_(-bound, bound, generator=generator)
-    local.copy_(full[rows[0] : rows[0] + rows[1]])
+    bound = 1.0 / math.sqrt(math.prod(shape[1:]))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+@torch.no_grad()
+def init_lora_factors(model: nn.Module, seed: int) -> None:
+    """Draw every LoRA factor of a model loaded whole as `load_deferred_weights` draws a sharded one's."""
+    for name, tensor in _tensors(policy_model(model)):
+        if ".lora_A." in name or ".lora_B." in name:
+            tensor.copy_(lora_factor(name, tensor.shape, seed))
 
 
 def _tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -163,7 +169,7 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
             rows = _local_rows(tensor) if sharded else (0, tensor.shape[0] if tensor.dim() else 0)
             report.elements_in_model += tensor.numel()
             if ".lora_A." in name or ".lora_B." in name:
-                _lora_init(name, local, tensor.shape, rows, seed)
+                local.copy_(lora_factor(name, tensor.shape, seed)[rows[0] : rows[0] + rows[1]])
             else:
                 key = hf_name(name)
                 key = key if key in files else renamed.get(key, key)
