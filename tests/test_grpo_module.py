@@ -130,6 +130,27 @@ def test_lora_policy_pushes_merged_weights_to_the_engine():
     torch.testing.assert_close(engine.q_proj, merged.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_lora_policy_exports_its_adapter_alone_when_asked(tmp_path):
+    """``export: adapter`` writes the adapter as TRL saves a peft policy: loaded onto the base, it is the policy."""
+    from peft import PeftModel
+
+    from lightning_rl.models.loading import load_causal_lm
+    from lightning_rl.models.paths import resolve_model_path
+
+    module, _ = fit(1, [], lora=LoraSettings(r=4, alpha=8), export="adapter", learning_rate=1e-2, rewards=LENGTH_REWARD)
+    folder = module.export_hf(tmp_path / "hf")
+    assert (folder / "adapter_config.json").exists() and not (folder / "model.safetensors").exists()
+    base = load_causal_lm(resolve_model_path("tiny")).eval()
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        before = base(ids).logits
+        exported = PeftModel.from_pretrained(base, folder).eval()
+        torch.testing.assert_close(exported(ids).logits, module.policy.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(exported(ids).logits, before, atol=1e-4)  # the adapter carries what was learned
+    with pytest.raises(RecipeError, match="export='adapter' needs a model.lora block"):
+        GRPOModule(export="adapter")
+
+
 class Snapshots(L.Callback):
     """The policy's and the reference's weights at the start and after every step."""
 

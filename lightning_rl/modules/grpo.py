@@ -37,7 +37,7 @@ from lightning_rl.losses.grpo import EntropyControl, TokenLoss
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.modules.optim import LrSchedule
-from lightning_rl.modules.policy import PolicyModule
+from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
@@ -161,6 +161,7 @@ class GRPOModule(PolicyModule):
             by the SFT module's evaluator (``summary.json``: ``heldout_exact_match_before``, ``heldout_exact_match``).
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
+        export: the Hugging Face folder: ``model``, ``merged`` (LoRA merged in: the default with ``lora``), ``adapter`` (TRL's).
     """
 
     def __init__(
@@ -219,6 +220,7 @@ class GRPOModule(PolicyModule):
         eval_max_new_tokens: int = 16,
         log_rollouts_every_n_steps: int = 10,
         summary_window: int = 10,
+        export: ExportMode | None = None,
     ) -> None:
         super().__init__()
         specs = [reward_spec(r) for r in rewards]
@@ -237,7 +239,7 @@ class GRPOModule(PolicyModule):
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
         self.lora = LoraSettings.checked(lora)
         check_towers(towers, self.lora)
-        self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
+        self.hparams["lora"], self.export = None if self.lora is None else asdict(self.lora), export_mode(export, self.lora)
         check_weight_sync(weight_sync, self.lora is not None)
         check_push_in_background(push_in_background, async_mode, max_staleness)
         self.automatic_optimization = False
@@ -311,10 +313,7 @@ class GRPOModule(PolicyModule):
         self.weight_sync = PolicySync(resolve_weight_sync(self.hparams.weight_sync, self.policy, self.engine, self.lora is not None))
         self.route_layers = replay_routes(self.hparams.router_replay, self.policy, self.engine)
         self.scorer.to(self.device)  # reward models score on the trainer's device
-        renderer = PromptRenderer(
-            self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs,
-            self.hparams.model_name_or_path,
-        )
+        renderer = PromptRenderer(self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs, self.hparams.model_name_or_path)
         self.collector = RolloutCollector(
             self.engine, self.trainer.datamodule, renderer, self.scorer, self.sampling, self.rollout,
             model_context=getattr(self.policy.config.get_text_config(), "max_position_embeddings", None),
@@ -608,8 +607,7 @@ class GRPOModule(PolicyModule):
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        mode = "model" if self.lora is None else "merged"
-        return self.export_policy(self.processor or self.tokenizer, path, mode=mode, data=self.trainer.datamodule.path, write=write)
+        return self.export_policy(self.processor or self.tokenizer, path, mode=self.export, data=self.trainer.datamodule.path, write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume

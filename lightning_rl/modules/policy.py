@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
 from lightning_rl.device_policy import requires_static_shapes
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
@@ -22,8 +23,17 @@ from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import loads_weights_sharded
 
 
+ExportMode = Literal["model", "merged", "adapter"]
 WRITER = "written_by"  # the checkpoint key of what wrote it (``PolicyModule.writer``)
 _CLI_KEYS = {"_instantiator", "_class_path"}  # what LightningCLI adds to the saved hyperparameters
+
+
+def export_mode(export: ExportMode | None, lora: LoraSettings | None) -> ExportMode:
+    """The final folder's kind (the ``export`` key): as given, where ``merged`` and ``adapter`` need a LoRA; by
+    default the full model, or a LoRA merged into it."""
+    if export in ("merged", "adapter") and lora is None:
+        raise RecipeError(f"export={export!r} needs a model.lora block", "export")
+    return export or ("merged" if lora is not None else "model")
 
 
 class PolicyModule(LightningModule):
@@ -147,7 +157,7 @@ class PolicyModule(LightningModule):
         if differs:
             raise ForeignCheckpointError(f"ckpt_path: {path} was written by another kind of run ({'; '.join(differs)})")
 
-    def export_policy(self, tokenizer: Any, path: Path, mode: Literal["model", "merged", "adapter"], data: Any, write: bool = True) -> Path:
+    def export_policy(self, tokenizer: Any, path: Path, mode: ExportMode, data: Any, write: bool = True) -> Path:
         """Write the trained policy (``model``, LoRA ``merged`` into it, or the ``adapter`` alone) and its tokenizer
         as a Hugging Face folder, with a model card of the run (``data``: what it trained on). The base model is named
         as the recipe names it (an adapter's ``base_model_name_or_path`` too), not by where this machine keeps it."""

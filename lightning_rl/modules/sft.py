@@ -11,7 +11,7 @@ accumulation and clipping are the Trainer's business.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from lightning_rl.models.loading import LoraSettings, TowerTraining, check_tower
 from lightning_rl.models.paths import check_model_source
 from lightning_rl.modules.evaluation import exact_match, log_heldout
 from lightning_rl.modules.optim import LrSchedule
-from lightning_rl.modules.policy import PolicyModule
+from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.tree import PackedBatch
@@ -67,7 +67,7 @@ class SFTModule(PolicyModule):
         warmup_steps: int = 0,
         lr_schedule: LrSchedule = "cosine",
         lora: LoraSettings | None = None,
-        export: Literal["model", "merged", "adapter"] | None = None,
+        export: ExportMode | None = None,
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         gradient_checkpointing: bool = False,
@@ -91,13 +91,11 @@ class SFTModule(PolicyModule):
         validation.positive_int("verify_packing_every", verify_packing_every)
         validation.non_negative_int("eval_generations", eval_generations)
         validation.positive_int("max_new_tokens", max_new_tokens)
-        if export in ("merged", "adapter") and lora is None:
-            raise RecipeError(f"export={export!r} needs a model.lora block", "export")
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
         self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         check_towers(towers, self.lora)
-        self.export = export or ("merged" if lora is not None else "model")
+        self.export = export_mode(export, self.lora)
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self._heldout: tuple[int, dict[str, Any]] | None = None  # the last evaluation: its step and figures
 
