@@ -64,6 +64,26 @@ def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_
     assert [e.input_ids for e in without] == [e.input_ids for e in with_blocks]
 
 
+def test_a_separator_after_a_reply_end_that_is_not_eos_is_not_trained(tiny_path, tiny_tokenizer, tmp_path):
+    """Gemma ends a reply with ``<end_of_turn>`` (its generation config's end, not the tokenizer's ``<eos>``) and its
+    template puts ``\n`` after it: the reply is trained through its end, never the separator, as with blocks."""
+    folder = tmp_path / "model"
+    gemma_like = AutoTokenizer.from_pretrained(tiny_path)
+    gemma_like.chat_template = gemma_like.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    gemma_like.eos_token = "<|endoftext|>"
+    gemma_like.save_pretrained(folder)
+    ends = [gemma_like.convert_tokens_to_ids("<|endoftext|>"), gemma_like.convert_tokens_to_ids("<|im_end|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:5]]
+    rows.append({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                              {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]})  # fmt: skip
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with_blocks, _ = load_examples(path, Renderer(tiny_tokenizer, "tiny"), 512)
+    without, _ = load_examples(path, Renderer(AutoTokenizer.from_pretrained(folder), str(folder)), 512)
+    assert [e.loss_mask for e in without] == [e.loss_mask for e in with_blocks]
+    assert trained_text(tiny_tokenizer, without[-1]) == "2<|im_end|>4<|im_end|>"
+
+
 def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
     import datasets
 

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl import validation
 from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.models.loading import end_of_turn_ids, saved_generation_config
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import learned_positions, resolve_model_path
 from lightning_rl.toy.shapes import toy_source
@@ -272,6 +273,8 @@ class Renderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, processor: Any = None, image_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.name = name
+        # What ends a reply (Gemma's <end_of_turn> besides its <eos>): a template's separator after it is not trained.
+        self.end_ids = set(end_of_turn_ids(saved_generation_config(name) if Path(name).is_dir() else None, tokenizer))
         self.images = ImageRenderer(processor, image_token_id) if processor is not None and image_token_id is not None else None
         self.image_token_id = image_token_id
 
@@ -316,7 +319,6 @@ class Renderer:
         # conversation up to it; this needs every rendering to be a prefix of the full one.
         ids = self._chat(messages, tools=tools)
         mask = [False] * len(ids)
-        eos = self.tokenizer.eos_token_id
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -326,9 +328,9 @@ class Renderer:
             if ids[: len(through)] != through or through[:start] != before:
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
             end = len(through)
-            turn = through[start:end]
-            if eos in turn:  # the turn ends at its end-of-turn token; separators after it are not trained
-                end = start + len(turn) - turn[::-1].index(eos)
+            ends = [i for i, token in enumerate(through[start:end]) if token in self.end_ids]
+            if ends:  # the turn ends at its end-of-turn token; separators after it are not trained
+                end = start + ends[-1] + 1
             mask[start:end] = [True] * (end - start)
         return ids, mask
 

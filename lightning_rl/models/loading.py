@@ -97,8 +97,8 @@ def load_causal_lm(
     if defer_weights:
         with torch.device("meta"):
             model = auto.from_config(config, attn_implementation=attention, dtype=torch.float32)
-        if (Path(path) / "generation_config.json").exists():
-            model.generation_config = GenerationConfig.from_pretrained(path)
+        if (saved := saved_generation_config(path)) is not None:
+            model.generation_config = saved
         sharded_loading.defer_weights(model, path)
     else:
         model = auto.from_pretrained(path, attn_implementation=attention, dtype=torch.float32)
@@ -167,12 +167,17 @@ def causal_attention(model_class: type, config: PreTrainedConfig) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
-def end_of_turn_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def end_of_turn_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The tokens that end a reply: the model's generation config's (a chat model's end of turn, as Gemma's
     ``<end_of_turn>``, besides its end of text) and the tokenizer's end of sequence."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = getattr(generation_config, "eos_token_id", None)
     ids = configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
+
+
+def saved_generation_config(path: str | Path) -> GenerationConfig | None:
+    """The generation config a model folder holds, if it holds one (nothing is downloaded)."""
+    return GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").is_file() else None
 
 
 @torch.no_grad()
@@ -206,7 +211,7 @@ def generate_greedy(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                eos_token_id=end_of_turn_ids(model, tokenizer),
+                eos_token_id=end_of_turn_ids(getattr(model, "generation_config", None), tokenizer),
             )
             texts.extend(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
     finally:
