@@ -246,6 +246,19 @@ def test_push_in_background_is_refused_where_the_trainer_would_wait_for_it_anywa
             GRPOModule(**FAST, rewards=LENGTH_REWARD, push_in_background="always", **kwargs)
 
 
+def test_the_async_settings_check_themselves_as_they_are_made():
+    from lightning_rl.modules.grpo_options import AsyncSettings
+
+    assert AsyncSettings(True, 2, "always").max_staleness == 2
+    with pytest.raises(RecipeError, match="max_staleness must be >= 0, got -1") as caught:
+        AsyncSettings(True, -1)
+    assert caught.value.key == "max_staleness"
+    with pytest.raises(RecipeError, match="push_in_background: always needs async_mode"):
+        AsyncSettings(False, 1, "always")
+    with pytest.raises(RecipeError, match="push_in_background must be one of auto, always, never, got 'sometimes'"):
+        AsyncSettings(True, 1, "sometimes")
+
+
 def test_auto_pushes_in_background_only_where_it_frees_the_trainer(tiny_path):
     """``auto``: async at ``max_staleness >= 1`` on an accelerator; not on a CPU (the push there takes the cores the
     step and the engine need), not at k=0 (the next batch needs the pushed weights), never in a synchronous run."""

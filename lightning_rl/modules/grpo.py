@@ -43,7 +43,7 @@ from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
-from lightning_rl.modules.grpo_options import check_combinations, check_values, reward_spec
+from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
@@ -66,7 +66,7 @@ from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.stopping import fetched_on_every_rank
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
 from lightning_rl.models.policy_sync import (
-    BackgroundPush, PolicySync, PushInBackground, WeightSync, check_push_in_background, check_weight_sync, engine_options_for,
+    BackgroundPush, PolicySync, PushInBackground, WeightSync, check_weight_sync, engine_options_for,
     pushes_in_background, resolve_weight_sync,
 )
 
@@ -241,7 +241,7 @@ class GRPOModule(PolicyModule):
         check_towers(towers, self.lora)
         self.hparams["lora"], self.export = None if self.lora is None else asdict(self.lora), export_mode(export, self.lora)
         check_weight_sync(weight_sync, self.lora is not None)
-        check_push_in_background(push_in_background, async_mode, max_staleness)
+        self.asynchronous = AsyncSettings(async_mode, max_staleness, push_in_background)
         self.automatic_optimization = False
         check_model_source(model_name_or_path)
         self.rollout = RolloutSettings(
@@ -327,19 +327,19 @@ class GRPOModule(PolicyModule):
             self.heldout_before = self.evaluate()
         index, iteration = divmod(self.global_step, self.hparams.num_iterations)
         self._push_weights(version=index)
-        if not self.hparams.async_mode:
+        if not self.asynchronous.async_mode:
             return
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
         self.producer = RolloutProducer(
-            self.collector.collect, lambda: self.engine.weight_version, self.hparams.max_staleness, start_index=first,
+            self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness, start_index=first,
             concurrent=self.engine.concurrent_batches,
         )
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
-        share_cores_with_rollouts(self.engine, self.trainer, self.hparams.max_staleness)  # the rollout thread computes beside this one
+        share_cores_with_rollouts(self.engine, self.trainer, self.asynchronous.max_staleness)  # the rollout thread computes beside this one
         self.producer.start()
-        hp = self.hparams
-        if pushes_in_background(hp.push_in_background, hp.async_mode, hp.max_staleness, self.policy, self.weight_sync.mode, self.device):
+        run = self.asynchronous
+        if pushes_in_background(run.push_in_background, run.async_mode, run.max_staleness, self.policy, self.weight_sync.mode, self.device):
             self._background = BackgroundPush(self.weight_sync, self.producer.weights_updated)
 
     def on_train_end(self) -> None:

@@ -1,6 +1,6 @@
 """GRPO's refusals of options that each pass their own check but cannot run together, and the reward entries.
 
-A settings group checks its own values (``GRPOLoss``, ``SamplingSettings``, ``RolloutSettings``); what spans groups
+A settings group checks its own values (``GRPOLoss``, ``SamplingSettings``, ``RolloutSettings``, ``AsyncSettings``); what spans groups
 (the sampling penalty and the loss's correction, the advantages' scaling and aggregation, the reference's refresh
 and LoRA) is refused here, in one line naming the key, before any model loads.
 """
@@ -8,6 +8,7 @@ and LoRA) is refused here, in one line naming the key, before any model loads.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_rl import validation
@@ -16,10 +17,24 @@ from lightning_rl.data.sft import check_source
 from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss
 from lightning_rl.models.loading import LoraSettings
+from lightning_rl.models.policy_sync import PushInBackground, check_push_in_background
 from lightning_rl.modules.mismatch import alarm_bound
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.rollout.base import SamplingSettings
 from lightning_rl.toy.shapes import toy_source
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """Asynchronous GRPO's keys of the same names (see `GRPOModule`), checked together as they are made."""
+
+    async_mode: bool = False
+    max_staleness: int = 1
+    push_in_background: PushInBackground = "auto"
+
+    def __post_init__(self) -> None:
+        validation.non_negative_int("max_staleness", self.max_staleness)
+        check_push_in_background(self.push_in_background, self.async_mode, self.max_staleness)
 
 
 def check_values(hparams: Mapping[str, Any]) -> None:
@@ -27,7 +42,7 @@ def check_values(hparams: Mapping[str, Any]) -> None:
     for key in ("num_iterations", "chunk_size", "verify_packing_every", "summary_window", "eval_max_new_tokens", "max_tokens_per_row"):
         if hparams[key] is not None:
             validation.positive_int(key, hparams[key])
-    for key in ("eval_generations", "max_staleness", "warmup_steps", "log_rollouts_every_n_steps"):
+    for key in ("eval_generations", "warmup_steps", "log_rollouts_every_n_steps"):
         validation.non_negative_int(key, hparams[key])
     validation.finite_non_negative("weight_decay", hparams["weight_decay"])
     for key in ("learning_rate", "reward_timeout_s", "max_grad_norm"):
