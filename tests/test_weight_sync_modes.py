@@ -84,6 +84,25 @@ def test_an_adapter_with_modules_to_save_reaches_the_transformers_engine() -> No
     assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5
 
 
+def test_an_adapter_on_the_embeddings_is_refused_merged_and_served_alone() -> None:
+    """peft adapts an embedding with ``lora_embedding_A/B``, not ``lora_A/B``: the merged sync used to send that
+    embedding unadapted (the engine sampled from another policy, and the check passed). It is refused now, naming
+    the module; the adapter sync carries it, and the engine's log-probs are the trainer's."""
+    from lightning_rl.models.weights import WeightSyncError, merge_refusal
+
+    policy = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])).eval()
+    train_step(policy, seed=6, only="lora_")
+    assert "Embedding at model.embed_tokens" in merge_refusal(policy)
+    with pytest.raises(WeightSyncError, match="merging LoRA into Embedding at model.embed_tokens is not supported"):
+        PolicySync("merged").sync(policy, HFRolloutEngine(base()), 1)
+    assert adapter_spec(policy).layers["model.embed_tokens"] == "Embedding"
+    engine = HFRolloutEngine(base())
+    report = PolicySync("adapter").sync(policy, engine, 1)
+    assert any("lora_embedding_B" in name for name in report.names)
+    assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5
+    assert (logprobs(base()) - logprobs(policy)).abs().max() > 1e-3  # the adapter changes what is computed
+
+
 def test_an_adapter_tensor_the_engine_did_not_take_is_caught(monkeypatch) -> None:
     import peft
 

@@ -92,20 +92,26 @@ def _local_rows(tensor: DTensor) -> tuple[int, int]:
 
 
 def lora_factor(name: str, shape: torch.Size, seed: int) -> Tensor:
-    """peft's default init of a LoRA factor (A: Kaiming-uniform, B: zeros), drawn from ``seed`` and the factor's
+    """peft's default init of a LoRA factor (A: Kaiming-uniform, B: zeros; an embedding's the other way round), drawn from ``seed`` and the factor's
     name alone: the same tensor on every rank, and in a run on one process (`init_lora_factors`) as in a sharded one."""
-    if ".lora_B." in name:
+    if ".lora_B." in name or ".lora_embedding_A." in name:
         return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+    if ".lora_embedding_B." in name:  # an embedding's: A zeros, B standard normal
+        return torch.empty(shape).normal_(generator=generator)
     bound = 1.0 / math.sqrt(math.prod(shape[1:]))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def _is_lora_factor(name: str) -> bool:
+    return any(f".{part}." in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"))
 
 
 @torch.no_grad()
 def init_lora_factors(model: nn.Module, seed: int) -> None:
     """Draw every LoRA factor of a model loaded whole as `load_deferred_weights` draws a sharded one's."""
     for name, tensor in _tensors(policy_model(model)):
-        if ".lora_A." in name or ".lora_B." in name:
+        if _is_lora_factor(name):
             tensor.copy_(lora_factor(name, tensor.shape, seed))
 
 
@@ -168,7 +174,7 @@ def load_deferred_weights(model: nn.Module, *, seed: int = 0) -> ShardedLoadRepo
             local = tensor.to_local() if sharded else tensor
             rows = _local_rows(tensor) if sharded else (0, tensor.shape[0] if tensor.dim() else 0)
             report.elements_in_model += tensor.numel()
-            if ".lora_A." in name or ".lora_B." in name:
+            if _is_lora_factor(name):
                 local.copy_(lora_factor(name, tensor.shape, seed)[rows[0] : rows[0] + rows[1]])
             else:
                 key = hf_name(name)

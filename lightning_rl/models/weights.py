@@ -176,6 +176,12 @@ def _merge_problem(module: nn.Module, module_name: str, adapter: str) -> str | N
     return None
 
 
+def _adapters(layer: nn.Module) -> list[str]:
+    """The active adapters a peft LoRA layer holds factors of: ``lora_A``/``lora_B`` (linear and convolution layers)
+    or ``lora_embedding_A``/``_B`` (embeddings)."""
+    return [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+
+
 def merge_refusal(module: nn.Module) -> str | None:
     """Why the policy's LoRA adapters cannot be merged into its weights for a sync (None: they can), read before any
     sync: the first layer that cannot."""
@@ -183,8 +189,8 @@ def merge_refusal(module: nn.Module) -> str | None:
 
     for module_name, layer in policy_model(module).named_modules():
         if isinstance(layer, LoraLayer) and not (layer.disable_adapters or layer.merged):
-            for adapter in layer.active_adapters:
-                problem = _merge_problem(layer, module_name, adapter) if adapter in layer.lora_A else None
+            for adapter in _adapters(layer):
+                problem = _merge_problem(layer, module_name, adapter)
                 if problem is not None:
                     return problem
     return None
@@ -195,9 +201,7 @@ def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Ten
     if module.disable_adapters or module.merged:
         return []
     factors = []
-    for adapter in module.active_adapters:
-        if adapter not in module.lora_A:
-            continue
+    for adapter in _adapters(module):
         problem = _merge_problem(module, module_name, adapter)
         if problem is not None:
             raise WeightSyncError(f"{problem}; sync the adapter alone with iter_adapter_weights()")
@@ -391,7 +395,7 @@ def adapter_spec(module: nn.Module) -> AdapterSpec:
     config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))
     layers, whole, unmergeable = {}, [], []
     for module_name, layer in peft_model.get_base_model().named_modules():
-        if isinstance(layer, LoraLayer) and name in layer.lora_A:
+        if isinstance(layer, LoraLayer) and name in _adapters(layer):
             layers[hf_name(module_name)] = type(layer.get_base_layer()).__name__
             if layer.lora_variant.get(name) is not None or layer.lora_bias.get(name, False):
                 unmergeable.append(hf_name(module_name))
