@@ -103,6 +103,30 @@ def test_an_adapter_on_the_embeddings_is_refused_merged_and_served_alone() -> No
     assert (logprobs(base()) - logprobs(policy)).abs().max() > 1e-3  # the adapter changes what is computed
 
 
+def test_an_adapter_on_a_tied_output_head_is_refused_merged() -> None:
+    """A LoRA on ``lm_head`` whose weight the embedding shares adapts the head alone; merged, the one tensor sent
+    (under the embedding's name) left the head's adapter out. Refused, naming the module; untied, it merges."""
+    from lightning_rl.models.weights import WeightSyncError, merge_refusal
+
+    config = dict(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    tied = get_peft_model(base(), LoraConfig(**config)).eval()
+    assert "merging LoRA into lm_head is not supported: another module shares its weight" in merge_refusal(tied)
+    with pytest.raises(WeightSyncError, match="merging LoRA into lm_head is not supported"):
+        PolicySync("merged").sync(tied, HFRolloutEngine(base()), 1)
+    def untied_base() -> Qwen3ForCausalLM:
+        model = base()
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        return model
+
+    untied = get_peft_model(untied_base(), LoraConfig(**config)).eval()
+    assert merge_refusal(untied) is None
+    engine = HFRolloutEngine(untied_base())
+    PolicySync("merged").sync(untied, engine, 1)
+    assert "lm_head.weight" in dict(iter_full_weights(untied))
+    assert (logprobs(engine.model) - logprobs(untied)).abs().max() < 1e-5
+
+
 def test_an_adapter_tensor_the_engine_did_not_take_is_caught(monkeypatch) -> None:
     import peft
 

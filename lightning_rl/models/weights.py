@@ -167,13 +167,26 @@ class _Entry:
     lora: list[tuple[Tensor, Tensor, float, bool]] = field(default_factory=list)
 
 
-def _merge_problem(module: nn.Module, module_name: str, adapter: str) -> str | None:
-    """Why ``adapter`` of a peft LoRA layer cannot be merged into its base weight here (None: it can)."""
+def _merge_problem(module: nn.Module, module_name: str, adapter: str, tied: set[int]) -> str | None:
+    """Why ``adapter`` of a peft LoRA layer cannot be merged into its base weight here (None: it can); ``tied``: the
+    ids of the model's tensors that several modules share."""
     if module.lora_variant.get(adapter) is not None or module.lora_bias.get(adapter, False):
         return f"merging adapter '{adapter}' of {module_name} ({type(module).__name__} with a LoRA variant or bias) is not supported"
     if not isinstance(module.get_base_layer(), nn.Linear):
         return f"merging LoRA into {type(module.get_base_layer()).__name__} at {module_name} is not supported"
+    if id(module.get_base_layer().weight) in tied:
+        return (f"merging LoRA into {module_name} is not supported: another module shares its weight (tied embeddings), "
+                "and the adapter adapts this one alone")
     return None
+
+
+def _tied(model: nn.Module) -> set[int]:
+    """The ids of the parameters that more than one module holds (a tied embedding and output head)."""
+    seen: set[int] = set()
+    tied: set[int] = set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (tied if id(param) in seen else seen).add(id(param))
+    return tied
 
 
 def _adapters(layer: nn.Module) -> list[str]:
@@ -187,22 +200,24 @@ def merge_refusal(module: nn.Module) -> str | None:
     sync: the first layer that cannot."""
     from peft.tuners.lora import LoraLayer
 
-    for module_name, layer in policy_model(module).named_modules():
+    model = policy_model(module)
+    tied = _tied(model)
+    for module_name, layer in model.named_modules():
         if isinstance(layer, LoraLayer) and not (layer.disable_adapters or layer.merged):
             for adapter in _adapters(layer):
-                problem = _merge_problem(layer, module_name, adapter)
+                problem = _merge_problem(layer, module_name, adapter, tied)
                 if problem is not None:
                     return problem
     return None
 
 
-def _lora_factors(module: nn.Module, module_name: str) -> list[tuple[Tensor, Tensor, float, bool]]:
+def _lora_factors(module: nn.Module, module_name: str, tied: set[int]) -> list[tuple[Tensor, Tensor, float, bool]]:
     """(A, B, scaling, fan_in_fan_out) of each active, unmerged adapter of a peft LoRA linear layer."""
     if module.disable_adapters or module.merged:
         return []
     factors = []
     for adapter in _adapters(module):
-        problem = _merge_problem(module, module_name, adapter)
+        problem = _merge_problem(module, module_name, adapter, tied)
         if problem is not None:
             raise WeightSyncError(f"{problem}; sync the adapter alone with iter_adapter_weights()")
         factors.append((
@@ -229,11 +244,12 @@ def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
     persistent = set(model.state_dict(keep_vars=True))
     seen: set[int] = set()
     entries: list[_Entry] = []
+    tied = _tied(model) if merge_lora else set()
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
-            lora = _lora_factors(module, module_name) if merge_lora else []
+            lora = _lora_factors(module, module_name, tied) if merge_lora else []
             for name, param in base.named_parameters(recurse=False):
                 if id(param) not in seen:
                     entries.append(_Entry(hf_name(f"{module_name}.{name}"), param, lora if name == "weight" else []))
