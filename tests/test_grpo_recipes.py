@@ -80,3 +80,10 @@ def test_grpo_from_sft_reports_held_out_accuracy_before_and_after_with_the_sft_e
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: model.eval_generations needs eval_data (held-out conversations; toy: the embedded task's)"
     )
+    # A held-out file with a row the evaluator cannot read: one line naming the row, before the run writes anything.
+    unanswered = tmp_path / "unanswered.jsonl"
+    unanswered.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}]}) + "\n")
+    assert main(["run", "recipes/tiny/grpo_from_sft.yaml", f"--output_dir={tmp_path / 'late'}", "--model.model_name_or_path=tiny",
+                 f"--model.eval_data={unanswered}", "--model.eval_generations=2"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {unanswered}: line 1: ")
+    assert not (tmp_path / "late").exists() or not any((tmp_path / "late").iterdir())

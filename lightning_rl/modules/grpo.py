@@ -41,7 +41,7 @@ from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
-from lightning_rl.data.sft import DataError
+from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
@@ -297,6 +297,8 @@ class GRPOModule(PolicyModule):
         self.policy = self.load_policy(path, self.lora)
         # An image-text model: its processor renders image prompts, and its multimodal tokens are never sampled.
         self.processor, self.image_token_id = load_processor(path)
+        if self.hparams.eval_generations:
+            self.eval_cases  # read now: a bad row stops the run before it writes anything
         suppressed = multimodal_token_ids(self.policy.config)
         if suppressed:
             self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed)
@@ -387,7 +389,7 @@ class GRPOModule(PolicyModule):
         advantages = self._advantages(scored)
         rollouts = scored.rollouts
         if self.hparams.mask_truncated_completions:
-            rollouts = [_untrained(r) if r.finish_reason == "length" else r for r in rollouts]
+            rollouts = [dataclasses.replace(r, completion_mask=[False] * len(r.completion_ids)) if r.finish_reason == "length" else r for r in rollouts]
         rows, prefixes = self._plan_rows(rollouts)
         counts = self._step_counts(rollouts)
 
@@ -589,13 +591,16 @@ class GRPOModule(PolicyModule):
         if every and scored.index % every == 0:  # at the step just taken, where Lightning logs its figures
             log_rollouts(self.trainer, self.global_step - 1, rollout_table(scored, functools.partial(visible_text, self.tokenizer)))
 
+    @functools.cached_property
+    def eval_cases(self) -> list[GenerationCase]:
+        """The held-out prompts decoded by `evaluate`: read (and checked) as the model loads, before the run writes."""
+        source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else toy_source(self.hparams.eval_data)
+        path = str(resolve_model_path(self.hparams.model_name_or_path))
+        return heldout_cases(source, self.tokenizer, path, self.processor, self.image_token_id)[: self.hparams.eval_generations]
+
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""
-        if not hasattr(self, "_heldout_cases"):
-            path = resolve_model_path(self.hparams.model_name_or_path)
-            source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else toy_source(self.hparams.eval_data)
-            self._heldout_cases = heldout_cases(source, self.tokenizer, str(path), self.processor, self.image_token_id)[: self.hparams.eval_generations]
-        return log_heldout(self, exact_match(self.policy, self.tokenizer, self._heldout_cases, max_new_tokens=self.hparams.eval_max_new_tokens))
+        return log_heldout(self, exact_match(self.policy, self.tokenizer, self.eval_cases, max_new_tokens=self.hparams.eval_max_new_tokens))
 
     def summary_metrics(self) -> dict[str, Any]:
         """Reward means of the first and last `summary_window` steps, and held-out accuracy before and after
@@ -640,9 +645,3 @@ _SAVED = {"reward_history": "reward_history", "trained_batches": "trained_batche
 class _CloseOnException(Callback):
     def on_exception(self, trainer: Any, pl_module: GRPOModule, exception: BaseException) -> None:
         pl_module.close()
-
-
-def _untrained(rollout: Rollout) -> Rollout:
-    """The rollout with none of its tokens trained (``mask_truncated_completions``)."""
-    return dataclasses.replace(rollout, completion_mask=[False] * len(rollout.completion_ids))
-
