@@ -38,6 +38,11 @@ def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
     logged = {key for row in rows for key, value in row.items() if value}
     assert {"train/tools/calls", "train/reward/tool_call_validity/mean", "train/packing_ratio", "train/entropy",
             "train/rollout/staleness", "train/speed/generation_tokens_per_s", "train/clip/fraction"} <= logged
+    # Every failure kind and exclusion reason at every step, 0 where none (a logger's summary keeps the last value).
+    steps = [row for row in rows if row.get("train/tools/calls")]
+    counts = [f"train/tools/failures/{kind}" for kind in ("malformed", "unknown_tool", "invalid_arguments", "raised", "timeout", "worker_lost")]
+    counts += [f"train/rollouts/excluded/{reason}" for reason in ("engine", "tool_worker", "reward_timeout")]
+    assert steps and all(float(row[key]) >= 0 for row in steps for key in counts)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from lightning.pytorch import Trainer
@@ -18,8 +18,9 @@ from lightning.pytorch.loggers import WandbLogger
 
 from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.packing.tree import PackedBatch
+from lightning_rl.rollout.base import InfraFailure
 from lightning_rl.rollout.buffer import ScoredBatch
-from lightning_rl.rollout.conversation import distinct_tool_calls
+from lightning_rl.rollout.conversation import TOOL_FAILURE_KINDS, distinct_tool_calls
 
 
 class StepStats:
@@ -96,7 +97,9 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
         "groups/excluded": float(scored.excluded_groups),
         "rollouts/regenerated_stale": float(scored.stale_regenerations),
-        **{f"rollouts/excluded/{reason}": float(count) for reason, count in scored.excluded_rollouts.items()},
+        # Every reason and kind at every step, 0 where none: a figure logged only at some steps stays in a logger's
+        # summary (W&B's) as its last value.
+        **{f"rollouts/excluded/{reason}": float(scored.excluded_rollouts.get(reason, 0)) for reason in get_args(InfraFailure)},
     }
     failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
     for name, values in scored.reward_terms.items():
@@ -110,8 +113,8 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         metrics[f"reward_metric/{name}"] = sum(values) / len(values)
     if with_tools:
         metrics["tools/calls"] = float(len(distinct_tool_calls(rollouts)))
-        for kind, count in scored.tool_failures.items():
-            metrics[f"tools/failures/{kind}"] = float(count)
+        for kind in TOOL_FAILURE_KINDS:
+            metrics[f"tools/failures/{kind}"] = float(scored.tool_failures.get(kind, 0))
     return metrics
 
 

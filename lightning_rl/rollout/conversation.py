@@ -17,7 +17,7 @@ import copy
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, get_args
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +25,7 @@ import torch
 
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, extend_support
 from lightning_rl.tools.calls import parse_tool_calls
-from lightning_rl.tools.executor import ToolExecutor
+from lightning_rl.tools.executor import FailureKind, ToolExecutor
 
 
 def visible_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
@@ -149,6 +149,9 @@ class ToolConversation:
         fresh = Rollout(**asdict(rollout))
         fresh.metadata.setdefault("tool_calls", [])
         return fresh
+
+
+TOOL_FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)  # every kind a step logs (0 where none)
 
 
 def distinct_tool_calls(rollouts: Iterable[Rollout]) -> list[dict[str, Any]]:
