@@ -68,3 +68,26 @@ def test_min_p_and_repetition_penalty_reach_the_sampler(tiny_path):
     assert penalised.completion_ids == ids[len(prompt):]
     (plain,) = engine.generate([prompt], 1, SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
     assert plain.completion_ids != penalised.completion_ids  # the penalty changed what greedy picks
+
+
+def test_a_checkpoints_generation_config_never_changes_what_the_engine_samples(tiny_path, tmp_path):
+    """generate fills what a call leaves unset from the model's generation config: a checkpoint shipping a
+    repetition penalty, a minimum length or use_cache: false (as Qwen2.5-Instruct ships 1.05) made the engine sample
+    from a policy the trainer never scores. The engine samples with the recipe's settings alone."""
+    import json
+    import shutil
+
+    folder = tmp_path / "shipped"
+    shutil.copytree(tiny_path, folder)
+    shipped = json.loads((folder / "generation_config.json").read_text())
+    shipped.update(repetition_penalty=1.5, min_new_tokens=6, no_repeat_ngram_size=1, use_cache=False)
+    (folder / "generation_config.json").write_text(json.dumps(shipped))
+    engine = HFRolloutEngine(str(folder))
+    batch = engine.generate([[1, 40, 41, 42], [1, 50, 51]], 3, SamplingConfig(max_new_tokens=8, temperature=1.0, seed=2))
+    for rollout in batch.rollouts:
+        ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), -1)
+        start = len(rollout.prompt_ids)
+        policy = logprobs[start - 1 : -1].gather(1, torch.tensor(rollout.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), policy, rtol=0, atol=LOGPROB_TOLERANCE)

@@ -64,6 +64,10 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        # generate fills every setting a call leaves unset from the model's generation config: a checkpoint's
+        # (repetition_penalty, min_new_tokens, use_cache: false, ...) would sample from a policy the trainer never
+        # scores. The engine samples with the recipe's settings alone.
+        self.model.generation_config = GenerationConfig()
         super().__init__(seed)
 
     @classmethod
