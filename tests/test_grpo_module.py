@@ -10,7 +10,7 @@ import logging
 import lightning as L
 import pytest
 import torch
-from support.grpo import LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
+from support.grpo import FAST, LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.errors import RecipeError
@@ -128,6 +128,23 @@ def test_lora_policy_pushes_merged_weights_to_the_engine():
     assert engine.version == 2
     assert not torch.allclose(merged, q_proj.base_layer.weight)  # the adapter has learned something
     torch.testing.assert_close(engine.q_proj, merged.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("epochs,iterations,steps", [(1, 2, 4), (2, 1, 3)])
+def test_max_epochs_alone_stops_a_grpo_run_after_that_many_passes_over_its_prompts(tmp_path, capsys, epochs, iterations, steps):
+    """TRL's num_train_epochs maps to trainer.max_epochs; GRPO draws prompt batches without end, so it ran forever.
+    6 prompts at 4 a batch: a pass is 1.5 batches, whole batches rounded up, each trained num_iterations steps."""
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "num_iterations": iterations})
+    run = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    run.fit(module, PromptDataModule(train_data=str(data), batch_size=4))
+    assert run.global_step == steps and run.max_steps == steps
+    assert f"note: trainer.max_epochs={epochs}: {steps} optimizer steps" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="a GRPO run stops at trainer.max_steps"):
+        L.Trainer(max_epochs=-1, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
+            GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
 
 
 def test_a_lora_policy_exports_its_adapter_alone_when_asked(tmp_path):

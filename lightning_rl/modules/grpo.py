@@ -43,7 +43,7 @@ from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
-from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec
+from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
@@ -284,6 +284,7 @@ class GRPOModule(PolicyModule):
         datamodule = self.trainer.datamodule
         if not isinstance(datamodule, PromptSource):
             raise TypeError(f"GRPO reads its prompts from a PromptSource (such as PromptDataModule), got {type(datamodule).__name__}")
+        steps_of_epochs(self.trainer, datamodule.epoch_of(1), self.hparams.num_iterations)
         try:
             self.scorer.check_arguments([*sorted(datamodule.columns() - {"prompt"}), *ROLLOUT_COLUMNS])
         except ValueError as error:

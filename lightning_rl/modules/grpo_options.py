@@ -7,6 +7,8 @@ and LoRA) is refused here, in one line naming the key, before any model loads.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,23 @@ class AsyncSettings:
     def __post_init__(self) -> None:
         validation.non_negative_int("max_staleness", self.max_staleness)
         check_push_in_background(self.push_in_background, self.async_mode, self.max_staleness)
+
+
+def steps_of_epochs(trainer: Any, pass_per_batch: float, num_iterations: int) -> None:
+    """A GRPO run draws prompt batches without end, so it stops at ``trainer.max_steps``: a run given
+    ``trainer.max_epochs`` alone (TRL's ``num_train_epochs``) trains that many passes over its prompts (a batch takes
+    ``pass_per_batch`` of one, on every rank together), counted in optimizer steps (``num_iterations`` per batch). A
+    run given no limit at all (``max_epochs: -1``) is refused."""
+    if trainer.max_steps != -1:
+        return
+    epochs = trainer.max_epochs
+    if epochs is None or epochs < 0:
+        raise RecipeError("a GRPO run stops at trainer.max_steps (or after trainer.max_epochs passes over its prompts): set one", "trainer.max_steps")
+    batches = math.ceil(round(epochs / pass_per_batch, 6))
+    trainer.fit_loop.epoch_loop.max_steps = batches * num_iterations
+    if trainer.is_global_zero:
+        print(f"note: trainer.max_epochs={epochs}: {batches * num_iterations} optimizer steps ({batches} batches of prompts"
+              f"{f', {num_iterations} steps each' if num_iterations > 1 else ''})", file=sys.stderr)
 
 
 def check_values(hparams: Mapping[str, Any]) -> None:
