@@ -177,6 +177,12 @@ def test_reward_mistakes_are_refused_before_training_in_one_line():
         scorer.check_arguments(["kind", "tool_calls"])
     with pytest.raises(ValueError, match="reward 'format': kwarg 'pattern' is also a data column"):
         RewardScorer([RewardSpec("format", kwargs={"pattern": "a"})]).check_arguments(["pattern"])
+    # A column named as an argument every function is given would replace it (TRL refuses the call): refused.
+    scorer.check_arguments(["answer"], given=["tool_calls"])
+    for column, whose in (("completions", "batch"), ("trainer_state", "batch"), ("tool_calls", "run")):
+        with pytest.raises(ValueError, match=re.escape(f"the data has a column named {column!r}, the name of an argument "
+                                                       f"every reward function is given (the {whose}'s): rename the column")):
+            scorer.check_arguments(["answer", column], given=["tool_calls"])
 
 
 def test_a_function_gets_only_the_arguments_it_names():

@@ -319,10 +319,16 @@ class RewardScorer:
     def weights(self) -> dict[str, float]:
         return {name: reward.weight for name, reward in self.rewards.items()}
 
-    def check_arguments(self, columns: Iterable[str]) -> None:
-        """A ValueError naming the first reward that needs an argument neither `columns` nor the batch
-        (`prompts`, `completions`) provides, or whose fixed kwarg shadows a column."""
+    def check_arguments(self, columns: Iterable[str], given: Iterable[str] = ()) -> None:
+        """A ValueError naming the first reward that needs an argument neither the data's `columns`, the batch
+        (`prompts`, `completions`) nor the caller's `given` arguments provide, or whose fixed kwarg shadows one; or
+        naming a data column that has the name of an argument the functions are given (it would replace that)."""
         columns = list(columns)
+        clash = sorted(set(columns) & {*BATCH_ARGUMENTS, *given})
+        if clash:
+            raise ValueError(f"the data has a column named {clash[0]!r}, the name of an argument every reward function is "
+                             f"given (the {'run' if clash[0] in given else 'batch'}'s): rename the column")
+        columns += list(given)
         for reward in self.rewards.values():
             reward.check_arguments(columns)
 
