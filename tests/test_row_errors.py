@@ -4,6 +4,7 @@ each is one error line naming the file and line, before anything is written."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -87,3 +88,24 @@ def test_a_grpo_prompt_the_chat_template_cannot_render_is_one_line_naming_the_fi
     assert code == 2 and lines == [f"error: {data}: line 4: the chat template cannot render the row "
                                    "(TypeError: Object of type Undefined is not JSON serializable)"], err[-3000:]  # fmt: skip
     assert "Traceback" not in err
+
+
+def test_grpo_prompts_of_text_parts_read_as_text_and_malformed_messages_name_their_line(tmp_path):
+    """TRL's typed content (``[{"type": "text", "text": ...}]``) is a text prompt, not an image one; a message that is
+    not an object was a traceback mid-run."""
+    from lightning_rl.data.prompts import read_prompt_records
+    from lightning_rl.data.sft import DataError
+
+    parts = {"prompt": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                        {"role": "user", "content": [{"type": "text", "text": "12+"}, {"type": "text", "text": "7="}]}]}  # fmt: skip
+    pictured = {"prompt": [{"role": "user", "content": [IMAGE, {"type": "text", "text": QUESTION}]}]}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in (parts, pictured)) + "\n")
+    (_, text), (_, image) = read_prompt_records(str(data), "prompt")
+    assert text["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+7="}]
+    assert image["prompt"] == pictured["prompt"]  # the processor's template reads an image prompt's parts
+    for bad, message in ((["hello"], "`prompt[0]` must be an object with `role` and `content`, got str"),
+                         ([{"role": "user", "content": [{"type": "text"}]}], "`prompt[0].content[0]` must be")):  # fmt: skip
+        data.write_text(json.dumps(parts) + "\n" + json.dumps({"prompt": bad}) + "\n")
+        with pytest.raises(DataError, match=re.escape(f"{data}: line 2: {message}")):
+            read_prompt_records(str(data), "prompt")

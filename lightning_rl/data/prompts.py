@@ -73,10 +73,29 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
                 prompt = prompt[:-1]
         if not prompt or not isinstance(prompt, (str, list)):
             raise DataError(f"{name}: {where}: field {prompt_field!r} must be a non-empty string or message list")
+        if isinstance(prompt, list):
+            try:
+                prompt = _text_parts_joined(prompt, prompt_field)
+            except ValueError as error:
+                raise DataError(f"{name}: {where}: {error}") from None
         records.append((f"{name}: {where}", {**row, "prompt": prompt}))
     if not records:
         raise DataError(f"{name}: no rows")
     return records
+
+
+def _text_parts_joined(messages: list[Any], field: str) -> list[dict[str, Any]]:
+    """A prompt's chat messages, checked as messages; in a prompt without images, a turn given as text parts (TRL's
+    typed content, how Parquet and `datasets` store turns) is its text, as a text-only template renders it."""
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"`{field}[{k}]` must be an object with `role` and `content`, got {type(message).__name__}")
+        for j, part in enumerate(message.get("content") if isinstance(message.get("content"), list) else ()):
+            if not isinstance(part, dict) or (part.get("type") == "text" and not isinstance(part.get("text"), str)):
+                raise ValueError(f"`{field}[{k}].content[{j}]` must be {{\"type\": \"text\", \"text\": ...}} or an image part")
+    if any(part.get("type") != "text" for m in messages if isinstance(m.get("content"), list) for part in m["content"]):
+        return messages  # images: the processor's template reads the parts
+    return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
 
 
 class _StepIndices(IterableDataset):
