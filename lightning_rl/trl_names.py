@@ -35,7 +35,8 @@ NO_EQUIVALENT = {
     "holds typed keys, not a bag of keyword arguments",
     "trust_remote_code": "only model classes transformers ships are loaded: no code runs from a model folder",
     "router_aux_loss_coef": "the router's auxiliary loss is not added (MoE policies train with model.router_replay)",
-    "chat_template_path": "the tokenizer's own chat template renders rows (data.tokenizer picks another tokenizer)",
+    "chat_template_path": "the model folder's tokenizer renders rows with its own chat template: put another one in "
+    "that folder (chat_template.jinja)",
     "dataset_text_field": "rows are `messages` or `prompt`/`completion`; plain text rows are not trained",
     "dataset_kwargs": "a recipe holds typed keys, not a bag of keyword arguments",
     "dataset_num_proc": "rows are tokenized once, in the main process",

@@ -61,6 +61,13 @@ def test_the_cli_says_a_broken_recipe_in_one_line(tmp_path, capsys):
         assert line.startswith("error: ") and expected in line, line
 
 
+def test_tools_with_one_turn_say_no_call_is_run(capsys):
+    GRPOModule(**FAST, tools=["lightning_rl.tools.builtin:calculator"])
+    assert "note: tools with max_turns=1: the model is shown the tools and its one reply is scored, but no call" in capsys.readouterr().err
+    GRPOModule(**FAST, tools=["lightning_rl.tools.builtin:calculator"], max_turns=2)
+    assert "note: tools" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -143,7 +143,7 @@ class GRPOModule(PolicyModule):
             staged copy takes at most a quarter of the free host memory; ``always`` (refused without async_mode and
             max_staleness >= 1); ``never``: the trainer waits for every push.
         tools: tool functions (dotted paths, or ``Tool`` objects): the model may call them, and reads their answers.
-        max_turns: replies a rollout may take, each after the tools' answers to the last. TRL: `max_tool_calling_iterations`.
+        max_turns: replies a rollout may take, each after the tools' answers to the last. TRL: `max_tool_calling_iterations` + 1.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues as 2 samples),
             giving nested forks; leaves of a prompt are its group.
         tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -72,6 +73,9 @@ class RolloutSettings:
         validation.finite_positive("tool_timeout_s", self.tool_timeout_s)
         if self.max_turns > 1 and not self.tools:
             raise RecipeError("max_turns > 1 needs at least one tool", "max_turns")
+        if self.tools and self.max_turns == 1:
+            print("note: tools with max_turns=1: the model is shown the tools and its one reply is scored, but no call it "
+                  "makes is run (max_turns counts replies: TRL's max_tool_calling_iterations + 1)", file=sys.stderr)
         if len(self.samples_per_turn) > self.max_turns - 1:  # entry i forks turn i + 2's replies
             raise RecipeError(
                 f"samples_per_turn has {len(self.samples_per_turn)} entries, but max_turns={self.max_turns} leaves "
