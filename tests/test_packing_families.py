@@ -8,6 +8,8 @@ import torch
 
 from support.packing_families import FAMILIES, FP32_INSIDE, FP32_INSIDE_LOGPROB_TOLERANCE, TOLERANCE, measure
 
+from lightning_rl.attention.tree_attention import PackingRefused
+
 NOT_ROUTED = r"0 of its 2 decoder layers applied the tree attention \(the others(, \w+ first,)? do not route their attention through transformers' attention interface\)"
 STATEFUL = r"layers; tree packing needs every layer to be full or sliding-window attention"
 # What each refused family is refused for: the mechanism, not only the fact.
@@ -70,3 +72,20 @@ def test_the_matrix_covers_every_attention_style():
     for style, types in styles.items():
         assert types <= model_types, style
     assert len(FAMILIES) >= 90
+
+
+@pytest.mark.parametrize("family", ["llama_dynamic", "llama_longrope", "phi3_longrope", "llama4_text_nochunk"])
+def test_a_row_of_one_sequence_past_the_row_limit_is_that_sequence_alone(family):
+    """A length-dependent rope (or Llama 4's row-indexed temperature) refuses rows of several sequences that reach its
+    limit; a row of one sequence is that sequence as the model computes it alone (``packing: none``), so it runs."""
+    from support.packing_families import build, reference_logprobs
+
+    from lightning_rl.ops.packed_forward import packed_logprobs
+    from lightning_rl.packing.tree import pack_sequences
+
+    model = build(family)
+    sequence = [[3 + (7 * i) % 50 for i in range(30)]]
+    packed = packed_logprobs(model, pack_sequences(sequence), chunk_size=7, attention_backend="blocks")
+    torch.testing.assert_close(packed.detach(), reference_logprobs(model, sequence).detach(), rtol=0, atol=TOLERANCE[torch.float32][0])
+    with pytest.raises(PackingRefused, match="reaches"):
+        packed_logprobs(model, pack_sequences([*sequence, sequence[0][:12]]), chunk_size=7, attention_backend="blocks")

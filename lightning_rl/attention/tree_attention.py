@@ -667,15 +667,21 @@ def row_limits(config) -> list[tuple[str, int, str]]:
     for params in _rope_settings(text):
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
-            bounds = [b for b in (params.get("original_max_position_embeddings"), getattr(text, "max_position_embeddings", None)) if b]
-            limits.append(("depth", int(min(bounds)), f"its {rope_type} rope picks frequencies from the longest position of a forward"))
+            # Longrope switches at its original length; dynamic grows past max_position_embeddings (transformers').
+            bound = params.get("original_max_position_embeddings") if "longrope" in rope_type else None
+            bound = bound or getattr(text, "max_position_embeddings", None)
+            if bound:
+                limits.append(("depth", int(bound), f"its {rope_type} rope picks frequencies from the longest position of a forward"))
     if getattr(text, "attn_temperature_tuning", False) and getattr(text, "floor_scale", None):
         limits.append(("row", int(text.floor_scale), "its query temperature grows with the row index, not the position"))
     return limits
 
 
-def check_row(model: nn.Module, max_depth: int, num_tokens: int) -> None:
-    """Refuse a packed row beyond what ``row_limits`` allows (each sequence alone would be computed differently)."""
+def check_row(model: nn.Module, max_depth: int, num_tokens: int, num_sequences: int = 2) -> None:
+    """Refuse a packed row beyond what ``row_limits`` allows (each sequence alone would be computed differently). A row
+    of one sequence is that sequence as the model computes it alone: nothing to refuse."""
+    if num_sequences == 1:
+        return
     for kind, limit, why in row_limits(model.config):
         reach = max_depth + 1 if kind == "depth" else num_tokens
         if reach >= limit:

@@ -106,7 +106,8 @@ def packed_hidden_states(
     prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
     if prefix is not None:
         prefix.check(model)
-    check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens + (prefix.length if prefix else 0))
+    check_row(model, int(batch.position_ids.max()) if batch.num_tokens else 0, batch.num_tokens + (prefix.length if prefix else 0),
+              num_sequences=batch.num_sequences if prefix is None else 2)  # a span's row: its sequences are the span's
     device = batch.input_ids.device
     # A model whose image tokens attend to each other both ways sees each image's placeholders as one block.
     token = image_token_id(model.config)
