@@ -259,3 +259,17 @@ def test_a_sharded_checkpoint_of_another_lora_layout_is_one_line(tmp_path):
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     assert len(errors) == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert errors[0].startswith("error: ckpt_path: ") and "does not fit this recipe's model (Missing key" in errors[0]
+
+
+def test_a_model_that_is_no_causal_lm_is_refused_in_one_line():
+    """An encoder-decoder (T5) or encoder-only (BERT without is_decoder) config fell through to the image-text class
+    and crashed deep in transformers; it is named, with why."""
+    from transformers import BertConfig, T5Config
+
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.models.structure import auto_model_class
+
+    with pytest.raises(RecipeError, match=r"^T5ForConditionalGeneration \(t5\) is not a causal language model") as caught:
+        auto_model_class(T5Config(architectures=["T5ForConditionalGeneration"]))
+    assert caught.value.key == "model_name_or_path"
+    assert auto_model_class(BertConfig()).__name__ == "AutoModelForCausalLM"  # BertLMHeadModel: a decoder when asked

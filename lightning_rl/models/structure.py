@@ -8,13 +8,19 @@ from collections.abc import Collection
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.routing import checkpoint_contexts
 
 
 def auto_model_class(config: PretrainedConfig) -> type:
     """The auto class a checkpoint of ``config`` loads with: its causal-LM class, else its image-text-to-text class
     (image-text models, Muse Spark Open), which is a causal LM over text when given only ``input_ids``."""
-    return AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    names = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+    raise RecipeError(f"{names} ({config.model_type}) is not a causal language model: transformers has no causal-LM or "
+                      "image-text-to-text class for it (an encoder-decoder or encoder-only model cannot be trained here)", "model_name_or_path")
 
 
 def is_model_root(module: nn.Module) -> bool:
