@@ -24,7 +24,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.sft import DataError, DataSource, check_source, read_rows
+from lightning_rl.data.sft import DataError, DataSource, check_no_image_tokens, check_source, read_rows
 from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
@@ -271,6 +271,7 @@ class PromptRenderer:
             try:
                 with rendering_row():
                     ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+                check_no_image_tokens(list(ids), self.image_token_id, self.tokenizer)
             except ValueError as error:
                 raise DataError(f"{source.location(record)}: {error}") from None
             return RenderedPrompt(messages, list(ids))

@@ -267,6 +267,14 @@ def _check_row(row: Any) -> dict:
     raise ValueError("`prompt` and `completion` must both be strings or both be lists of messages")
 
 
+def check_no_image_tokens(ids: list[int], image_token_id: int | None, tokenizer: Any) -> None:
+    """A row without images must not hold the model's image placeholder (typed as text, the tokenizer makes it one):
+    the model would look for an image that is not there."""
+    if image_token_id is not None and image_token_id in ids:
+        token = tokenizer.convert_ids_to_tokens(image_token_id)
+        raise ValueError(f"the text holds the model's image placeholder {token!r}, but the row gives no image (give the image as a part, or remove it from the text)")
+
+
 class Renderer:
     """Turns checked rows into token ids and a loss mask with the tokenizer's own chat template."""
 
@@ -361,6 +369,7 @@ class Renderer:
             mask[: len(prompt)] = [False] * len(prompt)
         if not any(mask[1:]):
             raise ValueError("no trained tokens after rendering")
+        check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
 
     def generation_case(self, row: dict) -> GenerationCase | None:
