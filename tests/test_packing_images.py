@@ -475,3 +475,21 @@ def test_which_models_group_image_tokens_into_blocks_and_by_which_rule():
         "PaliGemmaForConditionalGeneration": "other", "DeepseekOcr2ForConditionalGeneration": "other",
         "LlavaForConditionalGeneration": None, "Qwen2VLForConditionalGeneration": None, "Idefics3ForConditionalGeneration": None,
     }  # fmt: skip
+
+
+def test_images_side_by_side_are_refused_for_what_they_are():
+    """The embedded image-text model's template writes two adjacent images' placeholders as one run: refused naming
+    that (and the fix), not as a processor that splits an image; with text between them the row renders."""
+    from PIL import Image
+
+    from lightning_rl.data.images import ImageRenderer
+    from lightning_rl.models.multimodal import load_processor
+    from lightning_rl.models.paths import resolve_model_path
+
+    processor, image_token = load_processor(resolve_model_path("tiny-vlm"))
+    picture = {"type": "image", "image": Image.new("RGB", (16, 16), (200, 0, 0))}
+    adjacent = [{"role": "user", "content": [picture, picture, {"type": "text", "text": "same?"}]}]
+    with pytest.raises(ValueError, match=r"2 images but 1 runs .*images side by side, with no text between them"):
+        ImageRenderer(processor, image_token).render(adjacent, add_generation_prompt=True)
+    apart = [{"role": "user", "content": [picture, {"type": "text", "text": "and"}, picture, {"type": "text", "text": "same?"}]}]
+    assert len(ImageRenderer(processor, image_token).render(apart, add_generation_prompt=True)[2]) == 2

@@ -199,6 +199,9 @@ class ImageRenderer:
                              "a model that reaches its images that way cannot be tree-packed")
         count = len(images_of(messages))
         runs = image_runs(ids, self.image_token_id)
+        if self.image_token_id is not None and runs < count:
+            raise ValueError(f"{count} images but {runs} runs of image placeholders after rendering: images side by side, with no "
+                             "text between them, render as one run that cannot be told apart (put text between them)")
         if self.image_token_id is not None and runs != count:
             raise ValueError(f"{count} images but {runs} runs of image placeholders after rendering (a processor that splits an image's "
                              "placeholders into several runs, as Pixtral's row breaks or tiled images do, cannot be tree-packed)")
