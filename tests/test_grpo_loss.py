@@ -56,6 +56,11 @@ def test_weights_summed_over_any_split_give_the_unsplit_loss(loss_type):
     torch.testing.assert_close(whole, expected)
 
 
+def test_the_upper_clip_follows_the_lower_one_unless_given_as_trls_does():
+    assert GRPOLoss(epsilon_low=0.1).epsilon_high == 0.1 and GRPOLoss().epsilon_high == 0.2
+    assert GRPOLoss(epsilon_low=0.1, epsilon_high=0.28).epsilon_high == 0.28
+
+
 def test_clipping_follows_the_sign_of_the_advantage():
     loss = GRPOLoss("dapo", epsilon_low=0.2, epsilon_high=0.3)
     old = torch.zeros(4)

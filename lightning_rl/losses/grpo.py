@@ -102,7 +102,8 @@ class GRPOLoss:
             ``sapo``: `-4/tau sigmoid(tau (r-1)) A`; as grpo. ``vespo``: `-phi(w) A log p` with the detached
             Gamma weight `phi(w) = e^lambda w^k e^(-lambda w)` of the sequence ratio w; as dapo. TRL: `loss_type`.
         epsilon_low: lower clip range, `r >= 1 - epsilon_low`. TRL: `epsilon`.
-        epsilon_high: upper clip range, `r <= 1 + epsilon_high`; for cispo the cap on r itself. TRL: `epsilon_high`.
+        epsilon_high: upper clip range, `r <= 1 + epsilon_high`; for cispo the cap on r itself; None: ``epsilon_low``,
+            as TRL's. TRL: `epsilon_high`.
         beta: weight of the KL term; 0 needs no reference model. TRL: `beta`.
         importance_sampling_cap: upper bound of the engine-vs-trainer ratio (None: none; with
             `importance_sampling_floor` None too, no correction). TRL: `vllm_importance_sampling_clip_max`.
@@ -139,7 +140,7 @@ class GRPOLoss:
     # The first six keep their order: GRPOModule passes them by position.
     loss_type: LossType = "dapo"
     epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
+    epsilon_high: float | None = None
     beta: float = 0.0
     importance_sampling_cap: float | None = None
     kl_bias_correction: bool = True
@@ -164,6 +165,8 @@ class GRPOLoss:
     entropy_target: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.epsilon_high is None:  # TRL's rule: the upper clip is the lower one unless given
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("kl_estimator", get_args(KLEstimator)),
