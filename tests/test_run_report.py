@@ -120,6 +120,14 @@ def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_w
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     assert "held-out exact match" in closing and "(before training: " in closing
     assert out / "rollouts.jsonl" in run_folder.run_files(out)  # --overwrite removes it with the run
+    # Two optimizer steps per batch: a batch's rows once, under the step that first trained it (as the logged figures).
+    again = tmp_path / "iterations"
+    assert cli.main(["run", GRPO, f"--output_dir={again}", *QUIET, "--trainer.max_steps=4", "--model.log_rollouts_every_n_steps=1",
+                     "--model.num_iterations=2", "--model.num_generations=4", "--data.batch_size=2"]) == 0  # fmt: skip
+    rows = [json.loads(line) for line in (again / "rollouts.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["batch"]) for row in rows] == [(0, 0)] * 8 + [(2, 1)] * 8
+    rewards = logged(again, "train/reward")
+    assert sum(row["reward"] for row in rows[8:]) / 8 == pytest.approx(rewards[2], abs=1e-5)
 
 
 def test_rollout_rows_of_a_step_written_again_replace_the_earlier_ones(tmp_path):

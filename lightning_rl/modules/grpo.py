@@ -589,8 +589,9 @@ class GRPOModule(PolicyModule):
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
         self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
         every = self.hparams.log_rollouts_every_n_steps
-        if every and scored.index % every == 0:  # at the step just taken, where Lightning logs its figures
-            log_rollouts(self.trainer, self.global_step - 1, rollout_table(scored, functools.partial(visible_text, self.tokenizer)))
+        step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
+        if every and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
+            log_rollouts(self.trainer, step, rollout_table(scored, functools.partial(visible_text, self.tokenizer), step))
 
     @functools.cached_property
     def eval_cases(self) -> list[GenerationCase]:

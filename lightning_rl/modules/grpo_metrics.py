@@ -140,16 +140,17 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
     return present.std() if present.numel() > 1 else torch.tensor(0.0)
 
 
-def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str]) -> tuple[list[str], list[list[Any]]]:
-    """The batch as a table (columns, rows): prompt, completion, reward, each reward term and each column the reward
-    functions logged (``log_extra``) per rollout."""
+def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str], step: int) -> tuple[list[str], list[list[Any]]]:
+    """The batch as a table (columns, rows): the trainer step that first trained it (the logged figures' ``step``) and
+    the batch's index (they differ with ``num_iterations`` > 1), prompt, completion, reward, each reward term and each
+    column the reward functions logged (``log_extra``) per rollout."""
     names, logged = list(scored.reward_terms), list(scored.logged_columns)
     rows = [
-        [scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
+        [step, scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
         + [scored.reward_terms[name][i] for name in names] + [scored.logged_columns[name][i] for name in logged]
         for i, r in enumerate(scored.rollouts)
     ]
-    return ["step", "prompt", "completion", "reward", "weight_version", *names, *logged], rows
+    return ["step", "batch", "prompt", "completion", "reward", "weight_version", *names, *logged], rows
 
 
 def run_summary(reward_history: Sequence[float], summary_window: int, trained_batches: Sequence[dict[str, int]]) -> dict[str, Any]:
