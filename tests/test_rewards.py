@@ -235,6 +235,15 @@ async def never_answers(completions, **_):
     await asyncio.sleep(3600)
 
 
+async def blocks_its_loop(completions, **_):
+    time.sleep(3)  # a blocking call inside a coroutine: it never yields to the loop (short: it holds the loop)
+
+
+class AsyncCall:
+    async def __call__(self, completions, **_):
+        return [float(len(c)) for c in completions]
+
+
 def shares_state(completions, **_):
     """Fails if another call of a plain reward runs at the same time (as a shared fast tokenizer would)."""
     global _inside
@@ -266,6 +275,15 @@ def test_a_reward_that_never_returns_fails_its_samples_within_the_limit_and_the_
         RewardScorer([stuck], timeout_s=1.0).score(["p"] * 2, ["stuck", "a"], {}, step=4)
     with pytest.raises(ValueError, match="reward_timeout_s must be a finite number > 0 or null, got 0"):
         RewardScorer([stuck], timeout_s=0)
+
+
+def test_a_coroutine_that_blocks_still_times_out_and_async_objects_score():
+    """A coroutine reward runs on a loop of its own: one that blocks (time.sleep in async def) froze the loop that
+    keeps the time, so it ran to its end; an object with an async __call__ scores as a coroutine function does."""
+    scores = RewardScorer([RewardSpec(AsyncCall(), name="length")], timeout_s=5.0).score(["p"] * 2, ["a", "bb"], {})
+    assert scores.per_function["length"].tolist() == [1.0, 2.0]
+    scores = RewardScorer([RewardSpec(blocks_its_loop)], all_failed="zero", timeout_s=0.5).score(["p"] * 2, ["a", "bb"], {})
+    assert scores.failure_counts()["blocks_its_loop"]["timeout"] == 2  # before its 3 s were up
 
 
 def test_plain_rewards_run_one_at_a_time_and_exit_like_a_failure():

@@ -16,7 +16,10 @@ on (they score 0, are logged and counted); one that returns something else than 
 stops the run at once (`RewardContractError`); one that fails on every sample of a step stops the run
 (`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
 past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
-its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. A stop signal
+its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. Coroutines run
+on an event loop of their own thread (kept for the process, as TRL keeps one), so one that blocks (``time.sleep``
+inside ``async def``) still times out, where it would have frozen the loop that keeps the time (it holds the rewards'
+loop, and the coroutines after it, until it returns). A stop signal
 does not wait for a call that has not returned: the step is abandoned (``stopping.StepAbandoned``) and the run saves
 the step before.
 """
@@ -153,12 +156,12 @@ class _Reward:
         what = f"reward {self.name!r}"
         try:
             if inspect.iscoroutinefunction(self.function):
-                result = await _within(self.function(**arguments), timeout_s, what)
+                result = await _within(_on_reward_loop(self.function(**arguments)), timeout_s, what)
             else:  # plain functions one at a time, as if called in turn (a shared tokenizer is not thread-safe)
                 async with one_at_a_time or asyncio.Lock():
                     result = await _within(_on_thread(self.function, arguments, self.name), timeout_s, what)
-                if inspect.isawaitable(result):
-                    result = await _within(result, timeout_s, what)
+                if inspect.isawaitable(result):  # an object whose __call__ is async
+                    result = await _within(_on_reward_loop(result) if asyncio.iscoroutine(result) else result, timeout_s, what)
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
         result = _scores_of(result, len(batch), what)
@@ -207,6 +210,21 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
                 return task.result()
     finally:
         task.cancel()  # a coroutine given up on is cancelled; a thread's call is left behind (see the module doc)
+
+
+_REWARD_LOOP: list[asyncio.AbstractEventLoop] = []  # the loop coroutine rewards run on, started on first use
+_REWARD_LOOP_LOCK = threading.Lock()
+
+
+def _on_reward_loop(coroutine: Any) -> asyncio.Future[Any]:
+    """``coroutine`` run on the reward functions' own event loop (a daemon thread's); cancelling the returned future
+    cancels it there."""
+    with _REWARD_LOOP_LOCK:
+        if not _REWARD_LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="lightning-rl-async-rewards", daemon=True).start()
+            _REWARD_LOOP.append(loop)
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, _REWARD_LOOP[0]))
 
 
 def _on_thread(function: RewardFunction, arguments: dict[str, Any], name: str) -> asyncio.Future[Any]:
