@@ -81,6 +81,18 @@ def test_a_checkpoint_of_another_lora_layout_names_both(tmp_path, capsys):
     assert code == 0 and errors == []
 
 
+def test_a_resume_with_another_learning_rate_is_refused_not_ignored(tmp_path, capsys):
+    """The optimizer's parameter groups come back whole from the checkpoint: a new learning rate, weight decay or
+    betas was silently ignored while recipe.yaml recorded it. Refused, naming both values."""
+    saved = one_step(capsys, SFT, tmp_path / "run", "--model.learning_rate=0.005")
+    for override, message in (("--model.learning_rate=0.5", "learning_rate=0.5, but ckpt_path: {} resumes the optimizer with learning_rate=0.005"),
+                              ("--model.betas=[0.5, 0.6]", "betas=[0.5, 0.6], but ckpt_path: {} resumes the optimizer with betas=[0.9, 0.95]")):  # fmt: skip
+        code, errors, _ = run(capsys, SFT, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.learning_rate=0.005", override)
+        assert code == 2 and errors == [f"error: model.{message.format(saved)} (its state holds it): give that, or start a new run"], errors
+    code, errors, _ = run(capsys, SFT, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.learning_rate=0.005")
+    assert code == 0 and errors == []  # negative control: the saved values resume
+
+
 def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
     out = tmp_path / "run"
     # The last step is no multiple of the checkpoints' period: the run still ends with a checkpoint of it.

@@ -28,6 +28,14 @@ WRITER = "written_by"  # the checkpoint key of what wrote it (``PolicyModule.wri
 _CLI_KEYS = {"_instantiator", "_class_path"}  # what LightningCLI adds to the saved hyperparameters
 
 
+# The optimizer's settings that a checkpoint restores with its state (Lightning loads its parameter groups whole).
+_OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "betas")
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
 def export_mode(export: ExportMode | None, lora: LoraSettings | None) -> ExportMode:
     """The final folder's kind (the ``export`` key): as given, where ``merged`` and ``adapter`` need a LoRA; by
     default the full model, or a LoRA merged into it."""
@@ -137,6 +145,13 @@ class PolicyModule(LightningModule):
         path = self.trainer.ckpt_path
         self.check_writer(checkpoint, path)
         check_weights_fit(checkpoint, self, path)
+        saved = checkpoint.get("hyper_parameters") or {}
+        for key in _OPTIMIZER_KEYS:  # restored with the optimizer's state: a new value would be ignored
+            if key in saved and key in self.hparams and _plain(saved[key]) != _plain(self.hparams[key]):
+                raise RecipeError(
+                    f"{key}={_plain(self.hparams[key])!r}, but ckpt_path: {path} resumes the optimizer with "
+                    f"{key}={_plain(saved[key])!r} (its state holds it): give that, or start a new run", key,
+                )
         step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
         if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
             raise ForeignCheckpointError(
