@@ -344,6 +344,9 @@ class RecipeCLI(LightningCLI):
         return keyed(error, self.model_class, self.datamodule_class)
 
     def _set_seed(self) -> None:
+        seed = self.config.get("seed")
+        if isinstance(seed, int) and not 0 <= seed < 2**32:  # NumPy's range, which seeding every library needs
+            raise RecipeError(f"seed must be in [0, 2**32 - 1], got {seed}")  # no key: data.seed is linked from it
         if self.build:  # a recipe only checked (launch, plan) has nothing to seed, nor to say so
             super()._set_seed()
 

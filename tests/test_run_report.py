@@ -105,6 +105,14 @@ def test_keep_checkpoints_must_be_positive(tmp_path, capsys):
     assert capsys.readouterr().err == "error: keep_checkpoints must be >= 1, got 0\n"
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_is_one_line_in_run_and_plan(tmp_path, capsys, seed):
+    assert cli.main(["run", SFT, f"--output_dir={tmp_path / 'run'}", f"--seed={seed}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: seed must be in [0, 2**32 - 1], got {seed}"
+    assert cli.main(["plan", SFT, "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--", f"--seed={seed}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: seed must be in [0, 2**32 - 1], got {seed}"
+
+
 def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_wandb(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["run", GRPO, f"--output_dir={out}", *QUIET, "--trainer.max_steps=3", "--model.log_rollouts_every_n_steps=2",
