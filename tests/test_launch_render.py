@@ -221,3 +221,5 @@ def test_checked_in_muse_script_is_what_the_launcher_renders(capsys) -> None:
     script = MUSE_SCRIPT.read_text()
     assert "#SBATCH --nodes=8" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--trainer.num_nodes=8 --trainer.devices=8" in script
+    # srun (Slurm >= 22.05) takes the CPUs per task from the environment, not from sbatch's request
+    assert "#SBATCH --cpus-per-task=16" in script and "export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}" in script
