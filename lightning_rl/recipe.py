@@ -49,9 +49,6 @@ TASKS = {
 }
 DESCRIPTION = ("Train with a recipe (a YAML file of the keys below) and/or keys on the command line "
                "(--model.learning_rate=1e-5); docs/recipe_reference.md lists them all.")
-# The precisions every backend runs (README); Lightning's short aliases of them are accepted too.
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
-_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 @dataclass
@@ -165,8 +162,8 @@ def check_trainer(trainer: Any, task: str | None = None) -> None:
             who = "GRPO" if key in _GRPO_TRAINER else "a run"
             raise RecipeError(f"trainer.{key}={trainer.get(key)!r} is not taken by {who}: {why}", f"trainer.{key}")
     precision = trainer.get("precision")
-    if precision is not None and _PRECISION_ALIASES.get(str(precision), str(precision)) not in PRECISIONS:
-        raise RecipeError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}", "trainer.precision")
+    if precision is not None:
+        validation.precision(precision)
     if trainer.get("accumulate_grad_batches") is not None:
         validation.positive_int("trainer.accumulate_grad_batches", trainer["accumulate_grad_batches"])
     for key in ("max_steps", "max_epochs"):

@@ -15,6 +15,19 @@ from typing import Any, TypeVar
 from lightning_rl.errors import RecipeError
 
 
+# The trainer.precision values every backend runs (README), and Lightning's short names of them.
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def precision(value: Any) -> str:
+    """``trainer.precision`` as one of ``PRECISIONS`` (a short name read as Lightning reads it); refused otherwise."""
+    name = _PRECISION_ALIASES.get(str(value), str(value))
+    if name not in PRECISIONS:
+        raise RecipeError(f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {value!r}", "trainer.precision")
+    return name
+
+
 def resolved_against(path: str | os.PathLike) -> str:
     """What a path that was not found was looked for from, for its message: a relative one is read from the working
     directory (not the recipe's folder)."""

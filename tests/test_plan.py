@@ -117,6 +117,17 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     assert "1 GPUs x 512 tokens x 1 accumulation" in out and "LoRA r=8" in out
 
 
+def test_the_planner_takes_exactly_the_precisions_run_takes(tmp_path: Path, capsys) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256}\n")
+    args = [str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--"]
+    for short, full in (("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true"), ("64", "64-true")):
+        assert plan.main([*args, f"--trainer.precision={short}"]) == 0
+        assert capsys.readouterr().out == (plan.main([*args, f"--trainer.precision={full}"]), capsys.readouterr().out)[1]
+    assert plan.main([*args, "--trainer.precision=16-true"]) == 2  # run refuses it too
+    assert "trainer.precision must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 64-true, got '16-true'" in capsys.readouterr().err
+
+
 def test_the_planner_finds_its_model_configs_from_any_working_directory(tmp_path: Path, capsys, monkeypatch) -> None:
     """The checked-in configs are package data, not files beside the working directory."""
     monkeypatch.chdir(tmp_path)

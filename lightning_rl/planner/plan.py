@@ -22,7 +22,7 @@ from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 # Where configs of models too large to download for planning are checked in, by model id.
 LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: found from any working directory
 # trainer.precision -> (bytes of stored weights, bytes of compute copies)
-_PRECISION_BYTES = {"bf16-true": (2, 2), "16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "32-true": (4, 4), "32": (4, 4)}
+_PRECISION_BYTES = {"bf16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "32-true": (4, 4), "64-true": (8, 8)}  # validation.PRECISIONS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,9 +71,10 @@ def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedCo
 
 
 def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
-    precision = str(recipe.get("trainer.precision", "32-true"))
-    if precision not in _PRECISION_BYTES:
-        raise LaunchError(f"{recipe.path}: `trainer.precision: {precision}` is not one of {', '.join(_PRECISION_BYTES)}")
+    try:
+        precision = validation.precision(recipe.get("trainer.precision", "32-true"))  # as run reads it
+    except UserError as error:
+        raise LaunchError(f"{recipe.path}: {error}") from None
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
