@@ -273,3 +273,20 @@ def test_a_model_that_is_no_causal_lm_is_refused_in_one_line():
         auto_model_class(T5Config(architectures=["T5ForConditionalGeneration"]))
     assert caught.value.key == "model_name_or_path"
     assert auto_model_class(BertConfig()).__name__ == "AutoModelForCausalLM"  # BertLMHeadModel: a decoder when asked
+
+
+@pytest.mark.parametrize("text,why", [('{"model_type": "no-such-model"}', "`no-such-model`"), ("{broken", "not a valid JSON file")])
+def test_a_model_config_transformers_cannot_read_is_one_line_in_run_and_plan(tmp_path, capsys, text, why):
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.models.paths import check_model_source
+    from lightning_rl.planner import plan
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(text)
+    with pytest.raises(RecipeError, match=rf"^model_name_or_path: {tmp_path / 'model'}/config.json cannot be read by transformers \(.*{why}"):
+        check_model_source(str(tmp_path / "model"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256}\n")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--model-config", str(tmp_path / "model")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: --model-config {tmp_path / 'model'}: ") and why in line

@@ -54,6 +54,12 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> No
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
+        from transformers import AutoConfig
+
+        try:  # a config transformers cannot read (broken JSON, an unknown model_type) fails here, not deep in a load
+            AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"{key}: {name_or_path}/config.json cannot be read by transformers ({' '.join(str(error).split())[:200]})", key) from None
         return
     if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
         raise RecipeError(f"{key}: no model folder at {name_or_path}{validation.resolved_against(path)}", key)

@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_config(folder: Path, what: str) -> PreTrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:  # broken JSON, a model type transformers does not know
+        raise LaunchError(f"{what}: {folder}/config.json cannot be read by transformers ({' '.join(str(error).split())[:200]})") from None
+
+
 def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedConfig:
     """The model's own config class, from a local folder, the local HF cache, or `lightning_rl/planner/models/<model id>`;
     an embedded model (``tiny``, ``tiny-moe``, ``tiny-vlm``) as ``run`` finds it, built once into the cache."""
@@ -53,14 +60,14 @@ def load_model_config(recipe: RecipeView, override: Path | None) -> PreTrainedCo
         source = override.parent if override.name == "config.json" else override
         if not (source / "config.json").is_file():
             raise LaunchError(f"--model-config {override}: no config.json there")
-        return AutoConfig.from_pretrained(source)
+        return _read_config(source, f"--model-config {override}")
     model_id = recipe.model_id
     if model_id in EMBEDDED:
         return AutoConfig.from_pretrained(resolve_model_path(model_id))
     candidates = [Path(model_id), LOCAL_CONFIGS / model_id]
     for folder in candidates:
         if (folder / "config.json").is_file():
-            return AutoConfig.from_pretrained(folder)
+            return _read_config(folder, f"{recipe.path}: `{MODEL_KEY}: {model_id}`")
     try:
         return AutoConfig.from_pretrained(model_id, local_files_only=True)
     except OSError:
