@@ -296,6 +296,20 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
     that is. Lightning's saves ``last`` at the end only when no ``last`` was saved yet: a run of 25 steps every 10
     ended with last.ckpt at step 20, and resuming the finished run trained its last 5 steps again."""
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run folder moved or renamed since its checkpoint: the checkpoints it names are read in the folder where
+        they are now. Lightning forgets them instead, and then neither prunes the old periodic ones (keep_checkpoints)
+        nor replaces last.ckpt (it writes last-v1.ckpt beside it)."""
+        saved = state_dict.get("dirpath")
+        if saved and self.dirpath and Path(saved) != Path(self.dirpath):
+            here = lambda path: str(Path(self.dirpath) / Path(path).name) if path else path  # noqa: E731
+            state_dict = {
+                **state_dict, "dirpath": self.dirpath,
+                "best_k_models": {here(path): score for path, score in state_dict.get("best_k_models", {}).items()},
+                **{key: here(state_dict[key]) for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
+            }  # fmt: skip
+        super().load_state_dict(state_dict)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step != self._last_global_step_saved:  # not reached after a stop (an exception) or a NaN
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -93,6 +93,20 @@ def test_a_resume_with_another_learning_rate_is_refused_not_ignored(tmp_path, ca
     assert code == 0 and errors == []  # negative control: the saved values resume
 
 
+def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpoints(tmp_path, capsys):
+    """Lightning forgets the checkpoints of a folder whose path changed: the periodic ones were never pruned again
+    and last.ckpt stayed at the old step, a last-v1.ckpt beside it."""
+    first = tmp_path / "first"
+    code, errors, err = run(capsys, SFT, first, "--trainer.max_steps=4", "--checkpoint_every_n_steps=2")
+    assert code == 0 and errors == [], err[-3000:]
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    code, errors, err = run(capsys, SFT, moved, "--ckpt_path=last", "--trainer.max_steps=8", "--checkpoint_every_n_steps=2")
+    assert code == 0 and errors == [], err[-3000:]
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == ["last.ckpt", "step=8.ckpt"]
+    assert checkpoint_step(moved / "checkpoints" / "last.ckpt") == 8
+
+
 def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
     out = tmp_path / "run"
     # The last step is no multiple of the checkpoints' period: the run still ends with a checkpoint of it.
