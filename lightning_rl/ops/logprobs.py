@@ -220,11 +220,19 @@ def match_head_scaling(model: nn.Module, hidden: Tensor, logits: Tensor) -> None
         return
     z = nn.functional.linear(hidden, head.weight, head.bias).to(_logit_dtype(hidden.dtype))
     target = logits.to(z.dtype)
-    applied = z * named.scale if named.softcap is None else named.softcap * torch.tanh(z * named.scale / named.softcap)
-    named_error, bare_error = float((applied - target).abs().max()), float((z - target).abs().max())
-    # The named transform stands unless it is plainly not what the forward computes and the bare logits plainly are.
-    if named_error > 1e-3 * (1.0 + float(target.abs().max())) and bare_error * 100 < named_error:
-        _SEEN_SCALING[model] = (1.0, None)
+
+    def error(scale: float, softcap: float | None) -> float:
+        applied = z * scale if softcap is None else softcap * torch.tanh(z * scale / softcap)
+        return float((applied - target).abs().max())
+
+    others = [(1.0, None)]  # the bare logits
+    if getattr(model.config.get_text_config(), "logits_scaling", None):  # a multiplier (HyperCLOVAX), not Granite's divisor
+        others.append((named.scale * float(model.config.get_text_config().logits_scaling) ** 2, named.softcap))
+    named_error = error(named.scale, named.softcap)
+    best_error, best = min((error(*other), other) for other in others)
+    # The named transform stands unless it is plainly not what the forward computes and another plainly is.
+    if named_error > 1e-3 * (1.0 + float(target.abs().max())) and best_error * 100 < named_error:
+        _SEEN_SCALING[model] = best
     else:
         _SEEN_SCALING.pop(model, None)
 

@@ -137,6 +137,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "starcoder2": ("starcoder2", {}),
     "stablelm": ("stablelm", {}),
     "granite": ("granite", {}),
+    # HyperCLOVAX multiplies its logits by logits_scaling, where Granite divides by it: told apart by the model's own logits.
+    "hyperclovax_scaled": ("hyperclovax", dict(logits_scaling=0.25)),
     "granitemoe": ("granitemoe", {}),
     "granitemoeshared": ("granitemoeshared", {}),
     "granitemoehybrid": ("granitemoehybrid", dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
