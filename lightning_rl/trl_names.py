@@ -56,7 +56,7 @@ NO_EQUIVALENT = {
     "generation_batch_size": "a step generates for data.batch_size prompts (times model.num_generations)",
     "steps_per_generation": "model.num_iterations optimizer steps are taken on each batch of rollouts",
     "generation_kwargs": "sampling takes the typed keys of model.sampling",
-    "chat_template_kwargs": "prompts are rendered by the tokenizer's chat template as it is",
+    "chat_template_kwargs": "no recipe-wide one: an SFT row's own chat_template_kwargs column reaches the chat template",
     "cache_implementation": "the hf engine uses transformers' default cache",
     "use_vllm": "give model.engine: vllm (in this process) or vllm_server (a server of its own)",
     "vllm_mode": "model.engine: vllm is TRL's colocate mode, vllm_server its server mode",

@@ -84,6 +84,22 @@ def test_a_separator_after_a_reply_end_that_is_not_eos_is_not_trained(tiny_path,
     assert trained_text(tiny_tokenizer, without[-1]) == "2<|im_end|>4<|im_end|>"
 
 
+def test_a_rows_chat_template_kwargs_reach_the_template_as_in_trl(tiny_path, tmp_path):
+    """TRL's per-row ``chat_template_kwargs`` column: variables the chat template reads. It was dropped silently."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    tokenizer.chat_template = "{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}" + tokenizer.chat_template
+    turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    rows = [{"messages": turns, "chat_template_kwargs": {"persona": "a pirate"}}, {"messages": turns},
+            {"prompt": turns[:1], "completion": turns[1:], "chat_template_kwargs": {"persona": "a pirate"}}]  # fmt: skip
+    (pirate, plain, split), _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tokenizer, "tiny"), 512)
+    assert tokenizer.decode(pirate.input_ids).startswith("<|im_start|>system\na pirate<|im_end|>\n<|im_start|>user\n1+1=")
+    assert tokenizer.decode(plain.input_ids).startswith("<|im_start|>user\n1+1=")
+    assert trained_text(tokenizer, pirate) == trained_text(tokenizer, plain) == "2<|im_end|>" and split == pirate
+    for bad in ({"tokenize": False}, ["persona"]):
+        with pytest.raises(DataError, match="line 1: `chat_template_kwargs` must be an object of the template's variables"):
+            load_examples(write_jsonl(tmp_path / "bad.jsonl", [{"messages": turns, "chat_template_kwargs": bad}]), Renderer(tokenizer, "tiny"), 512)
+
+
 def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
     import datasets
 

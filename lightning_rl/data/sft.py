@@ -238,6 +238,11 @@ def _check_tools(tools: Any) -> list[dict]:
     return tools
 
 
+# Arguments of apply_chat_template itself, which a row's chat_template_kwargs may not set.
+_RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+                           "return_dict", "return_assistant_tokens_mask", "chat_template", "padding", "truncation", "max_length", "return_tensors"}
+
+
 def _check_row(row: Any) -> dict:
     """The row with its shape checked; raises ValueError with a message naming the field."""
     if not isinstance(row, dict):
@@ -247,11 +252,17 @@ def _check_row(row: Any) -> dict:
     tools = _check_tools(row["tools"]) if "tools" in row else None
     if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
         raise ValueError("`tools` are rendered by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
+    kwargs = row.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs) or _RESERVED_TEMPLATE_KEYS & set(kwargs):
+        raise ValueError(f"`chat_template_kwargs` must be an object of the template's variables (not {', '.join(sorted(_RESERVED_TEMPLATE_KEYS))})")
+    if kwargs and not ("messages" in row or isinstance(row.get("prompt"), list)):
+        raise ValueError("`chat_template_kwargs` are read by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
+    extra = {**({"tools": tools} if tools else {}), **({"chat_template_kwargs": kwargs} if kwargs else {})}
     if "messages" in row:
         messages = _check_messages(row["messages"], "messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("`messages` has no assistant turn to train on")
-        return {"messages": messages, **({"tools": tools} if tools else {})}
+        return {"messages": messages, **extra}
     if "prompt" not in row or "completion" not in row:
         raise ValueError(f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]
@@ -263,8 +274,14 @@ def _check_row(row: Any) -> dict:
         prompt, completion = _check_messages(prompt, "prompt"), _check_messages(completion, "completion")
         if not any(m["role"] == "assistant" for m in completion):
             raise ValueError("`completion` has no assistant turn to train on")
-        return {"prompt": prompt, "completion": completion, **({"tools": tools} if tools else {})}
+        return {"prompt": prompt, "completion": completion, **extra}
     raise ValueError("`prompt` and `completion` must both be strings or both be lists of messages")
+
+
+def _template_context(row: dict) -> dict[str, Any]:
+    """What the chat template renders a row's messages with besides them: its ``tools`` and its own
+    ``chat_template_kwargs`` (TRL's per-row column: variables the template reads, such as ``enable_thinking``)."""
+    return {"tools": row.get("tools"), **row.get("chat_template_kwargs", {})}
 
 
 def check_no_image_tokens(ids: list[int], image_token_id: int | None, tokenizer: Any) -> None:
@@ -305,10 +322,10 @@ class Renderer:
             raise ValueError("no trained tokens after rendering")
         return Example(ids, mask, images=list(zip(keys, inputs)), image_token_id=self.image_token_id)
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool = False, context: dict | None = None) -> list[int]:
         with rendering_row():
             out = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **(context or {})
             )
         return list(out["input_ids"])
 
@@ -316,22 +333,22 @@ class Renderer:
         if not self.tokenizer.chat_template:
             raise DataError(f"tokenizer {self.name} has no chat template; conversational rows need one (or use string prompt/completion rows)")
 
-    def _assistant_mask(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+    def _assistant_mask(self, messages: list[dict], context: dict | None = None) -> tuple[list[int], list[bool]]:
         if _GENERATION_BLOCK.search(self.tokenizer.chat_template):
             with rendering_row():
                 out = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
             return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         # Templates without {% generation %} blocks: find each assistant turn by rendering the
         # conversation up to it; this needs every rendering to be a prefix of the full one.
-        ids = self._chat(messages, tools=tools)
+        ids = self._chat(messages, context=context)
         mask = [False] * len(ids)
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._chat(messages[:k], add_generation_prompt=True, tools=tools)
-            through = self._chat(messages[: k + 1], tools=tools)
+            before = self._chat(messages[:k], add_generation_prompt=True, context=context)
+            through = self._chat(messages[: k + 1], context=context)
             start = len(before)
             if ids[: len(through)] != through or through[:start] != before:
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
@@ -344,13 +361,14 @@ class Renderer:
 
     def example(self, row: dict) -> Example:
         if row_has_images(row):
-            if row.get("tools"):
-                raise ValueError("`tools` in a row with images: the image processor's template is not given them here")
+            for column in ("tools", "chat_template_kwargs"):
+                if row.get(column):
+                    raise ValueError(f"`{column}` in a row with images: the image processor's template is not given them here")
             return self._image_example(row)
-        tools = row.get("tools")
+        context = _template_context(row)
         if "messages" in row:
             self._require_template()
-            ids, mask = self._assistant_mask(row["messages"], tools)
+            ids, mask = self._assistant_mask(row["messages"], context)
         elif isinstance(row["prompt"], str):
             prompt = self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
             completion = self.tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
@@ -358,12 +376,12 @@ class Renderer:
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
-            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], tools)
+            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], context)
             # The prompt as it is asked (with the template's generation prompt, where the completion opens with an
             # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends.
             asked = row["completion"][0]["role"] == "assistant"
-            renderings = [self._chat(row["prompt"], add_generation_prompt=True, tools=tools)] if asked else []
-            prompt = next((p for p in [*renderings, self._chat(row["prompt"], tools=tools)] if ids[: len(p)] == p), None)
+            renderings = [self._chat(row["prompt"], add_generation_prompt=True, context=context)] if asked else []
+            prompt = next((p for p in [*renderings, self._chat(row["prompt"], context=context)] if ids[: len(p)] == p), None)
             if prompt is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
             mask[: len(prompt)] = [False] * len(prompt)
@@ -382,7 +400,7 @@ class Renderer:
             if row_has_images(row) and self.images is not None:
                 ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)
                 return GenerationCase(ids, last["content"], images=inputs)
-            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True, tools=row.get("tools")), last["content"])
+            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True, context=_template_context(row)), last["content"])
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
 
