@@ -65,6 +65,15 @@ def test_cpu_recipe_requests_no_gpus_and_overrides_pass_through(tmp_path: Path) 
     assert "'--output_dir=runs/a b' --ckpt_path=null" in script and "--ckpt_path=last" not in script
 
 
+def test_a_launch_refuses_to_start_from_another_checkpoint_at_every_requeue(tmp_path: Path) -> None:
+    """Every start of a requeued job runs the same command: a checkpoint path given there was taken again each time,
+    training again what the job had trained since."""
+    view = recipe(tmp_path, {"accelerator": "cpu"})
+    view = RecipeView.parse(view.path, ["--ckpt_path=/runs/old/checkpoints/step=100.ckpt"])
+    with pytest.raises(LaunchError, match=r"^ckpt_path: /runs/old/checkpoints/step=100.ckpt: a launched job resumes from its own last"):
+        render(view, nodes=1, gpus=1, run_overrides=("--ckpt_path=/runs/old/checkpoints/step=100.ckpt",))
+
+
 def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     view = recipe(tmp_path, task="grpo")
     data = yaml.safe_load(view.path.read_text())

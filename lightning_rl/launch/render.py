@@ -77,9 +77,14 @@ def _in_double_quotes(value: str) -> str:
     return re.sub(r'([\\"$`])', r"\\\1", value)
 
 
-def _trainer_overrides(layout: TrainerLayout, options: SlurmOptions) -> str:
+def _trainer_overrides(recipe: RecipeView, layout: TrainerLayout, options: SlurmOptions) -> str:
     args = [f"--trainer.num_nodes={layout.trainer_nodes}", f"--trainer.devices={layout.devices_per_node}"]
-    # A requeued job starts the same command again; it must pick up the last checkpoint, not start over.
+    # A requeued job starts the same command again; it must pick up the last checkpoint, not start over. Another
+    # checkpoint would be taken again at every start, training again what the job trained since.
+    given = recipe.get("ckpt_path")
+    if given not in (None, "last"):
+        raise LaunchError(f"ckpt_path: {given}: a launched job resumes from its own last checkpoint at every start (SLURM requeues "
+                          "it), so it cannot start from another one; run from it once with lightning-rl run, then launch")
     if not any(arg.startswith("--ckpt_path") for arg in options.run_overrides):
         args.append("--ckpt_path=last")
     args += options.run_overrides
@@ -147,7 +152,7 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
         "log_dir": _in_double_quotes(options.log_dir),
         "vllm_port": str(options.vllm_port),
         "server_command": _server_command(recipe, layout, options) if recipe.task == "grpo" else "",
-        "trainer_overrides": _trainer_overrides(layout, options),
+        "trainer_overrides": _trainer_overrides(recipe, layout, options),
     }
     values["common_env"] = _ScriptTemplate(_template("common_env.sh")).substitute(values).rstrip("\n")
     body = _template("grpo.sbatch" if recipe.task == "grpo" else "train.sbatch")
