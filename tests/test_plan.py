@@ -25,17 +25,27 @@ def muse_census():
     return count_model(AutoConfig.from_pretrained(LOCAL_CONFIGS / "meta-models" / "Muse-Spark-Open-816B-A42B"), ATTENTION)
 
 
-@pytest.mark.parametrize("targets", [ATTENTION, "all-linear"])
+@pytest.mark.parametrize("targets", [ATTENTION, "all-linear", r".*self_attn\.q_proj", ["self_attn.q_proj"]])
 def test_counts_equal_the_instantiated_model_and_peft(tmp_path: Path, targets: list[str] | str) -> None:
+    """Targets matched as peft matches them (names or dotted suffixes in a list, a regular expression in a string),
+    the image-text model's towers left out unless they are adapted, and frozen in full fine-tuning: as a run loads it."""
+    from lightning_rl.models.loading import outside_text_model
+
     folder = build_tiny_muse(tmp_path / "muse")
     model = AutoModelForImageTextToText.from_pretrained(folder)
-    census = count_model(model.config, [targets] if isinstance(targets, str) else targets)
-    assert census.total_params == sum(p.numel() for p in model.parameters())
-    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n and p.ndim == 3]
-    assert census.expert_params == sum(p.numel() for p in experts) and census.num_experts == 4
-    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
-    trainable, _ = peft_model.get_nb_trainable_parameters()
-    assert census.lora_params(8) == trainable
+    outside = outside_text_model(model)
+    assert outside is not None
+    for towers in ("frozen", "lora"):
+        census = count_model(model.config, targets, towers)
+        assert census.total_params == sum(p.numel() for p in model.parameters())
+        experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n and p.ndim == 3]
+        assert census.expert_params == sum(p.numel() for p in experts) and census.num_experts == 4
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if re.match(outside, n))
+        assert census.frozen_params == (tower_params if towers == "frozen" else 0) and tower_params > 0
+        excluded = outside if towers == "frozen" else None
+        peft_model = get_peft_model(AutoModelForImageTextToText.from_pretrained(folder), LoraConfig(r=8, target_modules=targets, exclude_modules=excluded))
+        trainable, _ = peft_model.get_nb_trainable_parameters()
+        assert census.lora_params(8) == trainable > 0
 
 
 def test_muse_spark_open_sizes_come_from_its_config_class(muse_census) -> None:

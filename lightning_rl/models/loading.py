@@ -105,7 +105,7 @@ def load_causal_lm(
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     check_towers(towers, lora)
-    outside = _outside_text_model(model)
+    outside = outside_text_model(model)
     if lora is None:
         for name, param in model.named_parameters():
             if towers == "frozen" and outside and re.match(outside, name):
@@ -141,7 +141,7 @@ def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> Non
         )
 
 
-def _outside_text_model(model: torch.nn.Module) -> str | None:
+def outside_text_model(model: torch.nn.Module) -> str | None:
     """A pattern over module (and so parameter) names matching the towers of a multimodal model trained on text.
 
     Text training never gives them a gradient. So they are frozen in full fine-tuning and get no adapters

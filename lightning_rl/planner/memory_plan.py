@@ -117,8 +117,8 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
     plan = Plan(census, training, hardware)
     world, tokens, c = training.world_size, training.tokens_per_micro_batch, training.compute_bytes
     lora = training.lora_rank is not None
-    trainable = census.lora_params(training.lora_rank) if lora else census.total_params
-    frozen = census.total_params if lora else 0
+    trainable = census.lora_params(training.lora_rank) if lora else census.total_params - census.frozen_params
+    frozen = census.total_params if lora else census.frozen_params
     trainable_bytes = _LORA_BYTES if lora else training.param_bytes
     on_gpu = 0.0 if training.cpu_offload else 1.0
 

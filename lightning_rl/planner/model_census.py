@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedConfig
 
+from lightning_rl.models.loading import outside_text_model
+
 # Auto classes tried in order: text decoders first, then multimodal models that wrap one.
 _AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -59,6 +61,7 @@ class ModelCensus:
     lora_params_per_rank: int
     activation_elements_per_token_layer: int
     routed_width: int
+    frozen_params: int = 0  # an image-text model's towers that full fine-tuning leaves frozen (model.towers: frozen)
 
     @property
     def active_params(self) -> int:
@@ -119,22 +122,33 @@ def _activation_elements(layer: nn.Module, expert_names: set[str], experts_per_t
     return elements
 
 
-def _lora_params_per_rank(model: nn.Module, target_modules: Iterable[str]) -> int:
-    """LoRA adds rank x (in + out) weights per targeted Linear, matched like peft: by the name's last part
-    anywhere in the model; "all-linear" takes every Linear but the output head."""
-    targets = set(target_modules)
+def _lora_params_per_rank(model: nn.Module, target_modules: Iterable[str] | str, exclude: str | None = None) -> int:
+    """LoRA adds rank x (in + out) weights per targeted Linear, matched as peft matches them: a list by a module's
+    full name or its last dotted parts, a string as a regular expression over the full name; "all-linear" takes every
+    Linear but the output head. A module matching ``exclude`` (an image-text model's frozen towers) gets none."""
     head = model.get_output_embeddings()
+    every = target_modules == "all-linear" or (not isinstance(target_modules, str) and "all-linear" in target_modules)
+
+    def targeted(name: str, module: nn.Module) -> bool:
+        if every:
+            return module is not head
+        if isinstance(target_modules, str):
+            return re.fullmatch(target_modules, name) is not None
+        return any(name == target or name.endswith(f".{target}") for target in target_modules)
+
     total = 0
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if name.rsplit(".", 1)[-1] in targets or ("all-linear" in targets and module is not head):
+        if isinstance(module, nn.Linear) and targeted(name, module) and not (exclude and re.match(exclude, name)):
             total += module.in_features + module.out_features
     return total
 
 
-def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] = ()) -> ModelCensus:
+def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | str = (), towers: str = "frozen") -> ModelCensus:
+    """The census of ``config``'s model; an image-text model's towers (and projectors) as ``towers`` (the recipe's
+    ``model.towers``) trains them: ``frozen`` leaves them out of full fine-tuning and of LoRA's targets."""
     model = build_on_meta(config)
+    outside = outside_text_model(model) if towers != "train" else None
+    frozen = sum(p.numel() for name, p in model.named_parameters() if outside and re.match(outside, name)) if towers == "frozen" else 0
     text_config = config.get_text_config()
     num_experts = next((int(getattr(text_config, k)) for k in _EXPERT_COUNT_KEYS if getattr(text_config, k, None)), 1)
     experts_per_token = int(getattr(text_config, "num_experts_per_tok", 1) or 1)
@@ -175,7 +189,8 @@ def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] = (
         units=tuple(units),
         decoder_active_params=decoder_active,
         lm_head_params=head.weight.numel() if head is not None else 0,
-        lora_params_per_rank=_lora_params_per_rank(model, lora_target_modules),
+        lora_params_per_rank=_lora_params_per_rank(model, lora_target_modules, None if towers == "lora" else outside),
+        frozen_params=frozen,
         activation_elements_per_token_layer=_activation_elements(first_layer, layer_expert_names, experts_per_token),
         routed_width=int(routed_width),
     )

@@ -117,12 +117,14 @@ def _expert_parallel(recipe: RecipeView, flag: int | None) -> int:
     return value
 
 
-def _lora_targets(recipe: RecipeView) -> list[str]:
+def _lora_targets(recipe: RecipeView) -> list[str] | str:
+    """The LoRA's target_modules as peft reads them: a list of names, or one string (a regular expression, or
+    ``all-linear``)."""
     lora = recipe.get("model.lora")
     if not isinstance(lora, dict):
         return []
     targets = lora.get("target_modules", "all-linear")
-    return [targets] if isinstance(targets, str) else list(targets)
+    return targets if isinstance(targets, str) else list(targets)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -147,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_flags(args)
         recipe = RecipeView.parse(args.recipe, overrides)
         training = _training(recipe, args)
-        census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe))
+        census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe), recipe.get("model.towers") or "frozen")
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
             raise LaunchError(
                 f"expert parallel {training.expert_parallel} must divide both the {census.num_experts} experts "
