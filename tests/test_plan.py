@@ -127,6 +127,23 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     assert "1 GPUs x 512 tokens x 1 accumulation" in out and "LoRA r=8" in out
 
 
+def test_a_strategy_the_plan_does_not_model_is_refused(tmp_path: Path, capsys) -> None:
+    """The plan is FSDP2's: DDP (Lightning's auto on several GPUs) keeps weights, gradients and Adam states whole on
+    every GPU, and layers kept gathered hold far more; both were planned as sharded."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256}\n")
+    args = [str(recipe), "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--"]
+    for strategy in ("ddp", "auto"):
+        assert plan.main([*args, f"--trainer.strategy={strategy}"]) == 2
+        assert f"`trainer.strategy: {strategy}`: the plan models FSDP2" in capsys.readouterr().err
+    assert plan.main([*args, "--trainer.strategy=fsdp2"]) == 0
+    capsys.readouterr()
+    kept = ["--trainer.strategy=lightning_rl.strategies.fsdp2.FSDP2Strategy", "--trainer.strategy.reshard_after_forward=false"]
+    assert plan.main([*args, *kept]) == 2
+    assert "`trainer.strategy.reshard_after_forward: false` keeps every decoder layer gathered" in capsys.readouterr().err
+    assert plan.main([*args[:4], "1", *args[5:], "--trainer.strategy=auto"]) == 0  # one GPU: nothing to shard
+
+
 def test_the_planner_takes_exactly_the_precisions_run_takes(tmp_path: Path, capsys) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256}\n")

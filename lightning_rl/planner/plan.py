@@ -91,6 +91,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
                           "each); pass --tokens-per-micro-batch with that length")
     if not isinstance(tokens, int) or tokens < 1:
         raise LaunchError(f"{recipe.path}: `{row_key}` is missing or not a positive integer; pass --tokens-per-micro-batch")
+    _check_strategy(recipe, args.nodes * args.gpus_per_node)
     lora = recipe.get("model.lora")
     checkpointing = bool(recipe.get("trainer.strategy.activation_checkpointing") or recipe.get("model.gradient_checkpointing"))
     return Training(
@@ -107,6 +108,20 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         expert_parallel=_expert_parallel(recipe, args.expert_parallel),
         logits_chunk=int(recipe.setting("model.chunk_size")),
     )
+
+
+def _check_strategy(recipe: RecipeView, world_size: int) -> None:
+    """The plan is FSDP2's (weights, gradients and optimizer states sharded over the GPUs, each decoder layer gathered
+    in its turn and freed after forward): on several GPUs another strategy, or layers kept gathered, is refused."""
+    strategy = recipe.get("trainer.strategy") or "auto"
+    name = strategy if isinstance(strategy, str) else str(strategy.get("class_path", "")) if isinstance(strategy, dict) else type(strategy).__name__
+    if world_size > 1 and name not in ("fsdp2", "fsdp2_rocm") and not name.endswith("FSDP2Strategy"):
+        raise LaunchError(f"{recipe.path}: `trainer.strategy: {name}`: the plan models FSDP2 (weights, gradients and optimizer states "
+                          "sharded over the GPUs); another strategy on several GPUs (Lightning's auto picks DDP, which keeps "
+                          "them whole on each) is not planned: set trainer.strategy: fsdp2")
+    if recipe.get("trainer.strategy.reshard_after_forward") is False:
+        raise LaunchError(f"{recipe.path}: `trainer.strategy.reshard_after_forward: false` keeps every decoder layer gathered from "
+                          "forward to backward, which the plan (one layer gathered at a time) does not model")
 
 
 def _expert_parallel(recipe: RecipeView, flag: int | None) -> int:
