@@ -125,6 +125,15 @@ def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_w
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0] * 8 + [2] * 8  # 2 prompts x 4 completions, every 2 steps
     assert {"prompt", "completion", "reward", "weight_version", "math_answer", "format"} <= set(rows[0])
+    tied = logged(out, "train/reward/frac_zero_std")  # TRL's frac_reward_zero_std: groups whose rewards all tie
+    for step in (0, 2):
+        groups = {}
+        for row in rows:
+            if row["step"] == step:
+                groups.setdefault(row["prompt"], []).append(row["reward"])
+        assert len(groups) == 2 and tied[step] == sum(len(set(g)) == 1 for g in groups.values()) / 2
+    longest, shortest = logged(out, "train/completions/max_length"), logged(out, "train/completions/min_length")
+    assert sorted(longest) == [0, 1, 2] and all(1 <= shortest[s] <= logged(out, "train/completions/mean_length")[s] <= longest[s] for s in longest)
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     assert "held-out exact match" in closing and "(before training: " in closing
     assert out / "rollouts.jsonl" in run_folder.run_files(out)  # --overwrite removes it with the run

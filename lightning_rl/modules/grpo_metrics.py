@@ -85,6 +85,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     metrics = {
         "reward/mean": rewards.nanmean(),
         "reward/std": _nanstd(rewards),
+        "reward/frac_zero_std": _frac_tied_groups(rewards, [r.group_id for r in rollouts]),  # TRL's frac_reward_zero_std
         "reward/unscored": float(rewards.isnan().sum()),  # samples no reward function applied to (all returned None)
         "reward/errors": float(len(scored.reward_errors)),
         "rollout/weight_version": float(scored.weight_version),
@@ -93,6 +94,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "dynamic_sampling/rounds": float(scored.sampling_rounds),
         "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
         "completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(len(rollouts), 1),
+        **_lengths([len(r.completion_ids) for r in rollouts]),
         # Left out of the advantages and the loss for infrastructure failures (the rest are what was trained).
         "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
         "groups/excluded": float(scored.excluded_groups),
@@ -132,6 +134,23 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
         **stats.metrics(),
         **extra,
     }
+
+
+def _lengths(lengths: list[int]) -> dict[str, float]:
+    """Completion lengths in tokens, as TRL names them (``completions/mean_length``, ``min_length``, ``max_length``)."""
+    if not lengths:
+        return {}
+    return {"completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
+            "completions/max_length": float(max(lengths))}  # fmt: skip
+
+
+def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> float:
+    """The share of the batch's groups whose scored rewards all tie (std 0: no advantage, nothing to learn from)."""
+    by_group: dict[int, list[float]] = {}
+    for reward, group in zip(rewards.tolist(), groups, strict=True):
+        by_group.setdefault(group, []).append(reward)
+    tied = [float(_nanstd(torch.tensor(values))) == 0.0 for values in by_group.values()]
+    return sum(tied) / max(len(tied), 1)
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
