@@ -64,10 +64,6 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        # generate fills every setting a call leaves unset from the model's generation config: a checkpoint's
-        # (repetition_penalty, min_new_tokens, use_cache: false, ...) would sample from a policy the trainer never
-        # scores. The engine samples with the recipe's settings alone.
-        self.model.generation_config = GenerationConfig()
         super().__init__(seed)
 
     @classmethod
@@ -140,10 +136,18 @@ class HFRolloutEngine(RolloutEngine):
         pixels = {key: value.to(self.device) for key, value in stack_images(pictures).items()}
         if pictures:  # a model whose image tokens attend both ways gets the token types its processor gives
             pixels.update(image_token_types(self.model, input_ids.to(self.device)))
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=config, **pixels,
-        )
+        # generate fills every setting a call leaves unset from the model's generation config: a checkpoint's
+        # (repetition_penalty, min_new_tokens, use_cache: false, ...) would sample from a policy the trainer never
+        # scores. The engine samples with the recipe's settings alone: the model's config is set aside meanwhile.
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        own, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                generation_config=config, **pixels,
+            )
+        finally:
+            model.generation_config = own
         new_tokens = out.sequences[:, width:].cpu()
         # [batch, steps, vocab]: processed by temperature, suppression and the filters; what they removed is -inf
         scores = torch.stack(out.scores, dim=1).float().cpu()
