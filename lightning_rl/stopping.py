@@ -1,5 +1,5 @@
 """The run's stop request, which the waits that could outlast a stop signal watch (a reward or a tool that does not
-return, async GRPO's wait for its rollout producer); a leaf.
+return, async GRPO's wait for its rollout producer); it imports only the errors it raises.
 
 ``RequeueOnSignal`` says when a stop signal came (``signal_came``) and whether the trainer's thread is inside a step
 it may give up (``may_abandon``: one that started at an optimizer-step boundary). A wait on the trainer's thread (the
@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from lightning_rl.errors import UserError
 
 EXIT_CODE = 128 + 15  # the shell's code for a process ended by SIGTERM
 POLL_S = 0.05  # how often a wait looks at the request: a signal is honoured within this
@@ -88,20 +90,44 @@ def wait_unless_stopping(done: Callable[[float], bool], timeout_s: float | None,
             return False
 
 
-def fetched_on_every_rank(fetch: Callable[[], T], any_rank: Callable[[bool], bool], give_back: Callable[[T], None] | None = None) -> T:
+class AnotherRankFailed(UserError, RuntimeError):
+    """A step's inputs failed on another rank (a bad data row, a reward that failed throughout): this rank stops with
+    that rank's exit code, and the failing rank's own line says why."""
+
+    on_every_rank = True
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__("another rank stopped on an error while fetching the step's inputs (its own error line says which)")
+        self.exit_code = exit_code
+
+
+# What a rank adds to the agreement: a stop 1, a failed fetch _FAILED plus 1000 times its exit code.
+_FAILED = 1_000_000_000.0
+
+
+def fetched_on_every_rank(fetch: Callable[[], T], any_rank: Callable[[float], float], give_back: Callable[[T], None] | None = None) -> T:
     """``fetch()``'s result (a step's inputs, fetched in waits a stop signal may abandon) once every rank has its own.
 
-    Then the ranks agree (``any_rank``: one all-reduce of a flag, True if any rank's is) whether one of them is giving
+    Then the ranks agree (``any_rank``: one all-reduce, the sum of every rank's value) whether one of them is giving
     the step up: its wait abandoned, or a stop signal come on it meanwhile. If one is, all raise ``StepAbandoned``
     before the step's first collective (a fetched result goes back through ``give_back``, to be taken again on resume);
-    if none is, the step is no longer abandoned anywhere, since its collectives come next."""
+    if none is, the step is no longer abandoned anywhere, since its collectives come next. A rank whose fetch raised
+    says so in the same agreement and raises its error; the others raise `AnotherRankFailed` with its exit code,
+    rather than wait in the step's collectives for a rank that never comes."""
     try:
         fetched = fetch()
     except StepAbandoned:
-        any_rank(True)  # the others are waiting in the agreement, or will be once their own fetch returns
+        any_rank(1.0)  # the others are waiting in the agreement, or will be once their own fetch returns
+        raise
+    except Exception as error:
+        any_rank(_FAILED + 1000.0 * getattr(error, "exit_code", 1))
         raise
     local = _signalled and _abandonable
-    if any_rank(local):
+    agreed = any_rank(1.0 if local else 0.0)
+    if agreed >= _FAILED:
+        failed = agreed // _FAILED
+        raise AnotherRankFailed(int(round((agreed - failed * _FAILED) / 1000.0 / failed)))
+    if agreed:
         if give_back is not None:
             give_back(fetched)
         raise StepAbandoned("a stop signal came before its training" if local else "another rank was stopping")

@@ -14,7 +14,7 @@ PACKAGE = REPO / "lightning_rl"
 # part -> the parts it may import. A part is a subpackage or a top-level module of lightning_rl.
 ALLOWED = {
     "errors": set(),
-    "stopping": set(),
+    "stopping": {"errors"},
     "validation": {"errors"},
     "packing": set(),
     "dotted": set(),

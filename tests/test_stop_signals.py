@@ -157,3 +157,22 @@ def test_a_batch_taken_for_a_step_another_rank_gives_up_goes_back_to_the_queue(i
         assert [batch["index"] for batch in producer.state_dict()["ready"]] == [3, 4]  # 4: generated meanwhile
     finally:
         producer.close()
+
+
+def test_a_fetch_that_fails_on_one_rank_stops_the_others_with_its_exit_code(inside_a_step):
+    """A bad data row found by one rank's fetch: the others learn it in the same agreement and stop with its exit code,
+    instead of waiting in the step's collectives for it (a traceback on gloo, a hang until the timeout on NCCL)."""
+    from lightning_rl.data.sft import DataError
+
+    votes: list[float] = []
+
+    def bad_row():
+        raise DataError("prompts.jsonl: line 7: the prompt is too long")
+
+    with pytest.raises(DataError):
+        stopping.fetched_on_every_rank(bad_row, lambda value: votes.append(value) or value)
+    healthy = 0.0  # this rank's own vote
+    with pytest.raises(stopping.AnotherRankFailed) as stopped:
+        stopping.fetched_on_every_rank(lambda: "batch", lambda value: value + votes[0] + healthy)
+    assert stopped.value.exit_code == 2 and stopped.value.on_every_rank
+    assert stopping.fetched_on_every_rank(lambda: "batch", lambda value: value) == "batch"  # no failure, no stop

@@ -442,8 +442,8 @@ class GRPOModule(PolicyModule):
         self._log_step(scored, stats, staleness, waited, train_seconds)
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 
-    def _any_rank(self, flag: bool) -> bool:
-        return bool(self.trainer.strategy.reduce(torch.tensor(float(flag), device=self.device), reduce_op="sum"))
+    def _any_rank(self, value: float) -> float:
+        return float(self.trainer.strategy.reduce(torch.tensor(value, dtype=torch.float64, device=self.device), reduce_op="sum"))
 
     def policy_logprobs(
         self, model: torch.nn.Module, packed: PackedBatch, *, with_entropy: bool = False, entropy_grad: bool = False,
