@@ -62,6 +62,36 @@ class ForeignCheckpointError(UserError, ValueError):
     on_every_rank = True  # every rank reads the same checkpoint and finds the same mismatch
 
 
+def every_ranks(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's own resume state as its checkpoint keeps it: every rank's, in rank order (one rank writes the file,
+    and a rank's state can be its own, such as the batch it is training). A collective: every rank saves together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"per_rank": [state]}
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return {"per_rank": states}
+
+
+def this_ranks(saved: dict[str, Any], trainer: Any, holds_work: Any) -> dict[str, Any]:
+    """This rank's state of a checkpoint ``every_ranks`` wrote (an older one holds one state for all). Another number
+    of ranks may resume only where no rank's state holds work of its own (``holds_work``: a batch being trained, or
+    rollouts queued), which could not be dealt to the ranks now."""
+    rank, world_size, path = trainer.global_rank, trainer.world_size, trainer.ckpt_path
+    per_rank = saved.get("per_rank")
+    if per_rank is None:
+        return saved
+    if len(per_rank) != world_size:
+        if any(holds_work(state) for state in per_rank):
+            raise ForeignCheckpointError(
+                f"ckpt_path: {path} was written by {len(per_rank)} ranks, in the middle of their own rollouts; this run has "
+                f"{world_size}: resume with {len(per_rank)}, or from a checkpoint between batches"
+            )
+        return per_rank[0]
+    return per_rank[rank]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path

@@ -174,3 +174,19 @@ def test_the_stock_writers_are_replaced_by_staged_ones_and_a_chosen_one_is_kept(
     assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], weight.detach())
     xla.remove_checkpoint(path)
     assert not path.exists()
+
+
+def test_a_per_rank_state_resumes_on_another_number_of_ranks_only_between_batches():
+    from types import SimpleNamespace
+
+    from lightning_rl.checkpoints import ForeignCheckpointError, every_ranks, this_ranks
+
+    assert every_ranks({"batch": None}) == {"per_rank": [{"batch": None}]}  # one process: its own
+    trainer = lambda rank, world: SimpleNamespace(global_rank=rank, world_size=world, ckpt_path="last.ckpt")  # noqa: E731
+    working = {"per_rank": [{"batch": {"index": 3}}, {"batch": {"index": 3}}]}
+    assert this_ranks(working, trainer(1, 2), lambda s: s["batch"] is not None) == {"batch": {"index": 3}}
+    with pytest.raises(ForeignCheckpointError, match="was written by 2 ranks, in the middle of their own rollouts; this run has 1"):
+        this_ranks(working, trainer(0, 1), lambda s: s["batch"] is not None)
+    between = {"per_rank": [{"batch": None, "history": [1.0]}, {"batch": None, "history": [1.0]}]}
+    assert this_ranks(between, trainer(0, 4), lambda s: s["batch"] is not None) == {"batch": None, "history": [1.0]}
+    assert this_ranks({"batch": None}, trainer(0, 2), lambda s: False) == {"batch": None}  # an older checkpoint

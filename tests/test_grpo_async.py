@@ -152,7 +152,7 @@ def test_resume_trains_the_checkpointed_queue_without_losing_or_repeating_prompt
     module, trainer = fit(2, [first], async_mode=True, max_staleness=1)
     checkpoint = tmp_path / "step2.ckpt"
     trainer.save_checkpoint(checkpoint)
-    queued = torch.load(checkpoint, weights_only=True)["grpo"]["rollout_queue"]["ready"]  # plain data only
+    queued = torch.load(checkpoint, weights_only=True)["grpo"]["per_rank"][0]["rollout_queue"]["ready"]  # plain data only
     assert queued and queued[0]["index"] == 2  # generated ahead, before the save
 
     second = TrainedRollouts()

@@ -270,7 +270,7 @@ def test_a_resume_inside_a_batchs_passes_finishes_them_exactly(tmp_path):
     checkpoint = tmp_path / "step3.ckpt"
     trainer.save_checkpoint(checkpoint)  # after the first pass over batch 1
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["grpo"]["batch"]["index"] == 1 and saved["written_by"]["task"] == "GRPOModule"  # an SFT run refuses it
+    assert saved["grpo"]["per_rank"][0]["batch"]["index"] == 1 and saved["written_by"]["task"] == "GRPOModule"  # an SFT run refuses it
     second = GradientRecorder()
     resumed, _ = fit(4, [second], batch_size=2, rewards=LENGTH_REWARD, num_iterations=2, max_grad_norm=None,
                      ckpt_path=str(checkpoint))  # fmt: skip

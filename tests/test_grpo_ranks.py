@@ -83,3 +83,27 @@ def test_a_prefix_across_rows_is_refused_under_data_parallelism(tmp_path, tiny_p
                           env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent)  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "rank0.pt").exists()
     assert "data parallelism (FSDP2, DDP) would not reduce its gradients; set model.prefix_across_rows: never" in done.stderr, done.stderr[-3000:]
+
+
+def test_two_ranks_stopped_inside_a_batch_resume_each_its_own_rollouts(tmp_path, tiny_path):
+    """Each rank trains its own prompts: a checkpoint taken between the num_iterations passes of a batch keeps every
+    rank's batch and old log-probs. It kept rank 0's, which every rank then trained on; the resume now equals the
+    uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from support.recipe_runs import run_on_two
+
+    recipe = str(HERE.parent / "recipes" / "tiny" / "grpo.yaml")
+    common = ("--trainer.max_steps=4", "--model.num_iterations=2", "--model.num_generations=4", "--model.sampling.max_new_tokens=6",
+              "--data.batch_size=1", "--model.rewards=[{function: support.grpo:text_length}]", "--model.learning_rate=1e-2",
+              "--trainer.strategy=ddp", "--logger.kind=none", "--trainer.enable_progress_bar=false", "--model.eval_generations=0")  # fmt: skip
+    done = run_on_two(recipe, tmp_path / "whole", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = run_on_two(recipe, tmp_path / "stopped", *common, "--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=1")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = run_on_two(recipe, tmp_path / "stopped", *common, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole, again = load_file(tmp_path / "whole" / "hf" / "model.safetensors"), load_file(tmp_path / "stopped" / "hf" / "model.safetensors")
+    assert any(not torch.equal(whole[name], tensor) for name, tensor in load_file(tiny_path / "model.safetensors").items() if name in whole)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(again[name], tensor, rtol=0, atol=1e-6, msg=name)

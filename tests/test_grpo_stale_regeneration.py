@@ -31,7 +31,7 @@ def test_a_queue_too_stale_for_the_resumed_bound_is_sampled_again_and_counted(tm
     _, trainer = fit(2, [first], async_mode=True, max_staleness=1)
     checkpoint = tmp_path / "step2.ckpt"
     trainer.save_checkpoint(checkpoint)
-    queued = torch.load(checkpoint, weights_only=True)["grpo"]["rollout_queue"]["ready"]
+    queued = torch.load(checkpoint, weights_only=True)["grpo"]["per_rank"][0]["rollout_queue"]["ready"]
     versions = {b["index"]: min(r["weight_version"] for r in b["rollouts"]) for b in queued}
     # The queue holds what version 2 allows at max_staleness 1; batch 3 could only start once version 2 was there.
     assert sorted(versions) == [2, 3] and versions[3] == 2, versions

@@ -80,7 +80,7 @@ def stopped_in_a_stuck_reward_then_resumed(recipe: Recipe, root: Path, monkeypat
     assert "resume: step 2 from hpc_ckpt_2.ckpt, the newest complete checkpoint" in log
     assert [step for step, _ in progress(out)] == [3, 4, 5]  # the abandoned step trained once, none skipped
     last = out / "checkpoints" / "last.ckpt"  # a sharded (FSDP2) one keeps the loops' and the module's state in meta.pt
-    trained = load_safely(last / "meta.pt" if last.is_dir() else last)["grpo"]["trained_batches"]
+    trained = load_safely(last / "meta.pt" if last.is_dir() else last)["grpo"]["per_rank"][0]["trained_batches"]
     assert [batch["index"] for batch in trained] == list(range(GRPO_STEPS))  # every prompt batch once, in order
     want, got = exported(reference), exported(out)
     assert want.keys() == got.keys()

@@ -36,6 +36,7 @@ from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, ste
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
+from lightning_rl.checkpoints import every_ranks, this_ranks
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.modules.threads import share_cores_with_rollouts
@@ -620,17 +621,17 @@ class GRPOModule(PolicyModule):
         super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume
         if self._background is not None:  # the engine holds the saved weights: the queue then fills as in a foreground run
             self._record_sync(self._background.join())
-        checkpoint["grpo"] = {
+        checkpoint["grpo"] = every_ranks({  # each rank's own: the batch it trains and its queue are its own prompts
             "rollout_queue": self.producer.state_dict() if self.producer is not None else {"ready": []},
             # Saved inside a batch's num_iterations passes: the batch and its old log-probs (in _SAVED), to finish them.
             "batch": None if self._batch is None else self._batch.state(),
             "entropy_control": None if self.entropy_control is None else dataclasses.asdict(self.entropy_control),
             **{key: copy.copy(getattr(self, name)) for key, name in _SAVED.items()},
-        }
+        })
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("grpo", {})
+        state = this_ranks(checkpoint.get("grpo", {}), self.trainer, lambda saved: saved.get("batch") is not None or saved["rollout_queue"]["ready"])
         self._restored_queue = state.get("rollout_queue")
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
         for key, name in _SAVED.items():  # absent from an older checkpoint: the fresh module's value

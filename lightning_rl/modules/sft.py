@@ -141,7 +141,7 @@ class SFTModule(PolicyModule):
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logprobs = self._logprobs(batch)
-        self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()))
+        self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()), sync_dist=True)  # every rank's rows
 
     def on_validation_epoch_end(self) -> None:
         if self.hparams.eval_generations and not self.trainer.sanity_checking:

@@ -53,6 +53,6 @@ def stopped_killed_and_resumed(recipe: Recipe, out: Path, rng: random.Random, ma
 
     newest = max(out.rglob("*.ckpt"), key=checkpoint_step)
     assert checkpoint_step(newest) == max_steps
-    trained = torch.load(newest, map_location="cpu", weights_only=True)["grpo"]["trained_batches"]
+    trained = torch.load(newest, map_location="cpu", weights_only=True)["grpo"]["per_rank"][0]["trained_batches"]
     assert Counter(b["index"] for b in trained) == Counter(range(max_steps))  # the multiset: each batch once
     assert all(0 <= b["index"] - b["weight_version"] <= max_staleness for b in trained)
