@@ -211,3 +211,22 @@ def test_launch_checks_a_recipe_without_seeding_or_saying_so(capsys, caplog):
         assert slurm.main(["slurm", SFT, "--nodes", "1", "--gpus-per-node", "1", "--partition", "p", "--dry-run"]) == 0
     said = capsys.readouterr()
     assert said.out.startswith("#!/bin/bash") and "Seed set" not in caplog.text + said.err + said.out
+
+
+def test_a_grpo_steps_figures_of_every_rank_make_the_steps_by_their_kind():
+    """Counts add up over the ranks, extremes are the ranks' extremes, the rest are averaged (each rank's alone was
+    rank 0's in the logs)."""
+    from lightning_rl.modules.grpo_metrics import _REDUCTIONS
+
+    def reduction(key: str) -> str:
+        return next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
+
+    assert {key: reduction(key) for key in (
+        "reward/unscored", "reward/math_answer/errors", "rollouts/excluded", "rollouts/excluded/engine", "tools/failures/raised",
+        "tools/calls", "trained_tokens", "completions/max_length", "mismatch/ratio_min", "reward/mean", "loss", "kl",
+        "completions/mean_length", "reward/frac_zero_std")} == {  # fmt: skip
+        **dict.fromkeys(("reward/unscored", "reward/math_answer/errors", "rollouts/excluded", "rollouts/excluded/engine",
+                         "tools/failures/raised", "tools/calls", "trained_tokens"), "sum"),
+        "completions/max_length": "max", "mismatch/ratio_min": "min",
+        **dict.fromkeys(("reward/mean", "loss", "kl", "completions/mean_length", "reward/frac_zero_std"), "mean"),
+    }

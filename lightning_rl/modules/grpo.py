@@ -45,7 +45,7 @@ from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
-from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, rollout_table, run_summary, step_metrics
+from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, log_step, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
 from lightning_rl.models.weights import SyncReport
@@ -387,7 +387,6 @@ class GRPOModule(PolicyModule):
         waited = time.perf_counter() - started
         staleness = index - scored.weight_version  # within max_staleness: the producer samples a staler batch again
 
-        rewards = torch.tensor(scored.rewards)
         advantages = self._advantages(scored)
         rollouts = scored.rollouts
         if self.hparams.mask_truncated_completions:
@@ -439,8 +438,7 @@ class GRPOModule(PolicyModule):
 
         self.trained_batches.append({"index": index, "iteration": iteration, "weight_version": scored.weight_version})
         self.last_trained = scored
-        self.reward_history.append(float(rewards.nanmean()))
-        self._log_step(scored, stats, staleness, waited, train_seconds)
+        self.reward_history.append(self._log_step(scored, stats, staleness, waited, train_seconds))
         return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
 
     def _any_rank(self, value: float) -> float:
@@ -583,16 +581,17 @@ class GRPOModule(PolicyModule):
 
     # -- logging and checkpoints ---------------------------------------------------------------
 
-    def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> None:
+    def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> float:
+        """Log the step's figures (over every rank); returns its mean reward."""
         extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
         metrics = step_metrics(scored, stats, staleness, waited, train_seconds, self.optimizers().param_groups[0]["lr"], bool(self.rollout.tools), extra)
         self._sync_metrics = {}
-        self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, prog_bar=False, batch_size=1)
-        self.log("train/reward", metrics["reward/mean"], prog_bar=True, batch_size=1)
+        reward = log_step(self, metrics, torch.tensor(scored.rewards))
         every = self.hparams.log_rollouts_every_n_steps
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
         if every and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
             log_rollouts(self.trainer, step, rollout_table(scored, functools.partial(visible_text, self.tokenizer), step))
+        return reward
 
     @functools.cached_property
     def eval_cases(self) -> list[GenerationCase]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_rl.losses.grpo import TokenLoss
@@ -134,6 +135,28 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
         **stats.metrics(),
         **extra,
     }
+
+
+# How every rank's figure of a step makes the step's: counts add up, extremes are the extremes of the ranks', and the
+# rest (means) are averaged, every rank training as many rollouts.
+_REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|rows)$"), "sum"),
+               (re.compile(r"(max_length|ratio_max)$"), "max"), (re.compile(r"(min_length|ratio_min)$"), "min"))  # fmt: skip
+
+
+def log_step(module: LightningModule, metrics: dict[str, Any], rewards: torch.Tensor) -> float:
+    """Log a step's ``train/`` figures as the step's, over every rank (each rank's alone was rank 0's in the logs),
+    and return the step's mean reward over every rank's scored samples (summary.json's reward history)."""
+    by_reduction: dict[str, dict[str, Any]] = {}
+    for key, value in metrics.items():
+        fx = next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
+        by_reduction.setdefault(fx, {})[f"train/{key}"] = value
+    for fx, figures in by_reduction.items():
+        module.log_dict(figures, on_step=True, prog_bar=False, batch_size=1, sync_dist=True, reduce_fx=fx)
+    scored = ~rewards.isnan()
+    total, count = module.trainer.strategy.reduce(torch.stack([rewards[scored].sum(), scored.sum()]).double().to(module.device), reduce_op="sum").tolist()
+    mean = total / count if count else float("nan")
+    module.log("train/reward", mean, prog_bar=True, batch_size=1)
+    return mean
 
 
 def _lengths(lengths: list[int]) -> dict[str, float]:
