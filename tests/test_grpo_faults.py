@@ -79,6 +79,7 @@ def test_tools_with_one_turn_say_no_call_is_run(capsys):
         ({"samples_per_turn": [2]}, "samples_per_turn has 1 entries, but max_turns=1 leaves 0 turn"),
         ({"tools": ["lightning_rl.tools.builtin:calculator"], "max_turns": 2, "samples_per_turn": [2, 2]}, "max_turns=2 leaves 1 turn"),
         ({"sampling": {"max_new_tokens": 0}}, "sampling.max_new_tokens must be >= 1, got 0"),
+        ({"sampling": {"temperature": 0}}, "sampling.temperature=0 samples greedily: every completion of a prompt is the same"),
         ({"num_generations": 1}, "num_generations=1: GRPO needs G >= 2"),
         ({"tool_output_max_chars": 0}, "tool_output_max_chars must be >= 1, got 0"),
         ({"max_context_tokens": 0}, "max_context_tokens must be >= 1, got 0"),

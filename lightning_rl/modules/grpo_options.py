@@ -84,6 +84,9 @@ def check_combinations(
     ref_mixup_alpha: float,
     lora: LoraSettings | None,
 ) -> None:
+    if sampling.temperature == 0:
+        raise RecipeError("sampling.temperature=0 samples greedily: every completion of a prompt is the same, so their advantages "
+                          "are all 0 and GRPO learns nothing; give a temperature > 0", "sampling.temperature")
     uses_engine = [key for key, on in (
         ("loss.importance_sampling_cap", loss.importance_sampling_cap is not None),
         ("loss.importance_sampling_floor", loss.importance_sampling_floor is not None),

@@ -69,6 +69,8 @@ def transformers_backend_refusal(config: PretrainedConfig) -> str | None:
 def sampling_params_of(sampling: SamplingConfig, n: int, seed: int, vocab_size: int) -> dict[str, Any]:
     """vLLM `SamplingParams` fields for one request; `logprobs` asks for the sampled token's log-prob, and with a
     filter on for enough top log-probs to read its support off (`support_request`)."""
+    if sampling.temperature == 0 and n > 1:
+        raise ValueError(f"temperature 0 samples greedily: vLLM gives one completion per prompt then, not {n}")
     return {
         "n": n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
         "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
