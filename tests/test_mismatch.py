@@ -135,6 +135,17 @@ def test_the_alarm_names_a_sampling_setting_the_trainer_does_not_replay_first():
     assert "likely causes: model.sampling.repetition_penalty=1.5, which the engine applies and the trainer does not replay" in caught.value.line()
 
 
+def test_a_lora_with_dropout_is_named_and_not_judged_by_the_alarm():
+    """The trainer's forward applies the LoRA's dropout and the engine's does not: the figure then measures that, so
+    the alarm (which stopped such runs, blaming the sync) leaves it alone; the cause is named."""
+    from lightning_rl.models.loading import LoraSettings
+    from lightning_rl.modules.mismatch import unreplayed
+
+    module, _ = fit(2, batch_size=2, rewards=SPREAD_REWARD, lora=LoraSettings(r=4, alpha=8, dropout=0.5), mismatch_alarm_kl=1e-9)
+    assert module._mismatch["mismatch/kl"] > 1e-9  # measured, logged, not alarmed on
+    assert unreplayed(module.sampling, module.policy) == "model.lora.dropout=0.5, which the trainer's forward applies and the engine's does not"
+
+
 def test_a_healthy_run_measures_no_mismatch_and_no_alarm():
     module, _ = fit(2, batch_size=2, rewards=SPREAD_REWARD)
     assert module._mismatch["mismatch/kl"] < 1e-8 and module._mismatch["mismatch/ratio_mean"] == pytest.approx(1, abs=1e-5)

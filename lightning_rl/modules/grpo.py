@@ -409,7 +409,7 @@ class GRPOModule(PolicyModule):
         step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
-        mismatch = MismatchStats(self.route_layers, unreplayed=unreplayed(self.sampling)) if self._mismatch is None else None  # first pass
+        mismatch = MismatchStats(self.route_layers, unreplayed=unreplayed(self.sampling, self.policy)) if self._mismatch is None else None  # first pass
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)

@@ -83,11 +83,21 @@ def replay_routes(setting: RouterReplaySetting, policy: nn.Module, engine: Rollo
     return len(find_routers(policy)) if engine.record_routes else 0
 
 
-def unreplayed(sampling: Any) -> str | None:
-    """The sampling settings the engine applies and the trainer's scoring does not (the repetition penalty), as keys."""
+def unreplayed(sampling: Any, policy: nn.Module | None = None) -> str | None:
+    """What the engine's sampling and the trainer's scoring do not share, named by its key: the repetition penalty
+    (the engine applies it, the trainer does not replay it), or dropout (the trainer's forward in training applies
+    it, the engine's does not: a LoRA's, or the model's own)."""
     if sampling.repetition_penalty != 1.0:
-        return f"model.sampling.repetition_penalty={sampling.repetition_penalty:g}"
+        return f"model.sampling.repetition_penalty={sampling.repetition_penalty:g}, which the engine applies and the trainer does not replay"
+    for name, module in (policy.named_modules() if policy is not None else ()):
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            what = "model.lora.dropout" if "lora_dropout" in name else f"the model's own dropout ({name})"
+            return f"{what}={module.p:g}, {_DROPOUT}"
     return None
+
+
+# What an unreplayed dropout is said to be: the figure then measures the dropout, so the alarm does not judge it.
+_DROPOUT = "which the trainer's forward applies and the engine's does not"
 
 
 @dataclass
@@ -131,8 +141,8 @@ class MismatchStats:
             out = {"mismatch/ratio_mean": ratio / tokens, "mismatch/ratio_min": -float(extremes[0]),
                    "mismatch/ratio_max": float(extremes[1]), "mismatch/corrected_fraction": corrected / tokens}  # fmt: skip
             out.update({"mismatch/kl": kl, "offpolicy/kl": 0.0} if staleness == 0 else {"offpolicy/kl": kl})
-            if staleness == 0 and alarm_kl is not None and kl > alarm_kl:
-                cause = f"{self.unreplayed}, which the engine applies and the trainer does not replay; other " if self.unreplayed else ""
+            if staleness == 0 and alarm_kl is not None and kl > alarm_kl and not (self.unreplayed or "").endswith(_DROPOUT):
+                cause = f"{self.unreplayed}; other " if self.unreplayed else ""
                 raise MismatchAlarm(
                     f"train/mismatch/kl is {kl:.3g} (> {alarm_kl:g}) on a batch the engine sampled with the trainer's "
                     f"own weights: engine and trainer score those tokens differently; likely causes: {cause}weights not synced "
