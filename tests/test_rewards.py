@@ -308,3 +308,16 @@ def test_the_overlong_penalty_is_dapos_soft_punishment():
     assert overlong_penalty(ids, max_length=10, cache=4)[-3:] == [pytest.approx(-1.0), -1.0, -1.0]
     with pytest.raises(ValueError, match="reward 'overlong_penalty': kwargs .* do not work: ValueError: cache must be in"):
         RewardScorer([RewardSpec("overlong_penalty", kwargs={"max_length": 10, "cache": 0})])
+
+
+def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():
+    """A quoted string stays a string: typed Any, the recipe parser read '[0-9]' (a regular expression) again as YAML,
+    a list; numbers, booleans, null and nested values keep their own types."""
+    from lightning_rl.launch.recipe_view import RecipeView
+    from support.paths import REPO
+
+    kwargs = '{pattern: "[0-9]", n: 3, x: 0.5, flag: true, s: "7", none: null, nested: {k: "[1]", l: [1, "null"]}}'
+    view = RecipeView.parse(REPO / "recipes" / "tiny" / "grpo.yaml", [f"--model.rewards=[{{function: format, kwargs: {kwargs}}}]"])
+    (reward,) = view.get("model.rewards")
+    assert reward["kwargs"] == {"pattern": "[0-9]", "n": 3, "x": 0.5, "flag": True, "s": "7", "none": None,
+                                "nested": {"k": "[1]", "l": [1, "null"]}}  # fmt: skip

@@ -60,6 +60,11 @@ def load_reward_function(path: str) -> RewardFunction:
     return function
 
 
+# A fixed keyword argument's value, as the recipe wrote it: a string stays a string (typed Any, the recipe parser read
+# a quoted '[0-9]' again as YAML, a list).
+KwargValue = str | bool | int | float | list | dict | None
+
+
 @dataclass
 class RewardSpec:
     """One reward function of a run: where it lives, its weight, fixed keyword arguments, its name.
@@ -73,7 +78,7 @@ class RewardSpec:
 
     function: str | RewardFunction
     weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, KwargValue] = field(default_factory=dict)
     name: str | None = None
 
     def as_config(self) -> dict[str, Any]:
