@@ -106,3 +106,24 @@ def test_a_server_that_fails_to_start_is_reported_by_its_first_error(tmp_path):
     said = VLLMServer("no/such/model", log_path=log)._log_tail()
     assert said.startswith(": ValueError: Available memory on node 0 (20.91/23.54 GiB) is less than desired:\n")
     assert said.rstrip().endswith("Engine core initialization failed. See root cause above.")
+
+
+def test_a_server_that_cannot_start_or_answer_is_one_line_before_anything_runs(tiny_path):
+    """A port another process holds is refused before vLLM starts (whatever answered /health there was taken for this
+    server, and sampled from); a url that does not answer, and a dtype vLLM does not know, are one line too."""
+    import socket
+
+    from lightning_rl.errors import UserError
+    from lightning_rl.rollout.base import EngineSpec
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(UserError, match=rf"^the vLLM server did not start: port {port} on 127.0.0.1 is taken by another process"):
+            VLLMServerEngine(str(tiny_path), server_options={"port": port, "python": sys.executable})
+    with pytest.raises(UserError, match=r"^url: the vLLM server at http://127.0.0.1:1 does not answer \("):
+        VLLMServerEngine(str(tiny_path), url="http://127.0.0.1:1")
+    engine = {"class_path": "lightning_rl.rollout.vllm_server.VLLMServerEngine", "init_args": {"server_options": {"dtype": "float13", "python": sys.executable}}}
+    with pytest.raises(ValueError, match="server_options.dtype: must be one of auto, half"):
+        EngineSpec.of(engine).check_here()

@@ -43,8 +43,8 @@ import torch
 from lightning_rl.errors import UserError
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_expanded, check_request
-from lightning_rl.rollout.vllm_engine import sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
+from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
+from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
 from lightning_rl.rollout.vllm_held import write_groups
 from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json
 
@@ -107,6 +107,18 @@ def token_versions(spans: Sequence[Mapping[str, Any]], length: int, unlabelled: 
             start, end = int(span["start"]), min(int(span["end"]), length)
             versions[start:end] = [int(span["version"])] * max(end - start, 0)
     return versions
+
+
+class ServerStartError(UserError, VLLMServerError):
+    """A vLLM server this engine could not start (a flag vLLM refuses, a port taken) or reach (a ``url`` that does not
+    answer): one line, before the run trains."""
+
+    key = "engine"
+
+
+def _one_line(error: BaseException, most: int = 600) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= most else f"{text[:most]}..."
 
 
 class EngineFailedError(UserError, VLLMServerError):
@@ -191,6 +203,11 @@ class VLLMServerEngine(RolloutEngine):
         if unknown := sorted(set(options["server_options"] or {}) - taken):
             raise ValueError(f"server_options: unknown {', '.join(map(repr, unknown))} (it takes {', '.join(sorted(taken))}; "
                              "vLLM's own flags go in extra_args)")
+        if "dtype" in (options["server_options"] or {}):  # refused now, not by the server after its start-up
+            try:
+                check_dtype(options["server_options"]["dtype"], VLLM_DTYPES)
+            except ValueError as error:
+                raise ValueError(f"server_options.{error}") from None
         if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 f"{cls.__name__} starts its vLLM server with this Python, which has no vLLM installed: install it "
@@ -226,14 +243,20 @@ class VLLMServerEngine(RolloutEngine):
             raise ValueError(f"pause must be 'keep' or 'wait', got {pause!r}")
         self.pause = pause
         self.request_timeout = request_timeout
-        self.transport = resolve_transport(transport, None if url is None else self._backend_of(url.rstrip("/")))
+        try:
+            self.transport = resolve_transport(transport, None if url is None else self._backend_of(url.rstrip("/")))
+        except VLLMServerError as error:
+            raise ServerStartError(f"url: the vLLM server at {url} does not answer ({_one_line(error)})") from None
         if self.transport == "nccl" and model is None:
             raise ValueError("transport 'nccl' needs the model, whose config names the tensors the server holds")
         self.model = model
         self.server = None
         if url is None:
             lora = {} if max_lora_rank is None else {"max_lora_rank": served_lora_rank(max_lora_rank)}
-            self.server = VLLMServer(model, seed=seed, transport=self.transport, **lora, **dict(server_options or {})).start()
+            try:
+                self.server = VLLMServer(model, seed=seed, transport=self.transport, **lora, **dict(server_options or {})).start()
+            except VLLMServerError as error:
+                raise ServerStartError(f"the vLLM server did not start: {_one_line(error)}") from None
         # A server started here must not outlive this process, even if close is never called.
         self._stop_server = weakref.finalize(self, self.server.stop) if self.server is not None else None
         self.url = (url or self.server.url).rstrip("/")

@@ -159,7 +159,15 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def start(self, timeout: float = 300.0, append: bool = False) -> VLLMServer:
-        """Launch the server and wait until `/health` answers (or the process dies, with its log tail)."""
+        """Launch the server and wait until `/health` answers (or the process dies, with its log tail). A port another
+        process holds is refused first: whatever answers there would be taken for this server."""
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.port))
+            except OSError as error:
+                raise VLLMServerError(f"port {self.port} on {self.host} is taken by another process ({error.strerror}): give "
+                                      "server_options.port another one, or none (a free one)") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab" if append else "wb") as log:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -171,7 +179,8 @@ class VLLMServer:
                 raise VLLMServerError(f"vLLM server exited with code {self.process.returncode}{self._log_tail()}")
             try:
                 request_json(f"{self.url}/health", None, timeout=5, method="GET")
-                return self
+                if self.process.poll() is None:  # the server that answers is this one, not a process gone since
+                    return self
             except VLLMServerError:
                 time.sleep(0.5)
         tail = self._log_tail()
