@@ -170,6 +170,9 @@ def check_trainer(trainer: Any, task: str | None = None) -> None:
         value = trainer.get(key)
         if value is not None and value != -1 and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise RecipeError(f"trainer.{key} must be -1 (no limit) or >= 1, got {value!r}", f"trainer.{key}")
+    if task == "grpo" and trainer.get("max_steps") in (None, -1) and trainer.get("max_epochs") in (None, -1):
+        raise RecipeError("a GRPO run draws prompt batches without end: give trainer.max_steps, or trainer.max_epochs (passes "
+                          "over its prompts)", "trainer.max_steps")
     if trainer.get("gradient_clip_val") is not None:
         validation.finite_non_negative("trainer.gradient_clip_val", trainer["gradient_clip_val"])
 

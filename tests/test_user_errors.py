@@ -115,7 +115,7 @@ MISTAKES = {
     "key written twice: inside a block": (lambda t: written(t, LR_TWICE), lambda t: [],
                                           f"{{r}}: model.warmup_steps is written twice (lines {MODEL_LINE + 1} and {MODEL_LINE + 2})"),
     "short engine name given options": (GRPO, lambda t: ["--model.engine=hf", "--model.engine.init_args.device=cpu"], "command line: model.engine: a short name (hf, vllm, vllm_server) takes no options"),
-    "max_steps -1 under a decaying schedule": (GRPO, lambda t: ["--trainer.max_steps=-1", "--model.lr_schedule=cosine"], "trainer.max_steps is -1 (no end), but lr_schedule 'cosine'"),
+    "grpo without an end": (GRPO, lambda t: ["--trainer.max_steps=-1"], "trainer.max_steps: a GRPO run draws prompt batches without end: give trainer.max_steps, or trainer.max_epochs"),
     "duplicate tool": (GRPO, lambda t: ["--model.tools=[lightning_rl.tools.builtin:calculator, lightning_rl.tools.builtin.calculator]"], "model.tools must not repeat a name, got calculator"),
     "lora r 0": (SFT_LORA, lambda t: ["--model.lora.r=0"], "model.lora.r must be >= 1, got 0"),
     "lora targets none exist": (SFT_LORA, lambda t: ["--model.lora.target_modules=[qproj]"], "model.lora.target_modules: 'qproj' matches no module of Qwen3ForCausalLM"),
