@@ -154,9 +154,10 @@ _GRPO_TRAINER = {
 }  # fmt: skip
 
 
-def check_trainer(trainer: Any, task: str | None = None) -> None:
+def check_trainer(trainer: Any, task: str | None = None, sized_only: bool = False) -> None:
     """The ``trainer`` values a run relies on that Lightning's types leave open (or refuses only mid-run), and the
-    Trainer arguments the run, or the ``task``, cannot honour."""
+    Trainer arguments the run, or the ``task``, cannot honour. A recipe ``sized_only`` (``lightning-rl plan``) is
+    never run, so a run without end is not refused."""
     for key, (taken, why) in {**_RUN_TRAINER, **(_GRPO_TRAINER if task == "grpo" else {})}.items():
         if trainer.get(key) not in taken:
             who = "GRPO" if key in _GRPO_TRAINER else "a run"
@@ -170,7 +171,7 @@ def check_trainer(trainer: Any, task: str | None = None) -> None:
         value = trainer.get(key)
         if value is not None and value != -1 and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise RecipeError(f"trainer.{key} must be -1 (no limit) or >= 1, got {value!r}", f"trainer.{key}")
-    if task == "grpo" and trainer.get("max_steps") in (None, -1) and trainer.get("max_epochs") in (None, -1):
+    if task == "grpo" and not sized_only and trainer.get("max_steps") in (None, -1) and trainer.get("max_epochs") in (None, -1):
         raise RecipeError("a GRPO run draws prompt batches without end: give trainer.max_steps, or trainer.max_epochs (passes "
                           "over its prompts)", "trainer.max_steps")
     if trainer.get("gradient_clip_val") is not None:
@@ -265,8 +266,9 @@ class RecipeCLI(LightningCLI):
     """LightningCLI with the recipe's top-level keys, its checks, and the callbacks every run gets. With
     ``build=False`` it parses and checks the recipe and builds nothing."""
 
-    def __init__(self, *args: Any, build: bool = True, recipe: str | None = None, overrides: list[str] = (), **kwargs: Any) -> None:
-        self.build = build
+    def __init__(self, *args: Any, build: bool = True, sized_only: bool = False, recipe: str | None = None,
+                 overrides: list[str] = (), **kwargs: Any) -> None:
+        self.build, self.sized_only = build, sized_only
         self.recipe, self.overrides = recipe, list(overrides)
         super().__init__(*args, **kwargs)
 
@@ -326,7 +328,7 @@ class RecipeCLI(LightningCLI):
                 f"overwrite: --overwrite starts the run in output_dir over, --ckpt_path={self.config['ckpt_path']} resumes "
                 "a run: give one of them", "overwrite",
             )  # fmt: skip
-        check_trainer(self.config["trainer"], self.config["task"])
+        check_trainer(self.config["trainer"], self.config["task"], self.sized_only)
         if self.build:
             check_engine_here(self.config["model"])
 
@@ -581,7 +583,7 @@ def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserEr
     return error
 
 
-def _cli(recipe: str | None, overrides: list[str], build: bool) -> RecipeCLI:
+def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool = False) -> RecipeCLI:
     """The parsed (and, with ``build``, built) run of a recipe file and command-line overrides, or of the command
     line alone (``recipe`` None: ``--task`` names the task)."""
     task = read_task(None if recipe is None else Path(recipe), overrides)
@@ -599,6 +601,7 @@ def _cli(recipe: str | None, overrides: list[str], build: bool) -> RecipeCLI:
                 model_class,
                 datamodule_class,
                 build=build,
+                sized_only=sized_only,
                 recipe=recipe,
                 overrides=overrides,
                 run=False,
@@ -651,11 +654,12 @@ def build(recipe: str | None, overrides: list[str]) -> RecipeCLI:
     return _cli(recipe, overrides, build=True)
 
 
-def parse(recipe: str, overrides: list[str]) -> dict[str, Any]:
+def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[str, Any]:
     """The recipe as ``run`` reads it, ``overrides`` applied, once it passed every check of ``build`` that needs
-    nothing built (keys, types, choices, the Trainer's values): a plain nested dict of the values the user wrote, in
-    the recipe or an override (the defaults left out, so a launch can tell "not said" from a value)."""
-    config = _cli(recipe, overrides, build=False).config.as_dict()
+    nothing built (keys, types, choices, the Trainer's values; ``sized_only``: all but the run's length): a plain
+    nested dict of the values the user wrote, in the recipe or an override (the defaults left out, so a launch can
+    tell "not said" from a value)."""
+    config = _cli(recipe, overrides, build=False, sized_only=sized_only).config.as_dict()
     written = yaml.safe_load(Path(recipe).read_text())
     for override in overrides:  # `--a.b=value`: a.b is written
         node = written

@@ -44,10 +44,10 @@ class RecipeView:
     data: dict[str, Any]
 
     @classmethod
-    def parse(cls, path: str | Path, overrides: Sequence[str] = ()) -> RecipeView:
+    def parse(cls, path: str | Path, overrides: Sequence[str] = (), sized_only: bool = False) -> RecipeView:
         """The recipe at ``path`` with the ``run`` overrides a launch passes on applied, refused as ``run`` would
-        refuse it (an unknown key, a wrong type, a bad choice)."""
-        return cls(Path(path), parse(str(path), list(overrides)))
+        refuse it (an unknown key, a wrong type, a bad choice; ``sized_only``, for a plan: all but a run without end)."""
+        return cls(Path(path), parse(str(path), list(overrides), sized_only))
 
     def get(self, dotted_key: str, default: Any = None) -> Any:
         """Value at `a.b.c`; a strategy or module given as `{class_path, init_args}` is looked into too."""

@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         own_args, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
         args = _parser().parse_args(own_args)
         _check_flags(args)
-        recipe = RecipeView.parse(args.recipe, overrides)
+        recipe = RecipeView.parse(args.recipe, overrides, sized_only=True)
         training = _training(recipe, args)
         census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe), recipe.get("model.towers") or "frozen")
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
