@@ -175,3 +175,18 @@ def test_a_model_transformers_runs_without_sdpa_loads_and_generates(tmp_path, ti
     model = load_causal_lm(str(tmp_path))
     assert model.config._attn_implementation == "eager"
     assert len(generate_greedy(model, tiny_tokenizer, [[5, 6, 7]], max_new_tokens=3)) == 1
+
+
+def test_a_validations_exact_match_is_logged_at_the_step_of_its_loss(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = SFTModule(learning_rate=1e-3, eval_generations=2, max_new_tokens=4)
+    data = SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256)
+    Trainer(accelerator="cpu", logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_steps=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+            ).fit(module, datamodule=data)
+    (metrics,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    loss_steps = [row["step"] for row in rows if row.get("val/loss")]
+    match_steps = [row["step"] for row in rows if row.get("val/exact_match")]
+    assert len(loss_steps) == 2 and match_steps == loss_steps

@@ -21,7 +21,7 @@ from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
 from lightning_rl.models.paths import check_model_source
-from lightning_rl.modules.evaluation import exact_match, log_heldout
+from lightning_rl.modules.evaluation import HELDOUT_METRIC, exact_match, log_heldout
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
@@ -145,7 +145,7 @@ class SFTModule(PolicyModule):
 
     def on_validation_epoch_end(self) -> None:
         if self.hparams.eval_generations and not self.trainer.sanity_checking:
-            self.heldout()
+            self.heldout(in_validation=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning divided each micro-batch's sum by accumulate_grad_batches and the strategy averaged the
@@ -167,12 +167,17 @@ class SFTModule(PolicyModule):
         """Greedy-decode held-out prompts; the fraction whose completion equals the reference exactly."""
         return exact_match(self.policy, tokenizer, cases, max_new_tokens=self.hparams.max_new_tokens)
 
-    def heldout(self) -> dict[str, Any]:
-        """The held-out figures of the policy at this step, evaluated (and logged) once per step."""
+    def heldout(self, in_validation: bool = False) -> dict[str, Any]:
+        """The held-out figures of the policy at this step, evaluated (and logged) once per step: in a validation,
+        through Lightning, so ``val/exact_match`` is logged at the step ``val/loss`` is."""
         if self._heldout is None or self._heldout[0] != self.global_step:
             datamodule = self.trainer.datamodule
             figures = self.exact_match_accuracy(datamodule.generation_cases[: self.hparams.eval_generations], datamodule.tokenizer)
-            self._heldout = (self.global_step, log_heldout(self, figures))
+            if in_validation:
+                self.log(HELDOUT_METRIC, figures["heldout_exact_match"])  # every rank computed the same figure
+            else:
+                log_heldout(self, figures)
+            self._heldout = (self.global_step, figures)
         return self._heldout[1]
 
     def summary_metrics(self) -> dict[str, Any]:
