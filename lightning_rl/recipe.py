@@ -541,7 +541,7 @@ _UNKNOWN_KEY = [
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
 _EXPECTED = re.compile(r"Expected a (?:typing\.Literal\[(?P<options>[^\]]*)\]|<class '(?P<type>[\w.]+)'>)\. Got value: (?P<value>.*?)(?: - |\. Got value: |$)")
 _LITERAL = re.compile(r"typing\.Literal\[([^\]]*)\]")
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "NoneType": "null"}
 
 
 def _choices(options: str) -> list[str]:
@@ -567,6 +567,11 @@ def _one_line(error: BaseException) -> str:
             else:
                 expected = _TYPE_WORDS.get(match["type"], f"a {match['type']}")
             return f"{key} must be {expected}, got {match['value']}"
+        inner = text[text.rindex('Parser key "') :]  # the innermost key's own problem: a union of plain types
+        types = re.findall(r"Expected a <class '([\w.]+)'>", inner)
+        if types and (given := re.search(r"Given value: (.*?)(?:\. Got value: | Given value|$)", inner)):
+            words = [_TYPE_WORDS.get(name, f"a {name}") for name in types]
+            return f"{key} must be {' or '.join(words)}, got {given[1]}"
         if (given := re.search(r"Given value: (.*)$", text)) and (options := _LITERAL.findall(text)):
             choices = list(dict.fromkeys(choice for found in options for choice in _choices(found)))
             return f"{key} must be one of {', '.join(choices)}, got {given[1]}"
