@@ -567,11 +567,16 @@ def _one_line(error: BaseException) -> str:
             else:
                 expected = _TYPE_WORDS.get(match["type"], f"a {match['type']}")
             return f"{key} must be {expected}, got {match['value']}"
-        inner = text[text.rindex('Parser key "') :]  # the innermost key's own problem: a union of plain types
-        types = re.findall(r"Expected a <class '([\w.]+)'>", inner)
-        if types and (given := re.search(r"Given value: (.*?)(?:\. Got value: | Given value|$)", inner)):
-            words = [_TYPE_WORDS.get(name, f"a {name}") for name in types]
-            return f"{key} must be {' or '.join(words)}, got {given[1]}"
+        inner = text[text.rindex('Parser key "') :]  # the innermost key's own problem: a union of choices and types
+        subtypes = re.search(r"Subtypes: \[(.*?)\] Errors:", inner)
+        given = re.search(r"Given value: (.*?)(?:\. Got value: | Given value|$)", inner)
+        if subtypes and given:
+            choices = [choice for found in _LITERAL.findall(subtypes[1]) for choice in _choices(found)]
+            types = [_TYPE_WORDS.get(name, f"a {name}") for name in re.findall(r"<class '([\w.]+)'>", subtypes[1])]
+            if choices or types:
+                choices = list(dict.fromkeys(choices))
+                said = ([] if not choices else [choices[0]] if len(choices) == 1 else [f"one of {', '.join(choices)}"]) + types
+                return f"{key} must be {', '.join(said[:-1]) + ' or ' if len(said) > 1 else ''}{said[-1]}, got {given[1]}"
         if (given := re.search(r"Given value: (.*)$", text)) and (options := _LITERAL.findall(text)):
             choices = list(dict.fromkeys(choice for found in options for choice in _choices(found)))
             return f"{key} must be one of {', '.join(choices)}, got {given[1]}"

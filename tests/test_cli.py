@@ -54,7 +54,7 @@ RECIPE_MISTAKES = {
     "typo in a trainer key": (set_key("trainer.max_stepz", 3), "unknown key 'trainer.max_stepz'"),
     "unknown top-level block": (set_key("lora.r", 4), "unknown key 'lora' (did you mean 'model.lora'?)"),
     "wrong type": (set_key("model.learning_rate", "fast"), "model.learning_rate must be a number, got fast"),
-    "wrong type of an optional key": (set_key("data.pad_to_multiple_of", "x"), "data.pad_to_multiple_of must be an integer or null, got x"),
+    "wrong type of an optional key": (set_key("data.pad_to_multiple_of", "x"), "data.pad_to_multiple_of must be auto, an integer or null, got x"),
     "bad choice": (set_key("data.packing", "zip"), "data.packing must be one of auto, tree, flat, none, got zip"),
     "missing data file": (set_key("data.train_data", "no/such.jsonl"), "data.train_data: no such file or folder: no/such.jsonl"),
     "unknown task": (set_key("task", "dpo"), "task must be one of sft, grpo, got 'dpo'"),
