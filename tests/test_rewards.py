@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import json
 import re
 import time
 
@@ -321,3 +322,18 @@ def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():
     (reward,) = view.get("model.rewards")
     assert reward["kwargs"] == {"pattern": "[0-9]", "n": 3, "x": 0.5, "flag": True, "s": "7", "none": None,
                                 "nested": {"k": "[1]", "l": [1, "null"]}}  # fmt: skip
+
+
+def test_a_column_some_rows_lack_is_named_with_the_first_row_lacking_it(tmp_path):
+    from lightning_rl.data.prompts import PromptDataModule
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?"}, {"prompt": "4+4?"})))
+    prompts = PromptDataModule(path=str(data))
+    assert prompts.columns() == {"prompt"}
+    assert prompts.lacking("answer") == f"{data}: line 3" and prompts.lacking("solution") is None
+    scorer = RewardScorer([RewardSpec("math_answer")])
+    with pytest.raises(ValueError, match=re.escape(
+            f"reward 'math_answer' needs the column 'answer', which {data}: line 3 lacks (other rows hold it): give it in every row")):
+        scorer.check_arguments(prompts.columns() - {"prompt"}, lacking=prompts.lacking)

@@ -49,6 +49,9 @@ class PromptSource(Protocol):
     def columns(self) -> set[str]:
         """The columns every record holds (the reward functions may read them)."""
 
+    def lacking(self, column: str) -> str | None:
+        """Where the first record without ``column`` is (``FILE: line N``) when other records hold it, else None."""
+
     def epoch_of(self, index: int) -> float:
         """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
 
@@ -169,6 +172,12 @@ class PromptDataModule(L.LightningDataModule):
     def columns(self) -> set[str]:
         self.setup()
         return set.intersection(*(set(record) for record in self.records))
+
+    def lacking(self, column: str) -> str | None:
+        self.setup()
+        if any(column in record for record in self.records):
+            return next((self.location(record) for record in self.records if column not in record), None)
+        return None
 
     def epoch_of(self, index: int) -> float:
         self.setup()

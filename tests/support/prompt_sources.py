@@ -26,5 +26,8 @@ class PromptList:
     def columns(self) -> set[str]:
         return set.intersection(*(set(r) for r in self.records))
 
+    def lacking(self, column: str) -> str | None:
+        return None
+
     def epoch_of(self, index: int) -> float:
         return float(index)
