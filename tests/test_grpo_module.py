@@ -349,6 +349,10 @@ def test_truncated_completions_can_be_left_out_of_the_loss():
     recorder = GradientRecorder()
     fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1})
     assert any(g.abs().sum() > 0 for g in recorder.steps[0].values())  # the same step, trained on
+    # An entropy bonus over the top-entropy tokens of a step that trains none: a step of loss 0, as TRL's.
+    _, trainer = fit(1, [], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, mask_truncated_completions=True,
+                     loss={"top_entropy_quantile": 0.5, "entropy_coef": 0.01})
+    assert float(trainer.callback_metrics["train/loss"]) == 0.0 and trainer.global_step == 1
 
 
 class HalfFinished(GRPOModule):

@@ -27,6 +27,7 @@ from lightning_rl.ops.logprobs import LogitTransform, lm_head_of, token_logprobs
 from lightning_rl.ops.packed_forward import packed_hidden_states
 from lightning_rl.toy.model import tiny_model_path
 from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.modules.grpo_metrics import StepStats
 from lightning_rl.rollout.base import Rollout, padded_rollouts
 
 G = 3
@@ -280,6 +281,8 @@ OPTION_CASES = [  # (GRPOLoss options, the last one the one the case is about; w
     pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence"), "engine", id="gspo"),
     pytest.param(dict(loss_type="sapo", importance_sampling_level="sequence"), "engine", id="sapo-sequence"),
     pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05), "engine", id="gspo-kl"),
+    pytest.param(dict(loss_type="grpo", epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
+                 "engine", id="gspo-clipped-sequences"),
     pytest.param(dict(loss_type="dapo", delta=1.35), "engine", id="dapo-two-sided"),
     pytest.param(dict(loss_type="grpo", **IS), "trainer", id="grpo-engine-token-truncate"),
     pytest.param(dict(loss_type="bnpo", **IS, importance_sampling_mode="token_mask"), "trainer", id="bnpo-engine-token-mask"),
@@ -312,6 +315,7 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
             ref_logprobs=batch.ref_logprobs[mask], engine_logprobs=engine, loss_seq=packed.loss_seq,
             seq_num_tokens=seq_tokens, entropy=entropy,
         )  # fmt: skip
+        step_terms.append(terms)
         kept = None if terms.entropy_mask is None else int(terms.entropy_mask.sum())
         counts = StepCounts(num_sequences=packed.num_sequences, num_tokens=tokens, rank_tokens=tokens,
                             max_completion_length=MAX_NEW, entropy_tokens=kept)  # fmt: skip
@@ -321,6 +325,7 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
         slopes = torch.autograd.grad(value, [logprobs, entropy], retain_graph=True, allow_unused=True, materialize_grads=True)
         return torch.cat([value.detach()[None], *slopes])
 
+    step_terms = []
     control = value_and_slopes(step_loss(GRPOLoss(**_control(options))))
     our_loss = step_loss(loss)
     assert not torch.allclose(value_and_slopes(our_loss), control, rtol=1e-3, atol=1e-5), "the option must matter on this batch"
@@ -347,6 +352,15 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     their_loss = trainer._compute_loss(trainer.model, inputs)
     their_loss.backward()
     _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
+    # What is logged under TRL's names is TRL's figure: the KL as the loss weighs it, and a clip fraction of
+    # sequences at sequence level.
+    stats = StepStats()
+    stats.add(our_loss, step_terms[-1], entropy, packed)
+    ours, theirs = stats.metrics(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    for their_name, our_name in (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"),
+                                 ("clip_ratio/high_mean", "clip/high"), ("clip_ratio/region_mean", "clip/fraction")):
+        if their_name in theirs:
+            assert ours[our_name] == pytest.approx(theirs[their_name], rel=1e-5, abs=1e-7), our_name
 
     # The module's own step with these options (its `loss:` group) gives the same loss and gradients: what a
     # recipe sets reaches the loss whole, sequences, entropy (differentiable) and the reference included.

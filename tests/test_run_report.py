@@ -44,9 +44,10 @@ def test_an_sft_run_logs_each_evaluation_keeps_its_checkpoints_and_says_how_a_re
     closing = said.out.strip().splitlines()[-1]
     assert closing.startswith(f"done: 6 steps in {summary['wall_seconds']:.1f} s; held-out exact match ")
     assert closing.endswith(f"of 4; summary {out / 'summary.json'}; model {out / 'hf'}")
-    # Each validation's exact match is in the logs, the last one the summary's (evaluated once at that step).
+    # Each validation's exact match is in the logs, at its val/loss's step (Lightning's: after 3 steps, step 2), the
+    # last one the summary's (evaluated once at that step).
     exact = logged(out, "val/exact_match")
-    assert sorted(exact) == [3, 6] and exact[6] == summary["heldout_exact_match"]
+    assert sorted(exact) == sorted(logged(out, "val/loss")) == [2, 5] and exact[5] == summary["heldout_exact_match"]
     # The newest two periodic checkpoints, and last.ckpt.
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
     card = (out / "hf" / "README.md").read_text()
@@ -230,3 +231,11 @@ def test_a_grpo_steps_figures_of_every_rank_make_the_steps_by_their_kind():
         "completions/max_length": "max", "mismatch/ratio_min": "min",
         **dict.fromkeys(("reward/mean", "loss", "kl", "completions/mean_length", "reward/frac_zero_std"), "mean"),
     }
+
+
+def test_a_group_of_equal_rewards_counts_as_tied_though_its_float32_std_is_not_zero():
+    from lightning_rl.modules.grpo_metrics import _frac_tied_groups
+
+    rewards = torch.tensor([0.1] * 8 + [0.0, 1.0] * 4)
+    assert float(rewards[:8].std()) != 0.0  # the rounding TRL's isclose absorbs
+    assert _frac_tied_groups(rewards, [0] * 8 + [1] * 8) == 0.5

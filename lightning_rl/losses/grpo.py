@@ -57,10 +57,13 @@ class TokenLoss:
     ratio: torch.Tensor
     low_clipped: torch.Tensor
     high_clipped: torch.Tensor
-    kl: torch.Tensor | None
+    kl: torch.Tensor | None  # the KL term as the loss weighs it (times the ratio under kl_bias_correction), as TRL logs it
     entropy_bonus: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
     corrected: torch.Tensor | None = None  # the tokens the engine-vs-trainer correction truncated or masked
+    # What each term counts for in the clip fractions: 1 at token level; at sequence level, 1/(its sequence's terms),
+    # so a sequence (one ratio) counts once, as TRL counts it.
+    clip_weight: torch.Tensor | float = 1.0
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,8 @@ class GRPOLoss:
             if ref_logprobs is None:
                 raise ValueError("beta != 0 needs reference log-probs")
             kl = _kl(ref_logprobs - logprobs, self.kl_estimator)
-            loss = loss + self.beta * (kl * ratio if self.kl_bias_correction else kl)
+            kl = kl * ratio if self.kl_bias_correction else kl
+            loss = loss + self.beta * kl
         return TokenLoss(
             loss=loss,
             ratio=ratio.detach(),
@@ -315,6 +319,7 @@ class GRPOLoss:
             entropy_bonus=entropy_bonus,
             entropy_mask=entropy_mask,
             corrected=corrected,
+            clip_weight=1 / seqs.num_tokens.clamp(min=1).to(ratio)[seqs.index] if self.importance_sampling_level == "sequence" else 1.0,
         )
 
     def entropy_threshold(self, entropy: torch.Tensor) -> torch.Tensor:

@@ -513,7 +513,7 @@ class GRPOModule(PolicyModule):
         every = strategy.all_gather(padded).reshape(-1)
         every = every[~torch.isnan(every)]
         if every.numel() == 0:
-            return local.new_tensor(float("inf")), counts
+            return local.new_tensor(float("inf")), dataclasses.replace(counts, entropy_tokens=0)
         threshold = torch.quantile(every, 1 - self.loss.top_entropy_quantile)
         return threshold, dataclasses.replace(counts, entropy_tokens=int((every >= threshold).sum()))
 

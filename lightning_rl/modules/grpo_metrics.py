@@ -32,7 +32,7 @@ class StepStats:
         self.bonus = bonus
         self.loss = 0.0
         self.tokens = 0
-        self.low = self.high = 0.0
+        self.low = self.high = self.clip_units = 0.0  # clipped, of clip_units: tokens, or sequences at sequence level
         self.kl = self.entropy = self.ratio = 0.0
         self.bonus_entropy, self.bonus_tokens = 0.0, 0
         self.flat_tokens = self.unique_tokens = 0
@@ -43,8 +43,10 @@ class StepStats:
     def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
         self.loss += float(loss)
         self.tokens += int(terms.loss.numel())
-        self.low += float(terms.low_clipped.sum())
-        self.high += float(terms.high_clipped.sum())
+        weight = terms.clip_weight
+        self.low += float((terms.low_clipped * weight).sum())
+        self.high += float((terms.high_clipped * weight).sum())
+        self.clip_units += float(weight.sum()) if isinstance(weight, torch.Tensor) else weight * terms.loss.numel()
         self.ratio += float(terms.ratio.sum())
         if terms.kl is not None:
             self.has_kl = True
@@ -63,9 +65,9 @@ class StepStats:
         n = max(self.tokens, 1)
         metrics = {
             "loss": self.loss,
-            "clip/low": self.low / n,
-            "clip/high": self.high / n,
-            "clip/fraction": (self.low + self.high) / n,
+            "clip/low": self.low / (self.clip_units or 1),
+            "clip/high": self.high / (self.clip_units or 1),
+            "clip/fraction": (self.low + self.high) / (self.clip_units or 1),
             "ratio/mean": self.ratio / n,
             "entropy": self.entropy / n,
             "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
@@ -168,11 +170,12 @@ def _lengths(lengths: list[int]) -> dict[str, float]:
 
 
 def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> float:
-    """The share of the batch's groups whose scored rewards all tie (std 0: no advantage, nothing to learn from)."""
+    """The share of the batch's groups whose scored rewards all tie (std 0: no advantage, nothing to learn from),
+    up to the rounding of the std (``isclose`` to 0, as TRL tests it: eight rewards of 0.1 have a float32 std of 1e-9)."""
     by_group: dict[int, list[float]] = {}
     for reward, group in zip(rewards.tolist(), groups, strict=True):
         by_group.setdefault(group, []).append(reward)
-    tied = [float(_nanstd(torch.tensor(values))) == 0.0 for values in by_group.values()]
+    tied = [bool(torch.isclose(std := _nanstd(torch.tensor(values)), torch.zeros_like(std))) for values in by_group.values()]
     return sum(tied) / max(len(tied), 1)
 
 
