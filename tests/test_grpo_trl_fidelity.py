@@ -284,6 +284,7 @@ OPTION_CASES = [  # (GRPOLoss options, the last one the one the case is about; w
     pytest.param(dict(loss_type="grpo", epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
                  "engine", id="gspo-clipped-sequences"),
     pytest.param(dict(loss_type="dapo", delta=1.35), "engine", id="dapo-two-sided"),
+    pytest.param(dict(loss_type="dapo", delta=1.1), "engine", id="dapo-two-sided-inside-the-clip"),
     pytest.param(dict(loss_type="grpo", **IS), "trainer", id="grpo-engine-token-truncate"),
     pytest.param(dict(loss_type="bnpo", **IS, importance_sampling_mode="token_mask"), "trainer", id="bnpo-engine-token-mask"),
     pytest.param(dict(loss_type="dapo", **IS, importance_sampling_mode="sequence_truncate"), "trainer",

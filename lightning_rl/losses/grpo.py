@@ -182,8 +182,9 @@ class GRPOLoss:
             ("epsilon_low", lambda v: 0 <= v <= 1, "in [0, 1]"),
             ("epsilon_high", lambda v: v >= 0, ">= 0"),
             ("beta", lambda v: v >= 0, ">= 0"),
-            # At or below 1 + epsilon_high the cap changes nothing that the clip has not already.
-            ("delta", lambda v: v > 1 + self.epsilon_high, "> 1 + epsilon_high"),
+            # Above 1 + epsilon_high it caps the ratio of negative advantages; at or below, it caps positive ones
+            # tighter than the clip: both as TRL computes them (which recommends > 1 + epsilon_high, and takes any).
+            ("delta", lambda v: v > 0, "> 0"),
             ("sapo_temperature_pos", lambda v: v > 0, "> 0"),
             ("sapo_temperature_neg", lambda v: v > 0, "> 0"),
             ("vespo_k_pos", lambda v: v >= 0, ">= 0"),
