@@ -200,6 +200,26 @@ def test_the_reference_moves_towards_the_policy_every_n_steps():
         GRPOModule(ref_sync_every=2)
 
 
+def test_every_pass_over_a_batch_takes_the_kl_against_the_reference_of_its_first_pass(monkeypatch):
+    """num_iterations=2 with ref_sync_every=1: the reference moves between the two passes; the second pass still
+    takes the reference log-probs of the first (TRL takes them once per batch), and the reference forwards once."""
+    seen, token_loss = [], GRPOLoss.token_loss
+
+    def recording(self, *args, ref_logprobs=None, **kwargs):
+        seen.append(ref_logprobs.detach().clone())
+        return token_loss(self, *args, ref_logprobs=ref_logprobs, **kwargs)
+
+    monkeypatch.setattr(GRPOLoss, "token_loss", recording)
+    snapshots = Snapshots()
+    fit(2, [snapshots], batch_size=2, rewards=LENGTH_REWARD, loss={"beta": 0.1}, num_iterations=2, ref_sync_every=1,
+        ref_mixup_alpha=0.5, learning_rate=1e-2)
+    assert any(not torch.equal(snapshots.reference[1][n], snapshots.reference[0][n]) for n in snapshots.reference[0])
+    first, second = seen[: len(seen) // 2], seen[len(seen) // 2 :]
+    assert len(first) == len(second) > 0
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 def tied_on_odd_prompts(prompts: list[str], completions: list[str], **_) -> list[float]:
     """Ties within the group of every prompt of odd length (no signal there), differs elsewhere."""
     return [1.0 if len(p) % 2 else len(c) / 10 for p, c in zip(prompts, completions, strict=True)]

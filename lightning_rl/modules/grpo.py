@@ -271,7 +271,9 @@ class GRPOModule(PolicyModule):
         self.entropy_control = EntropyControl(self.loss.entropy_coef) if self.loss.adaptive_entropy else None
         self.heldout_before: dict[str, Any] | None = None  # the evaluator's figures before the first step
         self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
-        self._old_logprobs: list[torch.Tensor] | None = None  # per row, the sampling policy's (passes after the first)
+        # Per row, the sampling policy's and the reference's log-probs, from the batch's first pass (num_iterations > 1).
+        self._old_logprobs: list[torch.Tensor] | None = None
+        self._ref_logprobs: list[torch.Tensor] | None = None
         self.route_layers = 0  # routers whose engine routes the trainer replays (router_replay)
         self._mismatch: dict[str, float] | None = None  # the batch's engine-vs-trainer figures, from its first pass
         self.weight_sync, self._sync_metrics = None, {}  # how weights reach the engine (on_fit_start), the last sync's figures
@@ -381,7 +383,7 @@ class GRPOModule(PolicyModule):
         if iteration == 0 or self._batch is None:  # a stop signal gives the step up while its rollouts are awaited
             fetch = functools.partial(self.producer.take if self.producer is not None else self.collector.collect, index)
             self._batch = fetched_on_every_rank(fetch, self._any_rank, self.producer and self.producer.give_back)
-            self._old_logprobs = self._mismatch = None
+            self._old_logprobs = self._ref_logprobs = self._mismatch = None
         scored = self._batch
         self.current_batch = scored
         waited = time.perf_counter() - started
@@ -400,9 +402,11 @@ class GRPOModule(PolicyModule):
         stats = StepStats(bonus=self.entropy_control is not None)
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
-        if self.hparams.num_iterations > 1 and self._old_logprobs is None and self.hparams.old_logprobs == "trainer":
-            with torch.no_grad():  # the sampling policy's, before the first of this batch's updates
-                self._old_logprobs = [self.policy_logprobs(self.policy, packed)[0].cpu() for packed in packed_rows]
+        # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).
+        for name, model in (("_old_logprobs", self.policy if self.hparams.old_logprobs == "trainer" else None), ("_ref_logprobs", self.reference)):
+            if self.hparams.num_iterations > 1 and model is not None and getattr(self, name) is None:
+                with torch.no_grad():
+                    setattr(self, name, [self.policy_logprobs(model, packed)[0].cpu() for packed in packed_rows])
         threshold = None
         if self.loss.top_entropy_quantile < 1:
             threshold, counts = self._entropy_threshold(packed_rows, counts)
@@ -413,8 +417,8 @@ class GRPOModule(PolicyModule):
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
-            old = None if self._old_logprobs is None else self._old_logprobs[k].to(self.device)
-            terms, entropy = self.row_loss(packed, entropy_threshold=threshold, old_logprobs=old, loss=step_loss, mismatch=mismatch)
+            old, ref = (None if kept is None else kept[k].to(self.device) for kept in (self._old_logprobs, self._ref_logprobs))
+            terms, entropy = self.row_loss(packed, threshold, old_logprobs=old, ref_logprobs=ref, loss=step_loss, mismatch=mismatch)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
@@ -433,7 +437,7 @@ class GRPOModule(PolicyModule):
             self._refresh_reference()
         if iteration == self.hparams.num_iterations - 1:
             self._push_weights(version=index + 1)
-            self._batch = self._old_logprobs = None
+            self._batch = self._old_logprobs = self._ref_logprobs = None
         train_seconds = time.perf_counter() - train_started
 
         self.trained_batches.append({"index": index, "iteration": iteration, "weight_version": scored.weight_version})
@@ -471,26 +475,22 @@ class GRPOModule(PolicyModule):
 
     def row_loss(
         self, packed: PackedBatch, entropy_threshold: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
-        loss: GRPOLoss | None = None, mismatch: MismatchStats | None = None,
+        loss: GRPOLoss | None = None, mismatch: MismatchStats | None = None, ref_logprobs: torch.Tensor | None = None,
     ) -> tuple[TokenLoss, torch.Tensor | None]:
         """The loss terms of one packed row and its per-token entropy. ``entropy_threshold``: the step's, for
         ``loss.top_entropy_quantile < 1`` (by default this row's own quantile). ``old_logprobs``: the policy the
-        ratio is taken against, when not this step's own (``num_iterations``) or the engine's. ``loss``: the
-        step's settings, when they are not ``self.loss`` (adaptive entropy control). ``mismatch``: the first pass's
-        engine-vs-trainer figures, added to."""
+        ratio is taken against, when not this step's own (``num_iterations``) or the engine's; ``ref_logprobs``: the
+        reference's, when taken already. ``loss``: the step's settings, when they are not ``self.loss`` (adaptive
+        entropy control). ``mismatch``: the first pass's engine-vs-trainer figures, added to."""
         loss = self.loss if loss is None else loss
         logprobs, entropy = self.policy_logprobs(
             self.policy, packed, with_entropy=True, entropy_grad=loss.entropy_coef != 0, route_agreement=mismatch.routes if mismatch else None,
         )
         engine_logprobs = packed.token_values["engine_logprobs"]
-        ref_logprobs = None
-        if self.reference is not None:
+        if self.reference is not None and ref_logprobs is None:
             with torch.no_grad():
                 ref_logprobs, _ = self.policy_logprobs(self.reference, packed)
-        if old_logprobs is not None:
-            old = old_logprobs
-        else:
-            old = logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
+        old = old_logprobs if old_logprobs is not None else logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
         terms = loss.token_loss(
             logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
             ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, loss_seq=packed.loss_seq,
@@ -641,7 +641,7 @@ class GRPOModule(PolicyModule):
 
 # What a checkpoint keeps of the module as it is (plain data, copied): its key, the attribute.
 _SAVED = {"reward_history": "reward_history", "trained_batches": "trained_batches", "old_logprobs": "_old_logprobs",
-          "heldout_before": "heldout_before", "mismatch": "_mismatch"}  # fmt: skip
+          "ref_logprobs": "_ref_logprobs", "heldout_before": "heldout_before", "mismatch": "_mismatch"}  # fmt: skip
 
 
 class _CloseOnException(Callback):
