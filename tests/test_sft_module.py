@@ -190,3 +190,14 @@ def test_a_validations_exact_match_is_logged_at_the_step_of_its_loss(tmp_path):
     loss_steps = [row["step"] for row in rows if row.get("val/loss")]
     match_steps = [row["step"] for row in rows if row.get("val/exact_match")]
     assert len(loss_steps) == 2 and match_steps == loss_steps
+
+
+def test_weight_decay_leaves_biases_and_norm_weights_alone_as_trl_does(tmp_path):
+    module = SFTModule(learning_rate=1e-3, weight_decay=0.1, eval_generations=0)
+    fit(tmp_path, module, max_steps=1)
+    names = {id(p): n for n, p in module.policy.named_parameters()}
+    decayed, kept = module.optimizers().optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    kept_names = {names[id(p)] for p in kept["params"]}
+    assert kept_names == {n for n in names.values() if "norm" in n or n.endswith("bias")} and kept_names
+    assert any(n.endswith("q_proj.weight") for n in (names[id(p)] for p in decayed["params"]))

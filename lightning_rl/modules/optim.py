@@ -19,7 +19,7 @@ _OVER_THE_RUN = ("linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
 def adamw_with_schedule(
-    params: Iterable[torch.nn.Parameter],
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
     trainer: Trainer,
     *,
     learning_rate: float,

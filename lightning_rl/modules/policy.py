@@ -100,13 +100,25 @@ class PolicyModule(LightningModule):
         return self._backends[self.device]
 
     def trainable(self) -> list[torch.nn.Parameter]:
-        """The weights the optimizer steps, its one parameter group."""
+        """The weights the optimizer steps."""
         return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: one; with weight decay, the weights it decays and, apart, the biases and
+        norm weights it leaves alone, chosen as transformers' Trainer (and so TRL) chooses them."""
+        if not self.hparams.weight_decay:
+            return [{"params": self.trainable()}]
+        from transformers import Trainer  # only here: importing it takes seconds
+
+        decayed = set(Trainer.get_decay_parameter_names(None, self.policy))  # a method that reads only the model
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+        return [{"params": [p for n, p in named if n in decayed]},
+                {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]  # fmt: skip
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         return adamw_with_schedule(
-            self.trainable(), self.trainer, learning_rate=hp.learning_rate,
+            self.parameter_groups(), self.trainer, learning_rate=hp.learning_rate,
             weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
         )  # fmt: skip
 
@@ -135,7 +147,7 @@ class PolicyModule(LightningModule):
             "task": type(self).__name__,
             "model": f"{config.model_type} ({', '.join(config.architectures or []) or type(self.policy).__name__})",
             "lora": None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": lora.target_modules},
-            "optimizer groups": [len(self.trainable())],
+            "optimizer groups": [len(group["params"]) for group in self.parameter_groups()],
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
