@@ -46,11 +46,13 @@ def test_prompt_completion_strings_and_messages(tiny_tokenizer, tmp_path):
     rows = [
         {"prompt": "12+7=", "completion": "19"},
         {"prompt": [SYSTEM, {"role": "user", "content": "1+1="}], "completion": [{"role": "assistant", "content": "2"}]},
+        {"prompt": "1+2=", "completion": "3<|im_end|>"},  # its end token written out: not appended again (TRL's)
     ]
     examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
     assert trained_text(tiny_tokenizer, examples[0]) == "19<|im_end|>"
     assert tiny_tokenizer.decode(examples[0].input_ids) == "12+7=19<|im_end|>"
     assert trained_text(tiny_tokenizer, examples[1]) == "2<|im_end|>"
+    assert tiny_tokenizer.decode(examples[2].input_ids) == "1+2=3<|im_end|>" and trained_text(tiny_tokenizer, examples[2]) == "3<|im_end|>"
 
 
 def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_tokenizer, tmp_path):

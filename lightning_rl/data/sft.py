@@ -372,7 +372,9 @@ class Renderer:
         elif isinstance(row["prompt"], str):
             prompt = self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
             completion = self.tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
-            completion = completion + [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else completion
+            eos = self.tokenizer.eos_token_id
+            if eos is not None and completion[-1:] != [eos]:  # one that ends with the end token already (TRL's add_eos)
+                completion = completion + [eos]
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
