@@ -194,3 +194,21 @@ def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_fin
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 3 and leftovers(out) == []
     AutoModelForCausalLM.from_pretrained(out / "hf")  # the export is complete
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_rank_one_batch_short_trains_what_one_process_does(tmp_path):
+    """One row on 2 ranks (DDP, then FSDP2): the second rank's batch is empty (it trains no token, and the step's
+    loss is the mean over the first rank's), so the row is not dropped and the weights are one process's. A rank
+    short of batches used to drop its row (the run trained nothing, and said done), and with an empty batch the
+    ranks hung: its backward reached no decoder layer."""
+    data = tmp_path / "row.jsonl"
+    data.write_text(TOY_TRAIN.read_text().splitlines(keepends=True)[0])
+    args = [str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--data.train_data={data}", "--data.val_data=null", "--model.eval_generations=0",
+            "--trainer.max_steps=1", "--logger.kind=none", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    Recipe(args, ranks=1).run(tmp_path / "one")
+    want = exported(tmp_path / "one")
+    for strategy in ("ddp", "fsdp2"):
+        Recipe([*args, "--trainer.devices=2", f"--trainer.strategy={strategy}"], ranks=2).run(tmp_path / strategy)
+        got = exported(tmp_path / strategy)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")

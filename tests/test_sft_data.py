@@ -244,18 +244,21 @@ def test_sampler_is_seeded_resumable_and_sharded(toy_examples):
     resumed.skip_batches(1, 2)
     assert list(resumed) == list(a)[2:]
     assert len(resumed) == len(a)
-    ranks = [make(rank=r, world_size=2) for r in range(2)]
-    assert len(ranks[0]) == len(ranks[1]) == len(b) // 2
-    assert not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
+    for world in (2, 3, len(b) + 1):  # no example dropped: a rank one batch short takes an empty one
+        ranks = [list(make(rank=r, world_size=world)) for r in range(world)]
+        assert {len(batches) for batches in ranks} == {-(-len(b) // world)}
+        assert sorted(i for batches in ranks for batch in batches for i in batch) == list(range(len(toy_examples)))
+    seeds = [TokenBudgetBatchSampler(toy_examples, 400, "tree", shuffle=True, seed=seed) for seed in (0, 1)]
+    seeds[0].set_epoch(1)
+    assert list(seeds[0]) != list(seeds[1])  # seed 0's second epoch is not seed 1's first
 
 
 def test_every_epoch_trains_every_example_once_in_at_most_as_many_rows_as_the_first(toy_examples):
     """Lightning reads the number of rows once per run: an epoch with more would end before its last rows."""
     examples = toy_examples[:12]  # 37 and 42 tokens: rows of 120 hold two or three, depending on the order
-    orders = [torch.randperm(12, generator=torch.Generator().manual_seed(3 + epoch)).tolist() for epoch in range(6)]
-    counts = [len(plan_batches(examples, order, 120, "flat")) for order in orders]
+    sampler = TokenBudgetBatchSampler(examples, 120, "flat", shuffle=True, seed=2)
+    counts = [len(plan_batches(examples, sampler._order(12, epoch), 120, "flat")) for epoch in range(6)]
     assert any(count > counts[0] for count in counts[1:])  # an epoch's own order would pack into more rows
-    sampler = TokenBudgetBatchSampler(examples, 120, "flat", shuffle=True, seed=3)
     epochs = []
     for epoch in range(6):
         sampler.set_epoch(epoch)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -456,7 +457,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     of its own. Every epoch trains every example once.
 
     Each of ``world_size`` ranks takes every ``world_size``-th batch, all ranks the same number (so
-    collectives line up); this replaces Lightning's distributed sampler, which the CLI turns off.
+    collectives line up): a rank left one short takes an empty batch (``[]``: a row that trains no token, and the
+    step's loss is a mean over the tokens of every rank), so no example is dropped. This replaces Lightning's
+    distributed sampler, which the CLI turns off.
     ``skip_batches`` drops the first batches of an epoch, which is how a resumed run continues
     exactly where the checkpoint left off.
     """
@@ -485,8 +488,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self._plan = plan_batches(self.examples, self._order(len(self.examples), epoch=0), self.max_tokens, self.packing)
         if self._cache is None or self._cache[0] != self.epoch:
             batches = self._plan if self.epoch == 0 else self._plan_epoch(self.epoch)
-            per_rank = len(batches) // self.world_size
-            self._cache = (self.epoch, batches[self.rank :: self.world_size][:per_rank])
+            per_rank = -(-len(batches) // self.world_size)
+            mine = batches[self.rank :: self.world_size]
+            self._cache = (self.epoch, mine + [[]] * (per_rank - len(mine)))
         return self._cache[1]
 
     def _plan_epoch(self, epoch: int) -> list[list[int]]:
@@ -500,7 +504,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def _order(self, n: int, epoch: int, draw: int = 0) -> list[int]:
         if not self.shuffle:
             return list(range(n))
-        seed = self.seed + epoch + draw * 1_000_003  # draw 0: the epoch's own order
+        # Seed, epoch and draw mixed (seed + epoch made seed 1's epoch 0 seed 0's epoch 1); draw 0: the epoch's own order.
+        seed = int(np.random.SeedSequence([self.seed, epoch, draw]).generate_state(1, np.uint64)[0] >> 1)
         return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -521,6 +526,8 @@ class PackedCollator:
         self.image_token_id, self.position_rule = image_token_id, position_rule
 
     def __call__(self, examples: list[Example]) -> PackedBatch:
+        if not examples:  # a rank's empty batch (one short of the others): one token, not trained
+            return pack_sequences([[self.pad_token_id]], [[False]], pad_to_multiple_of=self.pad_to_multiple_of, pad_token_id=self.pad_token_id)
         if any(e.images for e in examples):  # each image of a shared prefix once, its inputs in the row's order
             return pack_with_images(
                 [e.input_ids for e in examples], [e.images for e in examples], self.image_token_id, [e.loss_mask for e in examples],

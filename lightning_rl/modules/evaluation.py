@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from transformers import PreTrainedTokenizerBase
 
 from lightning_rl.data.sft import DataSource, GenerationCase, Renderer, load_examples
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import generate_greedy
 
 HELDOUT_METRIC = "val/exact_match"  # the held-out exact match, as the run's loggers have it
@@ -22,6 +23,9 @@ def heldout_cases(
     """The held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks them; rows
     with images rendered by an image-text model's ``processor``)."""
     _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30)
+    if not cases:
+        raise RecipeError(f"eval_data ({source}) has no conversation ending in a reply: the held-out evaluation "
+                          "(eval_generations) decodes the prompts of those and compares the replies", "eval_data")
     return cases
 
 

@@ -131,17 +131,19 @@ class SFTModule(PolicyModule):
         loss_sum = -logprobs.sum()
         count = torch.tensor(float(logprobs.numel()), device=loss_sum.device)
         self._step_totals = self._step_totals.to(loss_sum.device) + torch.stack([loss_sum.detach().float(), count])
-        self.log("train/row_loss", -logprobs.mean())
+        self.log("train/row_loss", loss_sum / max(logprobs.numel(), 1))  # 0 for a rank's empty batch
         self.log("train/packing_ratio", batch.packing_ratio)
         self.log("train/unique_tokens", float(batch.num_unique_tokens))
         self.log("train/flat_tokens", float(batch.num_flat_tokens))
         self.log("train/trained_tokens", float(batch.loss_targets.numel()))
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        return {"loss": loss_sum, "reported_loss": -logprobs.detach().mean(), "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
+        return {"loss": loss_sum, "reported_loss": loss_sum.detach() / max(logprobs.numel(), 1), "tokens": batch.num_unique_tokens,
+                "flat_tokens": batch.num_flat_tokens}
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logprobs = self._logprobs(batch)
-        self.log("val/loss", -logprobs.mean(), prog_bar=True, batch_size=int(logprobs.numel()), sync_dist=True)  # every rank's rows
+        # Every rank's rows, weighed by their tokens (a rank's empty batch: weight 0).
+        self.log("val/loss", -logprobs.sum() / max(logprobs.numel(), 1), prog_bar=True, batch_size=int(logprobs.numel()), sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         if self.hparams.eval_generations and not self.trainer.sanity_checking:

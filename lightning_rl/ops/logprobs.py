@@ -171,8 +171,9 @@ def token_logprobs(
     ``support`` ([tokens, K] token ids, -1 as padding): row ``i`` holds the tokens the sampler could draw at token
     ``i``, and its log-prob is renormalised over them; a row of padding only scores the whole distribution.
     """
-    if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)) + 0 * lm_head_weight.sum()
+    if hidden.shape[0] == 0:  # still a function of every weight: a rank with nothing to train backpropagates as the others
+        head = 0 * lm_head_weight.sum() + (0 if bias is None else 0 * bias.sum())
+        return (hidden.sum(-1) * 0).to(_logit_dtype(hidden.dtype)) + head
     if support is not None and (support.dim() != 2 or support.shape[0] != targets.shape[0]):
         raise ValueError(f"support of shape {tuple(support.shape)} for {targets.shape[0]} tokens (want [tokens, K])")
     if transform.suppressed:
