@@ -4,7 +4,6 @@ import copy
 import json
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from support.paths import TOY_TRAIN
