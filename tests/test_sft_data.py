@@ -332,3 +332,19 @@ def test_tool_call_arguments_from_parquet_are_those_each_call_gave(tiny_tokenize
     from_parquet, _ = load_examples(tmp_path / "calls.parquet", renderer, 512)
     from_jsonl, _ = load_examples(write_jsonl(tmp_path / "calls.jsonl", rows), renderer, 512)
     assert from_parquet == from_jsonl and "days" not in tiny_tokenizer.decode(from_parquet[0].input_ids)
+
+
+def test_data_files_are_read_by_their_content_whatever_the_case_of_their_suffix_and_from_home(tmp_path, monkeypatch):
+    import pyarrow
+    import pyarrow.parquet
+
+    from lightning_rl.data.sft import read_rows
+
+    rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:3]]
+    (tmp_path / "lines.json").write_text("".join(json.dumps(row) + "\n" for row in rows))  # JSON Lines named .json
+    (tmp_path / "list.JSON").write_text(json.dumps(rows))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "rows.PARQUET")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("lines.json", "list.JSON", "rows.PARQUET", "~/lines.json"):
+        _, read = read_rows(str(tmp_path / name) if not name.startswith("~") else name)
+        assert [row for _, row in read] == rows, name

@@ -156,7 +156,7 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
             located = read_prompt_records(self.path, self.prompt_field)
-            folder = Path(self.path).parent if Path(self.path).is_file() else None
+            folder = Path(self.path).expanduser().parent if Path(self.path).expanduser().is_file() else None
             for where, record in located:  # every prompt's images now (cheaply), rather than a broken one mid-run
                 try:
                     check_prompt_images(record, folder)
@@ -186,7 +186,7 @@ class PromptDataModule(L.LightningDataModule):
     @property
     def image_folder(self) -> Path | None:
         """The data file's folder (a saved dataset's images are in its rows)."""
-        return Path(self.path).parent if Path(self.path).is_file() else None
+        return Path(self.path).expanduser().parent if Path(self.path).expanduser().is_file() else None
 
     @property
     def _rank_and_world(self) -> tuple[int, int]:

@@ -92,9 +92,9 @@ def check_source(key: str, source: DataSource) -> None:
     """A data file or folder that exists and is one ``read_rows`` reads (checked before anything loads)."""
     if not isinstance(source, (str, os.PathLike)):
         return
-    path = Path(source)
+    path = Path(source).expanduser()
     if not path.exists():
-        raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(source)}", key)
+        raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}", key)
     if path.is_dir() and (problem := _folder_problem(path)):
         raise DataError(f"{key}: {source}: {problem}", key)
 
@@ -120,7 +120,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     return rows
 
 
-def _read_json(path: Path) -> list[Any]:
+def _read_json(path: Path) -> list[Any] | None:
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -130,6 +130,8 @@ def _read_json(path: Path) -> list[Any]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and text.lstrip().startswith("{"):  # one object after another: JSON Lines
+            return None
         raise DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows")
@@ -160,24 +162,25 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
         arrow = type(source).__module__.split(".")[0] == "datasets"  # a Dataset; not the caller's own rows, left as given
         rows = [_without_filled_arguments(row) if arrow else row for row in source]
         return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
-    path = Path(source)
+    path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
     if path.is_dir() and (problem := _folder_problem(path)):
         raise DataError(f"{path}: {problem}")
-    if path.suffix == ".jsonl" or (path.is_file() and path.suffix not in (".json", ".parquet")):
+    suffix = path.suffix.lower()  # train.JSON, train.Parquet
+    if suffix == ".jsonl" or (path.is_file() and suffix not in (".json", ".parquet")):
         return str(path), _read_jsonl(path)
     try:
         if path.is_dir():
             import datasets
 
             rows = [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
-        elif path.suffix == ".parquet":
+        elif suffix == ".parquet":
             import pyarrow.parquet
 
             rows = [_without_filled_arguments(row) for row in pyarrow.parquet.read_table(path).to_pylist()]
-        else:
-            rows = _read_json(path)
+        elif (rows := _read_json(path)) is None:  # JSON Lines in a .json file, as many datasets are saved
+            return str(path), _read_jsonl(path)
     except (OSError, ValueError) as e:  # a damaged Parquet or Arrow file (pyarrow's errors are ValueErrors)
         if isinstance(e, DataError):
             raise
