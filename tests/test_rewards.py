@@ -27,6 +27,7 @@ def test_math_answer_reads_boxed_tags_or_the_last_number():
     completions = ["54", "it is 54.0", "\\boxed{3}", "1 7 0 4", "1 7 0", "55"]
     answers = ["54", "54", "3", "1 7 0 4", "1 7 0 4", "54"]
     assert math_answer(completions, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert math_answer(["None", "2"], [None, 2]) == [None, 1.0]  # a null answer (Parquet's missing value): no score
 
 
 def test_format_and_tool_call_validity():

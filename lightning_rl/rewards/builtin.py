@@ -48,10 +48,11 @@ def _matches(completion: str, expected: Any) -> bool:
     )
 
 
-def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float]:
+def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float | None]:
     """1.0 where the completion's answer equals the `answer` column: numerically for a numeric
-    answer, as the whole (whitespace-normalised) reply otherwise."""
-    return [1.0 if _matches(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+    answer, as the whole (whitespace-normalised) reply otherwise. None (no score) where the row's answer is null
+    (a Parquet file's missing value): a reply is not checked against the text "None"."""
+    return [None if a is None else 1.0 if _matches(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
 def format_match(completions: Sequence[str], pattern: str = r"<answer>.*?</answer>") -> list[float]:
