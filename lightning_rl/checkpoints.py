@@ -48,6 +48,12 @@ class IncompleteCheckpointError(ValueError):
     what = "incomplete"
 
 
+class NotACheckpointError(IncompleteCheckpointError):
+    """A folder that holds no part of a sharded checkpoint (a run's folder, its ``hf/``): no write ever began there."""
+
+    what = "not a checkpoint"
+
+
 class ForeignFileError(IncompleteCheckpointError):
     """A file holding objects our checkpoints never hold, which the safe readers refuse: never read another way."""
 
@@ -240,6 +246,8 @@ def checkpoint_step(path: Path) -> int:
     if path.is_dir():
         manifest = path / MANIFEST
         if not manifest.is_file():
+            if not any((path / part).exists() for part in ("meta.pt", ".metadata")) and not any(path.glob("*.distcp")):
+                raise NotACheckpointError("a folder without the parts of a sharded checkpoint")
             raise IncompleteCheckpointError(f"no {MANIFEST}: the write did not finish")
         try:
             recorded = json.loads(manifest.read_text())

@@ -154,6 +154,8 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
             checkpoint_step(path)
         except IncompleteCheckpointError as e:
             hint = "; --ckpt_path=last takes the newest complete one" if type(e) is IncompleteCheckpointError else ""
+            if (path / "checkpoints").is_dir():
+                hint = f"; to resume the run in that folder: --output_dir={path} --ckpt_path=last"
             raise ForeignCheckpointError(f"ckpt_path: {path} is {e.what} ({e}){hint}") from None
         return ckpt_path
     found, passed_over = newest_complete(output_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -145,6 +146,13 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
         cli.resume_path(tmp_path, str(broken))
     with pytest.raises(cli.RecipeError, match="ckpt_path: no such checkpoint"):
         cli.resume_path(tmp_path, str(tmp_path / "nope.ckpt"))
+    # A folder that is no sharded checkpoint is not called an interrupted write; a run's folder says how to resume it.
+    with pytest.raises(ForeignCheckpointError, match=re.escape(f"ckpt_path: {tmp_path} is not a checkpoint (a folder without the parts "
+                                                               f"of a sharded checkpoint); to resume the run in that folder: "
+                                                               f"--output_dir={tmp_path} --ckpt_path=last")):
+        cli.resume_path(tmp_path / "other", str(tmp_path))
+    with pytest.raises(ForeignCheckpointError, match=r"checkpoints is not a checkpoint \(a folder without the parts of a sharded checkpoint\)$"):
+        cli.resume_path(tmp_path / "other", str(tmp_path / "checkpoints"))
     set_mtime(broken, 10**18)
     single(tmp_path / "checkpoints" / "step=2.ckpt", 2)
     assert cli.resume_path(tmp_path, "last", first=False).endswith("step=2.ckpt")  # other ranks stay quiet
