@@ -287,7 +287,7 @@ class _RecordingSignalConnector(_SignalConnector):
 
     def teardown(self) -> None:
         # Lightning calls this before ``on_fit_end``: the handlers keep recording through the final export, which a
-        # signal must not cut on one rank while another gathers; ``RequeueOnSignal.teardown`` puts them back.
+        # signal must not cut on one rank while another gathers; ``RequeueOnSignal.restore`` puts them back.
         self._original_handlers = {}
 
 
@@ -436,7 +436,8 @@ class RequeueOnSignal(Callback):
                   "with --ckpt_path=last", file=sys.stderr, flush=True)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.restore()
+        pass  # the handlers keep recording until the run is over (`restore`, called by whoever installed them): a
+        # signal after the closing line, which other callbacks' teardown prints, must not kill a finished run
 
     def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
         """Whether any rank received SIGTERM, and the requeue signal (one all-reduce)."""

@@ -198,10 +198,10 @@ def run(recipe: str | None, overrides: list[str]) -> int:
     except UserError as error:  # one found once the run started (a data row, a checkpoint, a reward, a step)
         raise cli.keyed(error) from None
     finally:
+        if lock is not None:  # first: a signal from here on finds the folder free
+            lock.release()
         cli.requeue.restore()
         stopping.signal_came(False)  # the stop request was this run's: a later run in this process starts without it
-        if lock is not None:
-            lock.release()
 
 
 def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
@@ -245,6 +245,7 @@ def _command(command: str, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command_line = argv is None  # the `lightning-rl` command's own process, not a caller's
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -254,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         # An error every rank raised together (a non-finite step) is said once, by the first process.
         return report(error, say=is_first_process() or not error.on_every_rank)
+    finally:
+        if command_line:  # the process ends now: a scheduler's SIGTERM after the run's end does not turn it into a kill
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(signum, _after_the_end)
+
+
+def _after_the_end(signum: int, _frame: object) -> None:
+    print(f"{signal.Signals(signum).name} arrived after the run ended: it exits as it ended", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

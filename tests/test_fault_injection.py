@@ -184,12 +184,20 @@ class SignalAfterTheLastStep(Callback):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_finished(tmp_path, capsys):
+class SignalAtTheEnd(Callback):
+    """Sends this process SIGTERM as the run tears down, after its closing line (a scheduler's late signal)."""
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("sender", ["SignalAfterTheLastStep", "SignalAtTheEnd"])
+def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_finished(tmp_path, capsys, sender):
     """Nothing is left to stop: the export (staged like a checkpoint) is written whole, exit 0, said in one line."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    assert run_tiny_sft_in_process(out, "SignalAfterTheLastStep", "--trainer.max_steps=3") == 0
+    assert run_tiny_sft_in_process(out, sender, "--trainer.max_steps=3") == 0
     assert "SIGTERM arrived after the last step: the final checkpoint and hf/ were written whole" in capsys.readouterr().err
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 3 and leftovers(out) == []
     AutoModelForCausalLM.from_pretrained(out / "hf")  # the export is complete
