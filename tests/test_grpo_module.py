@@ -109,6 +109,13 @@ def test_prompts_without_the_field_are_refused(tmp_path):
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"question": "2+2="}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl: line 2: no field 'prompt' \(row has \['question'\]\)"):
         PromptDataModule(path=str(path)).setup("fit")
+    # Every row's messages are checked as the data loads, as SFT checks them, not when (or if) a step draws them.
+    user = {"role": "user", "content": "1+1="}
+    for bad, said in (({"role": "robot", "content": "hi"}, "unknown role 'robot'"), ({"role": "user", "content": None}, "`content` must be a string"),
+                      ({"role": "user", "content": [{"type": "input_text", "text": "hi"}]}, r"`prompt\[0\].content\[0\]` must be")):  # fmt: skip
+        path.write_text("".join(json.dumps({"prompt": [user]}) + "\n" for _ in range(3)) + json.dumps({"prompt": [bad]}) + "\n")
+        with pytest.raises(ValueError, match=rf"prompts.jsonl: line 4: `prompt\[0\]`.*{said}|prompts.jsonl: line 4: {said}"):
+            PromptDataModule(path=str(path)).setup("fit")
 
 
 class EngineWeights(L.Callback):

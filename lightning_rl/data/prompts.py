@@ -24,7 +24,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.sft import DataError, DataSource, check_no_image_tokens, check_source, read_rows
+from lightning_rl.data.sft import ROLES, DataError, DataSource, check_no_image_tokens, check_source, read_rows
 from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
@@ -93,8 +93,13 @@ def _text_parts_joined(messages: list[Any], field: str) -> list[dict[str, Any]]:
     for k, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"`{field}[{k}]` must be an object with `role` and `content`, got {type(message).__name__}")
+        if message["role"] not in ROLES:  # checked as SFT checks it, before the first step, not trained on as is
+            raise ValueError(f"`{field}[{k}]`: unknown role {message['role']!r} (expected one of {', '.join(ROLES)})")
+        content = message.get("content")
+        if not isinstance(content, (str, list)) and not (message["role"] == "assistant" and message.get("tool_calls")):
+            raise ValueError(f"`{field}[{k}]`: `content` must be a string or a list of parts, got {type(content).__name__}")
         for j, part in enumerate(message.get("content") if isinstance(message.get("content"), list) else ()):
-            if not isinstance(part, dict) or (part.get("type") == "text" and not isinstance(part.get("text"), str)):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image") or (part["type"] == "text" and not isinstance(part.get("text"), str)):
                 raise ValueError(f"`{field}[{k}].content[{j}]` must be {{\"type\": \"text\", \"text\": ...}} or an image part")
     if any(part.get("type") != "text" for m in messages if isinstance(m.get("content"), list) for part in m["content"]):
         return messages  # images: the processor's template reads the parts
