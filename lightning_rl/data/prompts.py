@@ -98,7 +98,7 @@ def _text_parts_joined(messages: list[Any], field: str) -> list[dict[str, Any]]:
         content = message.get("content")
         if not isinstance(content, (str, list)) and not (message["role"] == "assistant" and message.get("tool_calls")):
             raise ValueError(f"`{field}[{k}]`: `content` must be a string or a list of parts, got {type(content).__name__}")
-        for j, part in enumerate(message.get("content") if isinstance(message.get("content"), list) else ()):
+        for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict) or part.get("type") not in ("text", "image") or (part["type"] == "text" and not isinstance(part.get("text"), str)):
                 raise ValueError(f"`{field}[{k}].content[{j}]` must be {{\"type\": \"text\", \"text\": ...}} or an image part")
     if any(part.get("type") != "text" for m in messages if isinstance(m.get("content"), list) for part in m["content"]):
@@ -161,7 +161,7 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
             located = read_prompt_records(self.path, self.prompt_field)
-            folder = Path(self.path).expanduser().parent if Path(self.path).expanduser().is_file() else None
+            folder = self.image_folder
             for where, record in located:  # every prompt's images now (cheaply), rather than a broken one mid-run
                 try:
                     check_prompt_images(record, folder)

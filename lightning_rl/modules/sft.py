@@ -131,14 +131,14 @@ class SFTModule(PolicyModule):
         loss_sum = -logprobs.sum()
         count = torch.tensor(float(logprobs.numel()), device=loss_sum.device)
         self._step_totals = self._step_totals.to(loss_sum.device) + torch.stack([loss_sum.detach().float(), count])
-        self.log("train/row_loss", loss_sum / max(logprobs.numel(), 1))  # 0 for a rank's empty batch
+        row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
+        self.log("train/row_loss", row_loss)
         self.log("train/packing_ratio", batch.packing_ratio)
         self.log("train/unique_tokens", float(batch.num_unique_tokens))
         self.log("train/flat_tokens", float(batch.num_flat_tokens))
         self.log("train/trained_tokens", float(batch.loss_targets.numel()))
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        return {"loss": loss_sum, "reported_loss": loss_sum.detach() / max(logprobs.numel(), 1), "tokens": batch.num_unique_tokens,
-                "flat_tokens": batch.num_flat_tokens}
+        return {"loss": loss_sum, "reported_loss": row_loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logprobs = self._logprobs(batch)
