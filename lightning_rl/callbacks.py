@@ -296,6 +296,13 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
     that is. Lightning's saves ``last`` at the end only when no ``last`` was saved yet: a run of 25 steps every 10
     ended with last.ckpt at step 20, and resuming the finished run trained its last 5 steps again."""
 
+    @property
+    def state_key(self) -> str:
+        """One per run, whatever its period: Lightning's key holds ``every_n_train_steps``, so a resume with another
+        ``checkpoint_every_n_steps`` forgot the run's checkpoints (last.ckpt stayed at the old step, last-v1.ckpt
+        beside it, the periodic ones never pruned)."""
+        return type(self).__qualname__
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A run folder moved or renamed since its checkpoint: the checkpoints it names are read in the folder where
         they are now. Lightning forgets them instead, and then neither prunes the old periodic ones (keep_checkpoints)

@@ -41,12 +41,14 @@ from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rollout.base import EngineSpec
+from lightning_rl.same_run import check_same_run
 from lightning_rl.strategies import check_strategy_request
 
 TASKS = {
     "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
     "grpo": ("lightning_rl.modules.grpo:GRPOModule", "lightning_rl.data.prompts:PromptDataModule"),
 }
+RECIPE_KEY = "recipe"  # where a checkpoint keeps the resolved recipe of the run that wrote it
 DESCRIPTION = ("Train with a recipe (a YAML file of the keys below) and/or keys on the command line "
                "(--model.learning_rate=1e-5); docs/recipe_reference.md lists them all.")
 
@@ -201,7 +203,8 @@ def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
 class SaveRecipe(SaveConfigCallback):
     """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's files go
     (``lightning_rl/run_folder.py``: only those), then the resolved recipe is written to OUTPUT_DIR/recipe.yaml
-    (atomically) under the marker that makes the folder a run's. After the export, the run lists hf/'s files."""
+    (atomically) under the marker that makes the folder a run's. After the export, the run lists hf/'s files. Each
+    checkpoint keeps the recipe too, and a resume that changes what it trains is refused (``lightning_rl/same_run.py``)."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pass  # where SaveConfigCallback writes: too early, the model is not set up yet
@@ -215,10 +218,20 @@ class SaveRecipe(SaveConfigCallback):
         path = output_dir / run_folder.RECIPE
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(run_folder.marked(self.recipe_text()), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def recipe_text(self) -> str:
+        """The resolved recipe, as the run folder and each checkpoint keep it."""
         config = self.config.clone()
         config.overwrite = False  # rerunning the saved recipe must not replace this run
-        tmp.write_text(run_folder.marked(self.parser.dump(config, skip_none=False)), encoding="utf-8")
-        os.replace(tmp, path)
+        return self.parser.dump(config, skip_none=False)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECIPE_KEY] = self.recipe_text()
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        check_same_run(checkpoint.get(RECIPE_KEY), self.recipe_text(), trainer.ckpt_path)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:  # after ExportHuggingFace, which comes earlier among the callbacks
@@ -277,7 +290,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs. TRL: `output_dir`.")
         parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling. TRL: `seed`.")
         parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/). TRL: `save_steps`.")
-        parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides)")
+        parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides). TRL: `save_total_limit`.")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'. TRL: `resume_from_checkpoint`.")
         parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")

@@ -36,7 +36,8 @@ ALLOWED = {
                 "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
-    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "strategies", "trl_names", "validation"},
+    "same_run": {"errors"},
+    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},

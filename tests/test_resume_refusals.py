@@ -93,6 +93,24 @@ def test_a_resume_with_another_learning_rate_is_refused_not_ignored(tmp_path, ca
     assert code == 0 and errors == []  # negative control: the saved values resume
 
 
+def test_a_resume_that_changes_what_the_run_trains_is_refused_and_one_that_runs_longer_is_not(tmp_path, capsys):
+    """A new seed, batch or gradient clip on resume trained a different run than either, silently, and recipe.yaml
+    was rewritten with the new values. Refused naming every changed key; the run folder is left as it was."""
+    out = tmp_path / "run"
+    one_step(capsys, SFT, out, "--trainer.gradient_clip_val=0.5")
+    recipe = (out / "recipe.yaml").read_text()
+    code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2", "--seed=7", "--data.max_tokens=128")
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("error: trainer.gradient_clip_val=1.0 here, 0.5 in the run; data.max_tokens=128 here, 256 in "
+                                "the run; seed=7 here, 0 in the run: ckpt_path: "), errors
+    assert (out / "recipe.yaml").read_text() == recipe and checkpoint_step(out / "checkpoints" / "last.ckpt") == 1
+    # What only says how long the run goes, what it logs and where it saves may change.
+    code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2", "--trainer.gradient_clip_val=0.5",
+                            "--trainer.log_every_n_steps=1", "--checkpoint_every_n_steps=5", "--logger.kind=csv")
+    assert code == 0 and errors == [], err[-3000:]
+    assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 2
+
+
 def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpoints(tmp_path, capsys):
     """Lightning forgets the checkpoints of a folder whose path changed: the periodic ones were never pruned again
     and last.ckpt stayed at the old step, a last-v1.ckpt beside it."""

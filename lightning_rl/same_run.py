@@ -1,0 +1,66 @@
+"""A resume trains on the run it resumes: the recipe it was trained with, not another one; a leaf.
+
+Each checkpoint keeps the resolved recipe of the run that wrote it. A resume compares its own recipe with that one,
+key by key, and refuses a changed key unless the key is one of ``SAFE``: what a run may change without changing what
+it trains (how long it runs, what it logs, saves and evaluates, where its engine lives, and memory or speed settings
+that compute the same numbers). A changed seed, batch, data file, sampling setting or gradient clip would make the
+resumed run a different one, silently; it is one line naming every changed key instead. A checkpoint written before
+checkpoints kept their recipe is compared by its optimizer keys alone (``PolicyModule.on_load_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from lightning_rl.errors import RecipeError
+
+# Keys (dotted from the recipe's top; a block's name covers every key inside it) that a resume may change.
+SAFE = re.compile(
+    r"(?:output_dir|ckpt_path|overwrite|checkpoint_every_n_steps|keep_checkpoints|logger"
+    r"|trainer\.(?:max_steps|max_epochs|max_time|min_steps|min_epochs|accelerator|enable_progress_bar|enable_model_summary"
+    r"|enable_checkpointing|log_every_n_steps|val_check_interval|check_val_every_n_epoch|limit_val_batches"
+    r"|num_sanity_val_steps|default_root_dir|callbacks|profiler|logger)"
+    r"|model\.(?:eval_data|eval_generations|eval_max_new_tokens|max_new_tokens|log_rollouts_every_n_steps|summary_window"
+    r"|export|verify_packing|verify_packing_every|mismatch_alarm_kl|attention_backend|chunk_size|compile"
+    r"|gradient_checkpointing|offload_activations|engine|push_in_background|reward_timeout_s|tool_timeout_s)"
+    r"|data\.(?:val_data|num_workers))(?:\..*)?"
+)
+
+
+def leaves(recipe: Any, key: str = "") -> dict[str, Any]:
+    """The recipe's values by dotted key; a list, and an empty block, is one value."""
+    if not isinstance(recipe, dict) or not recipe:
+        return {key: recipe}
+    found: dict[str, Any] = {}
+    for name, value in recipe.items():
+        found.update(leaves(value, f"{key}.{name}" if key else str(name)))
+    return found
+
+
+def changed(saved: str, here: str) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, value here) for each key that both recipes hold, with another value here, that a resume
+    may not change."""
+    theirs, ours = (leaves(yaml.safe_load(text) or {}) for text in (saved, here))
+    return [(key, theirs[key], value) for key, value in ours.items() if key in theirs and theirs[key] != value and not SAFE.fullmatch(key)]
+
+
+def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
+    """Refuse a resume whose recipe changes a key the run it resumes was trained with (``saved``; None: an older
+    checkpoint, which kept no recipe)."""
+    if saved is None:
+        return
+    if differences := changed(saved, here):
+        said = "; ".join(f"{key}={_shown(value)} here, {_shown(before)} in the run" for key, before, value in differences)
+        raise RecipeError(
+            f"{said}: ckpt_path: {ckpt_path} resumes a run that another value would make a different run; give the "
+            "run's values, or start a new run (another output_dir, or --overwrite)",
+            differences[0][0],
+        )
+
+
+def _shown(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+    return text if len(text) <= 80 else text[:77] + "..."
