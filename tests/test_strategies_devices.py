@@ -129,3 +129,13 @@ def test_sharding_refuses_parameters_it_could_not_reduce() -> None:
 
     with pytest.raises(TypeError, match="found no transformers model"):
         FSDP2Strategy().shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_neuron_devices_are_read_as_lightning_reads_devices(monkeypatch) -> None:
+    """Mocked device count (no Neuron device here). ``devices=-1`` was no device at all, and ``"2"`` the device of
+    index 2 where Lightning reads two devices."""
+    from lightning_rl.strategies.xla import NeuronAccelerator
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    read = {str(given): NeuronAccelerator.parse_devices(given) for given in (-1, "-1", "auto", 2, "2", "1,3", [0, 2], "0,")}
+    assert read == {"-1": [0, 1, 2, 3], "auto": [0, 1, 2, 3], "2": [0, 1], "1,3": [1, 3], "[0, 2]": [0, 2], "0,": [0]}

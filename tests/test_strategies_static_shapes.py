@@ -5,8 +5,9 @@ strategies are untested on hardware. ``cpu_static`` applies their shape policy o
 model with ``dynamic=False``, which recompiles on every new input shape as XLA does; a counting backend
 turns compiles into a number. A training step packs rows with the packing core, padded by
 ``resolve_pad_to_multiple_of(..., trainer)``, and scores every position (a data-independent shape).
-The same count holds through ``packed_logprobs`` (the SFT/GRPO path) once tree attention takes its
-shape-only backend, which ``choose_backend`` picks wherever shapes must be static.
+The same count holds for the model's forward inside ``packed_logprobs`` (the SFT/GRPO path) once tree attention
+takes its shape-only backend, which ``choose_backend`` picks wherever shapes must be static. (Only the model is
+compiled here: the loss over the trained tokens, whose count varies by row, is not counted; docs/neuron.md.)
 """
 
 from __future__ import annotations
@@ -139,3 +140,27 @@ def test_auto_resolves_by_strategy_and_device() -> None:
     for bad in (0, -8, "128", 2.5, True):
         with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive int"):
             resolve_pad_to_multiple_of(bad, torch.device("cpu"))
+
+
+def test_the_rehearsal_counts_every_shape_past_torchs_recompile_limit(tiny_model: Path) -> None:
+    """torch runs a model eagerly, uncounted, after 8 shapes: the count stopped at 8 where it mattered most."""
+    lengths = [5 + 9 * k for k in range(12)]
+    counter, module = train_and_count(tiny_model, None, lengths=lengths)
+    assert sorted(set(module.row_lengths)) == lengths and len(set(counter.shapes)) == len(lengths)
+
+
+def test_grpo_rows_are_padded_to_buckets_on_a_static_shape_device(tmp_path: Path, monkeypatch) -> None:
+    """GRPO packed its rows at their own length under every static-shape strategy: a graph per row length."""
+    from lightning_rl import cli
+    from lightning_rl.modules.grpo import GRPOModule
+    from support.paths import REPO
+
+    lengths, pack = [], GRPOModule.pack_rollouts
+    monkeypatch.setattr(GRPOModule, "pack_rollouts", lambda self, *a: lengths.append((row := pack(self, *a)).input_ids.numel()) or row)
+    code = cli.main([
+        "run", str(REPO / "recipes" / "tiny" / "grpo.yaml"), "--trainer.enable_progress_bar=false", "--logger.kind=none",
+        "--model.num_generations=2", "--data.batch_size=1", "--trainer.max_steps=2", "--model.eval_generations=0",
+        f"--output_dir={tmp_path / 'run'}", "--trainer.strategy.class_path=lightning_rl.strategies.StaticShapeCPUStrategy",
+        "--trainer.strategy.init_args.compile_backend=eager",
+    ])  # fmt: skip
+    assert code == 0 and lengths and all(n % 128 == 0 for n in lengths), lengths

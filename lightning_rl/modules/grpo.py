@@ -518,11 +518,11 @@ class GRPOModule(PolicyModule):
         return threshold, dataclasses.replace(counts, entropy_tokens=int((every >= threshold).sum()))
 
     def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
-        pad = self.tokenizer.pad_token_id or 0
+        pad, multiple = self.tokenizer.pad_token_id or 0, self.row_multiple()  # static-shape devices: rows padded to buckets
         if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
-            return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]})
+            return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]}, pad_to_multiple_of=multiple, pad_token_id=pad)
         options = dict(token_values={"engine_logprobs": [r.sequence_logprobs for r in rollouts]}, seq_values={"advantage": advantages.tolist()}, pad_token_id=pad,
-                       token_supports=[r.sequence_support for r in rollouts])  # a filter's support: scored over it, as sampled
+                       token_supports=[r.sequence_support for r in rollouts], pad_to_multiple_of=multiple)  # a filter's support: scored over it, as sampled
         if self.route_layers:  # router replay: each token goes to the experts the engine routed it to
             options["routes"] = [r.routes for r in rollouts]
         if any(r.metadata.get("images") for r in rollouts):  # the G completions of an image prompt share its image
@@ -551,7 +551,7 @@ class GRPOModule(PolicyModule):
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
         rows, prefixes = [list(range(len(rollouts)))], [None]
         if self.hparams.max_tokens_per_row is not None:
-            spans = span_settings(self.hparams.prefix_across_rows, self.policy, [r.loss_mask for r in rollouts], any(r.metadata.get("images") for r in rollouts))
+            spans = span_settings(self.hparams.prefix_across_rows, self.policy, [r.loss_mask for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()))
             plan = plan_rows([r.sequence for r in rollouts], self.hparams.max_tokens_per_row, groups=[r.group_id for r in rollouts], **spans)
             rows, prefixes = plan.ranks[0], plan.prefixes[0]
         most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
-from lightning_rl.device_policy import requires_static_shapes
+from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
@@ -98,6 +98,11 @@ class PolicyModule(LightningModule):
             static = self._trainer is not None and requires_static_shapes(self.trainer)
             self._backends[self.device] = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static)
         return self._backends[self.device]
+
+    def row_multiple(self) -> int | None:
+        """What the rows this module packs itself are padded to a multiple of: 128 where the trainer's device compiles
+        once per shape (XLA, Neuron, ``cpu_static``), else None."""
+        return resolve_pad_to_multiple_of("auto", self.trainer) if self._trainer is not None else None
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The weights the optimizer steps."""

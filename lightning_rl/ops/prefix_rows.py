@@ -300,11 +300,12 @@ def _trained_on_several_processes(model: nn.Module) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def span_settings(setting: str, model: nn.Module, loss_masks, images: bool) -> dict:
+def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> dict:
     """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
-    trained token's input. ``auto`` keeps sub-groups where a span would be refused (image rollouts, a policy trained
-    on several processes); ``always`` leaves the refusal to the row."""
-    if setting == "auto" and (images or _trained_on_several_processes(model)):
+    trained token's input. ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts, or rows
+    padded for a static-shape device; a policy trained on several processes); ``always`` leaves the refusal to the
+    row."""
+    if setting == "auto" and (apart or _trained_on_several_processes(model)):
         setting = "never"
     limits = []
     for mask in loss_masks:

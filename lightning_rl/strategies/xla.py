@@ -78,11 +78,15 @@ class NeuronAccelerator(Accelerator):
     @staticmethod
     @override
     def parse_devices(devices: int | str | list[int]) -> list[int]:
-        if isinstance(devices, int):
-            return list(range(devices))
+        """As Lightning reads ``devices``: ``auto`` and -1 are every device, a number (``2`` or ``"2"``) is a count,
+        and a list (``"0,2"`` or ``[0, 2]``) names the devices."""
         if devices in ("auto", -1, "-1"):
             return list(range(torch.accelerator.device_count()))
-        return [int(d) for d in (devices.split(",") if isinstance(devices, str) else devices)]
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, int):
+            return list(range(devices))
+        return [int(d) for d in (devices.split(",") if isinstance(devices, str) else devices) if str(d).strip()]
 
     @staticmethod
     @override
@@ -141,5 +145,19 @@ class StaticShapeCPUStrategy(StaticShapes, SingleDeviceStrategy):
         super().setup(trainer)
         module = self.lightning_module
         assert isinstance(module, LightningModule)
+        # Past torch's recompile limit (8 shapes) a model runs eagerly, uncounted: the rehearsal counts every shape.
+        import torch._dynamo.config as dynamo
+
+        self._limits = {name: getattr(dynamo, name) for name in ("recompile_limit", "accumulated_recompile_limit")}
+        for name in self._limits:
+            setattr(dynamo, name, 1 << 20)
         for root in find_model_roots(module):
             root.compile(backend=self.compile_backend, dynamic=False)
+
+    @override
+    def teardown(self) -> None:
+        import torch._dynamo.config as dynamo
+
+        for name, value in getattr(self, "_limits", {}).items():
+            setattr(dynamo, name, value)
+        super().teardown()
