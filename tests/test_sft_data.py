@@ -316,22 +316,29 @@ def test_a_conversation_of_one_assistant_turn_trains_and_asks_nothing_held_out(t
     assert any(example.loss_mask) and cases == []
 
 
-def test_tool_call_arguments_from_parquet_are_those_each_call_gave(tiny_tokenizer, tmp_path):
-    """Arrow stores every call's arguments of a column as one struct: a call read back has the others' names as null."""
+def test_tool_calls_and_tool_schemas_from_parquet_are_those_each_row_gave(tiny_tokenizer, tmp_path):
+    """Arrow stores the objects of a column as one struct: a call read back had the other calls' argument names, and
+    a tool's schema the other tools' parameters, as null, and the model trained on those nulls."""
     import pyarrow
     import pyarrow.parquet
+
+    def tool(name, parameter):
+        schema = {"type": "object", "properties": {parameter: {"type": "integer"}}, "required": [parameter]}
+        return {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
 
     def row(arguments):
         call = {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
         return {"messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}  # fmt: skip
+                             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}],
+                "tools": [tool("add", "a"), tool("neg", "x")]}  # fmt: skip
 
     rows = [row({"city": "Paris"}), row({"city": "Oslo", "days": 3})]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "calls.parquet")
     renderer = Renderer(tiny_tokenizer, "tiny")
     from_parquet, _ = load_examples(tmp_path / "calls.parquet", renderer, 512)
     from_jsonl, _ = load_examples(write_jsonl(tmp_path / "calls.jsonl", rows), renderer, 512)
-    assert from_parquet == from_jsonl and "days" not in tiny_tokenizer.decode(from_parquet[0].input_ids)
+    text = tiny_tokenizer.decode(from_parquet[0].input_ids)
+    assert from_parquet == from_jsonl and "days" not in text and "null" not in text
 
 
 def test_data_files_are_read_by_their_content_whatever_the_case_of_their_suffix_and_from_home(tmp_path, monkeypatch):

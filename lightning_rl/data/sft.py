@@ -138,9 +138,10 @@ def _read_json(path: Path) -> list[Any] | None:
 
 
 def _without_filled_arguments(row: Any) -> Any:
-    """A row read from Arrow (Parquet, ``datasets``) with the tool-call arguments each call gave: Arrow stores the
-    arguments of every call of a column as one struct, so a call gets every other call's argument names too, as null
-    (a null argument a call really gave is indistinguishable, and left out as well)."""
+    """A row read from Arrow (Parquet, ``datasets``) with the keys each of its objects gave: Arrow stores the objects
+    of a column as one struct, so a tool-call's arguments get every other call's argument names, a tool's schema
+    every other tool's parameters, and ``chat_template_kwargs`` every other row's, as null (a null a row really gave
+    is indistinguishable, and left out as well)."""
     if not isinstance(row, dict):
         return row
     for column in ("messages", "prompt", "completion"):
@@ -149,8 +150,20 @@ def _without_filled_arguments(row: Any) -> Any:
             for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
                 function = call.get("function") if isinstance(call, dict) else None
                 if isinstance(function, dict) and isinstance(function.get("arguments"), dict):
-                    function["arguments"] = {k: v for k, v in function["arguments"].items() if v is not None}
+                    function["arguments"] = _without_nulls(function["arguments"])
+    for column in ("tools", "chat_template_kwargs"):
+        if isinstance(row.get(column), (dict, list)):
+            row[column] = _without_nulls(row[column])
     return row
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every null member of its objects left out, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
@@ -585,6 +598,7 @@ class SFTDataModule(LightningDataModule):
             `shuffle_dataset`.
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
+            TRL: `dataloader_num_workers`.
     """
 
     def __init__(
