@@ -61,6 +61,9 @@ def render() -> str:
             ours, why = mapping(task, name, found[task])
             lines.append(f"| `{'--' if title == 'trl sft' else ''}{name}` | {ours or 'none'} | {why} |")
         lines.append("")
+    lines += ["## Where the numbers differ from TRL's on purpose", "", "| what | ours | TRL 1.16 | why |", "|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in trl_names.DIFFERENCES]
+    lines.append("")
     return "\n".join(lines)
 
 

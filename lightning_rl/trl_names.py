@@ -17,7 +17,8 @@ from collections.abc import Iterable
 # no warmup_ratio: a warmup_steps below 1 is the ratio, and ours counts steps).
 COMMON = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
           "max_grad_norm", "warmup_steps", "lr_scheduler_type", "weight_decay", "seed", "output_dir", "bf16",
-          "gradient_checkpointing", "save_steps", "logging_steps", "report_to", "resume_from_checkpoint")  # fmt: skip
+          "gradient_checkpointing", "save_steps", "logging_steps", "report_to", "resume_from_checkpoint", "adam_beta1",
+          "adam_beta2", "adam_epsilon", "eval_strategy", "eval_steps", "save_total_limit", "dataloader_num_workers")  # fmt: skip
 # Lightning's Trainer arguments doing a TRL field's work, per task ("*": both).
 TRAINER = {
     ("*", "max_steps"): "trainer.max_steps",
@@ -26,9 +27,33 @@ TRAINER = {
     ("*", "logging_steps"): "trainer.log_every_n_steps",
     ("sft", "gradient_accumulation_steps"): "trainer.accumulate_grad_batches",
     ("sft", "max_grad_norm"): "trainer.gradient_clip_val",
+    ("sft", "eval_strategy"): "trainer.val_check_interval (training batches between validations; null: once per epoch)",
+    ("sft", "eval_steps"): "trainer.val_check_interval (counted in training batches: optimizer steps times "
+    "trainer.accumulate_grad_batches)",
     ("grpo", "gradient_accumulation_steps"): "model.max_tokens_per_row (a step is data.batch_size prompts, forwarded in "
     "micro-batches of at most this many tokens whose gradients add up)",
 }
+# Where the same rows and settings train numbers that differ from TRL 1.16's, on purpose: (what, ours, TRL's, why).
+DIFFERENCES = (
+    ("SFT loss mask after a turn's end", "a chat template's separator after the end-of-turn token (Qwen's newline "
+     "after `<|im_end|>`) is not trained", "trained in prompt/completion rows",
+     "the model never has to predict it: generation stops at the end-of-turn token"),
+    ("SFT loss mask at an assistant turn's start", "the loss starts after the model's own template's assistant "
+     "header", "TRL 1.16 renders some families (Qwen2.5, Qwen3) with training templates of its own, which can put "
+     "a header token (the newline after `<|im_start|>assistant`) in the loss",
+     "the model is trained on the template it is served with"),
+    ("SFT string prompt/completion rows", "prompt and completion are tokenized apart, then joined",
+     "tokenized joined, the loss starting where the two tokenizations differ",
+     "the completion's tokens are the ones the model generates after the prompt, never a token merged across the "
+     "boundary"),
+    ("SFT learning-rate schedule", "`model.lr_schedule` defaults to `cosine`", "`lr_scheduler_type` defaults to "
+     "`linear`", "set `model.lr_schedule: linear` for TRL's"),
+    ("SFT AdamW betas", "`model.betas` defaults to (0.9, 0.95)", "`adam_beta1`, `adam_beta2` default to 0.9, 0.999",
+     "the default the embedded recipes were tuned with; set `model.betas: [0.9, 0.999]` for TRL's (GRPO uses TRL's)"),
+    ("Multi-turn rows with Qwen3's own template", "refused in one line (the template renders earlier turns without "
+     "their reasoning once later turns follow)", "trained with a training template of TRL's",
+     "the served template cannot locate the assistant turns exactly"),
+)
 # TRL fields with no key here, and why (fnmatch patterns: the first that matches).
 NO_EQUIVALENT = {
     "model_init_kwargs": "models load from model.model_name_or_path in the precision of trainer.precision; a recipe "
@@ -44,6 +69,10 @@ NO_EQUIVALENT = {
     "pad_token": "packed rows hold no padding to fill",
     "truncation_mode": "an example longer than data.max_length is an error, never cut",
     "eval_packing": "held-out rows are packed as the training ones are",
+    "adam_epsilon": "AdamW's eps is torch's default, 1e-8, TRL's default too",
+    "dataloader_num_workers": "GRPO's prompts are a few per step, read in the main process",
+    "adam_beta*": "GRPO's AdamW takes torch's betas, (0.9, 0.999), TRL's defaults",
+    "eval_*": "GRPO evaluates model.eval_data before the first step and after the last (model.eval_generations)",
     "pad_to_multiple_of": "GRPO's packed rows take the step's shape (model.max_tokens_per_row bounds them)",
     "completion_only_loss": "always: the loss covers the completion (or the assistant turns) only",
     "assistant_only_loss": "always: the loss covers the assistant turns (or the completion) only",
