@@ -38,6 +38,10 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
     if path in aliases:
         return aliases[path]
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if "/" in path and ":" not in path:  # a hub id or a folder (TRL takes a reward model's there)
+        raise ValueError(f"{what} {path!r} is a path, not a dotted path (pkg.module:name); a reward model is "
+                         f"`function: reward_model` with `kwargs: {{path: {path}}}`" if what == "reward function" else
+                         f"{what} {path!r} is a path, not a dotted path (pkg.module:name)")
     if not sep or not module_name or not attr:
         if aliases:
             raise ValueError(f"{what} {path!r} is neither one of {', '.join(sorted(aliases))} nor a dotted path (pkg.module:name)")
@@ -52,6 +56,8 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {error}") from None
     except ImportError as error:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {error}") from None
+    except Exception as error:  # the module's own code failed as it ran (a missing environment variable, ...)
+        raise ValueError(f"{what} {path!r}: importing {module_name!r} raised {type(error).__name__}: {error}") from None
     if not hasattr(module, attr):
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
     return getattr(module, attr)

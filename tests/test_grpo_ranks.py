@@ -22,6 +22,8 @@ HERE = Path(__file__).parent
 
 
 DIGITS_AND_LENGTH = [{"function": "support.grpo:text_length"}, {"function": "support.grpo:digit_count", "weight": 2.0}]
+# A reward that returns None for some samples (so ranks score different numbers) and logs figures of its own.
+LENGTH_AND_SOMETIMES = [{"function": "support.grpo:text_length"}, {"function": "support.grpo:length_or_none", "weight": 0.0}]
 
 
 # Every statistic that spans the step is taken over both ranks: dapo's token count, the std of every reward of the
@@ -31,7 +33,7 @@ DIGITS_AND_LENGTH = [{"function": "support.grpo:text_length"}, {"function": "sup
     "options",
     [
         {"loss": {"loss_type": "dapo"}},
-        {"scale_rewards": "batch"},
+        {"scale_rewards": "batch", "rewards": LENGTH_AND_SOMETIMES},
         {"reward_aggregation": "normalize_then_sum", "rewards": DIGITS_AND_LENGTH},
         {"loss": {"loss_type": "grpo", "top_entropy_quantile": 0.5}},
     ],
@@ -68,6 +70,17 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
     seq_tokens = torch.bincount(packed.loss_seq, minlength=len(rollouts))
     module.loss.reduce(terms, packed.loss_seq, seq_tokens, counts).backward()
 
+    # The step's reward figures are over both ranks' samples (each rank's mean and std averaged was neither), and
+    # every rank's log_metric names are logged under their own names, one rank's alone too.
+    for prefix, values in [("train/reward", rewards), *((f"train/reward/{name}", v) for name, v in terms_by_reward.items())]:
+        present = torch.tensor([v for v in values if v == v], dtype=torch.float64)
+        for rank in ranks:
+            assert rank["logged"][f"{prefix}/mean" if prefix != "train/reward" else "train/reward/mean"] == pytest.approx(float(present.mean()))
+            assert rank["logged"][f"{prefix}/std"] == pytest.approx(float(present.std()) if len(present) > 1 else 0.0)
+    if "length_or_none" in terms_by_reward:
+        assert ranks[0]["logged"]["train/reward_metric/shared_a"] == pytest.approx(150.0)
+        assert ranks[0]["logged"]["train/reward_metric/shared_b"] == pytest.approx(1.5)
+        assert ranks[0]["logged"]["train/reward_metric/rank0_only"] == pytest.approx(7.0)
     assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())
     for name, param in module.named_parameters():
         torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")

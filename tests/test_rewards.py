@@ -5,6 +5,7 @@ sample stopping the step."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import json
 import re
@@ -80,10 +81,11 @@ def test_a_raising_reward_scores_only_the_failing_sample_zero_and_is_logged(capl
     assert "reward 'picky' failed on sample 1" in caplog.text
 
 
-def test_a_raising_reward_can_be_made_fatal():
+def test_a_raising_reward_can_be_made_fatal_in_one_line_naming_it_the_step_and_where_it_raised():
     scorer = RewardScorer([RewardSpec(picky)], on_error="raise")
-    with pytest.raises(RuntimeError, match="cannot score boom"):
-        scorer.score(["a"], ["boom"], {})
+    with pytest.raises(RewardFailedError, match=r"^step 2: reward 'picky' raised RuntimeError: cannot score boom at .*test_rewards\.py:\d+ \(reward_on_error: raise\)$") as raised:
+        scorer.score(["a"], ["boom"], {}, step=2)
+    assert isinstance(raised.value.__cause__, RuntimeError) and raised.value.key == "rewards"  # the traceback kept
 
 
 @pytest.mark.parametrize("on_error", ["zero", "raise"])
@@ -119,6 +121,32 @@ def test_bad_reward_specs_are_refused_by_name():
         RewardScorer([RewardSpec("math_answer"), RewardSpec("math_answer")])
 
 
+class Judge:
+    def __call__(self, completions, **_):
+        return [1.0] * len(completions)
+
+
+def test_rewards_are_named_as_given_or_as_trl_names_callables(tmp_path, monkeypatch):
+    """An explicit name was cut at its last '.' (two names 'strict.format' and 'loose.format' were refused as the
+    same); a partial or a callable object, which TRL takes, was a TypeError or an AttributeError."""
+    from lightning_rl.modules.grpo_options import reward_spec
+
+    specs = [RewardSpec("format", name="strict.format"), RewardSpec("format", name="loose.format"),
+             reward_spec(functools.partial(picky)), reward_spec(Judge()), reward_spec(length_bonus)]  # fmt: skip
+    assert list(RewardScorer(specs).rewards) == ["strict.format", "loose.format", "picky", "Judge", "length_bonus"]
+    assert [spec.as_config()["function"] for spec in specs[2:]] == ["test_rewards:picky", "test_rewards:Judge", "test_rewards:length_bonus"]
+    # A module that fails as it imports, a class that fails as it is built, and a hub id: one line each.
+    (tmp_path / "needs_key.py").write_text("import os\nKEY = os.environ['JUDGE_API_KEY']\ndef r(completions, **_): return [0.0]\n")
+    (tmp_path / "bad_init.py").write_text("class R:\n    def __init__(self):\n        raise RuntimeError('no service')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, message in (("needs_key:r", "reward function 'needs_key:r': importing 'needs_key' raised KeyError: 'JUDGE_API_KEY'"),
+                          ("bad_init:R", "reward 'R': cannot be built from kwargs {}: RuntimeError: no service"),
+                          ("Skywork/Skywork-Reward-V2-Qwen3-0.6B", "is a path, not a dotted path (pkg.module:name); a reward model is "
+                           "`function: reward_model` with `kwargs: {path: Skywork/Skywork-Reward-V2-Qwen3-0.6B}`")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RewardScorer([RewardSpec(spec)])
+
+
 def non_finite(completions, **_):
     return [{"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "huge": 1e30}.get(c, 1.0) for c in completions]
 
@@ -139,7 +167,7 @@ def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_adv
     assert "reward 'non_finite' failed on sample 0 ('inf'): returned inf" in caplog.text
     advantages = group_advantages(scores.total, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "std")
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
-    with pytest.raises(ValueError, match="reward 'non_finite' returned inf for sample 0"):
+    with pytest.raises(RewardFailedError, match="reward 'non_finite' returned inf for sample 0"):
         RewardScorer([RewardSpec(non_finite)], on_error="raise").score(["p"], ["inf"], {})
 
 
@@ -332,7 +360,7 @@ def test_a_column_some_rows_lack_is_named_with_the_first_row_lacking_it(tmp_path
     data.write_text("".join(json.dumps(row) + "\n" for row in (
         {"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?"}, {"prompt": "4+4?"})))
     prompts = PromptDataModule(path=str(data))
-    assert prompts.columns() == {"prompt"}
+    assert prompts.columns() == {"prompt", "answer"}  # any row's: a row without one gives None
     assert prompts.lacking("answer") == f"{data}: line 3" and prompts.lacking("solution") is None
     scorer = RewardScorer([RewardSpec("math_answer")])
     with pytest.raises(ValueError, match=re.escape(

@@ -179,3 +179,32 @@ def test_rewards_read_replies_as_trl_decodes_them_and_calls_tagged_by_special_to
     assert first.metadata["tool_calls"][0]["content"] == "7" and first.metadata["final_reply"] == "7" and scored.rewards == [1.0, 1.0]
     assert first.messages[0]["content"] == json.dumps({"name": "calculator", "arguments": adds})
     assert first.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "calculator", "arguments": adds}}]
+
+
+SEEN: list[dict[str, Any]] = []
+
+
+def meddling(completions, prompts, hint, meta, **_):
+    """Records what it got, then changes it in place, as a careless reward might."""
+    SEEN.append({"hint": list(hint), "seen": [m["seen"] if m else None for m in meta]})
+    for m, p in zip(meta, prompts):
+        if m:
+            m["seen"] += 1
+        p[-1]["content"] += "!"
+    return [1.0] * len(completions)
+
+
+def test_a_column_some_rows_lack_reaches_every_row_and_each_rollout_gets_its_own_copy(tiny_tokenizer):
+    """A column was read from the batch's first record: a batch whose first row lacked it gave no row its value.
+    And the G rollouts of a prompt shared its record's objects (and the data's), so a reward that changed them
+    changed the next rollout's arguments and the next pass's prompt."""
+    def row(k: int, hint: str | None) -> dict[str, Any]:
+        return {"prompt": [{"role": "user", "content": f"{k}+{k}="}], **({"hint": hint, "meta": {"seen": 0}} if hint else {})}
+
+    prompts = PromptList([row(4, None), row(1, "add ones")])
+    SEEN.clear()
+    collect = collector(tiny_tokenizer, numbered, prompts, "meddling", num_generations=3).collect
+    prompt_ids = [[r.prompt_ids for r in collect(index).rollouts] for index in (0, 1, 0)]
+    assert prompt_ids[0] == prompt_ids[2]
+    assert SEEN[0] == {"hint": [None] * 3 + ["add ones"] * 3, "seen": [None] * 3 + [0] * 3}
+    assert all(seen == SEEN[0] for seen in SEEN) and prompts.records[1]["prompt"][-1]["content"] == "1+1="

@@ -47,7 +47,7 @@ class PromptSource(Protocol):
         """Where a record is in the data (``FILE: line N``), for error lines."""
 
     def columns(self) -> set[str]:
-        """The columns every record holds (the reward functions may read them)."""
+        """The columns any record holds (the reward functions read them; a record without one gives None)."""
 
     def lacking(self, column: str) -> str | None:
         """Where the first record without ``column`` is (``FILE: line N``) when other records hold it, else None."""
@@ -176,7 +176,7 @@ class PromptDataModule(L.LightningDataModule):
 
     def columns(self) -> set[str]:
         self.setup()
-        return set.intersection(*(set(record) for record in self.records))
+        return set().union(*(set(record) for record in self.records))
 
     def lacking(self, column: str) -> str | None:
         self.setup()

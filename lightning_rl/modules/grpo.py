@@ -586,7 +586,7 @@ class GRPOModule(PolicyModule):
         extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
         metrics = step_metrics(scored, stats, staleness, waited, train_seconds, self.optimizers().param_groups[0]["lr"], bool(self.rollout.tools), extra)
         self._sync_metrics = {}
-        reward = log_step(self, metrics, torch.tensor(scored.rewards))
+        reward = log_step(self, metrics, scored)
         every = self.hparams.log_rollouts_every_n_steps
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
         if every and scored.index % every == 0 and step % self.hparams.num_iterations == 0:

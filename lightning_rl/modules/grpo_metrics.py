@@ -145,9 +145,13 @@ _REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)
                (re.compile(r"(max_length|ratio_max)$"), "max"), (re.compile(r"(min_length|ratio_min)$"), "min"))  # fmt: skip
 
 
-def log_step(module: LightningModule, metrics: dict[str, Any], rewards: torch.Tensor) -> float:
+def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBatch) -> float:
     """Log a step's ``train/`` figures as the step's, over every rank (each rank's alone was rank 0's in the logs),
     and return the step's mean reward over every rank's scored samples (summary.json's reward history)."""
+    rewards = torch.tensor(scored.rewards)
+    if module.trainer.world_size > 1:
+        # The log_metric names every rank logs, in one order (Lightning reduces a rank's figures in its own order).
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored))
     by_reduction: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         fx = next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
@@ -159,6 +163,36 @@ def log_step(module: LightningModule, metrics: dict[str, Any], rewards: torch.Te
     mean = total / count if count else float("nan")
     module.log("train/reward", mean, prog_bar=True, batch_size=1)
     return mean
+
+
+def _samples(scored: ScoredBatch) -> dict[tuple[str, str | None], list[float]]:
+    """The samples behind each figure that is a mean (and std) of samples, by its keys (mean, std or None): the
+    rewards, each reward's terms, and each value a reward function logged (``log_metric``)."""
+    samples: dict[tuple[str, str | None], list[float]] = {("reward/mean", "reward/std"): scored.rewards}
+    samples.update({(f"reward/{name}/mean", f"reward/{name}/std"): values for name, values in scored.reward_terms.items()})
+    samples.update({(f"reward_metric/{name}", None): values for name, values in scored.logged_metrics.items()})
+    return samples
+
+
+def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], list[float]]) -> dict[str, float]:
+    """The figures of ``samples`` over every rank's samples, as TRL takes them over every process's: each rank's mean
+    and std averaged was neither (ranks score different numbers of samples: a None is left out), and a value
+    logged by one rank alone, or by the ranks in another order, mixed up the names Lightning reduces by position."""
+    every: list[list[tuple[str, str | None]]] = [[] for _ in range(module.trainer.world_size)]
+    torch.distributed.all_gather_object(every, list(samples))
+    keys = sorted(set().union(*map(set, every)), key=str)
+    moments = []
+    for key in keys:
+        values = torch.tensor(samples.get(key, []), dtype=torch.float64)
+        present = values[~values.isnan()]
+        moments.append([present.numel(), present.sum(), present.square().sum()])
+    n, total, squares = module.trainer.strategy.reduce(torch.tensor(moments, dtype=torch.float64, device=module.device), reduce_op="sum").cpu().T.tolist()
+    figures = {}
+    for (mean, std), count, sum_, sum_sq in zip(keys, n, total, squares):
+        figures[mean] = sum_ / count if count else math.nan
+        if std is not None:  # unbiased, 0 for fewer than two (as `_nanstd`)
+            figures[std] = math.sqrt(max(sum_sq - sum_ * sum_ / count, 0.0) / (count - 1)) if count > 1 else 0.0
+    return figures
 
 
 def _lengths(lengths: list[int]) -> dict[str, float]:

@@ -123,6 +123,6 @@ def reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:
     """A ``rewards:`` entry as a ``RewardSpec``: a spec already, a name or dotted path, or its fields."""
     if isinstance(spec, RewardSpec):
         return spec
-    if isinstance(spec, str):
+    if isinstance(spec, str) or callable(spec):  # a name or path; a function, partial or object (TRL's reward_funcs)
         return RewardSpec(spec)
     return RewardSpec(**spec)

@@ -27,11 +27,13 @@ the step before.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
 import numbers
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,14 +87,27 @@ class RewardSpec:
         """The spec as plain data; a function given as an object is named by its dotted path."""
         function = self.function
         if not isinstance(function, str):
-            function = f"{function.__module__}:{function.__qualname__}"
+            inner = _unwrapped(function)
+            function = f"{getattr(inner, '__module__', None) or type(inner).__module__}:{getattr(inner, '__qualname__', None) or type(inner).__qualname__}"
         return {"function": function, "weight": self.weight, "kwargs": dict(self.kwargs), "name": self.name}
 
     def resolve(self) -> tuple[str, RewardFunction]:
-        """Its name and the function itself (without the fixed kwargs)."""
+        """Its name (``name`` as given, else the function's: a path's last part, a partial's function's, an object's
+        class's) and the function itself (without the fixed kwargs)."""
         function = load_reward_function(self.function) if isinstance(self.function, str) else self.function
-        name = self.name or (self.function if isinstance(self.function, str) else function.__name__)
-        return name.rpartition(":")[2].rpartition(".")[2], function
+        if self.name:
+            return self.name, function
+        if isinstance(self.function, str):
+            return self.function.rpartition(":")[2].rpartition(".")[2], function
+        inner = _unwrapped(function)
+        return getattr(inner, "__name__", None) or type(inner).__name__, function
+
+
+def _unwrapped(function: Any) -> Any:
+    """The function a ``functools.partial`` (of a partial ...) calls; anything else as it is."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function
 
 
 class _Reward:
@@ -105,8 +120,8 @@ class _Reward:
         if inspect.isclass(self.function):  # a reward with state (a reward model): built once from its kwargs
             try:
                 self.function = self.function(**self.kwargs)
-            except (TypeError, ValueError, OSError) as error:
-                raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {error}") from None
+            except Exception as error:  # its own code failed (a missing key, a service not reached, ...)
+                raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {type(error).__name__}: {error}") from None
             self.kwargs = {}
         if not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")
@@ -142,7 +157,7 @@ class _Reward:
         for key in self.kwargs:
             if key in available:
                 raise ValueError(f"reward {self.name!r}: kwarg {key!r} is also a data column; rename one of them")
-        missing = [n for n, required in self.accepted.items() if required and n not in available and n not in self.kwargs]
+        missing = [n for n, required in self.accepted.items() if required and n not in self.kwargs and (n not in available or lacking(n))]
         if partial := next(((name, where) for name in missing if (where := lacking(name))), None):
             raise ValueError(f"reward {self.name!r} needs the column {partial[0]!r}, which {partial[1]} lacks (other rows "
                              "hold it): give it in every row")
@@ -282,6 +297,17 @@ class RewardFailedError(UserError, RuntimeError):
         self.reward, self.step, self.first_error = reward, step, first_error
 
 
+def _raised(name: str, what: str) -> RewardFailedError:
+    """The error that ends a step under ``reward_on_error: raise``: one line naming the reward and what it did."""
+    return RewardFailedError(f"reward {name!r} {what} (reward_on_error: raise)", name, None, what)
+
+
+def _where_raised(error: BaseException) -> str:
+    """`` at FILE:LINE``: the last frame of the error's traceback (inside the reward function, or what it called)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 @dataclass
 class Scores:
     """Rewards of N completions: weighted total [N] (NaN only where no function applies), each function's raw score
@@ -377,6 +403,8 @@ class RewardScorer:
             scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
         except RewardContractError as error:
             raise RewardContractError(f"{where}{error}") from None
+        except RewardFailedError as error:  # reward_on_error: raise
+            raise RewardFailedError(f"{where}{error}", error.reward, step, error.first_error) from error.__cause__
         if self.all_failed == "stop" and completions:
             for name, counts in scores.failure_counts().items():
                 if sum(counts.values()) == len(completions):
@@ -428,13 +456,13 @@ class RewardScorer:
             raise
         except RewardTimeout as error:
             if self.on_error == "raise":
-                raise ValueError(f"reward {reward.name!r} {error}") from None
+                raise _raised(reward.name, f"{error}") from None
             values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
             for i in range(n):  # a retry per sample could cost the limit once per sample
                 self._failed(errors, reward.name, i, batch, str(error), "timeout")
-        except (Exception, SystemExit):
+        except (Exception, SystemExit) as error:
             if self.on_error == "raise":
-                raise
+                raise _raised(reward.name, f"raised {type(error).__name__}: {error}{_where_raised(error)}") from error
             values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
             for i in range(n):
                 try:
@@ -449,7 +477,7 @@ class RewardScorer:
         for i in torch.nonzero(~torch.isfinite(values) & applies).flatten().tolist():  # never into the advantages
             message = f"returned {float(values[i])}"
             if self.on_error == "raise":
-                raise ValueError(f"reward {reward.name!r} {message} for sample {i}")
+                raise _raised(reward.name, f"{message} for sample {i}")
             self._failed(errors, reward.name, i, batch, message, "non_finite")
             values[i] = 0.0
         return values

@@ -8,6 +8,7 @@ groups whose rewards all tie. It is what the asynchronous producer thread runs, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -213,7 +214,7 @@ class RolloutCollector:
         scores = self.scorer.score(
             [self.text(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],
             self._columns(records, rendered, rollouts), step=index + 1,
-            chat_prompts=[rendered[r.group_id].messages for r in rollouts] if conversational else None,
+            chat_prompts=[copy.deepcopy(rendered[r.group_id].messages) for r in rollouts] if conversational else None,
             chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
             trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index)),
         )
@@ -253,13 +254,16 @@ class RolloutCollector:
         return [{"role": "assistant", "content": self.reply_text(rollout)}]
 
     def _columns(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt], rollouts: list[Rollout]) -> dict[str, list[Any]]:
-        """What the reward functions get per rollout besides prompts and completions: its record's columns and
-        `ROLLOUT_COLUMNS`."""
-        columns = {key: [records[r.group_id].get(key) for r in rollouts] for key in records[0] if key != "prompt"}
+        """What the reward functions get per rollout besides prompts and completions: its record's columns (every
+        column any record holds, None where its record has none, as a dataset's column is) and `ROLLOUT_COLUMNS`.
+        Each rollout gets its own copy: a reward that changes what it is given changes neither the other rollouts'
+        nor the data's (the next pass's prompts)."""
+        keys = sorted(self.prompts.columns() - {"prompt"})
+        columns = {key: [copy.deepcopy(records[r.group_id].get(key)) for r in rollouts] for key in keys}
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self.text(r.completion_ids) for r in rollouts]
         columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
-        columns["prompt_messages"] = [rendered[r.group_id].messages for r in rollouts]
+        columns["prompt_messages"] = [copy.deepcopy(rendered[r.group_id].messages) for r in rollouts]
         return columns
 
     def _check_prompts_fit(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt]) -> None:

@@ -25,6 +25,19 @@ def digit_count(completions: list[str], **_: Any) -> list[float]:
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
+def length_or_none(completions: list[str], log_metric: Any, **_: Any) -> list[float | None]:
+    """The length, None for completions of an odd length (ranks then score different numbers of samples); logs a
+    figure every rank logs, in an order of its own, and one that rank 0 alone logs."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name in (["shared_b", "shared_a"] if rank else ["shared_a", "shared_b"]):
+        log_metric(name, 100.0 * (rank + 1) if name == "shared_a" else 1.0 * (rank + 1))
+    if rank == 0:
+        log_metric("rank0_only", 7.0)
+    return [None if len(c) % 2 else float(len(c)) for c in completions]
+
+
 LENGTH_REWARD = [RewardSpec("support.grpo:text_length")]
 
 

@@ -36,6 +36,7 @@ def main(out: Path, options: str) -> None:
             "rewards": scored.rewards,
             "reward_terms": scored.reward_terms,
             "prompts": [r["prompt"] for r in scored.records],
+            "logged": {key: float(value) for key, value in trainer.logged_metrics.items()},
         },
         out / f"rank{trainer.global_rank}.pt",
     )

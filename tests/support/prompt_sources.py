@@ -24,7 +24,7 @@ class PromptList:
         return f"prompts.jsonl: line {self.records.index(record) + 1}"
 
     def columns(self) -> set[str]:
-        return set.intersection(*(set(r) for r in self.records))
+        return set().union(*(set(r) for r in self.records))
 
     def lacking(self, column: str) -> str | None:
         return None
