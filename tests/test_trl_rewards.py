@@ -243,6 +243,21 @@ def test_log_extra_and_log_metric_reach_the_table_and_the_metrics():
     assert [e.error for e in failed.errors] == ["ValueError: log_extra('x'): 3 values for 1 completions"] * 2
 
 
+def test_the_rollout_table_keeps_its_own_columns_when_a_reward_or_its_log_shares_their_names():
+    """A reward named ``reward`` replaced the weighted total, and a logged ``step`` column the step a resume's
+    rewrite of rollouts.jsonl goes by (it then dropped the earlier steps' rows)."""
+    from lightning_rl.modules.grpo_metrics import rollout_table
+
+    rollouts = [Rollout([1, 2], [3], [-0.5], 0, 0), Rollout([1, 2], [4], [-0.5], 0, 0)]
+    scored = ScoredBatch(index=3, records=[{"prompt": "p"}], rollouts=rollouts, rewards=[2.0, 0.0],
+                         reward_terms={"reward": [1.0, 0.0]}, logged_columns={"step": ["parsed", "parsed"], "reward": [5, 6]})  # fmt: skip
+    columns, rows = rollout_table(scored, str, step=7)
+    table = [dict(zip(columns, row, strict=True)) for row in rows]
+    assert columns[6:] == ["reward/reward", "extra/step", "extra/reward"]
+    assert [(t["step"], t["reward"], t["reward/reward"], t["extra/step"], t["extra/reward"]) for t in table] == [
+        (7, 2.0, 1.0, "parsed", 5), (7, 0.0, 0.0, "parsed", 6)]
+
+
 # --- Short real runs ----------------------------------------------------------------------------------------------
 
 TRL_STYLE = [RewardSpec(reply_length), RewardSpec(exact_answer), RewardSpec(max_only), RewardSpec(recorded, weight=0.0)]

@@ -222,14 +222,19 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
 def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str], step: int) -> tuple[list[str], list[list[Any]]]:
     """The batch as a table (columns, rows): the trainer step that first trained it (the logged figures' ``step``) and
     the batch's index (they differ with ``num_iterations`` > 1), prompt, completion, reward, each reward term and each
-    column the reward functions logged (``log_extra``) per rollout."""
+    column the reward functions logged (``log_extra``) per rollout. A term or logged column named like a column before
+    it is ``reward/NAME`` or ``extra/NAME`` (a term named ``reward`` replaced the weighted total, a column ``step``
+    the step that a resume's rewrite of the table goes by)."""
     names, logged = list(scored.reward_terms), list(scored.logged_columns)
+    columns = ["step", "batch", "prompt", "completion", "reward", "weight_version"]
+    for kind, keys in (("reward", names), ("extra", logged)):
+        columns += [key if key not in columns else f"{kind}/{key}" for key in keys]
     rows = [
         [step, scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
         + [scored.reward_terms[name][i] for name in names] + [scored.logged_columns[name][i] for name in logged]
         for i, r in enumerate(scored.rollouts)
     ]
-    return ["step", "batch", "prompt", "completion", "reward", "weight_version", *names, *logged], rows
+    return columns, rows
 
 
 def run_summary(reward_history: Sequence[float], summary_window: int, trained_batches: Sequence[dict[str, int]]) -> dict[str, Any]:
