@@ -41,7 +41,7 @@ from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rollout.base import EngineSpec
-from lightning_rl.same_run import check_same_run
+from lightning_rl.same_run import check_same_run, leaves
 from lightning_rl.strategies import check_strategy_request
 
 TASKS = {
@@ -178,6 +178,29 @@ def check_trainer(trainer: Any, task: str | None = None, sized_only: bool = Fals
                           "over its prompts)", "trainer.max_steps")
     if trainer.get("gradient_clip_val") is not None:
         validation.finite_non_negative("trainer.gradient_clip_val", trainer["gradient_clip_val"])
+    _check_devices(trainer.get("devices"), trainer.get("accelerator"))
+    interval = trainer.get("val_check_interval")  # Lightning divides by both, or refuses them only once fitting
+    if interval is not None and (isinstance(interval, bool) or not (isinstance(interval, int) and interval >= 1 or isinstance(interval, float) and 0 < interval <= 1)):
+        raise RecipeError(f"trainer.val_check_interval must be null, a number of training batches >= 1 or a fraction of an "
+                          f"epoch in (0, 1], got {interval!r}", "trainer.val_check_interval")
+    if trainer.get("check_val_every_n_epoch") is not None:
+        validation.positive_int("trainer.check_val_every_n_epoch", trainer["check_val_every_n_epoch"])
+
+
+def _check_devices(devices: Any, accelerator: Any) -> None:
+    """``trainer.devices`` as Lightning reads it: ``auto``, -1 (every device), a count, or the devices' indices (a
+    list, or a string ``"0,2"``), which a CPU does not have (Lightning ends in a traceback on anything else)."""
+    if devices is None or devices in ("auto", -1, "-1"):
+        return
+    if isinstance(devices, str):
+        parts = [part.strip() for part in devices.split(",") if part.strip()]
+        devices = int(devices) if devices.strip().isdigit() else [int(p) for p in parts] if parts and all(p.isdigit() for p in parts) else devices
+    count = isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+    indices = isinstance(devices, list) and bool(devices) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    if not (count or indices):
+        raise RecipeError(f"trainer.devices must be auto, -1 (every device), a count >= 1 or a list of device indices, got {devices!r}", "trainer.devices")
+    if indices and accelerator == "cpu":
+        raise RecipeError(f"trainer.devices: a CPU run takes a number of processes, not device indices, got {devices!r}", "trainer.devices")
 
 
 def has_wandb_credentials() -> bool:
@@ -197,7 +220,7 @@ def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
     offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") == "offline" or not has_wandb_credentials())
     if offline:
         print(f"W&B: logging offline to {output_dir}/wandb; upload later with `wandb sync {output_dir}/wandb/offline-run-*`", file=sys.stderr)
-    return WandbLogger(project=settings.project, name=settings.name, save_dir=str(output_dir), offline=offline)
+    return WandbLogger(project=settings.project, name=settings.name or output_dir.name, save_dir=str(output_dir), offline=offline)
 
 
 class SaveRecipe(SaveConfigCallback):
@@ -382,7 +405,7 @@ class RecipeCLI(LightningCLI):
             self.requeue,
             StopOnNonFinite(),
             ScheduleOnResume(),
-            *([LoggerAfterSetup(logger)] if logger else []),
+            *([LoggerAfterSetup(logger, leaves(yaml.safe_load(self.parser.dump(self.config, skip_none=False))))] if logger else []),
             PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
@@ -570,7 +593,7 @@ def _one_line(error: BaseException) -> str:
         if match := pattern.search(text):
             name = key(match)
             if keys and not name.startswith(keys[0]):  # an init argument of a class given by class_path
-                name = f"{keys[0]}{'.init_args.' if 'class_path' in text else '.'}{name}"
+                name = f"{keys[0]}{'.init_args.' if _given_by_class_path(text) else '.'}{name}"
             return f"unknown key '{name}'"
     if keys:
         key = keys[0] + "".join(f".{inner}" for inner in keys[1:] if not inner.startswith(keys[0]))  # a dataclass's field
@@ -594,6 +617,19 @@ def _one_line(error: BaseException) -> str:
             choices = list(dict.fromkeys(choice for found in options for choice in _choices(found)))
             return f"{key} must be one of {', '.join(choices)}, got {given[1]}"
     return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def _given_by_class_path(text: str) -> bool:
+    """Whether jsonargparse's problem is with a class a recipe gives as ``class_path`` and ``init_args`` (an engine),
+    not with a block typed by a dataclass (``model.lora``), whose keys are written directly."""
+    named = re.search(r"given class_path '([\w.]+)'", text)
+    if named is None:
+        return "class_path" in text
+    module, _, name = named[1].rpartition(".")
+    try:
+        return not dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return True
 
 
 def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserError:

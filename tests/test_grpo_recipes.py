@@ -7,6 +7,7 @@ import csv
 import json
 
 import pytest
+import yaml
 
 from lightning_rl.cli import main
 
@@ -36,6 +37,10 @@ def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
     (metrics_file,) = tmp_path.glob("csv/version_*/metrics.csv")
     rows = list(csv.DictReader(metrics_file.open()))
     logged = {key for row in rows for key, value in row.items() if value}
+    (hparams_file,) = tmp_path.glob("csv/version_*/hparams.yaml")
+    hparams = yaml.safe_load(hparams_file.read_text())  # the resolved recipe, the loss and sampling keys included
+    assert hparams["model.loss.beta"] == 0.0 and hparams["data.batch_size"] == 1 and hparams["trainer.max_steps"] == 2
+    assert hparams["model.sampling.max_new_tokens"] == 8 and hparams["model.tools"]
     assert {"train/tools/calls", "train/reward/tool_call_validity/mean", "train/packing_ratio", "train/entropy",
             "train/rollout/staleness", "train/speed/generation_tokens_per_s", "train/clip/fraction"} <= logged
     # Every failure kind and exclusion reason at every step, 0 where none (a logger's summary keeps the last value).

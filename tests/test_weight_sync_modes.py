@@ -246,3 +246,17 @@ def test_grpo_syncs_in_its_mode_and_logs_what_each_sync_cost(lora, weight_sync, 
 def test_grpo_refuses_an_adapter_sync_without_lora_before_anything_loads() -> None:
     with pytest.raises(RecipeError, match="weight_sync: adapter sends a LoRA adapter"):
         GRPOModule(weight_sync="adapter")
+
+
+def test_lora_serving_is_turned_on_for_an_engine_given_by_class_path_too():
+    """A class_path's init_args hold every default, ``max_lora_rank: None`` included: the adapter's rank was not set,
+    so ``auto`` synced merged weights and ``adapter`` was refused."""
+    from lightning_rl.models.policy_sync import engine_options_for
+
+    class Engine:
+        def __init__(self, model: str, max_lora_rank: int | None = None) -> None: ...
+
+    assert engine_options_for(Engine, {"max_lora_rank": None}, "auto", 8) == {"max_lora_rank": 8}
+    assert engine_options_for(Engine, {}, "adapter", 8) == {"max_lora_rank": 8}
+    assert engine_options_for(Engine, {"max_lora_rank": 32}, "auto", 8) == {"max_lora_rank": 32}  # the recipe's own
+    assert engine_options_for(Engine, {"max_lora_rank": None}, "merged", 8) == {"max_lora_rank": None}

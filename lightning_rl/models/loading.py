@@ -35,7 +35,8 @@ class LoraSettings:
         r: the adapters' rank. TRL: `lora_r`.
         alpha: their scale is ``alpha / r``. TRL: `lora_alpha`.
         dropout: dropout on the adapters' input. TRL: `lora_dropout`.
-        target_modules: the module names adapted, or ``all-linear``. TRL: `lora_target_modules`.
+        target_modules: the module names adapted (one name alone is a list of it), or ``all-linear``. TRL:
+            `lora_target_modules`.
     """
 
     r: int = 16
@@ -58,6 +59,8 @@ class LoraSettings:
         validation.fraction("lora.dropout", self.dropout)
         if not self.target_modules:
             raise RecipeError("lora.target_modules must name at least one module (or be all-linear)", "lora.target_modules")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self.target_modules = [self.target_modules]  # one module's name (peft would read it as a pattern)
         if isinstance(self.target_modules, list):
             validation.unique("lora.target_modules", self.target_modules)
 

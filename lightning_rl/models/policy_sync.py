@@ -52,7 +52,8 @@ def engine_options_for(engine_class: type, options: Mapping[str, Any], mode: str
     adapter alone and the engine takes that option, unless the recipe set it."""
     options = dict(options)
     if lora_rank is not None and mode in ("auto", "adapter") and "max_lora_rank" in inspect.signature(engine_class).parameters:
-        options.setdefault("max_lora_rank", lora_rank)
+        if options.get("max_lora_rank") is None:  # a class_path's init_args hold every default, None included
+            options["max_lora_rank"] = lora_rank
     return options
 
 

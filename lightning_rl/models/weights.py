@@ -211,6 +211,23 @@ def merge_refusal(module: nn.Module) -> str | None:
     return None
 
 
+def export_merge_refusal(module: nn.Module, sharded: bool) -> str | None:
+    """Why a merged export of the policy would not be the model trained (None: it would be). A sharded (FSDP2) export
+    merges as a sync does (``merge_refusal``); otherwise peft's ``merge_and_unload`` merges in place, which writes an
+    adapter of a weight that modules share (a tied embedding and head) into all of them."""
+    if sharded:
+        return merge_refusal(module)
+    from peft.tuners.lora import LoraLayer
+
+    model = policy_model(module)
+    tied = _tied(model)
+    for module_name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and id(getattr(layer.get_base_layer(), "weight", None)) in tied:
+            return (f"merging LoRA into {module_name} would change every module sharing its weight (tied embeddings), "
+                    "and the adapter adapts this one alone")
+    return None
+
+
 def _lora_factors(module: nn.Module, module_name: str, tied: set[int]) -> list[tuple[Tensor, Tensor, float, bool]]:
     """(A, B, scaling, fan_in_fan_out) of each active, unmerged adapter of a peft LoRA linear layer."""
     if module.disable_adapters or module.merged:

@@ -16,11 +16,12 @@ from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_mu
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.structure import compile_decoder_layers
+from lightning_rl.models.weights import export_merge_refusal
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
 from lightning_rl.modules.optim import adamw_with_schedule
 from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.ops.saved_activations import OffloadedForwards
-from lightning_rl.strategies.fsdp2 import loads_weights_sharded
+from lightning_rl.strategies.fsdp2 import FSDP2Strategy, loads_weights_sharded
 
 
 ExportMode = Literal["model", "merged", "adapter"]
@@ -81,6 +82,9 @@ class PolicyModule(LightningModule):
             path, lora=lora, gradient_checkpointing=hp.gradient_checkpointing, defer_weights=self.loads_sharded(), towers=hp.towers
         )
         policy.train()  # from_pretrained returns the model in eval mode
+        sharded = self._trainer is not None and isinstance(self.trainer.strategy, FSDP2Strategy)
+        if lora is not None and getattr(self, "export", None) == "merged" and (problem := export_merge_refusal(policy, sharded)):
+            raise RecipeError(f"export: merged: {problem}; set model.export: adapter (the adapter alone, loaded with its base)", "export")
         if hp.offload_activations:
             self.offloaded = OffloadedForwards(policy)
         if hp.compile:

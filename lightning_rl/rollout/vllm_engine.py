@@ -304,6 +304,7 @@ class VLLMEngine(RolloutEngine):
             self._push_wanted.clear()
             self._turn.notify_all()
             paused = time.perf_counter()
+            self._adapter = None  # full weights: generation applies no adapter pushed before them
             try:
                 self._reload(weights)
             except Exception:

@@ -386,6 +386,7 @@ class VLLMServerEngine(RolloutEngine):
             if self.engine_max_restarts:  # kept whole: a restart mid-push sends them again, and so does a later one
                 named_tensors = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
             earlier = self._verified if changed else None
+            self._adapter_loaded, self._kept_adapter = False, None  # full weights: no adapter pushed before them applies
             paused = self._healing(lambda: self._push_verified(named_tensors, version, earlier))
             self._version = version
             if self.engine_max_restarts:  # a delta on top of the weights kept: together, all the server holds

@@ -72,6 +72,9 @@ def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, 
         assert max_logprob_error(policy, batch.rollouts) < LOGPROB_ATOL
         assert max_logprob_error(merged_copy(policy, tiny_model_dir), batch.rollouts) < LOGPROB_ATOL
         assert max_logprob_error(base, batch.rollouts) > 1e-2  # negative control: the adapter is applied
+    # Full weights after an adapter: generation is theirs alone (the adapter was still applied on top of them).
+    PolicySync("full").sync(base, engine, 8)
+    assert max_logprob_error(base, engine.generate(PROMPTS, n=2, sampling=SAMPLING).rollouts) < LOGPROB_ATOL
 
 
 def test_an_adapter_the_engine_does_not_hold_is_caught(engine, tiny_model_dir, monkeypatch):
@@ -88,7 +91,7 @@ def test_an_adapter_the_engine_does_not_hold_is_caught(engine, tiny_model_dir, m
     monkeypatch.setattr(vllm_engine, "write_adapter", drops_a_layer)
     with pytest.raises(WeightMismatchError, match=r"version 9 .*'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'"):
         PolicySync("adapter").sync(policy, engine, 9)
-    assert engine.weight_version == 7
+    assert engine.weight_version == 8  # the full push that ended the adapter test
 
 
 def test_adapters_vllm_cannot_serve_are_refused_naming_the_module(engine):
