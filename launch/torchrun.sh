@@ -16,9 +16,8 @@ shift
 
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
+# A node without nvidia-smi (CPU, ROCm, Neuron) counts no GPU; the pipeline must not end the script under pipefail.
+GPUS_PER_NODE=${GPUS_PER_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 if [[ "$GPUS_PER_NODE" -lt 1 ]]; then
     echo "error: no GPUs found; set GPUS_PER_NODE (processes per node)" >&2
     exit 2
@@ -27,6 +26,12 @@ if [[ "$NODE_RANK" -ge "$NNODES" ]]; then
     echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES" >&2
     exit 2
 fi
+if [[ "$NNODES" -gt 1 && -z "${MASTER_ADDR:-}" ]]; then
+    echo "error: NNODES=$NNODES needs MASTER_ADDR, the first node's address (each node would wait on itself)" >&2
+    exit 2
+fi
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
 
 # NCCL over InfiniBand; values already exported win.
 export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}

@@ -499,8 +499,9 @@ class _Schema:
         same_field = [name for name in known if name.rpartition(".")[2] == field]
         if len(same_field) == 1:
             return same_field[0]
-        for block in ("model.", "data.", "trainer."):  # a block left out
-            if self.takes(block + key):
+        head = key.partition(".")[0]
+        for block in ("model.", "data.", "trainer."):  # a block left out (not a key inside a block of its own)
+            if head not in self.groups and self.takes(block + key) and head not in _RUN_TRAINER:
                 return block + key
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         return close[0] if close else None

@@ -232,3 +232,12 @@ def test_checked_in_muse_script_is_what_the_launcher_renders(capsys) -> None:
     assert "--trainer.num_nodes=8 --trainer.devices=8" in script
     # srun (Slurm >= 22.05) takes the CPUs per task from the environment, not from sbatch's request
     assert "#SBATCH --cpus-per-task=16" in script and "export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}" in script
+
+
+def test_a_submit_where_sbatch_is_missing_is_one_line_and_writes_no_script(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A machine without SLURM's client ended in a FileNotFoundError traceback, the script written."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no sinfo
+    script = tmp_path / "job.sbatch"
+    code = slurm.main(["slurm", "recipes/tiny/sft.yaml", "--nodes", "1", "--gpus-per-node", "1", "--partition", "debug", "--script", str(script)])
+    assert code == 2 and not script.exists()
+    assert capsys.readouterr().err.strip() == "error: no sbatch on this machine: submit from a SLURM login node, or print the script with --dry-run"

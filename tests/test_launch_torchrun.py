@@ -34,3 +34,9 @@ def test_bad_node_rank_and_missing_recipe_are_refused(tmp_path: Path) -> None:
     assert done.returncode == 2 and "NODE_RANK=2 must be below NNODES=2" in done.stderr
     done = subprocess.run(["bash", SCRIPT], env=_env(), capture_output=True, text=True)
     assert done.returncode == 2 and "usage:" in done.stderr
+    # No nvidia-smi here (a CPU, ROCm or Neuron node): the script's own line, not a silent exit 127 under pipefail.
+    env = {key: value for key, value in _env().items() if key != "GPUS_PER_NODE"}
+    done = subprocess.run(["bash", SCRIPT, RECIPE], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "no GPUs found; set GPUS_PER_NODE" in done.stderr, (done.returncode, done.stderr)
+    done = subprocess.run(["bash", SCRIPT, RECIPE], env=_env(NNODES="2", NODE_RANK="1", GPUS_PER_NODE="1"), capture_output=True, text=True)
+    assert done.returncode == 2 and "NNODES=2 needs MASTER_ADDR" in done.stderr

@@ -180,3 +180,29 @@ def test_the_embedded_models_are_planned_as_run_finds_them(tmp_path: Path, capsy
     built = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or "tiny"))
     assert f"{type(built).__name__}: {sum(p.numel() for p in built.parameters()) / 1e3:.2f}K parameters" in out.out
     assert "Seed set" not in caplog.text + out.err + out.out
+
+
+def test_a_grpo_plan_counts_what_shares_the_trainers_gpu(tmp_path: Path, capsys) -> None:
+    """A GRPO plan counted training alone: a colocated vLLM engine told to take 90% of the GPU and a reference model
+    were said to fit beside it, with the same margin."""
+    import inspect
+
+    from lightning_rl.planner.plan import VLLM_DEFAULT_SHARE
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+
+    assert inspect.signature(VLLMEngine).parameters["gpu_memory_utilization"].default == VLLM_DEFAULT_SHARE
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: grpo\nmodel: {model_name_or_path: tiny, max_tokens_per_row: 512}\ntrainer: {max_steps: 2}\n")
+
+    def planned(*overrides: str) -> tuple[int, dict[str, float], str]:
+        code = plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--", *overrides])
+        out = capsys.readouterr().out
+        terms = {m[1]: float(m[2]) for m in re.finditer(r"^  (\S.*?)\s+([\d.]+) GiB", out, re.MULTILINE)}
+        return code, terms, out
+
+    code, alone, out = planned()
+    assert code == 0 and "reference model" not in out and "generation time is not modelled" in out
+    code, shared, out = planned("--model.loss.beta=0.1", "--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilization=0.9")
+    assert code == 1 and "DOES NOT FIT" in out
+    assert shared["colocated vLLM engine (model.engine)"] == pytest.approx(0.9 * 80, abs=0.01)
+    assert "reference model (model.loss.beta != 0)" in shared and shared["total"] >= alone["total"] + 71.99

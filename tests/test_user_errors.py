@@ -91,6 +91,7 @@ MISTAKES = {
     "unknown lr_schedule": (SFT, lambda t: ["--model.lr_schedule=cosin"], "command line: model.lr_schedule must be one of constant,"),
     "warmup_steps negative": (SFT, lambda t: ["--model.warmup_steps=-5"], "model.warmup_steps must be >= 0, got -5"),
     "accumulate_grad_batches 0": (SFT, lambda t: ["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
+    "logger key typo": (SFT, lambda t: ["--logger.projct=x"], "command line: unknown key 'logger.projct' (did you mean 'logger.project'?)"),
     "devices negative": (SFT, lambda t: ["--trainer.devices=-3"], "trainer.devices must be auto, -1 (every device), a count >= 1 or a list"),
     "devices indices on a CPU": (SFT, lambda t: ["--trainer.devices=[0, 1]"], "trainer.devices: a CPU run takes a number of processes"),
     "val_check_interval 0": (SFT, lambda t: ["--trainer.val_check_interval=0"], "trainer.val_check_interval must be null, a number of"),

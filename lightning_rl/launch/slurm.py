@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             print(script, end="")
             return 0
+        if shutil.which("sbatch") is None:
+            raise LaunchError("no sbatch on this machine: submit from a SLURM login node, or print the script with --dry-run")
         _check_partition_exists(args.partition)
         path = args.script or Path(args.log_dir) / f"{job_name(recipe, options)}.sbatch"
         write_script(script, path)

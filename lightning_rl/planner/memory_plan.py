@@ -30,6 +30,13 @@ class Hardware:
 
 
 @dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    formula: str
+
+
+@dataclass(frozen=True)
 class Training:
     nodes: int
     gpus_per_node: int
@@ -43,17 +50,12 @@ class Training:
     cpu_offload: bool = False
     expert_parallel: int = 1
     logits_chunk: int = 1024
+    beside: tuple[Term, ...] = ()  # what shares the GPU with training (GRPO: a colocated engine, the reference model)
+    notes: tuple[str, ...] = ()  # what the plan does not model, said under it
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Term:
-    name: str
-    bytes: float
-    formula: str
 
 
 @dataclass
@@ -162,6 +164,7 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
         _activations(plan),
         Term("chunked LM head", head, f"logits, softmax, grad: 3 x {training.logits_chunk} tokens x {census.vocab_size} x fp32"),
         Term("reserved (CUDA context, NCCL, allocator)", hardware.reserved_gb * GIB, "assumed"),
+        *training.beside,
     ]
     _plan_step_time(plan)
     return plan
@@ -258,6 +261,7 @@ def format_plan(plan: Plan) -> str:
         f"  expected step time: {plan.step_seconds:.2f} s (compute and communication overlap: the slower sets the pace)",
         "",
     ]
+    lines += [f"{note}" for note in training.notes] + ([""] if training.notes else [])
     if plan.fits:
         lines.append(f"FITS: {plan.total_bytes / GIB:.2f} GiB of {plan.usable_bytes / GIB:.2f} GiB usable, margin {plan.margin_bytes / GIB:.2f} GiB")
     else:

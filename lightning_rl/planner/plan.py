@@ -6,13 +6,14 @@ Exit code 0 when the plan fits, 1 when it does not (the numbers say by how much)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from lightning_rl.planner.memory_plan import Hardware, Training, format_plan, plan_memory
+from lightning_rl.planner.memory_plan import GIB, Hardware, Term, Training, format_plan, plan_memory
 from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
@@ -110,6 +111,36 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
     )
 
 
+VLLM_DEFAULT_SHARE = 0.3  # VLLMEngine's gpu_memory_utilization by default (tests/test_plan.py holds them equal)
+
+
+def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, gpu_memory_gb: float) -> Training:
+    """A GRPO plan with what shares the trainer's GPUs: the reference model (``model.loss.beta`` != 0: a frozen copy,
+    sharded as the policy is) and an engine in the trainer's process (``vllm``: its share of the GPU, or its weights
+    and KV cache where ``kv_cache_memory_bytes`` is set), and what the plan does not model."""
+    beside = []
+    if recipe.get("model.loss.beta", 0.0) not in (0, 0.0, None):
+        size = total_params * training.param_bytes / training.world_size
+        beside.append(Term("reference model (model.loss.beta != 0)", size, f"{_plain_count(total_params)} x {training.param_bytes} B / {training.world_size} GPUs"))
+    engine = recipe.get("model.engine") or "hf"
+    name = engine if isinstance(engine, str) else str(engine.get("class_path", "")) if isinstance(engine, dict) else ""
+    if name == "vllm" or name.endswith("VLLMEngine"):
+        kv = recipe.get("model.engine.init_args.kv_cache_memory_bytes")
+        if isinstance(kv, int) and kv > 0:
+            weights = total_params * training.compute_bytes
+            beside.append(Term("colocated vLLM engine (model.engine)", weights + kv, f"its weights ({_plain_count(total_params)} x {training.compute_bytes} B) + kv_cache_memory_bytes"))
+        else:
+            share = recipe.get("model.engine.init_args.gpu_memory_utilization") or VLLM_DEFAULT_SHARE
+            beside.append(Term("colocated vLLM engine (model.engine)", share * gpu_memory_gb * GIB, f"gpu_memory_utilization {share:g} x {gpu_memory_gb:g} GiB"))
+    notes = ("GRPO: the step time above is for rows of this size; a step forwards data.batch_size x model.num_generations "
+             "completions (with their prompts) in such rows, and generation time is not modelled.",)
+    return dataclasses.replace(training, beside=tuple(beside), notes=notes)
+
+
+def _plain_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
+
+
 def _check_strategy(recipe: RecipeView, world_size: int) -> None:
     """The plan is FSDP2's (weights, gradients and optimizer states sharded over the GPUs, each decoder layer gathered
     in its turn and freed after forward): on several GPUs another strategy, or layers kept gathered, is refused."""
@@ -180,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvlink_gbps=args.nvlink_gbps,
         reserved_gb=args.reserved_gb,
     )
+    if recipe.task == "grpo":
+        training = _grpo_beside(recipe, training, census.total_params, args.gpu_memory_gb)
     plan = plan_memory(census, training, hardware)
     print(format_plan(plan))
     return 0 if plan.fits else 1
