@@ -50,6 +50,14 @@ DIFFERENCES = (
      "`linear`", "set `model.lr_schedule: linear` for TRL's"),
     ("SFT AdamW betas", "`model.betas` defaults to (0.9, 0.95)", "`adam_beta1`, `adam_beta2` default to 0.9, 0.999",
      "the default the embedded recipes were tuned with; set `model.betas: [0.9, 0.999]` for TRL's (GRPO uses TRL's)"),
+    ("GRPO string prompts", "rendered as a user turn by the model's chat template (after `model.system_prompt`); "
+     "tokenized as they are only where the tokenizer has no chat template", "tokenized as they are",
+     "an instruction-tuned model is prompted as it is served; write the prompt as chat messages to choose the turns"),
+    ("A reward's NaN score", "a failure of that sample: scored 0 and counted (`train/reward/NAME/non_finite`)",
+     "left out of the sum like None", "a NaN is a bug of the function more often than a choice; return None to abstain"),
+    ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
+     "rewards get the joined text", "rewards get the parts as written",
+     "the text-only chat template renders strings; a reward reading `content[0][\"text\"]` reads `content` instead"),
     ("Multi-turn rows with Qwen3's own template", "refused in one line (the template renders earlier turns without "
      "their reasoning once later turns follow)", "trained with a training template of TRL's",
      "the served template cannot locate the assistant turns exactly"),

@@ -208,3 +208,18 @@ def test_a_column_some_rows_lack_reaches_every_row_and_each_rollout_gets_its_own
     assert prompt_ids[0] == prompt_ids[2]
     assert SEEN[0] == {"hint": [None] * 3 + ["add ones"] * 3, "seen": [None] * 3 + [0] * 3}
     assert all(seen == SEEN[0] for seen in SEEN) and prompts.records[1]["prompt"][-1]["content"] == "1+1="
+
+
+def test_a_base_model_without_a_chat_template_reads_string_prompts_as_they_are(tiny_tokenizer):
+    """As TRL tokenizes a string prompt; it was a chat-template error at the first step, blamed on the data's row."""
+    import copy
+
+    base = copy.deepcopy(tiny_tokenizer)
+    base.chat_template = None
+    prompts = PromptList([{"prompt": "2+2="}, {"prompt": [{"role": "user", "content": "2+2="}]}])
+    rendered = PromptRenderer(base).render(prompts.records[0], prompts)
+    assert rendered.ids == base("2+2=")["input_ids"]
+    with pytest.raises(DataError, match=r"^prompts.jsonl: line 2: a conversational prompt needs a chat template, and the tokenizer"):
+        PromptRenderer(base).render(prompts.records[1], prompts)
+    with pytest.raises(DataError, match="a system_prompt needs a chat template"):
+        PromptRenderer(base, system_prompt="Be brief.").render(prompts.records[0], prompts)

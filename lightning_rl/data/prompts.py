@@ -251,7 +251,8 @@ class PromptRenderer:
     """Renders prompt records with the policy's tokenizer (or, for prompts with images, its processor).
 
     Args:
-        tokenizer: the policy's tokenizer; its chat template renders the prompt.
+        tokenizer: the policy's tokenizer; its chat template renders the prompt (without one, a string prompt is
+            tokenized as it is, as TRL does).
         processor, image_token_id: an image-text model's processor and image token (None for a text model).
         system_prompt: put in front of string prompts.
         tools: the tools as the chat template shows them to the model (None without tools).
@@ -281,6 +282,15 @@ class PromptRenderer:
         """A record's prompt, rendered by the processor when it has images; a bad image or image column is a
         `DataError` naming the record's line."""
         messages = self.messages(record)
+        if not (getattr(self.tokenizer, "chat_template", None) or getattr(self.processor, "chat_template", None)):
+            # A base model: a string prompt is its text, as TRL takes it.
+            if not isinstance(record["prompt"], str) or self.system_prompt or self.tools:
+                what = "a system_prompt" if self.system_prompt else "tools" if self.tools else "a conversational prompt"
+                raise DataError(f"{source.location(record)}: {what} needs a chat template, and the tokenizer of {self.model_name} "
+                                "has none: give string prompts (tokenized as they are), or a model with a chat template")
+            ids = self.tokenizer(record["prompt"])["input_ids"]
+            check_no_image_tokens(list(ids), self.image_token_id, self.tokenizer)
+            return RenderedPrompt(messages, list(ids))
         if not any(isinstance(m.get("content"), list) for m in messages):
             try:
                 with rendering_row():
