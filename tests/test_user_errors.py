@@ -95,6 +95,8 @@ MISTAKES = {
     "devices negative": (SFT, lambda t: ["--trainer.devices=-3"], "trainer.devices must be auto, -1 (every device), a count >= 1 or a list"),
     "devices indices on a CPU": (SFT, lambda t: ["--trainer.devices=[0, 1]"], "trainer.devices: a CPU run takes a number of processes"),
     "val_check_interval 0": (SFT, lambda t: ["--trainer.val_check_interval=0"], "trainer.val_check_interval must be null, a number of"),
+    "val_check_interval past an epoch": (SFT, lambda t: ["--trainer.check_val_every_n_epoch=1", "--trainer.val_check_interval=1000"],
+                                         "trainer.val_check_interval=1000 training batches, but an epoch of data.train_data is "),
     "check_val_every_n_epoch 0": (SFT, lambda t: ["--trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch must be >= 1, got 0"),
     "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
     "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),

@@ -662,6 +662,24 @@ class SFTDataModule(LightningDataModule):
             self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, max_length, fix, limit)
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
+        if self.trainer is not None and stage == "fit":
+            self._check_val_interval()
+
+    def _check_val_interval(self) -> None:
+        """A ``val_check_interval`` (training batches) longer than an epoch under ``check_val_every_n_epoch``, which
+        Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was refused)."""
+        trainer, interval = self.trainer, getattr(self.trainer, "val_check_interval", None)
+        if not isinstance(interval, int) or isinstance(interval, bool) or trainer.check_val_every_n_epoch is None:
+            return
+        _, sampler = self._loader(self.train_examples, self.shuffle, self.seed)
+        limit = trainer.limit_train_batches
+        batches = min(len(sampler), limit) if isinstance(limit, int) and not isinstance(limit, bool) else len(sampler)
+        if interval > batches:
+            raise DataError(
+                f"trainer.val_check_interval={interval} training batches, but an epoch of data.train_data is {batches} "
+                f"(data.max_tokens {self.max_tokens}): give at most {batches}, or trainer.check_val_every_n_epoch: null "
+                "to count batches across epochs"
+            )
 
     def _loader(self, examples: list[Example], shuffle: bool, seed: int) -> tuple[DataLoader, TokenBudgetBatchSampler]:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
