@@ -19,8 +19,6 @@ REFUSED = {
     "phi3_longrope": r"Phi3ForCausalLM: a packed row with positions up to 11 reaches 10, and its longrope rope",
     "llama4_text": r"Llama4ForCausalLM has chunked_attention layers",
     "llama4_text_nochunk": r"Llama4ForCausalLM: a packed row with 25 tokens reaches 2, and its query temperature grows with the row index",
-    "gemma2": r"Gemma2Attention passes 'softcap' to its attention",
-    "vaultgemma": r"VaultGemmaAttention passes 'softcap' to its attention",
     "phimoe": r"PhimoeAttention is a sliding-window layer that passes no sliding_window to its attention \(the window lives in its mask only\)",
     "stablelm": r"StableLmAttention is called without the packed row's metadata \(its decoder layer does not pass keyword arguments on",
     "nemotron": r"NemotronAttention is called without the packed row's metadata",

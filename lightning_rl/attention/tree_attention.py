@@ -505,8 +505,10 @@ def _compiled_flex():
     return _FLEX
 
 
-def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, scale: float | None = None, window: int | None = None) -> Tensor:
-    """Attention of a packed tree: q [1, Hq, N, D], k/v [1, Hkv, N, D] (v may have its own head dim) -> [1, Hq, N, Dv]."""
+def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, scale: float | None = None, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
+    """Attention of a packed tree: q [1, Hq, N, D], k/v [1, Hkv, N, D] (v may have its own head dim) -> [1, Hq, N, Dv].
+    ``softcap``: scores capped at +-softcap (``softcap * tanh(score / softcap)``, Gemma 2) before the mask and softmax."""
     if q.shape[0] != 1:
         raise ValueError(f"a packed tree is one row; got a batch of {q.shape[0]}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -514,6 +516,12 @@ def attend_tree(q: Tensor, k: Tensor, v: Tensor, meta: TreeAttentionMeta, *, sca
     # fp32 queries after a rotary embedding beside bf16 values).
     dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = (x.to(dtype) for x in (q, k, v))
+    if softcap is not None:  # no fused kernel here caps scores: they are computed whole, with the row's ancestor mask
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+        scores = scores.masked_fill(~meta.dense_mask(window)[meta.prefix_len :], float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype), v)
     if meta.backend == "dense":
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
@@ -594,7 +602,7 @@ def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_ma
     for name, value in kwargs.items():
         if value is None or name in _BOOKKEEPING:
             continue
-        if name in ("s_aux", "sinks", "softcap") or isinstance(value, Tensor):
+        if name in ("s_aux", "sinks") or isinstance(value, Tensor):
             raise PackingRefused(f"{layer} passes {name!r} to its attention; tree packing cannot apply it")
     if sliding_window is None and _is_sliding_layer(module):
         raise PackingRefused(f"{layer} is a sliding-window layer that passes no sliding_window to its attention (the window lives in its mask only)")
@@ -624,15 +632,36 @@ def tree_attention_forward(
             )
         if attention_mask is None and sliding_window is not None and query.shape[2] > 1:
             attention_mask = _causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        if kwargs.get("softcap") is not None:  # SDPA cannot cap scores: the layer's own (eager) computation
+            return _capped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs["softcap"])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    softcap = kwargs.pop("softcap", None)
     _refuse_packed_call(module, tree_attention, attention_mask, sliding_window, dropout, kwargs)
     tree_attention.layers_called.add(id(module))
     if tree_attention.prefix_kv is not None:
         key, value = tree_attention.prefix_keys_values(module, key, value)
     if tree_attention.capture is not None:  # after the join: a nested prefix captures its whole chain's
         tree_attention.capture.append((id(module), key, value))
-    out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window)
+    out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _capped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float, scaling: float | None, softcap: float) -> tuple[Tensor, Tensor]:
+    """Attention with capped scores outside a packed row (generation, a sequence alone), as an eager layer computes
+    it: scores, ``softcap * tanh(score / softcap)``, the mask (or causal), softmax in float32 at least, dropout."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.tanh(torch.matmul(query, key.transpose(2, 3)) * scale / softcap) * softcap
+    if attention_mask is None and query.shape[2] > 1:
+        attention_mask = _causal_window_mask(query.shape[2], key.shape[2], key.shape[2], query.device)
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def tree_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:

@@ -37,7 +37,7 @@ NESTED = [
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-6)}
 # Families that round to fp32 inside their layers even in fp64 (Gemma's RMSNorm computes in float32, DeepSeek-V3
 # also routes in float32): their fp64 log-probs carry fp32 rounding, in packed and unpacked runs alike.
-FP32_INSIDE = {"gemma2_nosoftcap", "vaultgemma_nosoftcap", "deepseek_v3", "deepseek_v3_samedim"}
+FP32_INSIDE = {"gemma2", "gemma2_nosoftcap", "vaultgemma", "vaultgemma_nosoftcap", "deepseek_v3", "deepseek_v3_samedim"}
 FP32_INSIDE_LOGPROB_TOLERANCE = 1e-7
 # Gradients that are zero in exact arithmetic (a key bias under softmax) are noise: each parameter's error is
 # measured against its own gradient norm plus this fraction of the whole gradient's norm.
