@@ -116,6 +116,7 @@ class RolloutCollector:
     ) -> None:
         self.engine = engine
         self.prompts = prompts
+        self._column_keys: list[str] | None = None
         self.renderer = renderer
         self.scorer = scorer
         self.sampling = sampling
@@ -258,7 +259,9 @@ class RolloutCollector:
         column any record holds, None where its record has none, as a dataset's column is) and `ROLLOUT_COLUMNS`.
         Each rollout gets its own copy: a reward that changes what it is given changes neither the other rollouts'
         nor the data's (the next pass's prompts)."""
-        keys = sorted(self.prompts.columns() - {"prompt"})
+        if self._column_keys is None:  # the data's columns do not change: read once (every record is looked at)
+            self._column_keys = sorted(self.prompts.columns() - {"prompt"})
+        keys = self._column_keys
         columns = {key: [copy.deepcopy(records[r.group_id].get(key)) for r in rollouts] for key in keys}
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
         columns["transcripts"] = [self.text(r.completion_ids) for r in rollouts]
