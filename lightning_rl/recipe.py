@@ -99,6 +99,13 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
         _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if config is not None and not isinstance(config, dict):
+        raise RecipeError(f"{recipe}: a recipe is a mapping of keys (task:, model:, data:, ...), not a {type(config).__name__}")
+    for block in ("model", "data", "trainer", "logger"):
+        value = (config or {}).get(block)
+        if value is not None and not isinstance(value, dict):
+            example = "{kind: wandb}" if block == "logger" else "{key: value, ...}"
+            raise RecipeError(f"{recipe}: {block} is a block of keys ({block}: {example}), got {value!r}")
     if given:
         return given[-1]
     if not isinstance(config, dict) or "task" not in config:

@@ -91,6 +91,8 @@ MISTAKES = {
     "unknown lr_schedule": (SFT, lambda t: ["--model.lr_schedule=cosin"], "command line: model.lr_schedule must be one of constant,"),
     "warmup_steps negative": (SFT, lambda t: ["--model.warmup_steps=-5"], "model.warmup_steps must be >= 0, got -5"),
     "accumulate_grad_batches 0": (SFT, lambda t: ["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
+    "recipe a list": (lambda t: written(t, "- task: sft\n- model: {}\n"), lambda t: [], "{r}: a recipe is a mapping of keys (task:, model:, data:, ...), not a list"),
+    "logger not a block": (lambda t: written(t, "task: sft\nlogger: wandb\n"), lambda t: [], "{r}: logger is a block of keys (logger: {{kind: wandb}}), got 'wandb'"),
     "logger key typo": (SFT, lambda t: ["--logger.projct=x"], "command line: unknown key 'logger.projct' (did you mean 'logger.project'?)"),
     "devices negative": (SFT, lambda t: ["--trainer.devices=-3"], "trainer.devices must be auto, -1 (every device), a count >= 1 or a list"),
     "devices indices on a CPU": (SFT, lambda t: ["--trainer.devices=[0, 1]"], "trainer.devices: a CPU run takes a number of processes"),
