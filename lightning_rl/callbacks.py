@@ -261,14 +261,17 @@ def _follow_new_schedule(scheduler: Any, step: int) -> tuple[float, float] | Non
 class LoggerAfterSetup(Callback):
     """Attaches the run's logger once its model and data are set up: a run that fails before leaves no logger
     folder behind. It logs ``recipe``, the run's resolved recipe by dotted key, as the run's hyperparameters (the
-    loss, sampling, rewards, data and trainer keys too: W&B's config, the CSV logger's hparams.yaml); Lightning
-    adds the module's own right after this hook."""
+    loss, sampling, rewards, data and trainer keys too: W&B's config, the CSV logger's hparams.yaml) as training
+    starts, beside the module's own, which Lightning logs after fit start."""
 
     def __init__(self, logger: Logger, recipe: dict[str, Any] | None = None) -> None:
         self.logger, self.recipe = logger, recipe or {}
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.loggers = [*trainer.loggers, self.logger]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not at fit start: nothing may reach the logger's folder before --overwrite has removed the earlier run's.
         if self.recipe and trainer.is_global_zero:
             self.logger.log_hyperparams(self.recipe)
 

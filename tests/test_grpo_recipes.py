@@ -33,7 +33,9 @@ def test_tiny_grpo_recipe_trains_and_logs_a_rollout_table_to_wandb(tmp_path, mon
 
 
 def test_tool_recipe_runs_multi_turn_and_logs_tool_metrics(tmp_path):
-    assert _run("recipes/tiny/grpo_tools.yaml", tmp_path, "--model.sampling.max_new_tokens=8", "--data.batch_size=1") == 0
+    # --overwrite with the CSV logger: the recipe logged as hyperparameters at fit start was in the folder that
+    # --overwrite then emptied of the earlier run's files, and Lightning found its logger's folder gone.
+    assert _run("recipes/tiny/grpo_tools.yaml", tmp_path, "--model.sampling.max_new_tokens=8", "--data.batch_size=1", "--overwrite") == 0
     (metrics_file,) = tmp_path.glob("csv/version_*/metrics.csv")
     rows = list(csv.DictReader(metrics_file.open()))
     logged = {key for row in rows for key, value in row.items() if value}
