@@ -250,6 +250,7 @@ class SaveRecipe(SaveConfigCallback):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(run_folder.marked(self.recipe_text()), encoding="utf-8")
         os.replace(tmp, path)
+        self.wrote = True
 
     def recipe_text(self) -> str:
         """The resolved recipe, as the run folder and each checkpoint keep it."""
@@ -387,6 +388,10 @@ class RecipeCLI(LightningCLI):
 
     def keyed(self, error: UserError) -> UserError:
         return keyed(error, self.model_class, self.datamodule_class)
+
+    def wrote_run_folder(self) -> bool:
+        """Whether this run has written its recipe.yaml (and so made output_dir its run folder)."""
+        return any(getattr(callback, "wrote", False) for callback in self.trainer.callbacks if isinstance(callback, SaveRecipe))
 
     def _set_seed(self) -> None:
         seed = self.config.get("seed")

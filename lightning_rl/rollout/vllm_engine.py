@@ -32,6 +32,7 @@ from lightning_rl.rollout.base import (
     ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request, support_rows,
     support_too_wide, suppressing_bias,
 )
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import (
@@ -184,6 +185,9 @@ class VLLMEngine(RolloutEngine):
                 # Whole prefills on a CPU (`vllm_server_process.vllm_on_cpu`).
                 **{"async_scheduling": False, **({"enable_chunked_prefill": False} if vllm_on_cpu() else {}), **_check_scheduling(engine_kwargs)},
             )
+        except ValueError as error:  # vLLM's checks of its options (pydantic's ValidationError is a ValueError)
+            said = " ".join(str(error).split())
+            raise RecipeError(f"engine: vLLM refused the engine's options: {said[:400]}", "engine") from None
         finally:
             if previous is None:
                 del os.environ[_IN_PROCESS]

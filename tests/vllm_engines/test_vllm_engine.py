@@ -289,3 +289,16 @@ def test_asynchronous_scheduling_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"^engine_kwargs.async_scheduling: true is refused"):
         VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": True}})
     VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": False}})
+
+
+def test_options_vllm_refuses_are_one_line_and_leave_no_run_folder(tmp_path, capsys):
+    """vLLM's own option checks ended in a pydantic traceback after the run had written recipe.yaml and csv/, so the
+    corrected rerun was refused as a folder holding a run."""
+    from lightning_rl import cli
+
+    out = tmp_path / "run"
+    code = cli.main(["run", "recipes/tiny/grpo.yaml", f"--output_dir={out}", "--trainer.max_steps=1", "--model.engine=VLLMEngine",
+                     "--model.engine.init_args.dtype=float32", "--model.engine.init_args.max_model_len=100000"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: model.engine: vLLM refused the engine's options: ")
+    assert "max_model_len (100000)" in errors[0] and not out.exists()
