@@ -204,3 +204,32 @@ def test_images_that_do_not_pair_with_the_prompts_are_refused():
     ids, _, own = image_prompt(processor, "red")
     with pytest.raises(ValueError, match=r"1 image entries for 2 prompts \(one per prompt, None for a text prompt\)"):
         HFRolloutEngine(path).generate([ids, ids], 2, SamplingConfig(max_new_tokens=2), images=[own])
+
+
+def test_qwen_vl_image_tokens_sit_on_their_multi_axis_positions_in_generation_and_under_lora(tmp_path):
+    """The transformers engine generated a Qwen-VL prompt with its image tokens on 1-D positions (the model's
+    generate finds image tokens by the token types, which were not given), so rollouts came from another policy than
+    the trainer scores; and a LoRA-wrapped policy hid the model's position rule from packing (no refusal, wrong
+    positions, a self-check blind to it)."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_rl.models.loading import LoraSettings, load_causal_lm
+    from lightning_rl.models.multimodal import uses_multi_axis_positions
+    from support.tiny_vlms import build_qwen2_vl, image_inputs
+
+    path = build_qwen2_vl(tmp_path / "qwen2-vl")
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    config = model.config
+    start, pad, end = config.vision_start_token_id, config.image_token_id, config.vision_end_token_id
+    image, prompt = image_inputs(1), [3, 4, start, *[pad] * 4, end, 5]
+    suppressed = (pad, start, end, config.video_token_id)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=1, suppress_token_ids=suppressed)
+    batch = HFRolloutEngine(str(path)).generate([prompt], 2, sampling, images=[PromptImages([image], [None], [])])
+    for rollout in batch.rollouts:
+        ids = torch.tensor([rollout.sequence])
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **image).logits[0, len(prompt) - 1 : -1]
+        logits[:, list(suppressed)] = float("-inf")
+        own = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), own, rtol=0, atol=1e-5)  # 3e-4 to 1e-3 before
+    assert uses_multi_axis_positions(load_causal_lm(str(path), lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])))

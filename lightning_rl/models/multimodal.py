@@ -23,7 +23,14 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (LoRA), whose class and methods say how it treats images; a
+    model without one as it is."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def _position_rule_owner(model: nn.Module) -> nn.Module | None:
+    model = transformers_model(model)
     return next((m for m in (model, getattr(model, "model", None)) if m is not None and hasattr(m, "get_rope_index")), None)
 
 
@@ -55,20 +62,22 @@ def image_block_rule(cls: type) -> str | None:
 def attends_within_images_both_ways(model: nn.Module) -> bool:
     """Whether each image's tokens attend to each other both ways, one block per run of them (Gemma 3 and 4), as
     transformers builds those masks from the token types the model's processor passes (1 on image tokens)."""
-    return image_block_rule(type(model)) == "runs"
+    return image_block_rule(type(transformers_model(model))) == "runs"
 
 
 _TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
 
 
 def image_token_types(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The token-type input, as the model's processor makes it (1 on image tokens), that such a model builds its
-    both-ways image masks from, for ``input_ids`` [batch, T]; {} for a model without them. Given to the model's own
-    forward (the unpacked reference, generation), it attends within each image both ways, as it was trained to."""
+    """The token-type input, as the model's processor makes it (1 on image tokens), for ``input_ids`` [batch, T]:
+    what a model builds its both-ways image masks from (Gemma 3), or finds its image tokens by to put them on
+    multi-axis positions (Qwen-VL); {} for a model without them. Given to the model's own forward and generation (the
+    unpacked reference, the transformers engine, held-out decoding), it computes as it was trained to: without it a
+    Qwen-VL generation put image tokens on 1-D positions."""
     token = image_token_id(model.config)
-    if token is None or not attends_within_images_both_ways(model):
+    if token is None or not (attends_within_images_both_ways(model) or uses_multi_axis_positions(model)):
         return {}
-    forward = inspect.signature(type(model).forward).parameters
+    forward = inspect.signature(type(transformers_model(model)).forward).parameters
     name = next((n for n in _TOKEN_TYPE_INPUTS if n in forward), None)
     return {name: (input_ids == token).long()} if name is not None else {}
 

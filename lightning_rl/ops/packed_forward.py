@@ -29,7 +29,7 @@ from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.models.routing import RouteAgreement, RouteReplay, replaying
 from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs
 from lightning_rl.models.multimodal import (
-    attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, uses_multi_axis_positions,
+    attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, transformers_model, uses_multi_axis_positions,
 )
 from lightning_rl.packing.images import image_runs, images_on_path, placeholder_blocks, split_images, stack_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -114,7 +114,7 @@ def packed_hidden_states(
     both_ways = placeholder_blocks(batch.input_ids, token) if batch.image_inputs and token is not None and attends_within_images_both_ways(model) else None
     meta = TreeAttentionMeta.from_batch(batch, backend=attention_backend, device=device, model_name=type(model).__name__, both_ways=both_ways)
     _probe_once(model, meta.backend, device, batch.pad_to_multiple_of, across_rows=prefix is not None)
-    if batch.image_inputs and image_block_rule(type(model)) == "other":
+    if batch.image_inputs and image_block_rule(type(transformers_model(model))) == "other":
         raise PackingRefused(
             f"{type(model).__name__} groups its image tokens into blocks that attend both ways by a rule of its own "
             "(block_sequence_ids); a packed row makes each image's placeholders one block, so its image rows are refused"
