@@ -134,6 +134,10 @@ def test_towers_that_do_not_go_with_the_fine_tuning_are_refused(tmp_path, capsys
     code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.towers=lora"])
     err = capsys.readouterr().err
     assert code == 2 and "error: model.towers: lora puts LoRA adapters on the towers too, and needs a lora block" in err
+    # Targets that name no module of the towers adapted none: the towers trained as if frozen, without a word.
+    code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.towers=lora", "--model.lora.target_modules=[gate_proj]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: model.towers: lora, but lora.target_modules names no module of the towers of " in err, err[-2000:]
 
 
 def test_rows_in_the_layout_of_datasets_image_sets_train(tmp_path, capsys):
@@ -170,3 +174,20 @@ def test_rows_in_the_layout_of_datasets_image_sets_train(tmp_path, capsys):
     assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'bad'}", f"--data.train_data={bad}"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert lines == [f"error: {bad}: line 1: `images` holds 1 images for 2 image parts that name none"]
+
+
+def test_a_photo_is_read_upright_as_its_exif_orientation_says(tmp_path):
+    """A phone's photo (stored sideways, with an orientation tag) was trained sideways, unlike transformers' and
+    datasets' reading of it."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    from lightning_rl.data.images import load_images
+
+    stored = Image.new("RGB", (40, 20), (200, 0, 0))
+    exif = stored.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display: 20 wide, 40 high
+    stored.save(tmp_path / "photo.jpg", exif=exif)
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "photo.jpg"}]}]}
+    ours = load_images(row, tmp_path)["messages"][0]["content"][0]["image"]
+    assert ours.size == load_image(str(tmp_path / "photo.jpg")).size == (20, 40)

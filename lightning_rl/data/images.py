@@ -100,16 +100,17 @@ def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
 
 
 def _open(image: Any, base: Path | None, decode: bool = True) -> Any:
-    """The image, opened (RGB); with ``decode=False`` only checked: its header read and, where the format has them,
-    its checksums, without decoding a pixel (returns None)."""
-    from PIL import Image
+    """The image, opened (RGB) and turned upright as its EXIF orientation says (a phone's photo, as transformers'
+    ``load_image`` and ``datasets`` read it); with ``decode=False`` only checked: its header read and, where the format
+    has them, its checksums, without decoding a pixel (returns None)."""
+    from PIL import Image, ImageOps
 
     if isinstance(image, Image.Image):
         return image.convert("RGB") if decode else None
     data, shown = _image_data(image, base)
     try:
         with Image.open(data) as opened:
-            return opened.convert("RGB") if decode else opened.verify()
+            return ImageOps.exif_transpose(opened).convert("RGB") if decode else opened.verify()
     except Exception as error:  # Pillow's UnidentifiedImageError, a truncated file, ...
         raise ValueError(f"{shown} cannot be read as an image ({type(error).__name__})") from None
 

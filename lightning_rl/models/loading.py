@@ -115,6 +115,14 @@ def load_causal_lm(
                 param.requires_grad_(False)
         return model
     _check_lora_targets(model, lora.target_modules)
+    if towers == "lora" and outside and lora.target_modules != "all-linear":
+        names = [name for name, _ in model.named_modules()]
+        if not any(re.match(outside, name) and any(name == t or name.endswith(f".{t}") for t in lora.target_modules) for name in names):
+            leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if re.match(outside, name) and isinstance(module, torch.nn.Linear)})
+            raise RecipeError(
+                f"towers: lora, but lora.target_modules names no module of the towers of {type(model).__name__}, which would "
+                f"train as if frozen (their linear layers: {', '.join(leaves)}; or all-linear)", "towers",
+            )  # fmt: skip
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
