@@ -116,6 +116,10 @@ def test_prompts_without_the_field_are_refused(tmp_path):
         path.write_text("".join(json.dumps({"prompt": [user]}) + "\n" for _ in range(3)) + json.dumps({"prompt": [bad]}) + "\n")
         with pytest.raises(ValueError, match=rf"prompts.jsonl: line 4: `prompt\[0\]`.*{said}|prompts.jsonl: line 4: {said}"):
             PromptDataModule(path=str(path)).setup("fit")
+    pictured = {"role": "assistant", "content": [{"type": "image", "image": "x.png"}]}  # found mid-run, in other words
+    path.write_text(json.dumps({"prompt": [user]}) + "\n" + json.dumps({"prompt": [user, pictured, user]}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl: line 2: `prompt\[1\].content\[0\]`: an image in an assistant turn"):
+        PromptDataModule(path=str(path)).setup("fit")
 
 
 class EngineWeights(L.Callback):

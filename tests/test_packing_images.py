@@ -493,3 +493,15 @@ def test_images_side_by_side_are_refused_for_what_they_are():
         ImageRenderer(processor, image_token).render(adjacent, add_generation_prompt=True)
     apart = [{"role": "user", "content": [picture, {"type": "text", "text": "and"}, picture, {"type": "text", "text": "same?"}]}]
     assert len(ImageRenderer(processor, image_token).render(apart, add_generation_prompt=True)[2]) == 2
+
+
+def test_the_markers_an_image_text_processor_writes_are_kept_out_of_sampling(tmp_path):
+    """Only the tokens a config names were kept out of sampling: Idefics3's processor writes markers of its own."""
+    from lightning_rl.models.multimodal import multimodal_token_ids, processor_token_ids
+    from support.tiny_idefics3 import build_idefics3
+
+    path = build_idefics3(tmp_path / "idefics3")
+    processor, tokenizer = transformers.AutoProcessor.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
+    kept_out = {*multimodal_token_ids(transformers.AutoConfig.from_pretrained(path)), *processor_token_ids(processor, tokenizer)}
+    assert {tokenizer.convert_ids_to_tokens(i) for i in kept_out} == {"<image>", "<fake_token_around_image>", "<global-img>"}
+    assert processor_token_ids(None, tokenizer) == ()  # a text-only model

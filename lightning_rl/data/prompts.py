@@ -101,6 +101,9 @@ def _text_parts_joined(messages: list[Any], field: str) -> list[dict[str, Any]]:
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict) or part.get("type") not in ("text", "image") or (part["type"] == "text" and not isinstance(part.get("text"), str)):
                 raise ValueError(f"`{field}[{k}].content[{j}]` must be {{\"type\": \"text\", \"text\": ...}} or an image part")
+            if part["type"] == "image" and message["role"] == "assistant":
+                raise ValueError(f"`{field}[{k}].content[{j}]`: an image in an assistant turn (the model reads images in user "
+                                 "and system turns; its processor places none in its own)")
     if any(part.get("type") != "text" for m in messages if isinstance(m.get("content"), list) for part in m["content"]):
         return messages  # images: the processor's template reads the parts
     return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m for m in messages]

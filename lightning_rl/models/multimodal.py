@@ -127,6 +127,20 @@ def multimodal_token_ids(config: Any) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if 0 <= i < vocab))
 
 
+def processor_token_ids(processor: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids of the multimodal tokens an image-text model's processor writes besides those its config names
+    (Idefics3's ``<fake_token_around_image>`` and ``<global-img>``, ...): its string attributes named ``*_token`` or
+    ``*_tag`` with a media word, each a single token of the vocabulary."""
+    ids: set[int] = set()
+    for owner in (processor, getattr(processor, "tokenizer", None)):
+        for name, value in (vars(owner).items() if owner is not None else ()):
+            if name.endswith(("_token", "_tag")) and isinstance(value, str) and any(word in name for word in _MEDIA_WORDS):
+                token = tokenizer.convert_tokens_to_ids(value)
+                if isinstance(token, int) and token != tokenizer.unk_token_id:
+                    ids.add(token)
+    return tuple(sorted(ids))
+
+
 def position_rule(path: str) -> Callable[[Sequence[int], dict[str, torch.Tensor]], torch.Tensor] | None:
     """``rope_positions`` of the model at ``path`` without its weights (the model built on the meta device: its rule
     reads only the config and the tokens), for data code that packs rows before any model is loaded; None for a

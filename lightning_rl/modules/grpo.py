@@ -55,7 +55,7 @@ from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_rows
 from lightning_rl.ops.prefix_rows import finish_prefix, share_prefixes, span_settings
-from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, rope_positions, uses_multi_axis_positions
+from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import RewardScorer, RewardSpec
@@ -303,7 +303,7 @@ class GRPOModule(PolicyModule):
         self.processor, self.image_token_id = load_processor(path)
         if self.hparams.eval_generations:
             self.eval_cases  # read now: a bad row stops the run before it writes anything
-        suppressed = multimodal_token_ids(self.policy.config)
+        suppressed = tuple(sorted({*multimodal_token_ids(self.policy.config), *processor_token_ids(self.processor, self.tokenizer)}))
         if suppressed:
             self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed)
         if self.loss.beta != 0.0:
