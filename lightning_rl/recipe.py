@@ -689,7 +689,10 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
         if message.startswith("model.engine must be one of"):
             short, got = message.removeprefix("model.engine must be one of ").split(", got ", 1)
             if got.isidentifier():
-                message = f"model.engine must be one of {short} or an engine's class_path, got {got}"
+                near = (_unknown_engine(got) or "").partition(" (did you mean ")[2]
+                message = f"model.engine must be one of {short} or an engine's class_path, got {got}{f' (did you mean {near}' if near else ''}"
+            elif (problem := _unknown_engine(_engine_name(recipe, overrides)[1])) is not None:
+                message = f"model.engine.class_path: {problem}"
             elif _engine_named(recipe, overrides):
                 message = (f"model.engine: a short name ({short}) takes no options; with options give the engine's class_path "
                            "(its class name, e.g. VLLMEngine, or pkg.module.Class) and init_args")  # fmt: skip
@@ -705,16 +708,39 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
 
 def _engine_named(recipe: str | None, overrides: list[str]) -> bool:
     """Whether the recipe or a later override names the engine (a short name or a class_path), not only options."""
+    return _engine_name(recipe, overrides)[0]
+
+
+def _engine_name(recipe: str | None, overrides: list[str]) -> tuple[bool, str | None]:
+    """(whether the recipe or a later override names the engine, the name or class_path it gives where readable)."""
     model = (yaml.safe_load(Path(recipe).read_text()) or {}).get("model") if recipe is not None else None
     engine = model.get("engine") if isinstance(model, dict) else None
     named = isinstance(engine, str) or (isinstance(engine, dict) and "class_path" in engine)
+    name = engine if isinstance(engine, str) else str(engine["class_path"]) if named else None
     for arg in overrides:
         key, _, value = arg.partition("=")
         if key == "--model.engine":
             named = not value.lstrip().startswith("{") or "class_path" in value
+            name = value.strip() if named and not value.lstrip().startswith("{") else None
         elif key == "--model.engine.class_path":
-            named = True
-    return named
+            named, name = True, value.strip()
+    return named, name
+
+
+def _unknown_engine(name: str | None) -> str | None:
+    """What is wrong with an engine's name or class_path (None: it names an engine class), with the nearest engine."""
+    if name is None:
+        return None
+    try:
+        EngineSpec.of(name)
+    except ValueError as error:
+        from lightning_rl.rollout.base import SHORT_NAMES
+
+        paths = {path.replace(":", ".").rpartition(".")[2]: path for path in SHORT_NAMES.values()}
+        last = name.replace(":", ".").rpartition(".")[2]
+        near = [last] if last in paths else difflib.get_close_matches(last, list(paths), n=1, cutoff=0.6)
+        return f"{error}{f' (did you mean {paths[near[0]]}?)' if near else ''}"
+    return None
 
 
 def build(recipe: str | None, overrides: list[str]) -> RecipeCLI:

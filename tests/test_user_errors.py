@@ -105,6 +105,9 @@ MISTAKES = {
     "max_new_tokens 0 (grpo)": (GRPO, lambda t: ["--model.sampling.max_new_tokens=0"], "model.sampling.max_new_tokens must be >= 1, got 0"),
     "max_turns 0": (GRPO, lambda t: ["--model.max_turns=0"], "model.max_turns must be >= 1, got 0"),
     "unknown engine": (GRPO, lambda t: ["--model.engine=vlm"], "command line: model.engine must be one of hf, vllm, vllm_server or an engine's class_path, got vlm"),
+    "engine class_path typo": (GRPO, lambda t: ["--model.engine=lightning_rl.rollout.vllm_engine.VLLMEngin", "--model.engine.init_args.dtype=float32"],
+                               "command line: model.engine.class_path: rollout engine 'lightning_rl.rollout.vllm_engine.VLLMEngin': module "
+                               "'lightning_rl.rollout.vllm_engine' has no 'VLLMEngin' (did you mean lightning_rl.rollout.vllm_engine.VLLMEngine?)"),
     "engine option typo": (GRPO, lambda t: ["--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilisation=0.5"], "command line: unknown key 'model.engine.init_args.gpu_memory_utilisation'"),
     "engine option of the wrong type": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.transport=mpi"], "command line: model.engine.transport must be one of auto, gloo, nccl, got mpi"),
     "server engine restarts -1": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.engine_max_restarts=-1"],

@@ -127,3 +127,22 @@ def test_a_server_that_cannot_start_or_answer_is_one_line_before_anything_runs(t
     engine = {"class_path": "lightning_rl.rollout.vllm_server.VLLMServerEngine", "init_args": {"server_options": {"dtype": "float13", "python": sys.executable}}}
     with pytest.raises(ValueError, match="server_options.dtype: must be one of auto, half"):
         EngineSpec.of(engine).check_here()
+
+
+def test_a_server_that_does_not_start_is_said_by_its_root_cause():
+    """The first error-like text of the log was taken, a warning's included: on a machine with a low file limit every
+    start failure was said to be 'Too many open files', and argparse's refusal of a flag was never found."""
+    from lightning_rl.rollout.vllm_server_process import first_error
+
+    warning = ("(APIServer pid=7) WARNING 12-05 07:00:01 [system_utils.py:90] Found ulimit of 20000 and failed to raise "
+               "it: OSError: [Errno 24] Too many open files")  # fmt: skip
+    validation = [warning, "(APIServer pid=7) Traceback (most recent call last):", '  File "api_server.py", line 1, in <module>',
+                  "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+                  "  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len (1024)",
+                  "RuntimeError: Engine core initialization failed. See root cause above."]  # fmt: skip
+    assert first_error("\n".join(validation)) == (
+        "ValidationError: 1 validation error for ModelConfig Value error, User-specified max_model_len (100000) is greater "
+        "than the derived max_model_len (1024)")
+    usage = [warning, "usage: api_server.py [-h] [--host HOST]", "api_server.py: error: unrecognized arguments: --bogus-flag"]
+    assert first_error("\n".join(usage)) == "api_server.py: error: unrecognized arguments: --bogus-flag"
+    assert first_error(warning) is None

@@ -22,6 +22,26 @@ from lightning_rl.rollout import orphan_watch
 
 
 _ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception): [^\n]+")  # a Python exception's last line, as a log holds it
+_USAGE_ERROR = re.compile(r"\S+: error: [^\n]+")  # argparse refusing the command line (an unknown flag)
+_LOGGED_AT = re.compile(r"\b(?:DEBUG|INFO|WARNING)\b \d\d-\d\d ")  # vLLM's log lines below ERROR (a ulimit warning, ...)
+
+
+def first_error(text: str) -> str | None:
+    """The first error a server's log holds, its root cause: an exception's last line (a validation error with the
+    line that says what), or argparse's refusal; lines logged below ERROR are passed over (vLLM warns about a low
+    file limit with an OSError's text on any machine whose limit is low)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if _LOGGED_AT.search(line):
+            continue
+        match = _ERROR_LINE.search(line) or _USAGE_ERROR.search(line)
+        if match is None or "initialization failed" in match.group(0):
+            continue
+        said = match.group(0).strip()
+        if "validation error" in said:  # pydantic: the next lines say which value and why
+            said = " ".join([said, *(extra.strip() for extra in lines[i + 1 : i + 3] if extra[:1].isspace() and extra.strip())])
+        return said
+    return None
 
 
 class VLLMServerError(RuntimeError):
@@ -210,8 +230,8 @@ class VLLMServer:
             return ""
         with open(self.log_path, "rb") as log:
             text = log.read(1 << 20).decode(errors="replace")
-        errors = [m.group(0).strip() for m in _ERROR_LINE.finditer(text) if "initialization failed" not in m.group(0)]
-        return (f": {errors[0]}" if errors else "") + ":\n" + "\n".join(tail)
+        error = first_error(text)
+        return (f": {error}" if error else "") + ":\n" + "\n".join(tail)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group by PID, SIGKILL what is left after `timeout`; return once none is. A log
