@@ -7,6 +7,7 @@ so a real ENOSPC; where mounting is not allowed, a real file size limit, EFBIG).
 from __future__ import annotations
 
 import contextlib
+import json
 import errno
 import os
 import pickle
@@ -274,3 +275,30 @@ def file_size_limit(limit: int | None) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_run_given_max_epochs_resumes_on_the_batches_it_stopped_at(tmp_path, capsys):
+    """With trainer.max_epochs set, counting the schedule's steps made Lightning build the training data before the
+    checkpoint was restored: the resumed run trained other batches than an uninterrupted one (a GRPO resume stopped)."""
+    from safetensors.torch import load_file
+
+    common = ("--trainer.max_epochs=100", "--model.lr_schedule=constant", "--model.warmup_steps=0")
+    code, errors, err = run(capsys, SFT, tmp_path / "whole", "--trainer.max_steps=7", *common)
+    assert code == 0 and errors == [], err[-3000:]
+    code, errors, err = run(capsys, SFT, tmp_path / "parts", "--trainer.max_steps=3", *common)
+    assert code == 0 and errors == [], err[-3000:]
+    code, errors, err = run(capsys, SFT, tmp_path / "parts", "--trainer.max_steps=7", "--ckpt_path=last", *common)
+    assert code == 0 and errors == [], err[-3000:]
+    whole, parts = (load_file(tmp_path / name / "hf" / "model.safetensors") for name in ("whole", "parts"))
+    assert all(torch.equal(whole[name], parts[name]) for name in whole)
+
+
+def test_a_grpo_run_given_max_epochs_resumes(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{k}+{k}=", "answer": str(2 * k)}) + "\n" for k in range(4)))
+    grpo = [*GRPO, f"--data.train_data={prompts}", "--data.batch_size=2", "--trainer.max_steps=-1", "--model.eval_generations=0"]
+    code, errors, err = run(capsys, grpo, tmp_path / "run", "--trainer.max_epochs=1")
+    assert code == 0 and errors == [], err[-3000:]
+    code, errors, err = run(capsys, grpo, tmp_path / "run", "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert code == 0 and errors == [], err[-3000:]
+    assert checkpoint_step(tmp_path / "run" / "checkpoints" / "last.ckpt") == 4

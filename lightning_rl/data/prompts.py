@@ -177,6 +177,10 @@ class PromptDataModule(L.LightningDataModule):
         """Where a record of ``prompt_batch`` is in the data: ``FILE: line N`` (JSONL) or ``FILE: row N``."""
         return self._locations.get(id(record), self.path)
 
+    def batches_per_epoch(self) -> None:
+        """None: the prompt batches come without end (a run stops at trainer.max_steps)."""
+        return None
+
     def columns(self) -> set[str]:
         self.setup()
         return set().union(*(set(record) for record in self.records))

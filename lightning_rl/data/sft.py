@@ -639,6 +639,7 @@ class SFTDataModule(LightningDataModule):
         self.generation_cases: list[GenerationCase] = []
         self.resolved_packing: Packing = packing
         self._sampler: TokenBudgetBatchSampler | None = None
+        self._epoch_batches: int | None = None  # batches_per_epoch, once counted
         self._position = (0, 0)  # (epoch, training batches already taken in it)
         self._resume: tuple[int, int] | None = None
         self._epoch_offset = 0  # the data's epoch minus Lightning's (train_dataloader)
@@ -665,15 +666,20 @@ class SFTDataModule(LightningDataModule):
         if self.trainer is not None and stage == "fit":
             self._check_val_interval()
 
+    def batches_per_epoch(self) -> int:
+        """This rank's batches in an epoch (every epoch has at most the first's), counted without a data loader."""
+        if self._epoch_batches is None:
+            self._epoch_batches = len(self._loader(self.train_examples, self.shuffle, self.seed)[1])
+        return self._epoch_batches
+
     def _check_val_interval(self) -> None:
         """A ``val_check_interval`` (training batches) longer than an epoch under ``check_val_every_n_epoch``, which
         Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was refused)."""
         trainer, interval = self.trainer, getattr(self.trainer, "val_check_interval", None)
         if not isinstance(interval, int) or isinstance(interval, bool) or trainer.check_val_every_n_epoch is None:
             return
-        _, sampler = self._loader(self.train_examples, self.shuffle, self.seed)
         limit = trainer.limit_train_batches
-        batches = min(len(sampler), limit) if isinstance(limit, int) and not isinstance(limit, bool) else len(sampler)
+        batches = min(self.batches_per_epoch(), limit) if isinstance(limit, int) and not isinstance(limit, bool) else self.batches_per_epoch()
         if interval > batches:
             raise DataError(
                 f"trainer.val_check_interval={interval} training batches, but an epoch of data.train_data is {batches} "

@@ -29,7 +29,7 @@ def adamw_with_schedule(
     betas: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """What ``configure_optimizers`` returns: AdamW and its schedule, stepped every optimizer step."""
-    total = trainer.estimated_stepping_batches  # max_steps, else what the epochs come to; -1 or inf: no end
+    total = run_length(trainer)  # max_steps, else what the epochs come to; -1 or inf: no end
     ends = math.isfinite(total) and total >= 1
     if lr_schedule in _OVER_THE_RUN and not ends:
         raise RecipeError(
@@ -39,3 +39,24 @@ def adamw_with_schedule(
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, **({"betas": tuple(betas)} if betas else {}))
     scheduler = get_scheduler(lr_schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=int(total) if ends else 1)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def run_length(trainer: Trainer) -> float:
+    """The run's optimizer steps, as Lightning's ``estimated_stepping_batches`` counts them, without building the
+    training data: Lightning builds it to count an epoch's batches, before a resumed run's checkpoint is restored, and
+    the data then started from the wrong place (SFT trained other batches, a GRPO resume stopped). A datamodule with
+    ``batches_per_epoch`` says it (None: without end); another is asked of Lightning."""
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_epochs is None or max_epochs == -1:
+        return float("inf") if max_steps == -1 else max_steps
+    count = getattr(trainer.datamodule, "batches_per_epoch", None)
+    if count is None:
+        return trainer.estimated_stepping_batches
+    batches = count()
+    if batches is None:
+        return float("inf") if max_steps == -1 else max_steps
+    limit = trainer.limit_train_batches
+    batches = min(batches, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(batches * limit)
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(max_epochs, 1)
+    return min(steps, max_steps) if max_steps != -1 else steps
+
