@@ -40,7 +40,7 @@ from lightning_rl.callbacks import (
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.rollout.base import EngineSpec
+from lightning_rl.rollout.base import SHORT_NAMES, EngineSpec
 from lightning_rl.same_run import check_same_run, leaves
 from lightning_rl.strategies import check_strategy_request
 
@@ -734,8 +734,6 @@ def _unknown_engine(name: str | None) -> str | None:
     try:
         EngineSpec.of(name)
     except ValueError as error:
-        from lightning_rl.rollout.base import SHORT_NAMES
-
         paths = {path.replace(":", ".").rpartition(".")[2]: path for path in SHORT_NAMES.values()}
         last = name.replace(":", ".").rpartition(".")[2]
         near = [last] if last in paths else difflib.get_close_matches(last, list(paths), n=1, cutoff=0.6)

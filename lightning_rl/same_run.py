@@ -10,17 +10,19 @@ checkpoints kept their recipe is compared by its optimizer keys alone (``PolicyM
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 import yaml
 
+from lightning_rl import validation
 from lightning_rl.errors import RecipeError
 
 # Keys (dotted from the recipe's top; a block's name covers every key inside it) that a resume may change.
 SAFE = re.compile(
     r"(?:output_dir|ckpt_path|overwrite|checkpoint_every_n_steps|keep_checkpoints|logger"
-    r"|trainer\.(?:max_steps|max_epochs|max_time|min_steps|min_epochs|accelerator|enable_progress_bar|enable_model_summary"
+    r"|trainer\.(?:max_steps|max_epochs|max_time|min_steps|min_epochs|accelerator|enable_progress_bar|enable_model_summary|detect_anomaly"
     r"|enable_checkpointing|log_every_n_steps|val_check_interval|check_val_every_n_epoch|limit_val_batches"
     r"|num_sanity_val_steps|default_root_dir|callbacks|profiler|logger)"
     r"|model\.(?:eval_data|eval_generations|eval_max_new_tokens|max_new_tokens|log_rollouts_every_n_steps|summary_window"
@@ -44,7 +46,32 @@ def changed(saved: str, here: str) -> list[tuple[str, Any, Any]]:
     """(key, saved value, value here) for each key that both recipes hold, with another value here, that a resume
     may not change."""
     theirs, ours = (leaves(yaml.safe_load(text) or {}) for text in (saved, here))
-    return [(key, theirs[key], value) for key, value in ours.items() if key in theirs and theirs[key] != value and not SAFE.fullmatch(key)]
+    return [(key, theirs[key], value) for key, value in ours.items() if key in theirs and not SAFE.fullmatch(key) and not _same(key, theirs[key], value)]
+
+
+def _same(key: str, before: Any, now: Any) -> bool:
+    """Whether two values of ``key`` mean the same: equal once typed (the command line gives ``devices`` as the
+    string "1", a recipe as the number), the same precision by another of its names, or the same file by another path
+    (relative or absolute, from another working directory: a path that no longer exists was moved to the new one)."""
+    if _typed(before) == _typed(now):
+        return True
+    if key == "trainer.precision":
+        try:
+            return validation.precision(before) == validation.precision(now)
+        except RecipeError:
+            return False
+    if isinstance(before, str) and isinstance(now, str) and os.path.exists(now):
+        return not os.path.exists(before) or os.path.samefile(before, now)
+    return False
+
+
+def _typed(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return value
 
 
 def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
@@ -57,8 +84,7 @@ def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
         raise RecipeError(
             f"{said}: ckpt_path: {ckpt_path} resumes a run that another value would make a different run; give the "
             "run's values, or start a new run (another output_dir, or --overwrite)",
-            differences[0][0],
-        )
+        )  # no key: each is named from the recipe's top already (a module's key would be read from inside its block)
 
 
 def _shown(value: Any) -> str:

@@ -36,7 +36,7 @@ ALLOWED = {
                 "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
-    "same_run": {"errors"},
+    "same_run": {"errors", "validation"},
     "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "models", "validation"},

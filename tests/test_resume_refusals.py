@@ -20,6 +20,7 @@ from pathlib import Path
 from traceback import StackSummary
 
 import pytest
+import yaml
 import torch
 from lightning.pytorch import Callback
 from torch.distributed.checkpoint.api import CheckpointException
@@ -302,3 +303,21 @@ def test_a_grpo_run_given_max_epochs_resumes(tmp_path, capsys):
     code, errors, err = run(capsys, grpo, tmp_path / "run", "--trainer.max_epochs=2", "--ckpt_path=last")
     assert code == 0 and errors == [], err[-3000:]
     assert checkpoint_step(tmp_path / "run" / "checkpoints" / "last.ckpt") == 4
+
+
+def test_a_resume_is_not_refused_for_the_same_value_written_another_way(tmp_path, monkeypatch):
+    """The comparison took the dumped values as they are: the same data file by a relative and an absolute path,
+    devices "1" from the command line against 1 from a recipe, precision 32 against 32-true, a model folder moved."""
+    from lightning_rl.same_run import changed
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    (tmp_path / "other.jsonl").write_text("{}\n")
+    (tmp_path / "moved-model").mkdir()
+    saved = yaml.safe_dump({"seed": 0, "data": {"train_data": "rows.jsonl"}, "trainer": {"devices": 1, "precision": "32-true"},
+                            "model": {"model_name_or_path": str(tmp_path / "gone-model")}})
+    same = yaml.safe_dump({"seed": 0, "data": {"train_data": str(tmp_path / "rows.jsonl")}, "trainer": {"devices": "1", "precision": "32"},
+                           "model": {"model_name_or_path": str(tmp_path / "moved-model")}})
+    assert changed(saved, same) == []
+    other = yaml.safe_dump({"seed": 3, "data": {"train_data": "other.jsonl"}, "trainer": {"devices": 2, "precision": "bf16-mixed"}})
+    assert sorted(key for key, _, _ in changed(saved, other)) == ["data.train_data", "seed", "trainer.devices", "trainer.precision"]
