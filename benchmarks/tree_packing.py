@@ -131,7 +131,7 @@ def span_layouts(model, seqs, masks, budget: int, device: str | torch.device = "
         "flat": (plan_ordered_rows(seqs, wide, "flat"), None),
         "subgroups": (plan_rows(seqs, wide, groups=groups).ranks[0], None),
     }
-    spans = plan_rows(seqs, budget, groups=groups, **span_settings("always", model, masks, images=False))
+    spans = plan_rows(seqs, budget, groups=groups, **span_settings("always", model, masks, apart=False))
     plans["cross_row"] = plans["cross_row_recompute"] = (spans.ranks[0], spans.prefixes[0])
     return {
         name: ([(row, pack_sequences([seqs[i] for i in row], [masks[i] for i in row], share_prefixes=(name != "flat")).to(device)) for row in rows],
