@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -328,6 +329,13 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         if trainer.global_step != self._last_global_step_saved:  # not reached after a stop (an exception) or a NaN
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)
+        if trainer.is_global_zero and self.dirpath is not None:
+            # A signal's checkpoint (RequeueOnSignal) of an earlier step is superseded by the final one, which
+            # --ckpt_path=last takes: it went on holding a whole model and its optimizer state on the disk.
+            for path in Path(self.dirpath).parent.glob("hpc_ckpt_*.ckpt"):
+                step = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
+                if step is not None and int(step[1]) < trainer.global_step:
+                    remove(path)
 
 
 def _log_finished_step(trainer: Trainer) -> None:

@@ -45,7 +45,7 @@ def signalled_again_and_again(recipe: Recipe, reference: Path, out: Path, rng: r
         step = signal_mid_step(recipe, out, rng, signum, to_group, resume=attempt > 0, max_steps=MAX_STEPS)
     log = recipe.run(out, "--ckpt_path=last")
     assert f"resume: step {step} from hpc_ckpt_{step}.ckpt, the newest complete checkpoint" in log
-    assert leftovers(out) == []
+    assert leftovers(out) == [] and list(out.glob("hpc_ckpt_*")) == []  # superseded by the final checkpoint
     assert_same_weights(reference, out)
     # summary.json describes the whole run, not only its last part
     summary, want = (json.loads((folder / "summary.json").read_text()) for folder in (out, reference))

@@ -164,9 +164,9 @@ def launch(capsys, *args: str) -> tuple[int, str, list[str]]:
 def test_bad_recipe_files_are_named(tmp_path: Path, capsys) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n")
     (tmp_path / "notask.yaml").write_text("model: {}\n")
-    for name, expected in {"absent.yaml": "no such recipe file", "list.yaml": "missing key 'task'", "notask.yaml": "missing key 'task'"}.items():
+    for name, expected in {"absent.yaml": "no such recipe file", "list.yaml": "a recipe is a mapping of keys (task:, model:, data:, ...), not a list", "notask.yaml": "missing key 'task'"}.items():
         assert launch(capsys, str(tmp_path / name), "--nodes", "1", "--gpus-per-node", "1", "--partition", "p") == (
-            2, "", [f"error: {tmp_path / name}: {expected} (one of sft, grpo)" if "task" in expected else f"error: {tmp_path / name}: {expected}"]
+            2, "", [f"error: {tmp_path / name}: {expected} (one of sft, grpo)" if "missing key" in expected else f"error: {tmp_path / name}: {expected}"]
         )
 
 

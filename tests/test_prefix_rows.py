@@ -214,7 +214,7 @@ STYLES = {
     "gpt2": None,  # learned positions, continued at the prefix's depth
     "gemma3n_text_kvshare": None,  # later layers reuse earlier layers' keys and values
     "qwen3_moe": None, "deepseek_v3": None,  # experts; latent attention (rounds to fp32 inside)
-    "gemma2": r"passes 'softcap' to its attention",
+    "gemma2": None,  # soft-capped scores (rounds to fp32 inside)
     "diffllama": r"an attention module runs twice in one forward",
     "llama_dynamic": r"its dynamic rope picks frequencies from the longest position",
 }  # fmt: skip

@@ -642,7 +642,8 @@ def tree_attention_forward(
         key, value = tree_attention.prefix_keys_values(module, key, value)
     if tree_attention.capture is not None:  # after the join: a nested prefix captures its whole chain's
         tree_attention.capture.append((id(module), key, value))
-    out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window, softcap=softcap)
+    capped = {} if softcap is None else {"softcap": softcap}
+    out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window, **capped)
     return out.transpose(1, 2).contiguous(), None
 
 
