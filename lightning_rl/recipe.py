@@ -195,18 +195,8 @@ def check_trainer(trainer: Any, task: str | None = None, sized_only: bool = Fals
 
 
 def _check_devices(devices: Any, accelerator: Any) -> None:
-    """``trainer.devices`` as Lightning reads it: ``auto``, -1 (every device), a count, or the devices' indices (a
-    list, or a string ``"0,2"``), which a CPU does not have (Lightning ends in a traceback on anything else)."""
-    if devices is None or devices in ("auto", -1, "-1"):
-        return
-    if isinstance(devices, str):
-        parts = [part.strip() for part in devices.split(",") if part.strip()]
-        devices = int(devices) if devices.strip().isdigit() else [int(p) for p in parts] if parts and all(p.isdigit() for p in parts) else devices
-    count = isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
-    indices = isinstance(devices, list) and bool(devices) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
-    if not (count or indices):
-        raise RecipeError(f"trainer.devices must be auto, -1 (every device), a count >= 1 or a list of device indices, got {devices!r}", "trainer.devices")
-    if indices and accelerator == "cpu":
+    """``trainer.devices`` as Lightning reads it (``validation.devices``); a CPU has no device indices."""
+    if isinstance(validation.devices(devices), list) and accelerator == "cpu":
         raise RecipeError(f"trainer.devices: a CPU run takes a number of processes, not device indices, got {devices!r}", "trainer.devices")
 
 

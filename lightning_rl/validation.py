@@ -28,6 +28,24 @@ def precision(value: Any) -> str:
     return name
 
 
+def devices(value: Any, key: str = "trainer.devices") -> int | list[int] | None:
+    """``trainer.devices`` as Lightning reads it: None for every device (``auto``, -1, ``"-1"``), a count (``2`` or
+    ``"2"``), or the devices' indices (``[0, 2]`` or ``"0,2"``); refused otherwise (Lightning ends in a traceback)."""
+    if value is None or value in ("auto", -1, "-1"):
+        return None
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.split(",") if part.strip()]
+        if value.strip().isdigit():
+            value = int(value)
+        elif parts and all(part.isdigit() for part in parts):
+            value = [int(part) for part in parts]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        return list(value)
+    raise RecipeError(f"{key} must be auto, -1 (every device), a count >= 1 or a list of device indices, got {value!r}", key)
+
+
 def resolved_against(path: str | os.PathLike) -> str:
     """What a path that was not found was looked for from, for its message: a relative one is read from the working
     directory (not the recipe's folder)."""

@@ -31,13 +31,13 @@ ALLOWED = {
     "models": {"toy", "errors", "validation", "packing", "disk_space"},
     "ops": {"attention", "packing", "device_policy", "models"},
     "data": {"packing", "device_policy", "models", "toy", "errors", "validation"},
-    "strategies": {"models", "checkpoints", "device_policy", "ops", "errors"},
+    "strategies": {"models", "checkpoints", "device_policy", "ops", "errors", "validation"},
     "modules": {"attention", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
                 "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
     "same_run": {"errors", "validation"},
-    "recipe": {"callbacks", "checkpoints", "console", "errors", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
+    "recipe": {"callbacks", "checkpoints", "console", "dotted", "errors", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
     "launch": {"rollout", "recipe", "errors", "validation"},
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},
@@ -66,7 +66,10 @@ def imports(path: Path) -> list[tuple[str, bool]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
-            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if isinstance(node, ast.ImportFrom):  # `from lightning_rl import x` imports the part x
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "lightning_rl" else [node.module]
+            else:
+                names = [a.name for a in node.names]
             found += [(n, node.col_offset > 0) for n in names if n and n.startswith("lightning_rl.")]
     return found
 
@@ -110,9 +113,11 @@ def test_the_check_catches_a_forbidden_direction_and_a_circle(tmp_path, monkeypa
     (tmp_path / "strategies").mkdir()
     (tmp_path / "models" / "loading.py").write_text("from lightning_rl.strategies.fsdp2 import FSDP2Strategy\n")
     (tmp_path / "strategies" / "fsdp2.py").write_text("def f():\n    from lightning_rl.models.loading import x\n")
+    (tmp_path / "strategies" / "xla.py").write_text("from lightning_rl import recipe\n")
     found = violations(sorted(tmp_path.rglob("*.py")))
     assert "models/loading.py: models imports lightning_rl.strategies.fsdp2" in found
     assert "strategies/fsdp2.py: imports lightning_rl.models.loading inside a function" in found
+    assert "strategies/xla.py: strategies imports lightning_rl.recipe" in found
     assert any(p.startswith("circle: ") for p in found)
 
 

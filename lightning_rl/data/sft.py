@@ -50,6 +50,13 @@ class DataError(UserError, ValueError):
     """A problem with the training data, with the file and line (or row) it was found in."""
 
 
+def limited_batches(trainer: Any, batches: int) -> int:
+    """An epoch's training batches once ``trainer.limit_train_batches`` applies, as Lightning counts them: a number of
+    batches caps the epoch, a fraction scales it (rounded down)."""
+    limit = trainer.limit_train_batches
+    return min(batches, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(batches * limit)
+
+
 @dataclass
 class Example:
     input_ids: list[int]
@@ -673,13 +680,18 @@ class SFTDataModule(LightningDataModule):
         return self._epoch_batches
 
     def _check_val_interval(self) -> None:
-        """A ``val_check_interval`` (training batches) longer than an epoch under ``check_val_every_n_epoch``, which
-        Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was refused)."""
+        """What Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was
+        refused): a ``limit_train_batches`` fraction that keeps no batch, and a ``val_check_interval`` (training batches)
+        longer than an epoch under ``check_val_every_n_epoch``."""
         trainer, interval = self.trainer, getattr(self.trainer, "val_check_interval", None)
+        limit, batches = trainer.limit_train_batches, limited_batches(trainer, self.batches_per_epoch())
+        if batches == 0 and isinstance(limit, float) and limit > 0:
+            raise DataError(
+                f"trainer.limit_train_batches={limit} keeps no batch of data.train_data's {self.batches_per_epoch()} per "
+                f"epoch (data.max_tokens {self.max_tokens}): give at least {1 / self.batches_per_epoch():.4g}, or a number of batches"
+            )
         if not isinstance(interval, int) or isinstance(interval, bool) or trainer.check_val_every_n_epoch is None:
             return
-        limit = trainer.limit_train_batches
-        batches = min(self.batches_per_epoch(), limit) if isinstance(limit, int) and not isinstance(limit, bool) else self.batches_per_epoch()
         if interval > batches:
             raise DataError(
                 f"trainer.val_check_interval={interval} training batches, but an epoch of data.train_data is {batches} "

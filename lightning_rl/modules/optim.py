@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 from transformers import get_scheduler
 
+from lightning_rl.data.sft import limited_batches
 from lightning_rl.errors import RecipeError
 
 # The transformers schedules that need nothing beyond warmup and the run's length.
@@ -55,8 +56,7 @@ def run_length(trainer: Trainer) -> float:
     batches = count()
     if batches is None:
         return float("inf") if max_steps == -1 else max_steps
-    limit = trainer.limit_train_batches
-    batches = min(batches, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(batches * limit)
+    batches = limited_batches(trainer, batches)
     steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(max_epochs, 1)
     return min(steps, max_steps) if max_steps != -1 else steps
 

@@ -20,6 +20,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy, XLAStrategy
 from typing_extensions import override
 
+from lightning_rl import validation
 from lightning_rl.strategies.devices import DeviceInventory, detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
 from lightning_rl.models.structure import find_model_roots
@@ -78,15 +79,11 @@ class NeuronAccelerator(Accelerator):
     @staticmethod
     @override
     def parse_devices(devices: int | str | list[int]) -> list[int]:
-        """As Lightning reads ``devices``: ``auto`` and -1 are every device, a number (``2`` or ``"2"``) is a count,
-        and a list (``"0,2"`` or ``[0, 2]``) names the devices."""
-        if devices in ("auto", -1, "-1"):
+        """As Lightning reads ``devices`` (``validation.devices``): every device, a count, or the devices named."""
+        chosen = validation.devices(devices, "devices")
+        if chosen is None:
             return list(range(torch.accelerator.device_count()))
-        if isinstance(devices, str) and devices.strip().isdigit():
-            devices = int(devices)
-        if isinstance(devices, int):
-            return list(range(devices))
-        return [int(d) for d in (devices.split(",") if isinstance(devices, str) else devices) if str(d).strip()]
+        return list(range(chosen)) if isinstance(chosen, int) else chosen
 
     @staticmethod
     @override
