@@ -220,6 +220,13 @@ def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
     return WandbLogger(project=settings.project, name=settings.name or output_dir.name, save_dir=str(output_dir), offline=offline)
 
 
+def recipe_text(parser: Any, config: Any) -> str:
+    """The resolved recipe as recipe.yaml, each checkpoint and the logged hyperparameters give it."""
+    config = config.clone()
+    config.overwrite = False  # rerunning the saved recipe must not replace this run
+    return parser.dump(config, skip_none=False)
+
+
 class SaveRecipe(SaveConfigCallback):
     """The run's first writes, once its model and data are set up: with ``--overwrite`` the previous run's files go
     (``lightning_rl/run_folder.py``: only those), then the resolved recipe is written to OUTPUT_DIR/recipe.yaml
@@ -244,9 +251,7 @@ class SaveRecipe(SaveConfigCallback):
 
     def recipe_text(self) -> str:
         """The resolved recipe, as the run folder and each checkpoint keep it."""
-        config = self.config.clone()
-        config.overwrite = False  # rerunning the saved recipe must not replace this run
-        return self.parser.dump(config, skip_none=False)
+        return recipe_text(self.parser, self.config)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RECIPE_KEY] = self.recipe_text()
@@ -407,7 +412,7 @@ class RecipeCLI(LightningCLI):
             self.requeue,
             StopOnNonFinite(),
             ScheduleOnResume(),
-            *([LoggerAfterSetup(logger, leaves(yaml.safe_load(self.parser.dump(self.config, skip_none=False))))] if logger else []),
+            *([LoggerAfterSetup(logger, leaves(yaml.safe_load(recipe_text(self.parser, self.config))))] if logger else []),
             PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
@@ -681,9 +686,9 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
             if got.isidentifier():
                 near = (_unknown_engine(got) or "").partition(" (did you mean ")[2]
                 message = f"model.engine must be one of {short} or an engine's class_path, got {got}{f' (did you mean {near}' if near else ''}"
-            elif (problem := _unknown_engine(_engine_name(recipe, overrides)[1])) is not None:
+            elif (problem := _unknown_engine((engine := _engine_name(recipe, overrides))[1])) is not None:
                 message = f"model.engine.class_path: {problem}"
-            elif _engine_named(recipe, overrides):
+            elif engine[0]:
                 message = (f"model.engine: a short name ({short}) takes no options; with options give the engine's class_path "
                            "(its class name, e.g. VLLMEngine, or pkg.module.Class) and init_args")  # fmt: skip
             else:
@@ -694,11 +699,6 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
         raise RecipeError(f"{'command line' if blamed else recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
-
-
-def _engine_named(recipe: str | None, overrides: list[str]) -> bool:
-    """Whether the recipe or a later override names the engine (a short name or a class_path), not only options."""
-    return _engine_name(recipe, overrides)[0]
 
 
 def _engine_name(recipe: str | None, overrides: list[str]) -> tuple[bool, str | None]:

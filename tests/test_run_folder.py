@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch import Callback
 
 from lightning_rl import cli, run_folder
@@ -112,6 +113,8 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     assert sorted(p.name for p in (out / "csv" / "version_0").iterdir()) == ["plot.png"] and (out / "csv" / "version_1" / "hparams.yaml").exists()
     recipe = (out / "recipe.yaml").read_text()
     assert recipe.startswith(run_folder.MARKER + "\n") and "overwrite: false" in recipe  # rerunning it replaces nothing
+    logged = yaml.safe_load((out / "csv" / "version_1" / "hparams.yaml").read_text())
+    assert logged["overwrite"] is False and logged["trainer.max_steps"] == 2  # the logged hyperparameters are recipe.yaml's
     assert not (out / ".lock").exists()
 
 
