@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_rl import cli
 from lightning_rl.checkpoints import checkpoint_step
+from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.data.sft import DataError
 from lightning_rl.disk_space import no_room, tensor_bytes
 from lightning_rl.modules.policy import WRITER
 from support.paths import REPO, TOY_TRAIN
@@ -111,6 +113,36 @@ def test_a_resume_that_changes_what_the_run_trains_is_refused_and_one_that_runs_
                             "--trainer.log_every_n_steps=1", "--checkpoint_every_n_steps=5", "--logger.kind=csv")
     assert code == 0 and errors == [], err[-3000:]
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 2
+
+
+def test_a_resume_on_other_rows_at_the_same_path_is_refused(tmp_path, capsys):
+    """The recipe keeps the data's path only: a data file replaced between the runs resumed at the saved batch of
+    other data, silently. The checkpoint keeps a digest of the rows (as tokenized) and a resume on others is refused."""
+    out, rows = tmp_path / "run", tmp_path / "rows.jsonl"
+    one_step(capsys, SFT, out)
+    saved = rows.read_text()
+    rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[20:40]))
+    code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2")
+    assert code == 2 and errors == [
+        f"error: data.train_data: {rows} holds other rows than the run being resumed trained on (the file was changed or "
+        "replaced, or the tokenizer or its template was): resume with the run's data, or start a new run (another "
+        "output_dir, or --overwrite)"
+    ]
+    assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 1
+    rows.write_text(saved)  # negative control: the run's own rows resume
+    code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2")
+    assert code == 0 and errors == [], err[-3000:]
+
+
+def test_a_grpo_resume_on_other_prompts_at_the_same_path_is_refused(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{k}+1=", "answer": str(k + 1)}) + "\n" for k in range(4)))
+    state = PromptDataModule(str(prompts)).state_dict()
+    PromptDataModule(str(prompts)).load_state_dict(state)  # the same rows
+    prompts.write_text(prompts.read_text().replace('"answer": "2"', '"answer": "3"'))  # a column the rewards read
+    with pytest.raises(DataError, match=f"^data.train_data: {prompts} holds other rows than the run being resumed"):
+        PromptDataModule(str(prompts)).load_state_dict(state)
+    PromptDataModule(str(prompts)).load_state_dict({})  # a checkpoint written before digests: nothing to compare
 
 
 def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpoints(tmp_path, capsys):

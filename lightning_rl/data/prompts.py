@@ -24,7 +24,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.sft import ROLES, DataError, DataSource, check_no_image_tokens, check_source, read_rows
+from lightning_rl.data.sft import ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, read_rows, rows_digest
 from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
@@ -160,6 +160,7 @@ class PromptDataModule(L.LightningDataModule):
         self.records: list[dict[str, Any]] = []
         self._locations: dict[int, str] = {}  # id of a record -> where it is in the data
         self._orders: dict[int, list[int]] = {}
+        self._rows_digest: str | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
@@ -172,6 +173,19 @@ class PromptDataModule(L.LightningDataModule):
                     raise DataError(f"{where}: {error}") from None
             self.records = [record for _, record in located]
             self._locations = {id(record): where for where, record in located}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows_digest": self.rows_digest()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_same_rows("data.train_data", self.path, state.get("rows_digest"), self.rows_digest())
+
+    def rows_digest(self) -> str:
+        """The digest of the prompt records (once: the run's data does not change)."""
+        if self._rows_digest is None:
+            self.setup()
+            self._rows_digest = rows_digest(iter(self.records))
+        return self._rows_digest
 
     def location(self, record: dict[str, Any]) -> str:
         """Where a record of ``prompt_batch`` is in the data: ``FILE: line N`` (JSONL) or ``FILE: row N``."""

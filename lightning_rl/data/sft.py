@@ -11,6 +11,8 @@ the run with one message naming the file and line (or row), before anything is w
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import os
 import re
@@ -55,6 +57,38 @@ def limited_batches(trainer: Any, batches: int) -> int:
     batches caps the epoch, a fraction scales it (rounded down)."""
     limit = trainer.limit_train_batches
     return min(batches, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(batches * limit)
+
+
+def rows_digest(rows: Iterator[Any]) -> str:
+    """A digest of the rows a run trains on, which a checkpoint keeps: a resume on other rows under the same path (a
+    data file replaced, a tokenizer or template changed in place) is told from the run's own."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=_digestible).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def _digestible(value: Any) -> Any:
+    """A value JSON does not hold, as its content: bytes, an image or array by its bytes, a tensor by its values."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().contiguous().numpy()
+    if isinstance(value, (bytes, bytearray)) or hasattr(value, "tobytes"):
+        raw = bytes(value) if isinstance(value, (bytes, bytearray)) else value.tobytes()
+        return [type(value).__name__, str(getattr(value, "shape", getattr(value, "size", ""))), hashlib.sha256(raw).hexdigest()]
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(str, value))
+    return str(value)
+
+
+def check_same_rows(key: str, source: Any, saved: str | None, here: str) -> None:
+    """Refuse a resume whose data holds other rows than those the run trained on (``saved``; None: an older
+    checkpoint, which kept no digest)."""
+    if saved is not None and saved != here:
+        raise DataError(
+            f"{key}: {source} holds other rows than the run being resumed trained on (the file was changed or replaced, "
+            "or the tokenizer or its template was): resume with the run's data, or start a new run (another output_dir, or --overwrite)"
+        )
 
 
 @dataclass
@@ -650,6 +684,7 @@ class SFTDataModule(LightningDataModule):
         self._position = (0, 0)  # (epoch, training batches already taken in it)
         self._resume: tuple[int, int] | None = None
         self._epoch_offset = 0  # the data's epoch minus Lightning's (train_dataloader)
+        self._rows_digest: str | None = None
 
     def setup(self, stage: str) -> None:
         if self.tokenizer is not None:
@@ -737,9 +772,19 @@ class SFTDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         epoch, taken = self._position
-        return {"epoch": epoch, "batches_taken": taken}
+        return {"epoch": epoch, "batches_taken": taken, "rows_digest": self.rows_digest()}
+
+    def rows_digest(self) -> str:
+        """The digest of the training examples as tokenized (each once: the run's data does not change)."""
+        if self._rows_digest is None:
+            self._rows_digest = rows_digest(
+                (array.array("q", e.input_ids).tobytes(), array.array("b", e.loss_mask).tobytes(), [key for key, _ in e.images])
+                for e in self.train_examples
+            )
+        return self._rows_digest
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_same_rows("data.train_data", self.train_data, state.get("rows_digest"), self.rows_digest())
         self._position = (state["epoch"], state["batches_taken"])
         self._resume = self._position
         # Lightning warns of a resume inside an epoch when the DataLoader itself keeps no state; the sampler resumes
