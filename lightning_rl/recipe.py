@@ -106,11 +106,29 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
         if value is not None and not isinstance(value, dict):
             example = "{kind: wandb}" if block == "logger" else "{key: value, ...}"
             raise RecipeError(f"{recipe}: {block} is a block of keys ({block}: {example}), got {value!r}")
+    _refuse_unexpanded_variables(recipe, config)
     if given:
         return given[-1]
     if not isinstance(config, dict) or "task" not in config:
         raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
     return str(config["task"])
+
+
+def _refuse_unexpanded_variables(recipe: Path, value: Any, key: str = "") -> None:
+    """Refuse a shell variable in a recipe value (``${SCRATCH}/runs``, ``$HOME/data``): a recipe is not a shell script,
+    and the value was taken as written (a folder named ``${SCRATCH}``)."""
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            _refuse_unexpanded_variables(recipe, inner, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, list):
+        for k, inner in enumerate(value):
+            _refuse_unexpanded_variables(recipe, inner, f"{key}[{k}]")
+    elif isinstance(value, str) and (found := re.search(r"\$\{(\w+)\}|^\$([A-Za-z_]\w*)", value)):
+        name = found[1] or found[2]
+        raise RecipeError(
+            f"{recipe}: {key}: {value!r} names the variable {name}, which a recipe does not expand: write its value, or "
+            f"give the key on the command line (--{key}=...), where the shell expands it"
+        )
 
 
 def _refuse_repeated_keys(recipe: Path, root: yaml.Node | None) -> None:

@@ -92,6 +92,8 @@ MISTAKES = {
     "warmup_steps negative": (SFT, lambda t: ["--model.warmup_steps=-5"], "model.warmup_steps must be >= 0, got -5"),
     "accumulate_grad_batches 0": (SFT, lambda t: ["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
     "recipe a list": (lambda t: written(t, "- task: sft\n- model: {}\n"), lambda t: [], "{r}: a recipe is a mapping of keys (task:, model:, data:, ...), not a list"),
+    "shell variable in a recipe": (lambda t: written(t, "task: sft\ndata:\n  train_data: ${SCRATCH}/rows.jsonl\n"), lambda t: [],
+                                   "{r}: data.train_data: '${{SCRATCH}}/rows.jsonl' names the variable SCRATCH, which a recipe does not expand"),
     "logger not a block": (lambda t: written(t, "task: sft\nlogger: wandb\n"), lambda t: [], "{r}: logger is a block of keys (logger: {{kind: wandb}}), got 'wandb'"),
     "logger key typo": (SFT, lambda t: ["--logger.projct=x"], "command line: unknown key 'logger.projct' (did you mean 'logger.project'?)"),
     "devices negative": (SFT, lambda t: ["--trainer.devices=-3"], "trainer.devices must be auto, -1 (every device), a count >= 1 or a list"),
