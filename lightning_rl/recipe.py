@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import logging
 import netrc
 import os
 import re
@@ -410,8 +411,13 @@ class RecipeCLI(LightningCLI):
         seed = self.config.get("seed")
         if isinstance(seed, int) and not 0 <= seed < 2**32:  # NumPy's range, which seeding every library needs
             raise RecipeError(f"seed must be in [0, 2**32 - 1], got {seed}")  # no key: data.seed is linked from it
-        if self.build:  # a recipe only checked (launch, plan) has nothing to seed, nor to say so
-            super()._set_seed()
+        if self.build:  # a recipe only checked (launch, plan) has nothing to seed
+            said = logging.getLogger("lightning.fabric.utilities.seed")  # "Seed set to 0", before any error line:
+            level, said.level = said.level, logging.WARNING  # the seed is in recipe.yaml
+            try:
+                super()._set_seed()
+            finally:
+                said.setLevel(level)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init

@@ -174,7 +174,7 @@ def run(capsys, recipe: str, overrides: list[str], out: Path) -> tuple[int, str]
 
 
 @pytest.mark.parametrize("case", list(MISTAKES))
-def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, monkeypatch):
+def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, caplog, monkeypatch):
     recipe, overrides, expected = MISTAKES[case]
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "broken_reward.py").write_text("def score(completions:\n    return [0.0]\n")
@@ -186,6 +186,7 @@ def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, monkeypat
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: " + expected.format(t=tmp_path, r=recipe)), lines[0]
     assert "Traceback" not in err
+    assert not [r for r in caplog.records if r.getMessage().startswith("Seed set")]  # no line of Lightning's before the error
     assert not out.exists()  # no lock, no logger folder, no recipe.yaml
     assert time.monotonic() - started < 30  # a hub id is looked up once, not retried for a minute
 
