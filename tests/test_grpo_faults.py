@@ -149,6 +149,18 @@ def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_naming_its_l
         assert run.global_step == 0
 
 
+def test_a_bad_prompt_no_step_has_drawn_yet_is_refused_before_the_first_step(tmp_path):
+    """Prompts were rendered and measured when a batch first drew them: a long or template-refused row surfaced
+    hours into a run, or never in a short one. Every text prompt is now rendered once before the first step."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join('{"prompt": "%d+1"}\n' % k for k in range(8)) + '{"prompt": "%s"}\n' % ("1+1 " * 40))
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_context_tokens": 60, "sampling": {"max_new_tokens": 8}})
+    run = trainer(1)
+    with pytest.raises(DataError, match=f"^{data}: line 9: the prompt is \\d+ tokens; with sampling.max_new_tokens=8 it does not fit"):
+        run.fit(module, PromptDataModule(str(data), batch_size=1))
+    assert run.global_step == 0
+
+
 def test_a_reward_failing_on_every_sample_is_the_same_one_line_in_async_mode(tmp_path, capsys):
     """On the producer thread the user's mistake is raised as it is, not wrapped as a failure of generation."""
     recipe = str(REPO / "recipes/tiny/grpo.yaml")

@@ -36,6 +36,7 @@ class PromptSource(Protocol):
     record is (for error lines), and where a record's relative image paths start. `PromptDataModule` is one."""
 
     path: str  # the data, as error lines name it
+    records: list[dict[str, Any]]  # every prompt record of the data
 
     def prompt_batch(self, index: int) -> list[dict[str, Any]]:
         """This rank's prompt records of step ``index``."""

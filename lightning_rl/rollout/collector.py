@@ -133,6 +133,14 @@ class RolloutCollector:
             self.executor = ToolExecutor(
                 list(settings.loaded_tools), timeout_s=settings.tool_timeout_s, max_output_chars=settings.tool_output_max_chars
             )
+        self._check_every_prompt()
+
+    def _check_every_prompt(self) -> None:
+        """Every text prompt of the data rendered and fitted to the context once, before the first step: a row its
+        template refuses, or one too long, is refused naming it now, not when a batch first draws it (hours in, or
+        never in a short run). Prompts with images are rendered at their step (their files were checked on reading)."""
+        records = [r for r in self.prompts.records if not any(isinstance(m.get("content"), list) for m in self.renderer.messages(r))]
+        self._check_prompts_fit(records, [self.renderer.render(record, self.prompts) for record in records])
 
     def close(self) -> None:
         """Stop the tool workers."""
