@@ -303,6 +303,27 @@ def test_a_conversational_prompt_is_matched_with_its_generation_prompt(tiny_toke
     assert example.input_ids == same.input_ids and example.loss_mask == same.loss_mask
 
 
+def test_a_template_closing_a_conversation_with_its_eos_trains_every_turn_and_one_rewriting_a_turn_is_refused(tiny_tokenizer, tmp_path):
+    """Phi-3's template, without generation blocks, appends its eos where a conversation ends: the conversation up to an
+    earlier reply then differs from the whole after that reply's end, and every multi-turn row was refused (TRL
+    trains them). A template that renders an earlier reply itself otherwise (Qwen3 drops its reasoning) is refused."""
+    def renderer(template: str) -> Renderer:
+        tokenizer = copy.deepcopy(tiny_tokenizer)
+        tokenizer.chat_template = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+        return Renderer(tokenizer, "closing")
+    turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+             {"role": "assistant", "content": "4"}]  # fmt: skip
+    rows = [{"messages": turns}, {"prompt": turns[:3], "completion": turns[3:]}]
+    closing = renderer(tiny_tokenizer.chat_template + "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}")
+    (whole, asked), _ = load_examples(write_jsonl(tmp_path / "c.jsonl", rows), closing, 512)
+    # Each reply through its end; the last through the closing eos (as TRL trains Phi-3's last reply).
+    assert trained_text(tiny_tokenizer, whole) == "2<|im_end|>4<|im_end|>\n<|im_end|>"
+    assert trained_text(tiny_tokenizer, asked) == "4<|im_end|>\n<|im_end|>"
+    rewriting = renderer(tiny_tokenizer.chat_template.replace("{{ message.content or \'\' }}", "{{ (message.content or \'\') if loop.last else \'...\' }}"))
+    with pytest.raises(DataError, match="line 1: .*the chat template renders turn 1 differently once later turns follow"):
+        load_examples(write_jsonl(tmp_path / "r.jsonl", rows[:1]), rewriting, 512)
+
+
 def test_turns_of_text_parts_read_as_their_text_in_every_role(tiny_tokenizer, tmp_path):
     parts = lambda text: [{"type": "text", "text": text[:2]}, {"type": "text", "text": text[2:]}]  # noqa: E731
     as_parts = {"messages": [{"role": m["role"], "content": parts(m["content"])} for m in GOOD["messages"]]}

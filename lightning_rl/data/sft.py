@@ -390,29 +390,32 @@ class Renderer:
         if not self.tokenizer.chat_template:
             raise DataError(f"tokenizer {self.name} has no chat template; conversational rows need one (or use string prompt/completion rows)")
 
-    def _assistant_mask(self, messages: list[dict], context: dict | None = None) -> tuple[list[int], list[bool]]:
+    def _assistant_mask(self, messages: list[dict], context: dict | None = None, first: int = 0) -> tuple[list[int], list[bool]]:
+        """The conversation's ids and which are trained: each assistant turn from message ``first`` on (the turns of a
+        prompt are not trained)."""
         if _GENERATION_BLOCK.search(self.tokenizer.chat_template):
             with rendering_row():
                 out = self.tokenizer.apply_chat_template(
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
             return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        # Templates without {% generation %} blocks: find each assistant turn by rendering the
-        # conversation up to it; this needs every rendering to be a prefix of the full one.
+        # Templates without {% generation %} blocks: find each assistant turn by rendering the conversation up to it.
+        # That rendering must agree with the full one through the turn's end-of-turn token; after it, only what a
+        # template adds where a conversation ends (Phi-3's eos) may differ.
         ids = self._chat(messages, context=context)
         mask = [False] * len(ids)
         for k, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or k < first:
                 continue
             before = self._chat(messages[:k], add_generation_prompt=True, context=context)
             through = self._chat(messages[: k + 1], context=context)
             start = len(before)
-            if ids[: len(through)] != through or through[:start] != before:
+            agree = next((i for i, (a, b) in enumerate(zip(ids, through)) if a != b), min(len(ids), len(through)))
+            ends = [i for i, token in enumerate(through[start:agree]) if token in self.end_ids]
+            closing = all(token in self.end_ids or not self.tokenizer.decode([token]).strip() for token in through[agree:])
+            if through[:start] != before or agree < start or (agree < len(through) and not (ends and closing)):
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
-            end = len(through)
-            ends = [i for i, token in enumerate(through[start:end]) if token in self.end_ids]
-            if ends:  # the turn ends at its end-of-turn token; separators after it are not trained
-                end = start + ends[-1] + 1
+            end = start + ends[-1] + 1 if ends else len(through)  # separators after the end-of-turn token are not trained
             mask[start:end] = [True] * (end - start)
         return ids, mask
 
@@ -435,7 +438,7 @@ class Renderer:
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
-            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], context)
+            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], context, first=len(row["prompt"]))
             # The prompt as it is asked (with the template's generation prompt, where the completion opens with an
             # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends.
             asked = row["completion"][0]["role"] == "assistant"
