@@ -162,6 +162,25 @@ def test_greedy_generation_ends_a_reply_at_the_models_end_of_turn(tiny_path, tin
     assert generate_greedy(model, tiny_tokenizer, [prompt], max_new_tokens=6) == [tiny_tokenizer.decode(ids[:1], skip_special_tokens=True)]
 
 
+def test_greedy_generation_takes_no_sampling_setting_from_the_checkpoints_generation_config(tiny_path, tiny_tokenizer):
+    """An instruct checkpoint ships a generation config (repetition_penalty, top_k, min_new_tokens, ...): generate
+    applied it to the held-out "greedy" replies, and the exact match read 7% where the same weights read 21%."""
+    from lightning_rl.models.loading import generate_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in ("12+7=", "3*4=", "hello")]
+    plain = generate_greedy(model, tiny_tokenizer, prompts, max_new_tokens=8)
+    shipped = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3, "no_repeat_ngram_size": 1, "min_new_tokens": 8}
+    for key, value in shipped.items():
+        setattr(model.generation_config, key, value)
+    own = model.generation_config.to_dict()
+    assert generate_greedy(model, tiny_tokenizer, prompts, max_new_tokens=8) == plain
+    assert model.generation_config.to_dict() == own  # given back as it was
+    # Negative control: generate with the shipped config (do_sample off) replies otherwise.
+    assert [tiny_tokenizer.decode(o[len(p):], skip_special_tokens=True) for p, o in zip(prompts, (
+        model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0].tolist() for p in prompts))] != plain
+
+
 def test_a_model_transformers_runs_without_sdpa_loads_and_generates(tmp_path, tiny_tokenizer):
     """Gemma-2 has no sdpa attention in transformers: it loads with eager attention for generation (its soft-capped
     attention is refused by tree packing in one line, ``test_packing_families``; without soft-capping it trains)."""

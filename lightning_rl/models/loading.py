@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -192,6 +194,19 @@ def saved_generation_config(path: str | Path) -> GenerationConfig | None:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def generation_config_set_aside(model: torch.nn.Module) -> Iterator[None]:
+    """``generate`` fills every setting a call leaves unset from the model's generation config: a checkpoint's
+    (repetition_penalty, min_new_tokens, no_repeat_ngram_size, use_cache: false, ...) would change what is sampled or
+    scored. Meanwhile the model's own config is set aside: the call's settings alone apply."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
 def generate_greedy(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64,
     images: list[list[dict[str, torch.Tensor]]] | None = None,
@@ -204,6 +219,7 @@ def generate_greedy(
     model.set_attn_implementation(causal_attention(type(model), model.config))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ends = end_of_turn_ids(getattr(model, "generation_config", None), tokenizer)
     texts: list[str] = []
     try:
         for start in range(0, len(prompts), batch_size):
@@ -215,15 +231,11 @@ def generate_greedy(
             pixels = {key: value.to(device) for key, value in stack_images(pictures).items()}
             if pictures:  # a model whose image tokens attend both ways gets the token types its processor gives
                 pixels.update(image_token_types(model, input_ids))
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                **pixels,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=end_of_turn_ids(getattr(model, "generation_config", None), tokenizer),
-            )
+            with generation_config_set_aside(model):  # greedy as the recipe asks, not as the checkpoint's config samples
+                out = model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, **pixels,
+                    generation_config=GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=ends),
+                )
             texts.extend(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
     finally:
         model.train(was_training)

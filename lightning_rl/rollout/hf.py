@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+from lightning_rl.models.loading import generation_config_set_aside
 from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
 from lightning_rl.models.routing import RouteRecorder, record_routes
@@ -136,18 +137,11 @@ class HFRolloutEngine(RolloutEngine):
         pixels = {key: value.to(self.device) for key, value in stack_images(pictures).items()}
         if pictures:  # a model whose image tokens attend both ways gets the token types its processor gives
             pixels.update(image_token_types(self.model, input_ids.to(self.device)))
-        # generate fills every setting a call leaves unset from the model's generation config: a checkpoint's
-        # (repetition_penalty, min_new_tokens, use_cache: false, ...) would sample from a policy the trainer never
-        # scores. The engine samples with the recipe's settings alone: the model's config is set aside meanwhile.
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        own, model.generation_config = model.generation_config, GenerationConfig()
-        try:
+        with generation_config_set_aside(self.model):  # a checkpoint's would sample from a policy the trainer never scores
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                 generation_config=config, **pixels,
             )
-        finally:
-            model.generation_config = own
         new_tokens = out.sequences[:, width:].cpu()
         # [batch, steps, vocab]: processed by temperature, suppression and the filters; what they removed is -inf
         scores = torch.stack(out.scores, dim=1).float().cpu()
