@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,18 +30,34 @@ LENGTH_AND_SOMETIMES = [{"function": "support.grpo:text_length"}, {"function": "
 # Every statistic that spans the step is taken over both ranks: dapo's token count, the std of every reward of the
 # step (scale_rewards: batch), GDPO's step normalisation, the top-entropy threshold. (bnpo normalises per rank by
 # design, so it is not expected to match.)
+@pytest.fixture(scope="module")
+def ends_early(tmp_path_factory, tiny_path) -> str:
+    """The tiny model made likely to end a reply early (it never does), so ranks train different numbers of tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, model, tokenizer = tmp_path_factory.mktemp("ends_early"), AutoModelForCausalLM.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] += 0.1  # every token carries a little of one direction ...
+        model.get_output_embeddings().weight[tokenizer.eos_token_id, 0] = 6.0  # ... that the end of text reads
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.mark.parametrize(
     "options",
     [
-        {"loss": {"loss_type": "dapo"}},
+        {"loss": {"loss_type": "dapo"}, "model_name_or_path": "ENDS_EARLY", "mask_truncated_completions": True},
         {"scale_rewards": "batch", "rewards": LENGTH_AND_SOMETIMES},
         {"reward_aggregation": "normalize_then_sum", "rewards": DIGITS_AND_LENGTH},
         {"loss": {"loss_type": "grpo", "top_entropy_quantile": 0.5}},
+        {"strategy": "fsdp2", "loss": {"beta": 0.1}, "ref_sync_every": 1},  # the reference refreshed from sharded weights
     ],
-    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy"],
+    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh"],
 )
-def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, options):
+def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, ends_early, options):
     # tiny_path builds the shared model cache first, so the two ranks only read it.
+    options = {key: ends_early if value == "ENDS_EARLY" else value for key, value in options.items()}
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(HERE)}
     subprocess.run([sys.executable, str(HERE / "support" / "grpo_ddp_worker.py"), str(tmp_path), json.dumps(options)], env=env,
                    check=True, timeout=600, cwd=HERE.parent)
@@ -55,7 +72,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         rewards += saved["rewards"]
         for name, values in saved["reward_terms"].items():
             terms_by_reward.setdefault(name, []).extend(values)
-    module = GRPOModule(num_generations=4, sampling={"max_new_tokens": 6}, **{k: v for k, v in options.items() if k != "rewards"})
+    module = GRPOModule(num_generations=4, sampling={"max_new_tokens": 6}, **{k: v for k, v in options.items() if k not in ("rewards", "strategy")})
     module.configure_model()
     if options.get("reward_aggregation") == "normalize_then_sum":
         weights = torch.tensor([spec.get("weight", 1.0) for spec in options["rewards"]])
@@ -63,8 +80,11 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         advantages = normalize_then_sum(per_function, weights, torch.tensor(groups))
     else:
         advantages = group_advantages(torch.tensor(rewards), torch.tensor(groups), options.get("scale_rewards", "group"))
+    scored_rollouts = rollouts
+    if options.get("mask_truncated_completions"):
+        rollouts = [replace(r, completion_mask=[False] * len(r.completion_ids)) if r.finish_reason == "length" else r for r in rollouts]
     packed = module.pack_rollouts(rollouts, advantages)
-    terms, _ = module.row_loss(packed)  # one row of every rollout: its entropy quantile is the step's
+    terms, entropy = module.row_loss(packed)  # one row of every rollout: its entropy quantile is the step's
     tokens = sum(sum(r.completion_mask) for r in rollouts)
     counts = StepCounts(num_sequences=len(rollouts), num_tokens=tokens, rank_tokens=tokens, max_completion_length=6)
     seq_tokens = torch.bincount(packed.loss_seq, minlength=len(rollouts))
@@ -81,10 +101,20 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         assert ranks[0]["logged"]["train/reward_metric/shared_a"] == pytest.approx(150.0)
         assert ranks[0]["logged"]["train/reward_metric/shared_b"] == pytest.approx(1.5)
         assert ranks[0]["logged"]["train/reward_metric/rank0_only"] == pytest.approx(7.0)
+    # Per-token and per-rollout figures are the sums over both ranks divided once (each rank's mean averaged weighed a
+    # rank of fewer tokens as much as one of more), as one process logs them.
+    lengths = [sum(r.completion_mask) for r in scored_rollouts]
+    if "model_name_or_path" in options:  # the ranks train different numbers of tokens
+        assert len({sum(len(r["completion_ids"]) for r in rank["rollouts"] if r["finish_reason"] != "length") for rank in ranks}) == 2
+    expected = {"train/entropy": float(entropy.mean()), "train/ratio/mean": float(terms.ratio.mean()),
+                "train/completions/mean_length": sum(lengths) / len(lengths),
+                "train/completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)}  # fmt: skip
+    for rank in ranks:
+        assert {key: rank["logged"][key] for key in expected} == pytest.approx(expected, rel=1e-5)
     assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())
-    for name, param in module.named_parameters():
-        torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-7)
+    for name, param in ((name, param) for name, param in module.named_parameters() if param.requires_grad):  # not the reference's
+        torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")  # float32 sums in another order
+        torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_prefix_across_rows_is_refused_under_data_parallelism(tmp_path, tiny_path):

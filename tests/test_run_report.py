@@ -239,3 +239,6 @@ def test_a_group_of_equal_rewards_counts_as_tied_though_its_float32_std_is_not_z
     rewards = torch.tensor([0.1] * 8 + [0.0, 1.0] * 4)
     assert float(rewards[:8].std()) != 0.0  # the rounding TRL's isclose absorbs
     assert _frac_tied_groups(rewards, [0] * 8 + [1] * 8) == 0.5
+    # A group with fewer than two scored rewards has no std: not tied (TRL's nanstd is NaN there), but counted.
+    nan = float("nan")
+    assert _frac_tied_groups(torch.tensor([nan, nan, 1.0, 1.0, 0.5, nan]), [0, 0, 1, 1, 2, 2]) == pytest.approx(1 / 3)

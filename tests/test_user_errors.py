@@ -107,6 +107,8 @@ MISTAKES = {
     "check_val_every_n_epoch 0": (SFT, lambda t: ["--trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch must be >= 1, got 0"),
     "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
     "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
+    "a rollout longer than a row": (GRPO, lambda t: ["--model.max_tokens_per_row=10", "--model.prefix_across_rows=never"],
+                                    "model.max_tokens_per_row=10: a rollout of "),
     "max_new_tokens 0 (grpo)": (GRPO, lambda t: ["--model.sampling.max_new_tokens=0"], "model.sampling.max_new_tokens must be >= 1, got 0"),
     "max_turns 0": (GRPO, lambda t: ["--model.max_turns=0"], "model.max_turns must be >= 1, got 0"),
     "unknown engine": (GRPO, lambda t: ["--model.engine=vlm"], "command line: model.engine must be one of hf, vllm, vllm_server or an engine's class_path, got vlm"),

@@ -53,8 +53,8 @@ from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
-from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_rows
-from lightning_rl.ops.prefix_rows import finish_prefix, share_prefixes, span_settings
+from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix
+from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, share_prefixes
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -535,8 +535,9 @@ class GRPOModule(PolicyModule):
     def _refresh_reference(self) -> None:
         """TR-DPO: the reference moves ``ref_mixup_alpha`` of the way to the policy (shard by shard under FSDP2,
         where both are sharded alike)."""
-        alpha = self.hparams.ref_mixup_alpha
-        policy = dict(self.policy.named_parameters())
+        alpha, policy = self.hparams.ref_mixup_alpha, dict(self.policy.named_parameters())
+        for unit in self.reference.modules():  # FSDP2 units of a model without a backward stay gathered after forward
+            getattr(unit, "reshard", lambda: None)()
         for name, ref in self.reference.named_parameters():
             ref.lerp_(policy[name].to(ref.dtype), alpha)
 
@@ -551,8 +552,8 @@ class GRPOModule(PolicyModule):
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
         rows, prefixes = [list(range(len(rollouts)))], [None]
         if self.hparams.max_tokens_per_row is not None:
-            spans = span_settings(self.hparams.prefix_across_rows, self.policy, [r.loss_mask for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()))
-            plan = plan_rows([r.sequence for r in rollouts], self.hparams.max_tokens_per_row, groups=[r.group_id for r in rollouts], **spans)
+            plan = plan_step_rows(self.hparams.max_tokens_per_row, self.hparams.prefix_across_rows, self.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
+                                  [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()))  # fmt: skip
             rows, prefixes = plan.ranks[0], plan.prefixes[0]
         most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))
         return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))

@@ -24,6 +24,20 @@ from lightning_rl.rollout.buffer import ScoredBatch
 from lightning_rl.rollout.conversation import TOOL_FAILURE_KINDS, distinct_tool_calls
 
 
+class Pooled(float):
+    """A figure that is a ratio of sums (a mean per token or per rollout, a fraction): its value, with the sums behind
+    it, which the ranks add up before one division (each rank's ratio averaged weighed a rank of few tokens as much
+    as one of many; TRL reduces the sums). 0 where nothing was counted."""
+
+    total: float
+    count: float
+
+    def __new__(cls, total: float, count: float) -> Pooled:
+        value = super().__new__(cls, total / count if count else 0.0)
+        value.total, value.count = float(total), float(count)
+        return value
+
+
 class StepStats:
     """Sums over the rows of one step of what is logged about the loss; with ``bonus``, also the entropy of the
     tokens an entropy bonus acts on (adaptive entropy control reads it)."""
@@ -62,20 +76,19 @@ class StepStats:
         self.rows += 1
 
     def metrics(self) -> dict[str, float]:
-        n = max(self.tokens, 1)
         metrics = {
             "loss": self.loss,
-            "clip/low": self.low / (self.clip_units or 1),
-            "clip/high": self.high / (self.clip_units or 1),
-            "clip/fraction": (self.low + self.high) / (self.clip_units or 1),
-            "ratio/mean": self.ratio / n,
-            "entropy": self.entropy / n,
-            "packing_ratio": self.flat_tokens / max(self.unique_tokens, 1),
+            "clip/low": Pooled(self.low, self.clip_units),
+            "clip/high": Pooled(self.high, self.clip_units),
+            "clip/fraction": Pooled(self.low + self.high, self.clip_units),
+            "ratio/mean": Pooled(self.ratio, self.tokens),
+            "entropy": Pooled(self.entropy, self.tokens),
+            "packing_ratio": Pooled(self.flat_tokens, self.unique_tokens),
             "trained_tokens": float(self.tokens),
             "rows": float(self.rows),
         }
         if self.has_kl:
-            metrics["kl"] = self.kl / n
+            metrics["kl"] = Pooled(self.kl, self.tokens)
         if self.grad_norm is not None:
             metrics["grad_norm"] = float(self.grad_norm)
         return metrics
@@ -92,12 +105,12 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "reward/unscored": float(rewards.isnan().sum()),  # samples no reward function applied to (all returned None)
         "reward/errors": float(len(scored.reward_errors)),
         "rollout/weight_version": float(scored.weight_version),
-        "rollout/completion_tokens": float(sum(sum(r.completion_mask) for r in rollouts)) / len(rollouts),
+        "rollout/completion_tokens": Pooled(sum(sum(r.completion_mask) for r in rollouts), len(rollouts)),
         "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(scored.generation_seconds, 1e-9),
         "dynamic_sampling/rounds": float(scored.sampling_rounds),
-        "dynamic_sampling/filtered_fraction": scored.filtered_groups / max(scored.sampled_groups, 1),
-        "completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(len(rollouts), 1),
-        **_lengths([len(r.completion_ids) for r in rollouts]),
+        "dynamic_sampling/filtered_fraction": Pooled(scored.filtered_groups, scored.sampled_groups),
+        "completions/truncated_fraction": Pooled(sum(r.finish_reason == "length" for r in rollouts), len(rollouts)),
+        **_lengths([sum(r.completion_mask) for r in rollouts]),  # the tokens the model wrote (not a tool's), as TRL
         # Left out of the advantages and the loss for infrastructure failures (the rest are what was trained).
         "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
         "groups/excluded": float(scored.excluded_groups),
@@ -139,8 +152,9 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
     }
 
 
-# How every rank's figure of a step makes the step's: counts add up, extremes are the extremes of the ranks', and the
-# rest (means) are averaged, every rank training as many rollouts.
+# How every rank's figure of a step makes the step's: counts add up, extremes are the extremes of the ranks', ratios
+# of sums (`Pooled`) and means of samples are taken over every rank's (`_over_ranks`), and the rest (settings, times,
+# figures every rank shares) are averaged.
 _REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|rows)$"), "sum"),
                (re.compile(r"(max_length|ratio_max)$"), "max"), (re.compile(r"(min_length|ratio_min)$"), "min"))  # fmt: skip
 
@@ -151,7 +165,8 @@ def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBat
     rewards = torch.tensor(scored.rewards)
     if module.trainer.world_size > 1:
         # The log_metric names every rank logs, in one order (Lightning reduces a rank's figures in its own order).
-        metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored))
+        pooled = {key: value for key, value in metrics.items() if isinstance(value, Pooled)}
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored), pooled)
     by_reduction: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         fx = next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
@@ -174,20 +189,23 @@ def _samples(scored: ScoredBatch) -> dict[tuple[str, str | None], list[float]]:
     return samples
 
 
-def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], list[float]]) -> dict[str, float]:
+def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], list[float]], pooled: dict[str, Pooled]) -> dict[str, float]:
     """The figures of ``samples`` over every rank's samples, as TRL takes them over every process's: each rank's mean
     and std averaged was neither (ranks score different numbers of samples: a None is left out), and a value
-    logged by one rank alone, or by the ranks in another order, mixed up the names Lightning reduces by position."""
-    every: list[list[tuple[str, str | None]]] = [[] for _ in range(module.trainer.world_size)]
-    torch.distributed.all_gather_object(every, list(samples))
-    keys = sorted(set().union(*map(set, every)), key=str)
+    logged by one rank alone, or by the ranks in another order, mixed up the names Lightning reduces by position.
+    Each ``pooled`` figure is its sums over every rank, divided once."""
+    every: list[Any] = [None] * module.trainer.world_size
+    torch.distributed.all_gather_object(every, (list(samples), list(pooled)))
+    keys = sorted(set().union(*(set(named) for named, _ in every)), key=str)
+    ratios = sorted(set().union(*(set(named) for _, named in every)))
     moments = []
     for key in keys:
         values = torch.tensor(samples.get(key, []), dtype=torch.float64)
         present = values[~values.isnan()]
         moments.append([present.numel(), present.sum(), present.square().sum()])
+    moments += [[pooled[key].count, pooled[key].total, 0.0] if key in pooled else [0.0, 0.0, 0.0] for key in ratios]
     n, total, squares = module.trainer.strategy.reduce(torch.tensor(moments, dtype=torch.float64, device=module.device), reduce_op="sum").cpu().T.tolist()
-    figures = {}
+    figures: dict[str, float] = {key: float(Pooled(sum_, count)) for key, count, sum_ in zip(ratios, n[len(keys):], total[len(keys):])}
     for (mean, std), count, sum_, sum_sq in zip(keys, n, total, squares):
         figures[mean] = sum_ / count if count else math.nan
         if std is not None:  # unbiased, 0 for fewer than two (as `_nanstd`)
@@ -199,18 +217,20 @@ def _lengths(lengths: list[int]) -> dict[str, float]:
     """Completion lengths in tokens, as TRL names them (``completions/mean_length``, ``min_length``, ``max_length``)."""
     if not lengths:
         return {}
-    return {"completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
+    return {"completions/mean_length": Pooled(sum(lengths), len(lengths)), "completions/min_length": float(min(lengths)),
             "completions/max_length": float(max(lengths))}  # fmt: skip
 
 
-def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> float:
+def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> Pooled:
     """The share of the batch's groups whose scored rewards all tie (std 0: no advantage, nothing to learn from),
-    up to the rounding of the std (``isclose`` to 0, as TRL tests it: eight rewards of 0.1 have a float32 std of 1e-9)."""
+    up to the rounding of the std (``isclose`` to 0, as TRL tests it: eight rewards of 0.1 have a float32 std of 1e-9).
+    A group with fewer than two scored rewards has no std, and is not counted as tied (TRL's nanstd is NaN there)."""
     by_group: dict[int, list[float]] = {}
     for reward, group in zip(rewards.tolist(), groups, strict=True):
         by_group.setdefault(group, []).append(reward)
-    tied = [bool(torch.isclose(std := _nanstd(torch.tensor(values)), torch.zeros_like(std))) for values in by_group.values()]
-    return sum(tied) / max(len(tied), 1)
+    scored = [torch.tensor(values)[~torch.tensor(values).isnan()] for values in by_group.values()]
+    tied = [present.numel() > 1 and bool(torch.isclose(std := present.std(), torch.zeros_like(std))) for present in scored]
+    return Pooled(sum(tied), len(tied))
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:

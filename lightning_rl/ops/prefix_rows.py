@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.packing.planner import RowPrefix
+from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 
@@ -298,6 +298,21 @@ def _trained_on_several_processes(model: nn.Module) -> bool:
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return True
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def plan_step_rows(
+    max_tokens: int, setting: PrefixAcrossRows, model: nn.Module, sequences: list[list[int]], loss_masks: list[list[bool]], groups: list[int], apart: bool,
+) -> RowPlan:
+    """A step's rows for a policy (``plan_rows`` with ``span_settings``); a sequence no row holds is refused naming the
+    key that sets the rows."""
+    try:
+        return plan_rows(sequences, max_tokens, groups=groups, **span_settings(setting, model, loss_masks, apart))
+    except RowTooLong as error:
+        raise PackingRefused(
+            f"model.max_tokens_per_row={max_tokens}: a rollout of {error.length} tokens (its prompt and completion) fits no "
+            "row, and no prefix forwarded apart (model.prefix_across_rows) leaves it within one: raise max_tokens_per_row "
+            "to the longest prompt plus sampling.max_new_tokens"
+        ) from None
 
 
 def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> dict:

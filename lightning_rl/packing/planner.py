@@ -55,6 +55,14 @@ def attention_pairs(sequences: Sequence[Sequence[int]]) -> int:
     return int((batch.position_ids[: batch.num_unique_tokens] + 1).sum())
 
 
+class RowTooLong(ValueError):
+    """A sequence longer than a row, which no prefix forwarded apart leaves within one (``length``: its tokens)."""
+
+    def __init__(self, message: str, length: int) -> None:
+        super().__init__(message)
+        self.length = length
+
+
 def plan_rows(
     sequences: Sequence[Sequence[int]],
     max_tokens: int,
@@ -107,7 +115,7 @@ def plan_rows(
             continue
         if subgroups is None:
             i = next(i for i in idx if len(sequences[i]) > max_tokens)
-            raise ValueError(f"sequence {i} has {len(sequences[i])} tokens, more than max_tokens={max_tokens}")
+            raise RowTooLong(f"sequence {i} has {len(sequences[i])} tokens, more than max_tokens={max_tokens}", len(sequences[i]))
         units += [[idx[j] for j in unit] for unit in subgroups]
 
     # First-fit decreasing on unique tokens; a unit joining a row costs what it adds to the row's tree.

@@ -48,7 +48,8 @@ class GradientRecorder(L.Callback):
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        grads = {n: p.grad.detach() for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.steps.append({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()})  # FSDP2's whole
 
 
 class TrainedRollouts(L.Callback):

@@ -1,4 +1,5 @@
-"""One GRPO step on two gloo ranks (Lightning DDP on CPU); each rank saves its rollouts and gradients.
+"""One GRPO step on two gloo ranks (Lightning DDP on CPU, or FSDP2 with ``"strategy": "fsdp2"``); each rank saves its
+rollouts and gradients.
 
 Run by test_grpo_ranks.py as `python tests/support/grpo_ddp_worker.py OUT_DIR OPTIONS_JSON` (tests/ on PYTHONPATH).
 """
@@ -17,14 +18,17 @@ from support.distributed import leave_worker
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.strategies import FSDP2Strategy
 
 
 def main(out: Path, options: str) -> None:
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_grad_norm": None, **json.loads(options)})
+    settings = json.loads(options)
+    strategy = FSDP2Strategy() if settings.pop("strategy", "ddp") == "fsdp2" else "ddp"
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_grad_norm": None, **settings})
     recorder = GradientRecorder()
     trainer = L.Trainer(
-        max_steps=1, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+        max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False,
     )
     trainer.fit(module, PromptDataModule(batch_size=2))
