@@ -145,6 +145,20 @@ def test_a_grpo_resume_on_other_prompts_at_the_same_path_is_refused(tmp_path):
     PromptDataModule(str(prompts)).load_state_dict({})  # a checkpoint written before digests: nothing to compare
 
 
+def test_a_checkpoint_without_optimizer_state_or_weights_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """Lightning's KeyError in a traceback, and the new output_dir kept its csv/ and recipe.yaml (a corrected rerun
+    was refused)."""
+    saved = torch.load(one_step(capsys, SFT, tmp_path / "run"), weights_only=True)
+    for key in ("optimizer_states", "state_dict"):
+        stripped = tmp_path / f"without_{key}.ckpt"
+        torch.save({name: value for name, value in saved.items() if name != key}, stripped)
+        out = tmp_path / f"from_{key}"
+        code, errors, _ = run(capsys, SFT, out, f"--ckpt_path={stripped}", "--trainer.max_steps=2", "--logger.kind=csv")
+        assert code == 2 and errors == [f"error: ckpt_path: {stripped} holds no {key}, so it cannot resume a run (saved with "
+                                        "weights only, or by hand): resume from a checkpoint a run wrote"]  # fmt: skip
+        assert not out.exists()
+
+
 def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpoints(tmp_path, capsys):
     """Lightning forgets the checkpoints of a folder whose path changed: the periodic ones were never pruned again
     and last.ckpt stayed at the old step, a last-v1.ckpt beside it."""

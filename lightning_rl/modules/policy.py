@@ -164,6 +164,10 @@ class PolicyModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         path = self.trainer.ckpt_path
+        lacking = [key for key in ("state_dict", "optimizer_states", "loops") if key not in checkpoint]
+        if lacking and path is not None and Path(path).is_file():  # a sharded one's parts are read by its strategy
+            raise ForeignCheckpointError(f"ckpt_path: {path} holds no {lacking[0]}, so it cannot resume a run (saved with weights only, "
+                                         "or by hand): resume from a checkpoint a run wrote")
         self.check_writer(checkpoint, path)
         check_weights_fit(checkpoint, self, path)
         saved = checkpoint.get("hyper_parameters") or {}
