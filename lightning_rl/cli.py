@@ -151,12 +151,20 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
         if not path.exists():
             raise RecipeError(f"ckpt_path: no such checkpoint: {path}", "ckpt_path")
         try:
-            checkpoint_step(path)
+            step = checkpoint_step(path)
         except IncompleteCheckpointError as e:
             hint = "; --ckpt_path=last takes the newest complete one" if type(e) is IncompleteCheckpointError else ""
             if (path / "checkpoints").is_dir():
                 hint = f"; to resume the run in that folder: --output_dir={path} --ckpt_path=last"
             raise ForeignCheckpointError(f"ckpt_path: {path} is {e.what} ({e}){hint}") from None
+        newest, _ = newest_complete(output_dir)
+        if newest is not None and newest.step > step:  # a run of two branches, whose `last` would be the other's
+            raise ForeignCheckpointError(
+                f"ckpt_path: {path} is at step {step}, but output_dir {output_dir} holds checkpoints up to step {newest.step} "
+                f"({newest.path.relative_to(output_dir)}): training on from step {step} there would leave two runs' checkpoints "
+                "in one folder, and --ckpt_path=last would later take the other's; give another output_dir, or remove the "
+                f"checkpoints past step {step}"
+            )
         return ckpt_path
     found, passed_over = newest_complete(output_dir)
     notes = [f"passed over {path.relative_to(output_dir)}: {what}, {reason}" for path, what, reason in passed_over] + cleaned

@@ -159,6 +159,25 @@ def test_a_checkpoint_without_optimizer_state_or_weights_is_one_line_and_writes_
         assert not out.exists()
 
 
+def test_resuming_an_earlier_checkpoint_into_its_own_folder_is_refused_and_into_another_is_not(tmp_path, capsys):
+    """Step 2 of a run that went on to step 4, resumed in the same folder: its checkpoints sat beside the first run's
+    (last-v1.ckpt beside last.ckpt), and a later --ckpt_path=last resumed the abandoned step 4, silently."""
+    out = tmp_path / "run"
+    code, errors, err = run(capsys, SFT, out, "--trainer.max_steps=4", "--checkpoint_every_n_steps=2", "--keep_checkpoints=3")
+    assert code == 0 and errors == [], err[-3000:]
+    earlier, before = out / "checkpoints" / "step=2.ckpt", sorted(p.name for p in (out / "checkpoints").iterdir())
+    code, errors, _ = run(capsys, SFT, out, f"--ckpt_path={earlier}", "--trainer.max_steps=3")
+    assert code == 2 and errors == [
+        f"error: ckpt_path: {earlier} is at step 2, but output_dir {out} holds checkpoints up to step 4 (checkpoints/last.ckpt): "
+        "training on from step 2 there would leave two runs' checkpoints in one folder, and --ckpt_path=last would later "
+        "take the other's; give another output_dir, or remove the checkpoints past step 2"
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    code, errors, err = run(capsys, SFT, tmp_path / "branch", f"--ckpt_path={earlier}", "--trainer.max_steps=3")
+    assert code == 0 and errors == [], err[-3000:]
+    assert checkpoint_step(tmp_path / "branch" / "checkpoints" / "last.ckpt") == 3
+
+
 def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpoints(tmp_path, capsys):
     """Lightning forgets the checkpoints of a folder whose path changed: the periodic ones were never pruned again
     and last.ckpt stayed at the old step, a last-v1.ckpt beside it."""
