@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -114,8 +114,9 @@ class GenerationCase:
     images: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the prompt's images' processor inputs
 
 
-# A file, a `datasets.save_to_disk` folder, or a `datasets.Dataset` (typed Any so recipes may give null).
-DataSource = Any
+# A file, a `datasets.save_to_disk` folder, or (from Python) a `datasets.Dataset` or a list of rows. Typed so that a
+# command line's `2024` stays a file's name, and Any so recipes may give null.
+DataSource = Union[str, Any]
 
 
 def _folder_problem(path: Path) -> str | None:
@@ -129,14 +130,31 @@ def _folder_problem(path: Path) -> str | None:
 
 
 def check_source(key: str, source: DataSource) -> None:
-    """A data file or folder that exists and is one ``read_rows`` reads (checked before anything loads)."""
+    """A data file or folder that exists and is one ``read_rows`` reads, or a dataset or rows given from Python (checked
+    before anything loads)."""
+    if source is None:
+        return
     if not isinstance(source, (str, os.PathLike)):
+        if type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):
+            raise DataError(f"{key}: a {type(source).__name__} of several splits ({', '.join(source)}): give one of them", key)
+        rows = isinstance(source, (list, tuple)) and all(isinstance(row, dict) for row in source)
+        if isinstance(source, (bool, int, float, dict)) or (isinstance(source, (list, tuple)) and not rows) or not hasattr(source, "__iter__"):
+            quote = f" (quote it, '{source}', for a file of that name)" if isinstance(source, (int, float)) and not isinstance(source, bool) else ""
+            raise DataError(
+                f"{key} must be one data file or folder (JSONL, JSON, Parquet or a saved dataset), got {type(source).__name__} "
+                f"{_shown(source)}{quote}; several files are one file or one saved dataset joined", key,
+            )
         return
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}", key)
     if path.is_dir() and (problem := _folder_problem(path)):
         raise DataError(f"{key}: {source}: {problem}", key)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _first_line(error: BaseException) -> str:
