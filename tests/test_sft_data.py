@@ -324,6 +324,20 @@ def test_a_template_closing_a_conversation_with_its_eos_trains_every_turn_and_on
         load_examples(write_jsonl(tmp_path / "r.jsonl", rows[:1]), rewriting, 512)
 
 
+def test_the_held_out_reference_is_the_final_reply_as_trained(tiny_tokenizer, tmp_path):
+    """Qwen3's template writes an empty ``<think></think>`` (not special tokens) before every final reply: a greedy
+    reply that wrote it never equalled the message's content, and exact match read 0% for a model that had learnt
+    every row."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("{{ message.content or \'\' }}", "{{ \'<think></think> \' + (message.content or \'\') }}")
+    row = {"messages": [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]}
+    (example,), (case,) = load_examples(write_jsonl(tmp_path / "t.jsonl", [row]), Renderer(tokenizer, "thinking"), 512)
+    assert trained_text(tokenizer, example) == "<think></think> 19<|im_end|>"
+    assert case.reference == "<think></think> 19"  # what the model is trained to write, up to its end of turn
+    (plain,), (plain_case,) = load_examples(write_jsonl(tmp_path / "p.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert plain_case.reference == "19"
+
+
 def test_turns_of_text_parts_read_as_their_text_in_every_role(tiny_tokenizer, tmp_path):
     parts = lambda text: [{"type": "text", "text": text[:2]}, {"type": "text", "text": text[2:]}]  # noqa: E731
     as_parts = {"messages": [{"role": m["role"], "content": parts(m["content"])} for m in GOOD["messages"]]}

@@ -470,6 +470,16 @@ class Renderer:
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
 
+    def _trained_reply(self, prompt: list[int], conversation: list[int], content: str) -> str:
+        """The final reply as the model is trained to write it, up to its end of turn: what the template renders
+        around the content too (Qwen3's empty ``<think></think>``, which a greedy reply writes and the content lacks).
+        The content itself where the prompt does not start the conversation's rendering."""
+        if conversation[: len(prompt)] != prompt:
+            return content
+        reply = conversation[len(prompt) :]
+        end = next((k for k, token in enumerate(reply) if token in self.end_ids), len(reply))
+        return self.tokenizer.decode(reply[:end], skip_special_tokens=True)
+
     def generation_case(self, row: dict) -> GenerationCase | None:
         """The prompt up to the final assistant turn and that turn's text; None if it has tool calls."""
         if "messages" in row or isinstance(row["prompt"], list):
@@ -480,7 +490,9 @@ class Renderer:
             if row_has_images(row) and self.images is not None:
                 ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)
                 return GenerationCase(ids, last["content"], images=inputs)
-            return GenerationCase(self._chat(messages[:-1], add_generation_prompt=True, context=_template_context(row)), last["content"])
+            context = _template_context(row)
+            prompt = self._chat(messages[:-1], add_generation_prompt=True, context=context)
+            return GenerationCase(prompt, self._trained_reply(prompt, self._chat(messages, context=context), last["content"]))
         return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
 
 
