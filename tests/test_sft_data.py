@@ -338,6 +338,18 @@ def test_the_held_out_reference_is_the_final_reply_as_trained(tiny_tokenizer, tm
     assert plain_case.reference == "19"
 
 
+def test_generation_blocks_that_leave_out_the_end_of_turn_are_said_once(tiny_tokenizer, tmp_path, capsys):
+    """Every reply then trains without its end, and the model never learns to stop: TRL warns, this said nothing."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("{{ \'<|im_end|>\' }}{% endgeneration %}", "{% endgeneration %}{{ \'<|im_end|>\' }}")
+    rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:3]]
+    examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tokenizer, "open"), 512)
+    assert all(not trained_text(tokenizer, e).endswith("<|im_end|>") for e in examples)
+    assert capsys.readouterr().err.count("note: tokenizer open: the chat template's {% generation %} blocks leave out the end of turn") == 1
+    load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)  # its blocks hold the end
+    assert "leave out the end of turn" not in capsys.readouterr().err
+
+
 def test_turns_of_text_parts_read_as_their_text_in_every_role(tiny_tokenizer, tmp_path):
     parts = lambda text: [{"type": "text", "text": text[:2]}, {"type": "text", "text": text[2:]}]  # noqa: E731
     as_parts = {"messages": [{"role": m["role"], "content": parts(m["content"])} for m in GOOD["messages"]]}

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -377,6 +378,7 @@ class Renderer:
         self.end_ids = set(end_of_turn_ids(saved_generation_config(name) if Path(name).is_dir() else None, tokenizer))
         self.images = ImageRenderer(processor, image_token_id) if processor is not None and image_token_id is not None else None
         self.image_token_id = image_token_id
+        self._said_no_end = False
 
     def _image_example(self, row: dict) -> Example:
         """A row with images, rendered by the processor (its template must mark assistant turns with
@@ -416,7 +418,12 @@ class Renderer:
                 out = self.tokenizer.apply_chat_template(
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
-            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+            ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+            if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
+                self._said_no_end = True  # TRL warns too: a model never trained to end its reply does not stop
+                print(f"note: tokenizer {self.name}: the chat template's {{% generation %}} blocks leave out the end of turn, so "
+                      "no reply is trained to end; put the end-of-turn token inside the blocks", file=sys.stderr)
+            return ids, mask
         # Templates without {% generation %} blocks: find each assistant turn by rendering the conversation up to it.
         # That rendering must agree with the full one through the turn's end-of-turn token; after it, only what a
         # template adds where a conversation ends (Phi-3's eos) may differ.
