@@ -61,6 +61,12 @@ DIFFERENCES = (
     ("Multi-turn rows with Qwen3's own template", "refused in one line (the template renders earlier turns without "
      "their reasoning once later turns follow)", "trained with a training template of TRL's",
      "the served template cannot locate the assistant turns exactly"),
+    ("Tool turns inside a conversational completion", "only the assistant turns of the completion are trained",
+     "the whole completion is trained, the tool results and their headers too",
+     "a tool's output is the environment's, not the model's to predict"),
+    ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
+     "empty `<think></think>` included), up to its end of turn", "no such metric",
+     "a greedy reply writes what it was trained to write; the message's content alone would never match"),
 )
 # TRL fields with no key here, and why (fnmatch patterns: the first that matches).
 NO_EQUIVALENT = {
