@@ -145,6 +145,8 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
     """
     if ckpt_path is None:
         return None
+    if not str(ckpt_path).strip():
+        raise RecipeError("ckpt_path is empty: give a checkpoint (a file, or a sharded checkpoint's folder), or last", "ckpt_path")
     cleaned = clean_staging(output_dir) if first else []
     if ckpt_path != "last":
         path = Path(ckpt_path)

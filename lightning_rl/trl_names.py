@@ -64,6 +64,9 @@ DIFFERENCES = (
     ("Tool turns inside a conversational completion", "only the assistant turns of the completion are trained",
      "the whole completion is trained, the tool results and their headers too",
      "a tool's output is the environment's, not the model's to predict"),
+    ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
+     "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
+     "clipped nor kept"),
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),

@@ -156,6 +156,7 @@ MISTAKES = {
     "output_dir unwritable": (SFT, lambda t: [f"--output_dir={data_file(t, 'a-file', b'')}/run"], "output_dir: cannot write into"),
     "output_dir empty": (SFT, lambda t: ["--output_dir="], "output_dir must name a folder, got ''"),
     "overwrite with ckpt_path": (SFT, lambda t: ["--overwrite", "--ckpt_path=last"], "overwrite: --overwrite starts the run in output_dir over, --ckpt_path=last resumes a run: give one of them"),
+    "ckpt_path empty": (SFT, lambda t: ["--ckpt_path="], "ckpt_path is empty: give a checkpoint (a file, or a sharded checkpoint's folder), or last"),
     "ckpt_path missing": (SFT, lambda t: [f"--ckpt_path={t / 'none.ckpt'}"], "ckpt_path: no such checkpoint"),
     "ckpt_path a folder": (SFT, lambda t: [f"--ckpt_path={t}"], "ckpt_path: {t} is not a checkpoint (a folder without the parts of a sharded checkpoint)"),
     "ckpt_path corrupt": (SFT, lambda t: ["--ckpt_path=" + data_file(t, "bad.ckpt", b"PK not a zip")], "ckpt_path: {t}/bad.ckpt is incomplete (unreadable"),
