@@ -193,7 +193,6 @@ def saved_generation_config(path: str | Path) -> GenerationConfig | None:
     return GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").is_file() else None
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def generation_config_set_aside(model: torch.nn.Module) -> Iterator[None]:
     """``generate`` fills every setting a call leaves unset from the model's generation config: a checkpoint's
@@ -207,6 +206,7 @@ def generation_config_set_aside(model: torch.nn.Module) -> Iterator[None]:
         model.generation_config = own
 
 
+@torch.no_grad()
 def generate_greedy(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 64,
     images: list[list[dict[str, torch.Tensor]]] | None = None,
