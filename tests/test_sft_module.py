@@ -220,3 +220,54 @@ def test_weight_decay_leaves_biases_and_norm_weights_alone_as_trl_does(tmp_path)
     kept_names = {names[id(p)] for p in kept["params"]}
     assert kept_names == {n for n in names.values() if "norm" in n or n.endswith("bias")} and kept_names
     assert any(n.endswith("q_proj.weight") for n in (names[id(p)] for p in decayed["params"]))
+
+
+def test_a_schedule_over_epochs_spans_the_steps_each_epoch_packs_into(tmp_path, capsys):
+    """A later epoch's order can pack into fewer rows than the first's: the schedule was built for the first epoch's
+    count times max_epochs (72 steps where the run took 70), so a linear or cosine schedule never reached its end."""
+    import random
+
+    from lightning_rl import cli
+    from support.paths import REPO
+
+    rng, rows = random.Random(1), [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:30]]
+    for k, row in enumerate(rows):  # rows of many lengths, so that each epoch's order packs otherwise
+        row["messages"][0]["content"] = f"S{k} " + "x y z " * rng.randint(0, 12)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    code = cli.main(["run", str(REPO / "recipes/tiny/sft.yaml"), f"--data.train_data={data}", f"--output_dir={out}", "--data.val_data=null",
+                     "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.max_epochs=3",
+                     "--trainer.max_steps=-1", "--model.lr_schedule=linear", "--model.warmup_steps=0", "--model.learning_rate=1e-2",
+                     "--data.packing=flat", "--data.max_tokens=130", "--logger.kind=csv", "--trainer.log_every_n_steps=1",
+                     "--trainer.enable_progress_bar=false"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    module = SFTDataModule(str(data), max_tokens=130, packing="flat")
+    module.setup("fit")
+    assert steps != 3 * module.batches_per_epoch()  # the epochs do pack otherwise
+    rates = [float(row["train/lr"]) for row in csv.DictReader((next(out.rglob("metrics.csv"))).open()) if row.get("train/lr")]
+    assert rates[-1] == pytest.approx(1e-2 / steps, rel=1e-5)  # the last step's rate of a linear schedule over the run
+
+
+def test_the_held_out_loss_on_two_ranks_is_that_of_one_process(tmp_path, capsys):
+    """One held-out row of 3 trained tokens on 2 ranks: Lightning averaged the ranks' token counts as integers (1.5
+    read 1), so val/loss read 1.5x the figure (and inf on 4 ranks). The sums over every rank now make it."""
+    from lightning_rl import cli
+    from support.paths import REPO
+    from support.recipe_runs import run_on_two
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(TOY_HELDOUT.read_text().splitlines(keepends=True)[0])
+    recipe = str(REPO / "recipes/tiny/sft.yaml")
+    args = [f"--data.val_data={held}", "--model.eval_generations=0", "--trainer.max_steps=1", "--trainer.val_check_interval=1",
+            "--trainer.check_val_every_n_epoch=null", "--trainer.limit_val_batches=1.0", "--logger.kind=csv", "--trainer.enable_progress_bar=false",
+            "--model.warmup_steps=1"]  # fmt: skip  (a rate of 0 at the one step: the same weights in both runs)
+
+    def val_loss(out):
+        return [float(row["val/loss"]) for row in csv.DictReader(next(out.rglob("metrics.csv")).open()) if row.get("val/loss")]
+
+    assert cli.main(["run", recipe, f"--output_dir={tmp_path / 'one'}", *args]) == 0, capsys.readouterr().err[-3000:]
+    two = run_on_two(recipe, tmp_path / "two", "--trainer.strategy=ddp", *args)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert val_loss(tmp_path / "two") == pytest.approx(val_loss(tmp_path / "one"), rel=1e-6) and len(val_loss(tmp_path / "one")) == 1

@@ -754,6 +754,18 @@ class SFTDataModule(LightningDataModule):
             self._epoch_batches = len(self._loader(self.train_examples, self.shuffle, self.seed)[1])
         return self._epoch_batches
 
+    def batches_of_epochs(self, epochs: int) -> list[int]:
+        """This rank's batches in each of the first ``epochs`` epochs: a later epoch's order may pack into fewer rows
+        than the first's (an epoch without a shuffle, or of one example a row, packs into as many)."""
+        if not self.shuffle or self.resolved_packing == "none":
+            return [self.batches_per_epoch()] * epochs
+        sampler = self._loader(self.train_examples, self.shuffle, self.seed)[1]
+        counts = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            counts.append(len(sampler))
+        return counts
+
     def _check_val_interval(self) -> None:
         """What Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was
         refused): a ``limit_train_batches`` fraction that keeps no batch, and a ``val_check_interval`` (training batches)

@@ -21,6 +21,7 @@ from lightning_rl.losses import GRPOLoss
 from lightning_rl.models.loading import LoraSettings
 from lightning_rl.models.policy_sync import PushInBackground, check_push_in_background
 from lightning_rl.modules.mismatch import alarm_bound
+from lightning_rl.modules.optim import check_schedule
 from lightning_rl.rewards import RewardSpec
 from lightning_rl.rollout.base import SamplingSettings
 from lightning_rl.toy.shapes import toy_source
@@ -67,6 +68,7 @@ def check_values(hparams: Mapping[str, Any]) -> None:
     for key in ("learning_rate", "reward_timeout_s", "max_grad_norm"):
         if hparams[key] is not None:
             validation.finite_positive(key, hparams[key])
+    check_schedule(hparams["lr_schedule"], hparams["learning_rate"], hparams["warmup_steps"])
     alarm_bound(hparams["mismatch_alarm_kl"])
     if hparams["eval_generations"] and hparams["eval_data"] is None:
         raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")

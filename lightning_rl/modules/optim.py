@@ -17,6 +17,19 @@ from lightning_rl.errors import RecipeError
 LrSchedule = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt"]
 # Those that run over the run's length: past its end transformers' cosine climbs again, so they need a run that ends.
 _OVER_THE_RUN = ("linear", "cosine", "cosine_with_restarts", "polynomial")
+_POLYNOMIAL_END = 1e-7  # transformers' default lr_end
+
+
+def check_schedule(lr_schedule: str, learning_rate: float, warmup_steps: int) -> None:
+    """What transformers' schedules refuse only once the optimizer is built (a traceback after the run has started),
+    or take silently: ``polynomial`` decays to 1e-7 and needs a learning rate above it, and ``constant`` applies no
+    warmup."""
+    if lr_schedule == "polynomial" and learning_rate <= _POLYNOMIAL_END:
+        raise RecipeError(f"learning_rate={learning_rate} is at or below {_POLYNOMIAL_END}, where lr_schedule polynomial ends: "
+                          "give a larger learning_rate, or another lr_schedule", "learning_rate")  # fmt: skip
+    if lr_schedule == "constant" and warmup_steps:
+        raise RecipeError(f"warmup_steps={warmup_steps}, but lr_schedule constant applies no warmup: use constant_with_warmup, or "
+                          "warmup_steps: 0", "warmup_steps")  # fmt: skip
 
 
 def adamw_with_schedule(
@@ -46,7 +59,8 @@ def run_length(trainer: Trainer) -> float:
     """The run's optimizer steps, as Lightning's ``estimated_stepping_batches`` counts them, without building the
     training data: Lightning builds it to count an epoch's batches, before a resumed run's checkpoint is restored, and
     the data then started from the wrong place (SFT trained other batches, a GRPO resume stopped). A datamodule with
-    ``batches_per_epoch`` says it (None: without end); another is asked of Lightning."""
+    ``batches_per_epoch`` says it (None: without end), each epoch's by ``batches_of_epochs`` where it has it; another is
+    asked of Lightning."""
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     if max_epochs is None or max_epochs == -1:
         return float("inf") if max_steps == -1 else max_steps
@@ -56,7 +70,8 @@ def run_length(trainer: Trainer) -> float:
     batches = count()
     if batches is None:
         return float("inf") if max_steps == -1 else max_steps
-    batches = limited_batches(trainer, batches)
-    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(max_epochs, 1)
+    epochs = max(max_epochs, 1)  # each epoch's own count, where a datamodule says it (a later one may pack into fewer)
+    counts = trainer.datamodule.batches_of_epochs(epochs) if hasattr(trainer.datamodule, "batches_of_epochs") else [batches] * epochs
+    steps = sum(math.ceil(limited_batches(trainer, n) / trainer.accumulate_grad_batches) for n in counts)
     return min(steps, max_steps) if max_steps != -1 else steps
 

@@ -22,7 +22,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
 from lightning_rl.models.paths import check_model_source
 from lightning_rl.modules.evaluation import HELDOUT_METRIC, exact_match, log_heldout
-from lightning_rl.modules.optim import LrSchedule
+from lightning_rl.modules.optim import LrSchedule, check_schedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
@@ -87,11 +87,13 @@ class SFTModule(PolicyModule):
         for i, beta in enumerate(betas):
             validation.fraction(f"betas[{i}]", beta)
         validation.non_negative_int("warmup_steps", warmup_steps)
+        check_schedule(lr_schedule, learning_rate, warmup_steps)
         validation.positive_int("chunk_size", chunk_size)
         validation.positive_int("verify_packing_every", verify_packing_every)
         validation.non_negative_int("eval_generations", eval_generations)
         validation.positive_int("max_new_tokens", max_new_tokens)
         self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
+        self._val_totals = torch.zeros(2, dtype=torch.float64)  # this rank's summed held-out loss and tokens
         self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         check_towers(towers, self.lora)
@@ -140,12 +142,19 @@ class SFTModule(PolicyModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return {"loss": loss_sum, "reported_loss": row_loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals = torch.zeros(2, dtype=torch.float64)
+
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logprobs = self._logprobs(batch)
-        # Every rank's rows, weighed by their tokens (a rank's empty batch: weight 0).
-        self.log("val/loss", -logprobs.sum() / max(logprobs.numel(), 1), prog_bar=True, batch_size=int(logprobs.numel()), sync_dist=True)
+        self._val_totals += torch.tensor([-logprobs.sum().item(), logprobs.numel()], dtype=torch.float64)
 
     def on_validation_epoch_end(self) -> None:
+        # Every rank's summed loss over every rank's tokens, divided once (Lightning's batch-size weighting averaged
+        # the ranks' token counts as integers, so a count that did not divide by the ranks read low, or 0: inf).
+        loss_sum, tokens = self.trainer.strategy.reduce(self._val_totals.to(self.device), reduce_op="sum").tolist()
+        if tokens > 0:
+            self.log("val/loss", loss_sum / tokens, prog_bar=True)
         if self.hparams.eval_generations and not self.trainer.sanity_checking:
             self.heldout(in_validation=True)
 
