@@ -64,6 +64,9 @@ DIFFERENCES = (
     ("Tool turns inside a conversational completion", "only the assistant turns of the completion are trained",
      "the whole completion is trained, the tool results and their headers too",
      "a tool's output is the environment's, not the model's to predict"),
+    ("`train/loss` with `trainer.log_every_n_steps` > 1", "the loss of the step it is logged at",
+     "the mean over the steps since the last log (`logging_steps`)", "each logged figure is one step's, as every "
+     "other `train/` figure is"),
     ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
      "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
      "clipped nor kept"),
@@ -98,7 +101,9 @@ NO_EQUIVALENT = {
     "cast_lm_head_to_fp32": "log-probs come from a chunked LM head computed in float32 (model.chunk_size)",
     "num_generations_eval": "held-out scoring decodes greedily, once per prompt (model.eval_generations)",
     "ds3_gather_for_generation": "DeepSpeed is not used: the engine gets whole weights from the trainer's sync",
-    "shuffle_dataset": "prompts are shuffled every pass, seeded by seed",
+    "shuffle_dataset": "SFT's examples (data.shuffle, on by default) and GRPO's prompts are reshuffled every pass, "
+    "seeded by seed, as TRL's sampler reshuffles every epoch; TRL's shuffle_dataset only shuffles once more while the "
+    "data is prepared, and its false is not data.shuffle: false (the file's order)",
     "generation_batch_size": "a step generates for data.batch_size prompts (times model.num_generations)",
     "steps_per_generation": "model.num_iterations optimizer steps are taken on each batch of rollouts",
     "generation_kwargs": "sampling takes the typed keys of model.sampling",

@@ -675,8 +675,8 @@ class SFTDataModule(LightningDataModule):
             `packing_strategy`, `padding_free`.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
             TRL: the same name.
-        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order). TRL:
-            `shuffle_dataset`.
+        shuffle: a new order of the examples every epoch (seeded by ``seed``: a resume sees the same order), as TRL's
+            sampler reshuffles every epoch; off, the file's order every epoch.
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
             TRL: `dataloader_num_workers`.
