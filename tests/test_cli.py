@@ -14,7 +14,7 @@ import yaml
 from support.paths import REPO
 from support.run_outputs import not_known_as_the_runs
 from lightning_rl import cli, run_folder
-from lightning_rl.checkpoints import StagedCheckpointIO
+from lightning_rl.checkpoints import ForeignCheckpointError, StagedCheckpointIO
 from lightning_rl.recipe import parse
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"
@@ -173,4 +173,7 @@ def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_che
     assert cli.resume_path(tmp_path, "last") == str(hpc)
     os.utime(hpc, ns=(1, 1))  # the higher step wins, not the newer file
     assert cli.resume_path(tmp_path, "last") == str(hpc)
+    with pytest.raises(ForeignCheckpointError, match=r"last.ckpt is at step 4, but output_dir .* holds checkpoints up to step 5 \(hpc_ckpt_5.ckpt\)"):
+        cli.resume_path(tmp_path, str(last))  # named, an older one: its run would sit beside the newer one's checkpoints
+    hpc.unlink()
     assert cli.resume_path(tmp_path, str(last)) == str(last)
