@@ -23,7 +23,8 @@ from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_tool_calls
 from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
-from lightning_rl.rollout.conversation import ToolConversation, distinct_tool_calls
+from lightning_rl.errors import RecipeError
+from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, distinct_tool_calls, tool_response_ids
 from support.tool_faults import flooding_calculator, hanging_calculator, slow
 from support.tool_model import train_tool_calling_model
 
@@ -135,6 +136,8 @@ def test_multi_turn_rollouts_run_tools_and_feed_back_results_and_errors(tool_cal
     assert good.metadata["final_reply"] == "12"
     assert bad.metadata["tool_calls"][0]["failure"] == "invalid_arguments"
     assert bad.metadata["tool_calls"][0]["content"] == bad_result and "'seven' is not of type 'integer'" in bad_result
+    # Rewards read the call as the model wrote it (TRL's messages), though the schema refused it ({} before).
+    assert bad.messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"operation": "add", "a": "seven", "b": 1}}
     assert executor.failures["invalid_arguments"] == 2  # both samples of the second prompt
     # The tool's output is in the history but is not trained; the model's own tokens are.
     response = tokenizer.decode([t for t, m in zip(good.completion_ids, good.completion_mask) if not m])
@@ -325,3 +328,27 @@ def test_filtered_turns_keep_their_supports_and_the_trainer_scores_what_was_samp
         full = packed_logprobs(scorer, dataclasses.replace(packed, token_support=None))
     torch.testing.assert_close(scored, packed.token_values["engine"], atol=1e-4, rtol=0)
     assert (full - packed.token_values["engine"]).abs().max() > 1e-2  # without the supports: the filters' kept mass
+
+
+def test_tool_results_follow_a_reply_whose_template_writes_the_last_turn_otherwise(tiny_tokenizer):
+    """Qwen3's template writes an empty <think></think> into the last assistant turn only: once tool results follow,
+    the turn renders otherwise, and the first tool call stopped the run ("changes the earlier turns"). The results are
+    what follows the turn's end token, as many end tokens in."""
+    import copy
+
+    thinking = copy.deepcopy(tiny_tokenizer)
+    thinking.chat_template = thinking.chat_template.replace("{% generation %}", "{% generation %}{{ \'<think></think>\' if loop.last else \'\' }}")
+    results = [{"role": "tool", "name": "calculator", "content": "12"}]
+    assert tool_response_ids(thinking, results) == tool_response_ids(tiny_tokenizer, results)
+    assert tiny_tokenizer.decode(tool_response_ids(thinking, results)) == "\n<|im_start|>tool\n<tool_response>12</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_writes_calls_without_the_parsed_tags_is_refused(tiny_tokenizer):
+    """Llama 3's template writes a call as bare JSON: replies were parsed for <tool_call> blocks, and no call ever ran."""
+    import copy
+
+    bare = copy.deepcopy(tiny_tokenizer)
+    bare.chat_template = bare.chat_template.replace("<tool_call>", "").replace("</tool_call>", "")
+    check_tool_call_format(tiny_tokenizer, "tiny")  # its template writes the blocks
+    with pytest.raises(RecipeError, match="^tools: the chat template of bare writes tool calls without <tool_call> blocks"):
+        check_tool_call_format(bare, "bare")

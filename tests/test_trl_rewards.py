@@ -314,8 +314,8 @@ def test_trl_style_rewards_read_tool_turns_as_trl_shapes_them():
     (call,) = CALLS
     good, bad = call["completions"][0], call["completions"][2]
     assert [m["role"] for m in good] == ["assistant", "tool", "assistant"] == [m["role"] for m in bad]
-    assert good[0]["tool_calls"] == [{"type": "function", "function": {"name": "calculator",
-                                                                       "arguments": {"operation": "add", "a": 7, "b": 5}}}]
+    assert good[0]["tool_calls"] == [{"type": "function", "function": {"name": "calculator",  # as written: the run coerced "7"
+                                                                       "arguments": {"operation": "add", "a": "7", "b": 5}}}]
     assert good[1] == {"role": "tool", "name": "calculator", "content": "12"} and good[2] == {"role": "assistant", "content": "12"}
     assert call["prompts"][0] == records[0]["prompt"] and call["state"].max_steps == 7
     assert scored.reward_terms["exact_answer"] == [1.0, 1.0, 1.0, 1.0]

@@ -25,7 +25,7 @@ from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards import RewardScorer, TrainerState
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
-from lightning_rl.rollout.conversation import ToolConversation, completion_text, distinct_tool_calls, visible_text
+from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, completion_text, distinct_tool_calls, visible_text
 from lightning_rl.tools import Tool, ToolExecutor, load_tool
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class RolloutCollector:
         self.max_steps, self.steps_per_batch = max_steps, steps_per_batch
         self.executor: ToolExecutor | None = None
         if settings.loaded_tools:
+            check_tool_call_format(renderer.tokenizer, renderer.model_name)
             self.executor = ToolExecutor(
                 list(settings.loaded_tools), timeout_s=settings.tool_timeout_s, max_output_chars=settings.tool_output_max_chars
             )

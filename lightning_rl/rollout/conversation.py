@@ -24,7 +24,8 @@ from transformers import PreTrainedTokenizerBase
 import torch
 
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, extend_support
-from lightning_rl.tools.calls import parse_tool_calls
+from lightning_rl.errors import RecipeError
+from lightning_rl.tools.calls import TOOL_CALL_START, parse_tool_calls
 from lightning_rl.tools.executor import FailureKind, ToolExecutor
 
 
@@ -50,11 +51,31 @@ def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[di
     full = tokenizer.apply_chat_template(
         base + tool_messages, tokenize=True, return_dict=False, add_generation_prompt=True
     )
-    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
-    cut = ends[-1] + 1 if ends else len(prefix)
-    if full[:cut] != prefix[:cut]:
+    # After the assistant turn's end token: as many end tokens in, whatever the template writes inside the turns (Qwen3
+    # writes an empty <think></think> into the last assistant turn only, so the turn itself differs once tools follow).
+    turns = sum(token == tokenizer.eos_token_id for token in prefix)
+    ends = [i for i, token in enumerate(full) if token == tokenizer.eos_token_id]
+    if turns and len(ends) >= turns:
+        return list(full[ends[turns - 1] + 1 :])
+    if full[: len(prefix)] != prefix:
         raise ValueError("the chat template renders tool messages in a way that changes the earlier turns")
-    return list(full[cut:])
+    return list(full[len(prefix) :])
+
+
+def check_tool_call_format(tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+    """Refuse a chat template that writes tool calls otherwise than the ``<tool_call>{...}</tool_call>`` blocks replies
+    are parsed for (Llama 3's bare JSON with "parameters"): its model's calls would never run, silently."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, call], tokenize=False)
+    except Exception as error:  # a template that cannot render a call at all
+        raise RecipeError(f"tools: the chat template of {model_name} cannot render a tool call ({type(error).__name__}: {error})", "tools") from None
+    if TOOL_CALL_START not in text:
+        raise RecipeError(
+            f"tools: the chat template of {model_name} writes tool calls without {TOOL_CALL_START} blocks, which are what "
+            "replies are parsed for, so its model's calls would never run: use a model whose template writes them "
+            "(Qwen's, Hermes-style)", "tools",
+        )
 
 
 class ToolConversation:
@@ -107,8 +128,9 @@ class ToolConversation:
             budget = sampling_for_turn(turn).max_new_tokens
             for history, text, calls in calling:
                 ran = [next(outcomes) for _ in calls]
-                history.messages[-1]["tool_calls"] = [  # the assistant turn as TRL's reward functions read it
-                    {"type": "function", "function": {"name": o.call.name, "arguments": o.arguments}} for o in ran
+                history.messages[-1]["tool_calls"] = [  # the assistant turn as TRL's reward functions read it: the
+                    # call as the model wrote it (arguments a schema refused too; the run's are in `tool_calls`)
+                    {"type": "function", "function": {"name": o.call.name, "arguments": o.call.arguments}} for o in ran
                 ]
                 history.metadata["tool_calls"].extend(
                     {"call_id": next(call_ids), "name": o.call.name, "arguments": o.arguments, "content": o.content,
