@@ -67,6 +67,12 @@ DIFFERENCES = (
     ("`train/loss` with `trainer.log_every_n_steps` > 1", "the loss of the step it is logged at",
      "the mean over the steps since the last log (`logging_steps`)", "each logged figure is one step's, as every "
      "other `train/` figure is"),
+    ("Tool-calling turns", "`model.max_turns` counts replies: TRL's `max_tool_calling_iterations` + 1",
+     "`max_tool_calling_iterations` counts the rounds of calls", "the same run takes max_turns = iterations + 1"),
+    ("Completion budget with tools", "`sampling.max_new_tokens` is each reply's (a completion holds up to max_turns "
+     "replies and the tools' results between them); Dr. GRPO's constant is max_new_tokens x max_turns",
+     "`max_completion_length` caps the whole completion, tool results included", "a reply is sampled against its own "
+     "budget, and a tool's result is not the model's to spend it on"),
     ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
      "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
      "clipped nor kept"),

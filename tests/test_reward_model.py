@@ -54,6 +54,17 @@ def test_a_reward_model_is_a_recipe_reward_and_its_mistakes_are_one_line(reward_
         RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batch_size": 0})])
     with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*unexpected keyword argument 'batchsize'"):
         RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batchsize": 2})])
+    # A conversational prompt's completion with a tool call and its result: the reward model reads the whole exchange
+    # (a tool-calling rollout scored as its last reply alone before, unlike TRL).
+    exchange = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+                {"role": "tool", "name": "add", "content": "4"}, {"role": "assistant", "content": "4"}]  # fmt: skip
+    scores = scorer.score(["p", "p"], ["4", "4"], {"prompt_messages": [PROMPTS[0], PROMPTS[0]]}, chat_prompts=[PROMPTS[0]] * 2,
+                          chat_completions=[exchange, [{"role": "assistant", "content": "4"}]])  # fmt: skip
+    whole = RewardModel(str(reward_model_path))([PROMPTS[0]], [exchange])
+    assert scores.per_function["reward_model"].tolist()[0] == pytest.approx(whole[0]) and whole[0] != pytest.approx(scores.per_function["reward_model"].tolist()[1])
+    assert "<tool_response>4</tool_response>" in RewardModel(str(reward_model_path)).texts([PROMPTS[0]], [exchange])[0]
+    with pytest.raises(ValueError, match="RecipeError: path: no model folder at "):
+        RewardScorer([RewardSpec("reward_model", kwargs={"path": str(tmp_path / "no-such-model")})])
     classifier = tmp_path / "three-labels"  # a classifier, not a reward model
     AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(reward_model_path, num_labels=3)).save_pretrained(classifier)
     AutoTokenizer.from_pretrained(reward_model_path).save_pretrained(classifier)

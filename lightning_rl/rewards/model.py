@@ -1,7 +1,8 @@
 """A reward given by a trained reward model: a ``from_pretrained`` sequence-classification model with one output.
 
 Each completion is scored as the reward model's own tokenizer and chat template present it: the prompt's messages
-(as the policy saw them, `prompt_messages`) followed by the completion as the assistant's reply. Batches of
+(as the policy saw them, `prompt_messages`) followed by the completion's (a conversational prompt's, with its tool
+calls and results, as TRL renders them), or a text completion as the assistant's reply. Batches of
 ``batch_size`` go through the model on the trainer's device (``to``), without gradients.
 """
 
@@ -28,7 +29,7 @@ class RewardModel:
     def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        folder = resolve_model_path(path)
+        folder = resolve_model_path(path, key="path")
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval().requires_grad_(False)
         if self.model.config.num_labels != 1:
@@ -44,11 +45,13 @@ class RewardModel:
         self.model.to(device)
         return self
 
-    def texts(self, prompt_messages: Sequence[Sequence[dict[str, Any]]], completions: Sequence[str]) -> list[str]:
-        """What the reward model reads for each completion."""
+    def texts(self, prompt_messages: Sequence[Sequence[dict[str, Any]]], completions: Sequence[Any]) -> list[str]:
+        """What the reward model reads for each completion: the prompt's messages, then the completion's (its tool
+        calls and the tools' results too, as TRL renders them), or a text completion as the assistant's reply."""
         out = []
         for messages, completion in zip(prompt_messages, completions, strict=True):
-            conversation = [*messages, {"role": "assistant", "content": completion}]
+            reply = list(completion) if isinstance(completion, (list, tuple)) else [{"role": "assistant", "content": completion}]
+            conversation = [*messages, *reply]
             if self.tokenizer.chat_template is not None:
                 out.append(self.tokenizer.apply_chat_template(conversation, tokenize=False))
             else:  # no template: the turns' text, one after the other
@@ -56,7 +59,7 @@ class RewardModel:
         return out
 
     @torch.no_grad()
-    def __call__(self, prompt_messages: Sequence[Sequence[dict[str, Any]]], completions: Sequence[str]) -> list[float]:
+    def __call__(self, prompt_messages: Sequence[Sequence[dict[str, Any]]], completions: Sequence[Any]) -> list[float]:
         texts = self.texts(prompt_messages, completions)
         device = next(self.model.parameters()).device
         scores: list[float] = []
