@@ -131,6 +131,8 @@ MISTAKES = {
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
     "server engine url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=localhost:8000"],
                           "model.engine: url must be a server's http(s)://HOST:PORT, got 'localhost:8000'"),
+    "server chunked prefill on a CPU": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.server_options={whole_prefills: false}"],
+                                        "model.engine: server_options.whole_prefills: false is refused on a CPU: vLLM's CPU build dies"),
     "server option typo": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.server_options={max_len: 256}"],
                            "model.engine.init_args.server_options: unknown 'max_len' (it takes dtype,"),
     "engine options without class_path": (GRPO, lambda t: ["--model.engine.init_args.device=cpu"], "command line: model.engine: init_args given without a class_path: name the engine"),

@@ -49,6 +49,9 @@ def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]
     if (engine_kwargs or {}).get("async_scheduling"):
         raise ValueError("engine_kwargs.async_scheduling: true is refused: a push would land while a step's tokens are "
                          "in flight, and which weights sampled them would not be known")
+    if (engine_kwargs or {}).get("enable_chunked_prefill") and vllm_on_cpu():
+        raise ValueError("engine_kwargs.enable_chunked_prefill: true is refused on a CPU: vLLM's CPU build dies when it splits a "
+                         "seeded request's prompt over steps (every rollout request is seeded)")
     return dict(engine_kwargs or {})
 
 

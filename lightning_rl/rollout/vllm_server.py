@@ -46,7 +46,9 @@ from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
 from lightning_rl.rollout.vllm_held import write_groups
-from lightning_rl.rollout.vllm_server_process import WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json
+from lightning_rl.rollout.vllm_server_process import (
+    WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json, split_prefills_refusal,
+)
 
 if TYPE_CHECKING:
     from lightning_rl.rollout.nccl_transport import NCCLSender
@@ -208,6 +210,9 @@ class VLLMServerEngine(RolloutEngine):
                 check_dtype(options["server_options"]["dtype"], VLLM_DTYPES)
             except ValueError as error:
                 raise ValueError(f"server_options.{error}") from None
+        server = options["server_options"] or {}
+        if options["url"] is None and (why := split_prefills_refusal(server.get("whole_prefills"), server.get("extra_args") or ())):
+            raise ValueError(f"server_options.{why}")
         if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 f"{cls.__name__} starts its vLLM server with this Python, which has no vLLM installed: install it "

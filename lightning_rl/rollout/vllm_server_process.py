@@ -95,6 +95,15 @@ def vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def split_prefills_refusal(whole_prefills: bool | None, extra_args: Sequence[str]) -> str | None:
+    """Why a server started here on a CPU with chunked prefill on would die, or None (`vllm_on_cpu`)."""
+    if (whole_prefills is False or "--enable-chunked-prefill" in extra_args) and vllm_on_cpu():
+        given = "whole_prefills: false" if whole_prefills is False else "extra_args --enable-chunked-prefill"
+        return (f"{given} is refused on a CPU: vLLM's CPU build dies when it splits a seeded request's prompt over steps "
+                "(every rollout request is seeded), and each restart dies alike")
+    return None
+
+
 class VLLMServer:
     """A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes over `transport`.
 
@@ -130,6 +139,8 @@ class VLLMServer:
     ) -> None:
         if transport not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"transport must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {transport!r}")
+        if why := split_prefills_refusal(whole_prefills, extra_args):
+            raise ValueError(why)
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"

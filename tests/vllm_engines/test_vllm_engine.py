@@ -290,6 +290,9 @@ def test_asynchronous_scheduling_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"^engine_kwargs.async_scheduling: true is refused"):
         VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": True}})
     VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"async_scheduling": False}})
+    # Chunked prefill on a CPU: accepted, then the engine died on the first step that split a seeded prompt.
+    with pytest.raises(ValueError, match=r"^engine_kwargs.enable_chunked_prefill: true is refused on a CPU"):
+        VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"enable_chunked_prefill": True}})
 
 
 def test_options_vllm_refuses_are_one_line_and_leave_no_run_folder(tmp_path):
