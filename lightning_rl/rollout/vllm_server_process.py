@@ -96,7 +96,8 @@ def vllm_on_cpu() -> bool:
 
 
 def split_prefills_refusal(whole_prefills: bool | None, extra_args: Sequence[str]) -> str | None:
-    """Why a server started here on a CPU with chunked prefill on would die, or None (`vllm_on_cpu`)."""
+    """Why a server started on this machine's CPU with chunked prefill on would die, or None (`vllm_on_cpu`; a command
+    rendered here for another machine's server may turn it on)."""
     if (whole_prefills is False or "--enable-chunked-prefill" in extra_args) and vllm_on_cpu():
         given = "whole_prefills: false" if whole_prefills is False else "extra_args --enable-chunked-prefill"
         return (f"{given} is refused on a CPU: vLLM's CPU build dies when it splits a seeded request's prompt over steps "
@@ -139,8 +140,6 @@ class VLLMServer:
     ) -> None:
         if transport not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"transport must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {transport!r}")
-        if why := split_prefills_refusal(whole_prefills, extra_args):
-            raise ValueError(why)
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
