@@ -228,7 +228,7 @@ def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> Pooled:
     by_group: dict[int, list[float]] = {}
     for reward, group in zip(rewards.tolist(), groups, strict=True):
         by_group.setdefault(group, []).append(reward)
-    scored = [torch.tensor(values)[~torch.tensor(values).isnan()] for values in by_group.values()]
+    scored = [values[~values.isnan()] for values in map(torch.tensor, by_group.values())]
     tied = [present.numel() > 1 and bool(torch.isclose(std := present.std(), torch.zeros_like(std))) for present in scored]
     return Pooled(sum(tied), len(tied))
 
