@@ -413,7 +413,8 @@ class RecipeCLI(LightningCLI):
             raise RecipeError(f"seed must be in [0, 2**32 - 1], got {seed}")  # no key: data.seed is linked from it
         if self.build:  # a recipe only checked (launch, plan) has nothing to seed
             said = logging.getLogger("lightning.fabric.utilities.seed")  # "Seed set to 0", before any error line:
-            level, said.level = said.level, logging.WARNING  # the seed is in recipe.yaml
+            level = said.level  # the seed is in recipe.yaml
+            said.setLevel(logging.WARNING)  # (setLevel, not the attribute: it clears the loggers' cached levels)
             try:
                 super()._set_seed()
             finally:
