@@ -38,6 +38,10 @@ DIFFERENCES = (
     ("SFT loss mask after a turn's end", "a chat template's separator after the end-of-turn token (Qwen's newline "
      "after `<|im_end|>`) is not trained", "trained in prompt/completion rows",
      "the model never has to predict it: generation stops at the end-of-turn token"),
+    ("Where a reply ends", "at the model's end tokens and at the special token its chat template writes after a reply "
+     "(a base model's ChatML `<|im_end|>`), in every engine and in held-out decoding",
+     "at the tokenizer's eos, or the token `eos_token` names",
+     "a model trained on the template ends its replies where the template does"),
     ("SFT loss mask at an assistant turn's start", "the loss starts after the model's own template's assistant "
      "header", "TRL 1.16 renders some families (Qwen2.5, Qwen3) with training templates of its own, which can put "
      "a header token (the newline after `<|im_start|>assistant`) in the loss",
@@ -91,7 +95,7 @@ NO_EQUIVALENT = {
     "dataset_text_field": "rows are `messages` or `prompt`/`completion`; plain text rows are not trained",
     "dataset_kwargs": "a recipe holds typed keys, not a bag of keyword arguments",
     "dataset_num_proc": "rows are tokenized once, in the main process",
-    "eos_token": "the chat template ends each turn with the tokenizer's own tokens",
+    "eos_token": "each reply ends with the special token the chat template writes after it, read from the template",
     "pad_token": "packed rows hold no padding to fill",
     "truncation_mode": "an example longer than data.max_length is an error, never cut",
     "eval_packing": "held-out rows are packed as the training ones are",

@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
 
 import lightning as L
 import pytest
 import torch
+from transformers import AutoTokenizer
 from support.grpo import FAST, LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
@@ -438,3 +440,24 @@ def test_engine_options_are_checked_against_the_engines_signature_before_any_mod
     assert module.hparams["engine"] == {"class_path": "lightning_rl.rollout.vllm_engine.VLLMEngine",
                                         "init_args": {"dtype": "bfloat16", "max_model_len": 512}}  # fmt: skip
     assert GRPOModule(engine=module.hparams["engine"]).engine_spec == module.engine_spec  # a checkpoint's hparams rebuild it
+
+
+def test_rollouts_of_a_base_tokenizer_with_a_chatml_template_end_at_the_templates_end_of_turn(tiny_path, tmp_path):
+    """A base model's tokenizer ends text with ``<|endoftext|>`` (its generation config names nothing else), while its
+    ChatML template ends each reply with ``<|im_end|>``: the engines went on sampling past ``<|im_end|>``, so the
+    policy was trained on text after its own end of turn. A reply now ends at the first ``<|im_end|>`` it samples."""
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(folder)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext}))
+    rollouts = TrainedRollouts()
+    # Hot sampling of an untrained model: about one token in 500 is <|im_end|>, 4,096 tokens are sampled.
+    fit(1, [rollouts], batch_size=4, model_name_or_path=str(folder), num_generations=16,
+        sampling={"max_new_tokens": 64, "temperature": 3.0}, rewards=LENGTH_REWARD)  # fmt: skip
+    completions = rollouts.batches[0]["completions"]
+    ended = [ids for ids in completions if im_end in ids]
+    assert ended, "no rollout sampled <|im_end|>"
+    assert all(ids.index(im_end) == len(ids) - 1 for ids in ended)

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from support.paths import TOY_TRAIN
 from lightning_rl.data.sft import DataError, Renderer, TokenBudgetBatchSampler, load_examples, plan_batches
+from lightning_rl.models.loading import end_of_turn_ids, template_end_of_turn
 from lightning_rl.packing.tree import count_unique_tokens
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -65,16 +66,19 @@ def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_
     assert [e.input_ids for e in without] == [e.input_ids for e in with_blocks]
 
 
-def test_a_separator_after_a_reply_end_that_is_not_eos_is_not_trained(tiny_path, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("named_by", ["generation config", "chat template alone"])
+def test_a_separator_after_a_reply_end_that_is_not_eos_is_not_trained(tiny_path, tiny_tokenizer, tmp_path, named_by):
     """Gemma ends a reply with ``<end_of_turn>`` (its generation config's end, not the tokenizer's ``<eos>``) and its
-    template puts ``\n`` after it: the reply is trained through its end, never the separator, as with blocks."""
+    template puts ``\n`` after it: the reply is trained through its end, never the separator, as with blocks. A base
+    model's tokenizer (eos ``<|endoftext|>``, generation config naming nothing else) with a ChatML template: its
+    template's ``<|im_end|>`` ends the reply all the same."""
     folder = tmp_path / "model"
     gemma_like = AutoTokenizer.from_pretrained(tiny_path)
     gemma_like.chat_template = gemma_like.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     gemma_like.eos_token = "<|endoftext|>"
     gemma_like.save_pretrained(folder)
     ends = [gemma_like.convert_tokens_to_ids("<|endoftext|>"), gemma_like.convert_tokens_to_ids("<|im_end|>")]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends if named_by == "generation config" else ends[:1]}))
     rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:5]]
     rows.append({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
                               {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]})  # fmt: skip
@@ -402,3 +406,22 @@ def test_data_files_are_read_by_their_content_whatever_the_case_of_their_suffix_
     for name in ("lines.json", "list.JSON", "rows.PARQUET", "~/lines.json"):
         _, read = read_rows(str(tmp_path / name) if not name.startswith("~") else name)
         assert [row for _, row in read] == rows, name
+
+
+def test_the_chat_templates_end_of_turn_is_read_from_what_it_writes_after_a_reply(tiny_tokenizer):
+    """The special token right after a reply (whitespace between allowed) ends it; a template that closes a reply with
+    plain text, or a tokenizer without a template, names none (the generation config and eos then decide alone)."""
+    base = copy.deepcopy(tiny_tokenizer)
+    base.eos_token = "<|endoftext|>"
+    im_end, endoftext = base.convert_tokens_to_ids("<|im_end|>"), base.convert_tokens_to_ids("<|endoftext|>")
+    assert template_end_of_turn(base) == im_end
+    assert end_of_turn_ids(None, base) == [endoftext, im_end]
+    spaced = copy.deepcopy(base)
+    spaced.chat_template = base.chat_template.replace("{{ '<|im_end|>' }}", "{{ '  <|im_end|>' }}")
+    assert template_end_of_turn(spaced) == im_end
+    plain = copy.deepcopy(base)
+    plain.chat_template = base.chat_template.replace("{{ '<|im_end|>' }}", "{{ '### done' }}")
+    assert "### done" in plain.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenize=False)
+    assert template_end_of_turn(plain) is None and end_of_turn_ids(None, plain) == [endoftext]
+    plain.chat_template = None
+    assert template_end_of_turn(plain) is None

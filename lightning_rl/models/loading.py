@@ -182,10 +182,37 @@ def causal_attention(model_class: type, config: PreTrainedConfig) -> str:
 
 def end_of_turn_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The tokens that end a reply: the model's generation config's (a chat model's end of turn, as Gemma's
-    ``<end_of_turn>``, besides its end of text) and the tokenizer's end of sequence."""
+    ``<end_of_turn>``, besides its end of text), the tokenizer's end of sequence, and the special token its chat
+    template closes a reply with (a base model's tokenizer ends text with ``<|endoftext|>`` while its ChatML template
+    ends turns with ``<|im_end|>``: a model trained on that template ends its replies with ``<|im_end|>``)."""
     configured = getattr(generation_config, "eos_token_id", None)
     ids = configured if isinstance(configured, list) else [configured]
-    return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
+    return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id, template_end_of_turn(tokenizer)] if i is not None))
+
+
+_PROBE_REPLY = "Probe reply 7"
+
+
+def template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the tokenizer's chat template writes right after an assistant reply's content (only
+    whitespace between); None for a template that closes a reply otherwise, or has none."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False
+        )
+    except Exception:  # a template that raises on this conversation (jinja's raise_exception): it names no end
+        return None
+    if not isinstance(text, str) or _PROBE_REPLY not in text:
+        return None
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} | set(tokenizer.all_special_ids)
+    for token in tokenizer(text[text.rindex(_PROBE_REPLY) + len(_PROBE_REPLY) :], add_special_tokens=False)["input_ids"]:
+        if token in special:
+            return token
+        if tokenizer.decode([token]).strip():
+            return None
+    return None
 
 
 def saved_generation_config(path: str | Path) -> GenerationConfig | None:

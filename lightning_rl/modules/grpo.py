@@ -34,7 +34,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss, StepCounts
 from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, step_advantages
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
-from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, load_causal_lm
+from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, end_of_turn_ids, load_causal_lm
 from lightning_rl.models.paths import check_model_source, resolve_model_path
 from lightning_rl.checkpoints import every_ranks, this_ranks
 from lightning_rl.modules.optim import LrSchedule
@@ -304,8 +304,8 @@ class GRPOModule(PolicyModule):
         if self.hparams.eval_generations:
             self.eval_cases  # read now: a bad row stops the run before it writes anything
         suppressed = tuple(sorted({*multimodal_token_ids(self.policy.config), *processor_token_ids(self.processor, self.tokenizer)}))
-        if suppressed:
-            self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed)
+        stops = tuple(end_of_turn_ids(getattr(self.policy, "generation_config", None), self.tokenizer))  # a reply ends at its turn's end
+        self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed, stop_token_ids=stops)
         if self.loss.beta != 0.0:
             self.reference = load_causal_lm(path, defer_weights=self.loads_sharded()).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
