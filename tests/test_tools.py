@@ -145,6 +145,12 @@ def test_multi_turn_rollouts_run_tools_and_feed_back_results_and_errors(tool_cal
     assert sum(good.completion_mask) < len(good.completion_ids)
     assert all(lp == 0.0 for lp, m in zip(good.logprobs, good.completion_mask) if not m)
     assert [m["role"] for m in good.messages] == ["assistant", "tool", "assistant"]
+    # On the last allowed turn the call is not run, yet the reply still holds it (it lost its `tool_calls` key).
+    last = ToolConversation(HFRolloutEngine(model), tokenizer, executor, max_turns=1)
+    (unrun, _), _ = last.generate(prompts, [2], lambda turn: SamplingConfig(max_new_tokens=48, temperature=0)).groups
+    assert unrun.messages == [{"role": "assistant", "content": unrun.metadata["final_reply"], "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"operation": "add", "a": "7", "b": 5}}}]}]  # fmt: skip (as written: a quoted 7)
+    assert unrun.metadata["tool_calls"] == []
 
 
 def test_forked_turns_make_nested_forks_that_tree_packing_shares(tool_calling_model):

@@ -25,7 +25,7 @@ import torch
 
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, extend_support
 from lightning_rl.errors import RecipeError
-from lightning_rl.tools.calls import TOOL_CALL_START, parse_tool_calls
+from lightning_rl.tools.calls import TOOL_CALL_START, ToolCall, parse_tool_calls
 from lightning_rl.tools.executor import FailureKind, ToolExecutor
 
 
@@ -119,6 +119,8 @@ class ToolConversation:
                 history.messages.append({"role": "assistant", "content": text})
                 calls = parse_tool_calls(visible_text(self.tokenizer, reply))
                 if not calls or turn == self.max_turns or history.finish_reason != "stop":
+                    if calls:  # not run (the last turn, or a cut reply), yet the reply holds them, as TRL's messages do
+                        history.messages[-1]["tool_calls"] = _as_written(calls)
                     history.metadata["final_reply"] = text
                     finished.append(history)
                 else:
@@ -128,10 +130,9 @@ class ToolConversation:
             budget = sampling_for_turn(turn).max_new_tokens
             for history, text, calls in calling:
                 ran = [next(outcomes) for _ in calls]
-                history.messages[-1]["tool_calls"] = [  # the assistant turn as TRL's reward functions read it: the
-                    # call as the model wrote it (arguments a schema refused too; the run's are in `tool_calls`)
-                    {"type": "function", "function": {"name": o.call.name, "arguments": o.call.arguments}} for o in ran
-                ]
+                # The assistant turn as TRL's reward functions read it: the calls as the model wrote them (arguments a
+                # schema refused too; the run's are in `tool_calls`).
+                history.messages[-1]["tool_calls"] = _as_written([o.call for o in ran])
                 history.metadata["tool_calls"].extend(
                     {"call_id": next(call_ids), "name": o.call.name, "arguments": o.arguments, "content": o.content,
                      "failure": o.failure}
@@ -199,3 +200,8 @@ def _append(
     history.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
     assert history.completion_mask is not None
     history.completion_mask.extend([sampled] * len(token_ids))
+
+
+def _as_written(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: each call's name and arguments as the model wrote them."""
+    return [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
