@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 from support.grpo import FAST, LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
+from support.grpo import trainer as trainer_of
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.errors import RecipeError
@@ -461,3 +462,22 @@ def test_rollouts_of_a_base_tokenizer_with_a_chatml_template_end_at_the_template
     ended = [ids for ids in completions if im_end in ids]
     assert ended, "no rollout sampled <|im_end|>"
     assert all(ids.index(im_end) == len(ids) - 1 for ids in ended)
+
+
+def test_prompts_given_from_python_as_a_dataset_or_rows_train_as_a_file_of_them_does(tmp_path):
+    """TRL users hand GRPO a `datasets.Dataset`; it crashed in pathlib (SFT reads one). Its rows, a list of rows and a
+    JSONL file of them give the same first step's rewards, and a bad row is named by its position."""
+    import datasets
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1)]]
+    file = tmp_path / "p.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rewards = []
+    for source in (datasets.Dataset.from_list(rows), rows, str(file)):
+        L.seed_everything(0, verbose=False)
+        module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD})
+        data = PromptDataModule(train_data=source, batch_size=2)
+        trainer_of(1).fit(module, data)
+        rewards.append(module.last_trained.rewards)
+    assert rewards[0] == rewards[1] == rewards[2]
+    with pytest.raises(Exception, match=r"^list: row 2: no field 'prompt'"):
+        PromptDataModule(train_data=[rows[0], {"question": "1+1="}]).setup()

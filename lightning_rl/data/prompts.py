@@ -8,6 +8,7 @@ the prompts; `PromptRenderer` turns one record into the tokens (and images) an e
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
-from lightning_rl.data.sft import ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, read_rows, rows_digest
+from lightning_rl.data.sft import (
+    ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, read_rows, rows_digest, source_name,
+)
 from lightning_rl.toy.task import PROBLEMS_FILE
 
 TOY_DATASET = "toy"
@@ -154,7 +157,8 @@ class PromptDataModule(L.LightningDataModule):
         path = toy_source(train_data)  # toy_shapes: the embedded image task's prompts
         if path != TOY_DATASET:
             check_source(key, path)
-        self.path = str(PROBLEMS_FILE) if path == TOY_DATASET else path
+        self.train_data: DataSource = str(PROBLEMS_FILE) if path == TOY_DATASET else path  # a file, or rows from Python
+        self.path = source_name(self.train_data)
         self.prompt_field = "messages" if path == TOY_DATASET else prompt_field
         self.batch_size = batch_size
         self.seed = seed
@@ -165,7 +169,7 @@ class PromptDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if not self.records:
-            located = read_prompt_records(self.path, self.prompt_field)
+            located = read_prompt_records(self.train_data, self.prompt_field)
             folder = self.image_folder
             for where, record in located:  # every prompt's images now (cheaply), rather than a broken one mid-run
                 try:
@@ -212,8 +216,11 @@ class PromptDataModule(L.LightningDataModule):
 
     @property
     def image_folder(self) -> Path | None:
-        """The data file's folder (a saved dataset's images are in its rows)."""
-        return Path(self.path).expanduser().parent if Path(self.path).expanduser().is_file() else None
+        """The data file's folder (a saved dataset's images, and those of rows given from Python, are in its rows or
+        relative to the working directory)."""
+        if not isinstance(self.train_data, (str, os.PathLike)):
+            return None
+        return Path(self.train_data).expanduser().parent if Path(self.train_data).expanduser().is_file() else None
 
     @property
     def _rank_and_world(self) -> tuple[int, int]:

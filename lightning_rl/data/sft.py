@@ -226,14 +226,21 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
+def source_name(source: DataSource) -> str:
+    """A data source as error lines name it: a file or folder by its path, a dataset given from Python by its name
+    (else its type: ``Dataset``, ``list``)."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    return getattr(getattr(source, "info", None), "dataset_name", None) or type(source).__name__
+
+
 def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset. Each row
     comes with where it is, for messages: its line in a JSONL file, else ``row N`` counted from 1."""
     if not isinstance(source, (str, os.PathLike)):
-        info = getattr(source, "info", None)
         arrow = type(source).__module__.split(".")[0] == "datasets"  # a Dataset; not the caller's own rows, left as given
         rows = [_without_filled_arguments(row) if arrow else row for row in source]
-        return (getattr(info, "dataset_name", None) or type(source).__name__), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
+        return source_name(source), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
