@@ -29,6 +29,9 @@ def test_math_answer_reads_boxed_tags_or_the_last_number():
     answers = ["54", "54", "3", "1 7 0 4", "1 7 0 4", "54"]
     assert math_answer(completions, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     assert math_answer(["None", "2"], [None, 2]) == [None, 1.0]  # a null answer (Parquet's missing value): no score
+    # Thousands separators: "1,234" is 1234 (it read as 234, scoring a reply of 1234 wrong and one of 234 right).
+    separated = ["The answer is 1,234.", "The total is 1,234.", "\\boxed{1,000}", "-12,345.5", "1,2,3", "1,234"]
+    assert math_answer(separated, ["1234", "234", 1000, -12345.5, 3, "1,234"]) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_format_and_tool_call_validity():

@@ -16,7 +16,9 @@ from typing import Any
 
 from lightning_rl.rewards.model import RewardModel
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number, thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234").
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+_SEPARATED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -31,21 +33,21 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _is_number(text: Any) -> bool:
+def _number(text: Any) -> float | None:
+    """The value of a number (``1,234`` read as 1234), None for anything else."""
+    if isinstance(text, str) and _SEPARATED.fullmatch(text.strip()):
+        text = text.replace(",", "")
     try:
-        float(text)
+        return float(text)
     except (TypeError, ValueError):
-        return False
-    return True
+        return None
 
 
 def _matches(completion: str, expected: Any) -> bool:
-    if not _is_number(expected):  # a textual answer ("1 7 0 4") must be the whole reply
+    if (wanted := _number(expected)) is None:  # a textual answer ("1 7 0 4") must be the whole reply
         return " ".join(completion.split()) == " ".join(str(expected).split())
-    given = extract_answer(completion)
-    return given is not None and _is_number(given) and math.isclose(
-        float(given), float(expected), rel_tol=1e-6, abs_tol=1e-9
-    )
+    given = _number(extract_answer(completion))
+    return given is not None and math.isclose(given, wanted, rel_tol=1e-6, abs_tol=1e-9)
 
 
 def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float | None]:
