@@ -169,7 +169,11 @@ def test_unreadable_files_are_one_error_naming_the_file(tiny_tokenizer, tmp_path
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     (tmp_path / "broken.json").write_text('[{"messages": []},\n {')
     (tmp_path / "folder").mkdir()
+    (tmp_path / "rows.CSV").write_text("prompt,completion\n1+1=,2\n")  # read as JSON Lines, it was "invalid JSON"
+    (tmp_path / "rows.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00")
     for name, message in {
+        "rows.CSV": r"rows.CSV: a CSV file is not read; give a .jsonl, .json or .parquet file",
+        "rows.jsonl.gz": r"rows.jsonl.gz: a compressed file is not read",
         "latin1.jsonl": r"latin1.jsonl: line 2: not valid UTF-8 \(byte 0xe9 at column 16\)",
         "broken.parquet": r"broken.parquet: cannot be read \(ArrowInvalid: ",
         "broken.json": r"broken.json: line 2: invalid JSON",

@@ -120,8 +120,19 @@ class GenerationCase:
 DataSource = Union[str, Any]
 
 
-def _folder_problem(path: Path) -> str | None:
-    """Why a folder is not one ``datasets.save_to_disk`` wrote for a single split, or None."""
+# Files of formats that are not read (every other suffix is read as JSON Lines), by what they are.
+_UNREAD_FORMATS = {
+    ".csv": "a CSV file", ".tsv": "a TSV file", ".gz": "a compressed file", ".bz2": "a compressed file", ".xz": "a compressed file",
+    ".zst": "a compressed file", ".zip": "a zip archive", ".tar": "a tar archive", ".arrow": "an Arrow file", ".feather": "an Arrow file",
+}  # fmt: skip
+
+
+def _source_problem(path: Path) -> str | None:
+    """Why a file or folder is not one ``read_rows`` reads, or None: a file of a format it does not read, or a folder
+    ``datasets.save_to_disk`` did not write for a single split."""
+    if not path.is_dir():
+        what = _UNREAD_FORMATS.get(path.suffix.lower())
+        return f"{what} is not read; give a .jsonl, .json or .parquet file, or a folder `datasets.save_to_disk` wrote" if what else None
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
         return f"a dataset of several splits ({', '.join(splits)}); give one split's folder"
@@ -149,7 +160,7 @@ def check_source(key: str, source: DataSource) -> None:
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}", key)
-    if path.is_dir() and (problem := _folder_problem(path)):
+    if (problem := _source_problem(path)):
         raise DataError(f"{key}: {source}: {problem}", key)
 
 
@@ -244,7 +255,7 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
-    if path.is_dir() and (problem := _folder_problem(path)):
+    if (problem := _source_problem(path)):
         raise DataError(f"{path}: {problem}")
     suffix = path.suffix.lower()  # train.JSON, train.Parquet
     if suffix == ".jsonl" or (path.is_file() and suffix not in (".json", ".parquet")):
