@@ -57,6 +57,9 @@ DIFFERENCES = (
     ("GRPO string prompts", "rendered as a user turn by the model's chat template (after `model.system_prompt`); "
      "tokenized as they are only where the tokenizer has no chat template", "tokenized as they are",
      "an instruction-tuned model is prompted as it is served; write the prompt as chat messages to choose the turns"),
+    ("A GRPO prompt whose messages end with assistant turns", "those turns are dropped: the prompt ends with the last "
+     "user (or tool) turn, and the model writes the reply", "rendered, closed, and a new assistant turn opened after them",
+     "a prompt column that holds whole conversations (the reference answer last) prompts for the answer, not after it"),
     ("A reward's NaN score", "a failure of that sample: scored 0 and counted (`train/reward/NAME/non_finite`)",
      "left out of the sum like None", "a NaN is a bug of the function more often than a choice; return None to abstain"),
     ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
@@ -117,7 +120,8 @@ NO_EQUIVALENT = {
     "generation_batch_size": "a step generates for data.batch_size prompts (times model.num_generations)",
     "steps_per_generation": "model.num_iterations optimizer steps are taken on each batch of rollouts",
     "generation_kwargs": "sampling takes the typed keys of model.sampling",
-    "chat_template_kwargs": "no recipe-wide one: an SFT row's own chat_template_kwargs column reaches the chat template",
+    "chat_template_kwargs": "no recipe-wide one: a row's own chat_template_kwargs column (SFT's and GRPO's) reaches "
+    "the chat template",
     "cache_implementation": "the hf engine uses transformers' default cache",
     "use_vllm": "give model.engine: vllm (in this process) or vllm_server (a server of its own)",
     "vllm_mode": "model.engine: vllm is TRL's colocate mode, vllm_server its server mode",

@@ -223,3 +223,29 @@ def test_a_base_model_without_a_chat_template_reads_string_prompts_as_they_are(t
         PromptRenderer(base).render(prompts.records[1], prompts)
     with pytest.raises(DataError, match="a system_prompt needs a chat template"):
         PromptRenderer(base, system_prompt="Be brief.").render(prompts.records[0], prompts)
+
+
+def test_a_rows_chat_template_kwargs_reach_the_template_of_its_prompt_as_in_trl(tiny_tokenizer, tmp_path):
+    """Qwen3's ``enable_thinking: false``, given in a row's ``chat_template_kwargs`` (as SFT reads it), was dropped:
+    the prompt was rendered without it, so a run could not turn thinking off. A bad one is refused naming its row."""
+    import copy
+
+    from lightning_rl.data.prompts import read_prompt_records
+
+    thinking = copy.deepcopy(tiny_tokenizer)
+    thinking.chat_template = tiny_tokenizer.chat_template.replace(
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is false %}{{ '<think></think>' }}{% endif %}{% endif %}",
+    )
+    prompts = PromptList([{"prompt": "2+2=", "chat_template_kwargs": {"enable_thinking": False}}, {"prompt": "2+2="}])
+    quiet, plain = (PromptRenderer(thinking).render(record, prompts) for record in prompts.records)
+    assert thinking.decode(quiet.ids).endswith("<|im_start|>assistant\n<think></think>")
+    assert quiet.ids[: len(plain.ids)] == plain.ids and plain.ids == PromptRenderer(tiny_tokenizer).render(prompts.records[1], prompts).ids
+    base = copy.deepcopy(tiny_tokenizer)
+    base.chat_template = None
+    with pytest.raises(DataError, match=r"^prompts.jsonl: line 1: chat_template_kwargs needs a chat template"):
+        PromptRenderer(base).render(prompts.records[0], prompts)
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=", "chat_template_kwargs": {"tokenize": False}}) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl: line 2: `chat_template_kwargs` must be an object of the template's variables"):
+        read_prompt_records(str(bad), "prompt")

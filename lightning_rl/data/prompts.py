@@ -26,7 +26,8 @@ from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import (
-    ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, read_rows, rows_digest, source_name,
+    ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, check_template_kwargs, read_rows, rows_digest,
+    source_name,
 )
 from lightning_rl.toy.task import PROBLEMS_FILE
 
@@ -80,11 +81,11 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
                 prompt = prompt[:-1]
         if not prompt or not isinstance(prompt, (str, list)):
             raise DataError(f"{name}: {where}: field {prompt_field!r} must be a non-empty string or message list")
-        if isinstance(prompt, list):
-            try:
-                prompt = _text_parts_joined(prompt, prompt_field)
-            except ValueError as error:
-                raise DataError(f"{name}: {where}: {error}") from None
+        try:
+            prompt = _text_parts_joined(prompt, prompt_field) if isinstance(prompt, list) else prompt
+            check_template_kwargs(row.get("chat_template_kwargs") or {})
+        except ValueError as error:
+            raise DataError(f"{name}: {where}: {error}") from None
         records.append((f"{name}: {where}", {**row, "prompt": prompt}))
     if not records:
         raise DataError(f"{name}: no rows")
@@ -311,10 +312,12 @@ class PromptRenderer:
         """A record's prompt, rendered by the processor when it has images; a bad image or image column is a
         `DataError` naming the record's line."""
         messages = self.messages(record)
+        context = record.get("chat_template_kwargs") or {}  # the row's variables of the template (TRL's column)
         if not (getattr(self.tokenizer, "chat_template", None) or getattr(self.processor, "chat_template", None)):
             # A base model: a string prompt is its text, as TRL takes it.
-            if not isinstance(record["prompt"], str) or self.system_prompt or self.tools:
-                what = "a system_prompt" if self.system_prompt else "tools" if self.tools else "a conversational prompt"
+            if not isinstance(record["prompt"], str) or self.system_prompt or self.tools or context:
+                what = ("a system_prompt" if self.system_prompt else "tools" if self.tools else
+                        "a conversational prompt" if not isinstance(record["prompt"], str) else "chat_template_kwargs")  # fmt: skip
                 raise DataError(f"{source.location(record)}: {what} needs a chat template, and the tokenizer of {self.model_name} "
                                 "has none: give string prompts (tokenized as they are), or a model with a chat template")
             ids = self.tokenizer(record["prompt"])["input_ids"]
@@ -323,7 +326,9 @@ class PromptRenderer:
         if not any(isinstance(m.get("content"), list) for m in messages):
             try:
                 with rendering_row():
-                    ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+                    ids = self.tokenizer.apply_chat_template(
+                        messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False, **context
+                    )
                 check_no_image_tokens(list(ids), self.image_token_id, self.tokenizer)
             except ValueError as error:
                 raise DataError(f"{source.location(record)}: {error}") from None
@@ -331,6 +336,8 @@ class PromptRenderer:
         where = source.location(record)
         if self.processor is None:
             raise DataError(f"{where}: the prompt has images, but {self.model_name} is a text-only model (it has no image processor)")
+        if context:  # as for SFT's rows with images
+            raise DataError(f"{where}: `chat_template_kwargs` in a prompt with images: the image processor's template is not given them here")
         renderer = ImageRenderer(self.processor, self.image_token_id)
         try:
             columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row

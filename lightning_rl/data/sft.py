@@ -337,6 +337,13 @@ _RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "documents", "ad
                            "return_dict", "return_assistant_tokens_mask", "chat_template", "padding", "truncation", "max_length", "return_tensors"}
 
 
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A row's ``chat_template_kwargs``, checked: an object of the variables its chat template reads."""
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs) or _RESERVED_TEMPLATE_KEYS & set(kwargs):
+        raise ValueError(f"`chat_template_kwargs` must be an object of the template's variables (not {', '.join(sorted(_RESERVED_TEMPLATE_KEYS))})")
+    return kwargs
+
+
 def _check_row(row: Any) -> dict:
     """The row with its shape checked; raises ValueError with a message naming the field."""
     if not isinstance(row, dict):
@@ -346,9 +353,7 @@ def _check_row(row: Any) -> dict:
     tools = _check_tools(row["tools"]) if "tools" in row else None
     if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
         raise ValueError("`tools` are rendered by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
-    kwargs = row.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs) or _RESERVED_TEMPLATE_KEYS & set(kwargs):
-        raise ValueError(f"`chat_template_kwargs` must be an object of the template's variables (not {', '.join(sorted(_RESERVED_TEMPLATE_KEYS))})")
+    kwargs = check_template_kwargs(row.get("chat_template_kwargs", {}))
     if kwargs and not ("messages" in row or isinstance(row.get("prompt"), list)):
         raise ValueError("`chat_template_kwargs` are read by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
     extra = {**({"tools": tools} if tools else {}), **({"chat_template_kwargs": kwargs} if kwargs else {})}
