@@ -165,6 +165,10 @@ def test_rewards_read_replies_as_trl_decodes_them_and_calls_tagged_by_special_to
     marked = lambda prompt: ["<|im_start|>7", "x7"]  # noqa: E731
     scored = collector(tiny_tokenizer, marked, PromptList([{"prompt": "a?"}]), "starts_with_digit").collect(0)
     assert scored.rewards == [1.0, 0.0]
+    # A string prompt reaches rewards as the model read it, every token of its template kept (its <|im_end|> were cut).
+    SEEN.clear()
+    collector(tiny_tokenizer, marked, PromptList([{"prompt": "a?"}]), "prompt_seen").collect(0)
+    assert SEEN == [{"prompts": ["<|im_start|>user\na?<|im_end|>\n<|im_start|>assistant\n"] * 2}]
     # The tiny tokenizer's <tool_call> tags are special tokens: the call is parsed from the text that keeps them, run,
     # and shown to rewards as TRL shows it (the reply's text without special tokens, the call under tool_calls).
     adds = {"operation": "add", "a": 3, "b": 4}
@@ -182,6 +186,11 @@ def test_rewards_read_replies_as_trl_decodes_them_and_calls_tagged_by_special_to
 
 
 SEEN: list[dict[str, Any]] = []
+
+
+def prompt_seen(completions, prompts, **_):
+    SEEN.append({"prompts": list(prompts)})
+    return [0.0] * len(completions)
 
 
 def meddling(completions, prompts, hint, meta, **_):

@@ -222,7 +222,7 @@ class RolloutCollector:
                 rollout.metadata["images"] = rendered[rollout.group_id].keyed_images
         conversational = any(isinstance(record["prompt"], list) for record in records)
         scores = self.scorer.score(
-            [self.text(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],
+            [self.renderer.tokenizer.decode(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],  # as read
             self._columns(records, rendered, rollouts), step=index + 1,
             chat_prompts=[copy.deepcopy(rendered[r.group_id].messages) for r in rollouts] if conversational else None,
             chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
@@ -249,8 +249,6 @@ class RolloutCollector:
         seed = (self.settings.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
         return dataclasses.replace(self.sampling, seed=seed)
 
-    def text(self, token_ids: list[int]) -> str:
-        return visible_text(self.renderer.tokenizer, token_ids)
 
     def reply_text(self, rollout: Rollout) -> str:
         """What rewards read as the completion: the model's last reply."""
@@ -273,7 +271,7 @@ class RolloutCollector:
         keys = self._column_keys
         columns = {key: [copy.deepcopy(records[r.group_id].get(key)) for r in rollouts] for key in keys}
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
-        columns["transcripts"] = [self.text(r.completion_ids) for r in rollouts]
+        columns["transcripts"] = [visible_text(self.renderer.tokenizer, r.completion_ids) for r in rollouts]
         columns["completion_ids"] = [list(r.completion_ids) for r in rollouts]
         columns["prompt_messages"] = [copy.deepcopy(rendered[r.group_id].messages) for r in rollouts]
         return columns
