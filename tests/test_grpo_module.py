@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import shutil
+from typing import Any
 
 import lightning as L
 import pytest
@@ -481,3 +482,25 @@ def test_prompts_given_from_python_as_a_dataset_or_rows_train_as_a_file_of_them_
     assert rewards[0] == rewards[1] == rewards[2]
     with pytest.raises(Exception, match=r"^list: row 2: no field 'prompt'"):
         PromptDataModule(train_data=[rows[0], {"question": "1+1="}]).setup()
+
+
+class RatesTaken(L.Callback):
+    """The learning rate each optimizer step takes, and the `train/lr` logged for that step."""
+
+    def __init__(self) -> None:
+        self.taken: list[float] = []
+        self.logged: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.taken.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        self.logged.append(float(trainer.callback_metrics["train/lr"]))
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_took():
+    """It was read after the scheduler had moved on: the next step's rate, one step late (TRL logs the step's own)."""
+    rates = RatesTaken()
+    fit(3, [rates], warmup_steps=2, lr_schedule="linear", learning_rate=2e-3, rewards=LENGTH_REWARD)
+    assert rates.taken == pytest.approx([0.0, 1e-3, 2e-3])
+    assert rates.logged == pytest.approx(rates.taken)

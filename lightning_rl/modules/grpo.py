@@ -427,6 +427,7 @@ class GRPOModule(PolicyModule):
         if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
             self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
         stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped
+        stats.lr = optimizer.param_groups[0]["lr"]  # the rate this step takes (the scheduler moves it on next)
         optimizer.step()
         self.lr_schedulers().step()
         if self.entropy_control is not None:  # over every rank, for the next step's coefficient
@@ -585,8 +586,7 @@ class GRPOModule(PolicyModule):
     def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> float:
         """Log the step's figures (over every rank); returns its mean reward."""
         extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
-        metrics = step_metrics(scored, stats, staleness, waited, train_seconds, self.optimizers().param_groups[0]["lr"], bool(self.rollout.tools), extra)
-        self._sync_metrics = {}
+        metrics, self._sync_metrics = step_metrics(scored, stats, staleness, waited, train_seconds, bool(self.rollout.tools), extra), {}
         reward = log_step(self, metrics, scored)
         every = self.hparams.log_rollouts_every_n_steps
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first

@@ -53,6 +53,7 @@ class StepStats:
         self.rows = 0
         self.has_kl = False
         self.grad_norm: torch.Tensor | None = None  # of all gradients together, before clipping
+        self.lr = 0.0  # the learning rate the step's optimizer update took
 
     def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
         self.loss += float(loss)
@@ -136,7 +137,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     return metrics
 
 
-def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float, lr: float, with_tools: bool,
+def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float, with_tools: bool,
                  extra: dict[str, float]) -> dict[str, Any]:
     """One optimizer step's ``train/`` figures (without the prefix): its batch's, its staleness and times, the
     step's own, then ``extra``."""
@@ -146,7 +147,7 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
         "time/wait_for_rollouts_s": waited,
         "time/train_s": train_seconds,
         "speed/train_tokens_per_s": stats.unique_tokens / max(train_seconds, 1e-9),
-        "lr": lr,
+        "lr": stats.lr,
         **stats.metrics(),
         **extra,
     }
