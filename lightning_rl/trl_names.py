@@ -60,6 +60,9 @@ DIFFERENCES = (
     ("A GRPO prompt whose messages end with assistant turns", "those turns are dropped: the prompt ends with the last "
      "user (or tool) turn, and the model writes the reply", "rendered, closed, and a new assistant turn opened after them",
      "a prompt column that holds whole conversations (the reference answer last) prompts for the answer, not after it"),
+    ("Log-probs under `sampling.top_k`, `top_p` or `min_p`", "each sampled token is scored over the support the filters "
+     "kept (its log-prob renormalised over it), by the trainer as by the engine", "scored over the whole vocabulary",
+     "the policy gradient and the importance ratio are those of the distribution the tokens were sampled from"),
     ("A reward's NaN score", "a failure of that sample: scored 0 and counted (`train/reward/NAME/non_finite`)",
      "left out of the sum like None", "a NaN is a bug of the function more often than a choice; return None to abstain"),
     ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
