@@ -121,7 +121,8 @@ NO_EQUIVALENT = {
     "seeded by seed, as TRL's sampler reshuffles every epoch; TRL's shuffle_dataset only shuffles once more while the "
     "data is prepared, and its false is not data.shuffle: false (the file's order)",
     "generation_batch_size": "a step generates for data.batch_size prompts (times model.num_generations)",
-    "steps_per_generation": "model.num_iterations optimizer steps are taken on each batch of rollouts",
+    "steps_per_generation": "each optimizer step trains on its own batch of rollouts, not on a slice of a larger "
+    "generation batch (model.num_iterations, TRL's num_iterations, repeats a whole batch)",
     "generation_kwargs": "sampling takes the typed keys of model.sampling",
     "chat_template_kwargs": "no recipe-wide one: a row's own chat_template_kwargs column (SFT's and GRPO's) reaches "
     "the chat template",
