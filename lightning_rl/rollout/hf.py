@@ -36,6 +36,9 @@ class HFRolloutEngine(RolloutEngine):
     generation runs inline or in a background thread.
 
     Args:
+        device: where the engine's own copy of the model runs (a run sets the policy's device when the recipe gives
+            none).
+        dtype: the precision of that copy (``float32``, ``bfloat16``, ``float16``); it samples in it.
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
             live tensor under the same name, and stop the run on a difference (naming the tensor and version).
     """

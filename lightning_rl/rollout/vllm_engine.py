@@ -141,6 +141,13 @@ class VLLMEngine(RolloutEngine):
     On a CPU, `kv_cache_memory_bytes` sizes the KV cache in host memory.
 
     Args:
+        dtype: the precision vLLM loads and samples in; ``auto`` takes the model's config's, which vLLM's CPU build
+            turns into bfloat16 for a float32 model (give ``float32`` for engine log-probs at the trainer's float32).
+        max_model_len: the longest prompt plus completion the engine holds (None: the model's own).
+        gpu_memory_utilization: the share of the GPU's memory vLLM takes (weights and KV cache).
+        kv_cache_memory_bytes: the KV cache's size in bytes (on a CPU, in host memory), in place of the share.
+        enforce_eager: run without CUDA graphs.
+        engine_kwargs: more of vLLM's `LLM` arguments, passed as they are.
         verify_weights: after each weight push, compare a digest of every tensor sent with one of the engine's
             live weights under the same name (`vllm_held`: fused and repacked weights read back), and stop the run
             on a difference (naming the tensor and version). Needs the whole model in one worker.

@@ -159,6 +159,18 @@ class VLLMServerEngine(RolloutEngine):
     names (`CheckpointLayout`), and a name it lacks is refused with `WeightNameError` before the push.
 
     Args:
+        url: a running server to use (started with the flags `VLLMServer` passes); None: start one here.
+        server_options: the options of the server started here (`VLLMServer`): ``dtype`` (``auto`` turns a float32
+            model into bfloat16 on vLLM's CPU build), ``max_model_len``, ``kv_cache_memory_bytes``, ``enforce_eager``,
+            ``whole_prefills`` (chunked prefill off; the default on a CPU, which needs it), ``extra_args`` (more
+            ``vllm serve`` flags), ``env``, ``log_path``, ``host``, ``port``, ``python`` (the interpreter of an
+            environment with vLLM).
+        transfer_address: this (trainer) machine's address as the server reaches it, for the weight transfer.
+        chunk_bytes: about how many bytes a push sends at once (over nccl: vLLM's packed buffers, fixed when the
+            transfer group opens).
+        transfer_timeout: seconds the weight-transfer group may take to open, and a push to land.
+        max_concurrent_requests: requests sent to the server at once.
+        transport: how weights travel: ``gloo``, ``nccl`` (GPUs), or ``auto`` (`resolve_transport`).
         pause: what a weight push does with the requests in flight. ``keep`` (generation across updates): freezes
             them, loads the new weights, recomputes their KV cache under them (and drops the prefix cache), and lets
             them continue, so a completion holds tokens of two or more versions, each recorded
