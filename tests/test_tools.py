@@ -346,6 +346,8 @@ def test_tool_results_follow_a_reply_whose_template_writes_the_last_turn_otherwi
     thinking.chat_template = thinking.chat_template.replace("{% generation %}", "{% generation %}{{ \'<think></think>\' if loop.last else \'\' }}")
     results = [{"role": "tool", "name": "calculator", "content": "12"}]
     assert tool_response_ids(thinking, results) == tool_response_ids(tiny_tokenizer, results)
+    thinking.eos_token = "<|endoftext|>"  # a base model's tokenizer: its eos ends no turn, the template's <|im_end|> does
+    assert tool_response_ids(thinking, results) == tool_response_ids(tiny_tokenizer, results)
     assert tiny_tokenizer.decode(tool_response_ids(thinking, results)) == "\n<|im_start|>tool\n<tool_response>12</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -25,6 +25,7 @@ import torch
 
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, extend_support
 from lightning_rl.errors import RecipeError
+from lightning_rl.models.loading import template_end_of_turn
 from lightning_rl.tools.calls import TOOL_CALL_START, ToolCall, parse_tool_calls
 from lightning_rl.tools.executor import FailureKind, ToolExecutor
 
@@ -53,8 +54,11 @@ def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[di
     )
     # After the assistant turn's end token: as many end tokens in, whatever the template writes inside the turns (Qwen3
     # writes an empty <think></think> into the last assistant turn only, so the turn itself differs once tools follow).
-    turns = sum(token == tokenizer.eos_token_id for token in prefix)
-    ends = [i for i, token in enumerate(full) if token == tokenizer.eos_token_id]
+    # The end token is the template's own (a base tokenizer's eos, <|endoftext|>, ends no turn of a ChatML template).
+    end = template_end_of_turn(tokenizer)
+    end = tokenizer.eos_token_id if end is None else end
+    turns = sum(token == end for token in prefix)
+    ends = [i for i, token in enumerate(full) if token == end]
     if turns and len(ends) >= turns:
         return list(full[ends[turns - 1] + 1 :])
     if full[: len(prefix)] != prefix:
