@@ -113,6 +113,23 @@ def test_completions_cut_at_max_new_tokens_and_prompts_that_leave_no_room(tiny_t
     with pytest.raises(DataError, match=rf"context of {short + 3} tokens \(max_context_tokens\)"):
         collector(tiny_tokenizer, long_replies, PromptList(records), "last_digit_unless_tied", max_new_tokens=3, max_context_tokens=short + 3,
                   model_context=10_000).collect(0)
+    # A history cap past the model's context does not lift it (it did: prompts ran past the positions the model has).
+    with pytest.raises(DataError, match=rf"context of {short + 3} tokens \(the model's max_position_embeddings\)"):
+        collector(tiny_tokenizer, long_replies, PromptList(records), "last_digit_unless_tied", max_new_tokens=3, max_context_tokens=10_000,
+                  model_context=short + 3).collect(0)
+
+
+def test_the_models_context_is_its_positions_as_a_scaled_rope_stretches_them():
+    from transformers import LlamaConfig, Qwen3Config
+
+    from lightning_rl.models.paths import model_context
+
+    assert model_context(Qwen3Config(max_position_embeddings=40960)) == 40960
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    assert model_context(Qwen3Config(max_position_embeddings=40960, rope_parameters=yarn)) == 131072  # Qwen's YaRN recipe
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "rope_theta": 5e5}  # fmt: skip
+    assert model_context(LlamaConfig(max_position_embeddings=131072, rope_parameters=llama3)) == 131072  # already the long one
 
 
 def call(name: str, arguments: Any) -> str:

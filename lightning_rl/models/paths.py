@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -43,6 +44,24 @@ def learned_positions(path: str) -> tuple[int, str] | None:
         if isinstance(getattr(config, key, None), int):
             return getattr(config, key), key
     return None
+
+
+_SCALED_ROPE = ("yarn", "linear", "dynamic")  # rope types whose factor stretches the positions a model reaches
+
+
+def model_context(config: Any) -> int | None:
+    """The longest sequence a model's positions cover: ``max_position_embeddings``, or with a rope scaled by a factor
+    (YaRN, linear, dynamic) the original length times it where longer (Qwen's YaRN recipe leaves
+    ``max_position_embeddings`` as it was); None where the config gives none."""
+    text = config.get_text_config()
+    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not isinstance(length, int):
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    for params in [rope, *rope.values()] if isinstance(rope, dict) else []:  # Gemma 3: one set per layer type
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in _SCALED_ROPE and params.get("factor"):
+            length = max(length, int((params.get("original_max_position_embeddings") or length) * params["factor"]))
+    return length
 
 
 def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:

@@ -35,7 +35,7 @@ from lightning_rl.losses import GRPOLoss, StepCounts
 from lightning_rl.losses.advantages import RewardAggregation, RewardScaling, step_advantages
 from lightning_rl.losses.grpo import EntropyControl, TokenLoss
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers, end_of_turn_ids, load_causal_lm
-from lightning_rl.models.paths import check_model_source, resolve_model_path
+from lightning_rl.models.paths import check_model_source, model_context, resolve_model_path
 from lightning_rl.checkpoints import every_ranks, this_ranks
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
@@ -149,8 +149,8 @@ class GRPOModule(PolicyModule):
             giving nested forks; leaves of a prompt are its group.
         tool_timeout_s: a call running longer is killed (its worker process replaced) and answered with an error.
         tool_output_max_chars: a tool's answer is cut to this many characters before the model reads it.
-        max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there;
-            None: the model's ``max_position_embeddings``.
+        max_context_tokens: a multi-turn history that would grow past this (with the next reply) ends there; the
+            model's context (``max_position_embeddings``, or as a scaled rope stretches it) bounds it always.
         seed: sampling's seed (a recipe's top-level ``seed``): one per batch and turn, so runs repeat.
         engine: the rollout engine: a short name (``hf``, ``vllm``, ``vllm_server``) or ``class_path`` (an engine's
             class name or dotted path) with its ``init_args``, checked against the engine's signature when the
@@ -322,7 +322,7 @@ class GRPOModule(PolicyModule):
         renderer = PromptRenderer(self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs, self.hparams.model_name_or_path)
         self.collector = RolloutCollector(
             self.engine, self.trainer.datamodule, renderer, self.scorer, self.sampling, self.rollout,
-            model_context=getattr(self.policy.config.get_text_config(), "max_position_embeddings", None),
+            model_context=model_context(self.policy.config),
             max_steps=self.trainer.max_steps, steps_per_batch=self.hparams.num_iterations,
         )
 

@@ -103,8 +103,7 @@ class RolloutCollector:
         scorer: the reward functions.
         sampling: the run's sampling settings; each request gets a seed of its own (`sampling_for`).
         settings: generations per prompt, tools and turns, dynamic sampling, the seed.
-        model_context: the model's context in tokens (``max_position_embeddings``), where ``max_context_tokens``
-            does not set one.
+        model_context: the model's context in tokens (`model_context`); ``max_context_tokens`` may only narrow it.
         max_steps, steps_per_batch: the run's optimizer steps and those taken on each batch (``num_iterations``),
             for the reward functions' ``trainer_state``.
     """
@@ -122,9 +121,8 @@ class RolloutCollector:
         self.sampling = sampling
         self.settings = settings
         # The tightest of the contexts a sequence must fit (the engine's own, vLLM's max_model_len, too), and its name.
-        limits = {"max_context_tokens": settings.max_context_tokens} if settings.max_context_tokens is not None else {
-            "the model's max_position_embeddings": model_context}
-        limits["the engine's max_model_len"] = getattr(engine, "context_length", None)
+        limits = {"max_context_tokens": settings.max_context_tokens, "the model's max_position_embeddings": model_context,
+                  "the engine's max_model_len": getattr(engine, "context_length", None)}  # fmt: skip
         known = [(limit, said) for said, limit in limits.items() if limit is not None]
         self.context_limit, self.context_said = min(known) if known else (None, None)
         self.max_steps, self.steps_per_batch = max_steps, steps_per_batch
