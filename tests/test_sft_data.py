@@ -429,3 +429,18 @@ def test_the_chat_templates_end_of_turn_is_read_from_what_it_writes_after_a_repl
     assert template_end_of_turn(plain) is None and end_of_turn_ids(None, plain) == [endoftext]
     plain.chat_template = None
     assert template_end_of_turn(plain) is None
+
+
+def test_a_held_out_prompt_past_the_models_context_is_refused_naming_its_row(tiny_path, tiny_tokenizer, tmp_path):
+    """GRPO's held-out evaluation decoded such a prompt past the model's positions and reported a score (0%) for it;
+    training prompts as long were refused. Only the cases evaluated are checked."""
+    from lightning_rl.modules.evaluation import heldout_cases
+
+    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]},
+            {"messages": [{"role": "user", "content": "1+1= " * 40}, {"role": "assistant", "content": "2"}]}]  # fmt: skip
+    path = write_jsonl(tmp_path / "heldout.jsonl", rows)
+    short = len(heldout_cases(path, tiny_tokenizer, str(tiny_path))[0].prompt_ids)
+    assert len(heldout_cases(path, tiny_tokenizer, str(tiny_path), count=1, context=short + 16, max_new_tokens=16)) == 1
+    with pytest.raises(DataError, match=rf"heldout.jsonl: line 2: the held-out prompt is \d+ tokens; with eval_max_new_tokens=16 it "
+                       rf"does not fit the model's context of {short + 16} tokens"):
+        heldout_cases(path, tiny_tokenizer, str(tiny_path), count=2, context=short + 16, max_new_tokens=16)

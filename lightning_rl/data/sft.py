@@ -12,6 +12,7 @@ the run with one message naming the file and line (or row), before anything is w
 from __future__ import annotations
 
 import array
+import dataclasses
 import hashlib
 import json
 import os
@@ -113,6 +114,7 @@ class GenerationCase:
     prompt_ids: list[int]
     reference: str
     images: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the prompt's images' processor inputs
+    where: str = ""  # the row it comes from (``FILE: line N``), for error lines
 
 
 # A file, a `datasets.save_to_disk` folder, or (from Python) a `datasets.Dataset` or a list of rows. Typed so that a
@@ -552,7 +554,7 @@ def load_examples(
             raise DataError(f"{name}: {where}: {len(example.input_ids)} tokens, longer than {limit or f'max_length={max_length}'} ({hint})")
         examples.append(example)
         if case is not None:
-            cases.append(case)
+            cases.append(dataclasses.replace(case, where=f"{name}: {where}"))
     return examples, cases
 
 

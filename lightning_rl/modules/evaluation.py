@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import LightningModule
 from transformers import PreTrainedTokenizerBase
 
-from lightning_rl.data.sft import DataSource, GenerationCase, Renderer, load_examples
+from lightning_rl.data.sft import DataError, DataSource, GenerationCase, Renderer, load_examples
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import generate_greedy
 
@@ -18,14 +18,22 @@ HELDOUT_METRIC = "val/exact_match"  # the held-out exact match, as the run's log
 
 
 def heldout_cases(
-    source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, processor: Any = None, image_token_id: int | None = None
+    source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, processor: Any = None, image_token_id: int | None = None,
+    *, count: int | None = None, context: int | None = None, max_new_tokens: int = 0,
 ) -> list[GenerationCase]:
-    """The held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks them; rows
-    with images rendered by an image-text model's ``processor``)."""
+    """The first ``count`` held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks
+    them; rows with images rendered by an image-text model's ``processor``). One whose prompt leaves no room for
+    ``max_new_tokens`` in the model's ``context`` is refused, naming its row: its greedy reply would be decoded past
+    the model's positions, and its score would mean nothing."""
     _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30)
     if not cases:
         raise RecipeError(f"eval_data ({source}) has no conversation ending in a reply: the held-out evaluation "
                           "(eval_generations) decodes the prompts of those and compares the replies", "eval_data")
+    cases = cases[:count]
+    for case in cases if context is not None else ():
+        if len(case.prompt_ids) + max_new_tokens > context:
+            raise DataError(f"{case.where}: the held-out prompt is {len(case.prompt_ids)} tokens; with eval_max_new_tokens="
+                            f"{max_new_tokens} it does not fit the model's context of {context} tokens: shorten it or lower eval_max_new_tokens")
     return cases
 
 
