@@ -47,7 +47,7 @@ from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutB
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
 from lightning_rl.rollout.vllm_held import write_groups
 from lightning_rl.rollout.vllm_server_process import (
-    WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, request_json, split_prefills_refusal,
+    WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, engine_flags_refusal, request_json, split_prefills_refusal,
 )
 
 if TYPE_CHECKING:
@@ -90,9 +90,19 @@ def resolve_transport(transport: str, server_backend: str | None = None) -> str:
     return transport
 
 
-def split_prefill_refusal(url: str, config: Mapping[str, Any]) -> str | None:
-    """Why a server given by `url` (its ``/server_info`` ``vllm_config``) cannot serve rollouts, or None: on a CPU with
-    chunked prefill on, vLLM dies on the first step that splits a seeded request's prefill (`vllm_on_cpu`)."""
+def served_config_refusal(url: str, config: Mapping[str, Any]) -> str | None:
+    """Why a server given by `url` (its ``/server_info`` ``vllm_config``) cannot serve rollouts, or None:
+    - it reports log-probs other than those of the distribution it samples from (``--logprobs-mode``), or fewer top
+      log-probs than a sampling filter's support needs (``--max-logprobs``): the trainer would correct and score
+      against other numbers;
+    - on a CPU with chunked prefill on, vLLM dies on the first step that splits a seeded request's prefill
+      (`vllm_on_cpu`)."""
+    model = config.get("model_config") or {}
+    mode = str(model.get("logprobs_mode", "processed_logprobs")).lower()
+    if not mode.endswith("processed_logprobs") or model.get("max_logprobs", -1) != -1:
+        return (f"the vLLM server at {url} runs with logprobs_mode {model.get('logprobs_mode')!r} and max_logprobs "
+                f"{model.get('max_logprobs')!r}: rollouts need the log-probs of the distribution sampled from, and a filter's "
+                "whole support; start it with --logprobs-mode processed_logprobs --max-logprobs -1")
     on_cpu = (config.get("device_config") or {}).get("device") == "cpu"
     if on_cpu and (config.get("scheduler_config") or {}).get("enable_chunked_prefill"):
         return (f"the vLLM server at {url} runs on a CPU with chunked prefill on: vLLM's CPU build dies when it splits a "
@@ -225,6 +235,8 @@ class VLLMServerEngine(RolloutEngine):
         server = options["server_options"] or {}
         if options["url"] is None and (why := split_prefills_refusal(server.get("whole_prefills"), server.get("extra_args") or ())):
             raise ValueError(f"server_options.{why}")
+        if why := engine_flags_refusal(server.get("extra_args") or ()):
+            raise ValueError(f"server_options.{why}")
         if options["url"] is None and "python" not in (options["server_options"] or {}) and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 f"{cls.__name__} starts its vLLM server with this Python, which has no vLLM installed: install it "
@@ -307,9 +319,9 @@ class VLLMServerEngine(RolloutEngine):
 
     def _backend_of(self, url: str) -> str:
         """The weight-transfer backend the server at `url` was started with; a server that would die on a rollout
-        request is refused (`split_prefill_refusal`)."""
+        request, or report other log-probs, is refused (`served_config_refusal`)."""
         info = request_json(f"{url}/server_info?config_format=json", None, self.request_timeout, "GET")
-        if (refusal := split_prefill_refusal(url, info.get("vllm_config") or {})) is not None:
+        if (refusal := served_config_refusal(url, info.get("vllm_config") or {})) is not None:
             raise VLLMServerError(refusal)
         backend = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
         if backend not in WEIGHT_TRANSFER_BACKENDS:

@@ -105,6 +105,22 @@ def split_prefills_refusal(whole_prefills: bool | None, extra_args: Sequence[str
     return None
 
 
+# Flags every server started here runs with: the rollouts' log-probs, the weight-transfer routes and the worker
+# extension depend on them (a server's other flags may be given in extra_args).
+ENGINE_FLAGS = ("--model", "--host", "--port", "--dtype", "--seed", "--logprobs-mode", "--max-logprobs", "--enable-scale-out",
+                "--weight-transfer-config", "--worker-extension-cls")  # fmt: skip
+
+
+def engine_flags_refusal(extra_args: Sequence[str], taken: Sequence[str] = ENGINE_FLAGS) -> str | None:
+    """Why ``extra_args`` would override a flag the server is started with (``taken``), or None: vLLM takes the last
+    of a repeated flag, so ``--logprobs-mode raw_logprobs`` there would report log-probs of another distribution."""
+    given = {arg.split("=", 1)[0] for arg in extra_args if isinstance(arg, str) and arg.startswith("--")}
+    if clash := sorted(given & {flag for flag in taken if flag.startswith("--")}):
+        return (f"extra_args {', '.join(clash)}: the engine starts the server with its own (model, dtype, max_model_len, "
+                "kv_cache_memory_bytes, enforce_eager are server_options keys; the log-probs and transfer flags are fixed)")
+    return None
+
+
 class VLLMServer:
     """A `vllm serve` subprocess on loopback, configured for rollouts and weight pushes over `transport`.
 
@@ -171,6 +187,8 @@ class VLLMServer:
             # mounted only with runtime LoRA updating on).
             self.command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
             lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        if why := engine_flags_refusal(extra_args, self.command):
+            raise ValueError(why)
         self.command += list(extra_args)
         # The weight-transfer and pause routes are only mounted in vLLM's development mode.
         self.env = {**os.environ, **(env or {}), **lora_env, "VLLM_SERVER_DEV_MODE": "1"}

@@ -12,7 +12,7 @@ from engine_checks import LOGPROB_ATOL, LONG_PROMPTS, load_trainer_model, max_lo
 
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
-from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError, split_prefill_refusal
+from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError, served_config_refusal
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -35,12 +35,18 @@ def test_a_batch_of_more_prompt_tokens_than_one_step_takes_is_sampled(server_eng
     assert max_logprob_error(load_trainer_model(tiny_model_dir), batch.rollouts[::6]) < LOGPROB_ATOL
 
 
-def test_a_given_cpu_server_with_chunked_prefill_is_refused_in_one_line(server_engine):
+def test_a_given_server_that_would_die_or_report_other_logprobs_is_refused_in_one_line(server_engine):
     config = server_engine._server_config()  # the fixture's server, started here: whole prefills
-    assert config["device_config"]["device"] == "cpu" and split_prefill_refusal(server_engine.url, config) is None
+    assert config["device_config"]["device"] == "cpu" and served_config_refusal(server_engine.url, config) is None
     chunked = {**config, "scheduler_config": {**config["scheduler_config"], "enable_chunked_prefill": True}}
-    refusal = split_prefill_refusal(server_engine.url, chunked)
+    refusal = served_config_refusal(server_engine.url, chunked)
     assert refusal is not None and server_engine.url in refusal and refusal.endswith("start it with --no-enable-chunked-prefill")
+    # One reporting raw log-probs (the distribution before temperature and filters), or too few top log-probs for a
+    # filter's support, was taken as it was: its figures were off by the temperature's effect.
+    for model_config in ({"logprobs_mode": "raw_logprobs"}, {"max_logprobs": 20}):
+        other = {**config, "model_config": {**config["model_config"], **model_config}}
+        refusal = served_config_refusal(server_engine.url, other)
+        assert refusal is not None and refusal.endswith("start it with --logprobs-mode processed_logprobs --max-logprobs -1")
 
 
 def test_pushed_weights_reach_the_server_and_it_reports_their_version(server_engine, tiny_model_dir):
