@@ -15,8 +15,8 @@ STATEFUL = r"layers; tree packing needs every layer to be full or sliding-window
 # What each refused family is refused for: the mechanism, not only the fact.
 REFUSED = {
     "llama_dynamic": r"LlamaForCausalLM: a packed row with positions up to 11 reaches 8, and its dynamic rope",
-    "llama_longrope": r"LlamaForCausalLM: a packed row with positions up to 11 reaches 10, and its longrope rope",
-    "phi3_longrope": r"Phi3ForCausalLM: a packed row with positions up to 11 reaches 10, and its longrope rope",
+    "llama_longrope": r"LlamaForCausalLM: a packed row with positions up to 11 reaches 11, and its longrope rope",
+    "phi3_longrope": r"Phi3ForCausalLM: a packed row with positions up to 11 reaches 11, and its longrope rope",
     "llama4_text": r"Llama4ForCausalLM has chunked_attention layers",
     "llama4_text_nochunk": r"Llama4ForCausalLM: a packed row with 25 tokens reaches 2, and its query temperature grows with the row index",
     "phimoe": r"PhimoeAttention is a sliding-window layer that passes no sliding_window to its attention \(the window lives in its mask only\)",
@@ -87,3 +87,20 @@ def test_a_row_of_one_sequence_past_the_row_limit_is_that_sequence_alone(family)
     torch.testing.assert_close(packed.detach(), reference_logprobs(model, sequence).detach(), rtol=0, atol=TOLERANCE[torch.float32][0])
     with pytest.raises(PackingRefused, match="reaches"):
         packed_logprobs(model, pack_sequences([*sequence, sequence[0][:12]]), chunk_size=7, attention_backend="blocks")
+
+
+
+@pytest.mark.parametrize("family", ["llama_longrope", "phi3_longrope"])
+def test_a_longrope_row_whose_longest_path_is_the_original_length_is_packed_exactly(family):
+    """Longrope keeps its short factors for a forward of exactly its original length (10 here): such a row was refused."""
+    from support.packing_families import build, reference_logprobs
+
+    from lightning_rl.ops.packed_forward import packed_logprobs
+    from lightning_rl.packing.tree import pack_sequences
+
+    model = build(family)
+    sequences = [[3 + (7 * i) % 50 for i in range(10)], [5, 9, 11, 4, 2], [8, 1]]
+    packed = packed_logprobs(model, pack_sequences(sequences), chunk_size=7, attention_backend="blocks")
+    torch.testing.assert_close(packed.detach(), reference_logprobs(model, sequences).detach(), rtol=0, atol=TOLERANCE[torch.float32][0])
+    with pytest.raises(PackingRefused, match="positions up to 10 reaches 11"):
+        packed_logprobs(model, pack_sequences([[*sequences[0], 6], *sequences[1:]]), chunk_size=7, attention_backend="blocks")

@@ -697,9 +697,10 @@ def row_limits(config) -> list[tuple[str, int, str]]:
     for params in _rope_settings(text):
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
-            # Longrope switches at its original length; dynamic grows past max_position_embeddings (transformers').
-            bound = params.get("original_max_position_embeddings") if "longrope" in rope_type else None
-            bound = bound or getattr(text, "max_position_embeddings", None)
+            # Longrope switches past its original length (a forward of exactly that length keeps the short factors);
+            # dynamic grows past max_position_embeddings, and keeps grown frequencies at that length (transformers').
+            longrope = params.get("original_max_position_embeddings") if "longrope" in rope_type else None
+            bound = int(longrope) + 1 if longrope else getattr(text, "max_position_embeddings", None)
             if bound:
                 limits.append(("depth", int(bound), f"its {rope_type} rope picks frequencies from the longest position of a forward"))
     if getattr(text, "attn_temperature_tuning", False) and getattr(text, "floor_scale", None):
