@@ -206,3 +206,54 @@ def test_a_grpo_plan_counts_what_shares_the_trainers_gpu(tmp_path: Path, capsys)
     assert code == 1 and "DOES NOT FIT" in out
     assert shared["colocated vLLM engine (model.engine)"] == pytest.approx(0.9 * 80, abs=0.01)
     assert "reference model (model.loss.beta != 0)" in shared and shared["total"] >= alone["total"] + 71.99
+
+
+def _tiny(model_type: str, **overrides):
+    from transformers import CONFIG_MAPPING
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return CONFIG_MAPPING[model_type](**{**sizes, **overrides})
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),  # grouped experts and a router adapted too
+    ("gpt2", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),  # Conv1D layers
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["sliding_attention", "full_attention"])),
+])  # fmt: skip
+def test_families_are_counted_as_peft_adapts_the_model_a_run_trains(model_type: str, extra: dict) -> None:
+    """LoRA's trainable count was 7K for a MoE whose run trains 62K, and 0 for GPT-2; gpt-oss's expert biases crashed."""
+    config = _tiny(model_type, **extra)
+    census = count_model(config, "all-linear")
+    model = get_peft_model(load_causal_lm_from_config(config), LoraConfig(r=8, target_modules="all-linear"))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert census.lora_params(8) == trainable > 0
+    assert census.activation_elements_per_token_layer > 0 and all(unit.params > 0 for unit in census.units)
+
+
+def load_causal_lm_from_config(config):
+    from lightning_rl.models.structure import auto_model_class
+
+    return auto_model_class(config).from_config(config)
+
+
+def test_census_takes_the_text_decoder_the_outermost_units_and_per_layer_top_k_and_refuses_what_run_refuses() -> None:
+    from transformers import LlavaConfig
+
+    from lightning_rl.errors import UserError
+
+    # A vision tower deeper and heavier than the text decoder: the decoder's layers are counted, not the tower's.
+    text = _tiny("qwen2", num_hidden_layers=2)
+    vision = _tiny("siglip_vision_model", hidden_size=64, intermediate_size=256, num_hidden_layers=5, image_size=32, patch_size=8)
+    llava = count_model(LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=63))
+    assert llava.decoder_layers == 2
+    # Mamba lists its block and the mixer inside it: one unit per block, and a root unit of the embeddings and head.
+    mamba = count_model(_tiny("mamba", state_size=4, expand=2, conv_kernel=2))
+    assert len(mamba.units) == 2 and mamba.root_params > 0
+    assert mamba.total_params == mamba.root_params + sum(unit.params for unit in mamba.units)
+    # Hunyuan's MoE gives its top-k per layer (a list): it crashed the census.
+    hunyuan = count_model(_tiny("hunyuan_v1_moe", num_experts=4, moe_topk=[2, 2], head_dim=8))
+    assert hunyuan.experts_per_token == 2
+    with pytest.raises(UserError, match=r"\(t5\) is not a causal language model"):  # run refuses it; plan planned it
+        count_model(_tiny("t5", d_model=32, d_ff=48, num_layers=2, num_heads=4, d_kv=8))
+    with pytest.raises(UserError, match=r"lora.target_modules: 'q_proj' matches no module of GPT2LMHeadModel"):
+        count_model(_tiny("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64), ["q_proj"])

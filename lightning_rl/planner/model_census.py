@@ -12,24 +12,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedConfig
+from peft import LoraConfig, get_peft_model
+from transformers import PreTrainedConfig
 
-from lightning_rl.models.loading import outside_text_model
+from lightning_rl.models.loading import _check_lora_targets, outside_text_model
+from lightning_rl.models.structure import auto_model_class
 
-# Auto classes tried in order: text decoders first, then multimodal models that wrap one.
-_AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def build_on_meta(config: PreTrainedConfig) -> nn.Module:
-    errors = []
-    for auto_class in _AUTO_CLASSES:
-        try:
-            with torch.device("meta"):
-                return auto_class.from_config(config)
-        except ValueError as err:
-            errors.append(f"{auto_class.__name__}: {str(err).splitlines()[0]}")
-    raise ValueError(f"no transformers model class for {type(config).__name__}: " + "; ".join(errors))
+    """The model a run trains for ``config`` (its causal-LM or image-text class; any other is refused as the run
+    refuses it), on the meta device."""
+    auto = auto_model_class(config)
+    with torch.device("meta"):
+        return auto.from_config(config)
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -91,7 +88,11 @@ def _expert_parameter_names(model: nn.Module, config: PreTrainedConfig, num_expe
 
 
 def _decoder_stack(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers: the ModuleList holding the most parameters."""
+    """The decoder layers: the text decoder's ``layers``, else the ModuleList holding the most parameters (an
+    image-text model's vision tower may outweigh its text decoder)."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return layers
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{type(model).__name__} has no layer list to count")
@@ -99,9 +100,13 @@ def _decoder_stack(model: nn.Module) -> nn.ModuleList:
 
 
 def _shard_units(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """The outermost modules of the classes the model lists in ``_no_split_modules`` (Mamba lists a block and the
+    mixer inside it: the mixer is part of its block's unit, not one more)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
+    taken: list[str] = []
     for name, module in model.named_modules():
-        if type(module).__name__ in classes:
+        if type(module).__name__ in classes and not any(name.startswith(f"{outer}.") for outer in taken):
+            taken.append(name)
             yield name, module
 
 
@@ -115,32 +120,25 @@ def _activation_elements(layer: nn.Module, expert_names: set[str], experts_per_t
         if isinstance(module, nn.Linear):
             elements += module.in_features + module.out_features
     for name, param in layer.named_parameters():
-        if name in expert_names:
-            elements += experts_per_token * (param.shape[1] + param.shape[2])
+        if name in expert_names:  # a grouped weight (experts, out, in), or its bias (experts, out): gpt-oss's
+            elements += experts_per_token * sum(param.shape[1:])
         elif param.ndim == 1:
             elements += param.shape[0]
     return elements
 
 
-def _lora_params_per_rank(model: nn.Module, target_modules: Iterable[str] | str, exclude: str | None = None) -> int:
-    """LoRA adds rank x (in + out) weights per targeted Linear, matched as peft matches them: a list by a module's
-    full name or its last dotted parts, a string as a regular expression over the full name; "all-linear" takes every
-    Linear but the output head. A module matching ``exclude`` (an image-text model's frozen towers) gets none."""
-    head = model.get_output_embeddings()
-    every = target_modules == "all-linear" or (not isinstance(target_modules, str) and "all-linear" in target_modules)
-
-    def targeted(name: str, module: nn.Module) -> bool:
-        if every:
-            return module is not head
-        if isinstance(target_modules, str):
-            return re.fullmatch(target_modules, name) is not None
-        return any(name == target or name.endswith(f".{target}") for target in target_modules)
-
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and targeted(name, module) and not (exclude and re.match(exclude, name)):
-            total += module.in_features + module.out_features
-    return total
+def _lora_params_per_rank(config: PreTrainedConfig, target_modules: Iterable[str] | str, exclude: str | None = None) -> int:
+    """The weights LoRA adds per unit of rank, as peft adds them to the model a run trains: every module peft adapts
+    under ``target_modules`` (nn.Linear, GPT-2's Conv1D, a MoE's grouped experts and router), none matching
+    ``exclude`` (an image-text model's frozen towers). Targets the run refuses are refused here too."""
+    if not target_modules:
+        return 0
+    model = build_on_meta(config)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    _check_lora_targets(model, targets)
+    with torch.device("meta"):
+        adapted = get_peft_model(model, LoraConfig(r=1, target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM"))
+    return sum(param.numel() for name, param in adapted.named_parameters() if ".lora_" in name)
 
 
 def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | str = (), towers: str = "frozen") -> ModelCensus:
@@ -151,7 +149,8 @@ def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | s
     frozen = sum(p.numel() for name, p in model.named_parameters() if outside and re.match(outside, name)) if towers == "frozen" else 0
     text_config = config.get_text_config()
     num_experts = next((int(getattr(text_config, k)) for k in _EXPERT_COUNT_KEYS if getattr(text_config, k, None)), 1)
-    experts_per_token = int(getattr(text_config, "num_experts_per_tok", 1) or 1)
+    top_k = getattr(text_config, "num_experts_per_tok", 1) or 1
+    experts_per_token = int(max(top_k) if isinstance(top_k, (list, tuple)) else top_k)  # Hunyuan gives one per layer
     expert_names = _expert_parameter_names(model, text_config, num_experts)
     full_names = {name for name, _ in model.named_parameters()}
     expert_full = {name for name in full_names if any(name.endswith(short) for short in expert_names)}
@@ -189,7 +188,7 @@ def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | s
         units=tuple(units),
         decoder_active_params=decoder_active,
         lm_head_params=head.weight.numel() if head is not None else 0,
-        lora_params_per_rank=_lora_params_per_rank(model, lora_target_modules, None if towers == "lora" else outside),
+        lora_params_per_rank=_lora_params_per_rank(config, lora_target_modules, None if towers == "lora" else outside),
         frozen_params=frozen,
         activation_elements_per_token_layer=_activation_elements(first_layer, layer_expert_names, experts_per_token),
         routed_width=int(routed_width),
