@@ -255,5 +255,8 @@ def test_census_takes_the_text_decoder_the_outermost_units_and_per_layer_top_k_a
     assert hunyuan.experts_per_token == 2
     with pytest.raises(UserError, match=r"\(t5\) is not a causal language model"):  # run refuses it; plan planned it
         count_model(_tiny("t5", d_model=32, d_ff=48, num_layers=2, num_heads=4, d_kv=8))
-    with pytest.raises(UserError, match=r"lora.target_modules: 'q_proj' matches no module of GPT2LMHeadModel"):
+    with pytest.raises(UserError, match=r"lora.target_modules: 'q_proj' matches no module of GPT2LMHeadModel \(its linear layers: c_attn"):
         count_model(_tiny("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64), ["q_proj"])
+    falcon_h1 = _tiny("falcon_h1", head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
+    with pytest.raises(UserError, match=r"lora.target_modules: peft cannot adapt FalconH1ForCausalLM as asked: .*out_proj"):
+        count_model(falcon_h1, "all-linear")  # a run met it as peft's traceback

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrainedTokenizerBase
+from transformers.pytorch_utils import Conv1D
 
 from lightning_rl import validation
 from lightning_rl.disk_space import no_room, space_error, tensor_bytes
@@ -133,10 +134,21 @@ def load_causal_lm(
         exclude_modules=None if towers == "lora" else outside,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    model = with_adapters(model, config)
     if not defer_weights:  # drawn as a sharded load draws them, so a run on one process starts where FSDP2's does
         sharded_loading.init_lora_factors(model, seed=torch.initial_seed() % 2**31)
     return model
+
+
+def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+    """peft's model with LoRA adapters on ``model``; a module peft refuses to adapt (a Mamba mixer's ``out_proj``) is
+    one line naming ``lora.target_modules``."""
+    name = type(model).__name__
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {str(error).splitlines()[0]} (name the "
+                          "modules to adapt)", "lora.target_modules") from None
 
 
 def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
@@ -147,7 +159,8 @@ def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> Non
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
     if missing:
-        leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        linear = (torch.nn.Linear, Conv1D)  # GPT-2's projections are Conv1D layers, which peft adapts too
+        leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear)})
         raise RecipeError(
             f"lora.target_modules: {', '.join(map(repr, missing))} {'matches' if len(missing) == 1 else 'match'} no module of {type(model).__name__} "
             f"(its linear layers: {', '.join(leaves)}; or all-linear)", "lora.target_modules",

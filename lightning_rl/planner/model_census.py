@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from transformers import PreTrainedConfig
 
-from lightning_rl.models.loading import _check_lora_targets, outside_text_model
+from lightning_rl.models.loading import _check_lora_targets, outside_text_model, with_adapters
 from lightning_rl.models.structure import auto_model_class
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -137,7 +137,7 @@ def _lora_params_per_rank(config: PreTrainedConfig, target_modules: Iterable[str
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     _check_lora_targets(model, targets)
     with torch.device("meta"):
-        adapted = get_peft_model(model, LoraConfig(r=1, target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM"))
+        adapted = with_adapters(model, LoraConfig(r=1, target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM"))
     return sum(param.numel() for name, param in adapted.named_parameters() if ".lora_" in name)
 
 
