@@ -113,7 +113,8 @@ def _shard_units(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 def _activation_elements(layer: nn.Module, expert_names: set[str], experts_per_token: int) -> int:
     """Per token: inputs and outputs of every matmul (routed ones top-k times) plus each norm's width.
 
-    An upper estimate of what autograd keeps for one layer in 16-bit, for any architecture.
+    An estimate of what autograd keeps for one layer in 16-bit, not a bound: what a model's own code keeps besides
+    (a norm's float32 upcast, a MoE's routing and permutation copies) is left out, so a layer can keep more.
     """
     elements = 0
     for name, module in layer.named_modules():
