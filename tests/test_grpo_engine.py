@@ -68,6 +68,17 @@ def test_min_p_and_repetition_penalty_reach_the_sampler(tiny_path):
     assert penalised.completion_ids == ids[len(prompt):]
     (plain,) = engine.generate([prompt], 1, SamplingConfig(max_new_tokens=8, temperature=0)).rollouts
     assert plain.completion_ids != penalised.completion_ids  # the penalty changed what greedy picks
+    # Prompts of several lengths: each is penalised for its own tokens alone, never for another's padding (transformers
+    # 5.19 penalised the left padding; with pad == eos, shorter prompts' replies were kept from ending).
+    masks = []
+    generate = engine.model.generate
+    engine.model.generate = lambda **kwargs: masks.append(kwargs["attention_mask"]) or generate(**kwargs)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0, repetition_penalty=penalty)
+    batched = engine.generate([prompt, [1, 50], [1, 50, 51, 52, 53]], 2, sampling).groups
+    assert all(bool(mask.all()) for mask in masks) and len(masks) == 3  # one call per prompt length: no padding
+    assert [[r.completion_ids for r in group] for group in batched] == [
+        [r.completion_ids for r in engine.generate([p], 2, sampling).rollouts] for p in (prompt, [1, 50], [1, 50, 51, 52, 53])
+    ]
 
 
 def test_a_checkpoints_generation_config_never_changes_what_the_engine_samples(tiny_path, tmp_path):

@@ -88,7 +88,7 @@ class HFRolloutEngine(RolloutEngine):
             recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
             with torch.random.fork_rng(devices=[]), recording as recorded:
                 torch.manual_seed(seed)
-                completions, logprobs, supports, finished = self._sample([list(p) for p in prompts for _ in range(n)], sampling, repeated)
+                completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated)
         routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
         groups = []
         for g, prompt in enumerate(prompts):
@@ -108,6 +108,23 @@ class HFRolloutEngine(RolloutEngine):
                 )
             groups.append(group)
         return RolloutBatch(groups)
+
+    def _sample_rows(
+        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None = None
+    ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
+        """`_sample` of every row; with a repetition penalty, one call per prompt length: a row's left padding would be
+        penalised as tokens it holds (transformers 5.19 does; with pad == eos, a reply was kept from ending)."""
+        lengths = sorted({len(p) for p in prompts})
+        if sampling.repetition_penalty == 1.0 or len(lengths) == 1:
+            return self._sample(prompts, sampling, images)
+        results: list[Any] = [None] * len(prompts)
+        for length in lengths:
+            rows = [k for k, p in enumerate(prompts) if len(p) == length]
+            sampled = self._sample([prompts[k] for k in rows], sampling, None if images is None else [images[k] for k in rows])
+            for k, row in zip(rows, zip(*sampled)):
+                results[k] = row
+        completions, logprobs, supports, finished = (list(column) for column in zip(*results))
+        return completions, logprobs, supports, finished
 
     @torch.no_grad()
     def _sample(
