@@ -115,8 +115,12 @@ class RunSummary(Callback):
             self.losses.append(float(pl_module.step_loss))
             self._recorded_step = trainer.global_step
         tokens = int(outputs.get("tokens", 0))
-        self.tokens += tokens
-        self.flat_tokens += int(outputs.get("flat_tokens", tokens))
+        counts = [tokens, int(outputs.get("flat_tokens", tokens))]
+        if trainer.world_size > 1:  # the run's counts, every rank's (each rank's batch ends here the same number of times)
+            summed = trainer.strategy.reduce(torch.tensor(counts, dtype=torch.float64, device=pl_module.device), reduce_op="sum")
+            counts = [int(value) for value in summed.tolist()]
+        self.tokens += counts[0]
+        self.flat_tokens += counts[1]
         pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
 
     def _mean(self, values: list[float]) -> float | None:
