@@ -104,3 +104,19 @@ def test_a_longrope_row_whose_longest_path_is_the_original_length_is_packed_exac
     torch.testing.assert_close(packed.detach(), reference_logprobs(model, sequences).detach(), rtol=0, atol=TOLERANCE[torch.float32][0])
     with pytest.raises(PackingRefused, match="positions up to 10 reaches 11"):
         packed_logprobs(model, pack_sequences([[*sequences[0], 6], *sequences[1:]]), chunk_size=7, attention_backend="blocks")
+
+
+@pytest.mark.parametrize("model_type,key", [("gpt2", "attn_pdrop"), ("llama", "attention_dropout")])
+def test_attention_dropout_is_refused_naming_the_config_key_that_holds_it(model_type, key):
+    """GPT-2 keeps it in ``attn_pdrop``: the line told its users to set ``attention_dropout``, which changed nothing."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from support.packing_families import build_config
+
+    from lightning_rl.ops.packed_forward import packed_logprobs
+    from lightning_rl.packing.tree import pack_sequences
+
+    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(build_config(model_type, {key: 0.25})).train()
+    with pytest.raises(PackingRefused, match=rf"applies attention dropout 0.25; tree attention does not: set the model's {key} to 0"):
+        packed_logprobs(model, pack_sequences([[3, 4, 5, 6], [3, 4, 7]]), chunk_size=7, attention_backend="blocks")

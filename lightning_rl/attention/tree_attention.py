@@ -607,7 +607,15 @@ def _refuse_packed_call(module: nn.Module, meta: TreeAttentionMeta, attention_ma
     if sliding_window is None and _is_sliding_layer(module):
         raise PackingRefused(f"{layer} is a sliding-window layer that passes no sliding_window to its attention (the window lives in its mask only)")
     if dropout and module.training:
-        raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's attention_dropout to 0")
+        raise PackingRefused(f"{layer} applies attention dropout {dropout}; tree attention does not: set the model's "
+                             f"{_dropout_key(getattr(module, 'config', None), dropout)} to 0 (its config.json)")
+
+
+def _dropout_key(config: Any, dropout: float) -> str:
+    """The config key that holds a layer's attention dropout (GPT-2's ``attn_pdrop``, Llama's ``attention_dropout``)."""
+    keys = [key for key, value in (config.to_dict() if config is not None else {}).items()
+            if "drop" in key and ("att" in key or "pdrop" in key) and value == dropout]  # fmt: skip
+    return keys[0] if keys else "attention dropout"
 
 
 def tree_attention_forward(
