@@ -71,6 +71,7 @@ class RunSummary(Callback):
         self.earlier_wall_seconds = 0.0  # of the run's parts before a resume
         self._batch_start = 0.0
         self._fit_start = 0.0
+        self._step_tokens, self._step_seconds, self._throughput_step = 0, 0.0, 0  # the step in the making
         self.extra: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,8 +97,12 @@ class RunSummary(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self._step_tokens, self._step_seconds = 0, 0.0
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._throughput_step = trainer.global_step  # a resume's restored step
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
@@ -117,11 +122,15 @@ class RunSummary(Callback):
         tokens = int(outputs.get("tokens", 0))
         counts = [tokens, int(outputs.get("flat_tokens", tokens))]
         if trainer.world_size > 1:  # the run's counts, every rank's (each rank's batch ends here the same number of times)
-            summed = trainer.strategy.reduce(torch.tensor(counts, dtype=torch.float64, device=pl_module.device), reduce_op="sum")
+            summed = trainer.strategy.reduce(torch.tensor(counts, dtype=torch.float32, device=pl_module.device), reduce_op="sum")
             counts = [int(value) for value in summed.tolist()]
         self.tokens += counts[0]
         self.flat_tokens += counts[1]
-        pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
+        # The step's throughput, over its every micro-batch (and rank), once the step is taken.
+        self._step_tokens, self._step_seconds = self._step_tokens + counts[0], self._step_seconds + seconds
+        if trainer.global_step != self._throughput_step:
+            pl_module.log("train/tokens_per_s", self._step_tokens / max(self._step_seconds, 1e-9), prog_bar=True)
+            self._step_tokens, self._step_seconds, self._throughput_step = 0, 0.0, trainer.global_step
 
     def _mean(self, values: list[float]) -> float | None:
         return sum(values) / len(values) if values else None

@@ -57,6 +57,8 @@ DIFFERENCES = (
     ("GRPO string prompts", "rendered as a user turn by the model's chat template (after `model.system_prompt`); "
      "tokenized as they are only where the tokenizer has no chat template", "tokenized as they are",
      "an instruction-tuned model is prompted as it is served; write the prompt as chat messages to choose the turns"),
+    ("SFT's held-out loss", "`val/loss`: the mean over every held-out token", "`eval_loss`: the mean of the batches' means",
+     "a short batch weighs as much as a long one there; here each token counts once"),
     ("A GRPO prompt whose messages end with assistant turns", "those turns are dropped: the prompt ends with the last "
      "user (or tool) turn, and the model writes the reply", "rendered, closed, and a new assistant turn opened after them",
      "a prompt column that holds whole conversations (the reference answer last) prompts for the answer, not after it"),

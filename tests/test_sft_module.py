@@ -276,3 +276,35 @@ def test_the_held_out_loss_on_two_ranks_is_that_of_one_process(tmp_path, capsys)
     assert cli.main(["run", recipe, f"--output_dir={tmp_path / 'both'}", *args, "--trainer.accumulate_grad_batches=2"]) == 0
     both, summed = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("both", "two"))
     assert (summed["tokens"], summed["flat_tokens"]) == (both["tokens"], both["flat_tokens"]) and summed["world_size"] == 2
+
+
+def test_entropy_and_token_accuracy_are_those_of_the_model_over_every_trained_token(tmp_path, tiny_path):
+    """TRL's SFT logs `mean_token_accuracy` and `entropy` (and their eval_ twins): held out, they are the plain model's
+    over every trained token; in training, the step's over all its micro-batches, before its update."""
+    rows = TOY_TRAIN.read_text().splitlines(keepends=True)[:8]
+    (tmp_path / "rows.jsonl").write_text("".join(rows))
+    data = SFTDataModule(str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.jsonl"), max_tokens=64, shuffle=False)
+    data.setup("fit")
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    entropies, hits = [], []
+    with torch.no_grad():
+        for example in data.val_examples:
+            ids = torch.tensor(example.input_ids)
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].double(), dim=-1)
+            trained = torch.tensor(example.loss_mask[1:])
+            entropies.append(-(logp.exp() * logp).sum(-1)[trained])
+            hits.append((logp.argmax(-1) == ids[1:])[trained])
+    entropy, accuracy = float(torch.cat(entropies).mean()), float(torch.cat(hits).double().mean())
+    module = SFTModule(learning_rate=1e-2)
+    batches = data.batches_per_epoch()
+    assert batches >= 2  # the step's figures span micro-batches
+    def trainer(**kwargs):
+        return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+    held = trainer().validate(module, datamodule=data, verbose=False)[0]
+    assert held["val/entropy"] == pytest.approx(entropy, rel=1e-5) and held["val/mean_token_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    trainer = trainer(max_steps=1, accumulate_grad_batches=batches, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    assert float(trainer.callback_metrics["train/entropy"]) == pytest.approx(entropy, rel=1e-5)
+    assert float(trainer.callback_metrics["train/mean_token_accuracy"]) == pytest.approx(accuracy, abs=1e-9)
+    assert float(trainer.callback_metrics["train/trained_tokens"]) == sum(map(len, entropies))  # the step's, not a micro-batch's

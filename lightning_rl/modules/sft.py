@@ -92,8 +92,10 @@ class SFTModule(PolicyModule):
         validation.positive_int("verify_packing_every", verify_packing_every)
         validation.non_negative_int("eval_generations", eval_generations)
         validation.positive_int("max_new_tokens", max_new_tokens)
-        self._step_totals = torch.zeros(2)  # this rank's summed loss and trained tokens since the last optimizer step
-        self._val_totals = torch.zeros(2, dtype=torch.float64)  # this rank's summed held-out loss and tokens
+        # This rank's sums since the last optimizer step: loss, trained tokens, forwarded (unique) and flat tokens,
+        # entropy and tokens predicted right (the likeliest token); the held-out ones: loss, tokens, entropy, right.
+        self._step_totals = torch.zeros(6)
+        self._val_totals = torch.zeros(4, dtype=torch.float64)
         self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
         self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
         check_towers(towers, self.lora)
@@ -119,8 +121,9 @@ class SFTModule(PolicyModule):
         if self.policy is None:
             self.policy = self.load_policy(self.hparams.model_name_or_path, self.lora)
 
-    def _logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend())
+    def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each trained token's log-prob, and the entropy and whether the likeliest token is it (TRL's figures)."""
+        return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         if self.packing_verifier.due(self.global_step):
@@ -128,49 +131,49 @@ class SFTModule(PolicyModule):
                 self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
             )
             self.log("train/packing_error", error)
-        logprobs = self._logprobs(batch)
+        logprobs, entropy, hits = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
         loss_sum = -logprobs.sum()
-        count = torch.tensor(float(logprobs.numel()), device=loss_sum.device)
-        self._step_totals = self._step_totals.to(loss_sum.device) + torch.stack([loss_sum.detach().float(), count])
-        row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
-        self.log("train/row_loss", row_loss)
-        self.log("train/packing_ratio", batch.packing_ratio)
-        self.log("train/unique_tokens", float(batch.num_unique_tokens))
-        self.log("train/flat_tokens", float(batch.num_flat_tokens))
-        self.log("train/trained_tokens", float(batch.loss_targets.numel()))
+        counts = torch.tensor([logprobs.numel(), batch.num_unique_tokens, batch.num_flat_tokens], dtype=torch.float32, device=loss_sum.device)
+        sums = torch.stack([loss_sum.detach().float(), *counts, entropy.sum().float(), hits.sum().float()])
+        self._step_totals = self._step_totals.to(loss_sum.device) + sums
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
         return {"loss": loss_sum, "reported_loss": row_loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
 
     def on_validation_epoch_start(self) -> None:
-        self._val_totals = torch.zeros(2, dtype=torch.float64)
+        self._val_totals = torch.zeros(4, dtype=torch.float64)
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
-        logprobs = self._logprobs(batch)
-        self._val_totals += torch.tensor([-logprobs.sum().item(), logprobs.numel()], dtype=torch.float64)
+        logprobs, entropy, hits = self._logprobs(batch)
+        self._val_totals += torch.tensor([-logprobs.sum().item(), logprobs.numel(), entropy.sum().item(), hits.sum().item()], dtype=torch.float64)
 
     def on_validation_epoch_end(self) -> None:
         # Every rank's summed loss over every rank's tokens, divided once (Lightning's batch-size weighting averaged
         # the ranks' token counts as integers, so a count that did not divide by the ranks read low, or 0: inf).
-        loss_sum, tokens = self.trainer.strategy.reduce(self._val_totals.to(self.device), reduce_op="sum").tolist()
+        loss_sum, tokens, entropy, hits = self.trainer.strategy.reduce(self._val_totals.to(self.device), reduce_op="sum").tolist()
         if tokens > 0:
             self.log("val/loss", loss_sum / tokens, prog_bar=True)
+            self.log_dict({"val/entropy": entropy / tokens, "val/mean_token_accuracy": hits / tokens})
         if self.hparams.eval_generations and not self.trainer.sanity_checking:
             self.heldout(in_validation=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning divided each micro-batch's sum by accumulate_grad_batches and the strategy averaged the
         # gradients over ranks; rescale so the gradient is that of the step's token mean.
-        loss_sum, tokens = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum").tolist()
+        # The step's figures are over its every micro-batch and rank (TRL's), not the last micro-batch's.
+        loss_sum, tokens, unique, flat, entropy, hits = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum").tolist()
         self._step_totals = torch.zeros_like(self._step_totals)
+        self.log_dict({"train/trained_tokens": tokens, "train/unique_tokens": unique, "train/flat_tokens": flat,
+                       "train/packing_ratio": flat / max(unique, 1.0)})  # fmt: skip
         if tokens > 0:
+            self.log_dict({"train/entropy": entropy / tokens, "train/mean_token_accuracy": hits / tokens})
             scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
             self.step_loss = loss_sum / tokens  # summary.json's, as logged
             self.log("train/loss", loss_sum / tokens, prog_bar=True)
-            self.log("train/step_trained_tokens", tokens)
         if any(p.grad is not None for p in self.parameters()):
             self.log("train/grad_norm", total_grad_norm(self.parameters()))
 

@@ -206,6 +206,25 @@ def token_entropy(
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype))
 
 
+@torch.no_grad()
+def token_stats(
+    hidden: Tensor, lm_head_weight: Tensor, targets: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(),
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The entropy of the next-token distribution at each row of ``hidden`` and whether its likeliest token is the
+    row's target (TRL's ``entropy`` and ``mean_token_accuracy``), from one pass over the LM head, ``chunk_size`` rows
+    at a time; nothing here has a gradient."""
+    entropy, hits = [], []
+    for s in range(0, hidden.shape[0], chunk_size):
+        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, transform)
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy.append(-(logp.exp() * logp).sum(-1))
+        hits.append(logits.argmax(-1) == targets[s : s + chunk_size])
+    if not entropy:
+        return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)), torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return torch.cat(entropy), torch.cat(hits)
+
+
 # Per model, the (scale, softcap) its own forward was seen to apply to ``h @ W.T``, where that is not what its text
 # config names (an image-text wrapper whose forward skips its text model's logit scale).
 _SEEN_SCALING: weakref.WeakKeyDictionary[nn.Module, tuple[float, float | None]] = weakref.WeakKeyDictionary()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.models.routing import RouteAgreement, RouteReplay, replaying
-from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs
+from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs, token_stats
 from lightning_rl.models.multimodal import (
     attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, transformers_model, uses_multi_axis_positions,
 )
@@ -202,14 +202,19 @@ def packed_logprobs(
     suppressed: tuple[int, ...] = (),
     route_agreement: RouteAgreement | None = None,
     replay_routes: bool = True,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """log p(target) for every loss term of a packed row (and the entropy there when asked, differentiable with
     ``entropy_grad``), shape [M], under the sampling ``temperature``, without the ``suppressed`` tokens, and
-    renormalised over each term's sampling support where the row carries one (``batch.token_support``)."""
+    renormalised over each term's sampling support where the row carries one (``batch.token_support``).
+    ``return_stats``: with the entropy and whether the likeliest token is the target (`token_stats`), no gradient."""
     hidden = packed_hidden_states(model, batch, attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
     h = hidden.index_select(0, batch.loss_positions)
     weight, bias, transform = lm_head_of(model, temperature, suppressed)
     logprobs = token_logprobs(h, weight, batch.loss_targets, chunk_size=chunk_size, transform=transform, bias=bias, support=batch.token_support)
+    if return_stats:
+        return logprobs, *token_stats(h.detach(), weight.detach(), batch.loss_targets, chunk_size=chunk_size, transform=transform,
+                                      bias=None if bias is None else bias.detach())  # fmt: skip
     if not return_entropy:
         return logprobs
     if entropy_grad:
