@@ -53,7 +53,8 @@ def exact_match(
 
 def log_heldout(module: LightningModule, figures: dict[str, Any]) -> dict[str, Any]:
     """``figures`` (``exact_match``'s), after logging the held-out exact match to the run's loggers (CSV, W&B) at the
-    module's step: each evaluation is in the logs, not only the last in summary.json."""
+    step it follows, where Lightning logs that step's figures (one less than the steps taken; before any, 0): each
+    evaluation is in the logs, not only the last in summary.json."""
     for logger in module.loggers:
-        logger.log_metrics({HELDOUT_METRIC: figures["heldout_exact_match"]}, step=module.global_step)
+        logger.log_metrics({HELDOUT_METRIC: figures["heldout_exact_match"]}, step=max(module.global_step - 1, 0))
     return figures
