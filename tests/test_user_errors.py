@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import time
 from pathlib import Path
 
@@ -331,3 +332,35 @@ def test_a_model_config_transformers_cannot_read_is_one_line_in_run_and_plan(tmp
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--model-config", str(tmp_path / "model")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: --model-config {tmp_path / 'model'}: ") and why in line
+
+
+def test_a_model_folder_the_run_cannot_load_is_one_line_before_the_run_writes(tmp_path, tiny_path, capsys):
+    """A folder without weights, or without a tokenizer, ended in transformers' traceback (naming sentencepiece); a
+    tokenizer with more ids than the model's embedding has rows crashed in the first forward, leaving the run folder."""
+    import shutil
+
+    cases = {
+        "no weights": ("model.safetensors", r"holds no weights \(no \*.safetensors or pytorch_model\*.bin\)"),
+        "no tokenizer": ("tokenizer.json", r"holds no tokenizer \(no tokenizer.json, tokenizer_config.json"),
+        "tokenizer past the embedding": (None, ""),  # the line names the model's vocab_size (below)
+    }
+    for name, (removed, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tiny_path, folder)
+        if removed:
+            for file in [folder / removed, *([folder / "tokenizer_config.json"] if removed == "tokenizer.json" else [])]:
+                file.unlink()
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+            tokenizer.add_tokens([f"<extra_{k}>" for k in range(rows + 8 - len(tokenizer))])
+            tokenizer.save_pretrained(folder)
+            message = rf"its tokenizer has {rows + 8} tokens, but the model's embedding {rows} rows"
+        for task, recipe in (("sft", SFT), ("grpo", GRPO)):
+            out = tmp_path / f"{task}-{folder.name}"
+            assert cli.main(["run", recipe, f"--output_dir={out}", f"--model.model_name_or_path={folder}"]) == 2, name
+            (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+            assert re.match(rf"error: model.model_name_or_path: {re.escape(str(folder))}:? {message}", line), (name, line)
+            assert not out.exists()  # refused before the run wrote anything

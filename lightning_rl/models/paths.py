@@ -64,9 +64,10 @@ def model_context(config: Any) -> int | None:
     return length
 
 
-def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> None:
+def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads: bool = False) -> None:
     """Refuse, naming ``key``, a model that is neither a from_pretrained folder nor a hub id in the local cache or on
-    the Hub. The Hub is asked once, without retries, so a wrong id fails in seconds (offline: at once)."""
+    the Hub. The Hub is asked once, without retries, so a wrong id fails in seconds (offline: at once). ``loads``: a
+    folder the run will train is checked as it will load, before the run writes anything (`_check_loadable`)."""
     if name_or_path in EMBEDDED:
         return
     path = Path(name_or_path).expanduser()
@@ -79,11 +80,36 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path") -> No
             AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as error:
             raise RecipeError(f"{key}: {name_or_path}/config.json cannot be read by transformers ({' '.join(str(error).split())[:200]})", key) from None
+        if loads:
+            _check_loadable(path, name_or_path, key)
         return
     if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
         raise RecipeError(f"{key}: no model folder at {name_or_path}{validation.resolved_against(path)}", key)
     if problem := _hub_problem(name_or_path):
         raise RecipeError(f"{key}: {name_or_path} is neither a local folder nor {problem}", key)
+
+
+_WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
+
+def _check_loadable(path: Path, name_or_path: str, key: str) -> None:
+    """A model folder holds weights and a tokenizer that loads, whose ids the model's embedding covers: otherwise a run
+    ends in a traceback from transformers (a missing file), or deep in its first forward (an id past the embedding)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not any(next(path.glob(pattern), None) for pattern in _WEIGHTS):
+        raise RecipeError(f"{key}: {name_or_path} holds no weights (no *.safetensors or pytorch_model*.bin): not a model folder to train", key)
+    if not any(next(path.glob(pattern), None) for pattern in _TOKENIZER_FILES):
+        raise RecipeError(f"{key}: {name_or_path} holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model, ...)", key)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise RecipeError(f"{key}: {name_or_path} holds a tokenizer that does not load: {' '.join(str(error).split())[:160]}", key) from None
+    rows = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise RecipeError(f"{key}: {name_or_path}: its tokenizer has {len(tokenizer)} tokens, but the model's embedding {rows} rows "
+                          f"(config vocab_size): ids from {rows} on have no embedding", key)
 
 
 @functools.lru_cache(maxsize=None)

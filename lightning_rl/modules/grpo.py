@@ -62,7 +62,6 @@ from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.collector import ROLLOUT_COLUMNS, RolloutCollector, RolloutSettings
-from lightning_rl.rollout.conversation import visible_text
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.stopping import fetched_on_every_rank
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)
@@ -244,7 +243,7 @@ class GRPOModule(PolicyModule):
         check_weight_sync(weight_sync, self.lora is not None)
         self.asynchronous = AsyncSettings(async_mode, max_staleness, push_in_background)
         self.automatic_optimization = False
-        check_model_source(model_name_or_path)
+        check_model_source(model_name_or_path, loads=True)
         self.rollout = RolloutSettings(
             num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
             tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
@@ -591,7 +590,7 @@ class GRPOModule(PolicyModule):
         every = self.hparams.log_rollouts_every_n_steps
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
         if every and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
-            log_rollouts(self.trainer, step, rollout_table(scored, functools.partial(visible_text, self.tokenizer), step))
+            log_rollouts(self.trainer, step, rollout_table(scored, self.tokenizer.decode, step))  # every token as the model read it
         return reward
 
     @functools.cached_property
