@@ -504,3 +504,26 @@ def test_the_logged_learning_rate_is_the_one_the_step_took():
     fit(3, [rates], warmup_steps=2, lr_schedule="linear", learning_rate=2e-3, rewards=LENGTH_REWARD)
     assert rates.taken == pytest.approx([0.0, 1e-3, 2e-3])
     assert rates.logged == pytest.approx(rates.taken)
+
+
+SCORED: list[int] = []
+
+
+def counted_length(completions: list[str], **_: Any) -> list[float]:
+    SCORED.append(len(completions))
+    return [float(len(c)) for c in completions]
+
+
+def test_a_model_tree_packing_refuses_is_refused_before_a_step_is_generated_and_scored(tiny_path, tmp_path):
+    """Attention dropout (which tree attention does not apply) was refused in the first training forward, after the
+    engine was built and a whole step generated and scored."""
+    from lightning_rl.attention.tree_attention import PackingRefused
+
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    SCORED.clear()
+    with pytest.raises(PackingRefused, match="applies attention dropout 0.1; tree attention does not: set the model's attention_dropout to 0"):
+        fit(1, model_name_or_path=str(folder), rewards=[RewardSpec("test_grpo_module:counted_length")])
+    assert SCORED == []

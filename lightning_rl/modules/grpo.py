@@ -310,6 +310,7 @@ class GRPOModule(PolicyModule):
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:
+        self.check_packable()  # before an engine is built and a first step generated and scored for nothing
         spec = self.engine_spec
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})

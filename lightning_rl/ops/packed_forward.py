@@ -239,6 +239,17 @@ def _special_token_ids(config) -> set[int]:
     return ids
 
 
+def check_packable(model: nn.Module, *, attention_backend: str = "auto", pad_to_multiple_of: int | None = None) -> None:
+    """The packing self-check (`probe`) and one training-mode packed forward of its rows, now, without a gradient: what
+    tree packing refuses in a model (an inexact family, attention dropout) is refused before a caller starts the work
+    of a step (an engine built, rollouts generated and scored). The randomness a training-mode forward draws (dropout)
+    comes from a copy of the generators, so the run draws as it would without this check."""
+    device = next(model.parameters()).device
+    batch = pack_sequences(probe_sequences(model.config), pad_to_multiple_of=pad_to_multiple_of).to(device)
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        packed_hidden_states(model, batch, attention_backend=attention_backend)
+
+
 def probe_sequences(config, seed: int = 0) -> list[list[int]]:
     """A shared prefix, forks and a nested fork below it, and an unrelated root placed last in the row (so its row
     index is far from its depth), in ids of the model's own vocabulary. Seven tokens deep at most."""
