@@ -725,7 +725,10 @@ def check_row(model: nn.Module, max_depth: int, num_tokens: int, num_sequences: 
         reach = max_depth + 1 if kind == "depth" else num_tokens
         if reach >= limit:
             what = f"positions up to {max_depth}" if kind == "depth" else f"{num_tokens} tokens"
-            raise PackingRefused(f"{type(model).__name__}: a packed row with {what} reaches {limit}, and {why}; pack smaller rows (data.max_tokens) or use packing: none")
+            fix = ("keep its sequences shorter (SFT: smaller rows, data.max_tokens, or data.packing: none; GRPO: shorter "
+                   "prompts or sampling.max_new_tokens)" if kind == "depth" else
+                   "pack smaller rows (SFT: data.max_tokens, or data.packing: none; GRPO: model.max_tokens_per_row)")  # fmt: skip
+            raise PackingRefused(f"{type(model).__name__}: a packed row with {what} reaches {limit}, and {why}; {fix}")
 
 
 def enable_tree_attention(model: nn.Module) -> None:
