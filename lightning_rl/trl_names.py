@@ -117,7 +117,8 @@ NO_EQUIVALENT = {
     "loss_type": "SFT's loss is the negative log-likelihood only",
     "disable_dropout": "models are trained with the dropout their config sets; attention dropout, which tree "
     "attention does not apply, is refused in one line naming its config key (set it to 0)",
-    "cast_lm_head_to_fp32": "log-probs come from a chunked LM head computed in float32 (model.chunk_size)",
+    "cast_lm_head_to_fp32": "log-probs come from a chunked LM head whose logits are float32 whatever the precision "
+    "(16-bit weights and hidden states multiplied to a float32 result; model.chunk_size)",
     "num_generations_eval": "held-out scoring decodes greedily, once per prompt (model.eval_generations)",
     "ds3_gather_for_generation": "DeepSpeed is not used: the engine gets whole weights from the trainer's sync",
     "shuffle_dataset": "SFT's examples (data.shuffle, on by default) and GRPO's prompts are reshuffled every pass, "

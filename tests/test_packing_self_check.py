@@ -35,7 +35,7 @@ def test_probe_passes_an_exact_model_once_per_backend_and_restores_train_mode(mo
         packed_logprobs(model, batch, attention_backend=backend)
     assert calls == ["blocks", "dense"]
     assert model.training and all(m.training for m in model.modules())
-    error, dtype = probe(model, "blocks", torch.device("cpu"))
+    error, dtype, _ = probe(model, "blocks", torch.device("cpu"))
     assert error < 1e-5 and dtype == torch.float32
 
 
@@ -53,11 +53,11 @@ def test_verify_row_measures_real_rows_and_fires_past_the_probe(monkeypatch):
     model = build("llama")
     rows = [list(range(3, 3 + 30)), list(range(3, 3 + 20)) + [40, 41, 42], [50, 51, 52, 53, 54, 55]]
     batch = pack_sequences(rows)
-    error, dtype = verify_row(model, batch)
+    error, dtype, _ = verify_row(model, batch)
     assert error < 1e-5 and dtype == torch.float32
     monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(20))  # the probe's rows are shorter: it passes
     packed_logprobs(model, pack_sequences(NESTED))
-    error, _ = verify_row(model, batch)
+    error, *_ = verify_row(model, batch)
     assert error > 1e-3
     verifier = PackingVerifier("first_step")
     with pytest.raises(PackingRefused, match=r"verify_packing at step 0: packed log-probs are .* stopped before any weight changed"):
@@ -142,3 +142,21 @@ def test_compiled_layers_give_the_eager_loss_and_gradients_on_a_packed_row(tiny_
         for (name, p), q in zip(eager.model.named_parameters(), compiled.model.parameters()):
             torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
             p.grad = q.grad = None
+
+
+def test_in_bf16_an_exact_model_with_trained_sized_logits_passes_and_a_leak_is_still_refused(monkeypatch):
+    """bf16 rounds the hidden states packed or not, and the head multiplies that noise by the logits' size: with the
+    logits of a trained model (tens), a fixed 5e-2 refused exactly packed models. The bound now grows with the
+    largest logit past 4; a leak across sequences moves the log-probs far more and is still refused."""
+    model = build("qwen3").to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(100.0)  # logits of trained size
+    packed_logprobs(model, pack_sequences(NESTED))  # the probe passes
+    error, dtype, scale = probe(model, "blocks", torch.device("cpu"))
+    assert dtype == torch.bfloat16 and scale > 20 and packed_forward._tolerance(dtype) < error <= packed_forward._tolerance(dtype, scale)
+    leaky = build("qwen3").to(torch.bfloat16)
+    with torch.no_grad():
+        leaky.model.norm.weight.mul_(100.0)
+    monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(0))
+    with pytest.raises(PackingRefused, match=r"the packing self-check measured packed log-probs .* bfloat16, tolerance"):
+        packed_logprobs(leaky, pack_sequences(NESTED))

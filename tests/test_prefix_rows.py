@@ -255,7 +255,7 @@ def test_the_prefix_is_forwarded_once_and_verify_row_checks_the_span():
     # The prefix once (the prompt but its last token), then 3 rows (before them: the model's packing probe, if not yet run).
     assert len(packed) == 3 and calls[-4:] == [19, 9, 9, 9] and calls.count(19) == 1
     assert packed[0].prefix.finished == 3
-    error, _ = verify_row(model, packed[1])
+    error, *_ = verify_row(model, packed[1])
     assert error < 1e-5
 
 
@@ -297,7 +297,7 @@ def test_what_cannot_continue_a_prefix_is_refused_in_one_line():
 
 def test_the_probe_checks_the_cross_row_path_before_a_models_first_span():
     model = tiny_models.build("qwen3")
-    error, dtype = probe_across_rows(copy.deepcopy(model), "blocks", torch.device("cpu"))  # a copy: this probes it
+    error, dtype, _ = probe_across_rows(copy.deepcopy(model), "blocks", torch.device("cpu"))  # a copy: this probes it
     assert error < 1e-5 and dtype == torch.float32
     seqs = [list(range(3, 12)) + [20 + k, 30 + k] for k in range(4)]
     masks = [[t >= 9 for t in range(len(s))] for s in seqs]
@@ -374,6 +374,7 @@ def test_the_trainers_old_logprobs_forward_the_prefix_once_and_later_passes_reus
     _, trainer = fit(2, [forwards], batch_size=2, rewards=LENGTH_REWARD, num_generations=8, max_tokens_per_row=48, prefix_across_rows="always",
                      num_iterations=2, old_logprobs="trainer", verify_packing="never")  # fmt: skip
     rows, calls = int(trainer.callback_metrics["train/rows"]), forwards.calls["policy"]
-    # The probe (one row) and the probe across rows (a prefix, a nested prefix, three rows); then 2 prefixes and the
-    # rows per pass: the first step's old log-probs and its loss, the second step's loss.
-    assert len(calls) == 1 + 5 + 3 * (2 + rows), calls
+    # The probe across rows (a prefix, a nested prefix, three rows; the probe itself ran as the fit started, before
+    # this records); then 2 prefixes and the rows per pass: the first step's old log-probs and its loss, the second
+    # step's loss.
+    assert len(calls) == 5 + 3 * (2 + rows), calls

@@ -32,6 +32,7 @@ def test_the_reference_forwards_the_policys_packed_tree():
     rows = int(trainer.callback_metrics["train/rows"])
     assert rows >= 2 and float(trainer.callback_metrics["train/packing_ratio"]) > 1  # rows that are trees
     policy, reference = forwards.calls["policy"], forwards.calls["reference"]
-    # Each model's first tree forward is its packing probe; then one forward per row, the same rows in the same order.
-    assert [tokens for tokens, _ in policy] == [tokens for tokens, _ in reference] and len(reference) == 1 + rows
-    assert all(grad for _, grad in policy[1:]) and not any(grad for _, grad in reference)
+    # The reference's first tree forward is its packing probe (the policy's ran as the fit started, before this
+    # records); then one forward per row each, the same rows in the same order.
+    assert [tokens for tokens, _ in policy] == [tokens for tokens, _ in reference[1:]] and len(reference) == 1 + rows
+    assert all(grad for _, grad in policy) and not any(grad for _, grad in reference)

@@ -242,6 +242,29 @@ def test_chunked_logprobs_equal_plain(transform):
     torch.testing.assert_close(gw, pw, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_16_bit_hidden_states_and_head_give_float32_logits_in_forward_and_backward(autocast):
+    """bf16 weights and hidden states (bf16-true), or float32 ones under bf16 autocast (bf16-mixed): the logits were
+    rounded to bf16 (2e-2 off in log-prob at logits past 20), and under autocast the backward recomputed them otherwise
+    than the forward had. Both are now the float32 product of the inputs as given, forward and backward alike."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    h = (torch.randn(40, 32) * 4).to(dtype).requires_grad_()
+    w = torch.randn(500, 32).to(dtype).requires_grad_()
+    targets = torch.randint(0, 500, (40,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        chunked = token_logprobs(h, w, targets, chunk_size=8)
+    logits = h.double() @ w.double().t()
+    assert float(logits.abs().max()) > 20
+    exact = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(chunked.double(), exact, atol=2e-4, rtol=0)
+    g = torch.randn(40, dtype=torch.float64)
+    got, want = torch.autograd.grad(chunked, (h, w), g.float()), torch.autograd.grad(exact, (h, w), g)
+    tolerance = 1e-4 if autocast else 1e-2  # bf16 gradients hold 8 bits
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine.double(), theirs.to(mine.dtype).double(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral_sliding"])
 def test_plain_calls_after_enabling_match_sdpa(family):
     # The same model keeps generating and scoring padded batches once tree attention is enabled.

@@ -47,9 +47,39 @@ def _logit_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_FP32_OUT: dict[str, bool] = {}  # per device type: whether 16-bit matmuls there can write float32 (``out_dtype``)
+
+
+def _head_matmul(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``h @ weight.T + bias`` in fp32 (fp64 for fp64 inputs), whatever autocast is on, in the forward and in the
+    backward's recomputation alike: 16-bit inputs multiply at their precision with a float32 result on CUDA (the
+    accumulator is never rounded to 16 bits: a logit of 20 would be off by up to 0.06), and are upcast elsewhere."""
+    dtype = _logit_dtype(h.dtype)
+    device = h.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else _nothing():
+        low = {h.dtype, weight.dtype} & {torch.bfloat16, torch.float16}
+        if low and device == "cuda" and _FP32_OUT.get(device, True):
+            half = low.pop()
+            try:
+                z = torch.mm(h.to(half), weight.to(half).t(), out_dtype=torch.float32)
+                return z if bias is None else z + bias.to(torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError):  # a torch without it: upcast from now on
+                _FP32_OUT[device] = False
+        return nn.functional.linear(h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform) -> tuple[Tensor, Tensor | None]:
-    """Logits of one chunk in fp32 (fp64 for fp64 inputs), and tanh(.) when a soft-cap applies (its gradient needs it)."""
-    z = nn.functional.linear(h, weight, bias).to(_logit_dtype(h.dtype))
+    """Logits of one chunk in fp32 (fp64 for fp64 inputs; `_head_matmul`), and tanh(.) when a soft-cap applies (its
+    gradient needs it)."""
+    z = _head_matmul(h, weight, bias)
     if transform.scale != 1.0:
         z = z * transform.scale
     if transform.softcap is None:
@@ -204,6 +234,20 @@ def token_entropy(
         h = hidden[s : s + chunk_size]
         out.append(checkpoint(chunk_entropy, h, lm_head_weight, bias, use_reentrant=False) if grad else chunk_entropy(h, lm_head_weight, bias))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype))
+
+
+@torch.no_grad()
+def max_abs_logit(
+    hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(), bias: Tensor | None = None,
+) -> float:
+    """The largest |logit| the head gives ``hidden`` (suppressed tokens aside): what 16-bit noise in the hidden states
+    is multiplied by in the log-probs."""
+    largest = 0.0
+    for s in range(0, hidden.shape[0], chunk_size):
+        logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, transform)
+        kept = logits[logits > _NEVER / 2]
+        largest = max(largest, float(kept.abs().max()) if kept.numel() else 0.0)
+    return largest
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.models.routing import RouteAgreement, RouteReplay, replaying
-from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, token_entropy, token_logprobs, token_stats
+from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, max_abs_logit, token_entropy, token_logprobs, token_stats
 from lightning_rl.models.multimodal import (
     attends_within_images_both_ways, image_block_rule, image_token_id, image_token_types, transformers_model, uses_multi_axis_positions,
 )
@@ -76,8 +76,12 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    return TOLERANCE.get(dtype, TOLERANCE[torch.float16])
+def _tolerance(dtype: torch.dtype, logit_scale: float = 0.0) -> float:
+    """The largest log-prob error packing may show in ``dtype``. In 16 bits it grows with the largest |logit| past 4:
+    the hidden states round at 16-bit precision, packed or not, and the head multiplies that noise by the logits'
+    size (a tiny bf16 Qwen3 measures about 0.006 per unit of logit; a leak across sequences moves them far more)."""
+    base = TOLERANCE.get(dtype, TOLERANCE[torch.float16])
+    return base * max(1.0, logit_scale / 4.0) if dtype in (torch.bfloat16, torch.float16) else base
 
 
 def _agree(error: float, model: nn.Module, device: torch.device) -> float:
@@ -278,11 +282,11 @@ def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_mul
             continue
         _PROBED[model].add(way)  # the probe's own rows come through here
         try:
-            error, dtype = run()
+            error, dtype, scale = run()
         except BaseException:
             _PROBED[model].discard(way)
             raise
-        tolerance = _tolerance(dtype)
+        tolerance = _tolerance(dtype, scale)
         if error > tolerance:
             _PROBED[model].discard(way)
             how = "a prefix forwarded once across rows (model.prefix_across_rows: never avoids it)" if way != key else "this model cannot be tree-packed exactly"
@@ -293,8 +297,9 @@ def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_mul
 
 
 @torch.no_grad()
-def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> tuple[float, torch.dtype]:
-    """Max |packed - per-sequence| log-prob on ``probe_sequences`` (agreed across ranks), and the compute dtype.
+def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None) -> tuple[float, torch.dtype, float]:
+    """Max |packed - per-sequence| log-prob on ``probe_sequences`` (agreed across ranks), the compute dtype, and the
+    largest |logit| (`_tolerance`).
     The reference is the model's own forward and logits, one sequence at a time. Rows are padded to
     ``pad_to_multiple_of`` as the training rows are, so a static-shape device compiles no new shape for them."""
     seqs = probe_sequences(model.config)
@@ -312,26 +317,35 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         _refuse_layers_without_tree(model, meta, _outermost_layers_run(model, run))
         _ATTENTION_MODULES[model] = len(meta.layers_called)
         hidden = captured[0]
-        reference = []
-        for k, s in enumerate(seqs):
-            ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
-            if k == 0:  # which logit scale the model's own forward applies, read off the first sequence's packed path
-                rows, _ = sequence_paths(batch, [0])[0]
-                match_head_scaling(model, hidden[rows], logits[: len(rows)])
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1 : len(s), None]).squeeze(1))
+        alone = []  # each sequence's head inputs from the model's own forward, run on it alone
+        take = model.get_output_embeddings().register_forward_pre_hook(lambda module, args: alone.append(args[0][0]))
+        try:
+            for k, s in enumerate(seqs):
+                ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
+                if k == 0:  # which logit scale the model's own forward applies, read off the first sequence's packed path
+                    rows, _ = sequence_paths(batch, [0])[0]
+                    match_head_scaling(model, hidden[rows], logits[: len(rows)])
+        finally:
+            take.remove()
+        if len(alone) != len(seqs):
+            raise PackingRefused(f"{type(model).__name__} called its output embeddings {len(alone)} times for {len(seqs)} forwards")
+        # Both sides through the same float32 head: what differs is the hidden states, which packing must not change.
         weight, bias, transform = lm_head_of(model)
+        reference = torch.cat([alone[k][: len(s) - 1] for k, s in enumerate(seqs)])
+        targets = torch.cat([torch.tensor(s[1:], device=device) for s in seqs])
+        expected = token_logprobs(reference, weight, targets, transform=transform, bias=bias)
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
-        error = float((packed - torch.cat(reference)).abs().max())
+        error = float((packed - expected).abs().max())
+        scale = max_abs_logit(reference, weight, transform=transform, bias=bias)
     finally:
         for module, training in modes:
             module.training = training
-    return _agree(error, model, device), _compute_dtype(hidden)
+    return _agree(error, model, device), _compute_dtype(hidden), scale
 
 
 @torch.no_grad()
-def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype]:
+def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> tuple[float, torch.dtype, float]:
     """Max |cross-row - per-sequence| log-prob of ``probe_sequences``' four that share a prefix, run as a nested span:
     the first two tokens forwarded once; the two sequences that fork after them share two more, forwarded once as a
     nested prefix, each in a row of its own; the other two in a third row. No loss term reads a prefix's outputs."""
@@ -343,19 +357,21 @@ def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> t
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        error, dtype = 0.0, torch.float32
+        weight, bias, transform = lm_head_of(model)  # both sides through the same float32 head
+        error, dtype, scale = 0.0, torch.float32, 0.0
         for row, (row_seqs, _, f) in zip(packed_rows, rows):
             packed = packed_logprobs(model, row, attention_backend=backend)
             for k, s in enumerate(row_seqs):
-                ids = torch.tensor(s, device=device)[None]
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
-                dtype = _compute_dtype(logits)
-                alone = torch.log_softmax(logits[f - 1 : -1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, ids[0, f:, None]).squeeze(1)
+                ids = torch.tensor(s, device=device)
+                hidden = head_inputs(model, ids, torch.arange(len(s), device=device))[f - 1 : -1]
+                dtype = _compute_dtype(hidden)
+                alone = token_logprobs(hidden, weight, ids[f:], transform=transform, bias=bias)
                 error = max(error, float((packed[row.loss_seq == k] - alone).abs().max()))
+                scale = max(scale, max_abs_logit(hidden, weight, transform=transform, bias=bias))
     finally:
         for module, training in modes:
             module.training = training
-    return _agree(error, model, device), dtype
+    return _agree(error, model, device), dtype, scale
 
 
 # -- the check of real rows ------------------------------------------------------------------------------------
@@ -383,10 +399,11 @@ def _right_padded_routes(routes: Tensor, length: int) -> Tensor:
 def verify_row(
     model: nn.Module, batch: PackedBatch, *, attention_backend: str = "auto", temperature: float = 1.0, chunk_size: int = 1024, samples: int = 2, seed: int = 0,
     suppressed: tuple[int, ...] = (),
-) -> tuple[float, torch.dtype]:
+) -> tuple[float, torch.dtype, float]:
     """Max |packed - per-sequence| log-prob of a real row, over ``samples`` of its sequences (the one ending the row,
-    furthest from the row's start, and one drawn with ``seed``), and the compute dtype. In eval mode, so dropout
-    does not count as a difference; the same number of forwards on every rank, the error agreed across ranks."""
+    furthest from the row's start, and one drawn with ``seed``), the compute dtype, and the largest |logit| there
+    (`_tolerance`). In eval mode, so dropout does not count as a difference; the same number of forwards on every
+    rank, the error agreed across ranks."""
     scored = torch.unique(batch.loss_seq).tolist()
     g = torch.Generator().manual_seed(seed)
     chosen = [int(batch.loss_seq[-1])] if scored else [0]
@@ -397,7 +414,7 @@ def verify_row(
     try:
         packed = packed_logprobs(model, batch, chunk_size=chunk_size, temperature=temperature, attention_backend=attention_backend, suppressed=suppressed)
         weight, bias, transform = lm_head_of(model, temperature, suppressed)
-        error, dtype = 0.0, torch.float32
+        error, dtype, scale = 0.0, torch.float32, 0.0
         token = image_token_id(model.config)
         images = split_images(batch.image_inputs, image_runs(batch.input_ids.tolist(), token) if token is not None else None)
         head = batch.prefix if isinstance(batch, PrefixedRow) else None  # a span's row: its prefix (chain) leads each path
@@ -418,10 +435,11 @@ def verify_row(
                 alone = token_logprobs(hidden.index_select(0, depth), weight, batch.loss_targets[terms], chunk_size=chunk_size, transform=transform, bias=bias,
                                        support=support)
                 error = max(error, float((packed[terms] - alone).abs().max()))
+                scale = max(scale, max_abs_logit(hidden.index_select(0, depth), weight, chunk_size=chunk_size, transform=transform, bias=bias))
     finally:
         for module, training in modes:
             module.training = training
-    return _agree(error, model, batch.input_ids.device), dtype
+    return _agree(error, model, batch.input_ids.device), dtype, scale
 
 
 @dataclass
@@ -447,10 +465,10 @@ class PackingVerifier:
         """The row's error, the largest over ranks when a Lightning ``strategy`` is given (so all ranks stop or none);
         refuses the run, before any weight changes, beyond the tolerance of the compute dtype."""
         self.last_step = step
-        error, dtype = verify_row(model, batch, attention_backend=backend, seed=step, **kwargs)
+        error, dtype, scale = verify_row(model, batch, attention_backend=backend, seed=step, **kwargs)
         if strategy is not None:
-            error = float(strategy.reduce(torch.tensor(error, device=batch.input_ids.device), reduce_op="max"))
-        tolerance = _tolerance(dtype)
+            error, scale = strategy.reduce(torch.tensor([error, scale], device=batch.input_ids.device), reduce_op="max").tolist()
+        tolerance = _tolerance(dtype, scale)
         if error > tolerance:
             raise PackingRefused(
                 f"{type(model).__name__}: verify_packing at step {step}: packed log-probs are {error:.2e} away from each "
