@@ -23,7 +23,8 @@ COMMON = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_ba
 TRAINER = {
     ("*", "max_steps"): "trainer.max_steps",
     ("*", "num_train_epochs"): "trainer.max_epochs",
-    ("*", "bf16"): "trainer.precision (`bf16-mixed`, or `bf16-true`)",
+    ("*", "bf16"): "trainer.precision: `bf16-mixed` (float32 weights, as TRL keeps them); `bf16-true` keeps only "
+    "16-bit weights, which lose updates below half a bf16 step (said at the start under learning rates below 1e-4)",
     ("*", "logging_steps"): "trainer.log_every_n_steps",
     ("sft", "gradient_accumulation_steps"): "trainer.accumulate_grad_batches",
     ("sft", "max_grad_norm"): "trainer.gradient_clip_val",

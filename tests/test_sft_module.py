@@ -308,3 +308,13 @@ def test_entropy_and_token_accuracy_are_those_of_the_model_over_every_trained_to
     assert float(trainer.callback_metrics["train/entropy"]) == pytest.approx(entropy, rel=1e-5)
     assert float(trainer.callback_metrics["train/mean_token_accuracy"]) == pytest.approx(accuracy, abs=1e-9)
     assert float(trainer.callback_metrics["train/trained_tokens"]) == sum(map(len, entropies))  # the step's, not a micro-batch's
+
+
+def test_16_bit_weights_stepped_at_a_small_learning_rate_are_said_to_lose_updates(tmp_path, capsys):
+    """bf16-true keeps no float32 copy of the weights: at 1e-5 most AdamW updates round away, silently (TRL's bf16
+    keeps float32 weights)."""
+    fit(tmp_path / "low", SFTModule(learning_rate=1e-5), max_steps=1, precision="bf16-true")
+    assert "note: trainer.precision bf16-true steps 16-bit weights with no float32 copy" in capsys.readouterr().err
+    fit(tmp_path / "mixed", SFTModule(learning_rate=1e-5), max_steps=1, precision="bf16-mixed")
+    fit(tmp_path / "high", SFTModule(learning_rate=1e-3), max_steps=1, precision="bf16-true")
+    assert "no float32 copy" not in capsys.readouterr().err

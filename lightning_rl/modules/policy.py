@@ -4,6 +4,7 @@ export."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -131,6 +132,11 @@ class PolicyModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        stepped = {p.dtype for group in self.parameter_groups() for p in group["params"]}
+        if stepped & {torch.bfloat16, torch.float16} and hp.learning_rate < 1e-4 and self.global_rank == 0:
+            print(f"note: trainer.precision {self.trainer.precision} steps 16-bit weights with no float32 copy: an update "
+                  f"smaller than half a 16-bit step of a weight is lost, and at learning_rate {hp.learning_rate:g} most "
+                  "are (bf16 keeps 8 bits); bf16-mixed keeps float32 weights", file=sys.stderr)
         return adamw_with_schedule(
             self.parameter_groups(), self.trainer, learning_rate=hp.learning_rate,
             weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
