@@ -275,3 +275,23 @@ def test_a_rows_chat_template_kwargs_reach_the_template_of_its_prompt_as_in_trl(
     bad.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=", "chat_template_kwargs": {"tokenize": False}}) + "\n")
     with pytest.raises(DataError, match=r"p.jsonl: line 2: `chat_template_kwargs` must be an object of the template's variables"):
         read_prompt_records(str(bad), "prompt")
+
+
+def test_a_reply_that_ends_the_text_rather_than_its_turn_runs_no_tool(tiny_tokenizer):
+    """A base tokenizer's eos (<|endoftext|>) stops a reply too, but the ChatML template writes tool results only after
+    <|im_end|>: the history went on with a context the template never writes. It ends there, its call kept unrun."""
+    import copy
+
+    base = copy.deepcopy(tiny_tokenizer)
+    base.eos_token = "<|endoftext|>"  # the scripted engine ends each reply with it
+    adds = {"operation": "add", "a": 3, "b": 4}
+    replies = lambda prompt: ["7"] if "<tool_response>" in prompt else [call("calculator", adds)]  # noqa: E731
+    for tokenizer, ran in ((base, False), (tiny_tokenizer, True)):
+        rollouts = collector(tokenizer, replies, PromptList([{"prompt": "add 3 and 4"}]), "failed_calls", max_new_tokens=64,
+                             tools=("lightning_rl.tools.builtin:calculator",), max_turns=2)
+        try:
+            first = rollouts.collect(0).rollouts[0]
+        finally:
+            rollouts.close()
+        assert bool(first.metadata["tool_calls"]) == ran and len(first.messages) == (3 if ran else 1)
+        assert first.messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": adds}

@@ -444,3 +444,15 @@ def test_a_held_out_prompt_past_the_models_context_is_refused_naming_its_row(tin
     with pytest.raises(DataError, match=rf"heldout.jsonl: line 2: the held-out prompt is \d+ tokens; with eval_max_new_tokens=16 it "
                        rf"does not fit the model's context of {short + 16} tokens"):
         heldout_cases(path, tiny_tokenizer, str(tiny_path), count=2, context=short + 16, max_new_tokens=16)
+
+
+def test_a_generation_block_that_holds_the_separator_after_the_end_of_turn_does_not_train_it(tiny_tokenizer, tmp_path):
+    """TRL's Qwen2.5 training template puts the newline after <|im_end|> inside its {% generation %} block: it was
+    trained there, though not with a template without blocks. Each trained run now ends at its end-of-turn token."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}", "{{ '<|im_end|>\\n' }}{% endgeneration %}")
+    assert tokenizer.chat_template != tiny_tokenizer.chat_template
+    row = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                        {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]}  # fmt: skip
+    (example,), _ = load_examples(write_jsonl(tmp_path / "m.jsonl", [row]), Renderer(tokenizer, "newline in block"), 512)
+    assert trained_text(tokenizer, example) == "2<|im_end|>4<|im_end|>"

@@ -393,6 +393,18 @@ def check_no_image_tokens(ids: list[int], image_token_id: int | None, tokenizer:
         raise ValueError(f"the text holds the model's image placeholder {token!r}, but the row gives no image (give the image as a part, or remove it from the text)")
 
 
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """(start, end) of each run of True in ``mask``."""
+    runs, start = [], None
+    for k, on in enumerate([*mask, False]):
+        if on and start is None:
+            start = k
+        elif not on and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
 class Renderer:
     """Turns checked rows into token ids and a loss mask with the tokenizer's own chat template."""
 
@@ -444,6 +456,10 @@ class Renderer:
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
             ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+            for start, end in _runs(mask):  # a block that holds the separator after its end-of-turn token: not trained
+                ends = [k for k in range(start, end) if ids[k] in self.end_ids]
+                if ends:
+                    mask[ends[-1] + 1 : end] = [False] * (end - ends[-1] - 1)
             if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
                 self._said_no_end = True  # TRL warns too: a model never trained to end its reply does not stop
                 print(f"note: tokenizer {self.name}: the chat template's {{% generation %}} blocks leave out the end of turn, so "

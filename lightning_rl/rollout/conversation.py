@@ -102,6 +102,7 @@ class ToolConversation:
         self.executor = executor
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
+        self.turn_end = template_end_of_turn(tokenizer)  # what ends a turn the template continues after (None: any stop)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
@@ -122,7 +123,10 @@ class ToolConversation:
                 text = completion_text(self.tokenizer, reply)
                 history.messages.append({"role": "assistant", "content": text})
                 calls = parse_tool_calls(visible_text(self.tokenizer, reply))
-                if not calls or turn == self.max_turns or history.finish_reason != "stop":
+                # A reply that stopped at another end token (a base tokenizer's eos, not the template's <|im_end|>)
+                # ended the text: the template never writes a tool result after it.
+                ended_text = self.turn_end is not None and list(reply[-1:]) != [self.turn_end]
+                if not calls or turn == self.max_turns or history.finish_reason != "stop" or ended_text:
                     if calls:  # not run (the last turn, or a cut reply), yet the reply holds them, as TRL's messages do
                         history.messages[-1]["tool_calls"] = _as_written(calls)
                     history.metadata["final_reply"] = text
