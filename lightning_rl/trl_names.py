@@ -58,6 +58,8 @@ DIFFERENCES = (
     ("GRPO string prompts", "rendered as a user turn by the model's chat template (after `model.system_prompt`); "
      "tokenized as they are only where the tokenizer has no chat template", "tokenized as they are",
      "an instruction-tuned model is prompted as it is served; write the prompt as chat messages to choose the turns"),
+    ("The logged `epoch`", "Lightning's: the whole passes over the data done (0 through the first)", "fractional (0.25 "
+     "a quarter into the first pass)", "Lightning's loggers write it; the step numbers give the progress within a pass"),
     ("SFT's held-out loss", "`val/loss`: the mean over every held-out token", "`eval_loss`: the mean of the batches' means",
      "a short batch weighs as much as a long one there; here each token counts once"),
     ("A GRPO prompt whose messages end with assistant turns", "those turns are dropped: the prompt ends with the last "
