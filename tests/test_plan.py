@@ -257,6 +257,9 @@ def test_census_takes_the_text_decoder_the_outermost_units_and_per_layer_top_k_a
         count_model(_tiny("t5", d_model=32, d_ff=48, num_layers=2, num_heads=4, d_kv=8))
     with pytest.raises(UserError, match=r"lora.target_modules: 'q_proj' matches no module of GPT2LMHeadModel \(its linear layers: c_attn"):
         count_model(_tiny("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64), ["q_proj"])
+    # One module's name, as a run reads it (a list of it), not a pattern that matches nothing: it was refused here.
+    assert plan.main(["recipes/tiny/sft_lora.yaml", "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--",
+                      "--model.lora.target_modules=q_proj"]) == 0  # fmt: skip
     falcon_h1 = _tiny("falcon_h1", head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
     with pytest.raises(UserError, match=r"lora.target_modules: peft cannot adapt FalconH1ForCausalLM as asked: .*out_proj"):
         count_model(falcon_h1, "all-linear")  # a run met it as peft's traceback

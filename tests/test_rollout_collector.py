@@ -271,6 +271,17 @@ def test_a_rows_chat_template_kwargs_reach_the_template_of_its_prompt_as_in_trl(
     base.chat_template = None
     with pytest.raises(DataError, match=r"^prompts.jsonl: line 1: chat_template_kwargs needs a chat template"):
         PromptRenderer(base).render(prompts.records[0], prompts)
+    # Every turn of a tool conversation renders with them, not the first alone.
+    seen = []
+    adds = {"operation": "add", "a": 3, "b": 4}
+    replies = lambda prompt: seen.append(prompt) or (["7"] if "<tool_response>" in prompt else [call("calculator", adds)])  # noqa: E731
+    rows = PromptList([{"prompt": "add 3 and 4", "chat_template_kwargs": {"enable_thinking": False}}])
+    rollouts = collector(thinking, replies, rows, "failed_calls", max_new_tokens=64, tools=("lightning_rl.tools.builtin:calculator",), max_turns=2)
+    try:
+        rollouts.collect(0)
+    finally:
+        rollouts.close()
+    assert seen[-1].endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n<think></think>")
     bad = tmp_path / "p.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1=", "chat_template_kwargs": {"tokenize": False}}) + "\n")
     with pytest.raises(DataError, match=r"p.jsonl: line 2: `chat_template_kwargs` must be an object of the template's variables"):

@@ -423,6 +423,9 @@ def test_the_chat_templates_end_of_turn_is_read_from_what_it_writes_after_a_repl
     spaced = copy.deepcopy(base)
     spaced.chat_template = base.chat_template.replace("{{ '<|im_end|>' }}", "{{ '  <|im_end|>' }}")
     assert template_end_of_turn(spaced) == im_end
+    needs_system = copy.deepcopy(base)  # a template that raises on a conversation without a system message
+    needs_system.chat_template = "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}" + base.chat_template
+    assert template_end_of_turn(needs_system) == im_end
     plain = copy.deepcopy(base)
     plain.chat_template = base.chat_template.replace("{{ '<|im_end|>' }}", "{{ '### done' }}")
     assert "### done" in plain.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenize=False)

@@ -191,3 +191,25 @@ def test_a_photo_is_read_upright_as_its_exif_orientation_says(tmp_path):
     row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "photo.jpg"}]}]}
     ours = load_images(row, tmp_path)["messages"][0]["content"][0]["image"]
     assert ours.size == load_image(str(tmp_path / "photo.jpg")).size == (20, 40)
+
+
+def test_an_image_row_whose_generation_block_holds_the_separator_does_not_train_it():
+    """As a text row's: each trained run ends at its end-of-turn token (the image path kept the separator trained)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from lightning_rl.data.sft import Renderer
+    from lightning_rl.models.multimodal import load_processor
+    from lightning_rl.models.paths import resolve_model_path
+
+    path = resolve_model_path("tiny-vlm")
+    processor, image_token = load_processor(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    moved = processor.chat_template.replace("{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}", "{{ '<|im_end|>\\n' }}{% endgeneration %}")
+    assert moved != processor.chat_template
+    processor.chat_template = moved
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (16, 16))}, {"type": "text", "text": "colour?"}]},
+                        {"role": "assistant", "content": "red"}]}  # fmt: skip
+    example = Renderer(tokenizer, path, processor, image_token).example(row)
+    trained = [token for token, on in zip(example.input_ids, example.loss_mask) if on]
+    assert tokenizer.decode(trained) == "red<|im_end|>"

@@ -417,6 +417,15 @@ class Renderer:
         self.image_token_id = image_token_id
         self._said_no_end = False
 
+    def _ending_at_turn_ends(self, ids: list[int], mask: list[bool]) -> list[bool]:
+        """``mask`` with each trained run ending at its last end-of-turn token: a {% generation %} block that holds
+        the separator after it (TRL's Qwen2.5 training template's newline) does not train the separator."""
+        for start, end in _runs(mask):
+            ends = [k for k in range(start, end) if ids[k] in self.end_ids]
+            if ends:
+                mask[ends[-1] + 1 : end] = [False] * (end - ends[-1] - 1)
+        return mask
+
     def _image_example(self, row: dict) -> Example:
         """A row with images, rendered by the processor (its template must mark assistant turns with
         ``{% generation %}``, the only way to find them among expanded image tokens)."""
@@ -430,7 +439,7 @@ class Renderer:
         if "prompt" in row:
             prompt, _, _ = self.images.render(row["prompt"])
             mask[: len(prompt)] = [False] * len(prompt)
-        mask = [m and t != self.image_token_id for m, t in zip(mask, ids)]
+        mask = self._ending_at_turn_ends(ids, [m and t != self.image_token_id for m, t in zip(mask, ids)])
         keys = [image_key(image) for image in images_of(messages)]
         if not any(mask[1:]):
             raise ValueError("no trained tokens after rendering")
@@ -455,11 +464,7 @@ class Renderer:
                 out = self.tokenizer.apply_chat_template(
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
-            ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-            for start, end in _runs(mask):  # a block that holds the separator after its end-of-turn token: not trained
-                ends = [k for k in range(start, end) if ids[k] in self.end_ids]
-                if ends:
-                    mask[ends[-1] + 1 : end] = [False] * (end - ends[-1] - 1)
+            ids, mask = list(out["input_ids"]), self._ending_at_turn_ends(list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]])
             if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
                 self._said_no_end = True  # TRL warns too: a model never trained to end its reply does not stop
                 print(f"note: tokenizer {self.name}: the chat template's {{% generation %}} blocks leave out the end of turn, so "

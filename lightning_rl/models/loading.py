@@ -211,12 +211,14 @@ def template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> int | None:
     whitespace between); None for a template that closes a reply otherwise, or has none."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False
-        )
-    except Exception:  # a template that raises on this conversation (jinja's raise_exception): it names no end
-        return None
+    conversation = [{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": _PROBE_REPLY}]
+    text = None
+    for messages in (conversation, [{"role": "system", "content": "Probe system"}, *conversation]):  # one may need a system
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            break
+        except Exception:  # a template that raises on this conversation (jinja's raise_exception): try the next
+            continue
     if not isinstance(text, str) or _PROBE_REPLY not in text:
         return None
     special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} | set(tokenizer.all_special_ids)

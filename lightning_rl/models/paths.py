@@ -106,7 +106,9 @@ def _check_loadable(path: Path, name_or_path: str, key: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as error:
         raise RecipeError(f"{key}: {name_or_path} holds a tokenizer that does not load: {' '.join(str(error).split())[:160]}", key) from None
-    rows = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
+    config = AutoConfig.from_pretrained(path)
+    # A text model's embedding has vocab_size rows; an image-text model's may have more (Mllama's image tokens).
+    rows = getattr(config, "vocab_size", None) if config.get_text_config() is config else None
     if isinstance(rows, int) and len(tokenizer) > rows:
         raise RecipeError(f"{key}: {name_or_path}: its tokenizer has {len(tokenizer)} tokens, but the model's embedding {rows} rows "
                           f"(config vocab_size): ids from {rows} on have no embedding", key)

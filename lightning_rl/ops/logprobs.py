@@ -53,12 +53,14 @@ _FP32_OUT: dict[str, bool] = {}  # per device type: whether 16-bit matmuls there
 def _head_matmul(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``h @ weight.T + bias`` in fp32 (fp64 for fp64 inputs), whatever autocast is on, in the forward and in the
     backward's recomputation alike: 16-bit inputs multiply at their precision with a float32 result on CUDA (the
-    accumulator is never rounded to 16 bits: a logit of 20 would be off by up to 0.06), and are upcast elsewhere."""
+    accumulator is never rounded to 16 bits: a logit of 20 would be off by up to 0.06), and are upcast elsewhere, and
+    wherever autograd records the product (a differentiable entropy bonus)."""
     dtype = _logit_dtype(h.dtype)
     device = h.device.type
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else _nothing():
         low = {h.dtype, weight.dtype} & {torch.bfloat16, torch.float16}
-        if low and device == "cuda" and _FP32_OUT.get(device, True):
+        graph = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # mm's out_dtype has no backward
+        if low and device == "cuda" and not graph and _FP32_OUT.get(device, True):
             half = low.pop()
             try:
                 z = torch.mm(h.to(half), weight.to(half).t(), out_dtype=torch.float32)

@@ -164,13 +164,13 @@ def _expert_parallel(recipe: RecipeView, flag: int | None) -> int:
 
 
 def _lora_targets(recipe: RecipeView) -> list[str] | str:
-    """The LoRA's target_modules as peft reads them: a list of names, or one string (a regular expression, or
-    ``all-linear``)."""
+    """The LoRA's target_modules as a run hands them to peft: ``all-linear``, or a list of names (one name alone is a
+    list of it, as `LoraSettings` reads it; peft would take a string for a pattern)."""
     lora = recipe.get("model.lora")
     if not isinstance(lora, dict):
         return []
     targets = lora.get("target_modules", "all-linear")
-    return targets if isinstance(targets, str) else list(targets)
+    return targets if targets == "all-linear" else [targets] if isinstance(targets, str) else list(targets)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -210,7 +210,8 @@ class RolloutCollector:
             settings = self.settings
             conversation = ToolConversation(self.engine, self.renderer.tokenizer, self.executor, settings.max_turns, self.context_limit)
             samples = [settings.num_generations, *settings.samples_per_turn]
-            batch = conversation.generate(prompts, samples, lambda turn: self.sampling_for(index, turn, round), images=engine_images)
+            batch = conversation.generate(prompts, samples, lambda turn: self.sampling_for(index, turn, round), images=engine_images,
+                                          template_kwargs=[record.get("chat_template_kwargs") or {} for record in records])
         else:
             batch = self.engine.generate(prompts, self.settings.num_generations, self.sampling_for(index, 0, round), images=engine_images)
         generation_seconds = time.perf_counter() - started

@@ -44,13 +44,13 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[dict[str, Any]]) -> list[int]:
+def tool_response_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[dict[str, Any]], **context: Any) -> list[int]:
     """Tokens the chat template puts after an assistant turn's end token to show tool results and
-    open the next assistant turn."""
+    open the next assistant turn; ``context``: the row's template variables (its ``chat_template_kwargs``)."""
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    prefix = tokenizer.apply_chat_template(base, tokenize=True, return_dict=False)
+    prefix = tokenizer.apply_chat_template(base, tokenize=True, return_dict=False, **context)
     full = tokenizer.apply_chat_template(
-        base + tool_messages, tokenize=True, return_dict=False, add_generation_prompt=True
+        base + tool_messages, tokenize=True, return_dict=False, add_generation_prompt=True, **context
     )
     # After the assistant turn's end token: as many end tokens in, whatever the template writes inside the turns (Qwen3
     # writes an empty <think></think> into the last assistant turn only, so the turn itself differs once tools follow).
@@ -106,10 +106,11 @@ class ToolConversation:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], samples_per_turn: Sequence[int],
-        sampling_for_turn: Callable[[int], SamplingConfig], images: ImagesArg = None,
+        sampling_for_turn: Callable[[int], SamplingConfig], images: ImagesArg = None, template_kwargs: Sequence[dict[str, Any]] | None = None,
     ) -> RolloutBatch:
         """The rollouts of every prompt: each sampled reply that calls tools gets their responses and is continued,
-        up to ``max_turns``. ``images[i]``: prompt ``i``'s images, which every later turn of its histories keeps."""
+        up to ``max_turns``. ``images[i]``: prompt ``i``'s images, which every later turn of its histories keeps;
+        ``template_kwargs[i]``: the variables prompt ``i``'s chat template renders with (its row's), in every turn."""
         if not samples_per_turn or any(n < 1 for n in samples_per_turn):
             raise ValueError(f"samples per turn must be >= 1, got {list(samples_per_turn)}")
         first = self.engine.generate(prompts, samples_per_turn[0], sampling_for_turn(0), images=images)
@@ -147,7 +148,7 @@ class ToolConversation:
                     for o in ran
                 )  # fmt: skip
                 results = [{"role": "tool", "name": o.call.name or "", "content": o.content} for o in ran]
-                response = tool_response_ids(self.tokenizer, results)
+                response = tool_response_ids(self.tokenizer, results, **(template_kwargs[history.group_id] if template_kwargs else {}))
                 if self.max_context_tokens is not None and len(history.sequence) + len(response) + budget > self.max_context_tokens:
                     history.metadata.update(final_reply=text, ended="context_length")
                     finished.append(history)
