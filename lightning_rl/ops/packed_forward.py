@@ -317,27 +317,19 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         _refuse_layers_without_tree(model, meta, _outermost_layers_run(model, run))
         _ATTENTION_MODULES[model] = len(meta.layers_called)
         hidden = captured[0]
-        alone = []  # each sequence's head inputs from the model's own forward, run on it alone
-        take = model.get_output_embeddings().register_forward_pre_hook(lambda module, args: alone.append(args[0][0]))
-        try:
-            for k, s in enumerate(seqs):
-                ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
-                if k == 0:  # which logit scale the model's own forward applies, read off the first sequence's packed path
-                    rows, _ = sequence_paths(batch, [0])[0]
-                    match_head_scaling(model, hidden[rows], logits[: len(rows)])
-        finally:
-            take.remove()
-        if len(alone) != len(seqs):
-            raise PackingRefused(f"{type(model).__name__} called its output embeddings {len(alone)} times for {len(seqs)} forwards")
-        # Both sides through the same float32 head: what differs is the hidden states, which packing must not change.
+        reference, scale = [], 0.0
+        for k, s in enumerate(seqs):
+            ids = _right_padded(torch.tensor(s, device=device), pad_to_multiple_of)[None]
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, : len(s)]
+            if k == 0:  # which logit scale the model's own forward applies, read off the first sequence's packed path
+                rows, _ = sequence_paths(batch, [0])[0]
+                match_head_scaling(model, hidden[rows], logits[: len(rows)])
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            scale = max(scale, float(logits.abs().max()))
+            reference.append(torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1 : len(s), None]).squeeze(1))
         weight, bias, transform = lm_head_of(model)
-        reference = torch.cat([alone[k][: len(s) - 1] for k, s in enumerate(seqs)])
-        targets = torch.cat([torch.tensor(s[1:], device=device) for s in seqs])
-        expected = token_logprobs(reference, weight, targets, transform=transform, bias=bias)
         packed = token_logprobs(hidden.index_select(0, batch.loss_positions), weight, batch.loss_targets, transform=transform, bias=bias)
-        error = float((packed - expected).abs().max())
-        scale = max_abs_logit(reference, weight, transform=transform, bias=bias)
+        error = float((packed - torch.cat(reference)).abs().max())
     finally:
         for module, training in modes:
             module.training = training
@@ -357,17 +349,17 @@ def probe_across_rows(model: nn.Module, backend: str, device: torch.device) -> t
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        weight, bias, transform = lm_head_of(model)  # both sides through the same float32 head
         error, dtype, scale = 0.0, torch.float32, 0.0
         for row, (row_seqs, _, f) in zip(packed_rows, rows):
             packed = packed_logprobs(model, row, attention_backend=backend)
             for k, s in enumerate(row_seqs):
-                ids = torch.tensor(s, device=device)
-                hidden = head_inputs(model, ids, torch.arange(len(s), device=device))[f - 1 : -1]
-                dtype = _compute_dtype(hidden)
-                alone = token_logprobs(hidden, weight, ids[f:], transform=transform, bias=bias)
+                ids = torch.tensor(s, device=device)[None]
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+                dtype = _compute_dtype(logits)
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                scale = max(scale, float(logits.abs().max()))
+                alone = torch.log_softmax(logits[f - 1 : -1], -1).gather(1, ids[0, f:, None]).squeeze(1)
                 error = max(error, float((packed[row.loss_seq == k] - alone).abs().max()))
-                scale = max(scale, max_abs_logit(hidden, weight, transform=transform, bias=bias))
     finally:
         for module, training in modes:
             module.training = training
