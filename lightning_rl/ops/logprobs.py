@@ -9,6 +9,7 @@ of the distribution the sampler drew from, renormalised over its support: ``z[ta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ def _head_matmul(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     wherever autograd records the product (a differentiable entropy bonus)."""
     dtype = _logit_dtype(h.dtype)
     device = h.device.type
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else _nothing():
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
         low = {h.dtype, weight.dtype} & {torch.bfloat16, torch.float16}
         graph = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # mm's out_dtype has no backward
         if low and device == "cuda" and not graph and _FP32_OUT.get(device, True):
@@ -68,14 +69,6 @@ def _head_matmul(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             except (RuntimeError, NotImplementedError, TypeError):  # a torch without it: upcast from now on
                 _FP32_OUT[device] = False
         return nn.functional.linear(h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform) -> tuple[Tensor, Tensor | None]:
