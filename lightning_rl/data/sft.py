@@ -464,7 +464,8 @@ class Renderer:
                 out = self.tokenizer.apply_chat_template(
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
-            ids, mask = list(out["input_ids"]), self._ending_at_turn_ends(list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]])
+            ids = list(out["input_ids"])
+            mask = self._ending_at_turn_ends(ids, [bool(m) for m in out["assistant_masks"]])
             if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
                 self._said_no_end = True  # TRL warns too: a model never trained to end its reply does not stop
                 print(f"note: tokenizer {self.name}: the chat template's {{% generation %}} blocks leave out the end of turn, so "

@@ -77,11 +77,11 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads
         from transformers import AutoConfig
 
         try:  # a config transformers cannot read (broken JSON, an unknown model_type) fails here, not deep in a load
-            AutoConfig.from_pretrained(path)
+            config = AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as error:
             raise RecipeError(f"{key}: {name_or_path}/config.json cannot be read by transformers ({' '.join(str(error).split())[:200]})", key) from None
         if loads:
-            _check_loadable(path, name_or_path, key)
+            _check_loadable(path, config, name_or_path, key)
         return
     if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
         raise RecipeError(f"{key}: no model folder at {name_or_path}{validation.resolved_against(path)}", key)
@@ -93,10 +93,10 @@ _WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
 
 
-def _check_loadable(path: Path, name_or_path: str, key: str) -> None:
+def _check_loadable(path: Path, config: Any, name_or_path: str, key: str) -> None:
     """A model folder holds weights and a tokenizer that loads, whose ids the model's embedding covers: otherwise a run
     ends in a traceback from transformers (a missing file), or deep in its first forward (an id past the embedding)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not any(next(path.glob(pattern), None) for pattern in _WEIGHTS):
         raise RecipeError(f"{key}: {name_or_path} holds no weights (no *.safetensors or pytorch_model*.bin): not a model folder to train", key)
@@ -106,7 +106,6 @@ def _check_loadable(path: Path, name_or_path: str, key: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as error:
         raise RecipeError(f"{key}: {name_or_path} holds a tokenizer that does not load: {' '.join(str(error).split())[:160]}", key) from None
-    config = AutoConfig.from_pretrained(path)
     # A text model's embedding has vocab_size rows; an image-text model's may have more (Mllama's image tokens).
     rows = getattr(config, "vocab_size", None) if config.get_text_config() is config else None
     if isinstance(rows, int) and len(tokenizer) > rows:
