@@ -263,3 +263,18 @@ def test_census_takes_the_text_decoder_the_outermost_units_and_per_layer_top_k_a
     falcon_h1 = _tiny("falcon_h1", head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
     with pytest.raises(UserError, match=r"lora.target_modules: peft cannot adapt FalconH1ForCausalLM as asked: .*out_proj"):
         count_model(falcon_h1, "all-linear")  # a run met it as peft's traceback
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_lora_adapters_are_counted_in_the_dtype_the_precision_gives_them(tmp_path: Path, precision: str) -> None:
+    """Lightning's precision converts the model after peft adds the adapters: the plan counts their bytes as stored."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+    from support.tiny_models import llama
+
+    converter = HalfPrecision(precision) if precision == "bf16-true" else Precision()
+    model = converter.convert_module(get_peft_model(llama(), LoraConfig(r=4, target_modules=ATTENTION)))
+    stored = {p.dtype.itemsize for p in model.parameters() if p.requires_grad}
+    param_bytes, _ = plan._PRECISION_BYTES[precision]
+    assert stored == {param_bytes}
+    result = plan_memory(count_model(model.config, ATTENTION), Training(nodes=1, gpus_per_node=1, tokens_per_micro_batch=64, lora_rank=4, param_bytes=param_bytes), Hardware(gpu_memory_gb=80))
+    assert f"x {param_bytes} B" in next(t for t in result.terms if t.name == "trainable weights, sharded").formula

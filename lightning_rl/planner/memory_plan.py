@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from lightning_rl.planner.model_census import LayerCensus, ModelCensus
 
 GIB = 1024**3
-# Adam keeps two states per trainable parameter; peft keeps LoRA adapters in fp32.
+# Adam keeps two states per trainable parameter, in the parameter's dtype. LoRA adapters are stored as every other
+# weight is: trainer.precision converts the whole model after peft adds them (bf16-true: adapters in bf16 too).
 _ADAM_STATES = 2
-_LORA_BYTES = 4
 # FSDP2 all-gathers the next unit while the current one computes: two units are in flight.
 _UNITS_IN_FLIGHT = 2
 
@@ -121,7 +121,7 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
     lora = training.lora_rank is not None
     trainable = census.lora_params(training.lora_rank) if lora else census.total_params - census.frozen_params
     frozen = census.total_params if lora else census.frozen_params
-    trainable_bytes = _LORA_BYTES if lora else training.param_bytes
+    trainable_bytes = training.param_bytes
     on_gpu = 0.0 if training.cpu_offload else 1.0
 
     sharded_frozen = frozen * training.param_bytes / world
