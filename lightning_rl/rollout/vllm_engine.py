@@ -38,7 +38,7 @@ from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import (
     held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, prepack_on_reload, ties_of, write_groups,
 )
-from lightning_rl.rollout.vllm_server_process import vllm_on_cpu
+from lightning_rl.rollout.vllm_server_process import cpu_head_size_refusal, vllm_on_cpu
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
@@ -181,6 +181,8 @@ class VLLMEngine(RolloutEngine):
         config = AutoConfig.from_pretrained(model)
         if (refusal := transformers_backend_refusal(config)) is not None:
             raise ValueError(refusal)
+        if (refusal := cpu_head_size_refusal(config)) is not None:
+            raise RecipeError(f"engine: {refusal}", "engine")
         # With the "uni" executor this keeps the worker in this process, which is what lets reload_weights take
         # live tensors. vLLM reads it only while building the engine; servers started later must not inherit it.
         previous = os.environ.get(_IN_PROCESS)

@@ -40,14 +40,15 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import torch
 
-from lightning_rl.errors import UserError
+from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
 from lightning_rl.rollout.vllm_held import write_groups
 from lightning_rl.rollout.vllm_server_process import (
-    WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, engine_flags_refusal, request_json, split_prefills_refusal,
+    WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, cpu_head_size_refusal, engine_flags_refusal, request_json,
+    split_prefills_refusal,
 )
 
 if TYPE_CHECKING:
@@ -281,6 +282,10 @@ class VLLMServerEngine(RolloutEngine):
         self.model = model
         self.server = None
         if url is None:
+            from transformers import AutoConfig
+
+            if why := cpu_head_size_refusal(AutoConfig.from_pretrained(model)):  # its first rollout would kill it
+                raise RecipeError(f"engine: {why}", "engine")
             lora = {} if max_lora_rank is None else {"max_lora_rank": served_lora_rank(max_lora_rank)}
             try:
                 self.server = VLLMServer(model, seed=seed, transport=self.transport, **lora, **dict(server_options or {})).start()

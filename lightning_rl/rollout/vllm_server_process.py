@@ -95,6 +95,26 @@ def vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def cpu_head_size_refusal(config: Any) -> str | None:
+    """Why vLLM on this machine's CPU cannot serve the model of ``config`` (a transformers config), or None: its CPU
+    attention has kernels for some head sizes only, and another one dies at the first rollout, deep in a traceback.
+    Latent-attention (MLA) models, whose head size vLLM derives otherwise, are left to vLLM."""
+    if not vllm_on_cpu():
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout, or a server run by another Python: left to vLLM
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):
+        return None
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if CPUAttentionBackend.supports_head_size(head):
+        return None
+    return (f"the model's attention head size is {head}, and vLLM's CPU attention has kernels for head sizes "
+            f"{', '.join(map(str, CPUAttentionBackend.get_supported_head_sizes()))} only: use model.engine: hf on a CPU")
+
+
 def split_prefills_refusal(whole_prefills: bool | None, extra_args: Sequence[str]) -> str | None:
     """Why a server started on this machine's CPU with chunked prefill on would die, or None (`vllm_on_cpu`; a command
     rendered here for another machine's server may turn it on)."""

@@ -71,3 +71,23 @@ def test_a_model_whose_weights_cannot_be_read_back_is_refused_in_one_line_naming
         VLLMEngine(tmp_path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
     assert refused.value.key == "engine" and "\n" not in str(refused.value)
     assert "'model.layers.0.block_sparse_moe.gate.weight' (4, 128) maps to no tensor of the MixtralForCausalLM" in str(refused.value)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm_server"])
+def test_a_head_size_the_cpu_attention_has_no_kernel_for_is_refused_before_the_engine_starts(tmp_path, engine):
+    """vLLM's CPU attention serves some head sizes only: head size 16 died at the first rollout, deep in a traceback.
+    Refused in one line naming the key, before vLLM loads anything; a served head size starts (the tests above)."""
+    from transformers import LlamaConfig
+
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.rollout.base import EngineSpec
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         max_position_embeddings=256)
+    save_from_any_process(seeded_model(AutoModelForCausalLM, config, tokenizer, seed=0), tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(RecipeError) as refused:
+        EngineSpec.of(engine).build(tmp_path)
+    assert refused.value.key == "engine" and "\n" not in str(refused.value)
+    assert "attention head size is 16, and vLLM's CPU attention has kernels for head sizes 32, 64," in str(refused.value)
