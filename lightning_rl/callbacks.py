@@ -272,6 +272,31 @@ def _follow_new_schedule(scheduler: Any, step: int) -> tuple[float, float] | Non
     return old, float(rates[0])
 
 
+class ValidationOnResume(Callback):
+    """A checkpoint written at the end of a step whose validation had not run yet (a periodic save, a stop signal's)
+    resumes with that validation, as the uninterrupted run went on. Lightning resumes such a checkpoint past it, so a
+    run stopped there logged no ``val/`` row for the step.
+
+    The checkpoint's loop counters are written as Lightning's own would be in the first validation batch of that
+    step: the training batch completed, the validation started and nothing of it done. A resume then runs the whole
+    validation before the next training batch, at the same logged step."""
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        fit = checkpoint.get("loops", {}).get("fit_loop", {})
+        train, val = fit.get("epoch_loop.batch_progress"), fit.get("epoch_loop.val_loop.batch_progress")
+        if not trainer.training or train is None or val is None:
+            return
+        at_batch_end = train["total"]["processed"] == train["total"]["completed"] + 1  # in on_train_batch_end
+        if not at_batch_end or loop._should_accumulate() or not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            return
+        for counts in (train["total"], train["current"]):
+            counts["completed"] = counts["processed"]
+        val["total"] = {**val["total"], "ready": val["total"]["completed"] + 1, "started": val["total"]["completed"] + 1}
+        val["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+        val["is_last_batch"] = False
+
+
 class LoggerAfterSetup(Callback):
     """Attaches the run's logger once its model and data are set up: a run that fails before leaves no logger
     folder behind. It logs ``recipe``, the run's resolved recipe by dotted key, as the run's hyperparameters (the

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_rl import dotted, run_folder, trl_names, validation
 from lightning_rl.callbacks import (
     ExportHuggingFace, LoggerAfterSetup, PeriodicAndFinalCheckpoint, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite,
+    ValidationOnResume,
 )
 from lightning_rl.checkpoints import staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
@@ -437,6 +438,7 @@ class RecipeCLI(LightningCLI):
             self.requeue,
             StopOnNonFinite(),
             ScheduleOnResume(),
+            ValidationOnResume(),
             *([LoggerAfterSetup(logger, leaves(yaml.safe_load(recipe_text(self.parser, self.config))))] if logger else []),
             PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",

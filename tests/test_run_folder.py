@@ -21,8 +21,8 @@ import yaml
 from lightning.pytorch import Callback
 
 from lightning_rl import cli, run_folder
-from lightning_rl.checkpoints import newest_complete
-from support.paths import REPO, TOY_TRAIN
+from lightning_rl.checkpoints import checkpoint_step, newest_complete
+from support.paths import REPO, TOY_HELDOUT, TOY_TRAIN
 from support.run_outputs import not_known_as_the_runs
 
 TINY_SFT = [
@@ -79,6 +79,42 @@ def test_non_finite_step_stops_with_one_line_and_keeps_the_last_good_checkpoint(
         assert state["global_step"] == 4
         assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
     assert not (out / "hf").exists() and not (out / "summary.json").exists()
+
+
+class SignalDuringStep(Callback):
+    """Sends this process SIGTERM as step ``step`` (1-based) starts: the run stops at that step's end."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def logged(out: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row of the run's CSV logs (every resume's too) that holds ``key``."""
+    import csv
+
+    rows = [row for path in sorted(out.glob("csv/version_*/metrics.csv")) for row in csv.DictReader(path.open())]
+    return [(int(row["step"]), float(row[key])) for row in rows if row.get(key)]
+
+
+def test_a_run_stopped_at_a_step_that_validates_runs_that_validation_on_resume(tmp_path, capsys, rows):
+    """Lightning resumes a checkpoint written at a step's end past the validation due after that step: a run stopped
+    by a signal there logged no ``val/loss`` for it. The resumed run validates first, at the same logged step."""
+    validating = [f"--data.train_data={rows}", f"--data.val_data={TOY_HELDOUT}", "--trainer.val_check_interval=3",
+                  "--trainer.check_val_every_n_epoch=null", "--trainer.limit_val_batches=1", "--trainer.max_steps=7", "--trainer.log_every_n_steps=1"]  # fmt: skip
+    assert run(capsys, tmp_path / "whole", *validating)[0] == 0
+    stopped = tmp_path / "stopped"
+    code, _ = run(capsys, stopped, *validating, "--trainer.callbacks+=test_run_folder.SignalDuringStep", "--trainer.callbacks.step=3")
+    assert code == 143 and checkpoint_step(next(stopped.glob("hpc_ckpt_*.ckpt"))) == 3
+    assert [step for step, _ in logged(stopped, "val/loss")] == []  # validation was due after the last step trained
+    assert run(capsys, stopped, *validating, "--ckpt_path=last")[0] == 0
+    whole = logged(tmp_path / "whole", "val/loss")
+    assert [step for step, _ in whole] == [2, 5]
+    assert logged(stopped, "val/loss") == whole
+    assert logged(stopped, "train/loss") == logged(tmp_path / "whole", "train/loss")
 
 
 def files(folder: Path) -> dict[Path, bytes]:
