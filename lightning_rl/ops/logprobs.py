@@ -209,6 +209,11 @@ def token_logprobs(
     return _ChunkedLogProbs.apply(hidden, lm_head_weight, bias, targets, chunk_size, transform, support)
 
 
+def _entropy(logits: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def token_entropy(
     hidden: Tensor, lm_head_weight: Tensor, *, chunk_size: int = 1024, transform: LogitTransform = LogitTransform(),
     bias: Tensor | None = None,
@@ -219,9 +224,7 @@ def token_entropy(
     (activation checkpointing), so no [tokens x vocab] logits outlive their chunk, as in the log-prob head.
     """
     def chunk_entropy(h: Tensor, weight: Tensor, b: Tensor | None) -> Tensor:
-        logits, _ = _chunk_logits(h, weight, b, transform)
-        logp = torch.log_softmax(logits, dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+        return _entropy(_chunk_logits(h, weight, b, transform)[0])
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
     out = []
@@ -256,8 +259,7 @@ def token_stats(
     entropy, hits = [], []
     for s in range(0, hidden.shape[0], chunk_size):
         logits, _ = _chunk_logits(hidden[s : s + chunk_size], lm_head_weight, bias, transform)
-        logp = torch.log_softmax(logits, dim=-1)
-        entropy.append(-(logp.exp() * logp).sum(-1))
+        entropy.append(_entropy(logits))
         hits.append(logits.argmax(-1) == targets[s : s + chunk_size])
     if not entropy:
         return hidden.new_zeros(0, dtype=_logit_dtype(hidden.dtype)), torch.zeros(0, dtype=torch.bool, device=hidden.device)
