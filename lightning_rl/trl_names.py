@@ -94,6 +94,19 @@ DIFFERENCES = (
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),
+    ("A string prompt in a reward's `prompts`", "the text the policy was prompted with: the prompt rendered by the chat "
+     "template (its raw text is the user turn of `prompt_messages`)", "the string as written", "string prompts are "
+     "rendered for the model (GRPO string prompts, above), and a reward reads what the policy was given"),
+    ("`train/reward/frac_zero_std` under `scale_rewards: batch` or `normalize_then_sum`", "the share of groups whose "
+     "scored rewards all tie, whatever the scaling", "`frac_reward_zero_std` tests the std the advantages divide by: the "
+     "step's under those settings, so 0 or 1", "a tied group gives no signal however the step is scaled: the figure "
+     "counts them"),
+    ("`scale_rewards` as a flag", "a name only (`group`, `batch`, `none`): a flag is refused in one line", "`True` "
+     "(group) and `False` (none, Dr. GRPO's) too", "one spelling per setting: write TRL's True as group, False as none"),
+    ("A reward that times itself with `signal.alarm`", "a plain function runs on a thread of its own, where a signal "
+     "cannot be set: it fails on every sample, in one line", "called on the main thread", "a reward that does not "
+     "return is left behind on its thread at `reward_timeout_s`, and the run goes on; bound a reward's own time with a "
+     "thread or a process"),
 )
 # TRL fields with no key here, and why (fnmatch patterns: the first that matches).
 NO_EQUIVALENT = {

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from lightning_rl.errors import RecipeError
 
@@ -99,6 +101,28 @@ def one_of(key: str, value: Any, names: Iterable[Any]) -> Any:
     if value not in names:
         raise RecipeError(f"{key} must be one of {', '.join(map(str, names))}, got {value!r}", key)
     return value
+
+
+def _literal_choices(hint: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` annotation (optionally with None) allows; None for any other annotation."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [_literal_choices(arg) if arg is not type(None) else (None,) for arg in typing.get_args(hint)]
+        return None if any(m is None for m in members) else tuple(v for m in members for v in m)
+    return None
+
+
+def literal_arguments(function: Callable[..., Any], values: Mapping[str, Any]) -> None:
+    """Each argument of ``function`` annotated with a set of names (``Literal``) holds one of them: what the recipe's
+    parser refuses is refused from Python alike (a misspelt name there was taken as the default, or failed mid-run)."""
+    for key, hint in typing.get_type_hints(function).items():
+        if key not in values or (choices := _literal_choices(hint)) is None:
+            continue
+        value = values[key]
+        # A flag is none of the names (True == 1), unless the names are flags too.
+        if value not in choices or (isinstance(value, bool) and not any(isinstance(c, bool) for c in choices)):
+            raise RecipeError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}", key)
 
 
 def unique(key: str, values: Sequence[Any]) -> Sequence[Any]:

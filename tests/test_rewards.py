@@ -148,6 +148,15 @@ def test_rewards_are_named_as_given_or_as_trl_names_callables(tmp_path, monkeypa
                            "`function: reward_model` with `kwargs: {path: Skywork/Skywork-Reward-V2-Qwen3-0.6B}`")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(message)):
             RewardScorer([RewardSpec(spec)])
+    # TRL's reward_funcs take a reward model object too: refused as it is read, not on every sample at the first step.
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    model = Qwen2ForSequenceClassification(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                       num_attention_heads=2, num_key_value_heads=1, num_labels=1))
+    model.name_or_path = "my/reward-model"
+    with pytest.raises(ValueError, match=re.escape("reward 'Qwen2ForSequenceClassification' is a model object, not a reward function; a "
+                                                   "reward model is `function: reward_model` with `kwargs: {path: my/reward-model}`")):
+        RewardScorer([reward_spec(model)])
 
 
 def non_finite(completions, **_):

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from lightning_rl import cli
-from support.paths import REPO
+from support.paths import REPO, TOY_TRAIN
 
 SFT, SFT_LORA, GRPO = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "sft_lora.yaml", "grpo.yaml"))
 MUSE = str(REPO / "recipes" / "muse_spark_open" / "lora_sft_8x8.yaml")
@@ -364,3 +364,23 @@ def test_a_model_folder_the_run_cannot_load_is_one_line_before_the_run_writes(tm
             (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
             assert re.match(rf"error: model.model_name_or_path: {re.escape(str(folder))}:? {message}", line), (name, line)
             assert not out.exists()  # refused before the run wrote anything
+
+
+@pytest.mark.parametrize("module, key, value", [
+    ("grpo", "scale_rewards", False),  # TRL's Dr. GRPO spelling: failed at the first step, deep in the advantages
+    ("grpo", "reward_aggregation", "normalise_then_sum"),  # was trained as sum_then_normalize
+    ("grpo", "weight_sync", "delt"), ("sft", "towers", "froze"), ("sft", "lr_schedule", True), ("data", "packing", "tre"),
+])  # fmt: skip
+def test_a_named_choice_given_from_python_is_one_of_its_names(module, key, value):
+    """The recipe's parser refuses a value its annotation does not list; a module built from Python refuses it alike."""
+    from lightning_rl.data.sft import SFTDataModule
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.modules.grpo import GRPOModule
+    from lightning_rl.modules.sft import SFTModule
+
+    build = {"grpo": GRPOModule, "sft": SFTModule, "data": lambda **kw: SFTDataModule(str(TOY_TRAIN), **kw)}[module]
+    with pytest.raises(RecipeError, match=rf"^{key} must be one of .*, got {re.escape(repr(value))}$") as refused:
+        build(**{key: value})
+    assert refused.value.key == key
+    build(**{key: {"scale_rewards": "none", "reward_aggregation": "normalize_then_sum", "weight_sync": "auto", "towers": "frozen",
+                   "lr_schedule": "cosine", "packing": "tree"}[key]})  # a listed name passes

@@ -755,6 +755,7 @@ class SFTDataModule(LightningDataModule):
         if isinstance(pad_to_multiple_of, int):
             validation.positive_int("pad_to_multiple_of", pad_to_multiple_of)
         validation.non_negative_int("num_workers", num_workers)
+        validation.literal_arguments(SFTDataModule.__init__, {"packing": packing})
         self.packing = packing
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers

@@ -248,7 +248,7 @@ class GRPOModule(PolicyModule):
             num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
             tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
         )
-        check_values(self.hparams)
+        check_values(self.hparams, GRPOModule.__init__)
         old_logprobs = self.hparams["old_logprobs"] = old_logprobs_source(
             old_logprobs, self.loss, async_mode, max_staleness, num_iterations, ignore_staleness=ignore_staleness)  # fmt: skip
         check_combinations(self.loss, sampling, old_logprobs, scale_rewards, reward_aggregation, ref_sync_every, ref_mixup_alpha, self.lora)

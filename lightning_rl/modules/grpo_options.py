@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +57,10 @@ def steps_of_epochs(trainer: Any, pass_per_batch: float, num_iterations: int) ->
               f"{f', {num_iterations} steps each' if num_iterations > 1 else ''})", file=sys.stderr)
 
 
-def check_values(hparams: Mapping[str, Any]) -> None:
-    """Each of ``GRPOModule``'s own scalar arguments (as ``save_hyperparameters`` recorded them) within its bounds."""
+def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
+    """Each of ``GRPOModule``'s own scalar arguments (as ``save_hyperparameters`` recorded them) within its bounds, and
+    each named choice one of its names (``init``: the module's ``__init__``, whose annotations list them)."""
+    validation.literal_arguments(init, hparams)
     for key in ("num_iterations", "chunk_size", "verify_packing_every", "summary_window", "eval_max_new_tokens", "max_tokens_per_row"):
         if hparams[key] is not None:
             validation.positive_int(key, hparams[key])

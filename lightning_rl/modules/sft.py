@@ -81,6 +81,7 @@ class SFTModule(PolicyModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        validation.literal_arguments(SFTModule.__init__, self.hparams)
         check_model_source(model_name_or_path, loads=True)
         validation.finite_positive("learning_rate", learning_rate)
         validation.finite_non_negative("weight_decay", weight_decay)

@@ -115,6 +115,10 @@ class _Reward:
 
     def __init__(self, spec: RewardSpec) -> None:
         self.name, self.function = spec.resolve()
+        if isinstance(self.function, torch.nn.Module):  # TRL's reward_funcs take a model object; a call here cannot feed it
+            where = getattr(self.function, "name_or_path", "") or "ITS_FOLDER"
+            raise ValueError(f"reward {self.name!r} is a model object, not a reward function; a reward model is "
+                             f"`function: reward_model` with `kwargs: {{path: {where}}}`")
         self.weight = float(spec.weight)
         self.kwargs = dict(spec.kwargs)
         if inspect.isclass(self.function):  # a reward with state (a reward model): built once from its kwargs
