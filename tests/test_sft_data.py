@@ -64,6 +64,11 @@ def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_
     without, _ = load_examples(path, Renderer(plain, "plain"), 512)
     assert [e.loss_mask for e in without] == [e.loss_mask for e in with_blocks]
     assert [e.input_ids for e in without] == [e.input_ids for e in with_blocks]
+    # A conversation that opens with the assistant: nothing before it to render, so its header cannot be located.
+    opening = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "assistant", "content": "Hi!"}, *rows[0]["messages"]]}])
+    with pytest.raises(DataError, match=r"o.jsonl: line 1: `messages\[0\]`: a conversation that opens with an assistant turn: .* open with a system or user turn$"):
+        load_examples(opening, Renderer(plain, "plain"), 512)
+    assert any(load_examples(opening, Renderer(tiny_tokenizer, "tiny"), 512)[0][0].loss_mask)  # located by the blocks
 
 
 @pytest.mark.parametrize("named_by", ["generation config", "chat template alone"])
@@ -129,6 +134,10 @@ BAD_ROWS = {
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: `messages` has no assistant turn"),
     "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "line 2: `prompt` and `completion` must both be"),
     "empty assistant turn": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "line 2: `messages[1]`: the assistant turn is empty"),
+    # Valid JSON ("\ud800"), but no character: the tokenizer's TypeError came without file or line.
+    "lone surrogate": ({"prompt": "a\ud800b", "completion": "x"}, "line 2: `prompt` holds a lone surrogate escape"),
+    "lone surrogate in a turn": ({"messages": [{"role": "user", "content": "\udc80"}, {"role": "assistant", "content": "x"}]},
+                                 "line 2: `messages[0].content` holds a lone surrogate escape"),
 }
 
 
@@ -394,6 +403,24 @@ def test_tool_calls_and_tool_schemas_from_parquet_are_those_each_row_gave(tiny_t
     from_jsonl, _ = load_examples(write_jsonl(tmp_path / "calls.jsonl", rows), renderer, 512)
     text = tiny_tokenizer.decode(from_parquet[0].input_ids)
     assert from_parquet == from_jsonl and "days" not in text and "null" not in text
+
+
+def test_a_parquet_file_datasets_wrote_with_tools_of_several_shapes_reads_as_its_jsonl(tiny_tokenizer, tmp_path):
+    """`datasets` stores a column whose objects differ in shape as JSON text: read with pyarrow alone, each tool's
+    schema came back as a string, which the template rendered quoted (or a row was refused as no messages)."""
+    import datasets
+
+    def tool(name, properties):
+        return [{"type": "function", "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": properties}}}]
+
+    rows = [{**GOOD, "tools": tool("add", {"a": {"type": "integer"}})},
+            {**GOOD, "tools": tool("upper", {"s": {"type": "string", "enum": ["x"]}})}]  # fmt: skip
+    jsonl = write_jsonl(tmp_path / "t.jsonl", rows)
+    datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(tmp_path / "cache")).to_parquet(str(tmp_path / "t.parquet"))
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    from_parquet, _ = load_examples(tmp_path / "t.parquet", renderer, 512)
+    assert from_parquet == load_examples(jsonl, renderer, 512)[0]
+    assert '"enum": ["x"]' in tiny_tokenizer.decode(from_parquet[1].input_ids)
 
 
 def test_data_files_are_read_by_their_content_whatever_the_case_of_their_suffix_and_from_home(tmp_path, monkeypatch):

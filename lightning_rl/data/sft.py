@@ -189,7 +189,25 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
                 rows.append((f"line {line_no}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
+            if "\\ud" in line.lower() and (field := _lone_surrogate(rows[-1][1])):
+                raise DataError(f"{path}: line {line_no}: {field} holds a lone surrogate escape (\\ud800 to \\udfff alone), which is no character")
     return rows
+
+
+def _lone_surrogate(value: Any, field: str = "") -> str | None:
+    """Where in a row read from JSON a string holds half of a surrogate pair (``"\\ud800"`` is valid JSON, but no
+    character: no tokenizer takes it), as `messages[1].content`; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"`{field}`" if field else "the row"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, member in items:
+        if where := _lone_surrogate(member, f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else str(key)):
+            return where
+    return None
 
 
 def _read_json(path: Path) -> list[Any] | None:
@@ -207,6 +225,10 @@ def _read_json(path: Path) -> list[Any] | None:
         raise DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows")
+    if "\\ud" in text.lower():
+        for i, row in enumerate(rows, start=1):
+            if field := _lone_surrogate(row):
+                raise DataError(f"{path}: row {i}: {field} holds a lone surrogate escape (\\ud800 to \\udfff alone), which is no character")
     return rows
 
 
@@ -268,9 +290,12 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
 
             rows = [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
         elif suffix == ".parquet":
+            import datasets
             import pyarrow.parquet
 
-            rows = [_without_filled_arguments(row) for row in pyarrow.parquet.read_table(path).to_pylist()]
+            # Through `datasets`, in memory: the file's own schema (a column `datasets` stores as JSON text, tools of
+            # several shapes, say) comes back as the objects it wrote, as `load_dataset("parquet")` gives them.
+            rows = [_without_filled_arguments(row) for row in datasets.Dataset(pyarrow.parquet.read_table(path))]
         elif (rows := _read_json(path)) is None:  # JSON Lines in a .json file, as many datasets are saved
             return str(path), _read_jsonl(path)
     except (OSError, ValueError) as e:  # a damaged Parquet or Arrow file (pyarrow's errors are ValueErrors)
@@ -479,6 +504,9 @@ class Renderer:
         for k, message in enumerate(messages):
             if message["role"] != "assistant" or k < first:
                 continue
+            if k == 0:  # nothing before it to render: where the template puts its header cannot be told from its text
+                raise ValueError(f"`messages[0]`: a conversation that opens with an assistant turn: tokenizer {self.name}'s chat "
+                                 "template has no {% generation %} blocks to locate it by; open with a system or user turn")
             before = self._chat(messages[:k], add_generation_prompt=True, context=context)
             through = self._chat(messages[: k + 1], context=context)
             start = len(before)
