@@ -239,8 +239,34 @@ def test_grpo_syncs_in_its_mode_and_logs_what_each_sync_cost(lora, weight_sync, 
     fit(2, [state], lora=lora, weight_sync=weight_sync, learning_rate=1e-2, rewards=LENGTH_REWARD)
     assert state.version == 2 and state.mode == mode
     assert state.error < 1e-5  # the engine holds the trained policy: adapter applied, or every changed tensor written
-    assert set(state.logged) == {"train/sync/bytes", "train/sync/pause_s", "train/sync/seconds"}
+    assert set(state.logged) == {f"train/sync/{k}" for k in ("bytes", "pause_s", "seconds", "count", "full")}
     assert state.logged["train/sync/bytes"] > 0 and 0 <= state.logged["train/sync/pause_s"] <= state.logged["train/sync/seconds"]
+    assert state.logged["train/sync/count"] == 1 and state.logged["train/sync/full"] == 0  # the last step's: a delta, an adapter
+
+
+class SyncFigures(L.Callback):
+    """Each step's logged sync figures."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.state_bytes = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        self.state_bytes = sum(p.numel() * p.element_size() for p in pl_module.policy.parameters())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k.removeprefix("train/sync/"): float(v) for k, v in trainer.logged_metrics.items() if k.startswith("train/sync/")})
+
+
+def test_the_sync_a_run_or_a_resume_starts_with_is_logged_with_its_first_step(tmp_path) -> None:
+    """The full sync a run (or a resume: a delta's first push sends everything) starts with was overwritten by its first
+    step's push before it was logged: the bytes of a resume's fall-back to a full sync never showed."""
+    figures = SyncFigures()
+    fit(3, [figures], weight_sync="delta", learning_rate=1e-2, rewards=LENGTH_REWARD)
+    first, later = figures.steps[0], figures.steps[1:]
+    assert first["count"] == 2 and first["full"] == 1  # the start's full push, and the first step's delta
+    assert all(step["count"] == 1 and step["full"] == 0 for step in later)
+    assert first["bytes"] > figures.state_bytes >= max(step["bytes"] for step in later) > 0  # every weight, and a delta
 
 
 def test_grpo_refuses_an_adapter_sync_without_lora_before_anything_loads() -> None:
@@ -260,3 +286,15 @@ def test_lora_serving_is_turned_on_for_an_engine_given_by_class_path_too():
     assert engine_options_for(Engine, {}, "adapter", 8) == {"max_lora_rank": 8}
     assert engine_options_for(Engine, {"max_lora_rank": 32}, "auto", 8) == {"max_lora_rank": 32}  # the recipe's own
     assert engine_options_for(Engine, {"max_lora_rank": None}, "merged", 8) == {"max_lora_rank": None}
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_an_adapter_that_trains_biases_is_not_one_vllm_serves(bias) -> None:
+    """vLLM loads no adapter biases (its first push died inside vLLM): refused, so `auto` syncs it merged."""
+    from lightning_rl.rollout.vllm_engine import vllm_adapter_refusal
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    spec = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets, bias=bias)))
+    assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == f"vLLM cannot serve an adapter that trains biases (bias: {bias})"
+    plain = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets)))
+    assert vllm_adapter_refusal(plain, 8, targets, "Qwen3ForCausalLM") is None

@@ -577,9 +577,9 @@ class GRPOModule(PolicyModule):
             self.producer.weights_updated()
 
     def _record_sync(self, report: SyncReport | None) -> None:
-        """The figures logged as ``train/sync/*``: the last push that landed (in the background, the one before)."""
+        """``train/sync/*``: summed over the pushes landed since the last logged step (the start's with the first step's)."""
         if report is not None:
-            self._sync_metrics = report.metrics()
+            self._sync_metrics = {k: self._sync_metrics.get(k, 0.0) + v for k, v in report.metrics().items()}
 
     # -- logging and checkpoints ---------------------------------------------------------------
 

@@ -419,6 +419,8 @@ def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequ
         return f"vLLM cannot serve modules trained whole beside an adapter (modules_to_save: {adapter.modules_to_save[0]})"
     if adapter.unmergeable:
         return f"vLLM cannot serve a LoRA variant or LoRA bias (on {adapter.unmergeable[0]})"
+    if adapter.config.get("bias", "none") != "none":  # peft trains the adapted layers' biases too: vLLM loads none
+        return f"vLLM cannot serve an adapter that trains biases (bias: {adapter.config['bias']})"
     for name, kind in adapter.layers.items():
         if kind != "Linear" or name.rpartition(".")[2] not in targets:
             return f"vLLM's {architecture} serves LoRA on {', '.join(targets)}, not on {name} ({kind})"
