@@ -298,3 +298,18 @@ def test_an_adapter_that_trains_biases_is_not_one_vllm_serves(bias) -> None:
     assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == f"vLLM cannot serve an adapter that trains biases (bias: {bias})"
     plain = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets)))
     assert vllm_adapter_refusal(plain, 8, targets, "Qwen3ForCausalLM") is None
+
+
+@pytest.mark.parametrize("mode", ["merged", "delta"])
+def test_a_module_trained_whole_beside_lora_is_sent_as_trained_under_its_own_name(mode) -> None:
+    """peft's modules_to_save keeps the frozen original and the trained copy under names of its own: a merged (or
+    delta) sync sent both under those names, and the engine refused the first as a tensor it does not have."""
+    policy = lora_policy(modules_to_save=["model.norm"])
+    engine = HFRolloutEngine(base())
+    sync = PolicySync(mode)
+    for version in (1, 2):
+        train_step(policy, seed=version, only="modules_to_save")
+        train_step(policy, seed=10 + version, only="lora_")
+        report = sync.sync(policy, engine, version)
+        assert "model.norm.weight" in report.names and not any("original_module" in n or "modules_to_save" in n for n in report.names)
+        assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5

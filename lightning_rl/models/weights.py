@@ -258,6 +258,7 @@ def _reshard(model: nn.Module) -> None:
 def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
     """The tensors to send, in ``named_modules`` order, each shared (tied) tensor once."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
 
     _reshard(model)
     persistent = set(model.state_dict(keep_vars=True))
@@ -273,6 +274,15 @@ def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
                 if id(param) not in seen:
                     entries.append(_Entry(hf_name(f"{module_name}.{name}"), param, lora if name == "weight" else []))
             seen.update(id(p) for p in module.parameters())  # adapter factors travel merged, or not at all
+            continue
+        if isinstance(module, ModulesToSaveWrapper):  # a module trained whole: its trained copy, under the module's name
+            (active,) = module.active_adapters
+            copy = module.modules_to_save[active]
+            kept = set(copy.state_dict(keep_vars=True))
+            for name, tensor in [*copy.named_parameters(), *copy.named_buffers()]:
+                if id(tensor) not in seen and (isinstance(tensor, nn.Parameter) or name in kept):
+                    entries.append(_Entry(hf_name(f"{module_name}.{name}"), tensor))
+            seen.update(id(t) for t in [*module.parameters(), *module.buffers()])  # the frozen original is not sent
             continue
         owned = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
         for name, tensor in owned:
