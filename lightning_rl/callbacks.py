@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rl.checkpoints import remove
@@ -363,8 +364,26 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
             }  # fmt: skip
         super().load_state_dict(state_dict)
 
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The last step's checkpoint is written at its end (after its validation, if one is due), as a periodic one
+        is: written at ``on_train_end``, it held the loops of an epoch counted as finished, and a resume that went
+        past ``max_steps`` (more steps, or ``max_epochs``) started the next epoch where the old one had stopped."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        loop = trainer.fit_loop.epoch_loop
+        if self._at_last_step(trainer) and trainer.global_step != self._last_global_step_saved and not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._at_last_step(trainer) and not trainer.sanity_checking:  # again if saved at the step's end: its validation is done
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @staticmethod
+    def _at_last_step(trainer: Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.FITTING and 0 < trainer.max_steps <= trainer.global_step
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step != self._last_global_step_saved:  # not reached after a stop (an exception) or a NaN
+        if trainer.global_step != self._last_global_step_saved:  # the end of max_epochs; not after a stop (an exception) or a NaN
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero and self.dirpath is not None:

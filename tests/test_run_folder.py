@@ -117,6 +117,34 @@ def test_a_run_stopped_at_a_step_that_validates_runs_that_validation_on_resume(t
     assert logged(stopped, "train/loss") == logged(tmp_path / "whole", "train/loss")
 
 
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "hf" / "model.safetensors")
+
+
+@pytest.mark.parametrize("case", ["past max_steps into max_epochs", "max_steps at a validation"])
+def test_a_finished_run_resumed_further_trains_as_an_uninterrupted_one(tmp_path, capsys, rows, case):
+    """The last step's checkpoint was written at the end of training, with its epoch counted as finished: a resume to
+    max_epochs stopped an epoch early (56 steps of 112), and one past a last step that validated logged every step one
+    late. It is written at the step's end now (after its validation), as a periodic one is."""
+    constant = [f"--data.train_data={rows}", "--model.lr_schedule=constant", "--model.warmup_steps=0", "--trainer.log_every_n_steps=1"]
+    if case == "past max_steps into max_epochs":
+        first, then = ["--trainer.max_steps=3", "--trainer.max_epochs=2"], ["--trainer.max_steps=-1", "--trainer.max_epochs=2"]
+    else:
+        constant += [f"--data.val_data={TOY_HELDOUT}", "--trainer.val_check_interval=5", "--trainer.check_val_every_n_epoch=null",
+                     "--trainer.limit_val_batches=1", "--trainer.accumulate_grad_batches=2"]
+        first, then = ["--trainer.max_steps=5"], ["--trainer.max_steps=8"]
+    assert run(capsys, tmp_path / "whole", *constant, *then)[0] == 0
+    assert run(capsys, tmp_path / "split", *constant, *first)[0] == 0
+    assert run(capsys, tmp_path / "split", *constant, *then, "--ckpt_path=last")[0] == 0
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert json.loads((split / "summary.json").read_text())["steps"] == json.loads((whole / "summary.json").read_text())["steps"]
+    for key in ("train/loss", "val/loss", "epoch"):
+        assert logged(split, key) == logged(whole, key), key
+    assert all(torch.equal(weights(split)[name], tensor) for name, tensor in weights(whole).items())
+
+
 def files(folder: Path) -> dict[Path, bytes]:
     """Every file under ``folder`` and its bytes."""
     return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
