@@ -68,6 +68,11 @@ class ForeignCheckpointError(UserError, ValueError):
     on_every_rank = True  # every rank reads the same checkpoint and finds the same mismatch
 
 
+class ForeignWeightsError(ForeignCheckpointError):
+    """A checkpoint whose weights are not this module's (other names or shapes): what a changed recipe key that adds or
+    removes weights gives too (``loss.beta`` and the reference model), and then that key is named instead."""
+
+
 def every_ranks(state: dict[str, Any]) -> dict[str, Any]:
     """A module's own resume state as its checkpoint keeps it: every rank's, in rank order (one rank writes the file,
     and a rank's state can be its own, such as the batch it is training). A collective: every rank saves together."""
@@ -240,6 +245,17 @@ def _check_sharded_parts(path: Path) -> None:
         raise IncompleteCheckpointError(f"{part} is unreadable ({_first_line(error)})") from None
 
 
+def saved_value(path: str | os.PathLike, key: str) -> Any:
+    """A plain value a complete checkpoint keeps under ``key`` (a sharded one: in its ``meta.pt``), read by the safe
+    reader with its tensors left on disk (mapped, not read); None where it keeps none."""
+    path = Path(path)
+    part = path / "meta.pt" if path.is_dir() else path
+    if not part.is_file():
+        return None
+    found = load_safely(part)
+    return found.get(key) if isinstance(found, dict) else None
+
+
 def checkpoint_step(path: Path) -> int:
     """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete,
     ``ForeignFileError`` when the safe readers refuse it (it is never read another way)."""
@@ -291,7 +307,7 @@ def check_weights_fit(checkpoint: dict[str, Any], module: torch.nn.Module, path:
     if reshaped:
         name = reshaped[0]
         said.append(f"{len(reshaped)} of another shape (first: {name}, {list(found[name].shape)} there, {list(expected[name].shape)} here)")
-    raise ForeignCheckpointError(
+    raise ForeignWeightsError(
         f"ckpt_path: {path} holds another module's weights ({'; '.join(said)}): it was written by another task, model "
         "or LoRA layout than this recipe's"
     )

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rl import run_folder, stopping
-from lightning_rl.checkpoints import ForeignCheckpointError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
+from lightning_rl.checkpoints import ForeignCheckpointError, ForeignWeightsError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
 from lightning_rl.errors import RecipeError, UserError, report
 
 if TYPE_CHECKING:
@@ -223,6 +223,10 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     try:
         # weights_only: every load Lightning does for us (the file, a sharded folder's meta.pt) admits no code.
         trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except ForeignWeightsError:
+        if ckpt_path is not None:  # a changed recipe key that adds or removes weights: named, with both values
+            cli.check_resume(ckpt_path)
+        raise
     except SIGTERMException:
         # Every rank stopped at the same step boundary (RequeueOnSignal); a stopped run must not look finished.
         if trainer.is_global_zero:

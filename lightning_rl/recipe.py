@@ -39,7 +39,7 @@ from lightning_rl.callbacks import (
     ExportHuggingFace, LoggerAfterSetup, PeriodicAndFinalCheckpoint, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite,
     ValidationOnResume,
 )
-from lightning_rl.checkpoints import staged_checkpoint_io
+from lightning_rl.checkpoints import saved_value, staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rollout.base import SHORT_NAMES, EngineSpec
@@ -403,6 +403,12 @@ class RecipeCLI(LightningCLI):
 
     def keyed(self, error: UserError) -> UserError:
         return keyed(error, self.model_class, self.datamodule_class)
+
+    def check_resume(self, ckpt_path: str) -> None:
+        """Refuse a checkpoint of a run whose recipe this one changes (`check_same_run`): `run` asks when the weights
+        did not fit, which the module finds first (a changed ``loss.beta`` adds or removes the reference model's), so
+        that the changed key is named with both values rather than reported as another module's weights."""
+        check_same_run(saved_value(ckpt_path, RECIPE_KEY), recipe_text(self.parser, self.config), ckpt_path)
 
     def wrote_run_folder(self) -> bool:
         """Whether this run has written its recipe.yaml (and so made output_dir its run folder)."""

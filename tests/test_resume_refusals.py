@@ -386,3 +386,11 @@ def test_a_resume_is_not_refused_for_the_same_value_written_another_way(tmp_path
     assert changed(saved, same) == []
     other = yaml.safe_dump({"seed": 3, "data": {"train_data": "other.jsonl"}, "trainer": {"devices": 2, "precision": "bf16-mixed"}})
     assert sorted(key for key, _, _ in changed(saved, other)) == ["data.train_data", "seed", "trainer.devices", "trainer.precision"]
+
+
+def test_a_changed_key_that_adds_the_reference_model_is_named_not_called_another_modules_weights(tmp_path, capsys):
+    """A resume with loss.beta > 0 has a reference model the run did not: the module's weight check found it first and
+    blamed another task, model or LoRA layout. The changed key is named with both values, as any other is."""
+    one_step(capsys, GRPO, tmp_path / "run")
+    code, errors, _ = run(capsys, GRPO, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.loss.beta=0.1")
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: model.loss.beta=0.1 here, 0.0 in the run: ckpt_path: "), errors

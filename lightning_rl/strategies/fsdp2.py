@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from typing_extensions import override
 
-from lightning_rl.checkpoints import ForeignCheckpointError, commit, no_room, remove, space_error, staging_path, tensor_bytes, write_manifest
+from lightning_rl.checkpoints import ForeignWeightsError, commit, no_room, remove, space_error, staging_path, tensor_bytes, write_manifest
 from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.structure import enable_activation_checkpointing, find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
@@ -221,7 +221,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             said = str(cause).splitlines()[0] if str(cause) else ""
             if not said.startswith(_FOREIGN_CHECKPOINT):
                 raise
-            raise ForeignCheckpointError(
+            raise ForeignWeightsError(
                 f"ckpt_path: {checkpoint_path} does not fit this recipe's model ({said.rstrip('.')}): it was written by "
                 "another task, model or LoRA layout"
             ) from None
