@@ -198,6 +198,34 @@ def test_grpo_prompts_may_leave_their_images_to_an_images_column(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 1
 
 
+def test_an_image_column_beside_text_prompts_goes_before_the_first_user_turn_as_trl_places_it(tmp_path):
+    """TRL's layout of image prompt sets: text turns (or a string prompt) and the images in a column. The column was
+    read only where a turn held an image part, so these prompts trained without their images, silently."""
+    from transformers import AutoTokenizer
+
+    from lightning_rl.data.prompts import PromptDataModule, PromptRenderer
+    from lightning_rl.data.sft import DataError
+
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    explicit = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], "images": ["red.png"]}
+    rows = [explicit, {"prompt": [{"role": "user", "content": QUESTION}], "images": ["red.png"]}, {"prompt": QUESTION, "image": "red.png"}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    source = PromptDataModule(path=str(data), prompt_field="prompt", batch_size=1)
+    source.setup()
+    path = str(tiny_vlm_path())
+    processor, image_token = load_processor(path)
+    renderer = PromptRenderer(AutoTokenizer.from_pretrained(path), processor, image_token)
+    rendered = [renderer.render(record, source) for record in source.records]
+    assert image_token in rendered[0].ids
+    for other in rendered[1:]:
+        assert other.ids == rendered[0].ids and len(other.image_inputs) == 1
+        assert all(torch.equal(other.image_inputs[0][key], value) for key, value in rendered[0].image_inputs[0].items())
+    data.write_text(json.dumps({"prompt": QUESTION, "image": "blue.png"}) + "\n")  # a missing image: found as the data is set up
+    with pytest.raises(DataError, match=r"prompts.jsonl: line 1: .*blue.png"):
+        PromptDataModule(path=str(data), prompt_field="prompt", batch_size=1).setup()
+
+
 def test_images_that_do_not_pair_with_the_prompts_are_refused():
     path = str(tiny_vlm_path())
     processor, _ = load_processor(path)

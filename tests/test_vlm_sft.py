@@ -173,7 +173,31 @@ def test_rows_in_the_layout_of_datasets_image_sets_train(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'bad'}", f"--data.train_data={bad}"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert lines == [f"error: {bad}: line 1: `images` holds 1 images for 2 image parts that name none"]
+    assert lines == [f'error: {bad}: line 1: `images` holds 1 images for 2 image parts that name none (put a {{"type": "image"}} part where each goes)']
+
+
+def test_text_turns_and_an_images_column_train_as_trl_places_the_images(tmp_path):
+    """TRL's layout: text turns, the images in a column, placed before the first user turn's text. It was refused
+    (images for 0 image parts); it trains as the same row with the parts written out."""
+    from transformers import AutoTokenizer
+
+    from lightning_rl.data.sft import Renderer, load_examples
+    from lightning_rl.models.multimodal import load_processor
+    from lightning_rl.toy.vlm import tiny_vlm_path
+
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    question = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
+    rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "red"}], "images": ["red.png"]},
+            {"messages": [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "red"}], "images": ["red.png"]},
+            {"prompt": [{"role": "user", "content": "What colour?"}], "completion": [{"role": "assistant", "content": "red"}], "image": "red.png"}]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = str(tiny_vlm_path())
+    processor, image_token = load_processor(path)
+    examples, _ = load_examples(data, Renderer(AutoTokenizer.from_pretrained(path), path, processor, image_token), 512)
+    assert image_token in examples[0].input_ids
+    for example in examples[1:]:
+        assert (example.input_ids, example.loss_mask) == (examples[0].input_ids, examples[0].loss_mask)
 
 
 def test_a_photo_is_read_upright_as_its_exif_orientation_says(tmp_path):

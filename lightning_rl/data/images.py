@@ -40,8 +40,9 @@ def image_source(part: dict) -> Any:
 
 def with_image_column(row: dict) -> dict:
     """``row`` with the images of its ``images`` column (or ``image``: one image) placed, in order, into the image parts
-    that name none (``{"type": "image"}``), the layout of many `datasets` image-text sets. A ValueError if they do not
-    pair up; a row without such a column is returned as it is."""
+    that name none (``{"type": "image"}``), the layout of many `datasets` image-text sets; a row of text turns only gets
+    those parts before its first user turn's text, as TRL places them. A ValueError if they do not pair up; a row
+    without such a column is returned as it is."""
     column = "images" if row.get("images") is not None else "image" if row.get("image") is not None else None
     if column is None:
         return row
@@ -49,8 +50,18 @@ def with_image_column(row: dict) -> dict:
     empty = [(key, k, j) for key in ("messages", "prompt", "completion") if isinstance(row.get(key), list)
              for k, m in enumerate(row[key]) if isinstance(m, dict) and isinstance(m.get("content"), list)
              for j, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image" and image_source(part) is None]  # fmt: skip
+    if not empty and pictures and not any(isinstance(m.get("content"), list) for m in _turns(row)):
+        # Text turns only (TRL's layout of image-text sets): the images go before the first user turn's text, in order.
+        key, k = next(((key, k) for key in ("messages", "prompt") if isinstance(row.get(key), list)
+                       for k, m in enumerate(row[key]) if isinstance(m, dict) and m.get("role") == "user"), (None, None))
+        if key is not None and isinstance(row[key][k].get("content"), str):
+            turns = list(row[key])
+            turns[k] = {**turns[k], "content": [*({"type": "image"} for _ in pictures), {"type": "text", "text": turns[k]["content"]}]}
+            row = {**row, key: turns}
+            empty = [(key, k, j) for j in range(len(pictures))]
     if len(empty) != len(pictures):
-        raise ValueError(f"`{column}` holds {len(pictures)} images for {len(empty)} image parts that name none")
+        raise ValueError(f"`{column}` holds {len(pictures)} images for {len(empty)} image parts that name none (put a "
+                         '{"type": "image"} part where each goes)')
     row = {key: [dict(m, content=list(m["content"])) if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in value]
            if key in ("messages", "prompt", "completion") and isinstance(value, list) else value for key, value in row.items() if key != column}  # fmt: skip
     for (key, k, j), picture in zip(empty, pictures):
@@ -119,9 +130,10 @@ def check_prompt_images(record: dict, base: Path | None) -> None:
     """Each image of a GRPO prompt record (its messages' image parts, or its ``images`` / ``image`` column for the parts
     that name none) can be opened, checked without decoding its pixels; a ValueError naming the first that cannot.
     Checked when the data is set up, rather than when the prompt is drawn, mid-run. Images behind http(s) URLs are
-    fetched only when the prompt is drawn; a text prompt is not looked at (as the policy renders it)."""
+    fetched only when the prompt is drawn."""
     prompt = record.get("prompt")
-    if not isinstance(prompt, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt):
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt  # as the policy renders it
+    if not isinstance(prompt, list):
         return
     row = with_image_column({"prompt": prompt, "images": record.get("images"), "image": record.get("image")})
     for message in _turns(row):

@@ -312,6 +312,10 @@ class PromptRenderer:
         """A record's prompt, rendered by the processor when it has images; a bad image or image column is a
         `DataError` naming the record's line."""
         messages = self.messages(record)
+        try:  # the images of an `images` (`image`) column, placed into the prompt's turns
+            placed = with_image_column({"prompt": messages, "images": record.get("images"), "image": record.get("image")})["prompt"]
+        except ValueError as error:
+            raise DataError(f"{source.location(record)}: {error}") from None
         context = record.get("chat_template_kwargs") or {}  # the row's variables of the template (TRL's column)
         if not (getattr(self.tokenizer, "chat_template", None) or getattr(self.processor, "chat_template", None)):
             # A base model: a string prompt is its text, as TRL takes it.
@@ -323,7 +327,7 @@ class PromptRenderer:
             ids = self.tokenizer(record["prompt"])["input_ids"]
             check_no_image_tokens(list(ids), self.image_token_id, self.tokenizer)
             return RenderedPrompt(messages, list(ids))
-        if not any(isinstance(m.get("content"), list) for m in messages):
+        if not any(isinstance(m.get("content"), list) for m in placed):
             try:
                 with rendering_row():
                     ids = self.tokenizer.apply_chat_template(
@@ -340,8 +344,7 @@ class PromptRenderer:
             raise DataError(f"{where}: `chat_template_kwargs` in a prompt with images: the image processor's template is not given them here")
         renderer = ImageRenderer(self.processor, self.image_token_id)
         try:
-            columns = {"images": record.get("images"), "image": record.get("image")}  # images the parts leave to the row
-            loaded = load_images(with_image_column({"prompt": messages, **columns}), source.image_folder)["prompt"]
+            loaded = load_images({"prompt": placed}, source.image_folder)["prompt"]
             ids, _, inputs = renderer.render(loaded, add_generation_prompt=True, tools=self.tools)
             template_ids = renderer.template_ids(loaded, add_generation_prompt=True, tools=self.tools)
         except ValueError as error:
