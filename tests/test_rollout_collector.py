@@ -63,12 +63,12 @@ def failed_calls(completions: list[str], tool_calls: list[list[dict]], **_: Any)
 
 
 def collector(tokenizer: Any, script: Any, prompts: PromptList, reward: str, max_new_tokens: int = 16,
-              model_context: int | None = None, **settings: Any) -> RolloutCollector:
+              model_context: int | None = None, rank: int = 0, **settings: Any) -> RolloutCollector:
     settings = RolloutSettings(**{"num_generations": 2, **settings})
     scorer = RewardScorer([RewardSpec(f"test_rollout_collector:{reward}")])
     renderer = PromptRenderer(tokenizer, tools=settings.tool_specs)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0)
-    return RolloutCollector(ScriptedEngine(tokenizer, script), prompts, renderer, scorer, sampling, settings, model_context)
+    return RolloutCollector(ScriptedEngine(tokenizer, script), prompts, renderer, scorer, sampling, settings, model_context, rank=rank)
 
 
 def numbered(prompt: str) -> list[str]:
@@ -306,3 +306,18 @@ def test_a_reply_that_ends_the_text_rather_than_its_turn_runs_no_tool(tiny_token
             rollouts.close()
         assert bool(first.metadata["tool_calls"]) == ran and len(first.messages) == (3 if ran else 1)
         assert first.messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": adds}
+
+
+def test_each_rank_samples_with_seeds_of_its_own(tiny_tokenizer, tiny_path):
+    """Every rank's collector seeded its requests alike (batch, turn, round): two ranks drawing the same prompt trained
+    the same completions twice, and on other prompts shared their random draws. The rank is part of each seed now."""
+    from lightning_rl.rollout.hf import HFRolloutEngine
+
+    prompts = PromptList([{"prompt": "1+1="}])
+    ranks = [collector(tiny_tokenizer, numbered, prompts, "starts_with_digit", rank=rank) for rank in (0, 0, 1)]
+    seeds = [c.sampling_for(index=3, turn=0).seed for c in ranks]
+    assert seeds[0] == seeds[1] != seeds[2]
+    engine = HFRolloutEngine(str(tiny_path))
+    prompt = tiny_tokenizer("1+1=")["input_ids"]
+    drawn = [[r.completion_ids for r in engine.generate([prompt], 4, c.sampling_for(index=3, turn=0)).rollouts] for c in ranks]
+    assert drawn[0] == drawn[1] and drawn[0] != drawn[2]

@@ -323,7 +323,7 @@ class GRPOModule(PolicyModule):
         self.collector = RolloutCollector(
             self.engine, self.trainer.datamodule, renderer, self.scorer, self.sampling, self.rollout,
             model_context=model_context(self.policy.config),
-            max_steps=self.trainer.max_steps, steps_per_batch=self.hparams.num_iterations,
+            max_steps=self.trainer.max_steps, steps_per_batch=self.hparams.num_iterations, rank=self.global_rank,
         )
 
     def on_train_start(self) -> None:

@@ -93,6 +93,11 @@ class RolloutSettings:
         return [tool.chat_template_spec() for tool in self.loaded_tools] or None
 
 
+# Each rank's seeds apart from the others' in their low 32 bits, which a CPU generator keeps (Knuth's multiplicative
+# hash constant: a rank's seeds meet another's only some 26 million batches away).
+_RANK_SEEDS = 2_654_435_761
+
+
 class RolloutCollector:
     """Collects the scored rollouts of prompt batches.
 
@@ -106,14 +111,16 @@ class RolloutCollector:
         model_context: the model's context in tokens (`model_context`); ``max_context_tokens`` may only narrow it.
         max_steps, steps_per_batch: the run's optimizer steps and those taken on each batch (``num_iterations``),
             for the reward functions' ``trainer_state``.
+        rank: the trainer's rank, which each request's seed holds: ranks sample independently of each other.
     """
 
     def __init__(
         self, engine: RolloutEngine, prompts: PromptSource, renderer: PromptRenderer, scorer: RewardScorer,
         sampling: SamplingConfig, settings: RolloutSettings, model_context: int | None = None,
-        max_steps: int = -1, steps_per_batch: int = 1,
+        max_steps: int = -1, steps_per_batch: int = 1, rank: int = 0,
     ) -> None:
         self.engine = engine
+        self.rank = rank
         self.prompts = prompts
         self._column_keys: list[str] | None = None
         self.renderer = renderer
@@ -244,8 +251,9 @@ class RolloutCollector:
 
     def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
         """The sampling of batch `index`'s turn and dynamic-sampling round: a seed of its own makes sampling
-        independent of where and when it runs."""
-        seed = (self.settings.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007
+        independent of where and when it runs, and of every other rank's (which sampled the same draws, and the same
+        completions of a prompt both drew)."""
+        seed = (self.settings.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007 + self.rank * _RANK_SEEDS
         return dataclasses.replace(self.sampling, seed=seed)
 
 
