@@ -219,7 +219,13 @@ def run(recipe: str | None, overrides: list[str]) -> int:
 
 
 def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
     trainer = cli.trainer
+    if ckpt_path is not None and Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
+        cli.check_resume(ckpt_path)  # the strategy or devices changed: named with both values
+        raise ForeignCheckpointError(f"ckpt_path: {ckpt_path} is a sharded checkpoint (a folder), which trainer.strategy "
+                                     f"{type(trainer.strategy).__name__} cannot read: resume it with the strategy that wrote it")
     try:
         # weights_only: every load Lightning does for us (the file, a sharded folder's meta.pt) admits no code.
         trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)

@@ -394,3 +394,18 @@ def test_a_changed_key_that_adds_the_reference_model_is_named_not_called_another
     one_step(capsys, GRPO, tmp_path / "run")
     code, errors, _ = run(capsys, GRPO, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.loss.beta=0.1")
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: model.loss.beta=0.1 here, 0.0 in the run: ckpt_path: "), errors
+
+
+def test_a_checkpoint_resumed_under_another_strategy_is_one_line_naming_it(tmp_path):
+    """A sharded checkpoint (a folder) resumed by DDP ended in IsADirectoryError's traceback on every rank, and a DDP
+    checkpoint resumed by FSDP2 was said to hold no weights. Both name the changed strategy, before anything trains."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:20]))
+    for wrote, resumes in (("fsdp2", "ddp"), ("ddp", "fsdp2")):
+        out = tmp_path / wrote
+        args = [*SFT[1:], f"--data.train_data={rows}", "--trainer.max_steps=1"]
+        assert run_on_two(SFT[0], out, *args, f"--trainer.strategy={wrote}").returncode == 0
+        resumed = run_on_two(SFT[0], out, *args, "--trainer.max_steps=2", f"--trainer.strategy={resumes}", "--ckpt_path=last")
+        errors = sorted({line for line in resumed.stderr.splitlines() if line.startswith("error:")})
+        assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith(f"error: trainer.strategy={resumes} here, {wrote} in the run: ckpt_path: "), errors

@@ -131,6 +131,24 @@ def test_sharding_refuses_parameters_it_could_not_reduce() -> None:
         FSDP2Strategy().shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
+def test_layer_classes_that_name_no_module_and_a_data_parallel_size_not_the_worlds_are_one_line() -> None:
+    """A misspelt layer class left every layer unsharded (the model one unit, gathered whole) without a word; a
+    data_parallel_size other than the world's was Lightning's traceback on every rank."""
+    from lightning_rl.errors import RecipeError
+
+    class Policy(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_models()[0]
+
+    with pytest.raises(RecipeError, match=r"^trainer.strategy.layer_classes: Nope is no module class of the model, whose layers "
+                                          r"would go unsharded \(its repeated blocks: LlamaDecoderLayer\)$"):
+        FSDP2Strategy(layer_classes=["Nope", "LlamaDecoderLayer"]).shard(Policy())
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(data_parallel_size=2), logger=False)
+    with pytest.raises(RecipeError, match=r"^trainer.strategy.data_parallel_size=2, but the run has 1 processes .*: give auto$"):
+        trainer.strategy.setup_environment()
+
+
 def test_neuron_devices_are_read_as_lightning_reads_devices(monkeypatch) -> None:
     """Mocked device count (no Neuron device here). ``devices=-1`` was no device at all, and ``"2"`` the device of
     index 2 where Lightning reads two devices."""

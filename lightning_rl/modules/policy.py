@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
@@ -176,6 +177,8 @@ class PolicyModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         path = self.trainer.ckpt_path
         lacking = [key for key in ("state_dict", "optimizer_states", "loops") if key not in checkpoint]
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # it loaded a file's weights and optimizer already
+            lacking = [key for key in lacking if key == "loops"]
         if lacking and path is not None and Path(path).is_file():  # a sharded one's parts are read by its strategy
             raise ForeignCheckpointError(f"ckpt_path: {path} holds no {lacking[0]}, so it cannot resume a run (saved with weights only, "
                                          "or by hand): resume from a checkpoint a run wrote")

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from typing_extensions import override
 
 from lightning_rl.checkpoints import ForeignWeightsError, commit, no_room, remove, space_error, staging_path, tensor_bytes, write_manifest
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.sharded_loading import ShardedLoadReport, load_deferred_weights, pending_checkpoint
 from lightning_rl.models.structure import enable_activation_checkpointing, find_decoder_layers, find_model_roots
 from lightning_rl.strategies.expert_parallel import EXPERT_MESH_DIMS, ExpertParallelError, distribute_experts, expert_mesh
@@ -66,7 +67,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 data parallelism with automatic per-layer sharding (registered as ``fsdp2``).
 
     Args:
-        data_parallel_size: processes that shard the model; ``"auto"`` = all of them.
+        data_parallel_size: processes that shard the model: ``"auto"``, all of them (the only size: no tensor parallelism).
         mixed_precision: ``"bf16"``/``"fp16"`` compute with fp32 gradient reduction, ``"fp32"`` or None.
         activation_checkpointing: recompute each decoder layer in backward (transformers'
             ``activation_checkpointing_enable``, non-reentrant, so a frozen LoRA base works).
@@ -120,8 +121,12 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        processes = self.num_nodes * self.num_processes
         if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._data_parallel_size = processes
+        if self._data_parallel_size != processes:  # Lightning's own check is a traceback on every rank
+            raise RecipeError(f"trainer.strategy.data_parallel_size={self._data_parallel_size}, but the run has {processes} "
+                              "processes (trainer.devices x trainer.num_nodes), which all shard the model: give auto", "trainer.strategy")
         super().setup_environment()
         if self.expert_parallel_size > 1:
             self.expert_mesh = expert_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
@@ -141,6 +146,10 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"{type(self).__name__} found no transformers model inside {type(module).__name__}; hold the model "
                 "as a submodule, or shard it yourself in configure_model()"
             )
+        if unmatched := sorted(set(self.layer_classes or ()) - {type(sub).__name__ for sub in module.modules()}):
+            blocks = sorted({name for root in roots for sub in root.modules() for name in getattr(sub, "_no_split_modules", None) or ()})
+            raise RecipeError(f"trainer.strategy.layer_classes: {', '.join(unmatched)} is no module class of the model, whose "
+                              f"layers would go unsharded (its repeated blocks: {', '.join(blocks) or 'none named'})", "trainer.strategy")
         stray = _uncovered_parameters(module, roots)
         if stray:
             raise TypeError(
