@@ -346,8 +346,9 @@ class RecipeCLI(LightningCLI):
                 action.help = docs[action.dest]
         parser.link_arguments("seed", "seed_everything")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
-        if "seed" in inspect.signature(self.datamodule_class).parameters:
-            parser.link_arguments("seed", "data.seed")
+        for group, cls in (("model", self.model_class), ("data", self.datamodule_class)):  # GRPO's sampling, data order
+            if "seed" in inspect.signature(cls).parameters:
+                parser.link_arguments("seed", f"{group}.seed")
         if "tokenizer" in inspect.signature(self.datamodule_class).parameters and "model_name_or_path" in inspect.signature(self.model_class).parameters:
             parser.link_arguments("model.model_name_or_path", "data.tokenizer")
 

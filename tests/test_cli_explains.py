@@ -187,3 +187,11 @@ def test_a_relative_path_not_found_says_what_it_was_read_from(tmp_path, monkeypa
     assert error == f"error: data.train_data: no such file or folder: data/train.jsonl (a relative path, read from the working directory {tmp_path})"
     [error] = error_lines(capsys, ["run", SFT, "--model.model_name_or_path=./outputs/sft/hf"])
     assert error.endswith(f"(a relative path, read from the working directory {tmp_path})")
+
+
+def test_the_runs_seed_is_grpos_sampling_seed(capsys):
+    """The top-level seed reached the weights and the data order, but GRPO sampled with model.seed (0) whatever it was:
+    runs meant to differ drew the same completions."""
+    assert build(GRPO, ["--seed=5"]).model.hparams.seed == 5
+    [error] = error_lines(capsys, ["run", GRPO, "--model.seed=5"])
+    assert "model.seed is set from seed: give seed" in error

@@ -56,9 +56,17 @@ def test_weights_summed_over_any_split_give_the_unsplit_loss(loss_type):
     torch.testing.assert_close(whole, expected)
 
 
-def test_the_upper_clip_follows_the_lower_one_unless_given_as_trls_does():
-    assert GRPOLoss(epsilon_low=0.1).epsilon_high == 0.1 and GRPOLoss().epsilon_high == 0.2
-    assert GRPOLoss(epsilon_low=0.1, epsilon_high=0.28).epsilon_high == 0.28
+def test_the_upper_clip_follows_the_lower_one_unless_given_as_trls_does(tmp_path):
+    assert GRPOLoss(epsilon_low=0.1).upper_clip == 0.1 and GRPOLoss().upper_clip == 0.2
+    assert GRPOLoss(epsilon_low=0.1, epsilon_high=0.28).upper_clip == 0.28
+    # A recipe's loss keys are merged into the default instance: it kept epsilon_high at 0.2 for epsilon_low 0.05.
+    from lightning_rl.recipe import build
+    from support.paths import REPO
+
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text((REPO / "recipes" / "tiny" / "grpo.yaml").read_text().replace("    epsilon_high: 0.28\n", ""))
+    assert build(str(recipe), ["--model.loss.epsilon_low=0.05"]).model.loss.upper_clip == 0.05
+    assert build(str(recipe), ["--model.loss.epsilon_low=0.05", "--model.loss.epsilon_high=0.28"]).model.loss.upper_clip == 0.28
 
 
 def test_clipping_follows_the_sign_of_the_advantage():

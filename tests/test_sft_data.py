@@ -135,6 +135,7 @@ BAD_ROWS = {
     "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "line 2: `prompt` and `completion` must both be"),
     "empty assistant turn": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "line 2: `messages[1]`: the assistant turn is empty"),
     # Valid JSON ("\ud800"), but no character: the tokenizer's TypeError came without file or line.
+    "two shapes": ({**GOOD, "prompt": "1+1=", "completion": "2"}, "line 2: the row has both `messages` and `completion`: give one shape"),
     "lone surrogate": ({"prompt": "a\ud800b", "completion": "x"}, "line 2: `prompt` holds a lone surrogate escape"),
     "lone surrogate in a turn": ({"messages": [{"role": "user", "content": "\udc80"}, {"role": "assistant", "content": "x"}]},
                                  "line 2: `messages[0].content` holds a lone surrogate escape"),

@@ -384,6 +384,8 @@ def _check_row(row: Any) -> dict:
     if kwargs and not ("messages" in row or isinstance(row.get("prompt"), list)):
         raise ValueError("`chat_template_kwargs` are read by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
     extra = {**({"tools": tools} if tools else {}), **({"chat_template_kwargs": kwargs} if kwargs else {})}
+    if "messages" in row and "completion" in row:  # two conversations to train: which one is not ours to guess
+        raise ValueError("the row has both `messages` and `completion`: give one shape, `messages` or `prompt` and `completion`")
     if "messages" in row:
         messages = _check_messages(row["messages"], "messages")
         if not any(m["role"] == "assistant" for m in messages):

@@ -167,9 +167,14 @@ class GRPOLoss:
     entropy_coef_delta: float = 0.005
     entropy_target: float = 0.2
 
+    @property
+    def upper_clip(self) -> float:
+        """``epsilon_high``, or ``epsilon_low`` where it is None (TRL's rule). Read here, not filled into the field as
+        the settings are made: the recipe parser merges a recipe's ``loss:`` keys into the default instance, which
+        would then hold 0.2 from the default ``epsilon_low`` whatever ``epsilon_low`` the recipe gives."""
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
     def __post_init__(self) -> None:
-        if self.epsilon_high is None:  # TRL's rule: the upper clip is the lower one unless given
-            object.__setattr__(self, "epsilon_high", self.epsilon_low)
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("kl_estimator", get_args(KLEstimator)),
@@ -206,9 +211,9 @@ class GRPOLoss:
                 raise LossSettingError(name, f"must be {bound}, got {value}")
         if self.importance_sampling_floor == self.importance_sampling_cap == 1:
             raise LossSettingError("importance_sampling_floor", "must be below importance_sampling_cap, both are 1")
-        if self.loss_type == "cispo" and self.epsilon_high < 1:
+        if self.loss_type == "cispo" and self.upper_clip < 1:
             raise LossSettingError(
-                "epsilon_high", f"must be >= 1 for loss_type='cispo', got {self.epsilon_high}: it caps the ratio itself, "
+                "epsilon_high", f"must be >= 1 for loss_type='cispo', got {self.upper_clip}: it caps the ratio itself, "
                 "and below 1 it caps every on-policy token (ScaleRL uses 5)"
             )
         if self.delta is not None and self.loss_type not in CLIPPED:
@@ -276,19 +281,19 @@ class GRPOLoss:
         engine_weight, corrected = self._engine_weight(old_logprobs, engine_logprobs, seqs)
         low = high = torch.zeros_like(advantages, dtype=torch.bool)
         if self.loss_type == "cispo":
-            loss = -ratio.detach().clamp(max=self.epsilon_high) * advantages * logprobs
-            high = (ratio > self.epsilon_high) & (advantages > 0)
+            loss = -ratio.detach().clamp(max=self.upper_clip) * advantages * logprobs
+            high = (ratio > self.upper_clip) & (advantages > 0)
         elif self.loss_type == "sapo":
             tau = torch.where(advantages > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
             loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
         elif self.loss_type == "vespo":
             loss = -self._vespo_weight(log_ratio, advantages, engine_weight, seqs) * advantages * logprobs
         else:
-            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.upper_clip)
             unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
             loss = -torch.min(unclipped * advantages, clipped * advantages)
             low = (unclipped < 1 - self.epsilon_low) & (advantages < 0)
-            high = (unclipped > 1 + self.epsilon_high) & (advantages > 0)
+            high = (unclipped > 1 + self.upper_clip) & (advantages > 0)
         if engine_weight is not None and self.loss_type != "vespo":
             loss = loss * engine_weight
         if self.off_policy_mask_threshold is not None:

@@ -129,8 +129,8 @@ class SyncReport:
     names: list[str] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        """Logged under ``train/``, summed over the syncs since the step before: ``sync/count`` of them, of which
-        ``sync/full`` sent every weight (a full or merged sync, or a delta's fall-back to one)."""
+        """Logged under ``train/``, summed over a step's syncs (the run's first with its first step's): ``sync/count``
+        of them, of which ``sync/full`` sent every weight (a full or merged sync, or a delta's fall-back to one)."""
         return {"sync/bytes": float(self.num_bytes), "sync/pause_s": self.pause_seconds, "sync/seconds": self.seconds,
                 "sync/count": 1.0, "sync/full": float(self.mode in ("full", "merged"))}
 

@@ -577,7 +577,7 @@ class GRPOModule(PolicyModule):
             self.producer.weights_updated()
 
     def _record_sync(self, report: SyncReport | None) -> None:
-        """``train/sync/*``: summed over the pushes landed since the last logged step (the start's with the first step's)."""
+        """``train/sync/*``: summed over the pushes that landed during a step (the run's first with its first step's)."""
         if report is not None:
             self._sync_metrics = {k: self._sync_metrics.get(k, 0.0) + v for k, v in report.metrics().items()}
 
@@ -588,9 +588,8 @@ class GRPOModule(PolicyModule):
         extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
         metrics, self._sync_metrics = step_metrics(scored, stats, staleness, waited, train_seconds, bool(self.rollout.tools), extra), {}
         reward = log_step(self, metrics, scored)
-        every = self.hparams.log_rollouts_every_n_steps
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
-        if every and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
+        if (every := self.hparams.log_rollouts_every_n_steps) and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
             log_rollouts(self.trainer, step, rollout_table(scored, self.tokenizer.decode, step))  # every token as the model read it
         return reward
 
