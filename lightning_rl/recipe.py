@@ -338,7 +338,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/). TRL: `save_steps`.")
         parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides). TRL: `save_total_limit`.")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'. TRL: `resume_from_checkpoint`.")
-        parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="replace the outputs of an earlier run in output_dir")
+        parser.add_argument("--overwrite", action=ActionYesNo, nargs="?", default=False, help="replace the outputs of an earlier run in output_dir")
         parser.add_class_arguments(LoggerSettings, "logger")
         docs = key_docs(self.model_class, self.datamodule_class)
         for action in parser._actions:  # jsonargparse reads one docstring entry per argument; ours may name several

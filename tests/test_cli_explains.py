@@ -195,3 +195,9 @@ def test_the_runs_seed_is_grpos_sampling_seed(capsys):
     assert build(GRPO, ["--seed=5"]).model.hparams.seed == 5
     [error] = error_lines(capsys, ["run", GRPO, "--model.seed=5"])
     assert "model.seed is set from seed: give seed" in error
+
+
+def test_overwrite_takes_a_value_as_every_flag_does():
+    """`--overwrite=true` was refused (every other boolean key takes one); `--overwrite` alone still says yes."""
+    for args, expected in ((["--overwrite"], True), (["--overwrite=true"], True), (["--overwrite=false"], False), ([], False)):
+        assert build(SFT, args).config["overwrite"] is expected

@@ -115,7 +115,7 @@ class GRPOModule(PolicyModule):
         router_replay: an MoE policy's forward uses the experts the engine routed each token to (``auto``: where the
             engine records them; ``true`` refuses a dense model or an engine that cannot).
         mismatch_alarm_kl: stop when ``train/mismatch/kl`` (KL(engine || trainer), batches of staleness 0) exceeds it;
-            null: never. 1e-2 is ten times what rounding gives in bf16 (about 1e-3; fp32: below 1e-6).
+            null: never; off under dropout (LoRA's too), whose masks the engine does not draw. 1e-2 is ten times bf16's.
         learning_rate, weight_decay: AdamW settings. TRL: the same names.
         warmup_steps, lr_schedule: linear warmup, then a schedule (as SFT's). TRL: `warmup_steps`, `lr_scheduler_type`.
         max_grad_norm: clip the gradient norm (over every mesh of the weights); None: none. TRL: `max_grad_norm`.

@@ -35,7 +35,8 @@ class SamplingSettings:
 
     Args:
         max_new_tokens: tokens sampled per completion (per turn, with tools) at most. TRL: `max_completion_length`.
-        temperature: softmax temperature (0: greedy); the trainer scores under the same one. TRL: `temperature`.
+        temperature: softmax temperature (0: greedy, which GRPO refuses: a prompt's completions would all be one); the
+            trainer scores under the same one. TRL: `temperature`.
         top_p: nucleus filter: the smallest set of tokens whose probability reaches it. TRL: `top_p`.
         top_k: keep the k most likely tokens (0: off). TRL: `top_k`.
         min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off). TRL: `min_p`.
