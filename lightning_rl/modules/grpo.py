@@ -89,7 +89,7 @@ class GRPOModule(PolicyModule):
         sampling: the ``sampling:`` group, every field of `SamplingSettings` (``max_new_tokens``, ``temperature``,
             ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``: TRL's names; ``max_support``: the widest a filter's
             support may be). With a filter on, the trainer scores each token over the support it was sampled from.
-        system_prompt: prepended to string prompts.
+        system_prompt: prepended to string prompts (one written as chat messages keeps its own turns, a system one or none).
         loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
             correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
         scale_rewards: ``group`` divides group-centred rewards by the group's std (``std``: its earlier name),
