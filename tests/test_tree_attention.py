@@ -187,6 +187,12 @@ def test_varlen_is_chosen_only_when_asked_and_only_on_cuda():
     assert choose_backend("varlen", torch.device("cuda")) == "varlen"
     with pytest.raises(ValueError, match="CUDA"):
         choose_backend("varlen", torch.device("cpu"))
+    # A run asking for a kernel its device has none of was a traceback (flex at 64-true: Inductor's, deep in the forward).
+    from lightning_rl.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"^attention_backend: 'flex' on a CPU computes in float32, float16 and bfloat16 only") as refused:
+        choose_backend("flex", torch.device("cpu"), dtype=torch.float64)
+    assert refused.value.key == "attention_backend" and choose_backend("flex", torch.device("cpu"), dtype=torch.float32) == "flex"
 
 
 def test_flex_backend_forward_matches_on_cpu():

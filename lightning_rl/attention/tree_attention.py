@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lightning_rl.device_policy import STATIC_SHAPE_DEVICE_TYPES
-from lightning_rl.errors import UserError
+from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.packing.tree import PackedBatch
 
 ATTENTION_NAME = "tree"
@@ -60,13 +60,17 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def choose_backend(requested: str, device: torch.device, *, static_shapes: bool = False) -> str:
+def choose_backend(requested: str, device: torch.device, *, static_shapes: bool = False, dtype: torch.dtype | None = None) -> str:
     """``auto``: FlexAttention on CUDA, the shape-only dense path where shapes must be static (XLA, Neuron, or a
-    strategy that rehearses them), the block path elsewhere. Anything else is taken as given."""
+    strategy that rehearses them), the block path elsewhere. Anything else is taken as given, where it runs: a kernel
+    the device (or the weights' ``dtype`` there) has none of is one line naming ``attention_backend``."""
     if requested not in BACKENDS:
-        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+        raise RecipeError(f"attention_backend {requested!r} is not one of {', '.join(BACKENDS)}", "attention_backend")
     if requested == "varlen" and device.type != "cuda":
-        raise ValueError(f"the 'varlen' tree attention runs torch's CUDA varlen kernel; on {device.type} use 'blocks'")
+        raise RecipeError(f"attention_backend: 'varlen' runs torch's CUDA varlen kernel; on {device.type} use 'blocks'", "attention_backend")
+    if requested == "flex" and device.type == "cpu" and dtype == torch.float64:
+        raise RecipeError("attention_backend: 'flex' on a CPU computes in float32, float16 and bfloat16 only, not the float64 of "
+                          "trainer.precision 64-true; use 'blocks'", "attention_backend")
     if requested != "auto":
         return requested
     if static_shapes or device.type in STATIC_SHAPE_DEVICE_TYPES:
