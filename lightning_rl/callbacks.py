@@ -378,9 +378,24 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         if self._at_last_step(trainer) and not trainer.sanity_checking:  # again if saved at the step's end: its validation is done
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The last epoch's checkpoint likewise, before Lightning counts the epoch as done (its validation has run)."""
+        super().on_train_epoch_end(trainer, pl_module)
+        if trainer.state.fn == TrainerFn.FITTING and trainer.global_step != self._last_global_step_saved and _last_epoch(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     @staticmethod
     def _at_last_step(trainer: Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and 0 < trainer.max_steps <= trainer.global_step
+
+
+def _last_epoch(trainer: Trainer) -> bool:
+    return trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+
+
+def ends_training(trainer: Trainer) -> bool:
+    """Whether the step just finished is the run's last: ``max_steps`` reached, or the last batch of ``max_epochs``."""
+    return 0 < trainer.max_steps <= trainer.global_step or (_last_epoch(trainer) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step != self._last_global_step_saved:  # the end of max_epochs; not after a stop (an exception) or a NaN
@@ -414,8 +429,9 @@ class RequeueOnSignal(Callback):
     ranks agree on it (one all-reduce), save ``OUTPUT_DIR/hpc_ckpt_STEP.ckpt`` together (staged and renamed whole;
     it replaces older ones) and stop with ``SIGTERMException``, which ``lightning-rl run`` ends with exit code 143.
     A signal that came before the first step stops the run at ``on_train_start``, with nothing new to save. One that
-    comes after the last step's boundary lets the final checkpoint and ``hf/`` be written whole (both staged): the run
-    ends finished, exit 0, and says so in one line.
+    comes during the last step or after its boundary lets the final checkpoint and ``hf/`` be written whole (both
+    staged): the run ends finished, exit 0, and says so in one line (a checkpoint of the last step would leave nothing
+    to resume, and no export).
 
     Under SLURM with auto-requeue (the default there) the requeue signal comes ahead of the time limit: rank 0 also
     runs ``scontrol requeue``, and the ranks wait for the SIGTERM with which SLURM then stops the job (the requeued
@@ -528,6 +544,8 @@ class RequeueOnSignal(Callback):
     def _agree_and_stop(self, trainer: Trainer, save: bool) -> None:
         terminate, requeue = self._agreed_signals(trainer)
         if not (terminate or requeue):
+            return
+        if save and ends_training(trainer):  # the run finishes instead: its final checkpoint and hf/, staged (`run`)
             return
         if save:
             self._save(trainer, trainer.global_step)

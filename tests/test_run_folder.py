@@ -123,7 +123,7 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "hf" / "model.safetensors")
 
 
-@pytest.mark.parametrize("case", ["past max_steps into max_epochs", "max_steps at a validation"])
+@pytest.mark.parametrize("case", ["past max_steps into max_epochs", "max_steps at a validation", "max_epochs into more epochs"])
 def test_a_finished_run_resumed_further_trains_as_an_uninterrupted_one(tmp_path, capsys, rows, case):
     """The last step's checkpoint was written at the end of training, with its epoch counted as finished: a resume to
     max_epochs stopped an epoch early (56 steps of 112), and one past a last step that validated logged every step one
@@ -131,6 +131,8 @@ def test_a_finished_run_resumed_further_trains_as_an_uninterrupted_one(tmp_path,
     constant = [f"--data.train_data={rows}", "--model.lr_schedule=constant", "--model.warmup_steps=0", "--trainer.log_every_n_steps=1"]
     if case == "past max_steps into max_epochs":
         first, then = ["--trainer.max_steps=3", "--trainer.max_epochs=2"], ["--trainer.max_steps=-1", "--trainer.max_epochs=2"]
+    elif case == "max_epochs into more epochs":
+        first, then = ["--trainer.max_steps=-1", "--trainer.max_epochs=1"], ["--trainer.max_steps=-1", "--trainer.max_epochs=3"]
     else:
         constant += [f"--data.val_data={TOY_HELDOUT}", "--trainer.val_check_interval=5", "--trainer.check_val_every_n_epoch=null",
                      "--trainer.limit_val_batches=1", "--trainer.accumulate_grad_batches=2"]
@@ -143,6 +145,17 @@ def test_a_finished_run_resumed_further_trains_as_an_uninterrupted_one(tmp_path,
     for key in ("train/loss", "val/loss", "epoch"):
         assert logged(split, key) == logged(whole, key), key
     assert all(torch.equal(weights(split)[name], tensor) for name, tensor in weights(whole).items())
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, capsys, rows):
+    """A signal during the last step saved that step and stopped (143): its resume was refused, nothing left to train,
+    and the run never exported. The run finishes instead, whole, and says so."""
+    out = tmp_path / "run"
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=3",
+                       "--trainer.callbacks+=test_run_folder.SignalDuringStep", "--trainer.callbacks.step=3")  # fmt: skip
+    assert code == 0 and errors == []
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3 and (out / "hf" / "model.safetensors").is_file()
+    assert not list(out.glob("hpc_ckpt_*.ckpt")) and torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
 
 
 def files(folder: Path) -> dict[Path, bytes]:
