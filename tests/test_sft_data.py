@@ -422,6 +422,13 @@ def test_a_parquet_file_datasets_wrote_with_tools_of_several_shapes_reads_as_its
     from_parquet, _ = load_examples(tmp_path / "t.parquet", renderer, 512)
     assert from_parquet == load_examples(jsonl, renderer, 512)[0]
     assert '"enum": ["x"]' in tiny_tokenizer.decode(from_parquet[1].input_ids)
+    # A column type `datasets` has no feature for (Spark's maps) is read by pyarrow alone, as before.
+    import pyarrow
+    import pyarrow.parquet
+
+    table = pyarrow.table({"messages": pyarrow.array([GOOD["messages"]]), "meta": pyarrow.array([[("k", 1)]], pyarrow.map_(pyarrow.string(), pyarrow.int64()))})
+    pyarrow.parquet.write_table(table, tmp_path / "map.parquet")
+    assert load_examples(tmp_path / "map.parquet", renderer, 512)[0] == load_examples(write_jsonl(tmp_path / "m.jsonl", [GOOD]), renderer, 512)[0]
 
 
 def test_data_files_are_read_by_their_content_whatever_the_case_of_their_suffix_and_from_home(tmp_path, monkeypatch):

@@ -189,7 +189,9 @@ def test_text_turns_and_an_images_column_train_as_trl_places_the_images(tmp_path
     question = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
     rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "red"}], "images": ["red.png"]},
             {"messages": [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "red"}], "images": ["red.png"]},
-            {"prompt": [{"role": "user", "content": "What colour?"}], "completion": [{"role": "assistant", "content": "red"}], "image": "red.png"}]  # fmt: skip
+            {"prompt": [{"role": "user", "content": "What colour?"}], "completion": [{"role": "assistant", "content": "red"}], "image": "red.png"},
+            {"messages": [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+             "images": ["red.png"]}]  # fmt: skip  (another turn written as parts: the images still go to the string user turn)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     path = str(tiny_vlm_path())

@@ -313,3 +313,15 @@ def test_a_module_trained_whole_beside_lora_is_sent_as_trained_under_its_own_nam
         report = sync.sync(policy, engine, version)
         assert "model.norm.weight" in report.names and not any("original_module" in n or "modules_to_save" in n for n in report.names)
         assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5
+
+
+def test_a_tied_module_trained_whole_is_refused_before_a_sync() -> None:
+    """A tied embedding trained whole beside LoRA: the trainer's head went on using the original while the engine read
+    the trained copy in both (1.6 nats apart, no refusal). Refused, naming the module, before anything is sent."""
+    from lightning_rl.models.weights import WeightSyncError, merge_refusal
+
+    policy = lora_policy(modules_to_save=["model.embed_tokens"])
+    assert "model.embed_tokens is trained whole (modules_to_save), but its weight is tied" in merge_refusal(policy)
+    with pytest.raises(WeightSyncError, match="model.embed_tokens is trained whole"):
+        PolicySync("merged").sync(policy, HFRolloutEngine(base()), 1)
+    assert merge_refusal(lora_policy(modules_to_save=["model.norm"])) is None

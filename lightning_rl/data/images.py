@@ -40,8 +40,8 @@ def image_source(part: dict) -> Any:
 
 def with_image_column(row: dict) -> dict:
     """``row`` with the images of its ``images`` column (or ``image``: one image) placed, in order, into the image parts
-    that name none (``{"type": "image"}``), the layout of many `datasets` image-text sets; a row of text turns only gets
-    those parts before its first user turn's text, as TRL places them. A ValueError if they do not pair up; a row
+    that name none (``{"type": "image"}``), the layout of many `datasets` image-text sets; a row with no such part gets
+    them before the text of its first user turn written as a string, as TRL places them. A ValueError if they do not pair up; a row
     without such a column is returned as it is."""
     column = "images" if row.get("images") is not None else "image" if row.get("image") is not None else None
     if column is None:
@@ -50,11 +50,13 @@ def with_image_column(row: dict) -> dict:
     empty = [(key, k, j) for key in ("messages", "prompt", "completion") if isinstance(row.get(key), list)
              for k, m in enumerate(row[key]) if isinstance(m, dict) and isinstance(m.get("content"), list)
              for j, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image" and image_source(part) is None]  # fmt: skip
-    if not empty and pictures and not any(isinstance(m.get("content"), list) for m in _turns(row)):
-        # Text turns only (TRL's layout of image-text sets): the images go before the first user turn's text, in order.
+    if not empty and pictures:
+        # No part left for them (TRL's layout of image-text sets): the images go before the text of the first user
+        # turn written as a string, in order.
         key, k = next(((key, k) for key in ("messages", "prompt") if isinstance(row.get(key), list)
-                       for k, m in enumerate(row[key]) if isinstance(m, dict) and m.get("role") == "user"), (None, None))
-        if key is not None and isinstance(row[key][k].get("content"), str):
+                       for k, m in enumerate(row[key]) if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)),
+                      (None, None))  # fmt: skip
+        if key is not None:
             turns = list(row[key])
             turns[k] = {**turns[k], "content": [*({"type": "image"} for _ in pictures), {"type": "text", "text": turns[k]["content"]}]}
             row = {**row, key: turns}

@@ -294,8 +294,14 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
             import pyarrow.parquet
 
             # Through `datasets`, in memory: the file's own schema (a column `datasets` stores as JSON text, tools of
-            # several shapes, say) comes back as the objects it wrote, as `load_dataset("parquet")` gives them.
-            rows = [_without_filled_arguments(row) for row in datasets.Dataset(pyarrow.parquet.read_table(path))]
+            # several shapes, say) comes back as the objects it wrote, as `load_dataset("parquet")` gives them. A
+            # column type `datasets` has no feature for (Spark's maps) leaves the file to pyarrow alone.
+            table = pyarrow.parquet.read_table(path)
+            try:
+                read = datasets.Dataset(table)
+            except (ValueError, TypeError, NotImplementedError):
+                read = table.to_pylist()
+            rows = [_without_filled_arguments(row) for row in read]
         elif (rows := _read_json(path)) is None:  # JSON Lines in a .json file, as many datasets are saved
             return str(path), _read_jsonl(path)
     except (OSError, ValueError) as e:  # a damaged Parquet or Arrow file (pyarrow's errors are ValueErrors)

@@ -210,6 +210,20 @@ def merge_refusal(module: nn.Module) -> str | None:
                 problem = _merge_problem(layer, module_name, adapter, tied)
                 if problem is not None:
                     return problem
+    return _tied_and_trained_whole(model, tied)
+
+
+def _tied_and_trained_whole(model: nn.Module, tied: set[int]) -> str | None:
+    """Why a module peft trains whole (``modules_to_save``) cannot be sent under its own name, or None: its original
+    weight is tied to another module's (an embedding and the output head), which keeps training on the original in
+    the trainer while the engine would read the trained copy in both."""
+    from peft.utils import ModulesToSaveWrapper
+
+    for module_name, layer in model.named_modules():
+        if isinstance(layer, ModulesToSaveWrapper) and any(id(p) in tied for p in layer.original_module.parameters()):
+            return (f"{module_name} is trained whole (modules_to_save), but its weight is tied to another module's, which "
+                    "goes on using the original: the engine would use the trained copy in both; untie the weights "
+                    "(tie_word_embeddings: false) or leave it out of modules_to_save")
     return None
 
 
@@ -261,6 +275,8 @@ def _plan(model: nn.Module, merge_lora: bool) -> list[_Entry]:
     from peft.utils import ModulesToSaveWrapper
 
     _reshard(model)
+    if merge_lora and (problem := _tied_and_trained_whole(model, _tied(model))):
+        raise WeightSyncError(problem)
     persistent = set(model.state_dict(keep_vars=True))
     seen: set[int] = set()
     entries: list[_Entry] = []
