@@ -308,7 +308,7 @@ def test_a_reply_that_ends_the_text_rather_than_its_turn_runs_no_tool(tiny_token
         assert first.messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": adds}
 
 
-def test_each_rank_samples_with_seeds_of_its_own(tiny_tokenizer, tiny_path):
+def test_each_rank_batch_and_turn_samples_with_seeds_of_its_own(tiny_tokenizer, tiny_path):
     """Every rank's collector seeded its requests alike (batch, turn, round): two ranks drawing the same prompt trained
     the same completions twice, and on other prompts shared their random draws. The rank is part of each seed now."""
     from lightning_rl.rollout.hf import HFRolloutEngine
@@ -317,6 +317,10 @@ def test_each_rank_samples_with_seeds_of_its_own(tiny_tokenizer, tiny_path):
     ranks = [collector(tiny_tokenizer, numbered, prompts, "starts_with_digit", rank=rank) for rank in (0, 0, 1)]
     seeds = [c.sampling_for(index=3, turn=0).seed for c in ranks]
     assert seeds[0] == seeds[1] != seeds[2]
+    # vLLM seeds a call's samples from its seed upwards (seed + k): seeds a few apart (batches were 101, turns 1) let a
+    # call of more samples draw what the next batch or turn drew. Every batch, turn and round is far from the others.
+    spread = sorted(ranks[0].sampling_for(i, t, r).seed for i in range(40) for t in range(3) for r in range(2))
+    assert min(b - a for a, b in zip(spread, spread[1:])) > 2**16 and spread[-1] < 2**62
     engine = HFRolloutEngine(str(tiny_path))
     prompt = tiny_tokenizer("1+1=")["input_ids"]
     drawn = [[r.completion_ids for r in engine.generate([prompt], 4, c.sampling_for(index=3, turn=0)).rollouts] for c in ranks]

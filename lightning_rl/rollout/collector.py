@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import sys
@@ -91,11 +92,6 @@ class RolloutSettings:
     def tool_specs(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template shows them to the model (None without tools)."""
         return [tool.chat_template_spec() for tool in self.loaded_tools] or None
-
-
-# Each rank's seeds apart from the others' in their low 32 bits, which a CPU generator keeps (Knuth's multiplicative
-# hash constant: a rank's seeds meet another's only some 26 million batches away).
-_RANK_SEEDS = 2_654_435_761
 
 
 class RolloutCollector:
@@ -250,10 +246,12 @@ class RolloutCollector:
         ))
 
     def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
-        """The sampling of batch `index`'s turn and dynamic-sampling round: a seed of its own makes sampling
-        independent of where and when it runs, and of every other rank's (which sampled the same draws, and the same
-        completions of a prompt both drew)."""
-        seed = (self.settings.seed * 1_000_003 + index) * 101 + turn + round * 1_000_000_007 + self.rank * _RANK_SEEDS
+        """The sampling of batch `index`'s turn and dynamic-sampling round on this rank: a seed of its own makes
+        sampling independent of where and when it runs. A hash of them all: an engine seeds a call's samples from it
+        upwards (vLLM: seed + k per sample), and seeds a few apart let a call of more samples than that draw what the
+        next turn or batch drew; without the rank, two ranks drew the same completions of a prompt."""
+        key = f"{self.settings.seed}/{index}/{turn}/{round}/{self.rank}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # room below 2**63 for + k
         return dataclasses.replace(self.sampling, seed=seed)
 
 
