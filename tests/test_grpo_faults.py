@@ -83,7 +83,7 @@ def test_tools_with_one_turn_say_no_call_is_run(capsys):
         ({"num_generations": 1}, "num_generations=1: GRPO needs G >= 2"),
         ({"tool_output_max_chars": 0}, "tool_output_max_chars must be >= 1, got 0"),
         ({"max_context_tokens": 0}, "max_context_tokens must be >= 1, got 0"),
-        ({"reward_all_failed": "ignore"}, "reward_all_failed must be 'stop' or 'zero', got 'ignore'"),
+        ({"reward_all_failed": "ignore"}, "reward_all_failed must be one of stop, zero, got 'ignore'"),
     ],
 )
 def test_invalid_settings_are_refused_at_construction(settings, message):

@@ -376,17 +376,18 @@ def test_truncated_completions_can_be_left_out_of_the_loss():
     """mask_truncated_completions: a completion cut at max_new_tokens trains no token, but still counts in its
     group's advantages; with every completion cut (max_new_tokens=1), nothing is trained at all."""
     recorder = GradientRecorder()
-    module, trainer = fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, mask_truncated_completions=True)
+    # seed 1: none of the untrained model's 8 one-token replies is an end token, so every one is cut
+    module, trainer = fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, mask_truncated_completions=True, seed=1)
     assert all(r.finish_reason == "length" for r in module.last_trained.rollouts)
     assert float(trainer.callback_metrics["train/trained_tokens"]) == 0
     assert float(trainer.callback_metrics["train/completions/truncated_fraction"]) == 1.0
     assert all(g.abs().sum() == 0 for g in recorder.steps[0].values())
     recorder = GradientRecorder()
-    fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1})
+    fit(1, [recorder], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, seed=1)
     assert any(g.abs().sum() > 0 for g in recorder.steps[0].values())  # the same step, trained on
     # An entropy bonus over the top-entropy tokens of a step that trains none: a step of loss 0, as TRL's.
     _, trainer = fit(1, [], batch_size=2, rewards=LENGTH_REWARD, sampling={"max_new_tokens": 1}, mask_truncated_completions=True,
-                     loss={"top_entropy_quantile": 0.5, "entropy_coef": 0.01})
+                     loss={"top_entropy_quantile": 0.5, "entropy_coef": 0.01}, seed=1)
     assert float(trainer.callback_metrics["train/loss"]) == 0.0 and trainer.global_step == 1
 
 
