@@ -388,15 +388,6 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
     def _at_last_step(trainer: Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and 0 < trainer.max_steps <= trainer.global_step
 
-
-def _last_epoch(trainer: Trainer) -> bool:
-    return trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
-
-
-def ends_training(trainer: Trainer) -> bool:
-    """Whether the step just finished is the run's last: ``max_steps`` reached, or the last batch of ``max_epochs``."""
-    return 0 < trainer.max_steps <= trainer.global_step or (_last_epoch(trainer) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step != self._last_global_step_saved:  # the end of max_epochs; not after a stop (an exception) or a NaN
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -408,6 +399,15 @@ def ends_training(trainer: Trainer) -> bool:
                 step = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
                 if step is not None and int(step[1]) < trainer.global_step:
                     remove(path)
+
+
+def _last_epoch(trainer: Trainer) -> bool:
+    return trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+
+
+def ends_training(trainer: Trainer) -> bool:
+    """Whether the step just finished is the run's last: ``max_steps`` reached, or the last batch of ``max_epochs``."""
+    return 0 < trainer.max_steps <= trainer.global_step or (_last_epoch(trainer) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 def _log_finished_step(trainer: Trainer) -> None:
