@@ -144,6 +144,7 @@ def test_layer_classes_that_name_no_module_and_a_data_parallel_size_not_the_worl
     with pytest.raises(RecipeError, match=r"^trainer.strategy.layer_classes: Nope is no module class of the model, whose layers "
                                           r"would go unsharded \(its repeated blocks: LlamaDecoderLayer\)$"):
         FSDP2Strategy(layer_classes=["Nope", "LlamaDecoderLayer"]).shard(Policy())
+    assert FSDP2Strategy(layer_classes="LlamaDecoderLayer").layer_classes == ("LlamaDecoderLayer",)  # one name, not its letters
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(data_parallel_size=2), logger=False)
     with pytest.raises(RecipeError, match=r"^trainer.strategy.data_parallel_size=2, but the run has 1 processes .*: give auto$"):
         trainer.strategy.setup_environment()

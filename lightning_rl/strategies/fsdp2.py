@@ -111,7 +111,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
-        self.layer_classes = tuple(layer_classes) if layer_classes else None
+        self.layer_classes = ((layer_classes,) if isinstance(layer_classes, str) else tuple(layer_classes)) if layer_classes else None  # one name, or several
         self.sharded_loading = sharded_loading
         if not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
             raise ExpertParallelError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}")
