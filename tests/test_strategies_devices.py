@@ -158,3 +158,6 @@ def test_neuron_devices_are_read_as_lightning_reads_devices(monkeypatch) -> None
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
     read = {str(given): NeuronAccelerator.parse_devices(given) for given in (-1, "-1", "auto", 2, "2", "1,3", [0, 2], "0,")}
     assert read == {"-1": [0, 1, 2, 3], "auto": [0, 1, 2, 3], "2": [0, 1], "1,3": [1, 3], "[0, 2]": [0, 2], "0,": [0]}
+    # Lightning's Accelerator is abstract in its name too: the class could not be built, so `neuron` failed on Neuron.
+    accelerator = NeuronAccelerator()
+    assert accelerator.name() == "neuron" and accelerator.auto_device_count() == 4  # torch here knows no "neuron" device

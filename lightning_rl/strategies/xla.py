@@ -100,6 +100,11 @@ class NeuronAccelerator(Accelerator):
     def is_available() -> bool:
         return detect_devices().has_native_neuron
 
+    @staticmethod
+    @override
+    def name() -> str:
+        return "neuron"
+
 
 class NeuronStrategy(StaticShapes, SingleDeviceStrategy):
     """One NeuronCore with the static-shape policy (registered as ``neuron``). Untested here.
