@@ -60,9 +60,9 @@ def test_script_runs_one_task_per_gpu_and_handles_preemption(tmp_path: Path) -> 
 
 def test_cpu_recipe_requests_no_gpus_and_overrides_pass_through(tmp_path: Path) -> None:
     view = recipe(tmp_path, {"accelerator": "cpu"})
-    script = render(view, nodes=2, gpus=1, run_overrides=("--output_dir=runs/a b", "--ckpt_path=null"))
+    script = render(view, nodes=2, gpus=1, run_overrides=("--output_dir=runs/a b", "--ckpt_path=last"))
     assert "--gpus-per-node" not in script.split("set -euo")[0]
-    assert "'--output_dir=runs/a b' --ckpt_path=null" in script and "--ckpt_path=last" not in script
+    assert "'--output_dir=runs/a b' --ckpt_path=last" in script and script.count("--ckpt_path=last") == 1
 
 
 def test_a_launch_refuses_to_start_from_another_checkpoint_at_every_requeue(tmp_path: Path) -> None:
@@ -72,6 +72,10 @@ def test_a_launch_refuses_to_start_from_another_checkpoint_at_every_requeue(tmp_
     view = RecipeView.parse(view.path, ["--ckpt_path=/runs/old/checkpoints/step=100.ckpt"])
     with pytest.raises(LaunchError, match=r"^ckpt_path: /runs/old/checkpoints/step=100.ckpt: a launched job resumes from its own last"):
         render(view, nodes=1, gpus=1, run_overrides=("--ckpt_path=/runs/old/checkpoints/step=100.ckpt",))
+    # null too: the first start trained, and every requeued start was refused, its run folder taken.
+    view = recipe(tmp_path, {"accelerator": "cpu"})
+    with pytest.raises(LaunchError, match=r"^ckpt_path: null: a launched job resumes from its own last"):
+        render(RecipeView.parse(view.path, ["--ckpt_path=null"]), nodes=1, gpus=1, run_overrides=("--ckpt_path=null",))
 
 
 def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:

@@ -81,11 +81,14 @@ def _trainer_overrides(recipe: RecipeView, layout: TrainerLayout, options: Slurm
     args = [f"--trainer.num_nodes={layout.trainer_nodes}", f"--trainer.devices={layout.devices_per_node}"]
     # A requeued job starts the same command again; it must pick up the last checkpoint, not start over. Another
     # checkpoint would be taken again at every start, training again what the job trained since.
-    given = recipe.get("ckpt_path")
-    if given not in (None, "last"):
+    overrides = list(options.run_overrides)
+    named = [arg.partition("=")[2] if "=" in arg else (overrides[i + 1] if i + 1 < len(overrides) else "")
+             for i, arg in enumerate(overrides) if arg.split("=")[0] == "--ckpt_path"]  # fmt: skip
+    given = named[-1] if named else recipe.get("ckpt_path")
+    if given not in (None, "last"):  # null too: a requeued start would find the run's folder taken
         raise LaunchError(f"ckpt_path: {given}: a launched job resumes from its own last checkpoint at every start (SLURM requeues "
                           "it), so it cannot start from another one; run from it once with lightning-rl run, then launch")
-    if not any(arg.startswith("--ckpt_path") for arg in options.run_overrides):
+    if not named:
         args.append("--ckpt_path=last")
     args += options.run_overrides
     return " ".join(shlex.quote(arg) for arg in args)
