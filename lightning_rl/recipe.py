@@ -431,8 +431,8 @@ class RecipeCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init
         strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
-        if isinstance(strategy, str):  # refuse what this machine cannot run before Lightning starts on it
-            check_strategy_request(strategy, accelerator if isinstance(accelerator, str) else None)
+        if isinstance(strategy, str) or accelerator == "tpu":  # refuse what this machine cannot run before Lightning starts on it
+            check_strategy_request(strategy if isinstance(strategy, str) else "auto", accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
         self.requeue = RequeueOnSignal(output_dir)
         logger = build_logger(config["logger"], output_dir)

@@ -52,6 +52,10 @@ def test_neuron_and_xla_without_runtime_are_refused_before_training() -> None:
     with pytest.raises(StrategyUnavailableError) as error:
         check_strategy_request("neuron", inventory=NEURONX)
     assert "use 'xla_static'" in one_line(error)
+    # Lightning's own XLA names and its TPU accelerator were Lightning's ModuleNotFoundError (or TypeError) traceback.
+    for strategy, accelerator in (("xla", None), ("single_xla", None), ("auto", "tpu")):
+        with pytest.raises(StrategyUnavailableError, match=r"needs torch_xla, and torch_xla is not installed .*'xla_static' pads rows"):
+            check_strategy_request(strategy, accelerator, inventory=CPU)
 
 
 def test_rocm_options_on_cuda_or_cpu_are_refused() -> None:

@@ -11,6 +11,8 @@ from lightning_rl.strategies.xla import neuron_unavailable_reason, xla_unavailab
 
 # Lightning's names for FSDP1, which it runs on CUDA devices only.
 FSDP1_NAMES = frozenset({"fsdp", "fsdp_cpu_offload"})
+# Lightning's own XLA strategies (and its TPU accelerator): without torch_xla, Lightning fails in a traceback.
+LIGHTNING_XLA_NAMES = frozenset({"xla", "single_xla", "xla_fsdp", "xla_debug"})
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ def check_strategy_request(
                 "use strategy 'fsdp2' (FSDP2, runs on CPU with gloo and on GPUs)"
             )
         return
+    if (strategy in LIGHTNING_XLA_NAMES or accelerator == "tpu") and (reason := xla_unavailable_reason(inventory)):
+        said = f"accelerator '{accelerator}'" if accelerator == "tpu" else f"strategy '{strategy}'"
+        raise StrategyUnavailableError(f"{said} needs torch_xla, and {reason}; where it runs, strategy 'xla_static' pads "
+                                       "rows to static shapes (Lightning's XLA setup compiles a graph per row length)")
     status = {s.name: s for s in strategy_statuses(inventory)}.get(strategy)
     if status is not None and not status.usable:
         instead = "'fsdp2' (CPU or GPU), or 'cpu_static' to rehearse static shapes on a CPU"
