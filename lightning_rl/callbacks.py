@@ -289,7 +289,7 @@ class ValidationOnResume(Callback):
         if not trainer.training or train is None or val is None:
             return
         at_batch_end = train["total"]["processed"] == train["total"]["completed"] + 1  # in on_train_batch_end
-        if not at_batch_end or loop._should_accumulate() or not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        if not at_batch_end or loop._should_accumulate() or not _validates_after_this_batch(trainer):
             return
         for counts in (train["total"], train["current"]):
             counts["completed"] = counts["processed"]
@@ -369,8 +369,7 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         is: written at ``on_train_end``, it held the loops of an epoch counted as finished, and a resume that went
         past ``max_steps`` (more steps, or ``max_epochs``) started the next epoch where the old one had stopped."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        loop = trainer.fit_loop.epoch_loop
-        if self._at_last_step(trainer) and trainer.global_step != self._last_global_step_saved and not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        if self._at_last_step(trainer) and trainer.global_step != self._last_global_step_saved and not _validates_after_this_batch(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -399,6 +398,11 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
                 step = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
                 if step is not None and int(step[1]) < trainer.global_step:
                     remove(path)
+
+
+def _validates_after_this_batch(trainer: Trainer) -> bool:
+    """Whether Lightning validates once the training batch now ending is done (its epoch loop's own test)."""
+    return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 def _last_epoch(trainer: Trainer) -> bool:

@@ -98,7 +98,8 @@ def fraction(key: str, value: Any, *, low_open: bool = False, high_open: bool = 
 
 def one_of(key: str, value: Any, names: Iterable[Any]) -> Any:
     names = list(names)
-    if value not in names:
+    # A flag is none of the names (True == 1), unless the names are flags too.
+    if value not in names or (isinstance(value, bool) and not any(isinstance(name, bool) for name in names)):
         raise RecipeError(f"{key} must be one of {', '.join(map(str, names))}, got {value!r}", key)
     return value
 
@@ -117,12 +118,8 @@ def literal_arguments(function: Callable[..., Any], values: Mapping[str, Any]) -
     """Each argument of ``function`` annotated with a set of names (``Literal``) holds one of them: what the recipe's
     parser refuses is refused from Python alike (a misspelt name there was taken as the default, or failed mid-run)."""
     for key, hint in typing.get_type_hints(function).items():
-        if key not in values or (choices := _literal_choices(hint)) is None:
-            continue
-        value = values[key]
-        # A flag is none of the names (True == 1), unless the names are flags too.
-        if value not in choices or (isinstance(value, bool) and not any(isinstance(c, bool) for c in choices)):
-            raise RecipeError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}", key)
+        if key in values and (choices := _literal_choices(hint)) is not None:
+            one_of(key, values[key], choices)
 
 
 def unique(key: str, values: Sequence[Any]) -> Sequence[Any]:

@@ -189,9 +189,14 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
                 rows.append((f"line {line_no}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
-            if "\\ud" in line.lower() and (field := _lone_surrogate(rows[-1][1])):
-                raise DataError(f"{path}: line {line_no}: {field} holds a lone surrogate escape (\\ud800 to \\udfff alone), which is no character")
+            if "\\ud" in line.lower():
+                _refuse_lone_surrogate(path, f"line {line_no}", rows[-1][1])
     return rows
+
+
+def _refuse_lone_surrogate(path: Path, where: str, row: Any) -> None:
+    if field := _lone_surrogate(row):
+        raise DataError(f"{path}: {where}: {field} holds a lone surrogate escape (\\ud800 to \\udfff alone), which is no character")
 
 
 def _lone_surrogate(value: Any, field: str = "") -> str | None:
@@ -227,8 +232,7 @@ def _read_json(path: Path) -> list[Any] | None:
         raise DataError(f"{path}: a .json data file must hold a list of rows")
     if "\\ud" in text.lower():
         for i, row in enumerate(rows, start=1):
-            if field := _lone_surrogate(row):
-                raise DataError(f"{path}: row {i}: {field} holds a lone surrogate escape (\\ud800 to \\udfff alone), which is no character")
+            _refuse_lone_surrogate(path, f"row {i}", row)
     return rows
 
 
