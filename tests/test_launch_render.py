@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,19 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_an_embedded_model_is_built_by_the_server_python_and_served_from_its_folder(tmp_path: Path) -> None:
+    """`tiny` is no hub id: the server would have looked it up online. Its command builds the folder and serves it."""
+    view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")
+    view.data["model"]["model_name_or_path"] = "tiny"
+    view.data["model"]["engine"]["init_args"] = {"server_options": {"python": sys.executable}}
+    server = next(line for line in render(view, nodes=2, gpus=1, inference=1).splitlines() if "api_server" in line)
+    model = server.split("--model ", 1)[1].split(" --host", 1)[0]
+    folder = subprocess.run(["bash", "-c", f"echo {model}"], text=True, capture_output=True, check=True,
+                            env={**os.environ, "LIGHTNING_RL_CACHE": str(tmp_path / "cache")}).stdout.strip()
+    assert (Path(folder) / "config.json").is_file() and Path(folder).is_relative_to(tmp_path / "cache")
+    assert "--model tiny" not in server
 
 
 @pytest.mark.parametrize(

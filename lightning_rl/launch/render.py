@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import string
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from lightning_rl.launch.layout import Allocation, TrainerLayout, resolve_layout
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.models.paths import EMBEDDED
 from lightning_rl.rollout.base import EngineSpec
 from lightning_rl.rollout.vllm_server import VLLMServerEngine
 from lightning_rl.rollout.vllm_server_process import VLLMServer
@@ -94,6 +96,9 @@ def _trainer_overrides(recipe: RecipeView, layout: TrainerLayout, options: Slurm
     return " ".join(shlex.quote(arg) for arg in args)
 
 
+_EMBEDDED_FOLDER = "@EMBEDDED_MODEL_FOLDER@"  # stands in for the folder until the command is one line
+
+
 def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOptions) -> str:
     """The engine's own server command line, tensor-parallel over the server node's devices."""
     engine = recipe.get("model.engine") or "hf"
@@ -115,14 +120,22 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
     transport = spec.init_args.get("transport", "auto")
     if transport == "auto":
         transport = "nccl" if layout.uses_gpus else "gloo"
+    # An embedded model has no hub id: the server's own Python builds it into its cache (LIGHTNING_RL_CACHE, on the
+    # job's shared file system as the recipe and the run folder are) and the server loads that folder.
+    model = _EMBEDDED_FOLDER if recipe.model_id in EMBEDDED else recipe.model_id
     try:
         server = VLLMServer(
-            recipe.model_id, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra,
+            model, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra,
             whole_prefills=not layout.uses_gpus, **server_options,  # decided by the server node's devices, not this one's
         )
     except (TypeError, ValueError) as err:
         raise LaunchError(f"{recipe.path}: `model.engine.init_args.server_options`: {err}") from None
-    return shlex.join(server.command)
+    command = shlex.join(server.command)
+    if model is _EMBEDDED_FOLDER:
+        build = f"from lightning_rl.models.paths import resolve_model_path; print(resolve_model_path({json.dumps(recipe.model_id)}))"
+        folder = f"$({shlex.quote(str(server_options['python']))} -c {shlex.quote(build)})"
+        command = command.replace(_EMBEDDED_FOLDER, f'"{folder}"')
+    return command
 
 
 def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: SlurmOptions) -> str:
