@@ -42,6 +42,7 @@ from lightning_rl.callbacks import (
 from lightning_rl.checkpoints import saved_value, staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.models.paths import EMBEDDED
 from lightning_rl.rollout.base import SHORT_NAMES, EngineSpec
 from lightning_rl.same_run import check_same_run, leaves
 from lightning_rl.strategies import check_strategy_request
@@ -391,6 +392,8 @@ class RecipeCLI(LightningCLI):
         check_trainer(self.config["trainer"], self.config["task"], self.sized_only)
         if self.build:
             check_engine_here(self.config["model"])
+        else:  # launch, plan: the module's own checks of its values, as `run` makes them (the model itself is not read)
+            self.model_class(**{**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]})
 
     def instantiate_classes(self) -> None:
         if not self.build:
@@ -776,9 +779,10 @@ def build(recipe: str | None, overrides: list[str]) -> RecipeCLI:
 
 def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[str, Any]:
     """The recipe as ``run`` reads it, ``overrides`` applied, once it passed every check of ``build`` that needs
-    nothing built (keys, types, choices, the Trainer's values; ``sized_only``: all but the run's length): a plain
-    nested dict of the values the user wrote, in the recipe or an override (the defaults left out, so a launch can
-    tell "not said" from a value)."""
+    nothing built (keys, types, choices, the Trainer's values, the module's values; ``sized_only``: all but the run's
+    length): a plain nested dict of the values the user wrote, in the recipe or an override (the defaults left out, so
+    a launch can tell "not said" from a value). Reward and tool modules are imported as ``build`` imports them."""
+    dotted.set_import_folders({Path(recipe).parent: "the recipe's folder", Path.cwd(): "the working directory"})
     config = _cli(recipe, overrides, build=False, sized_only=sized_only).config.as_dict()
     written = yaml.safe_load(Path(recipe).read_text())
     for override in overrides:  # `--a.b=value`: a.b is written

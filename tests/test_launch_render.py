@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -95,6 +96,19 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize(("task", "override", "message"), [
+    ("sft", "--model.chunk_size=0", "model.chunk_size must be >= 1, got 0"),
+    ("grpo", "--model.lora.r=0", "model.lora.r must be >= 1, got 0"),
+    ("grpo", "--model.num_iterations=0", "model.num_iterations must be >= 1, got 0"),
+])  # fmt: skip
+def test_a_value_the_module_refuses_is_refused_by_launch_and_plan_before_the_queue_wait(tmp_path: Path, task, override, message) -> None:
+    """`plan` and `launch` read a recipe through `RecipeView.parse`: the module's own checks run there, on no model."""
+    view = recipe(tmp_path, {"accelerator": "cpu"}, task=task)
+    RecipeView.parse(view.path, sized_only=True)  # the recipe as written passes
+    with pytest.raises(RecipeError, match=f"^{re.escape(message)}"):
+        RecipeView.parse(view.path, [override], sized_only=True)
 
 
 def test_an_embedded_model_is_built_by_the_server_python_and_served_from_its_folder(tmp_path: Path) -> None:
