@@ -25,7 +25,7 @@ from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
 from lightning_rl.errors import RecipeError
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, distinct_tool_calls, tool_response_ids
-from support.tool_faults import flooding_calculator, hanging_calculator, slow
+from support.tool_faults import flooding_calculator, hanging_calculator, slow, waits_then_adds
 from support.tool_model import train_tool_calling_model
 
 TESTS = Path(__file__).resolve().parent
@@ -115,6 +115,13 @@ def test_every_kind_of_bad_call_becomes_an_error_message_and_is_counted():
     assert parse_tool_calls('<tool_call>{"name": "slow"')[0].error == "tool call is not closed with </tool_call>"
     assert parse_tool_calls('<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].arguments == {"a": 1}
     executor.close()
+
+
+def test_an_async_tool_is_awaited_and_its_result_is_what_the_model_reads():
+    executor = ToolExecutor([Tool.from_function(waits_then_adds)])
+    outcome = executor.run(parse_tool_calls('<tool_call>{"name": "waits_then_adds", "arguments": {"a": 2, "b": 3}}</tool_call>')[0])
+    executor.close()
+    assert (outcome.content, outcome.failure) == ("5", None)  # not "<coroutine object ...>"
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ end of a socket pair). Protocol, pickled messages: the worker sends ``"ready"``;
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import pickle
 import signal
@@ -20,6 +22,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 
 def truncate(text: str, max_chars: int) -> str:
@@ -44,6 +47,10 @@ def _die_with(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def serve(connection: Connection, max_chars: int) -> None:
     connection.send("ready")
     while True:
@@ -53,7 +60,10 @@ def serve(connection: Connection, max_chars: int) -> None:
             return
         try:
             function, arguments = pickle.loads(payload)
-            reply = ("ok", truncate(str(function(**arguments)), max_chars))
+            result = function(**arguments)
+            if inspect.isawaitable(result):  # an `async def` tool (TRL runs those too): its result, not the coroutine
+                result = asyncio.run(_awaited(result))
+            reply = ("ok", truncate(str(result), max_chars))
         except BaseException as error:  # SystemExit and KeyboardInterrupt too: the tool's failure, not ours
             reply = ("raised", truncate(f"{type(error).__name__}: {error}", max_chars))
         connection.send(reply)

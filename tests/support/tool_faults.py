@@ -5,6 +5,7 @@ A module of its own with no heavy imports: tool workers import it to run these.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -115,3 +116,14 @@ def flooding_calculator(operation: str, a: int, b: int) -> str:
         b: The right operand.
     """
     return returns_megabytes(5)
+
+
+async def waits_then_adds(a: int, b: int) -> int:
+    """Add two numbers once an await has passed, as an `async def` tool does.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
