@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from lightning_rl.data.prompts import PromptDataModule, PromptRenderer
 from lightning_rl.losses import group_advantages
 from lightning_rl.losses.advantages import STD_EPSILON
 from lightning_rl.modules.grpo import GRPOModule
+from lightning_rl.modules.grpo_metrics import batch_metrics
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.collector import ALL_EXCLUDED_ATTEMPTS, InfraFailureError, RolloutCollector, RolloutSettings
@@ -43,7 +45,10 @@ class ScriptedEngine(RolloutEngine):
             replies = self.script(self.tokenizer.decode(prompt))
             ids = [self.tokenizer.encode(replies[min(k, len(replies) - 1)], add_special_tokens=False) + [self.tokenizer.eos_token_id]
                    for k in range(n)]  # fmt: skip
-            groups.append([Rollout(list(prompt), t, [-0.5] * len(t), 0, g, finish_reason="stop") for t in ids])
+            # "ABORT": the engine died under the request, as the server engine reports it.
+            groups.append([Rollout(list(prompt), t, [-0.5] * len(t), 0, g, finish_reason="stop") if "ABORT" not in replies[min(k, len(replies) - 1)]
+                           else Rollout(list(prompt), t, [-0.5] * len(t), 0, g, finish_reason="abort", infra_failure="engine")
+                           for k, t in enumerate(ids)])  # fmt: skip
         return RolloutBatch(groups)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
@@ -121,6 +126,10 @@ def test_a_dead_tool_worker_excludes_its_rollout_and_a_group_left_with_one_sampl
     finally:
         rollouts.close()
     assert scored.tool_failures == {"worker_lost": 3, "raised": 1}
+    # Calls and failures are counted over the same rollouts, every one sampled (the left-out ones made the failures).
+    figures = batch_metrics(scored, with_tools=True)
+    assert (figures["tools/calls"], figures["tools/failures/worker_lost"], figures["tools/failures/raised"]) == (4, 3, 1)
+    assert (figures["tools/call_frequency"], figures["tools/failure_frequency"]) == (4 / 6, 1.0)  # TRL's two figures
     assert scored.records == [{"prompt": "first"}] and [r.group_id for r in scored.rollouts] == [0, 0]
     assert scored.rewards == [1.0, 7.0]  # "answer 1", and "done 7" after the calculator's ZeroDivisionError
     assert "ZeroDivisionError" in scored.rollouts[1].metadata["tool_calls"][0]["content"]
@@ -135,6 +144,22 @@ def test_a_dead_tool_worker_excludes_its_rollout_and_a_group_left_with_one_sampl
 
 def three_answers(prompt: str) -> list[str]:
     return ["answer 1", "answer 2", "answer 4"]
+
+
+def aborted_in_a_later_turn(prompt: str) -> list[str]:
+    if "<tool_response>" in prompt:  # the engine dies under the reply to the third sample's call only
+        return ["ABORT 6" if re.search(r"<tool_response>\s*6\s*</tool_response>", prompt) else "done 7"]
+    return [call("calculator", {"operation": "add", "a": k, "b": k}) for k in (1, 2, 3)]
+
+
+def test_an_engine_that_died_in_a_later_turn_of_a_conversation_excludes_that_rollout(tiny_tokenizer):
+    rollouts = collector(tiny_tokenizer, aborted_in_a_later_turn, [{"prompt": "add"}], "last_digit", tools=TOOLS, max_turns=2)
+    try:
+        scored = rollouts.collect(0)
+    finally:
+        rollouts.close()
+    assert scored.excluded_rollouts == {"engine": 1} and scored.rewards == [7.0, 7.0]
+    assert [r.metadata["tool_calls"][0]["content"] for r in scored.rollouts] == ["2", "4"]
 
 
 def test_a_timed_out_reward_excludes_its_sample_and_a_step_with_nothing_left_is_sampled_again_then_stops(tiny_tokenizer):

@@ -21,7 +21,7 @@ from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.packing.tree import PackedBatch
 from lightning_rl.rollout.base import InfraFailure
 from lightning_rl.rollout.buffer import ScoredBatch
-from lightning_rl.rollout.conversation import TOOL_FAILURE_KINDS, distinct_tool_calls
+from lightning_rl.rollout.conversation import TOOL_FAILURE_KINDS
 
 
 class Pooled(float):
@@ -131,9 +131,13 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
     for name, values in scored.logged_metrics.items():  # a reward function's log_metric, averaged over the step
         metrics[f"reward_metric/{name}"] = sum(values) / len(values)
     if with_tools:
-        metrics["tools/calls"] = float(len(distinct_tool_calls(rollouts)))
+        # Every call the step's sampling made, as its failures are counted: a dropped or left-out rollout's too.
+        metrics["tools/calls"] = float(scored.tool_calls)
         for kind in TOOL_FAILURE_KINDS:
             metrics[f"tools/failures/{kind}"] = float(scored.tool_failures.get(kind, 0))
+        # TRL's: calls per sampled completion, and the share of calls that failed (0 without calls).
+        metrics["tools/call_frequency"] = Pooled(scored.tool_calls, scored.sampled_rollouts)
+        metrics["tools/failure_frequency"] = Pooled(sum(scored.tool_failures.values()), scored.tool_calls)
     return metrics
 
 

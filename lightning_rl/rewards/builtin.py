@@ -81,7 +81,9 @@ def tool_call_validity(
 
 def overlong_penalty(completion_ids: Sequence[Sequence[int]], max_length: int, cache: int) -> list[float]:
     """DAPO's soft overlong punishment: 0 up to ``max_length - cache`` completion tokens, then falling linearly to
-    -1 at ``max_length``, and -1 beyond (set ``max_length`` to the run's ``max_new_tokens``). TRL:
+    -1 at ``max_length``, and -1 beyond (set ``max_length`` to the run's ``max_new_tokens``). With tools, a
+    completion's ids hold every turn and the tools' answers between them (as TRL's do), while ``max_new_tokens``
+    bounds each reply: set ``max_length`` to the length a whole conversation may reach. TRL:
     ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``."""
     if not (isinstance(max_length, int) and isinstance(cache, int)):
         raise ValueError(f"max_length and cache must be integers (kwargs), got {max_length!r} and {cache!r}")

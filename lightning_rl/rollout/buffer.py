@@ -42,7 +42,11 @@ class ScoredBatch:
     reward_terms: dict[str, list[float]]
     reward_errors: list[dict[str, Any]] = field(default_factory=list)
     generation_seconds: float = 0.0
+    # Tool calls made for it (each once, though forked histories share it) and their failures by kind, over every
+    # rollout sampled: those dynamic sampling dropped or an infrastructure failure left out too.
+    tool_calls: int = 0
     tool_failures: dict[str, int] = field(default_factory=dict)
+    sampled_rollouts: int = 0  # ... and how many rollouts those are
     sampling_rounds: int = 1  # dynamic sampling: how many rounds of prompts this batch took,
     sampled_groups: int = 0  # ... how many groups they sampled,
     filtered_groups: int = 0  # ... and how many of those it dropped for tied rewards

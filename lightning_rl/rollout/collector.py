@@ -230,7 +230,8 @@ class RolloutCollector:
             chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
             trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index)),
         )
-        failures = Counter(call["failure"] for call in distinct_tool_calls(rollouts) if call["failure"] is not None)
+        calls = distinct_tool_calls(rollouts)
+        failures = Counter(call["failure"] for call in calls if call["failure"] is not None)
         mark_infra_failures(rollouts, scores.errors)
         return without_infra_failures(ScoredBatch(
             index=index,
@@ -242,7 +243,9 @@ class RolloutCollector:
             logged_columns=scores.logged_columns,
             logged_metrics=scores.logged_metrics,
             generation_seconds=generation_seconds,
+            tool_calls=len(calls),
             tool_failures=dict(failures),
+            sampled_rollouts=len(rollouts),
         ))
 
     def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
@@ -375,7 +378,9 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         reward_terms={name: first.reward_terms[name] + second.reward_terms[name] for name in first.reward_terms},
         reward_errors=first.reward_errors + [{**e, "sample": e["sample"] + len(first.rollouts)} for e in second.reward_errors],
         generation_seconds=first.generation_seconds + second.generation_seconds,
+        tool_calls=first.tool_calls + second.tool_calls,
         tool_failures=dict(failures),
+        sampled_rollouts=first.sampled_rollouts + second.sampled_rollouts,
         excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
         excluded_groups=first.excluded_groups + second.excluded_groups,
         logged_columns={name: first.logged_columns.get(name, [None] * len(first.rollouts))

@@ -169,6 +169,7 @@ class ToolConversation:
                             versions=child.versions)
                     history.weight_version = min(history.weight_version, child.weight_version)
                     history.finish_reason = child.finish_reason
+                    history.infra_failure = history.infra_failure or child.infra_failure  # an engine that died in any turn
                     history.routes = child.routes  # the engine's routes of the whole history, as this turn ran it
                     live.append((history, child.completion_ids))
         groups: list[list[Rollout]] = [[] for _ in prompts]
