@@ -84,7 +84,7 @@ def test_clipping_follows_the_sign_of_the_advantage():
 
 
 def test_truncated_importance_sampling_caps_the_engine_correction():
-    loss = GRPOLoss("dapo", importance_sampling_cap=2.0)
+    loss = GRPOLoss("dapo", importance_sampling_cap=2.0, importance_sampling_mode="token_truncate")
     logprobs = torch.zeros(2)
     engine = torch.log(torch.tensor([0.25, 2.0]))  # trainer/engine ratios 4 (capped at 2) and 0.5
     out = loss.token_loss(logprobs, logprobs, torch.ones(2), engine_logprobs=engine)
@@ -295,7 +295,7 @@ def test_missing_inputs_are_named():
     with pytest.raises(ValueError, match="needs the per-token entropy"):
         GRPOLoss(entropy_coef=0.1).token_loss(one, one, one)
     with pytest.raises(ValueError, match="no engine log-probs"):
-        GRPOLoss(importance_sampling_floor=0.5).token_loss(one, one, one)
+        GRPOLoss(importance_sampling_floor=0.5, importance_sampling_mode="token_truncate").token_loss(one, one, one)
     out = GRPOLoss(top_entropy_quantile=0.5, entropy_coef=0.1).token_loss(one, one, one, entropy=one)
     with pytest.raises(ValueError, match="needs counts.entropy_tokens"):
         GRPOLoss(top_entropy_quantile=0.5, entropy_coef=0.1).reduce(out, one.long(), one.long() + 1, StepCounts(1, 1, 1))

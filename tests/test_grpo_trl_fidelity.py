@@ -92,7 +92,7 @@ def test_loss_and_gradients_match_trl(model_path, tmp_path, loss_type, beta, old
     ours = GRPOModule(
         model_name_or_path=str(model_path), num_generations=G, sampling=SAMPLING,
         loss=GRPOLoss(loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta, importance_sampling_cap=is_cap,
-                      kl_bias_correction=kl_correction), old_logprobs=old,
+                      importance_sampling_mode="token_truncate", kl_bias_correction=kl_correction), old_logprobs=old,
     )
     ours.configure_model()
     if ours.reference is not None:  # a reference that differs from the policy, so the KL term matters
@@ -194,6 +194,14 @@ def test_every_loss_field_has_its_trl_counterpart():
     assert set(TRL_NAMES.values()) <= {f.name for f in dataclasses.fields(GRPOConfig)}
 
 
+def test_every_loss_default_is_trls_but_the_correction_which_is_off_until_a_bound_is_set():
+    """A TRL user who sets one field gets TRL's other ones (vllm_importance_sampling_mode is sequence_mask there)."""
+    theirs = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    differ = {ours: (f.default, theirs[TRL_NAMES[ours]]) for f in dataclasses.fields(GRPOLoss) if (ours := f.name) in TRL_NAMES
+              and f.default != theirs[TRL_NAMES[ours]]}  # fmt: skip
+    assert differ == {"importance_sampling_cap": (None, 3.0)}  # docs/migrating_from_trl.md: vllm_importance_sampling_correction
+
+
 def _trl_options(loss: GRPOLoss) -> dict:
     assert loss.kl_estimator == "k3", "TRL has no other KL estimator"
     options = {theirs: getattr(loss, ours) for ours, theirs in TRL_NAMES.items()}
@@ -263,7 +271,9 @@ def _trl_engine_ratio(trainer: GRPOTrainer, padded: dict[str, torch.Tensor], old
 def _control(options: dict) -> dict:
     """The case without its last option (a dapo loss in place of its loss type), which must give another loss or
     gradient on this batch: the option is exercised."""
-    *rest, (key, _) = options.items()
+    *rest, (key, value) = options.items()
+    if key == "importance_sampling_mode":  # another mode (the default is one of them)
+        return {**dict(rest), key: "token_mask" if value == "token_truncate" else "token_truncate"}
     return {**dict(rest), "loss_type": "dapo"} if key == "loss_type" else dict(rest)
 
 

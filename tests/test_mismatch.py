@@ -109,7 +109,7 @@ def test_the_step_logs_the_figures_computed_by_hand_from_its_batch():
     """An engine off the trainer's weights, the correction on with bounds it crosses: every figure as by hand."""
     by_hand = ByHand(cap=1.1, floor=0.9)
     fit(2, [by_hand], batch_size=2, rewards=SPREAD_REWARD, engine=DriftedEngine, mismatch_alarm_kl=None,
-        loss={"importance_sampling_cap": 1.1, "importance_sampling_floor": 0.9}, max_grad_norm=None)  # fmt: skip
+        loss={"importance_sampling_cap": 1.1, "importance_sampling_floor": 0.9, "importance_sampling_mode": "token_truncate"}, max_grad_norm=None)  # fmt: skip
     for step in by_hand.steps:
         logged = step["logged"]
         assert step["staleness"] == 0 and logged["offpolicy/kl"] == 0.0

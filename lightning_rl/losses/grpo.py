@@ -125,7 +125,8 @@ class GRPOLoss:
         vespo_lambda_neg: VESPO's lambda for A < 0. TRL: `vespo_lambda_neg`.
         importance_sampling_mode: which engine-vs-trainer ratio `exp(log p_old - log p_engine)` (``token_*``, or
             ``sequence_*``: the exp of the sequence's summed log-ratio) and how it is bounded (``*_truncate``
-            clamps it to the bounds, ``*_mask`` zeroes it outside them). TRL: `vllm_importance_sampling_mode`.
+            clamps it to the bounds, ``*_mask`` zeroes it outside them); ``sequence_mask`` by default, as TRL's.
+            TRL: `vllm_importance_sampling_mode`.
         importance_sampling_floor: lower bound of that ratio (None: none). TRL: `vllm_importance_sampling_clip_min`.
         off_policy_mask_threshold: drop the sequences with A < 0 whose mean `log p_engine - log p` exceeds it
             (DeepSeek-V3.2; None: off). TRL: `off_policy_mask_threshold`.
@@ -156,7 +157,7 @@ class GRPOLoss:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    importance_sampling_mode: EngineCorrection = "token_truncate"
+    importance_sampling_mode: EngineCorrection = "sequence_mask"
     importance_sampling_floor: float | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
