@@ -393,7 +393,12 @@ class RecipeCLI(LightningCLI):
         if self.build:
             check_engine_here(self.config["model"])
         else:  # launch, plan: the module's own checks of its values, as `run` makes them (the model itself is not read)
-            self.model_class(**{**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]})
+            try:
+                self.model_class(**{**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]})
+            except UserError:
+                raise
+            except (ValueError, MisconfigurationException) as error:  # as `instantiate_classes` says it
+                raise RecipeError(" ".join(str(error).split())) from None
 
     def instantiate_classes(self) -> None:
         if not self.build:

@@ -108,7 +108,7 @@ def test_a_list_on_the_command_line_replaces_the_recipes_list(tmp_path, capsys):
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["rewards"] == expected  # what the run scored with
     assert not_known_as_the_runs(out) == []  # a GRPO run's files are all known to --overwrite too
     # Appending (`+=`) still keeps the recipe's entries, and a list of plain values is replaced as before.
-    config = parse(str(REPO / "recipes" / "tiny" / "grpo.yaml"), ['--model.rewards+={"function": "format"}', "--model.tools=[lightning_rl.tools.builtin:calculator]"])
+    config = parse(str(REPO / "recipes" / "tiny" / "grpo.yaml"), ['--model.rewards+={"function": "format", "name": "format_again"}', "--model.tools=[lightning_rl.tools.builtin:calculator]"])
     assert [r.get("weight") for r in config["model"]["rewards"]] == [1.0, 0.5, 1.0] and config["model"]["tools"] == ["lightning_rl.tools.builtin:calculator"]
 
 

@@ -359,7 +359,8 @@ def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():
     from support.paths import REPO
 
     kwargs = '{pattern: "[0-9]", n: 3, x: 0.5, flag: true, s: "7", none: null, nested: {k: "[1]", l: [1, "null"]}}'
-    view = RecipeView.parse(REPO / "recipes" / "tiny" / "grpo.yaml", [f"--model.rewards=[{{function: format, kwargs: {kwargs}}}]"])
+    # A reward that takes any keyword (`**_`): the run's own check of its kwargs against its signature passes.
+    view = RecipeView.parse(REPO / "recipes" / "tiny" / "grpo.yaml", [f"--model.rewards=[{{function: test_rewards:length_bonus, kwargs: {kwargs}}}]"])
     (reward,) = view.get("model.rewards")
     assert reward["kwargs"] == {"pattern": "[0-9]", "n": 3, "x": 0.5, "flag": True, "s": "7", "none": None,
                                 "nested": {"k": "[1]", "l": [1, "null"]}}  # fmt: skip
