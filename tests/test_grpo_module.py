@@ -70,6 +70,34 @@ def test_one_micro_batch_or_four_give_the_same_gradients(loss, old, async_mode):
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+class TrainedAdapter(L.Callback):
+    """An adapter as training leaves it (B not 0), so that its dropout changes the policy's outputs."""
+
+    def on_train_start(self, trainer: L.Trainer, module: GRPOModule) -> None:
+        with torch.no_grad():
+            for name, param in module.policy.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+
+
+def test_under_dropout_the_training_forward_keeps_the_tokens_the_entropy_threshold_counted(monkeypatch):
+    """The threshold comes from a forward of its own: each row's training forward draws the same dropout masks (TRL
+    takes both from one forward). Otherwise another set of tokens trains, and the bonus's mean divides by a count
+    that is not theirs."""
+    kept = []
+    reduce = GRPOLoss.reduce
+
+    def recording(loss, terms, loss_seq, seq_tokens, counts):
+        kept.append((int(terms.entropy_mask.sum()), counts.entropy_tokens))
+        return reduce(loss, terms, loss_seq, seq_tokens, counts)
+
+    monkeypatch.setattr(GRPOLoss, "reduce", recording)
+    fit(1, [TrainedAdapter()], batch_size=4, loss=GRPOLoss(top_entropy_quantile=0.3, entropy_coef=0.01), old_logprobs="trainer",
+        lora=LoraSettings(r=4, alpha=8, dropout=0.5), max_tokens_per_row=48, rewards=LENGTH_REWARD)  # fmt: skip
+    assert len(kept) > 1 and len({counted for _, counted in kept}) == 1  # several rows, one count for the step
+    assert sum(k for k, _ in kept) == kept[0][1]
+
+
 def test_the_loss_group_reaches_the_step_and_its_mistakes_are_refused_by_key():
     """Options that change the step change its gradient; a wrong value is refused before any model loads."""
     recorders = {}

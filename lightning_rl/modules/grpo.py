@@ -45,6 +45,7 @@ from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
+from lightning_rl.modules.entropy_threshold import step_entropy_threshold
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, log_step, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
@@ -407,9 +408,10 @@ class GRPOModule(PolicyModule):
             if self.hparams.num_iterations > 1 and model is not None and getattr(self, name) is None:
                 with torch.no_grad():
                     setattr(self, name, [self.policy_logprobs(model, packed)[0].cpu() for packed in packed_rows])
-        threshold = None
+        threshold = draws = None  # draws: the random state each row's threshold forward began with (its dropout masks)
         if self.loss.top_entropy_quantile < 1:
-            threshold, counts = self._entropy_threshold(packed_rows, counts)
+            threshold, counts, draws = step_entropy_threshold(lambda row: self.policy_logprobs(self.policy, row, with_entropy=True)[1], packed_rows,
+                                                              self.loss.top_entropy_quantile, counts, self.trainer.strategy, self.device)
         step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
@@ -418,6 +420,8 @@ class GRPOModule(PolicyModule):
             if self.packing_verifier.due(step):
                 self._verify_packing(packed, step)
             old, ref = (None if kept is None else kept[k].to(self.device) for kept in (self._old_logprobs, self._ref_logprobs))
+            if draws is not None:  # under dropout, the training forward keeps the very tokens the threshold counted
+                draws[k].restore()
             terms, entropy = self.row_loss(packed, threshold, old_logprobs=old, ref_logprobs=ref, loss=step_loss, mismatch=mismatch)
             seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
@@ -501,22 +505,6 @@ class GRPOModule(PolicyModule):
         if mismatch is not None:
             mismatch.add(logprobs, engine_logprobs, terms.corrected)
         return terms, None if entropy is None else entropy.detach()
-
-    @torch.no_grad()
-    def _entropy_threshold(self, rows: list[PackedBatch], counts: StepCounts) -> tuple[torch.Tensor, StepCounts]:
-        """The entropy a token must reach to be trained (the ``1 - top_entropy_quantile`` quantile of every trained
-        token of the step, on every rank, as TRL takes it), and the step's counts with the tokens it keeps."""
-        local = torch.cat([self.policy_logprobs(self.policy, row, with_entropy=True)[1].float() for row in rows])
-        strategy = self.trainer.strategy
-        longest = int(strategy.reduce(torch.tensor(local.numel(), device=self.device), reduce_op="max"))
-        padded = torch.full((max(longest, 1),), float("nan"), device=self.device)
-        padded[: local.numel()] = local
-        every = strategy.all_gather(padded).reshape(-1)
-        every = every[~torch.isnan(every)]
-        if every.numel() == 0:
-            return local.new_tensor(float("inf")), dataclasses.replace(counts, entropy_tokens=0)
-        threshold = torch.quantile(every, 1 - self.loss.top_entropy_quantile)
-        return threshold, dataclasses.replace(counts, entropy_tokens=int((every >= threshold).sum()))
 
     def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
         pad, multiple = self.tokenizer.pad_token_id or 0, self.row_multiple()  # static-shape devices: rows padded to buckets
