@@ -10,7 +10,11 @@ Run: ``python -m lightning_rl.trl_migration`` writes the file; ``--check`` says 
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Any
+
+import yaml
 
 from lightning_rl.recipe_reference import REPO, rows, write_or_check
 from lightning_rl import trl_names
@@ -42,6 +46,32 @@ def trl_fields() -> dict[str, list[str]]:
     }
 
 
+def default_differences() -> list[tuple[str, str, Any, str, str]]:
+    """(task, TRL field, its default, our key, its default) where a TRL field done by one key has another default."""
+    import dataclasses
+
+    import trl
+
+    found = []
+    for task, config in (("sft", trl.SFTConfig), ("grpo", trl.GRPOConfig)):
+        theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+        ours = {key: default for key, _, default, _ in rows(task)}
+        for name, keys in sorted(annotations(task).items()):
+            if name in theirs and len(set(keys)) == 1 and keys[0] in ours and not _same(ours[keys[0]], theirs[name]):
+                found.append((task, name, theirs[name], keys[0], ours[keys[0]]))
+    return found
+
+
+def _same(shown: str, value: Any) -> bool:
+    """Whether a default as the reference shows it (YAML text) is ``value``."""
+    try:
+        ours = yaml.safe_load(shown.strip("`"))
+    except yaml.YAMLError:
+        return shown == str(value)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, value))
+    return math.isclose(ours, value) if numbers else ours == value or str(ours) == str(value)
+
+
 def render() -> str:
     lines = [
         "# Migrating from TRL",
@@ -61,6 +91,12 @@ def render() -> str:
             ours, why = mapping(task, name, found[task])
             lines.append(f"| `{'--' if title == 'trl sft' else ''}{name}` | {ours or 'none'} | {why} |")
         lines.append("")
+    lines += ["## Defaults that differ from TRL's", "", "Set the key to TRL's default for TRL's behaviour.", "",
+              "| task | TRL | TRL 1.16's default | ours | our default | why |", "|---|---|---|---|---|---|"]
+    for task, name, theirs, key, ours in default_differences():
+        why = trl_names.DEFAULTS.get((task, name)) or trl_names.DEFAULTS.get(("*", name), "")
+        lines.append(f"| {task} | `{name}` | `{theirs}` | `{key}` | `{ours}` | {why} |")
+    lines.append("")
     lines += ["## Where the numbers differ from TRL's on purpose", "", "| what | ours | TRL 1.16 | why |", "|---|---|---|---|"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in trl_names.DIFFERENCES]
     lines.append("")

@@ -34,6 +34,36 @@ TRAINER = {
     ("grpo", "gradient_accumulation_steps"): "model.max_tokens_per_row (a step is data.batch_size prompts, forwarded in "
     "micro-batches of at most this many tokens whose gradients add up)",
 }
+# The TRL fields whose default differs from the default of the one key doing their work, with why, by task ("*":
+# both). The guide shows both defaults, read from TRL and from the recipe schema; a test keeps this table equal to
+# the differences found there, so a default changed on either side needs its line here.
+DEFAULTS = {
+    ("*", "seed"): "any fixed seed does; set 42 for TRL's",
+    ("*", "gradient_checkpointing"): "recomputing each layer in backward costs time where memory suffices; the loss "
+    "and gradients are the same with it on (exact with packing)",
+    ("*", "output_dir"): "a run writes to a folder of its own from the start",
+    ("*", "report_to"): "metrics.csv in the run folder; `logger.kind: wandb` for W&B",
+    ("*", "save_steps"): "a checkpoint every 100 steps, and one at the end",
+    ("*", "save_total_limit"): "the newest checkpoint (and `last`) is kept: a resume needs no more",
+    ("sft", "learning_rate"): "the embedded tiny model's rate; set the model's own",
+    ("sft", "lr_scheduler_type"): "see the SFT learning-rate schedule below",
+    ("sft", "adam_beta1"): "see the SFT AdamW betas below",
+    ("sft", "adam_beta2"): "see the SFT AdamW betas below",
+    ("sft", "max_length"): "longer examples are refused, not cut: the limit defaults to a row's budget, `data.max_tokens`",
+    ("sft", "packing"): "rows are packed by default, exactly (tree or padding-free): the loss is each example's alone",
+    ("sft", "packing_strategy"): "`data.packing` names the layout: tree, flat or none",
+    ("sft", "padding_free"): "`data.packing: flat` is padding-free; `auto` packs by default",
+    ("sft", "per_device_train_batch_size"): "a batch is counted in tokens (`data.max_tokens` per row), not examples",
+    ("grpo", "lr_scheduler_type"): "a constant rate after the warmup, as RL recipes run it; `model.lr_schedule: linear` "
+    "(with `trainer.max_steps`) for TRL's",
+    ("grpo", "max_completion_length"): "the embedded task's answers are a few tokens; set the model's own",
+    ("grpo", "max_tool_calling_iterations"): "`model.max_turns` counts replies: TRL's unlimited default has no "
+    "counterpart, set the turns a rollout may take",
+    ("grpo", "min_p"): "0 is off, as TRL's None",
+    ("grpo", "reward_weights"): "1 each, as TRL's None",
+    ("grpo", "vllm_importance_sampling_clip_max"): "the correction is off until a bound is set (TRL: on with vLLM, "
+    "capped at 3)",
+}
 # Where the same rows and settings train numbers that differ from TRL 1.16's, on purpose: (what, ours, TRL's, why).
 DIFFERENCES = (
     ("SFT loss mask after a turn's end", "a chat template's separator after the end-of-turn token (Qwen's newline "
@@ -103,6 +133,13 @@ DIFFERENCES = (
      "counts them"),
     ("`scale_rewards` as a flag", "a name only (`group`, `batch`, `none`): a flag is refused in one line", "`True` "
      "(group) and `False` (none, Dr. GRPO's) too", "one spelling per setting: write TRL's True as group, False as none"),
+    ("SFT's `mean_token_accuracy` and `entropy` under gradient accumulation or several ranks", "over every trained "
+     "token of the step, on every rank (as `loss` is): `train/mean_token_accuracy`, `train/entropy`; held out, over "
+     "every held-out token", "the mean of each micro-batch's figure (gathered over the ranks), and of each eval "
+     "batch's", "a micro-batch of few tokens weighs as much as one of many there; here each token counts once, as in "
+     "the loss"),
+    ("`num_tokens`", "`train/trained_tokens` and `train/flat_tokens`: this step's (summary.json sums them over the run)",
+     "the running total of the inputs' tokens", "a step's figure reads alone; the total is the run's summary"),
     ("A reward that times itself with `signal.alarm`", "a plain function runs on a thread of its own, where a signal "
      "cannot be set: it fails on every sample, in one line", "called on the main thread", "a reward that does not "
      "return is left behind on its thread at `reward_timeout_s`, and the run goes on; bound a reward's own time with a "

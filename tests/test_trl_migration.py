@@ -38,3 +38,16 @@ def test_an_unknown_key_is_hinted_from_the_same_table_the_guide_renders():
     for task in ("sft", "grpo"):
         schema = recipe._Schema(recipe._cli(str(recipe_reference.REPO / recipe_reference.EXAMPLES[task]), [], build=False).parser)
         assert trl_names.annotations(schema.documented()) == trl_migration.annotations(task), task
+
+
+def test_every_default_that_differs_from_trls_says_why_and_no_reason_is_stale():
+    """Read from TRL's config classes and our schema: a default changed on either side needs its line in DEFAULTS."""
+    from lightning_rl.trl_migration import default_differences
+    from lightning_rl.trl_names import DEFAULTS
+
+    found = {(task, name) for task, name, *_ in default_differences()}
+    explained = {(task, name) for task, name in found if (task, name) in DEFAULTS or ("*", name) in DEFAULTS}
+    assert found == explained, f"no reason for {sorted(found - explained)}"
+    stale = {key for key in DEFAULTS if not any((task, name) in found for task in ("sft", "grpo") for name in [key[1]] if key[0] in (task, "*"))}
+    assert not stale, f"no longer different: {sorted(stale)}"
+    assert ("grpo", "lr_scheduler_type") in found and ("grpo", "vllm_importance_sampling_mode") not in found
