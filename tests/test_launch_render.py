@@ -111,6 +111,17 @@ def test_a_value_the_module_refuses_is_refused_by_launch_and_plan_before_the_que
         RecipeView.parse(view.path, [override], sized_only=True)
 
 
+@pytest.mark.parametrize("trainer", [
+    {"strategy": "neuron"}, {"strategy": "xla_static"},
+    {"accelerator": {"class_path": "lightning_rl.strategies.xla.NeuronAccelerator"}}, {"accelerator": "tpu"},
+])  # fmt: skip
+def test_a_neuron_or_xla_job_asks_for_whole_nodes_not_gpus(tmp_path: Path, trainer: dict) -> None:
+    """A Trainium node's devices are no SLURM GPU resource: `--gpus-per-node` there is a job sbatch refuses."""
+    script = render(recipe(tmp_path, {"accelerator": "auto", **trainer}), nodes=2, gpus=32)
+    assert "#SBATCH --exclusive" in script and "--gpus-per-node" not in script
+    assert "--trainer.num_nodes=2 --trainer.devices=32" in script
+
+
 def test_an_embedded_model_is_built_by_the_server_python_and_served_from_its_folder(tmp_path: Path) -> None:
     """`tiny` is no hub id: the server would have looked it up online. Its command builds the folder and serves it."""
     view = recipe(tmp_path, {"accelerator": "cpu"}, task="grpo")

@@ -34,7 +34,12 @@ class TrainerLayout:
 
     @property
     def uses_gpus(self) -> bool:
-        return self.accelerator != "cpu"
+        return self.accelerator not in ("cpu", "xla")
+
+    @property
+    def uses_xla(self) -> bool:
+        """Neuron or another XLA device: SLURM gives those as whole nodes (no GPU resource to ask for)."""
+        return self.accelerator == "xla"
 
 
 def resolve_layout(recipe: RecipeView, allocation: Allocation) -> TrainerLayout:
@@ -53,10 +58,25 @@ def resolve_layout(recipe: RecipeView, allocation: Allocation) -> TrainerLayout:
         )
     _check_matches(recipe, "trainer.devices", allocation.gpus_per_node, "--gpus-per-node", "devices per node")
     _check_matches(recipe, "trainer.num_nodes", trainer_nodes, _trainer_nodes_flag(allocation), "trainer nodes")
-    accelerator = str(recipe.get("trainer.accelerator", "auto"))
+    accelerator = _device_kind(recipe.get("trainer.accelerator", "auto"), recipe.get("trainer.strategy", "auto"))
     layout = TrainerLayout(trainer_nodes, allocation.gpus_per_node, allocation.inference_nodes, accelerator)
     _check_parallel_sizes(recipe, layout)
     return layout
+
+
+# Lightning's and our names of the XLA strategies and accelerators (Neuron, TPU), and what their class paths hold.
+_XLA_NAMES = ("neuron", "xla", "xla_static", "single_xla", "xla_fsdp", "tpu")
+
+
+def _device_kind(accelerator: object, strategy: object) -> str:
+    """``cpu``, ``xla`` (Neuron, TPU: named by the accelerator or the strategy) or, for anything else, the
+    accelerator's name (a GPU's)."""
+    def name(value: object) -> str:
+        return str(value.get("class_path", "") if isinstance(value, dict) else value).lower()
+
+    if any(name(value) in _XLA_NAMES or any(word in name(value) for word in ("neuron", "xla")) for value in (accelerator, strategy)):
+        return "xla"
+    return name(accelerator)
 
 
 def _trainer_nodes_flag(allocation: Allocation) -> str:

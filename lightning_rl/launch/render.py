@@ -149,6 +149,8 @@ def render_slurm_script(recipe: RecipeView, allocation: Allocation, options: Slu
         )
     # Optional header lines, each carrying its own leading newline so an absent one leaves no gap.
     gpu_request = f"\n#SBATCH --gpus-per-node={allocation.gpus_per_node}" if layout.uses_gpus else ""
+    if layout.uses_xla:  # a Neuron (XLA) node is the job's whole: its devices are no SLURM GPU resource
+        gpu_request = "\n#SBATCH --exclusive"
     if options.cpus_per_task:
         gpu_request += f"\n#SBATCH --cpus-per-task={options.cpus_per_task}"
     if "\n" in str(recipe.path):
