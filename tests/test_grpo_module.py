@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from support.grpo import FAST, LENGTH_REWARD, GradientRecorder, TrainedRollouts, fit
 from support.grpo import trainer as trainer_of
 
-from lightning_rl.data.prompts import PromptDataModule
+from lightning_rl.data.prompts import PromptDataModule, PromptRenderer
 from lightning_rl.errors import RecipeError
 from lightning_rl.losses import GRPOLoss
 from lightning_rl.models.loading import LoraSettings
@@ -96,6 +96,20 @@ def test_under_dropout_the_training_forward_keeps_the_tokens_the_entropy_thresho
         lora=LoraSettings(r=4, alpha=8, dropout=0.5), max_tokens_per_row=48, rewards=LENGTH_REWARD)  # fmt: skip
     assert len(kept) > 1 and len({counted for _, counted in kept}) == 1  # several rows, one count for the step
     assert sum(k for k, _ in kept) == kept[0][1]
+
+
+def test_a_held_out_string_prompt_is_rendered_as_training_renders_one(tmp_path):
+    """A chat model trains on string prompts rendered as a user turn after `system_prompt`; the held-out
+    evaluation decodes its prompt/completion rows the same way, not as bare text."""
+    from support.prompt_sources import PromptList
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    module = GRPOModule(num_generations=2, system_prompt="Answer with digits only.", eval_data=str(heldout), eval_generations=1)
+    module.configure_model()
+    prompts = PromptList([{"prompt": "2+2="}])
+    trained = PromptRenderer(module.tokenizer, system_prompt="Answer with digits only.").render(prompts.records[0], prompts)
+    assert module.eval_cases[0].prompt_ids == trained.ids and module.eval_cases[0].reference == "4"
 
 
 def test_the_loss_group_reaches_the_step_and_its_mistakes_are_refused_by_key():

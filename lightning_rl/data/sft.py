@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -591,10 +591,12 @@ class Renderer:
 
 
 def load_examples(
-    source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length", limit: str | None = None
+    source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length", limit: str | None = None,
+    as_chat: Callable[[dict], dict] | None = None,
 ) -> tuple[list[Example], list[GenerationCase]]:
     """Check and render every row of ``source``; the first bad row raises DataError naming it (a row longer than
-    ``max_length``: with ``fix``, what lets it in; ``limit``: what ``max_length`` is, when not the key itself)."""
+    ``max_length``: with ``fix``, what lets it in; ``limit``: what ``max_length`` is, when not the key itself).
+    ``as_chat``: each checked row's shape before it is rendered (GRPO's held-out string prompts as chat turns)."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(f"{name}: no rows")
@@ -603,6 +605,8 @@ def load_examples(
     for where, raw in rows:
         try:
             row = _check_row(raw)
+            if as_chat is not None:
+                row = as_chat(row)
             if row_has_images(row):
                 row = load_images(row, base)
             example = renderer.example(row)

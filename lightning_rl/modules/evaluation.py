@@ -4,6 +4,7 @@ whose reply equals the reference reply exactly (whitespace at the ends aside); e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,12 +21,20 @@ HELDOUT_METRIC = "val/exact_match"  # the held-out exact match, as the run's log
 def heldout_cases(
     source: DataSource, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, processor: Any = None, image_token_id: int | None = None,
     *, count: int | None = None, context: int | None = None, max_new_tokens: int = 0,
+    prompt_messages: Callable[[str], list[dict[str, Any]]] | None = None,
 ) -> list[GenerationCase]:
     """The first ``count`` held-out prompts and reference replies of an SFT-shaped file (its rows checked as SFT checks
     them; rows with images rendered by an image-text model's ``processor``). One whose prompt leaves no room for
     ``max_new_tokens`` in the model's ``context`` is refused, naming its row: its greedy reply would be decoded past
-    the model's positions, and its score would mean nothing."""
-    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30)
+    the model's positions, and its score would mean nothing. ``prompt_messages``: the chat turns a string prompt is
+    rendered as, where the tokenizer has a chat template (GRPO's, as it renders its training prompts; by default a
+    string prompt is its text, as SFT trains it)."""
+    def as_chat(row: dict) -> dict:
+        if prompt_messages is None or not isinstance(row.get("prompt"), str) or not getattr(tokenizer, "chat_template", None):
+            return row
+        return {**row, "prompt": prompt_messages(row["prompt"]), "completion": [{"role": "assistant", "content": row["completion"]}]}
+
+    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30, as_chat=as_chat)
     if not cases:
         raise RecipeError(f"eval_data ({source}) has no conversation ending in a reply: the held-out evaluation "
                           "(eval_generations) decodes the prompts of those and compares the replies", "eval_data")
