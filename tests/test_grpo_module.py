@@ -166,6 +166,10 @@ def test_prompts_without_the_field_are_refused(tmp_path):
     path.write_text(json.dumps({"prompt": [user]}) + "\n" + json.dumps({"prompt": [user, pictured, user]}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl: line 2: `prompt\[1\].content\[0\]`: an image in an assistant turn"):
         PromptDataModule(path=str(path)).setup("fit")
+    # One shape of prompt per file: a reward would read some steps' prompts as text and others' as messages.
+    path.write_text(json.dumps({"prompt": [user]}) + "\n" + json.dumps({"prompt": "1+1="}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl: line 2: field 'prompt' is a string, where .*prompts.jsonl: line 1 gives chat messages"):
+        PromptDataModule(path=str(path)).setup("fit")
 
 
 class EngineWeights(L.Callback):

@@ -117,7 +117,8 @@ def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
     renderer = Renderer(tiny_tokenizer, "tiny")
     reference, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), renderer, 512)
     (tmp_path / "d.json").write_text(json.dumps(rows))
-    for source in (tmp_path / "d.json",):
+    (tmp_path / "array.jsonl").write_text(json.dumps(rows, indent=2))  # an array under a JSON Lines name, as datasets reads it
+    for source in (tmp_path / "d.json", tmp_path / "array.jsonl"):
         assert load_examples(source, renderer, 512)[0] == reference
     messages_only = datasets.Dataset.from_list([GOOD, GOOD])
     messages_only.to_parquet(str(tmp_path / "d.parquet"))

@@ -86,6 +86,10 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
             check_template_kwargs(row.get("chat_template_kwargs") or {})
         except ValueError as error:
             raise DataError(f"{name}: {where}: {error}") from None
+        if records and isinstance(prompt, str) != isinstance(records[0][1]["prompt"], str):
+            kinds = ("chat messages", "a string") if isinstance(prompt, str) else ("a string", "chat messages")
+            raise DataError(f"{name}: {where}: field {prompt_field!r} is {kinds[1]}, where {records[0][0]} gives {kinds[0]}: "
+                            "rewards read the prompts and completions of a step as text or as messages, so give every row's one way")
         records.append((f"{name}: {where}", {**row, "prompt": prompt}))
     if not records:
         raise DataError(f"{name}: no rows")

@@ -215,6 +215,15 @@ def _lone_surrogate(value: Any, field: str = "") -> str | None:
     return None
 
 
+def _opens_with(path: Path, start: bytes) -> bool:
+    """Whether the file's first character other than white space is ``start``."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if stripped := chunk.lstrip():
+                return stripped.startswith(start)
+    return False
+
+
 def _read_json(path: Path) -> list[Any] | None:
     data = path.read_bytes()
     try:
@@ -286,10 +295,13 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     if (problem := _source_problem(path)):
         raise DataError(f"{path}: {problem}")
     suffix = path.suffix.lower()  # train.JSON, train.Parquet
-    if suffix == ".jsonl" or (path.is_file() and suffix not in (".json", ".parquet")):
+    lines = suffix == ".jsonl" or (path.is_file() and suffix not in (".json", ".parquet"))
+    if lines and not _opens_with(path, b"["):
         return str(path), _read_jsonl(path)
     try:
-        if path.is_dir():
+        if lines:  # a JSON array under a JSON Lines name, as `datasets` reads it too
+            rows = _read_json(path)
+        elif path.is_dir():
             import datasets
 
             rows = [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
