@@ -181,7 +181,27 @@ def test_a_lora_adapter_names_its_base_model_as_the_recipe_does(tmp_path):
     assert json.loads((out / "hf" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
     card = (out / "hf" / "README.md").read_text()
     assert card.startswith("---\nbase_model: tiny\nlibrary_name: peft\n") and "| `lora.r` | `16` |" in card
-    assert "AutoPeftModelForCausalLM" in card and str(Path.home()) not in card
+    assert str(Path.home()) not in card
+    # The card's code loads the adapter onto its base ('tiny' is no hub id: lightning-rl builds it).
+    loaded = _run_card_code(card, out / "hf")
+    assert type(loaded["model"]).__name__ == "PeftModelForCausalLM" and loaded["tokenizer"] is not None
+
+
+def _run_card_code(card: str, folder: Path) -> dict:
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {"FOLDER": str(folder)}
+    exec(code, scope)
+    return scope
+
+
+def test_an_image_text_models_card_loads_it_with_the_image_text_classes_and_its_processor():
+    """AutoModelForCausalLM does not load a Llava folder (an unrecognized configuration class)."""
+    from lightning_rl.modules.model_card import model_card
+    from lightning_rl.toy.vlm import tiny_vlm_path
+
+    card = model_card(task="SFT", base_model="tiny-vlm", export="model", steps=1, data=None, settings={}, image_text=True, embedded_base=True)
+    loaded = _run_card_code(card, tiny_vlm_path())
+    assert type(loaded["model"]).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded["processor"], "image_processor")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="transformers warns only without torchvision")

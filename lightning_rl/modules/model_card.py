@@ -39,23 +39,39 @@ def data_name(source: Any) -> str | None:
     return Path(source).name if isinstance(source, (str, Path)) else type(source).__name__
 
 
-def model_card(*, task: str, base_model: str, export: str, steps: int, data: str | None, settings: dict[str, Any]) -> str:
-    """The card's text: Hugging Face metadata (base model, library, tags), then what trained the model and how to load it."""
+def model_card(
+    *, task: str, base_model: str, export: str, steps: int, data: str | None, settings: dict[str, Any], image_text: bool = False,
+    embedded_base: bool = False,
+) -> str:
+    """The card's text: Hugging Face metadata (base model, library, tags), then what trained the model and how to load
+    it: an image-text model through transformers' image-text classes and its processor; an adapter onto its base,
+    which for a model lightning-rl builds itself (``embedded_base``: no hub id) lightning-rl gives."""
     adapter = export == "adapter"
     library = "peft" if adapter else "transformers"
     what = {"model": "the fully fine-tuned model", "merged": "the model with its LoRA adapter merged in", "adapter": "a LoRA adapter"}[export]
     on = f" on `{data}`" if data else ""
     rows = "".join(f"| `{key}` | `{value}` |\n" for key, value in settings.items())
-    load = (
-        f"from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained(FOLDER)  # loads `{base_model}` too"
-        if adapter else "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-        "model = AutoModelForCausalLM.from_pretrained(FOLDER)\ntokenizer = AutoTokenizer.from_pretrained(FOLDER)"
-    )  # fmt: skip
     return (
         f"---\nbase_model: {base_model}\nlibrary_name: {library}\ntags:\n- lightning-rl\n- {task.lower()}\n"
         + ("- lora\n" if "lora.r" in settings else "")
         + f"---\n\n# {task} of {base_model}\n\n"
         f"Trained with lightning-rl: {task} of `{base_model}` for {steps} optimizer steps{on}. This folder holds {what}.\n\n"
         f"| setting (recipe key under `model.`) | value |\n|---|---|\n{rows}\n"
-        f"Load it:\n\n```python\n{load}\n```\n"
+        f"Load it:\n\n```python\n{load_code(base_model, adapter, image_text, embedded_base)}\n```\n"
     )
+
+
+def load_code(base_model: str, adapter: bool, image_text: bool, embedded_base: bool) -> str:
+    """The Python that loads an export from ``FOLDER``: the model (an adapter onto its base) and its tokenizer or
+    processor."""
+    model_class, reader, name = ("AutoModelForImageTextToText", "AutoProcessor", "processor") if image_text else ("AutoModelForCausalLM", "AutoTokenizer", "tokenizer")
+    lines = [*(["from peft import PeftModel"] if adapter else []), f"from transformers import {model_class}, {reader}"]
+    if adapter and embedded_base:  # no hub id: lightning-rl builds the embedded model (cached) and gives its folder
+        lines += ["from lightning_rl.models.paths import resolve_model_path", "", f"base = {model_class}.from_pretrained(resolve_model_path({base_model!r}))"]
+    elif adapter:
+        lines += ["", f"base = {model_class}.from_pretrained({base_model!r})"]
+    else:
+        lines += [""]
+    lines += ["model = PeftModel.from_pretrained(base, FOLDER)" if adapter else f"model = {model_class}.from_pretrained(FOLDER)",
+              f"{name} = {reader}.from_pretrained(FOLDER)"]  # fmt: skip
+    return "\n".join(lines)

@@ -17,6 +17,7 @@ from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
 from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
+from lightning_rl.models.paths import EMBEDDED
 from lightning_rl.models.structure import compile_decoder_layers
 from lightning_rl.models.weights import export_merge_refusal
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
@@ -217,5 +218,6 @@ class PolicyModule(LightningModule):
         as the recipe names it (an adapter's ``base_model_name_or_path`` too), not by where this machine keeps it."""
         base = self.hparams.model_name_or_path
         task = type(self).__name__.removesuffix("Module")
-        card = model_card(task=task, base_model=base, export=mode, steps=self.global_step, data=data_name(data), settings=key_settings(self.hparams, self.lora))
+        card = model_card(task=task, base_model=base, export=mode, steps=self.global_step, data=data_name(data), settings=key_settings(self.hparams, self.lora),
+                          image_text=getattr(tokenizer, "image_processor", None) is not None, embedded_base=base in EMBEDDED)
         return export_hf(self.policy, tokenizer, path, mode=mode, write=write, base_model=base, model_card=card)
