@@ -206,6 +206,10 @@ def test_max_epochs_alone_stops_a_grpo_run_after_that_many_passes_over_its_promp
     with pytest.raises(RecipeError, match="a GRPO run stops at trainer.max_steps"):
         L.Trainer(max_epochs=-1, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
             GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
+    # Lightning's epoch would end at the limit: the note said 900 steps and the schedule spanned them, 3 ran.
+    with pytest.raises(RecipeError, match="trainer.limit_train_batches: 3 cuts a GRPO run's epochs short"):
+        L.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
+            GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
 
 
 def test_a_lora_policy_exports_its_adapter_alone_when_asked(tmp_path):

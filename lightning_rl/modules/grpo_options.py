@@ -50,6 +50,9 @@ def steps_of_epochs(trainer: Any, pass_per_batch: float, num_iterations: int) ->
     epochs = trainer.max_epochs
     if epochs is None or epochs < 0:
         raise RecipeError("a GRPO run stops at trainer.max_steps (or after trainer.max_epochs passes over its prompts): set one", "trainer.max_steps")
+    if trainer.limit_train_batches not in (1.0, None):  # Lightning's epoch would end at the limit, not after a pass
+        raise RecipeError(f"trainer.limit_train_batches: {trainer.limit_train_batches} cuts a GRPO run's epochs short of a pass over its "
+                          "prompts (trainer.max_epochs counts passes): give trainer.max_steps to train fewer steps", "trainer.limit_train_batches")
     batches = math.ceil(round(epochs / pass_per_batch, 6))
     trainer.fit_loop.epoch_loop.max_steps = batches * num_iterations
     if trainer.is_global_zero:
