@@ -101,6 +101,9 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
         config = yaml.safe_load(text)
         _refuse_repeated_keys(recipe, yaml.compose(text, Loader=yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)  # where the parser stopped, and what it found there
+        if mark is not None:
+            raise RecipeError(f"{recipe}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({e.problem})") from None
         raise RecipeError(f"{recipe}: not valid YAML ({str(e).splitlines()[0]})") from None
     if config is not None and not isinstance(config, dict):
         raise RecipeError(f"{recipe}: a recipe is a mapping of keys (task:, model:, data:, ...), not a {type(config).__name__}")
@@ -113,7 +116,10 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
     if given:
         return given[-1]
     if not isinstance(config, dict) or "task" not in config:
-        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)})")
+        near = difflib.get_close_matches("task", [str(key).lower() for key in config or {}], n=1, cutoff=0.7)
+        written = next((str(key) for key in config or {} if near and str(key).lower() == near[0]), None)
+        hint = f"; the recipe has {written!r}: did you mean 'task'?" if written else ""
+        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)}){hint}")
     return str(config["task"])
 
 
@@ -666,6 +672,12 @@ def _one_line(error: BaseException) -> str:
         if (given := re.search(r"Given value: (.*)$", text)) and (options := _LITERAL.findall(text)):
             choices = list(dict.fromkeys(choice for found in options for choice in _choices(found)))
             return f"{key} must be one of {', '.join(choices)}, got {given[1]}"
+        if match := re.search(r"Expected a tuple with (\d+) elements\. Got value: (.*?)(?: - |$)", text):
+            return f"{key} must be a list of {match[1]} values, got {match[2]}"
+        if match := re.search(r"Unable to load config '(.*?)'", text):  # a block (a settings group) given a scalar
+            return f"{key} is a block of keys ({key}.NAME=VALUE, or a mapping), got {match[1]}"
+    if match := re.fullmatch(r"argument --([\w.]+): expected one argument", text):
+        return f"{match[1]}: no value given (--{match[1]}=VALUE)"
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
