@@ -49,7 +49,8 @@ class IncompleteCheckpointError(ValueError):
 
 
 class NotACheckpointError(IncompleteCheckpointError):
-    """A folder that holds no part of a sharded checkpoint (a run's folder, its ``hf/``): no write ever began there."""
+    """A folder that holds no part of a sharded checkpoint (a run's folder, its ``hf/``), or a file that is no
+    ``torch.save`` file (a recipe, a log): no write of a checkpoint ever began there."""
 
     what = "not a checkpoint"
 
@@ -278,6 +279,10 @@ def checkpoint_step(path: Path) -> int:
                 raise IncompleteCheckpointError(f"{name} has {file.stat().st_size} bytes, the manifest says {size}")
         _check_sharded_parts(path)
         return step
+    with open(path, "rb") as f:
+        start = f.read(2)
+    if start and start != b"PK" and start[:1] != b"\x80":  # neither torch.save's zip archive nor a pickle
+        raise NotACheckpointError("a file torch.save did not write: a checkpoint is a zip archive")
     try:
         checkpoint = load_safely(path)
     except ForeignFileError:

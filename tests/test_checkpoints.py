@@ -153,6 +153,10 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
         cli.resume_path(tmp_path / "other", str(tmp_path))
     with pytest.raises(ForeignCheckpointError, match=r"checkpoints is not a checkpoint \(a folder without the parts of a sharded checkpoint\)$"):
         cli.resume_path(tmp_path / "other", str(tmp_path / "checkpoints"))
+    recipe = tmp_path / "recipe.yaml"  # a file given for a checkpoint is not called one cut short
+    recipe.write_text("task: sft\n")
+    with pytest.raises(ForeignCheckpointError, match=r"recipe.yaml is not a checkpoint \(a file torch.save did not write: a checkpoint is a zip archive\)$"):
+        cli.resume_path(tmp_path / "other", str(recipe))
     set_mtime(broken, 10**18)
     single(tmp_path / "checkpoints" / "step=2.ckpt", 2)
     assert cli.resume_path(tmp_path, "last", first=False).endswith("step=2.ckpt")  # other ranks stay quiet
