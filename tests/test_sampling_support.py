@@ -7,6 +7,7 @@ travelling through tree packing with the token it was drawn for.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import lightning as L
 import pytest
@@ -229,7 +230,9 @@ def test_a_repetition_penalty_with_a_correction_is_refused_naming_the_key():
     from lightning_rl.errors import RecipeError
     from lightning_rl.modules.grpo import GRPOModule
 
-    for options, named in [({"loss": {"importance_sampling_cap": 2.0}}, "loss.importance_sampling_cap"), ({"old_logprobs": "engine"}, "old_logprobs")]:
+    engine = re.escape("old_logprobs=engine (given, or what `auto` takes where a batch can be stale: async_mode)")
+    for options, named in [({"loss": {"importance_sampling_cap": 2.0}}, "loss.importance_sampling_cap"), ({"old_logprobs": "engine"}, engine),
+                           ({"async_mode": True}, engine)]:  # auto, as an asynchronous run resolves it
         with pytest.raises(RecipeError, match=rf"^sampling.repetition_penalty=1.2 with {named}: ") as refused:
             GRPOModule(model_name_or_path="tiny", num_generations=2, sampling={"repetition_penalty": 1.2}, **options)
         assert refused.value.key == "sampling.repetition_penalty"

@@ -97,7 +97,7 @@ def check_combinations(
     uses_engine = [key for key, on in (
         ("loss.importance_sampling_cap", loss.importance_sampling_cap is not None),
         ("loss.importance_sampling_floor", loss.importance_sampling_floor is not None),
-        ("old_logprobs", old_logprobs == "engine"),
+        ("old_logprobs=engine (given, or what `auto` takes where a batch can be stale: async_mode)", old_logprobs == "engine"),
         ("loss.off_policy_mask_threshold", loss.off_policy_mask_threshold is not None),
     ) if on]  # fmt: skip
     if sampling.repetition_penalty != 1.0 and uses_engine:
