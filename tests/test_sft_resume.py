@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback
 from safetensors.torch import load_file
@@ -42,22 +43,25 @@ def run_cli(output_dir: Path, data: Path, *extra: str, max_steps: int = 8) -> su
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, tiny_path):
+# Dropout draws from the global random generator, whose state the checkpoint keeps: without it the resumed run drew
+# other masks (LoRA's dropout here), and ended 4e-3 away.
+@pytest.mark.parametrize("options", [(), ("--model.lora={r: 4, alpha: 8, dropout: 0.1}",)], ids=["full", "lora-dropout"])
+def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, tiny_path, options):
     data = tmp_path / "rows.jsonl"  # small enough that 8 steps cross an epoch boundary
     data.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:60]))
 
-    reference = run_cli(tmp_path / "reference", data)
+    reference = run_cli(tmp_path / "reference", data, *options)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     killed_dir = tmp_path / "killed"
-    killed = run_cli(killed_dir, data, "--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=5")
+    killed = run_cli(killed_dir, data, *options, "--trainer.callbacks+=test_sft_resume.SigtermAtStep", "--trainer.callbacks.step=5")
     assert killed.returncode == 143
     assert "stopped by SIGTERM after step 5; resume with --ckpt_path=last" in killed.stderr
     assert not (killed_dir / "hf").exists() and not (killed_dir / "summary.json").exists()
     signal_checkpoint = killed_dir / "hpc_ckpt_5.ckpt"  # saved where the signal found it, not at step 3
     assert torch.load(signal_checkpoint, weights_only=True)["global_step"] == 5
 
-    resumed = run_cli(killed_dir, data, "--ckpt_path=last")
+    resumed = run_cli(killed_dir, data, *options, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {signal_checkpoint}" in resumed.stdout + resumed.stderr
     # summary.json describes the whole run, as the uninterrupted one does, not only the 3 steps after the resume.

@@ -260,7 +260,8 @@ class PromptDataModule(L.LightningDataModule):
         return self._orders[epoch]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_StepIndices(self), batch_size=None, num_workers=0)
+        # Its own generator: an iterator draws a base seed, which from the global generator would move dropout's.
+        return DataLoader(_StepIndices(self), batch_size=None, num_workers=0, generator=torch.Generator())
 
 
 @dataclass(frozen=True)

@@ -900,7 +900,10 @@ class SFTDataModule(LightningDataModule):
             image_token_id=self.image_token_id,
             position_rule=self.position_rule,
         )
-        loader = WorkerLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers)
+        # A generator of its own: a loader's iterator otherwise draws its base seed from the global generator, which
+        # dropout draws from too (a resumed run restores that one at its first step, see PolicyModule).
+        loader = WorkerLoader(_ExampleDataset(examples), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+                              generator=torch.Generator().manual_seed(seed))
         return loader, sampler
 
     def train_dataloader(self) -> DataLoader:

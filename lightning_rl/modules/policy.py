@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.attention.tree_attention import choose_backend
-from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit
+from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit, every_ranks, this_ranks
 from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
@@ -23,6 +23,7 @@ from lightning_rl.models.weights import export_merge_refusal
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
 from lightning_rl.modules.optim import adamw_with_schedule
 from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
+from lightning_rl.ops.random_state import RandomState
 from lightning_rl.ops.packed_forward import check_packable
 from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy, loads_weights_sharded
@@ -30,6 +31,7 @@ from lightning_rl.strategies.fsdp2 import FSDP2Strategy, loads_weights_sharded
 
 ExportMode = Literal["model", "merged", "adapter"]
 WRITER = "written_by"  # the checkpoint key of what wrote it (``PolicyModule.writer``)
+RANDOM_STATE = "random_state"  # ... and of each rank's random state (dropout), where the run stood
 _CLI_KEYS = {"_instantiator", "_class_path"}  # what LightningCLI adds to the saved hyperparameters
 
 
@@ -60,12 +62,18 @@ class PolicyModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self._backends: dict[torch.device, str] = {}
         self.offloaded: OffloadedForwards | None = None  # with offload_activations: what the latest forward moved
+        self._resumed_random: RandomState | None = None  # a checkpoint's, until the resumed run's first step
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """A step's figures are those logged during it. Lightning logs every training figure logged so far in the epoch
+        """A resumed run's first step draws its dropout masks from the random state the checkpoint kept, as the
+        uninterrupted run's did (the data loaders draw from generators of their own, so nothing draws from it in
+        between). A step's figures are those logged during it. Lightning logs every training figure logged so far in the epoch
         at each step (a GRPO run is one long epoch), so one logged at some steps only (a packing check's error, a
         failure count, a fresh batch's mismatch) would repeat its last value at every later step: at each step's first
         micro-batch, those logged for a step alone are forgotten."""
+        if self._resumed_random is not None:
+            self._resumed_random.restore()
+            self._resumed_random = None
         if batch_idx % self.trainer.accumulate_grad_batches:
             return
         connector = self.trainer._logger_connector
@@ -174,6 +182,7 @@ class PolicyModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[WRITER] = self.writer()
+        checkpoint[RANDOM_STATE] = every_ranks(RandomState.now(self.device).plain())  # each rank's dropout draws
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         path = self.trainer.ckpt_path
@@ -185,6 +194,8 @@ class PolicyModule(LightningModule):
                                          "or by hand): resume from a checkpoint a run wrote")
         self.check_writer(checkpoint, path)
         check_weights_fit(checkpoint, self, path)
+        if RANDOM_STATE in checkpoint:  # absent from an older checkpoint
+            self._resumed_random = RandomState.from_plain(this_ranks(checkpoint[RANDOM_STATE], self.trainer, lambda _: False), self.device)
         saved = checkpoint.get("hyper_parameters") or {}
         for key in _OPTIMIZER_KEYS:  # restored with the optimizer's state: a new value would be ignored
             if key in saved and key in self.hparams and _plain(saved[key]) != _plain(self.hparams[key]):

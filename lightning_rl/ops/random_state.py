@@ -1,4 +1,5 @@
-"""The random state a forward draws its dropout masks from, kept so a second forward of the same row draws the same.
+"""The random state dropout draws its masks from: kept so a second forward of the same row draws the same, and kept in
+a checkpoint so a resumed run draws what the uninterrupted one drew.
 
 GRPO's ``top_entropy_quantile`` takes its threshold from a forward of every row of the step before the training
 forwards: under dropout (a LoRA's, a model's own) the two forwards of a row would draw other masks, so the tokens
@@ -33,6 +34,16 @@ class RandomState:
         torch.set_rng_state(self.host)
         if self.accelerator is not None:
             torch.cuda.set_rng_state(self.accelerator, self.device)
+
+    def plain(self) -> dict[str, torch.Tensor | None]:
+        """As a checkpoint keeps it (tensors only: read back with ``torch.load(weights_only=True)``)."""
+        return {"host": self.host, "accelerator": self.accelerator}
+
+    @classmethod
+    def from_plain(cls, state: dict[str, torch.Tensor | None], device: torch.device) -> RandomState:
+        """A state ``plain`` gave; its accelerator's part only where this rank runs on CUDA too."""
+        accelerator = state.get("accelerator") if device.type == "cuda" else None
+        return cls(state["host"], device, accelerator)
 
 
 def replayable(forward: Callable[[Row], Out], rows: Sequence[Row], device: torch.device) -> tuple[list[Out], list[RandomState]]:
