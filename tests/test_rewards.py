@@ -379,3 +379,23 @@ def test_a_column_some_rows_lack_is_named_with_the_first_row_lacking_it(tmp_path
     with pytest.raises(ValueError, match=re.escape(
             f"reward 'math_answer' needs the column 'answer', which {data}: line 3 lacks (other rows hold it): give it in every row")):
         scorer.check_arguments(prompts.columns() - {"prompt"}, lacking=prompts.lacking)
+
+
+def abandons(completions, **_):
+    from lightning_rl.stopping import StepAbandoned
+
+    raise StepAbandoned("the run is stopping")
+
+
+def test_a_step_abandoned_while_rewards_score_leaves_no_task_behind(caplog):
+    """A stop while a step waits on its rewards is one closing line: asyncio said 'Task exception was never retrieved'
+    with a traceback, the SystemExit having left its loop before the task's end was read."""
+    import gc
+
+    from lightning_rl.stopping import StepAbandoned
+
+    scorer = RewardScorer([RewardSpec("test_rewards:abandons"), RewardSpec("test_rewards:length_bonus")])
+    with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(StepAbandoned):
+        scorer.score(["p"], ["c"], {})
+    gc.collect()  # where an unread task's exception is reported
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -67,6 +67,14 @@ def load_reward_function(path: str) -> RewardFunction:
 KwargValue = str | bool | int | float | list | dict | None
 
 
+class _Abandoned(Exception):
+    """``StepAbandoned`` carried out of the reward loop as an ordinary exception (see ``RewardScorer.score``)."""
+
+    def __init__(self, stop: StepAbandoned) -> None:
+        super().__init__(str(stop))
+        self.stop = stop
+
+
 @dataclass
 class RewardSpec:
     """One reward function of a run: where it lives, its weight, fixed keyword arguments, its name.
@@ -405,6 +413,8 @@ class RewardScorer:
         where = f"step {step}: " if step is not None else ""
         try:
             scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
+        except _Abandoned as abandoned:  # out of the loop as an Exception: its tasks' ends are read, nothing is left
+            raise abandoned.stop from None
         except RewardContractError as error:
             raise RewardContractError(f"{where}{error}") from None
         except RewardFailedError as error:  # reward_on_error: raise
@@ -425,9 +435,14 @@ class RewardScorer:
         errors: list[RewardError] = []
         logs = RewardLogs(len(batch))
         one_at_a_time = asyncio.Lock()
-        results = await asyncio.gather(*(
-            self._score_one(reward, batch, state, logs, errors, one_at_a_time) for reward in self.rewards.values()
-        ))
+
+        async def scored(reward: _Reward) -> torch.Tensor:
+            try:
+                return await self._score_one(reward, batch, state, logs, errors, one_at_a_time)
+            except StepAbandoned as stop:  # a SystemExit would leave the loop at once, its task's end never read
+                raise _Abandoned(stop) from None
+
+        results = await asyncio.gather(*(scored(reward) for reward in self.rewards.values()))
         per_function = dict(zip(self.rewards, results, strict=True))
         # TRL's sum: a function that does not apply to a sample (NaN) adds nothing; none applying leaves no reward.
         total = torch.zeros(len(batch), dtype=torch.float32)
