@@ -92,6 +92,8 @@ def test_one_node_is_refused_with_the_numbers(capsys) -> None:
     assert code == 1
     needed = float(re.search(r"DOES NOT FIT: needs ([\d.]+) GiB per GPU, 72.00 GiB usable", out).group(1))
     assert needed > 72 and _gib(out, "frozen weights, sharded") == pytest.approx(822.04e9 * 2 / 8 / GIB, abs=0.01)
+    # The flags' layout is planned; the recipe's own (8 nodes) is said to differ, with the override that runs this one.
+    assert "planned for --nodes 1; the recipe's `trainer.num_nodes: 8` differs: run it with --trainer.num_nodes=1" in out
 
 
 def test_the_flag_overrides_the_recipe_and_plain_fsdp_is_refused(capsys) -> None:
@@ -206,6 +208,30 @@ def test_a_grpo_plan_counts_what_shares_the_trainers_gpu(tmp_path: Path, capsys)
     assert code == 1 and "DOES NOT FIT" in out
     assert shared["colocated vLLM engine (model.engine)"] == pytest.approx(0.9 * 80, abs=0.01)
     assert "reference model (model.loss.beta != 0)" in shared and shared["total"] >= alone["total"] + 71.99
+
+
+def test_each_term_is_counted_in_the_dtype_the_run_holds_it_in(tmp_path: Path, capsys) -> None:
+    """bf16-mixed keeps weights and the layers' inputs in float32 (FSDP2 gathers float32 without its mixed_precision);
+    the transformers engine holds a whole copy of its own beside the policy; the reference's root stays gathered; a
+    vLLM engine's dtype is its own."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: grpo\nmodel: {model_name_or_path: tiny, max_tokens_per_row: 512}\n"
+                      "trainer: {max_steps: 2, strategy: fsdp2, precision: bf16-mixed}\n")  # fmt: skip
+
+    def formulas(*overrides: str) -> dict[str, str]:
+        plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "80", "--", *overrides])
+        return {m[1]: m[2] for m in re.finditer(r"^  (\S.*?)\s+[\d.]+ GiB\s+(.*)$", capsys.readouterr().out, re.MULTILINE)}
+
+    mixed = formulas()
+    assert mixed["FSDP root unit, gathered for the step"].endswith("x 4 B") and mixed["activations (no checkpointing)"].endswith("x 4 B")
+    assert mixed["transformers engine's own copy (model.engine)"].startswith("its weights (") and " x 4 B)" in mixed["transformers engine's own copy (model.engine)"]
+    gathered_in_bf16 = formulas("--trainer.strategy={class_path: lightning_rl.strategies.fsdp2.FSDP2Strategy, init_args: {mixed_precision: bf16}}")
+    assert gathered_in_bf16["FSDP root unit, gathered for the step"].endswith("x 2 B") and gathered_in_bf16["activations (no checkpointing)"].endswith("x 4 B")
+    beside = formulas("--model.loss.beta=0.1", "--model.engine={class_path: VLLMEngine, init_args: {dtype: float32, kv_cache_memory_bytes: 1000000}}")
+    assert "transformers engine" not in " ".join(beside) and " x 4 B) + kv_cache_memory_bytes" in beside["colocated vLLM engine (model.engine)"]
+    assert beside["reference model (model.loss.beta != 0)"].endswith("x 4 B, gathered")
+    on_cpu = formulas("--model.engine={class_path: HFRolloutEngine, init_args: {device: cpu}}")
+    assert "transformers engine's own copy (model.engine)" not in on_cpu
 
 
 def _tiny(model_type: str, **overrides):

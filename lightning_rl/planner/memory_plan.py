@@ -44,7 +44,8 @@ class Training:
     accumulate_grad_batches: int = 1
     lora_rank: int | None = None
     param_bytes: int = 2
-    compute_bytes: int = 2
+    compute_bytes: int = 2  # activations and what flows between layers (fp32 under the -mixed precisions' autocast)
+    gather_bytes: int | None = None  # a weight FSDP2 gathers (its mixed_precision's dtype; None: param_bytes)
     activation_checkpointing: bool = True
     offload_activations: bool = False  # saved activations in host memory between forward and backward
     cpu_offload: bool = False
@@ -56,6 +57,10 @@ class Training:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.param_bytes if self.gather_bytes is None else self.gather_bytes
 
 
 @dataclass
@@ -112,7 +117,7 @@ def _largest_gathered_unit(census: ModelCensus, training: Training) -> tuple[str
     if not census.units:
         return "none", 0.0
     unit = max(census.units, key=lambda u: _gathered_params(training, u))
-    return unit.name, _gathered_params(training, unit) * training.compute_bytes
+    return unit.name, _gathered_params(training, unit) * training.gathered_bytes
 
 
 def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> Plan:
@@ -138,7 +143,8 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
     ]
 
     unit_name, unit = _largest_gathered_unit(census, training)
-    root = census.root_params * c
+    g = training.gathered_bytes
+    root = census.root_params * g
     plan.terms += [
         Term(
             "FSDP all-gather buffers",
@@ -146,7 +152,7 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
             f"{_UNITS_IN_FLIGHT} units in flight x largest unit ({unit_name}) {unit / GIB:.2f} GiB"
             + (f" (experts split {training.expert_parallel}-way)" if training.expert_parallel > 1 else ""),
         ),
-        Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {c} B"),
+        Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {g} B"),
     ]
     largest_unit = max((unit.params for unit in census.units), default=0)
     unit_trainable = trainable / census.decoder_layers if lora else largest_unit
@@ -196,13 +202,13 @@ def _activations(plan: Plan) -> Term:
 
 def _plan_step_time(plan: Plan) -> None:
     census, training, hardware = plan.census, plan.training, plan.hardware
-    world, c = training.world_size, training.compute_bytes
+    world, g, c = training.world_size, training.gathered_bytes, training.compute_bytes
     plan.tokens_per_step = world * training.tokens_per_micro_batch * training.accumulate_grad_batches
     flops = 6 * census.active_params * plan.tokens_per_step
     plan.compute_seconds = flops / (world * hardware.peak_tflops * 1e12 * hardware.mfu)
     # Units are resharded after forward, so every micro-batch gathers each one twice (forward, backward).
     gathered = sum(_gathered_params(training, unit) for unit in census.units)
-    received = 2 * gathered * c * (1 - 1 / world) * training.accumulate_grad_batches
+    received = 2 * gathered * g * (1 - 1 / world) * training.accumulate_grad_batches
     plan.gather_seconds = received / (hardware.network_gbps / 8 * 1e9) if training.nodes > 1 else 0.0
     plan.all_to_all_seconds = 0.0
     if training.expert_parallel > 1:

@@ -23,7 +23,12 @@ from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 # Where configs of models too large to download for planning are checked in, by model id.
 LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: found from any working directory
 # trainer.precision -> (bytes of stored weights, bytes of compute copies)
-_PRECISION_BYTES = {"bf16-true": (2, 2), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "32-true": (4, 4), "64-true": (8, 8)}  # validation.PRECISIONS
+# (weights, activations): under the -mixed precisions autocast computes the matmuls in 16 bits, but the weights and
+# what flows between the layers (each layer's input, kept under checkpointing) stay float32.
+_PRECISION_BYTES = {"bf16-true": (2, 2), "bf16-mixed": (4, 4), "16-mixed": (4, 4), "32-true": (4, 4), "64-true": (8, 8)}  # validation.PRECISIONS
+# FSDP2's mixed_precision: the dtype it gathers weights in (None: the weights' own).
+_GATHER_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, None: None}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +108,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
+        gather_bytes=_GATHER_BYTES.get(recipe.get("trainer.strategy.mixed_precision")),
         activation_checkpointing=checkpointing,
         offload_activations=bool(recipe.get("model.offload_activations", False)),
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
@@ -114,27 +120,48 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
 VLLM_DEFAULT_SHARE = 0.3  # VLLMEngine's gpu_memory_utilization by default (tests/test_plan.py holds them equal)
 
 
-def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, gpu_memory_gb: float) -> Training:
+def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, root_params: int, config_bytes: int, gpu_memory_gb: float) -> Training:
     """A GRPO plan with what shares the trainer's GPUs: the reference model (``model.loss.beta`` != 0: a frozen copy,
     sharded as the policy is) and an engine in the trainer's process (``vllm``: its share of the GPU, or its weights
     and KV cache where ``kv_cache_memory_bytes`` is set), and what the plan does not model."""
     beside = []
     if recipe.get("model.loss.beta", 0.0) not in (0, 0.0, None):
-        size = total_params * training.param_bytes / training.world_size
-        beside.append(Term("reference model (model.loss.beta != 0)", size, f"{_plain_count(total_params)} x {training.param_bytes} B / {training.world_size} GPUs"))
+        # Sharded as the policy; its root (embeddings, head) runs forwards only, so it stays gathered after them.
+        size = total_params * training.param_bytes / training.world_size + (root_params * training.gathered_bytes if training.world_size > 1 else 0)
+        beside.append(Term("reference model (model.loss.beta != 0)", size, f"{_plain_count(total_params)} x {training.param_bytes} B / {training.world_size} GPUs"
+                           + (f" + its root {_plain_count(root_params)} x {training.gathered_bytes} B, gathered" if training.world_size > 1 else "")))
     engine = recipe.get("model.engine") or "hf"
     name = engine if isinstance(engine, str) else str(engine.get("class_path", "")) if isinstance(engine, dict) else ""
+    if name == "hf" or name.endswith("HFRolloutEngine"):
+        device = recipe.get("model.engine.init_args.device")  # none given: the policy's device, a GPU here
+        if not str(device).startswith("cpu"):  # a whole copy of its own on the GPU
+            width = _DTYPE_BYTES.get(str(recipe.get("model.engine.init_args.dtype", "float32")).removeprefix("torch."), 4)
+            beside.append(Term("transformers engine's own copy (model.engine)", total_params * width,
+                               f"its weights ({_plain_count(total_params)} x {width} B), whole, and the KV cache of its batch (not modelled)"))
     if name == "vllm" or name.endswith("VLLMEngine"):
         kv = recipe.get("model.engine.init_args.kv_cache_memory_bytes")
         if isinstance(kv, int) and kv > 0:
-            weights = total_params * training.compute_bytes
-            beside.append(Term("colocated vLLM engine (model.engine)", weights + kv, f"its weights ({_plain_count(total_params)} x {training.compute_bytes} B) + kv_cache_memory_bytes"))
+            dtype = str(recipe.get("model.engine.init_args.dtype", "auto")).removeprefix("torch.")
+            width = _DTYPE_BYTES.get(dtype, config_bytes)  # auto: the checkpoint's own dtype
+            weights = total_params * width
+            beside.append(Term("colocated vLLM engine (model.engine)", weights + kv, f"its weights ({_plain_count(total_params)} x {width} B) + kv_cache_memory_bytes"))
         else:
             share = recipe.get("model.engine.init_args.gpu_memory_utilization") or VLLM_DEFAULT_SHARE
             beside.append(Term("colocated vLLM engine (model.engine)", share * gpu_memory_gb * GIB, f"gpu_memory_utilization {share:g} x {gpu_memory_gb:g} GiB"))
     notes = ("GRPO: the step time above is for rows of this size; a step forwards data.batch_size x model.num_generations "
              "completions (with their prompts) in such rows, and generation time is not modelled.",)
-    return dataclasses.replace(training, beside=tuple(beside), notes=notes)
+    return dataclasses.replace(training, beside=tuple(beside), notes=training.notes + notes)
+
+
+def _layout_notes(recipe: RecipeView, args: argparse.Namespace) -> tuple[str, ...]:
+    """What the plan's flags change of the recipe's layout: the plan is the flags' (a run of the recipe as written
+    would shard over its own devices)."""
+    notes = []
+    for key, flag, value in (("trainer.num_nodes", "--nodes", args.nodes), ("trainer.devices", "--gpus-per-node", args.gpus_per_node)):
+        asked = recipe.get(key)
+        if asked not in (None, "auto", -1, "-1") and str(asked) != str(value):
+            notes.append(f"planned for {flag} {value}; the recipe's `{key}: {asked}` differs: run it with --{key}={value} for this plan's layout")
+    return tuple(notes)
 
 
 def _plain_count(n: int) -> str:
@@ -195,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_flags(args)
         recipe = RecipeView.parse(args.recipe, overrides, sized_only=True)
         training = _training(recipe, args)
-        census = count_model(load_model_config(recipe, args.model_config), _lora_targets(recipe), recipe.get("model.towers") or "frozen")
+        config = load_model_config(recipe, args.model_config)
+        census = count_model(config, _lora_targets(recipe), recipe.get("model.towers") or "frozen")
+        config_bytes = _DTYPE_BYTES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").removeprefix("torch."), 4)
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
             raise LaunchError(
                 f"expert parallel {training.expert_parallel} must divide both the {census.num_experts} experts "
@@ -211,8 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvlink_gbps=args.nvlink_gbps,
         reserved_gb=args.reserved_gb,
     )
+    training = dataclasses.replace(training, notes=_layout_notes(recipe, args))
     if recipe.task == "grpo":
-        training = _grpo_beside(recipe, training, census.total_params, args.gpu_memory_gb)
+        training = _grpo_beside(recipe, training, census.total_params, census.root_params, config_bytes, args.gpu_memory_gb)
     plan = plan_memory(census, training, hardware)
     print(format_plan(plan))
     return 0 if plan.fits else 1
