@@ -208,15 +208,18 @@ def test_an_image_column_beside_text_prompts_goes_before_the_first_user_turn_as_
 
     Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
     explicit = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], "images": ["red.png"]}
-    rows = [explicit, {"prompt": [{"role": "user", "content": QUESTION}], "images": ["red.png"]}, {"prompt": QUESTION, "image": "red.png"}]
     data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    source = PromptDataModule(path=str(data), prompt_field="prompt", batch_size=1)
-    source.setup()
     path = str(tiny_vlm_path())
     processor, image_token = load_processor(path)
     renderer = PromptRenderer(AutoTokenizer.from_pretrained(path), processor, image_token)
-    rendered = [renderer.render(record, source) for record in source.records]
+    rendered = []
+    # A file holds one shape of prompt: the string one in a file of its own.
+    for rows in ([explicit, {"prompt": [{"role": "user", "content": QUESTION}], "images": ["red.png"]}], [{"prompt": QUESTION, "image": "red.png"}]):
+        data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+        source = PromptDataModule(path=str(data), prompt_field="prompt", batch_size=1)
+        source.setup()
+        rendered += [renderer.render(record, source) for record in source.records]
+    assert len(rendered) == 3
     assert image_token in rendered[0].ids
     for other in rendered[1:]:
         assert other.ids == rendered[0].ids and len(other.image_inputs) == 1
