@@ -239,7 +239,8 @@ def test_generation_continues_across_a_push_with_every_token_versioned_and_corre
     # The trainer holds the new weights; its ratio to the engine corrects each token by the version that sampled it.
     cap = 2.0
     module = GRPOModule(model_name_or_path=str(tiny_model_dir), num_generations=2, old_logprobs="trainer",
-                        loss=GRPOLoss("grpo", importance_sampling_cap=cap), sampling={"max_new_tokens": 240})
+                        loss=GRPOLoss("grpo", importance_sampling_cap=cap, importance_sampling_mode="token_truncate"),  # each token's own
+                        sampling={"max_new_tokens": 240})
     module.configure_model()
     module.policy.load_state_dict(models[old + 1].state_dict())
     advantages = torch.tensor([0.7 - 0.4 * i for i in range(len(spanning))])
