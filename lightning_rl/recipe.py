@@ -789,9 +789,14 @@ def build(recipe: str | None, overrides: list[str]) -> RecipeCLI:
     """The run a recipe describes: its module, datamodule and trainer (``.model``, ``.datamodule``, ``.trainer``).
     Reward and tool modules are imported from the recipe's folder and the working directory too."""
     quiet_third_party_noise()
+    _import_from(recipe)
+    return _cli(recipe, overrides, build=True)
+
+
+def _import_from(recipe: str | None) -> None:
+    """Reward and tool modules are imported from the recipe's folder and the working directory too."""
     folders = {Path(recipe).parent: "the recipe's folder"} if recipe is not None else {}
     dotted.set_import_folders({**folders, Path.cwd(): "the working directory"})
-    return _cli(recipe, overrides, build=True)
 
 
 def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[str, Any]:
@@ -799,7 +804,7 @@ def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[s
     nothing built (keys, types, choices, the Trainer's values, the module's values; ``sized_only``: all but the run's
     length): a plain nested dict of the values the user wrote, in the recipe or an override (the defaults left out, so
     a launch can tell "not said" from a value). Reward and tool modules are imported as ``build`` imports them."""
-    dotted.set_import_folders({Path(recipe).parent: "the recipe's folder", Path.cwd(): "the working directory"})
+    _import_from(recipe)
     config = _cli(recipe, overrides, build=False, sized_only=sized_only).config.as_dict()
     written = yaml.safe_load(Path(recipe).read_text())
     for override in overrides:  # `--a.b=value`: a.b is written

@@ -38,7 +38,7 @@ ALLOWED = {
     "run_folder": set(),
     "same_run": {"errors", "validation"},
     "recipe": {"callbacks", "checkpoints", "console", "dotted", "errors", "models", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
-    "launch": {"models", "rollout", "recipe", "errors", "validation"},
+    "launch": {"models", "rollout", "recipe", "errors", "strategies", "validation"},
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe", "dotted", "rollout"},

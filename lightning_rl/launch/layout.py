@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
+from lightning_rl.strategies.availability import LIGHTNING_XLA_NAMES
 
 # Values of `trainer.devices` / `trainer.num_nodes` that mean "whatever the allocation gives".
-_FILL_FROM_ALLOCATION = (None, "auto", -1, "-1")
+FILL_FROM_ALLOCATION = (None, "auto", -1, "-1")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ def resolve_layout(recipe: RecipeView, allocation: Allocation) -> TrainerLayout:
     return layout
 
 
-# Lightning's and our names of the XLA strategies and accelerators (Neuron, TPU), and what their class paths hold.
-_XLA_NAMES = ("neuron", "xla", "xla_static", "single_xla", "xla_fsdp", "tpu")
+# Lightning's names of its XLA strategies, ours, and the XLA accelerators (Neuron, TPU); class paths that hold them.
+_XLA_NAMES = LIGHTNING_XLA_NAMES | {"xla_static", "neuron", "tpu"}
 
 
 def _device_kind(accelerator: object, strategy: object) -> str:
@@ -87,7 +88,7 @@ def _trainer_nodes_flag(allocation: Allocation) -> str:
 
 def _check_matches(recipe: RecipeView, key: str, available: int, flag: str, what: str) -> None:
     asked = recipe.get(key)
-    if asked in _FILL_FROM_ALLOCATION:
+    if asked in FILL_FROM_ALLOCATION:
         return
     if isinstance(asked, str) and asked.isdigit():  # `--trainer.devices=8` on the command line
         asked = int(asked)

@@ -586,9 +586,10 @@ class GRPOModule(PolicyModule):
     def eval_cases(self) -> list[GenerationCase]:
         """The held-out prompts decoded by `evaluate`: read (and checked) as the model loads, before the run writes."""
         source = str(HELDOUT_FILE) if self.hparams.eval_data == TOY_DATASET else toy_source(self.hparams.eval_data)
+        as_trained = PromptRenderer(self.tokenizer, system_prompt=self.hparams.system_prompt)  # string prompts' turns
         return heldout_cases(source, self.tokenizer, str(resolve_model_path(self.hparams.model_name_or_path)), self.processor, self.image_token_id,
                              count=self.hparams.eval_generations, context=model_context(self.policy.config), max_new_tokens=self.hparams.eval_max_new_tokens,
-                             prompt_messages=lambda text: PromptRenderer(self.tokenizer, system_prompt=self.hparams.system_prompt).messages({"prompt": text}))
+                             prompt_messages=lambda text: as_trained.messages({"prompt": text}))
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluator's figures for the policy as it is now (every rank takes part: shards are gathered)."""

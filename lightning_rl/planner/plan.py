@@ -11,24 +11,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, PreTrainedConfig
 
 from lightning_rl.planner.memory_plan import GIB, Hardware, Term, Training, format_plan, plan_memory
 from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
+from lightning_rl.launch.layout import FILL_FROM_ALLOCATION
 from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView, split_overrides
 from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 
 # Where configs of models too large to download for planning are checked in, by model id.
 LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: found from any working directory
-# trainer.precision -> (bytes of stored weights, bytes of compute copies)
-# (weights, activations): under the -mixed precisions autocast computes the matmuls in 16 bits, but the weights and
-# what flows between the layers (each layer's input, kept under checkpointing) stay float32.
+# trainer.precision -> (bytes of stored weights, of activations): under the -mixed precisions autocast computes the
+# matmuls in 16 bits, but the weights and what flows between the layers (each layer's input, kept under checkpointing)
+# stay float32.
 _PRECISION_BYTES = {"bf16-true": (2, 2), "bf16-mixed": (4, 4), "16-mixed": (4, 4), "32-true": (4, 4), "64-true": (8, 8)}  # validation.PRECISIONS
 # FSDP2's mixed_precision: the dtype it gathers weights in (None: the weights' own).
 _GATHER_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, None: None}
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,14 +136,13 @@ def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, root
     if name == "hf" or name.endswith("HFRolloutEngine"):
         device = recipe.get("model.engine.init_args.device")  # none given: the policy's device, a GPU here
         if not str(device).startswith("cpu"):  # a whole copy of its own on the GPU
-            width = _DTYPE_BYTES.get(str(recipe.get("model.engine.init_args.dtype", "float32")).removeprefix("torch."), 4)
+            width = _dtype_bytes(recipe.get("model.engine.init_args.dtype", "float32"), 4)
             beside.append(Term("transformers engine's own copy (model.engine)", total_params * width,
                                f"its weights ({_plain_count(total_params)} x {width} B), whole, and the KV cache of its batch (not modelled)"))
     if name == "vllm" or name.endswith("VLLMEngine"):
         kv = recipe.get("model.engine.init_args.kv_cache_memory_bytes")
         if isinstance(kv, int) and kv > 0:
-            dtype = str(recipe.get("model.engine.init_args.dtype", "auto")).removeprefix("torch.")
-            width = _DTYPE_BYTES.get(dtype, config_bytes)  # auto: the checkpoint's own dtype
+            width = _dtype_bytes(recipe.get("model.engine.init_args.dtype", "auto"), config_bytes)  # auto: the checkpoint's own
             weights = total_params * width
             beside.append(Term("colocated vLLM engine (model.engine)", weights + kv, f"its weights ({_plain_count(total_params)} x {width} B) + kv_cache_memory_bytes"))
         else:
@@ -153,13 +153,20 @@ def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, root
     return dataclasses.replace(training, beside=tuple(beside), notes=training.notes + notes)
 
 
+def _dtype_bytes(name: object, default: int) -> int:
+    """The bytes of one element of a dtype named as recipes and configs name it (``bfloat16``, ``torch.float32``, a
+    ``torch.dtype``); ``default`` for anything else (``auto``, none)."""
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else default
+
+
 def _layout_notes(recipe: RecipeView, args: argparse.Namespace) -> tuple[str, ...]:
     """What the plan's flags change of the recipe's layout: the plan is the flags' (a run of the recipe as written
     would shard over its own devices)."""
     notes = []
     for key, flag, value in (("trainer.num_nodes", "--nodes", args.nodes), ("trainer.devices", "--gpus-per-node", args.gpus_per_node)):
         asked = recipe.get(key)
-        if asked not in (None, "auto", -1, "-1") and str(asked) != str(value):
+        if asked not in FILL_FROM_ALLOCATION and str(asked) != str(value):
             notes.append(f"planned for {flag} {value}; the recipe's `{key}: {asked}` differs: run it with --{key}={value} for this plan's layout")
     return tuple(notes)
 
@@ -224,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         training = _training(recipe, args)
         config = load_model_config(recipe, args.model_config)
         census = count_model(config, _lora_targets(recipe), recipe.get("model.towers") or "frozen")
-        config_bytes = _DTYPE_BYTES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").removeprefix("torch."), 4)
+        config_bytes = _dtype_bytes(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), 4)
         if census.num_experts % training.expert_parallel or training.world_size % training.expert_parallel:
             raise LaunchError(
                 f"expert parallel {training.expert_parallel} must divide both the {census.num_experts} experts "
