@@ -715,16 +715,22 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
 
 class PackedCollator:
-    """Packs the examples of one batch into a single PackedBatch row."""
+    """Packs the examples of one batch into a single PackedBatch row (``unpacked``: one example a row, which the model
+    runs as it runs that example alone)."""
 
     def __init__(
         self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None,
-        position_rule: Any = None,
+        position_rule: Any = None, unpacked: bool = False,
     ) -> None:
         self.share_prefixes, self.pad_to_multiple_of, self.pad_token_id = share_prefixes, pad_to_multiple_of, pad_token_id
-        self.image_token_id, self.position_rule = image_token_id, position_rule
+        self.image_token_id, self.position_rule, self.unpacked = image_token_id, position_rule, unpacked
 
     def __call__(self, examples: list[Example]) -> PackedBatch:
+        batch = self._pack(examples)
+        batch.unpacked = self.unpacked
+        return batch
+
+    def _pack(self, examples: list[Example]) -> PackedBatch:
         if not examples:  # a rank's empty batch (one short of the others): one token, not trained
             return pack_sequences([[self.pad_token_id]], [[False]], pad_to_multiple_of=self.pad_to_multiple_of, pad_token_id=self.pad_token_id)
         if any(e.images for e in examples):  # each image of a shared prefix once, its inputs in the row's order
@@ -774,7 +780,7 @@ class SFTDataModule(LightningDataModule):
             `per_device_train_batch_size` (rows, not tokens).
         max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens``. TRL: `max_length`.
         packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
-            (one example per row), or ``auto``: tree when the data shares prefixes, else flat. TRL: `packing`,
+            (one example per row, run as the model runs it alone: a model packing refuses trains so), or ``auto``: tree when the data shares prefixes, else flat. TRL: `packing`,
             `packing_strategy`, `padding_free`.
         pad_to_multiple_of: pad each row to a multiple of this; ``"auto"`` is 128 on XLA/Neuron, else none.
             TRL: the same name.
@@ -899,6 +905,7 @@ class SFTDataModule(LightningDataModule):
             pad_token_id=self.tokenizer.pad_token_id or 0,
             image_token_id=self.image_token_id,
             position_rule=self.position_rule,
+            unpacked=self.resolved_packing == "none",
         )
         # A generator of its own: a loader's iterator otherwise draws its base seed from the global generator, which
         # dropout draws from too (a resumed run restores that one at its first step, see PolicyModule).

@@ -10,13 +10,15 @@ accumulation and clipping are the Trainer's business.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_rl import validation
-from lightning_rl.attention.tree_attention import AttentionBackend
+from lightning_rl.attention.tree_attention import AttentionBackend, PackingRefused
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
@@ -124,13 +126,15 @@ class SFTModule(PolicyModule):
 
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each trained token's log-prob, and the entropy and whether the likeliest token is it (TRL's figures)."""
-        return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
+        with _unpacked_hint():
+            return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
-        if self.packing_verifier.due(self.global_step):
-            error = self.packing_verifier.check(
-                self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
-            )
+        if self.packing_verifier.due(self.global_step) and not batch.unpacked:  # an unpacked row is the model's own forward
+            with _unpacked_hint():
+                error = self.packing_verifier.check(
+                    self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
+                )
             self.log("train/packing_error", error)
         logprobs, entropy, hits = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
@@ -207,3 +211,14 @@ class SFTModule(PolicyModule):
         datamodule = self.trainer.datamodule  # an image-text model ships its processor (tokenizer included)
         tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer
         return self.export_policy(tokenizer, path, mode=self.export, data=getattr(datamodule, "train_data", None), write=write)
+
+
+@contextmanager
+def _unpacked_hint() -> Iterator[None]:
+    """A model that packing refuses still trains one example a row, as it runs alone: the refusal says so."""
+    try:
+        yield
+    except PackingRefused as refused:
+        if "packing: none" in str(refused):
+            raise
+        raise PackingRefused(f"{refused}; data.packing: none trains it one example a row, as the model runs each alone") from None

@@ -40,13 +40,13 @@ from lightning_rl.ops.prefix_rows import PrefixedRow, share_prefixes
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
-def head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, **forward_kwargs) -> Tensor:
+def head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor | None, **forward_kwargs) -> Tensor:
     """The hidden states [T, hidden] that ``model`` feeds its LM head for one row of tokens.
 
     The top-level ``forward`` runs, so wrappers (FSDP, peft) see an ordinary call, with only arguments whose meaning
     is the same for every model. A pre-hook on the output embeddings takes the head's input, which is by definition
     what the logits are computed from whatever module produced it, and hands the head a single position, so the
-    [tokens x vocab] logits are never built."""
+    [tokens x vocab] logits are never built. Without ``position_ids`` the model places the tokens itself."""
     head = model.get_output_embeddings()
     if head is None:
         raise PackingRefused(f"{type(model).__name__} has no output embeddings module to read its final hidden states from")
@@ -58,8 +58,9 @@ def head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, **for
 
     handle = head.register_forward_pre_hook(take)
     try:
-        positions = position_ids[None] if position_ids.dim() == 1 else position_ids  # [1, T], or [axes, 1, T]
-        model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **forward_kwargs)
+        if position_ids is not None:
+            forward_kwargs["position_ids"] = position_ids[None] if position_ids.dim() == 1 else position_ids  # [1, T], or [axes, 1, T]
+        model(input_ids=input_ids[None], use_cache=False, **forward_kwargs)
     finally:
         handle.remove()
     name, n = type(model).__name__, input_ids.shape[0]
@@ -105,7 +106,10 @@ def packed_hidden_states(
     ``batch.routes`` sends each token to the experts they name (``replay_routes``; else the model routes it and the
     routes are only compared), and adds to ``route_agreement`` how often the model would have chosen them itself.
     A `PrefixedRow` attends to its prefix too (forwarded once per model, ``ops/prefix_rows.py``); ``capture``: the
-    list a prefix's own forward records each attention call's keys and values in."""
+    list a prefix's own forward records each attention call's keys and values in. An ``unpacked`` row (one sequence,
+    ``data.packing: none``) runs as the model runs that sequence alone: its own attention and positions, no tree."""
+    if batch.unpacked:
+        return head_inputs(model, batch.input_ids, None, **batch.image_inputs)
     enable_tree_attention(model)
     prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
     if prefix is not None:

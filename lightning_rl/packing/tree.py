@@ -49,6 +49,9 @@ class PackedBatch:
     # [M, K] per loss term, the token ids its sampler could draw (the sampling filters' support), -1 as padding; a row
     # of -1 only, or None for the whole row, scores the full distribution. It travels with its term as token_values do.
     token_support: Tensor | None = None
+    # A row of one sequence (``data.packing: none``) that the model runs exactly as it runs that sequence alone: its
+    # own attention and positions, no tree (so a model tree attention cannot drive trains too).
+    unpacked: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,7 @@ class PackedBatch:
             image_inputs={k: move(v) for k, v in self.image_inputs.items()},
             routes=None if self.routes is None else move(self.routes),
             token_support=None if self.token_support is None else move(self.token_support),
+            unpacked=self.unpacked,
         )
 
     def visibility_mask(self) -> Tensor:

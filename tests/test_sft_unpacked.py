@@ -1,0 +1,51 @@
+"""``data.packing: none`` runs each example as the model runs it alone, so a model that tree packing refuses (an
+attention outside transformers' interface, recurrent layers) still trains: its first loss is that of a plain
+forward of the example, and a packed layout of the same model is refused in one line that names this way out."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from support import packing_families
+from support.paths import TOY_TRAIN
+
+from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.data.sft import SFTDataModule
+from lightning_rl.modules.sft import SFTModule
+
+
+def _saved(family: str, tiny_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model_type, overrides = packing_families.FAMILIES[family]
+    config = packing_families.build_config(model_type, dict(overrides, vocab_size=len(tokenizer), attn_implementation="eager"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / family)
+    tokenizer.save_pretrained(tmp_path / family)
+    return str(tmp_path / family)
+
+
+def _fit(path: str, packing: str) -> tuple[Trainer, SFTDataModule]:
+    data = SFTDataModule(TOY_TRAIN, None, tokenizer=path, max_tokens=128, packing=packing, shuffle=False)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, max_steps=1)  # fmt: skip
+    trainer.fit(SFTModule(model_name_or_path=path, learning_rate=1e-3), datamodule=data)
+    return trainer, data
+
+
+@pytest.mark.parametrize("family", ["stablelm", "bloom", "qwen3_5_text", "gpt_oss"])
+def test_a_model_packing_refuses_trains_one_example_a_row_at_a_plain_forwards_loss(family, tiny_path, tmp_path):
+    path = _saved(family, tiny_path, tmp_path)
+    with pytest.raises(PackingRefused, match=r"; data\.packing: none trains it one example a row, as the model runs each alone$"):
+        _fit(path, "flat")
+    trainer, data = _fit(path, "none")
+    first = next(iter(data.train_dataloader()))  # the first row again (no shuffle)
+    example = data.train_examples[0]
+    assert first.unpacked and first.num_sequences == 1 and first.input_ids.tolist() == example.input_ids
+    model = AutoModelForCausalLM.from_pretrained(path)  # the weights before the step
+    logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1].double()
+    targets = torch.tensor(example.input_ids[1:])
+    trained = torch.tensor(example.loss_mask[1:])
+    nll = -torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+    assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(float(nll[trained].mean()), rel=1e-5)
+    assert "train/packing_error" not in trainer.logged_metrics  # nothing packed, nothing to verify
