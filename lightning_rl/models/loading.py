@@ -161,9 +161,14 @@ def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> Non
     if missing:
         linear = (torch.nn.Linear, Conv1D)  # GPT-2's projections are Conv1D layers, which peft adapts too
         leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear)})
+        # Experts kept as one 3-D parameter per projection: peft would adapt those parameters, not modules, which the
+        # weight syncs, exports and shardings here do not carry.
+        fused = sorted({name for module in model.modules() if not isinstance(module, torch.nn.modules.conv._ConvNd)
+                        for name, p in module.named_parameters(recurse=False) if p.dim() == 3})  # fmt: skip
+        experts = f"; its experts' projections are fused parameters ({', '.join(fused)}), which LoRA here does not adapt" if fused else ""
         raise RecipeError(
             f"lora.target_modules: {', '.join(map(repr, missing))} {'matches' if len(missing) == 1 else 'match'} no module of {type(model).__name__} "
-            f"(its linear layers: {', '.join(leaves)}; or all-linear)", "lora.target_modules",
+            f"(its linear layers: {', '.join(leaves)}; or all-linear{experts})", "lora.target_modules",
         )
 
 
