@@ -342,7 +342,7 @@ class RecipeCLI(LightningCLI):
         parser.add_argument("--task", type=Literal[tuple(TASKS)], required=True, help="what to train: " + ", ".join(TASKS))
         parser.add_argument("--output_dir", type=str, default="outputs/run", help="checkpoints, summary.json, hf/ and logs. TRL: `output_dir`.")
         parser.add_argument("--seed", type=int, default=0, help="the run's seed: weights' init, data order, sampling. TRL: `seed`.")
-        parser.add_argument("--checkpoint_every_n_steps", type=int, default=100, help="optimizer steps between checkpoints (checkpoints/). TRL: `save_steps`.")
+        parser.add_argument("--checkpoint_every_n_steps", type=int | None, default=100, help="optimizer steps between checkpoints (checkpoints/); null: none but the last step's (and a stop signal's). TRL: `save_steps`.")
         parser.add_argument("--keep_checkpoints", type=int, default=1, help="the newest periodic checkpoints kept (last.ckpt besides). TRL: `save_total_limit`.")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'. TRL: `resume_from_checkpoint`.")
         parser.add_argument("--overwrite", action=ActionYesNo, nargs="?", default=False, help="replace the outputs of an earlier run in output_dir")
@@ -386,7 +386,8 @@ class RecipeCLI(LightningCLI):
         return next(name for name, (module, _) in TASKS.items() if module.endswith(f":{self.model_class.__name__}"))
 
     def before_instantiate_classes(self) -> None:
-        validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
+        if self.config["checkpoint_every_n_steps"] is not None:
+            validation.positive_int("checkpoint_every_n_steps", self.config["checkpoint_every_n_steps"])
         validation.positive_int("keep_checkpoints", self.config["keep_checkpoints"])
         if not str(self.config["output_dir"]).strip():
             raise RecipeError(f"output_dir must name a folder, got {self.config['output_dir']!r}", "output_dir")
@@ -464,7 +465,7 @@ class RecipeCLI(LightningCLI):
             PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",
                 filename="{step}",
-                every_n_train_steps=config["checkpoint_every_n_steps"],
+                every_n_train_steps=config["checkpoint_every_n_steps"] or 0,  # 0: Lightning's periodic saves off
                 save_top_k=config["keep_checkpoints"],  # the newest: ranked by step
                 monitor="step",
                 mode="max",

@@ -177,3 +177,13 @@ def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_che
         cli.resume_path(tmp_path, str(last))  # named, an older one: its run would sit beside the newer one's checkpoints
     hpc.unlink()
     assert cli.resume_path(tmp_path, str(last)) == str(last)
+
+
+def test_periodic_checkpoints_turned_off_keep_the_last_steps_and_resume(tmp_path, capsys):
+    out, recipe = tmp_path / "run", str(REPO / "recipes" / "tiny" / "sft.yaml")
+    common = [f"--output_dir={out}", "--checkpoint_every_n_steps=null", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0"]
+    assert cli.main(["run", recipe, "--trainer.max_steps=2", *common]) == 0, capsys.readouterr().err[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert cli.main(["run", recipe, "--trainer.max_steps=3", "--ckpt_path=last", *common]) == 0, capsys.readouterr().err[-3000:]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
