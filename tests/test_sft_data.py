@@ -495,3 +495,39 @@ def test_a_generation_block_that_holds_the_separator_after_the_end_of_turn_does_
                         {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]}  # fmt: skip
     (example,), _ = load_examples(write_jsonl(tmp_path / "m.jsonl", [row]), Renderer(tokenizer, "newline in block"), 512)
     assert trained_text(tokenizer, example) == "2<|im_end|>4<|im_end|>"
+
+
+def _without_blocks(tiny_tokenizer, template: str) -> Renderer:
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    return Renderer(tokenizer, "changed")
+
+
+def test_a_reasoning_generation_prompt_trains_each_reply_from_where_the_renderings_part(tiny_tokenizer, tmp_path):
+    """DeepSeek-R1's and Nemotron's templates open the generation prompt with `<think>`, which a finished turn does not
+    render: one-turn rows were refused as rendering "differently once later turns follow". TRL trains the reply from
+    where the prompt as asked and the finished turn part; so does this, once the conversation before it agrees."""
+    asked = "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    assert asked in tiny_tokenizer.chat_template
+    thinking = _without_blocks(tiny_tokenizer, tiny_tokenizer.chat_template.replace(asked, "{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"))
+    turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+             {"role": "assistant", "content": "4"}]  # fmt: skip
+    rows = [{"messages": turns[:2]}, {"prompt": turns[:1], "completion": turns[1:2]}, {"messages": turns}]
+    (one, split, two), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), thinking, 512)
+    assert trained_text(tiny_tokenizer, one) == trained_text(tiny_tokenizer, split) == "2<|im_end|>"
+    assert one.input_ids == split.input_ids and trained_text(tiny_tokenizer, two) == "2<|im_end|>4<|im_end|>"
+
+
+def test_a_reply_ended_by_the_next_turns_opening_end_token_trains_it(tiny_tokenizer, tmp_path, capsys):
+    """GLM-4.5's template ends no reply itself: the next turn opens with `<|user|>`, one of the model's end tokens. The
+    reply is trained through it (TRL's training template does as much), and where nothing follows the last reply,
+    that no reply is trained to end is said once."""
+    template = tiny_tokenizer.chat_template.replace("{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}", "{% endgeneration %}")
+    template = template.replace("{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+                                "{{ '<|im_end|>' + message.role + '\\n' + message.content }}")  # fmt: skip
+    glm = _without_blocks(tiny_tokenizer, template)
+    turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+             {"role": "assistant", "content": "4"}]  # fmt: skip
+    (two, one), _ = load_examples(write_jsonl(tmp_path / "g.jsonl", [{"messages": turns}, {"messages": turns[:2]}]), glm, 512)
+    assert trained_text(tiny_tokenizer, two) == "2<|im_end|>4" and trained_text(tiny_tokenizer, one) == "2"
+    assert capsys.readouterr().err.count("renders no end-of-turn token after a conversation's last reply") == 1

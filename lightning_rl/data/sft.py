@@ -515,10 +515,8 @@ class Renderer:
                 )
             ids = list(out["input_ids"])
             mask = self._ending_at_turn_ends(ids, [bool(m) for m in out["assistant_masks"]])
-            if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
-                self._said_no_end = True  # TRL warns too: a model never trained to end its reply does not stop
-                print(f"note: tokenizer {self.name}: the chat template's {{% generation %}} blocks leave out the end of turn, so "
-                      "no reply is trained to end; put the end-of-turn token inside the blocks", file=sys.stderr)
+            self._note_if_no_end(ids, mask, "the chat template's {% generation %} blocks leave out the end of turn, so no reply is "
+                                 "trained to end; put the end-of-turn token inside the blocks")
             return ids, mask
         # Templates without {% generation %} blocks: find each assistant turn by rendering the conversation up to it.
         # That rendering must agree with the full one through the turn's end-of-turn token; after it, only what a
@@ -534,14 +532,34 @@ class Renderer:
             before = self._chat(messages[:k], add_generation_prompt=True, context=context)
             through = self._chat(messages[: k + 1], context=context)
             start = len(before)
-            agree = next((i for i, (a, b) in enumerate(zip(ids, through)) if a != b), min(len(ids), len(through)))
+            if through[:start] != before:
+                # A generation prompt that opens the turn otherwise than the finished turn renders (a reasoning
+                # template's `<think>`, dropped once the reply is written): the turn is trained from where the two
+                # part, as TRL trains it, provided the conversation before the turn renders the same.
+                earlier = self._chat(messages[:k], context=context)
+                start = _common_prefix(before, through)
+                if through[: len(earlier)] != earlier or start < len(earlier):
+                    raise ValueError(f"tokenizer {self.name}: the chat template renders the conversation before turn {k} otherwise "
+                                     "once the turn follows, so assistant tokens cannot be located (add {% generation %} blocks to the template)")
+            agree = _common_prefix(ids, through)
             ends = [i for i, token in enumerate(through[start:agree]) if token in self.end_ids]
             closing = all(token in self.end_ids or not self.tokenizer.decode([token]).strip() for token in through[agree:])
-            if through[:start] != before or agree < start or (agree < len(through) and not (ends and closing)):
+            if agree < start or (agree < len(through) and not (ends and closing)):
                 raise ValueError(f"tokenizer {self.name}: the chat template renders turn {k} differently once later turns follow, so assistant tokens cannot be located (add {{% generation %}} blocks to the template)")
             end = start + ends[-1] + 1 if ends else len(through)  # separators after the end-of-turn token are not trained
+            if not ends and agree == len(through) < len(ids) and ids[agree] in self.end_ids:
+                end += 1  # a template that ends a reply with the next turn's opening token (GLM's <|user|>), an end token
             mask[start:end] = [True] * (end - start)
+        self._note_if_no_end(ids, mask, "the chat template renders no end-of-turn token after a conversation's last reply, so "
+                             "that reply is not trained to end; give it a template that does, or one with {% generation %} blocks")
         return ids, mask
+
+    def _note_if_no_end(self, ids: list[int], mask: list[bool], why: str) -> None:
+        """Said once: trained replies of which none ends with an end token (TRL warns too: a model never trained to end
+        its reply does not stop)."""
+        if any(mask) and not any(on and token in self.end_ids for token, on in zip(ids, mask)) and not self._said_no_end:
+            self._said_no_end = True
+            print(f"note: tokenizer {self.name}: {why}", file=sys.stderr)
 
     def example(self, row: dict) -> Example:
         if row_has_images(row):
@@ -712,6 +730,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._batches())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class PackedCollator:
