@@ -103,8 +103,8 @@ DIFFERENCES = (
     ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
      "rewards get the joined text", "rewards get the parts as written",
      "the text-only chat template renders strings; a reward reading `content[0][\"text\"]` reads `content` instead"),
-    ("Multi-turn rows with Qwen3's own template", "refused in one line (the template renders earlier turns without "
-     "their reasoning once later turns follow)", "trained with a training template of TRL's",
+    ("Multi-turn rows with Qwen3's or gpt-oss's own template", "refused in one line (Qwen3's renders earlier turns "
+     "without their reasoning once later turns follow; gpt-oss's ends the last reply with `<|return|>`, earlier ones with `<|end|>`)", "trained with a training template of TRL's",
      "the served template cannot locate the assistant turns exactly"),
     ("Tool turns inside a conversational completion", "only the assistant turns of the completion are trained",
      "the whole completion is trained, the tool results and their headers too",
