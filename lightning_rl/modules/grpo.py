@@ -125,6 +125,8 @@ class GRPOModule(PolicyModule):
         prefix_across_rows: a group too large for a row forwards its shared prompt once, its rows attend to it (``always``;
             an untrained part below it that its subtree shares, such as a tool's output, once too where that saves),
             or is split into sub-groups that each forward it (``never``); ``auto``: whichever forwards fewer tokens.
+        packing: ``tree`` (rollouts packed into rows, each prompt once), or ``none``: each rollout a row of its own, run as
+            the model runs it alone (its own attention: a model tree packing refuses trains so, slower).
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
@@ -197,6 +199,7 @@ class GRPOModule(PolicyModule):
         max_grad_norm: float | None = 1.0,
         max_tokens_per_row: int | None = None,
         prefix_across_rows: PrefixAcrossRows = "auto",
+        packing: Literal["tree", "none"] = "tree",
         chunk_size: int = 1024,
         attention_backend: AttentionBackend = "auto",
         compile: bool = False,
@@ -312,7 +315,8 @@ class GRPOModule(PolicyModule):
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:
-        self.check_packable()  # before an engine is built and a first step generated and scored for nothing
+        if self.hparams.packing == "tree":
+            self.check_packable()  # before an engine is built and a first step generated and scored for nothing
         spec = self.engine_spec
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
@@ -418,7 +422,7 @@ class GRPOModule(PolicyModule):
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
         mismatch = MismatchStats(self.route_layers, unreplayed=unreplayed(self.sampling, self.policy)) if self._mismatch is None else None  # first pass
         for k, packed in enumerate(packed_rows):
-            if self.packing_verifier.due(step):
+            if self.packing_verifier.due(step) and not packed.unpacked:
                 self._verify_packing(packed, step)
             old, ref = (None if kept is None else kept[k].to(self.device) for kept in (self._old_logprobs, self._ref_logprobs))
             if draws is not None:  # under dropout, the training forward keeps the very tokens the threshold counted
@@ -508,6 +512,9 @@ class GRPOModule(PolicyModule):
         return terms, None if entropy is None else entropy.detach()
 
     def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
+        return dataclasses.replace(self._pack(rollouts, advantages), unpacked=self.hparams.packing == "none")
+
+    def _pack(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
         pad, multiple = self.tokenizer.pad_token_id or 0, self.row_multiple()  # static-shape devices: rows padded to buckets
         if not rollouts:  # an empty row (this rank has fewer rows than another): one untrained token
             return pack_sequences([[pad]], [[False]], token_values={"engine_logprobs": [[0.0]]}, seq_values={"advantage": [0.0]}, pad_to_multiple_of=multiple, pad_token_id=pad)
@@ -541,7 +548,9 @@ class GRPOModule(PolicyModule):
     def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[RowPrefix | None]]:
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
         rows, prefixes = [list(range(len(rollouts)))], [None]
-        if self.hparams.max_tokens_per_row is not None:
+        if self.hparams.packing == "none":
+            rows, prefixes = [[i] for i in range(len(rollouts))] or rows, [None] * max(len(rollouts), 1)
+        elif self.hparams.max_tokens_per_row is not None:
             plan = plan_step_rows(self.hparams.max_tokens_per_row, self.hparams.prefix_across_rows, self.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
                                   [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()))  # fmt: skip
             rows, prefixes = plan.ranks[0], plan.prefixes[0]

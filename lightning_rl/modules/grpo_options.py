@@ -75,6 +75,8 @@ def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
             validation.finite_positive(key, hparams[key])
     check_schedule(hparams["lr_schedule"], hparams["learning_rate"], hparams["warmup_steps"])
     alarm_bound(hparams["mismatch_alarm_kl"])
+    if hparams["packing"] == "none" and hparams["max_tokens_per_row"] is not None:
+        raise RecipeError("max_tokens_per_row packs rollouts into rows, but packing: none forwards each alone: leave it unset", "max_tokens_per_row")
     if hparams["eval_generations"] and hparams["eval_data"] is None:
         raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
     if hparams["eval_data"] not in (None, TOY_DATASET):

@@ -24,7 +24,7 @@ from lightning_rl.modules.model_card import data_name, key_settings, model_card
 from lightning_rl.modules.optim import adamw_with_schedule
 from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.ops.random_state import RandomState
-from lightning_rl.ops.packed_forward import check_packable
+from lightning_rl.ops.packed_forward import check_packable, unpacked_hint
 from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy, loads_weights_sharded
 
@@ -117,7 +117,8 @@ class PolicyModule(LightningModule):
 
     def check_packable(self) -> None:
         """What tree packing refuses in the policy, refused now (`ops.packed_forward.check_packable`)."""
-        check_packable(self.policy, attention_backend=self.attention_backend(), pad_to_multiple_of=self.row_multiple())
+        with unpacked_hint("model.packing", "rollout"):
+            check_packable(self.policy, attention_backend=self.attention_backend(), pad_to_multiple_of=self.row_multiple())
 
     def row_multiple(self) -> int | None:
         """What the rows this module packs itself are padded to a multiple of: 128 where the trainer's device compiles

@@ -10,15 +10,13 @@ accumulation and clipping are the Trainer's business.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_rl import validation
-from lightning_rl.attention.tree_attention import AttentionBackend, PackingRefused
+from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
@@ -27,7 +25,7 @@ from lightning_rl.modules.evaluation import HELDOUT_METRIC, exact_match, log_hel
 from lightning_rl.modules.optim import LrSchedule, check_schedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
-from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs, unpacked_hint
 from lightning_rl.packing.tree import PackedBatch
 
 
@@ -126,12 +124,12 @@ class SFTModule(PolicyModule):
 
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each trained token's log-prob, and the entropy and whether the likeliest token is it (TRL's figures)."""
-        with _unpacked_hint():
+        with unpacked_hint("data.packing", "example"):
             return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         if self.packing_verifier.due(self.global_step) and not batch.unpacked:  # an unpacked row is the model's own forward
-            with _unpacked_hint():
+            with unpacked_hint("data.packing", "example"):
                 error = self.packing_verifier.check(
                     self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
                 )
@@ -212,13 +210,3 @@ class SFTModule(PolicyModule):
         tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer
         return self.export_policy(tokenizer, path, mode=self.export, data=getattr(datamodule, "train_data", None), write=write)
 
-
-@contextmanager
-def _unpacked_hint() -> Iterator[None]:
-    """A model that packing refuses still trains one example a row, as it runs alone: the refusal says so."""
-    try:
-        yield
-    except PackingRefused as refused:
-        if "packing: none" in str(refused):
-            raise
-        raise PackingRefused(f"{refused}; data.packing: none trains it one example a row, as the model runs each alone") from None

@@ -17,6 +17,8 @@ in step and either goes on or stops everywhere.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,7 +111,7 @@ def packed_hidden_states(
     list a prefix's own forward records each attention call's keys and values in. An ``unpacked`` row (one sequence,
     ``data.packing: none``) runs as the model runs that sequence alone: its own attention and positions, no tree."""
     if batch.unpacked:
-        return head_inputs(model, batch.input_ids, None, **batch.image_inputs)
+        return _routed(model, batch, route_agreement, replay_routes, lambda: head_inputs(model, batch.input_ids, None, **batch.image_inputs))
     enable_tree_attention(model)
     prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
     if prefix is not None:
@@ -139,17 +141,40 @@ def packed_hidden_states(
         options = dict(attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
         meta = meta.after_prefix(prefix.length, prefix.keys_values(model, lambda into: packed_hidden_states(model, prefix.batch, **options, capture=into)))
     meta.capture = capture
-    replay = None if batch.routes is None else RouteReplay(batch.routes, force=replay_routes)
-    if replay is not None:
-        replay.check(model, batch.num_tokens)
-    with packed_forward(meta), replaying(model, replay):
-        hidden = head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
+
+    def run() -> Tensor:
+        with packed_forward(meta):
+            return head_inputs(model, batch.input_ids, positions, tree_attention=meta, **batch.image_inputs)
+
+    hidden = _routed(model, batch, route_agreement, replay_routes, run)
     _check_every_layer_applied(model, meta)
     if prefix is not None and meta.shared.prefix_taken != set(meta.prefix_kv):
         raise PackingRefused(f"{type(model).__name__}: {len(meta.shared.prefix_taken)} attention modules of a row took keys and values of its prefix's {len(meta.prefix_kv)}")
+    return hidden
+
+
+def _routed(model: nn.Module, batch: PackedBatch, route_agreement: RouteAgreement | None, replay_routes: bool, run) -> Tensor:
+    """``run()``'s forward with each token of a row that carries ``routes`` sent to the experts they name (or only
+    compared, without ``replay_routes``), and how often the model agreed added to ``route_agreement``."""
+    replay = None if batch.routes is None else RouteReplay(batch.routes, force=replay_routes)
+    if replay is not None:
+        replay.check(model, batch.num_tokens)
+    with replaying(model, replay):
+        hidden = run()
     if replay is not None and route_agreement is not None:
         route_agreement.merge(replay.agreement)
     return hidden
+
+
+@contextmanager
+def unpacked_hint(key: str, unit: str) -> Iterator[None]:
+    """A refusal of packing says that the model still trains one ``unit`` a row, as it runs alone (``key``: none)."""
+    try:
+        yield
+    except PackingRefused as refused:
+        if "packing: none" in str(refused):
+            raise
+        raise PackingRefused(f"{refused}; {key}: none trains it one {unit} a row, as the model runs each alone") from None
 
 
 def _check_every_layer_applied(model: nn.Module, meta: TreeAttentionMeta) -> None:

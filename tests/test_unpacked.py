@@ -1,6 +1,7 @@
-"""``data.packing: none`` runs each example as the model runs it alone, so a model that tree packing refuses (an
-attention outside transformers' interface, recurrent layers) still trains: its first loss is that of a plain
-forward of the example, and a packed layout of the same model is refused in one line that names this way out."""
+"""Unpacked rows (SFT's ``data.packing: none``, GRPO's ``model.packing: none``) run each sequence as the model runs it
+alone, so a model that tree packing refuses (an attention outside transformers' interface, recurrent layers, sinks)
+still trains: SFT's first loss is that of a plain forward of the example, a packed layout of the same model is
+refused in one line that names this way out, and a GRPO step over unpacked rows has the packed step's gradients."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support import packing_families
+from support.grpo import LENGTH_REWARD, GradientRecorder, fit as grpo_fit
 from support.paths import TOY_TRAIN
 
 from lightning_rl.attention.tree_attention import PackingRefused
@@ -49,3 +51,22 @@ def test_a_model_packing_refuses_trains_one_example_a_row_at_a_plain_forwards_lo
     nll = -torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(float(nll[trained].mean()), rel=1e-5)
     assert "train/packing_error" not in trainer.logged_metrics  # nothing packed, nothing to verify
+
+
+def test_a_grpo_step_over_unpacked_rows_has_the_packed_steps_gradients(tiny_path):
+    steps = {}
+    for packing in ("tree", "none"):
+        recorder = GradientRecorder()
+        grpo_fit(1, [recorder], packing=packing, rewards=LENGTH_REWARD)
+        steps[packing] = recorder.steps[0]
+    assert steps["tree"].keys() == steps["none"].keys() and any(g.abs().max() > 0 for g in steps["tree"].values())
+    for name, grad in steps["tree"].items():
+        torch.testing.assert_close(steps["none"][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_trains_a_model_packing_refuses_unpacked(tiny_path, tmp_path):
+    path = _saved("stablelm", tiny_path, tmp_path)
+    with pytest.raises(PackingRefused, match=r"StableLmAttention is called without the packed row's metadata .*; model\.packing: none trains it one rollout a row"):
+        grpo_fit(1, model_name_or_path=path)
+    module, run = grpo_fit(1, model_name_or_path=path, packing="none")
+    assert run.global_step == 1 and "train/packing_error" not in run.logged_metrics
