@@ -16,18 +16,23 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
-import socket
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning_rl import stopping
 
-from lightning_rl import run_folder, stopping
-from lightning_rl.checkpoints import ForeignCheckpointError, ForeignWeightsError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete
-from lightning_rl.errors import RecipeError, UserError, report
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "lightning-rl":  # the command's own process
+    stopping.exit_on_stop_signals()  # before the imports below, which take seconds
+
+import torch  # noqa: E402
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
+
+from lightning_rl import run_folder  # noqa: E402
+from lightning_rl.checkpoints import ForeignCheckpointError, ForeignWeightsError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete  # noqa: E402
+from lightning_rl.errors import RecipeError, UserError, report  # noqa: E402
 
 if TYPE_CHECKING:
     from lightning_rl.recipe import RecipeCLI

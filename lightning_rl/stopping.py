@@ -17,6 +17,7 @@ waiting in a collective it does not join; they give it up together, or none does
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,21 @@ def abandon_if_stopping(what: str) -> None:
         return
     if (_abandonable and threading.current_thread() is threading.main_thread()) or getattr(_discarded, "discard", False):
         raise StepAbandoned(f"{what} had not returned")
+
+
+def exit_on_stop_signals() -> None:
+    """From now until a run installs its own handlers (``RequeueOnSignal``): SIGTERM or SIGUSR1 ends the process with
+    `EXIT_CODE` and one line. The command installs it before its imports, which take seconds in which a scheduler's
+    signal otherwise kills the process without a word (and with the signal's status, not 143); nothing has been
+    trained or written yet then."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        print(f"{signal.Signals(signum).name} arrived before training started: the command stops, nothing trained", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CODE)
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, stop)
 
 
 def wait_unless_stopping(done: Callable[[float], bool], timeout_s: float | None, what: str) -> bool:

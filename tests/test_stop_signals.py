@@ -176,3 +176,30 @@ def test_a_fetch_that_fails_on_one_rank_stops_the_others_with_its_exit_code(insi
         stopping.fetched_on_every_rank(lambda: "batch", lambda value: value + votes[0] + healthy)
     assert stopped.value.exit_code == 2 and stopped.value.on_every_rank
     assert stopping.fetched_on_every_rank(lambda: "batch", lambda value: value) == "batch"  # no failure, no stop
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler of its own for ``signum`` (Linux: the SigCgt mask of /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_the_commands_start_exits_143_with_one_line(tmp_path, signum):
+    """A scheduler's signal in the seconds the command spends importing torch and Lightning, before the run installs
+    its handlers, killed the process without a word (status -15, or -10: SIGUSR1's default action ends it too)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "run", str(REPO / "recipes" / "tiny" / "sft.yaml"), f"--output_dir={out}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signum) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signum)  # the first handler there is: the command's own, long before the run's
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"{signal.Signals(signum).name} arrived before training started: the command stops, nothing trained"
+    assert not out.exists()
