@@ -81,11 +81,23 @@ USER_LAST = json.dumps({"messages": [*GOOD_ROW["messages"], {"role": "user", "co
 EMPTY_TURN = json.dumps({"messages": [GOOD_ROW["messages"][0], {"role": "assistant", "content": ""}]}).encode() + b"\n"
 # name -> (recipe, overrides given the test's tmp_path, what the error line starts with after "error: "; {t} is
 # tmp_path, {r} the recipe, which a mistake the parser finds in it is said in; one typed on the command line is said to be there)
+def sharded_checkpoint(folder) -> str:
+    """A folder as FSDP2 saves a checkpoint (its metadata and shards), under a name that is no checkpoint's."""
+    (folder / "last.ckpt").mkdir()
+    (folder / "last.ckpt" / "meta.pt").write_bytes(b"")
+    (folder / "last.ckpt" / "__0_0.distcp").write_bytes(b"")
+    return str(folder / "last.ckpt")
+
+
 MISTAKES = {
     "train_data a folder": (SFT, lambda t: [f"--data.train_data={t}"], "data.train_data: "),
     "GRPO eval_data without a reply to compare": (GRPO, lambda t: [f"--model.eval_data={data_file(t, 'h.jsonl', USER_LAST)}", "--model.eval_generations=2"],
                                                   "model.eval_data ({t}/h.jsonl) has no conversation ending in a reply"),
     "unknown model folder": (SFT, lambda t: [f"--model.model_name_or_path={t / 'no-model'}"], "model.model_name_or_path: no model folder"),
+    "a checkpoint given as the model": (SFT, lambda t: [f"--model.model_name_or_path={data_file(t, 'step=3.ckpt', b'PK')}"],
+                                        "model.model_name_or_path: {t}/step=3.ckpt is a training checkpoint, not a model folder: resume"),
+    "a sharded checkpoint given as the model": (SFT, lambda t: [f"--model.model_name_or_path={sharded_checkpoint(t)}"],
+                                                "model.model_name_or_path: {t}/last.ckpt is a training checkpoint, not a model folder"),
     "unknown hub id": (SFT, lambda t: ["--model.model_name_or_path=nobody-at-all/no-such-model"], "model.model_name_or_path: nobody-at-all/no-such-model is neither"),
     "learning_rate NaN": (lambda t: recipe_with(t, SFT, learning_rate=float("nan")), lambda t: [], "model.learning_rate must be a finite number > 0, got nan"),
     "learning_rate negative": (SFT, lambda t: ["--model.learning_rate=-1e-3"], "model.learning_rate must be > 0, got -0.001"),

@@ -71,6 +71,9 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads
     if name_or_path in EMBEDDED:
         return
     path = Path(name_or_path).expanduser()
+    if (path.suffix == ".ckpt" and path.exists()) or (path / "meta.pt").is_file() or (path.is_dir() and any(path.glob("*.distcp"))):
+        raise RecipeError(f"{key}: {name_or_path} is a training checkpoint, not a model folder: resume the run from it with "
+                          "ckpt_path, or start from the model the run wrote (its hf/ folder)", key)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
