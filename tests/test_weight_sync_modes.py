@@ -286,6 +286,10 @@ def test_lora_serving_is_turned_on_for_an_engine_given_by_class_path_too():
     assert engine_options_for(Engine, {}, "adapter", 8) == {"max_lora_rank": 8}
     assert engine_options_for(Engine, {"max_lora_rank": 32}, "auto", 8) == {"max_lora_rank": 32}  # the recipe's own
     assert engine_options_for(Engine, {"max_lora_rank": None}, "merged", 8) == {"max_lora_rank": None}
+    # An engine that serves LoRA on a MoE model on a GPU only: `auto` leaves it off there (it would not generate).
+    Engine.MOE_LORA_NEEDS_CUDA = True
+    assert engine_options_for(Engine, {}, "auto", 8, moe=True) == ({"max_lora_rank": 8} if torch.cuda.is_available() else {})
+    assert engine_options_for(Engine, {}, "auto", 8, moe=False) == engine_options_for(Engine, {}, "adapter", 8, moe=True) == {"max_lora_rank": 8}
 
 
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
@@ -298,6 +302,16 @@ def test_an_adapter_that_trains_biases_is_not_one_vllm_serves(bias) -> None:
     assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == f"vLLM cannot serve an adapter that trains biases (bias: {bias})"
     plain = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets)))
     assert vllm_adapter_refusal(plain, 8, targets, "Qwen3ForCausalLM") is None
+
+
+def test_an_adapter_on_an_embedding_is_refused_without_listing_the_embedding_as_served() -> None:
+    """vLLM lists ``embed_tokens`` among its LoRA targets, and the refusal of an adapter on it read "serves LoRA on
+    ..., embed_tokens, ... not on model.embed_tokens"."""
+    from lightning_rl.rollout.vllm_engine import vllm_adapter_refusal
+
+    targets = ["q_proj", "embed_tokens"]
+    spec = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets)))
+    assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == "an adapter is sent to vLLM on linear layers only, not on model.embed_tokens (Embedding)"
 
 
 @pytest.mark.parametrize("mode", ["merged", "delta"])

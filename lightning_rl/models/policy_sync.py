@@ -47,11 +47,15 @@ def check_weight_sync(mode: str, lora: bool) -> None:
                           "(or adapter, delta)", "weight_sync")
 
 
-def engine_options_for(engine_class: type, options: Mapping[str, Any], mode: str, lora_rank: int | None) -> dict[str, Any]:
+def engine_options_for(engine_class: type, options: Mapping[str, Any], mode: str, lora_rank: int | None, moe: bool = False) -> dict[str, Any]:
     """The engine's options, with LoRA serving on (``max_lora_rank``: the adapter's rank) where the mode may send the
-    adapter alone and the engine takes that option, unless the recipe set it."""
+    adapter alone and the engine takes that option, unless the recipe set it. Under ``auto``, not for a mixture of
+    experts (``moe``) on an engine whose LoRA serving needs a GPU for one (``MOE_LORA_NEEDS_CUDA``: vLLM's CPU build
+    wraps every expert layer in kernels it cannot run, so that engine would not generate at all): it syncs merged."""
     options = dict(options)
     if lora_rank is not None and mode in ("auto", "adapter") and "max_lora_rank" in inspect.signature(engine_class).parameters:
+        if mode == "auto" and moe and getattr(engine_class, "MOE_LORA_NEEDS_CUDA", False) and not torch.cuda.is_available():
+            return options
         if options.get("max_lora_rank") is None:  # a class_path's init_args hold every default, None included
             options["max_lora_rank"] = lora_rank
     return options

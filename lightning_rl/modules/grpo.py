@@ -48,7 +48,7 @@ from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations,
 from lightning_rl.modules.entropy_threshold import step_entropy_threshold
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, log_step, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
-from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting
+from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting, is_moe
 from lightning_rl.models.weights import SyncReport
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
@@ -320,7 +320,7 @@ class GRPOModule(PolicyModule):
         spec = self.engine_spec
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
-        options = engine_options_for(spec.engine_class, spec.init_args, self.hparams.weight_sync, self.lora and self.lora.r)
+        options = engine_options_for(spec.engine_class, spec.init_args, self.hparams.weight_sync, self.lora and self.lora.r, moe=is_moe(self.policy))
         self.engine = dataclasses.replace(spec, init_args=options).build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
         self.weight_sync = PolicySync(resolve_weight_sync(self.hparams.weight_sync, self.policy, self.engine, self.lora is not None))
         self.route_layers = replay_routes(self.hparams.router_replay, self.policy, self.engine)

@@ -155,6 +155,8 @@ class VLLMEngine(RolloutEngine):
             ``weight_sync: adapter``); None: no LoRA serving, adapters arrive merged into the weights.
     """
 
+    MOE_LORA_NEEDS_CUDA = True  # vLLM's CPU build serves no LoRA on a MoE model (`vllm_held.lora_refusal`)
+
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
         if importlib.util.find_spec("vllm") is None:
@@ -422,7 +424,9 @@ def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequ
     if adapter.config.get("bias", "none") != "none":  # peft trains the adapted layers' biases too: vLLM loads none
         return f"vLLM cannot serve an adapter that trains biases (bias: {adapter.config['bias']})"
     for name, kind in adapter.layers.items():
-        if kind != "Linear" or name.rpartition(".")[2] not in targets:
+        if kind != "Linear":  # vLLM takes an adapter's embedding or other non-linear layers from no peft folder here
+            return f"an adapter is sent to vLLM on linear layers only, not on {name} ({kind})"
+        if name.rpartition(".")[2] not in targets:
             return f"vLLM's {architecture} serves LoRA on {', '.join(targets)}, not on {name} ({kind})"
     return None
 

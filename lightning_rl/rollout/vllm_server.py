@@ -205,6 +205,8 @@ class VLLMServerEngine(RolloutEngine):
             LoRA serving (a server given by ``url`` serves one if it was started with ``--enable-lora``).
     """
 
+    MOE_LORA_NEEDS_CUDA = True  # vLLM's CPU build serves no LoRA on a MoE model (`vllm_held.lora_refusal`)
+
     @property
     def concurrent_batches(self) -> bool:  # type: ignore[override]
         """The server batches the requests of several threads together. Under ``pause: wait`` a push waits for every

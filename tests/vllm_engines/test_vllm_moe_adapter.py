@@ -92,6 +92,29 @@ def test_moe_targets_vllm_serves_on_no_build_are_refused_naming_the_module(engin
     assert re.fullmatch(rf"vLLM's Qwen3MoeForCausalLM serves LoRA on .*experts\.0\.gate_proj.*, not on {re.escape(module)}", refusal)
 
 
+def test_auto_builds_the_engine_without_lora_serving_and_syncs_merged(plain_engine, moe_dir):
+    """``auto`` turned LoRA serving on before the engine existed; on the CPU build that engine then failed its first
+    generation in a Triton kernel (or the server's, restarted until it gave up). It builds the engine without it
+    (the plain engine here), syncs merged, and the engine samples what the merged policy computes."""
+    from lightning_rl.models.policy_sync import engine_options_for
+    from lightning_rl.models.routing import is_moe
+    from lightning_rl.rollout.vllm_engine import VLLMEngine
+    from lightning_rl.rollout.vllm_server import VLLMServerEngine
+
+    policy = lora(moe_dir, **ATTENTION)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)  # an adapter that changes the model
+    for engine_class in (VLLMEngine, VLLMServerEngine):
+        assert "max_lora_rank" not in engine_options_for(engine_class, {}, "auto", 16, moe=is_moe(policy))
+        assert engine_options_for(engine_class, {}, "adapter", 16, moe=True)["max_lora_rank"] == 16  # asked for: refused once built
+    assert resolve_weight_sync("auto", policy, plain_engine, lora=True) == "merged"
+    PolicySync("merged").sync(policy, plain_engine, plain_engine.weight_version + 1)
+    sampled = plain_engine.generate([[5, 6, 7, 8]], n=2, sampling=SamplingConfig(max_new_tokens=8, seed=3))
+    assert max_logprob_error(policy.merge_and_unload(), sampled.rollouts) < LOGPROB_ATOL
+
+
 def test_a_full_push_to_the_moe_model_is_verified_expert_by_expert(plain_engine, moe_dir, monkeypatch):
     """vLLM's CPU MoE kernel computes with experts it prepacked after the first load; a reload writes them back in the
     checkpoint's layout, and the engine prepacks them again (`prepack_on_reload`): the engine then computes
