@@ -578,3 +578,19 @@ def test_a_model_tree_packing_refuses_is_refused_before_a_step_is_generated_and_
     with pytest.raises(PackingRefused, match="applies attention dropout 0.1; tree attention does not: set the model's attention_dropout to 0"):
         fit(1, model_name_or_path=str(folder), rewards=[RewardSpec("test_grpo_module:counted_length")])
     assert SCORED == []
+
+
+def test_a_key_whose_switch_is_off_is_said_to_be_unused(capsys):
+    """A setting that only acts beside another (dynamic sampling's rounds, held-out data, adaptive entropy's bounds)
+    given alone was ignored without a word."""
+    from lightning_rl.losses import GRPOLoss
+
+    GRPOModule(dynamic_sampling_max_rounds=8, eval_data="toy", loss=GRPOLoss(entropy_coef_max=0.5, entropy_target=0.3))
+    assert capsys.readouterr().err.splitlines() == [
+        "note: dynamic_sampling_max_rounds is set, but dynamic_sampling is False, so it is not used",
+        "note: eval_data is set, but eval_generations is 0, so it is not used",
+        "note: loss.entropy_coef_max, loss.entropy_target are set, but loss.adaptive_entropy is off, so not used",
+    ]
+    GRPOModule(dynamic_sampling=True, dynamic_sampling_max_rounds=8, eval_data="toy", eval_generations=2,
+               loss=GRPOLoss(adaptive_entropy=True, entropy_coef_max=0.5))  # fmt: skip
+    assert "note:" not in capsys.readouterr().err

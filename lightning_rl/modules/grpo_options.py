@@ -7,10 +7,11 @@ and LoRA) is refused here, in one line naming the key, before any model loads.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_rl import validation
@@ -75,6 +76,10 @@ def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
             validation.finite_positive(key, hparams[key])
     check_schedule(hparams["lr_schedule"], hparams["learning_rate"], hparams["warmup_steps"])
     alarm_bound(hparams["mismatch_alarm_kl"])
+    defaults = inspect.signature(init).parameters
+    for key, needs in (("dynamic_sampling_max_rounds", "dynamic_sampling"), ("eval_data", "eval_generations")):
+        if hparams[key] != defaults[key].default and not hparams[needs]:
+            print(f"note: {key} is set, but {needs} is {hparams[needs]}, so it is not used", file=sys.stderr)
     if hparams["packing"] == "none" and hparams["max_tokens_per_row"] is not None:
         raise RecipeError("max_tokens_per_row packs rollouts into rows, but packing: none forwards each alone: leave it unset", "max_tokens_per_row")
     if hparams["eval_generations"] and hparams["eval_data"] is None:
@@ -93,6 +98,10 @@ def check_combinations(
     ref_mixup_alpha: float,
     lora: LoraSettings | None,
 ) -> None:
+    unused = [f"loss.{f.name}" for f in fields(GRPOLoss) if f.name.startswith(("entropy_coef_", "entropy_target"))
+              and getattr(loss, f.name) != f.default and not loss.adaptive_entropy]  # fmt: skip
+    if unused:
+        print(f"note: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set, but loss.adaptive_entropy is off, so not used", file=sys.stderr)
     if sampling.temperature == 0:
         raise RecipeError("sampling.temperature=0 samples greedily: every completion of a prompt is the same, so their advantages "
                           "are all 0 and GRPO learns nothing; give a temperature > 0", "sampling.temperature")
