@@ -106,9 +106,11 @@ def test_a_longrope_row_whose_longest_path_is_the_original_length_is_packed_exac
         packed_logprobs(model, pack_sequences([[*sequences[0], 6], *sequences[1:]]), chunk_size=7, attention_backend="blocks")
 
 
-@pytest.mark.parametrize("model_type,key", [("gpt2", "attn_pdrop"), ("llama", "attention_dropout")])
-def test_attention_dropout_is_refused_naming_the_config_key_that_holds_it(model_type, key):
-    """GPT-2 keeps it in ``attn_pdrop``: the line told its users to set ``attention_dropout``, which changed nothing."""
+@pytest.mark.parametrize("model_type,key,others", [("gpt2", "attn_pdrop", ()), ("gpt2", "attn_pdrop", ("resid_pdrop", "embd_pdrop")),
+                                                   ("llama", "attention_dropout", ())])  # fmt: skip
+def test_attention_dropout_is_refused_naming_the_config_key_that_holds_it(model_type, key, others):
+    """GPT-2 keeps it in ``attn_pdrop``: the line told its users to set ``attention_dropout``, which changed nothing,
+    and with its default config (every dropout 0.1) ``resid_pdrop``, which holds the same value."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -117,6 +119,6 @@ def test_attention_dropout_is_refused_naming_the_config_key_that_holds_it(model_
     from lightning_rl.ops.packed_forward import packed_logprobs
     from lightning_rl.packing.tree import pack_sequences
 
-    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(build_config(model_type, {key: 0.25})).train()
+    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(build_config(model_type, dict.fromkeys((key, *others), 0.25))).train()
     with pytest.raises(PackingRefused, match=rf"applies attention dropout 0.25; tree attention does not: set the model's {key} to 0"):
         packed_logprobs(model, pack_sequences([[3, 4, 5, 6], [3, 4, 7]]), chunk_size=7, attention_backend="blocks")

@@ -279,6 +279,23 @@ def test_packed_image_rows_equal_each_sequence_alone(family, backend, dtype):
     assert vision_grads > 0  # the vision tower trained through the packed row
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3", "aya_vision", "llava"])
+def test_unpacked_image_rows_equal_each_sequence_alone(family):
+    """An unpacked row (``packing: none``) runs as the model runs the sequence alone, with the token types its processor
+    marks images by and its multi-axis positions: without them Qwen2-VL failed in transformers, Qwen2.5-VL put its
+    image tokens on 1-D positions and Gemma 3's attended causally; and Aya Vision's logit scale, which its forward does
+    not apply, is read off the model before its first row, as the packed path's probe reads it."""
+    build, make_image = FAMILIES[family]
+    model = build(torch.float64)
+    seqs, images, inputs = conversations(make_image, torch.float64)
+    for seq, keys in zip(seqs, images):
+        batch, _ = packed(model, [seq], [keys], inputs)
+        batch.unpacked = True
+        ours = packed_logprobs(model, batch, chunk_size=7)
+        theirs = reference_logprobs(model, [seq], [keys], inputs)
+        assert float((ours - theirs).abs().max()) <= 1e-10
+
+
 def test_placeholders_are_never_trained_and_a_mismatch_is_refused():
     seqs = [[1, IMAGE, IMAGE, 5, 6], [1, IMAGE, IMAGE, 5, 7]]
     batch, keys = pack_image_sequences(seqs, [["x"], ["y"]], IMAGE)

@@ -17,18 +17,18 @@ from lightning_rl.data.sft import SFTDataModule
 from lightning_rl.modules.sft import SFTModule
 
 
-def _saved(family: str, tiny_path, tmp_path):
+def _saved(family: str, tiny_path, tmp_path, **more):
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     model_type, overrides = packing_families.FAMILIES[family]
-    config = packing_families.build_config(model_type, dict(overrides, vocab_size=len(tokenizer), attn_implementation="eager"))
+    config = packing_families.build_config(model_type, dict(overrides, vocab_size=len(tokenizer), attn_implementation="eager", **more))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / family)
     tokenizer.save_pretrained(tmp_path / family)
     return str(tmp_path / family)
 
 
-def _fit(path: str, packing: str) -> tuple[Trainer, SFTDataModule]:
-    data = SFTDataModule(TOY_TRAIN, None, tokenizer=path, max_tokens=128, packing=packing, shuffle=False)
+def _fit(path: str, packing: str, **data_options) -> tuple[Trainer, SFTDataModule]:
+    data = SFTDataModule(TOY_TRAIN, None, tokenizer=path, max_tokens=128, packing=packing, shuffle=False, **data_options)
     trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, max_steps=1)  # fmt: skip
     trainer.fit(SFTModule(model_name_or_path=path, learning_rate=1e-3), datamodule=data)
@@ -40,10 +40,13 @@ def test_a_model_packing_refuses_trains_one_example_a_row_at_a_plain_forwards_lo
     path = _saved(family, tiny_path, tmp_path)
     with pytest.raises(PackingRefused, match=r"; data\.packing: none trains it one example a row, as the model runs each alone$"):
         _fit(path, "flat")
-    trainer, data = _fit(path, "none")
+    _assert_first_loss_is_a_plain_forwards(path, *_fit(path, "none"))
+
+
+def _assert_first_loss_is_a_plain_forwards(path: str, trainer: Trainer, data: SFTDataModule) -> None:
     first = next(iter(data.train_dataloader()))  # the first row again (no shuffle)
     example = data.train_examples[0]
-    assert first.unpacked and first.num_sequences == 1 and first.input_ids.tolist() == example.input_ids
+    assert first.unpacked and first.num_sequences == 1 and first.input_ids[: first.num_unique_tokens].tolist() == example.input_ids
     model = AutoModelForCausalLM.from_pretrained(path)  # the weights before the step
     logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1].double()
     targets = torch.tensor(example.input_ids[1:])
@@ -70,3 +73,19 @@ def test_grpo_trains_a_model_packing_refuses_unpacked(tiny_path, tmp_path):
         grpo_fit(1, model_name_or_path=path)
     module, run = grpo_fit(1, model_name_or_path=path, packing="none")
     assert run.global_step == 1 and "train/packing_error" not in run.logged_metrics
+
+
+@pytest.mark.parametrize("family,config", [("gpt2", {"n_positions": 48}), ("llama_dynamic", {})])
+def test_a_padded_unpacked_row_keeps_its_padding_off_the_sequences_positions(family, config, tiny_path, tmp_path):
+    """Padding (static-shape devices) was placed at the positions after the sequence: past a learned table's end
+    (GPT-2: an index error) or into a rope that picks its frequencies by the longest position (dynamic: other numbers)."""
+    path = _saved(family, tiny_path, tmp_path, **config)
+    _assert_first_loss_is_a_plain_forwards(path, *_fit(path, "none", pad_to_multiple_of=64))
+
+
+def test_a_model_that_sees_later_tokens_is_refused_unpacked_too(tiny_path, tmp_path):
+    """A bidirectional model (BERT as an encoder) reads the answer at every position: tree packing refused it, and
+    unpacked it trained without a word."""
+    path = _saved("bert", tiny_path, tmp_path)
+    with pytest.raises(PackingRefused, match=r"^BertLMHeadModel is not causal: its outputs at a token change with the tokens after it \(by \d\.\d\de-\d\d\)"):
+        _fit(path, "none")

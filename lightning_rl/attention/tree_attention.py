@@ -619,6 +619,7 @@ def _dropout_key(config: Any, dropout: float) -> str:
     """The config key that holds a layer's attention dropout (GPT-2's ``attn_pdrop``, Llama's ``attention_dropout``)."""
     keys = [key for key, value in (config.to_dict() if config is not None else {}).items()
             if "drop" in key and ("att" in key or "pdrop" in key) and value == dropout]  # fmt: skip
+    keys.sort(key=lambda key: "att" not in key)  # GPT-2's attn_pdrop, not resid_pdrop of the same value
     return keys[0] if keys else "attention dropout"
 
 

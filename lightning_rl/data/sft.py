@@ -878,6 +878,9 @@ class SFTDataModule(LightningDataModule):
             self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, max_length, fix, limit)
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
+        if self.packing == "none" and (self.trainer is None or self.trainer.is_global_zero):
+            print("note: data.packing: none trains one example per micro-batch (data.max_tokens bounds its length); "
+                  "trainer.accumulate_grad_batches sets how many make a step", file=sys.stderr)
         if self.trainer is not None and stage == "fit":
             self._check_val_interval()
 

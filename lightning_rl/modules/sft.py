@@ -124,7 +124,7 @@ class SFTModule(PolicyModule):
 
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each trained token's log-prob, and the entropy and whether the likeliest token is it (TRL's figures)."""
-        with unpacked_hint("data.packing", "example"):
+        with unpacked_hint("data.packing", "example", packed=not batch.unpacked):
             return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:

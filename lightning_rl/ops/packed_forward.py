@@ -111,7 +111,9 @@ def packed_hidden_states(
     list a prefix's own forward records each attention call's keys and values in. An ``unpacked`` row (one sequence,
     ``data.packing: none``) runs as the model runs that sequence alone: its own attention and positions, no tree."""
     if batch.unpacked:
-        return _routed(model, batch, route_agreement, replay_routes, lambda: head_inputs(model, batch.input_ids, None, **batch.image_inputs))
+        check_alone_once(model, batch.input_ids.device)
+        positions, inputs = _alone_inputs(model, batch)
+        return _routed(model, batch, route_agreement, replay_routes, lambda: head_inputs(model, batch.input_ids, positions, **inputs))
     enable_tree_attention(model)
     prefix = batch.prefix if isinstance(batch, PrefixedRow) else None
     if prefix is not None:
@@ -166,13 +168,61 @@ def _routed(model: nn.Module, batch: PackedBatch, route_agreement: RouteAgreemen
     return hidden
 
 
+def _alone_inputs(model: nn.Module, batch: PackedBatch) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """An unpacked row's positions and inputs, as the model's own processing gives them: its images with the token
+    types its processor marks them by (both-ways image blocks, multi-axis positions), the row's multi-axis positions;
+    else the model's own positions, but in a padded row the padding placed at 0, not past the sequence (where a learned
+    table ends, and a rope that depends on the longest position would change the sequence's)."""
+    inputs = dict(batch.image_inputs)
+    if inputs:
+        inputs.update(image_token_types(model, batch.input_ids[None]))
+    if batch.rope_position_ids is not None:
+        return batch.rope_position_ids[:, None], inputs
+    if batch.num_tokens == batch.num_unique_tokens:
+        return None, inputs
+    positions = batch.position_ids.clone()
+    positions[batch.num_unique_tokens :] = 0
+    return positions, inputs
+
+
+_ALONE_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def check_alone_once(model: nn.Module, device: torch.device) -> None:
+    """Before a model's first unpacked row, in eval mode, on two of `probe_sequences` that differ in their last two
+    tokens only: read which logit scale its own forward applies (`match_head_scaling`, as the probe does), and refuse a
+    model whose earlier outputs change with later tokens (bidirectional): a next-token loss would read the answer."""
+    if model in _ALONE_CHECKED:
+        return
+    seqs = probe_sequences(model.config)
+    first, second = (torch.tensor(seqs[k], device=device) for k in (1, 2))
+    shared = next(i for i, (a, b) in enumerate(zip(seqs[1], seqs[2])) if a != b)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        hidden = head_inputs(model, first, None)
+        logits = [model(input_ids=ids[None], use_cache=False).logits[0, :shared] for ids in (first, second)]
+        match_head_scaling(model, hidden[:shared], logits[0])
+    finally:
+        for module, training in modes:
+            module.training = training
+    earlier, later = (x.double().log_softmax(-1) for x in logits)
+    leak = _agree(float((earlier - later).abs().max()), model, device)
+    if leak > _tolerance(_compute_dtype(hidden)) * 1e-2:
+        raise PackingRefused(f"{type(model).__name__} is not causal: its outputs at a token change with the tokens after it (by "
+                             f"{leak:.2e}), so a next-token loss would read the answer; it is not trained here")
+    _ALONE_CHECKED[model] = True
+
+
 @contextmanager
-def unpacked_hint(key: str, unit: str) -> Iterator[None]:
-    """A refusal of packing says that the model still trains one ``unit`` a row, as it runs alone (``key``: none)."""
+def unpacked_hint(key: str, unit: str, packed: bool = True) -> Iterator[None]:
+    """A refusal of a ``packed`` row says that the model still trains one ``unit`` a row, as it runs alone (``key``:
+    none); a refusal of an unpacked row is left as it is."""
     try:
         yield
     except PackingRefused as refused:
-        if "packing: none" in str(refused):
+        if not packed or "packing: none" in str(refused):
             raise
         raise PackingRefused(f"{refused}; {key}: none trains it one {unit} a row, as the model runs each alone") from None
 
@@ -442,8 +492,10 @@ def verify_row(
         for rows, terms in sequence_paths(batch, chosen):
             ids = batch.input_ids[rows] if head is None else torch.cat([head.input_ids, batch.input_ids[rows]])
             routes = None if batch.routes is None else (batch.routes[rows] if head is None else torch.cat([head.routes, batch.routes[rows]]))
+            real = len(ids)
             ids = _right_padded(ids, batch.pad_to_multiple_of)
             positions = torch.arange(len(ids), device=ids.device)
+            positions[real:] = 0  # the padding placed at 0, not past the sequence (a learned table's end)
             if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
                 positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
             own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
