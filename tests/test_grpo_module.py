@@ -594,3 +594,16 @@ def test_a_key_whose_switch_is_off_is_said_to_be_unused(capsys):
     GRPOModule(dynamic_sampling=True, dynamic_sampling_max_rounds=8, eval_data="toy", eval_generations=2,
                loss=GRPOLoss(adaptive_entropy=True, entropy_coef_max=0.5))  # fmt: skip
     assert "note:" not in capsys.readouterr().err
+
+
+def test_load_from_checkpoint_gives_the_trained_weights(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning.pytorch import Trainer
+
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD})
+    Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(module, PromptDataModule(batch_size=2))  # fmt: skip
+    loaded = GRPOModule.load_from_checkpoint(tmp_path / "last.ckpt")
+    theirs = dict(module.policy.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in loaded.policy.named_parameters())

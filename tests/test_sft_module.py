@@ -318,3 +318,23 @@ def test_16_bit_weights_stepped_at_a_small_learning_rate_are_said_to_lose_update
     fit(tmp_path / "mixed", SFTModule(learning_rate=1e-5), max_steps=1, precision="bf16-mixed")
     fit(tmp_path / "high", SFTModule(learning_rate=1e-3), max_steps=1, precision="bf16-true")
     assert "no float32 copy" not in capsys.readouterr().err
+
+
+def test_load_from_checkpoint_gives_the_trained_weights_and_lora_settings_resume(tmp_path):
+    """Lightning's own ways back from a checkpoint, without the command: ``load_from_checkpoint`` read the Trainer the
+    module did not have yet, and a module given ``LoraSettings`` (not a dict) pickled them into its checkpoint, which
+    the weights-only resume could not read."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps: int, ckpt_path: str | None = None) -> SFTModule:
+        module = SFTModule(learning_rate=1e-2, lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+        Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, max_steps=max_steps,
+                callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(module, datamodule=SFTDataModule(TOY_TRAIN, max_tokens=256), ckpt_path=ckpt_path)  # fmt: skip
+        return module
+
+    trained = run(2)
+    loaded = SFTModule.load_from_checkpoint(tmp_path / "last.ckpt")
+    assert loaded.lora == trained.lora
+    theirs = dict(trained.model.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in loaded.model.named_parameters())
+    assert run(3, ckpt_path=str(tmp_path / "last.ckpt")).global_step == 3

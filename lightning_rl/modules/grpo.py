@@ -315,8 +315,7 @@ class GRPOModule(PolicyModule):
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
     def on_fit_start(self) -> None:
-        if self.hparams.packing == "tree":
-            self.check_packable()  # before an engine is built and a first step generated and scored for nothing
+        self.check_packable()  # before an engine is built and a first step generated and scored for nothing
         spec = self.engine_spec
         if spec.engine_class is HFRolloutEngine and "device" not in spec.init_args:  # beside the policy by default
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
@@ -630,6 +629,8 @@ class GRPOModule(PolicyModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
+        if self._trainer is None:  # load_from_checkpoint: the weights alone
+            return
         state = this_ranks(checkpoint.get("grpo", {}), self.trainer, lambda saved: saved.get("batch") is not None or saved["rollout_queue"]["ready"])
         self._restored_queue = state.get("rollout_queue")
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])

@@ -116,7 +116,10 @@ class PolicyModule(LightningModule):
         return self._backends[self.device]
 
     def check_packable(self) -> None:
-        """What tree packing refuses in the policy, refused now (`ops.packed_forward.check_packable`)."""
+        """What tree packing refuses in the policy, refused now (`ops.packed_forward.check_packable`); nothing for a
+        policy whose rows are unpacked (GRPO's ``packing: none``)."""
+        if self.hparams.get("packing") == "none":
+            return
         with unpacked_hint("model.packing", "rollout"):
             check_packable(self.policy, attention_backend=self.attention_backend(), pad_to_multiple_of=self.row_multiple())
 
@@ -186,6 +189,9 @@ class PolicyModule(LightningModule):
         checkpoint[RANDOM_STATE] = every_ranks(RandomState.now(self.device).plain())  # each rank's dropout draws
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is None:  # ``load_from_checkpoint``: the weights into a module built from its arguments, no run to resume
+            self.check_writer(checkpoint, "the checkpoint")
+            return
         path = self.trainer.ckpt_path
         lacking = [key for key in ("state_dict", "optimizer_states", "loops") if key not in checkpoint]
         if isinstance(self.trainer.strategy, ModelParallelStrategy):  # it loaded a file's weights and optimizer already

@@ -10,6 +10,7 @@ accumulation and clipping are the Trainer's business.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ class SFTModule(PolicyModule):
         self._step_totals = torch.zeros(6)
         self._val_totals = torch.zeros(4, dtype=torch.float64)
         self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
-        self.lora = LoraSettings.checked(lora)  # the typed settings, not the hparams copy
+        self.lora = LoraSettings.checked(lora)  # the typed settings; the hparams keep plain values (a weights-only load reads them)
+        self.hparams["lora"] = None if self.lora is None else asdict(self.lora)
         check_towers(towers, self.lora)
         self.export = export_mode(export, self.lora)
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
