@@ -3,6 +3,7 @@ loads with the same outputs; accumulation and bf16 precision come from Lightning
 
 import csv
 import json
+import math
 
 import pytest
 import torch
@@ -338,3 +339,30 @@ def test_load_from_checkpoint_gives_the_trained_weights_and_lora_settings_resume
     theirs = dict(trained.model.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in loaded.model.named_parameters())
     assert run(3, ckpt_path=str(tmp_path / "last.ckpt")).global_step == 3
+
+
+def test_a_plain_trainer_resumed_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path):
+    """The module brings its own run-keeping callbacks (they were the command's alone): resumed at step 4 of a cosine
+    schedule now 6 steps long, the first step took the old schedule's last rate (0)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rl.callbacks import ScheduleOnResume
+
+    class Rates(Callback):
+        def __init__(self) -> None:
+            self.taken: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.taken[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    def run(max_steps: int, **fit_options) -> tuple[Trainer, Rates]:
+        rates = Rates()
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                          max_steps=max_steps, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True), rates])  # fmt: skip
+        trainer.fit(SFTModule(learning_rate=1e-3, lr_schedule="cosine"), datamodule=SFTDataModule(TOY_TRAIN, max_tokens=256), **fit_options)
+        return trainer, rates
+
+    run(4)
+    trainer, rates = run(6, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert sum(isinstance(c, ScheduleOnResume) for c in trainer.callbacks) == 1
+    assert rates.taken == pytest.approx({step: 1e-3 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in (4, 5)})

@@ -363,7 +363,7 @@ class GRPOModule(PolicyModule):
     def configure_callbacks(self) -> list[Callback]:
         # Lightning calls no module hook when a fit ends by an exception (a SIGTERM stop included); a rollout thread
         # left running there aborts the interpreter at exit (exit code 134).
-        return [_CloseOnException()]
+        return [*super().configure_callbacks(), _CloseOnException()]
 
     def close(self) -> None:
         """Stop the weight push and the rollout thread, the tool workers and the engine."""

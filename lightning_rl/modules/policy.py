@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.attention.tree_attention import choose_backend
+from lightning_rl.callbacks import ScheduleOnResume, StopOnNonFinite, ValidationOnResume
 from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit, every_ranks, this_ranks
 from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
@@ -187,6 +188,12 @@ class PolicyModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[WRITER] = self.writer()
         checkpoint[RANDOM_STATE] = every_ranks(RandomState.now(self.device).plain())  # each rank's dropout draws
+
+    def configure_callbacks(self) -> list[Callback]:
+        """What keeps a run's numbers right under any Trainer, not only the command's (whose own instances these
+        replace): no step on a non-finite loss or gradient norm, the schedule followed on a resume with another
+        ``max_steps``, and a validation due at the checkpoint's step run on resume."""
+        return [StopOnNonFinite(), ScheduleOnResume(), ValidationOnResume()]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is None:  # ``load_from_checkpoint``: the weights into a module built from its arguments, no run to resume
