@@ -35,10 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_rl import dotted, run_folder, trl_names, validation
-from lightning_rl.callbacks import (
-    ExportHuggingFace, LoggerAfterSetup, PeriodicAndFinalCheckpoint, RequeueOnSignal, RunSummary, ScheduleOnResume, StopOnNonFinite,
-    ValidationOnResume,
-)
+from lightning_rl.callbacks import ExportHuggingFace, LoggerAfterSetup, PeriodicAndFinalCheckpoint, RequeueOnSignal, RunSummary
 from lightning_rl.checkpoints import saved_value, staged_checkpoint_io
 from lightning_rl.console import StepProgressBar, quiet_third_party_noise
 from lightning_rl.errors import RecipeError, UserError
@@ -457,10 +454,7 @@ class RecipeCLI(LightningCLI):
         callbacks += [
             RunSummary(output_dir, task=config["task"]),
             ExportHuggingFace(output_dir),
-            self.requeue,
-            StopOnNonFinite(),
-            ScheduleOnResume(),
-            ValidationOnResume(),
+            self.requeue,  # the modules bring StopOnNonFinite, ScheduleOnResume and ValidationOnResume themselves
             *([LoggerAfterSetup(logger, leaves(yaml.safe_load(recipe_text(self.parser, self.config))))] if logger else []),
             PeriodicAndFinalCheckpoint(
                 dirpath=output_dir / "checkpoints",

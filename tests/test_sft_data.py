@@ -2,6 +2,7 @@
 
 import copy
 import json
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -531,3 +532,31 @@ def test_a_reply_ended_by_the_next_turns_opening_end_token_trains_it(tiny_tokeni
     (two, one), _ = load_examples(write_jsonl(tmp_path / "g.jsonl", [{"messages": turns}, {"messages": turns[:2]}]), glm, 512)
     assert trained_text(tiny_tokenizer, two) == "2<|im_end|>4" and trained_text(tiny_tokenizer, one) == "2"
     assert capsys.readouterr().err.count("renders no end-of-turn token after a conversation's last reply") == 1
+
+
+def test_files_as_editors_and_tools_save_them_are_read_or_refused_in_one_line(tmp_path, monkeypatch):
+    """A byte-order mark (Notepad, PowerShell) was invalid JSON; Parquet under another name was read as JSON Lines; a
+    saved dataset of no rows failed inside `datasets`; a pipe was read twice (no rows, or a hang on a FIFO); and without
+    the `data` extra a Parquet file ended in a traceback."""
+    import os
+
+    import datasets
+
+    from lightning_rl.data.sft import read_rows
+
+    rows = [json.loads(line) for line in TOY_TRAIN.read_text().splitlines()[:3]]
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + TOY_TRAIN.read_bytes())
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.pq"))
+    assert [row for _, row in read_rows(str(tmp_path / "bom.jsonl"))[1][:3]] == rows
+    assert [row for _, row in read_rows(str(tmp_path / "bom.json"))[1]] == rows
+    assert [row for _, row in read_rows(str(tmp_path / "rows.pq"))[1]] == rows
+    datasets.Dataset.from_list(rows).select([]).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match=r"empty: no rows$"):
+        load_examples(str(tmp_path / "empty"), None, 512)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DataError, match=r"fifo: not a regular file \(a pipe or a device, which can be read only once\)"):
+        read_rows(str(tmp_path / "fifo"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as without the `data` extra
+    with pytest.raises(DataError, match=r"rows.pq: reading it needs the datasets package: pip install 'lightning-rl\[data\]'$"):
+        read_rows(str(tmp_path / "rows.pq"))

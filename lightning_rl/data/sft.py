@@ -12,8 +12,10 @@ the run with one message naming the file and line (or row), before anything is w
 from __future__ import annotations
 
 import array
+import codecs
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -132,6 +134,8 @@ _UNREAD_FORMATS = {
 def _source_problem(path: Path) -> str | None:
     """Why a file or folder is not one ``read_rows`` reads, or None: a file of a format it does not read, or a folder
     ``datasets.save_to_disk`` did not write for a single split."""
+    if not path.is_dir() and not path.is_file():
+        return "not a regular file (a pipe or a device, which can be read only once); save the rows to a file first"
     if not path.is_dir():
         what = _UNREAD_FORMATS.get(path.suffix.lower())
         return f"{what} is not read; give a .jsonl, .json or .parquet file, or a folder `datasets.save_to_disk` wrote" if what else None
@@ -180,7 +184,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a leading byte-order mark (Notepad's) is no text
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}: line {line_no}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
@@ -218,7 +222,10 @@ def _lone_surrogate(value: Any, field: str = "") -> str | None:
 def _opens_with(path: Path, start: bytes) -> bool:
     """Whether the file's first character other than white space is ``start``."""
     with open(path, "rb") as f:
+        first = True
         while chunk := f.read(1 << 16):
+            if first:
+                chunk, first = chunk.removeprefix(codecs.BOM_UTF8), False
             if stripped := chunk.lstrip():
                 return stripped.startswith(start)
     return False
@@ -227,7 +234,7 @@ def _opens_with(path: Path, start: bytes) -> bool:
 def _read_json(path: Path) -> list[Any] | None:
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line_no = data.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}: line {line_no}: not valid UTF-8") from None
@@ -295,6 +302,8 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
     if (problem := _source_problem(path)):
         raise DataError(f"{path}: {problem}")
     suffix = path.suffix.lower()  # train.JSON, train.Parquet
+    if path.is_file() and _opens_with(path, b"PAR1"):  # Parquet by its magic bytes, whatever its name (train.pq)
+        suffix = ".parquet"
     lines = suffix == ".jsonl" or (path.is_file() and suffix not in (".json", ".parquet"))
     if lines and not _opens_with(path, b"["):
         return str(path), _read_jsonl(path)
@@ -302,17 +311,18 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
         if lines:  # a JSON array under a JSON Lines name, as `datasets` reads it too
             rows = _read_json(path)
         elif path.is_dir():
-            import datasets
-
-            rows = [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
+            datasets = _data_package("datasets", path)
+            state = json.loads((path / "state.json").read_text()) if (path / "state.json").is_file() else {}
+            # A saved dataset of no rows has no data file, which `load_from_disk` fails on (an IndexError).
+            rows = [] if state.get("_data_files") == [] else [_without_filled_arguments(row) for row in datasets.load_from_disk(str(path))]
         elif suffix == ".parquet":
-            import datasets
-            import pyarrow.parquet
+            datasets = _data_package("datasets", path)
+            pyarrow = _data_package("pyarrow.parquet", path)
 
             # Through `datasets`, in memory: the file's own schema (a column `datasets` stores as JSON text, tools of
             # several shapes, say) comes back as the objects it wrote, as `load_dataset("parquet")` gives them. A
             # column type `datasets` has no feature for (Spark's maps) leaves the file to pyarrow alone.
-            table = pyarrow.parquet.read_table(path)
+            table = pyarrow.read_table(path)
             try:
                 read = datasets.Dataset(table)
             except (ValueError, TypeError, NotImplementedError):
@@ -325,6 +335,14 @@ def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
             raise
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {_first_line(e)})") from None
     return str(path), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
+
+
+def _data_package(name: str, path: Path) -> Any:
+    """``datasets`` or ``pyarrow.parquet``, which Parquet files and saved datasets need: one line without them."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise DataError(f"{path}: reading it needs the {name.split('.')[0]} package: pip install 'lightning-rl[data]'") from None
 
 
 def _check_messages(messages: Any, field: str) -> list[dict]:
