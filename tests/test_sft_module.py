@@ -366,3 +366,18 @@ def test_a_plain_trainer_resumed_with_more_steps_follows_the_new_schedule_from_i
     trainer, rates = run(6, ckpt_path=str(tmp_path / "last.ckpt"))
     assert sum(isinstance(c, ScheduleOnResume) for c in trainer.callbacks) == 1
     assert rates.taken == pytest.approx({step: 1e-3 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in (4, 5)})
+
+
+def test_each_validate_logs_the_exact_match_and_prompt_data_is_refused_in_one_line():
+    """A second Trainer's validation at the same step number found the first one's figure cached and logged none; a
+    GRPO prompt datamodule ended in an AttributeError deep in the step."""
+    from lightning_rl.data.prompts import PromptDataModule
+    from lightning_rl.errors import RecipeError
+
+    module = SFTModule(eval_generations=2)
+    for _ in range(2):
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+        (results,) = trainer.validate(module, datamodule=SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256))
+        assert "val/exact_match" in results
+    with pytest.raises(RecipeError, match=r"^SFT trains on the packed rows of SFTDataModule, got a batch of \w+ from PromptDataModule$"):
+        Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1).fit(SFTModule(), datamodule=PromptDataModule(batch_size=2))

@@ -112,6 +112,7 @@ class SFTModule(PolicyModule):
         return self.policy
 
     def setup(self, stage: str) -> None:
+        self._heldout = None  # a figure of another Trainer's step (a second fit or validate) is not this one's
         # The datamodule is set up by now: generations asked of held-out data that has none are refused before a
         # model loads.
         n = self.hparams.eval_generations
@@ -128,6 +129,18 @@ class SFTModule(PolicyModule):
         """Each trained token's log-prob, and the entropy and whether the likeliest token is it (TRL's figures)."""
         with unpacked_hint("data.packing", "example", packed=not batch.unpacked):
             return packed_logprobs(self.policy, batch, chunk_size=self.hparams.chunk_size, attention_backend=self.attention_backend(), return_stats=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._check_batch(batch)
+        super().on_train_batch_start(batch, batch_idx)
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._check_batch(batch)
+
+    def _check_batch(self, batch: Any) -> None:
+        if not isinstance(batch, PackedBatch):
+            source = type(self.trainer.datamodule).__name__ if self.trainer.datamodule is not None else "the data given"
+            raise RecipeError(f"SFT trains on the packed rows of SFTDataModule, got a batch of {type(batch).__name__} from {source}", "data")
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
         if self.packing_verifier.due(self.global_step) and not batch.unpacked:  # an unpacked row is the model's own forward
@@ -192,11 +205,11 @@ class SFTModule(PolicyModule):
         if self._heldout is None or self._heldout[0] != self.global_step:
             datamodule = self.trainer.datamodule
             figures = self.exact_match_accuracy(datamodule.generation_cases[: self.hparams.eval_generations], datamodule.tokenizer)
-            if in_validation:
-                self.log(HELDOUT_METRIC, figures["heldout_exact_match"])  # every rank computed the same figure
-            else:
+            if not in_validation:
                 log_heldout(self, figures)
             self._heldout = (self.global_step, figures)
+        if in_validation:  # logged in every validation, a figure of this step computed earlier too
+            self.log(HELDOUT_METRIC, self._heldout[1]["heldout_exact_match"])  # every rank computed the same figure
         return self._heldout[1]
 
     def summary_metrics(self) -> dict[str, Any]:
