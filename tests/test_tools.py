@@ -367,3 +367,16 @@ def test_a_template_that_writes_calls_without_the_parsed_tags_is_refused(tiny_to
     check_tool_call_format(tiny_tokenizer, "tiny")  # its template writes the blocks
     with pytest.raises(RecipeError, match="^tools: the chat template of bare writes tool calls without <tool_call> blocks"):
         check_tool_call_format(bare, "bare")
+
+
+def test_tools_given_as_functions_or_tool_objects_are_taken_and_kept_by_name():
+    """TRL takes tool functions: given as objects from Python they failed inside the path loader, and their
+    hyperparameters would have pickled functions into the checkpoint."""
+    from lightning_rl.modules.grpo import GRPOModule
+    from lightning_rl.tools import Tool
+    from lightning_rl.tools.builtin import calculator
+
+    for tools in ([calculator], [Tool.from_function(calculator)], ["lightning_rl.tools.builtin:calculator"]):
+        module = GRPOModule(tools=tools, max_turns=2)
+        assert [tool.name for tool in module.rollout.loaded_tools] == ["calculator"]
+        assert module.hparams["tools"] == ["lightning_rl.tools.builtin:calculator"]

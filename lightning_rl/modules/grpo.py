@@ -145,7 +145,7 @@ class GRPOModule(PolicyModule):
             training on an accelerator (on a CPU the push takes the cores the step and the engine need), where the
             staged copy takes at most a quarter of the free host memory; ``always`` (refused without async_mode and
             max_staleness >= 1); ``never``: the trainer waits for every push.
-        tools: tool functions (dotted paths, or ``Tool`` objects): the model may call them, and reads their answers.
+        tools: tool functions (dotted paths, functions or ``Tool`` objects): the model may call them, and reads their answers.
         max_turns: replies a rollout may take, each after the tools' answers to the last. TRL: `max_tool_calling_iterations` + 1.
         samples_per_turn: forks per turn after the first (e.g. [2]: each tool-calling reply continues as 2 samples),
             giving nested forks; leaves of a prompt are its group.
@@ -238,8 +238,7 @@ class GRPOModule(PolicyModule):
         sampling = validation.settings_group(SamplingSettings, sampling, "sampling")
         self.save_hyperparameters(ignore=["rewards", "lora", "loss", "engine", "sampling"])
         self.hparams["engine"] = self.engine_spec.as_config()
-        self.hparams["loss"] = asdict(self.loss)
-        self.hparams["sampling"] = asdict(sampling)
+        self.hparams["loss"], self.hparams["sampling"] = asdict(self.loss), asdict(sampling)
         # Plain data only, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["rewards"] = [spec.as_config() for spec in specs]
         self.lora = LoraSettings.checked(lora)
@@ -253,6 +252,7 @@ class GRPOModule(PolicyModule):
             num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
             tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
         )
+        self.hparams["tools"] = self.rollout.tool_references
         check_values(self.hparams, GRPOModule.__init__)
         old_logprobs = self.hparams["old_logprobs"] = old_logprobs_source(
             old_logprobs, self.loss, async_mode, max_staleness, num_iterations, ignore_staleness=ignore_staleness)  # fmt: skip

@@ -27,7 +27,7 @@ from lightning_rl.rewards import RewardScorer, TrainerState
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, completion_text, distinct_tool_calls, visible_text
-from lightning_rl.tools import Tool, ToolExecutor, load_tool
+from lightning_rl.tools import Tool, ToolExecutor, as_tool, tool_reference
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class RolloutSettings:
     num_generations: int = 8
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 4
-    tools: tuple[str, ...] = ()
+    tools: tuple[Any, ...] = ()  # dotted paths, functions or Tools
     max_turns: int = 1
     samples_per_turn: tuple[int, ...] = ()
     tool_timeout_s: float = 10.0
@@ -84,9 +84,14 @@ class RolloutSettings:
                 f"{self.max_turns - 1} turn(s) after the first to fork; drop the extra entries or raise max_turns",
                 "samples_per_turn",
             )
-        tools = tuple(load_tool(path) for path in self.tools)
+        tools = tuple(as_tool(tool) for tool in self.tools)
         validation.unique("tools", [tool.name for tool in tools])
         object.__setattr__(self, "loaded_tools", tools)
+
+    @property
+    def tool_references(self) -> list[str]:
+        """The tools as plain data (dotted paths), for a checkpoint's hyperparameters."""
+        return [tool_reference(tool) for tool in self.tools]
 
     @property
     def tool_specs(self) -> list[dict[str, Any]] | None:

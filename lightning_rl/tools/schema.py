@@ -74,6 +74,26 @@ class Tool:
         }
 
 
+def as_tool(tool: str | Tool | Callable[..., Any]) -> Tool:
+    """A tool as given: a dotted path (`load_tool`), a `Tool`, or a function (as TRL takes them). Its calls run in
+    worker processes, which import its function by module and name."""
+    if isinstance(tool, Tool):
+        return tool
+    if isinstance(tool, str):
+        return load_tool(tool)
+    if callable(tool):
+        return Tool.from_function(tool)
+    raise ValueError(f"a tool is a dotted path, a function or a Tool, got {type(tool).__name__}")
+
+
+def tool_reference(tool: str | Tool | Callable[..., Any]) -> str:
+    """A tool as plain data (a checkpoint's hyperparameters): its dotted path, or its function's."""
+    if isinstance(tool, str):
+        return tool
+    function = tool.function if isinstance(tool, Tool) else tool
+    return f"{function.__module__}:{function.__qualname__}"
+
+
 def load_tool(path: str, parameters: Mapping[str, Any] | None = None) -> Tool:
     """A tool from a dotted path (`pkg.module:fn` or `pkg.module.fn`) to a function, or to a `Tool` (built with its
     own ``parameters`` schema, for a function whose hints and docstring do not give one)."""
