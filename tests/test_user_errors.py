@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -91,6 +92,8 @@ def sharded_checkpoint(folder) -> str:
 
 MISTAKES = {
     "train_data a folder": (SFT, lambda t: [f"--data.train_data={t}"], "data.train_data: "),
+    "train_data a Hub dataset": (SFT, lambda t: ["--data.train_data=trl-lib/no-such-data"], "data.train_data: no such file or folder: "
+                                 "trl-lib/no-such-data (a relative path, read from the working directory {cwd}); a Hub dataset is not downloaded here"),
     "GRPO eval_data without a reply to compare": (GRPO, lambda t: [f"--model.eval_data={data_file(t, 'h.jsonl', USER_LAST)}", "--model.eval_generations=2"],
                                                   "model.eval_data ({t}/h.jsonl) has no conversation ending in a reply"),
     "unknown model folder": (SFT, lambda t: [f"--model.model_name_or_path={t / 'no-model'}"], "model.model_name_or_path: no model folder"),
@@ -219,7 +222,7 @@ def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, caplog, m
     code, err = run(capsys, recipe, overrides(tmp_path), out)
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, err[-3000:]
-    assert lines[0].startswith("error: " + expected.format(t=tmp_path, r=recipe)), lines[0]
+    assert lines[0].startswith("error: " + expected.format(t=tmp_path, r=recipe, cwd=os.getcwd())), lines[0]
     assert "Traceback" not in err
     assert not [r for r in caplog.records if r.getMessage().startswith("Seed set")]  # no line of Lightning's before the error
     assert not out.exists()  # no lock, no logger folder, no recipe.yaml

@@ -165,7 +165,9 @@ def check_source(key: str, source: DataSource) -> None:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}", key)
+        hub = ("; a Hub dataset is not downloaded here: save one split of it with datasets' save_to_disk and give that folder"
+               if re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) and not path.suffix else "")  # trl-lib/Capybara
+        raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}{hub}", key)
     if (problem := _source_problem(path)):
         raise DataError(f"{key}: {source}: {problem}", key)
 
