@@ -58,7 +58,7 @@ def steps_of_epochs(trainer: Any, pass_per_batch: float, num_iterations: int) ->
     trainer.fit_loop.epoch_loop.max_steps = batches * num_iterations
     if trainer.is_global_zero:
         print(f"note: trainer.max_epochs={epochs}: {batches * num_iterations} optimizer steps ({batches} batches of prompts"
-              f"{f', {num_iterations} steps each' if num_iterations > 1 else ''})", file=sys.stderr)
+              f"{f', {num_iterations} steps each' if num_iterations > 1 else ''}) in one Lightning epoch", file=sys.stderr)
 
 
 def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
