@@ -311,7 +311,7 @@ def test_an_adapter_on_an_embedding_is_refused_without_listing_the_embedding_as_
 
     targets = ["q_proj", "embed_tokens"]
     spec = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets)))
-    assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == "an adapter is sent to vLLM on linear layers only, not on model.embed_tokens (Embedding)"
+    assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM") == "vLLM's Qwen3ForCausalLM serves LoRA on q_proj, not on model.embed_tokens (Embedding)"
 
 
 @pytest.mark.parametrize("mode", ["merged", "delta"])

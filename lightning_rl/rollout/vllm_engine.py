@@ -424,10 +424,9 @@ def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequ
     if adapter.config.get("bias", "none") != "none":  # peft trains the adapted layers' biases too: vLLM loads none
         return f"vLLM cannot serve an adapter that trains biases (bias: {adapter.config['bias']})"
     for name, kind in adapter.layers.items():
-        if kind != "Linear":  # vLLM takes an adapter's embedding or other non-linear layers from no peft folder here
-            return f"an adapter is sent to vLLM on linear layers only, not on {name} ({kind})"
-        if name.rpartition(".")[2] not in targets:
-            return f"vLLM's {architecture} serves LoRA on {', '.join(targets)}, not on {name} ({kind})"
+        leaf = name.rpartition(".")[2]
+        if kind != "Linear" or leaf not in targets:  # a layer vLLM lists but no linear one (its embedding) is not listed back
+            return f"vLLM's {architecture} serves LoRA on {', '.join(t for t in targets if t != leaf)}, not on {name} ({kind})"
     return None
 
 
