@@ -44,7 +44,7 @@ from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import plan_ordered_rows
-from lightning_rl.packing.tree import PackedBatch, count_unique_tokens, pack_sequences
+from lightning_rl.packing.tree import PackedBatch, common_prefix, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -557,11 +557,11 @@ class Renderer:
                 # template's `<think>`, dropped once the reply is written): the turn is trained from where the two
                 # part, as TRL trains it, provided the conversation before the turn renders the same.
                 earlier = self._chat(messages[:k], context=context)
-                start = _common_prefix(before, through)
+                start = common_prefix(before, through)
                 if through[: len(earlier)] != earlier or start < len(earlier):
                     raise ValueError(f"tokenizer {self.name}: the chat template renders the conversation before turn {k} otherwise "
                                      "once the turn follows, so assistant tokens cannot be located (add {% generation %} blocks to the template)")
-            agree = _common_prefix(ids, through)
+            agree = common_prefix(ids, through)
             ends = [i for i, token in enumerate(through[start:agree]) if token in self.end_ids]
             closing = all(token in self.end_ids or not self.tokenizer.decode([token]).strip() for token in through[agree:])
             if agree < start or (agree < len(through) and not (ends and closing)):
@@ -750,11 +750,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._batches())
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class PackedCollator:

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_rl.packing.tree import PrefixCounter, count_unique_tokens, pack_sequences
+from lightning_rl.packing.tree import PrefixCounter, common_prefix, count_unique_tokens, pack_sequences
 
 
 PrefixAcrossRows = Literal["auto", "always", "never"]
@@ -229,7 +229,7 @@ def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequen
     seqs = [sequences[i] for i in idx]
     length = min(min(limits[i] for i in idx), *(len(s) - 1 for s in seqs))  # every rest keeps a token
     for s in seqs[1:]:
-        length = min(length, _common_prefix(seqs[0], s))
+        length = min(length, common_prefix(seqs[0], s))
     if length <= base:
         return None
     rest = {i: sequences[i][length:] for i in idx}
@@ -257,15 +257,6 @@ def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequen
 def _saves(span: _Span, subgroups: list[list[int]], seqs: Sequence[Sequence[int]]) -> bool:
     """Whether the span forwards fewer tokens than the sub-groups, by more than the prefix's own forward costs."""
     return span.forwarded + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def plan_ordered_rows(sequences: Sequence[Sequence[int]], max_tokens: int, packing: Literal["tree", "flat", "none"]) -> list[list[int]]:

@@ -90,7 +90,8 @@ class PackedBatch:
         return (i[None, :] <= i[:, None]) & (i[:, None] < self.subtree_end[None, :])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -157,7 +158,7 @@ def pack_sequences(
         seq = seqs[i]
         shared = 0
         if prev is not None and keyed[prev][0] == keyed[i][0]:
-            shared = _common_prefix(seqs[prev], seq)
+            shared = common_prefix(seqs[prev], seq)
             prev_len = len(seqs[prev])
             if 0 < shared < prev_len:
                 starts.append(int(paths[prev][shared]))  # the earlier branch now forks here: cut its chain
