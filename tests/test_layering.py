@@ -32,7 +32,7 @@ ALLOWED = {
     "ops": {"attention", "packing", "device_policy", "models"},
     "data": {"packing", "device_policy", "models", "toy", "errors", "validation"},
     "strategies": {"models", "checkpoints", "device_policy", "ops", "errors", "validation"},
-    "modules": {"attention", "callbacks", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "toy",
+    "modules": {"attention", "callbacks", "checkpoints", "data", "device_policy", "errors", "losses", "models", "ops", "packing", "rewards", "run_folder", "toy",
                 "rollout", "stopping", "strategies", "validation"},  # tools only through the rollout collector
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),

@@ -150,6 +150,27 @@ def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_w
     assert sum(row["reward"] for row in rows[8:]) / 8 == pytest.approx(rewards[2], abs=1e-5)
 
 
+def test_under_a_trainer_of_ones_own_each_experiment_keeps_its_rollout_rows(tmp_path):
+    """Not in the working directory, where a second experiment replaced the first one's rows from its first step on:
+    in the logger's folder of each experiment, as its metrics.csv."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rl.data.prompts import PromptDataModule
+    from lightning_rl.modules.grpo import GRPOModule
+    from support.grpo import DIGIT_REWARDS, FAST
+
+    for seed in (0, 1):
+        L.seed_everything(seed, verbose=False)
+        module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS, "log_rollouts_every_n_steps": 1})
+        L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), default_root_dir=tmp_path / "root",
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, PromptDataModule(batch_size=2))  # fmt: skip
+    assert not (tmp_path / "root").exists() or not list((tmp_path / "root").glob("**/rollouts.jsonl"))
+    for version in (0, 1):
+        rows = [json.loads(line) for line in (tmp_path / "lightning_logs" / f"version_{version}" / "rollouts.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == [0] * 8
+
+
 def test_rollout_rows_of_a_step_written_again_replace_the_earlier_ones(tmp_path):
     """A resumed run redoes the steps after its checkpoint: their rows are replaced, the earlier ones kept."""
     path = tmp_path / "rollouts.jsonl"

@@ -22,6 +22,7 @@ from lightning_rl.packing.tree import PackedBatch
 from lightning_rl.rollout.base import InfraFailure
 from lightning_rl.rollout.buffer import ScoredBatch
 from lightning_rl.rollout.conversation import TOOL_FAILURE_KINDS
+from lightning_rl.run_folder import is_run_folder
 
 
 class Pooled(float):
@@ -285,14 +286,21 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 
 def log_rollouts(trainer: Trainer, step: int, table: tuple[list[str], list[list[Any]]]) -> None:
     """A batch's rollout table (``rollout_table``), logged at trainer step ``step``: a W&B table when the run logs to
-    W&B, rows of OUTPUT_DIR/rollouts.jsonl when it logs elsewhere (CSV), nothing when it logs nowhere. Rank zero's
-    rollouts, as a logger has them: each rank samples its own."""
+    W&B, rows of rollouts.jsonl when it logs elsewhere (CSV), nothing when it logs nowhere. Rank zero's rollouts, as a
+    logger has them: each rank samples its own. The rows go to the run's folder: OUTPUT_DIR under the command, and
+    under a Trainer of one's own the first logger's folder (``trainer.log_dir``, ``lightning_logs/version_N``), so
+    that a second experiment in the same working directory keeps the first one's rows."""
     columns, rows = table
     wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
     for logger in wandb:
         logger.log_table(key="rollouts", columns=columns, data=rows, step=step)
     if trainer.loggers and not wandb and trainer.is_global_zero:
-        append_rows(Path(trainer.default_root_dir) / ROLLOUTS_FILE, [dict(zip(columns, row, strict=True)) for row in rows])
+        folder = Path(trainer.default_root_dir)
+        if not is_run_folder(folder):  # as ``trainer.log_dir``, which broadcasts: only rank zero is here
+            first = trainer.loggers[0]
+            folder = Path(getattr(first, "log_dir", None) or first.save_dir or folder)
+            folder.mkdir(parents=True, exist_ok=True)
+        append_rows(folder / ROLLOUTS_FILE, [dict(zip(columns, row, strict=True)) for row in rows])
 
 
 def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
