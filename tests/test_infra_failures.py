@@ -74,9 +74,6 @@ class Prompts:
     def columns(self) -> set[str]:
         return {"prompt"}
 
-    def lacking(self, column: str) -> str | None:
-        return None
-
     def epoch_of(self, index: int) -> int:
         return 0
 

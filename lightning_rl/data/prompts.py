@@ -54,9 +54,6 @@ class PromptSource(Protocol):
     def columns(self) -> set[str]:
         """The columns any record holds (the reward functions read them; a record without one gives None)."""
 
-    def lacking(self, column: str) -> str | None:
-        """Where the first record without ``column`` is (``FILE: line N``) when other records hold it, else None."""
-
     def epoch_of(self, index: int) -> float:
         """Passes over the prompts before step ``index``, fractional (the reward functions' ``trainer_state.epoch``)."""
 
@@ -208,12 +205,6 @@ class PromptDataModule(L.LightningDataModule):
     def columns(self) -> set[str]:
         self.setup()
         return set().union(*(set(record) for record in self.records))
-
-    def lacking(self, column: str) -> str | None:
-        self.setup()
-        if any(column in record for record in self.records):
-            return next((self.location(record) for record in self.records if column not in record), None)
-        return None
 
     def epoch_of(self, index: int) -> float:
         self.setup()

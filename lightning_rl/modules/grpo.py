@@ -293,7 +293,7 @@ class GRPOModule(PolicyModule):
             raise TypeError(f"GRPO reads its prompts from a PromptSource (such as PromptDataModule), got {type(datamodule).__name__}")
         steps_of_epochs(self.trainer, datamodule.epoch_of(1), self.hparams.num_iterations)
         try:
-            self.scorer.check_arguments(sorted(datamodule.columns() - {"prompt"}), ROLLOUT_COLUMNS, datamodule.lacking)
+            self.scorer.check_arguments(sorted(datamodule.columns() - {"prompt"}), ROLLOUT_COLUMNS)
         except ValueError as error:
             raise DataError(f"{datamodule.path}: {error}") from None
 

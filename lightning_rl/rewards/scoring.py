@@ -164,15 +164,12 @@ class _Reward:
             except Exception as error:
                 raise ValueError(f"reward {self.name!r}: kwargs {self.kwargs} do not work: {type(error).__name__}: {error}") from None
 
-    def check_arguments(self, available: Iterable[str], lacking: Callable[[str], str | None] = lambda column: None) -> None:
+    def check_arguments(self, available: Iterable[str]) -> None:
         available = set(available) | set(BATCH_ARGUMENTS)
         for key in self.kwargs:
             if key in available:
                 raise ValueError(f"reward {self.name!r}: kwarg {key!r} is also a data column; rename one of them")
-        missing = [n for n, required in self.accepted.items() if required and n not in self.kwargs and (n not in available or lacking(n))]
-        if partial := next(((name, where) for name in missing if (where := lacking(name))), None):
-            raise ValueError(f"reward {self.name!r} needs the column {partial[0]!r}, which {partial[1]} lacks (other rows "
-                             "hold it): give it in every row")
+        missing = [n for n, required in self.accepted.items() if required and n not in self.kwargs and n not in available]
         if missing:
             raise ValueError(
                 f"reward {self.name!r} needs {', '.join(map(repr, missing))}, which is neither a data column nor a "
@@ -383,11 +380,10 @@ class RewardScorer:
     def weights(self) -> dict[str, float]:
         return {name: reward.weight for name, reward in self.rewards.items()}
 
-    def check_arguments(self, columns: Iterable[str], given: Iterable[str] = (),
-                        lacking: Callable[[str], str | None] = lambda column: None) -> None:
-        """A ValueError naming the first reward that needs an argument neither the data's `columns`, the batch
-        (`prompts`, `completions`) nor the caller's `given` arguments provide (naming the first record that lacks a
-        column others hold: ``lacking``), or whose fixed kwarg shadows one; or naming a data column that has the name
+    def check_arguments(self, columns: Iterable[str], given: Iterable[str] = ()) -> None:
+        """A ValueError naming the first reward that needs an argument neither the data's `columns` (any record's: a
+        record without one gives None, as a dataset's missing value), the batch (`prompts`, `completions`) nor the
+        caller's `given` arguments provide, or whose fixed kwarg shadows one; or naming a data column that has the name
         of an argument the functions are given (it would replace that)."""
         columns = list(columns)
         clash = sorted(set(columns) & {*BATCH_ARGUMENTS, *given})
@@ -396,7 +392,7 @@ class RewardScorer:
                              f"given (the {'run' if clash[0] in given else 'batch'}'s): rename the column")
         columns += list(given)
         for reward in self.rewards.values():
-            reward.check_arguments(columns, lacking)
+            reward.check_arguments(columns)
 
     def score(
         self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]],

@@ -26,8 +26,5 @@ class PromptList:
     def columns(self) -> set[str]:
         return set().union(*(set(r) for r in self.records))
 
-    def lacking(self, column: str) -> str | None:
-        return None
-
     def epoch_of(self, index: int) -> float:
         return float(index)
