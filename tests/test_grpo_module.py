@@ -607,3 +607,13 @@ def test_load_from_checkpoint_gives_the_trained_weights(tmp_path):
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "last.ckpt")
     theirs = dict(module.policy.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in loaded.policy.named_parameters())
+
+
+def test_a_module_fitted_again_starts_a_run_of_its_own():
+    """Its summary counted the first fit's steps and its 'before training' figure was the first fit's."""
+    module, _ = fit(2, eval_data="toy", eval_generations=1, eval_max_new_tokens=2)
+    first = module.heldout_before
+    assert first is not None and module.summary_metrics()["grpo_steps"] == 2
+    trainer_of(1).fit(module, PromptDataModule(batch_size=2))
+    assert module.heldout_before is not first and module.summary_metrics()["grpo_steps"] == 1
+    assert [batch["index"] for batch in module.trained_batches] == [0]

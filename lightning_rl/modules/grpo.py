@@ -248,10 +248,8 @@ class GRPOModule(PolicyModule):
         self.asynchronous = AsyncSettings(async_mode, max_staleness, push_in_background)
         self.automatic_optimization = False
         check_model_source(model_name_or_path, loads=True)
-        self.rollout = RolloutSettings(
-            num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns, tuple(samples_per_turn),
-            tool_timeout_s, tool_output_max_chars, max_context_tokens, seed,
-        )
+        self.rollout = RolloutSettings(num_generations, dynamic_sampling, dynamic_sampling_max_rounds, tuple(tools), max_turns,
+                                       tuple(samples_per_turn), tool_timeout_s, tool_output_max_chars, max_context_tokens, seed)
         self.hparams["tools"] = self.rollout.tool_references
         check_values(self.hparams, GRPOModule.__init__)
         old_logprobs = self.hparams["old_logprobs"] = old_logprobs_source(
@@ -267,25 +265,29 @@ class GRPOModule(PolicyModule):
         self.image_token_id: int | None = None
         self.collector: RolloutCollector | None = None
         self.producer: RolloutProducer | None = None
-        self.reward_history: list[float] = []
-        self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
-        self.last_trained: ScoredBatch | None = None
-        self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
-        self._restored_queue: dict[str, Any] | None = None
-        self.entropy_control = EntropyControl(self.loss.entropy_coef) if self.loss.adaptive_entropy else None
-        self.heldout_before: dict[str, Any] | None = None  # the evaluator's figures before the first step
-        self._batch: ScoredBatch | None = None  # the batch the current num_iterations passes train on
-        # Per row, the sampling policy's and the reference's log-probs, from the batch's first pass (num_iterations > 1).
-        self._old_logprobs: list[torch.Tensor] | None = None
-        self._ref_logprobs: list[torch.Tensor] | None = None
+        self._start_run()
         self.route_layers = 0  # routers whose engine routes the trainer replays (router_replay)
-        self._mismatch: dict[str, float] | None = None  # the batch's engine-vs-trainer figures, from its first pass
         self.weight_sync, self._sync_metrics = None, {}  # how weights reach the engine (on_fit_start), the last sync's figures
         self._background: BackgroundPush | None = None  # pushes from a thread of their own (push_in_background)
 
     # -- setup ---------------------------------------------------------------------------------
 
+    def _start_run(self) -> None:
+        """What one fit records, fresh: a module fitted again starts a run of its own (a resume restores these)."""
+        self.reward_history: list[float] = []
+        self.trained_batches: list[dict[str, int]] = []  # index and weight version of every trained batch
+        self.current_batch: ScoredBatch | None = None  # this step's, from before its optimizer step (its reward_errors)
+        self.last_trained = self._batch = None  # the last batch trained; the one the num_iterations passes train on
+        self._restored_queue: dict[str, Any] | None = None
+        self.entropy_control = EntropyControl(self.loss.entropy_coef) if self.loss.adaptive_entropy else None
+        self.heldout_before: dict[str, Any] | None = None  # the evaluator's figures before the first step
+        # From the batch's first pass (num_iterations > 1): per row the sampling policy's and the reference's
+        # log-probs; its engine-vs-trainer figures.
+        self._old_logprobs = self._ref_logprobs = self._mismatch = None
+
     def setup(self, stage: str) -> None:
+        if stage == "fit":  # before a checkpoint is restored, whichever the strategy
+            self._start_run()
         # The reward functions' arguments against the data's columns, before a model is loaded: one line now,
         # rather than a run that scores 0 throughout.
         datamodule = self.trainer.datamodule
@@ -341,10 +343,8 @@ class GRPOModule(PolicyModule):
         if not self.asynchronous.async_mode:
             return
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
-        self.producer = RolloutProducer(
-            self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness, start_index=first,
-            concurrent=self.engine.concurrent_batches,
-        )
+        self.producer = RolloutProducer(self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness,
+                                        start_index=first, concurrent=self.engine.concurrent_batches)
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
         share_cores_with_rollouts(self.engine, self.trainer, self.asynchronous.max_staleness)  # the rollout thread computes beside this one
