@@ -102,3 +102,23 @@ def test_a_checkpoints_generation_config_never_changes_what_the_engine_samples(t
         start = len(rollout.prompt_ids)
         policy = logprobs[start - 1 : -1].gather(1, torch.tensor(rollout.completion_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(rollout.logprobs), policy, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def test_a_sampling_call_on_a_thread_of_its_own_draws_the_same_while_the_trainer_sets_the_generator(tiny_path):
+    """Async GRPO: the engine samples on the rollout thread while the trainer's thread sets the process's generator (a
+    resumed run's first step restores its checkpoint's state). A set landing inside a sampling call changed its draws:
+    a resumed async run sampled other completions than the uninterrupted one, some of the time."""
+    import threading
+
+    from lightning_rl.ops.random_state import RandomState
+
+    engine = HFRolloutEngine(str(tiny_path))
+    sampling = SamplingConfig(max_new_tokens=16, seed=11)
+    alone = [r.completion_ids for r in engine.generate([[1, 40, 41], [1, 50]], 4, sampling).rollouts]
+    saved, done, sampled = RandomState.now(torch.device("cpu")), threading.Event(), []
+    thread = threading.Thread(target=lambda: (sampled.extend(engine.generate([[1, 40, 41], [1, 50]], 4, sampling).rollouts), done.set()))
+    thread.start()
+    while not done.is_set():
+        saved.restore()
+    thread.join()
+    assert [r.completion_ids for r in sampled] == alone

@@ -617,3 +617,16 @@ def test_a_module_fitted_again_starts_a_run_of_its_own():
     trainer_of(1).fit(module, PromptDataModule(batch_size=2))
     assert module.heldout_before is not first and module.summary_metrics()["grpo_steps"] == 1
     assert [batch["index"] for batch in module.trained_batches] == [0]
+
+
+def test_a_packing_refusal_during_training_names_the_unpacked_way(monkeypatch):
+    """A row refused in the middle of a run (not by the check before it) says, as that check's refusal does, that
+    ``model.packing: none`` trains the model one rollout a row."""
+    from lightning_rl.attention.tree_attention import PackingRefused
+
+    def refuses(*args, **kwargs):
+        raise PackingRefused("SomeModel: this row's layout is not computed exactly")
+
+    monkeypatch.setattr("lightning_rl.modules.grpo.packed_logprobs", refuses)  # what a model's row can raise mid-run
+    with pytest.raises(PackingRefused, match=r"not computed exactly; model\.packing: none trains it one rollout a row"):
+        fit(1)

@@ -53,7 +53,7 @@ from lightning_rl.models.weights import SyncReport
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
-from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs, unpacked_hint
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix
 from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, share_prefixes
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
@@ -463,21 +463,20 @@ class GRPOModule(PolicyModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(target) of every trained token of a packed row under the sampling temperature (and the entropy
         there, differentiable with ``entropy_grad``)."""
-        out = packed_logprobs(
-            model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
-            attention_backend=self.attention_backend(), entropy_grad=entropy_grad, suppressed=self.sampling.suppress_token_ids,
-            route_agreement=route_agreement,
-        )  # fmt: skip
+        with unpacked_hint("model.packing", "rollout", packed=not packed.unpacked):  # a refusal of a row says the way out
+            out = packed_logprobs(
+                model, packed, chunk_size=self.hparams.chunk_size, return_entropy=with_entropy, temperature=self._temperature(),
+                attention_backend=self.attention_backend(), entropy_grad=entropy_grad, suppressed=self.sampling.suppress_token_ids,
+                route_agreement=route_agreement)  # fmt: skip
         return out if with_entropy else (out, None)
 
     def _temperature(self) -> float:
         return self.sampling.temperature or 1.0  # greedy sampling scores under the plain distribution
 
     def _verify_packing(self, packed: PackedBatch, step: int) -> None:
-        error = self.packing_verifier.check(
-            self.policy, packed, step=step, backend=self.attention_backend(), temperature=self._temperature(), chunk_size=self.hparams.chunk_size,
-            strategy=self.trainer.strategy, suppressed=self.sampling.suppress_token_ids,
-        )
+        with unpacked_hint("model.packing", "rollout"):
+            error = self.packing_verifier.check(self.policy, packed, step=step, backend=self.attention_backend(), temperature=self._temperature(),
+                                                chunk_size=self.hparams.chunk_size, strategy=self.trainer.strategy, suppressed=self.sampling.suppress_token_ids)
         self.log("train/packing_error", error)
 
     # -- pieces of the step --------------------------------------------------------------------

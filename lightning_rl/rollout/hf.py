@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+from lightning_rl.models.generators import GENERATORS
 from lightning_rl.models.loading import generation_config_set_aside
 from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
@@ -86,7 +87,8 @@ class HFRolloutEngine(RolloutEngine):
             version = self._version
             seed = self._seeds.next(sampling)
             recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
-            with torch.random.fork_rng(devices=[]), recording as recorded:
+            # The process's generators to itself for the call (`GENERATORS`): the trainer's thread may set them meanwhile.
+            with GENERATORS, torch.random.fork_rng(devices=[]), recording as recorded:
                 torch.manual_seed(seed)
                 completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated)
         routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
