@@ -521,17 +521,19 @@ def test_a_reasoning_generation_prompt_trains_each_reply_from_where_the_renderin
 
 def test_a_reply_ended_by_the_next_turns_opening_end_token_trains_it(tiny_tokenizer, tmp_path, capsys):
     """GLM-4.5's template ends no reply itself: the next turn opens with `<|user|>`, one of the model's end tokens. The
-    reply is trained through it (TRL's training template does as much), and where nothing follows the last reply,
-    that no reply is trained to end is said once."""
+    reply is trained through it, the conversation's last one too, where the template renders nothing after it (it was
+    trained without an end, and a one-turn dataset taught no reply to stop): TRL's training template ends it so."""
     template = tiny_tokenizer.chat_template.replace("{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}", "{% endgeneration %}")
     template = template.replace("{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
                                 "{{ '<|im_end|>' + message.role + '\\n' + message.content }}")  # fmt: skip
     glm = _without_blocks(tiny_tokenizer, template)
     turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
              {"role": "assistant", "content": "4"}]  # fmt: skip
-    (two, one), _ = load_examples(write_jsonl(tmp_path / "g.jsonl", [{"messages": turns}, {"messages": turns[:2]}]), glm, 512)
-    assert trained_text(tiny_tokenizer, two) == "2<|im_end|>4" and trained_text(tiny_tokenizer, one) == "2"
-    assert capsys.readouterr().err.count("renders no end-of-turn token after a conversation's last reply") == 1
+    rows = [{"messages": turns}, {"messages": turns[:2]}, {"prompt": turns[:1], "completion": turns[1:2]}]
+    (two, one, split), _ = load_examples(write_jsonl(tmp_path / "g.jsonl", rows), glm, 512)
+    assert trained_text(tiny_tokenizer, two) == "2<|im_end|>4<|im_end|>" and trained_text(tiny_tokenizer, one) == "2<|im_end|>"
+    assert one.input_ids == split.input_ids and one.input_ids[-1] == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert "renders no end-of-turn token" not in capsys.readouterr().err
 
 
 def test_files_as_editors_and_tools_save_them_are_read_or_refused_in_one_line(tmp_path, monkeypatch):

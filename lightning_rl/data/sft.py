@@ -569,10 +569,21 @@ class Renderer:
             end = start + ends[-1] + 1 if ends else len(through)  # separators after the end-of-turn token are not trained
             if not ends and agree == len(through) < len(ids) and ids[agree] in self.end_ids:
                 end += 1  # a template that ends a reply with the next turn's opening token (GLM's <|user|>), an end token
+            elif not ends and agree == len(through) == len(ids) and (opener := self._next_turn_opener(messages[: k + 1], through, context)):
+                ids, mask, end = [*ids, opener], [*mask, False], end + 1  # the last reply too, as TRL's training template ends it
             mask[start:end] = [True] * (end - start)
         self._note_if_no_end(ids, mask, "the chat template renders no end-of-turn token after a conversation's last reply, so "
                              "that reply is not trained to end; give it a template that does, or one with {% generation %} blocks")
         return ids, mask
+
+    def _next_turn_opener(self, messages: list[dict], rendered: list[int], context: dict | None) -> int | None:
+        """The token a next user turn would open with after ``messages`` (``rendered``), where it is one of the model's
+        end tokens (GLM's ``<|user|>``): a template that renders nothing after a conversation's last reply ends each
+        reply with it. None otherwise."""
+        following = self._chat([*messages, {"role": "user", "content": "."}], context=context)
+        if following[: len(rendered)] == rendered and len(following) > len(rendered) and following[len(rendered)] in self.end_ids:
+            return following[len(rendered)]
+        return None
 
     def _note_if_no_end(self, ids: list[int], mask: list[bool], why: str) -> None:
         """Said once: trained replies of which none ends with an end token (TRL warns too: a model never trained to end
