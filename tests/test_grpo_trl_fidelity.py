@@ -365,13 +365,16 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
     # What is logged under TRL's names is TRL's figure: the KL as the loss weighs it, and a clip fraction of
     # sequences at sequence level.
-    stats = StepStats()
+    stats = StepStats(clips=loss.clips)
     stats.add(our_loss, step_terms[-1], entropy, packed)
     ours, theirs = stats.metrics(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    for their_name, our_name in (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"),
-                                 ("clip_ratio/high_mean", "clip/high"), ("clip_ratio/region_mean", "clip/fraction")):
+    names = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"), ("clip_ratio/high_mean", "clip/high"),
+             ("clip_ratio/region_mean", "clip/fraction"), ("clip_ratio/low_min", "clip/low_min"), ("clip_ratio/high_max", "clip/high_max"),
+             ("cispo_clip_ratio", "clip/high"))  # fmt: skip
+    for their_name, our_name in names:
         if their_name in theirs:
             assert ours[our_name] == pytest.approx(theirs[their_name], rel=1e-5, abs=1e-7), our_name
+    assert ("clip/low" in ours) == any(name.startswith(("clip_ratio/", "cispo_")) for name in theirs)  # none for sapo, vespo
 
     # The module's own step with these options (its `loss:` group) gives the same loss and gradients: what a
     # recipe sets reaches the loss whole, sequences, entropy (differentiable) and the reference included.

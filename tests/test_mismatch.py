@@ -94,6 +94,10 @@ class ByHand(L.Callback):
             "grads": grads, "staleness": scored.index - scored.weight_version, "kl": float((ratio - d - 1).mean()),
             "ratio_mean": float(ratio.mean()), "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()),
             "corrected_fraction": float(((ratio < floor) | (ratio > cap)).double().mean()),
+            # TRL's sampling_logp_difference and importance_sampling_ratio (the weights as applied: truncated)
+            "logp_diff_mean": float(d.abs().mean()), "logp_diff_max": float(d.abs().max()),
+            "is_ratio_mean": float(ratio.clamp(floor, cap).mean()), "is_ratio_min": float(ratio.clamp(floor, cap).min()),
+            "is_ratio_max": float(ratio.clamp(floor, cap).max()),
             "corrected": dapo_gradient(engine_lp), "on_policy": dapo_gradient([t.detach() for t in trainer_lp]),
         })  # fmt: skip
 
@@ -114,7 +118,9 @@ def test_the_step_logs_the_figures_computed_by_hand_from_its_batch():
         logged = step["logged"]
         assert step["staleness"] == 0 and logged["offpolicy/kl"] == 0.0
         assert step["kl"] > 1e-2 and 0 < step["corrected_fraction"] < 1, step  # a real mismatch, partly corrected
-        for name in ("kl", "ratio_mean", "ratio_min", "ratio_max", "corrected_fraction"):
+        assert step["is_ratio_max"] == pytest.approx(1.1) and step["ratio_max"] > 1.1  # the cap bounds what the loss applied
+        for name in ("kl", "ratio_mean", "ratio_min", "ratio_max", "corrected_fraction", "logp_diff_mean", "logp_diff_max", "is_ratio_mean",
+                     "is_ratio_min", "is_ratio_max"):  # fmt: skip
             assert logged[f"mismatch/{name}"] == pytest.approx(step[name], rel=1e-4, abs=1e-7), name
         assert "mismatch/route_agreement" not in logged  # a dense model
 
@@ -255,3 +261,34 @@ def test_a_figure_logged_at_some_steps_is_absent_from_the_others(tmp_path):
     assert [row["train/rollout/staleness"] for row in rows] == ["0.0", "1.0", "1.0"]  # batch 0 of the first weights
     assert [bool(row["train/mismatch/kl"]) for row in rows] == [True, False, False]  # a stale batch's is offpolicy/kl
     assert [row["train/reward_metric/first_step_only"] for row in rows] == ["123.0", "", ""]
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_in_the_sequence_modes_the_applied_weights_are_one_per_sequence(mode):
+    """TRL's importance_sampling_ratio figures at sequence level: over sequences, each its weight as the loss applied
+    it (capped, or 0 where masked); the logp difference stays per token."""
+    from lightning_rl.losses import GRPOLoss
+    from lightning_rl.modules.mismatch import MismatchStats
+
+    seq = torch.tensor([0, 0, 0, 1, 1, 2])
+    trainer = torch.tensor([-1.0, -0.5, -2.0, -0.3, -0.7, -1.2], dtype=torch.float64)
+    d = torch.tensor([0.3, 0.2, 0.1, -0.4, -0.2, 0.05], dtype=torch.float64)
+    loss = GRPOLoss(importance_sampling_cap=1.5, importance_sampling_mode=mode)
+    terms = loss.token_loss(trainer, trainer, torch.ones(6, dtype=torch.float64), engine_logprobs=trainer - d, loss_seq=seq,
+                            seq_num_tokens=torch.bincount(seq))  # fmt: skip
+    stats = MismatchStats(corrects=True)
+    stats.add(trainer, trainer - d, terms)
+    figures = stats.metrics(lambda tensor, reduce_op: tensor, torch.device("cpu"), staleness=0, alarm_kl=None)
+    per_sequence = torch.tensor([0.6, -0.6, 0.05], dtype=torch.float64).exp()  # e^0.6 = 1.82 is past the cap
+    applied = per_sequence.clamp(max=1.5) if mode == "sequence_truncate" else per_sequence.masked_fill(per_sequence > 1.5, 0.0)
+    assert figures["mismatch/is_ratio_mean"] == pytest.approx(float(applied.mean()))
+    assert (figures["mismatch/is_ratio_min"], figures["mismatch/is_ratio_max"]) == pytest.approx((float(applied.min()), float(applied.max())))
+    assert (figures["mismatch/logp_diff_mean"], figures["mismatch/logp_diff_max"]) == pytest.approx((float(d.abs().mean()), 0.4))
+
+
+def test_a_step_that_trains_no_token_logs_each_mismatch_figure_as_0():
+    from lightning_rl.modules.mismatch import MismatchStats
+
+    figures = MismatchStats(corrects=True).metrics(lambda tensor, reduce_op: tensor, torch.device("cpu"), staleness=0, alarm_kl=1e-2)
+    assert figures == {f"mismatch/{name}": 0.0 for name in ("ratio_mean", "ratio_min", "ratio_max", "corrected_fraction", "logp_diff_mean",
+                                                           "logp_diff_max", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "kl")} | {"offpolicy/kl": 0.0}  # fmt: skip

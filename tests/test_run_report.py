@@ -260,18 +260,18 @@ def test_launch_checks_a_recipe_without_seeding_or_saying_so(capsys, caplog):
 def test_a_grpo_steps_figures_of_every_rank_make_the_steps_by_their_kind():
     """Counts add up over the ranks, extremes are the ranks' extremes, the rest are averaged (each rank's alone was
     rank 0's in the logs)."""
-    from lightning_rl.modules.grpo_metrics import _REDUCTIONS
 
-    def reduction(key: str) -> str:
-        return next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
+    from lightning_rl.modules.grpo_metrics import _reduction as reduction
 
     assert {key: reduction(key) for key in (
         "reward/unscored", "reward/math_answer/errors", "rollouts/excluded", "rollouts/excluded/engine", "tools/failures/raised",
         "tools/calls", "trained_tokens", "completions/max_length", "mismatch/ratio_min", "reward/mean", "loss", "kl",
-        "completions/mean_length", "reward/frac_zero_std")} == {  # fmt: skip
+        "completions/mean_length", "reward/frac_zero_std", "flat_tokens", "completions/min_terminated_length", "clip/high_max",
+        "mismatch/is_ratio_min")} == {  # fmt: skip
         **dict.fromkeys(("reward/unscored", "reward/math_answer/errors", "rollouts/excluded", "rollouts/excluded/engine",
-                         "tools/failures/raised", "tools/calls", "trained_tokens"), "sum"),
-        "completions/max_length": "max", "mismatch/ratio_min": "min",
+                         "tools/failures/raised", "tools/calls", "trained_tokens", "flat_tokens"), "sum"),
+        "completions/max_length": "max", "mismatch/ratio_min": "min", "completions/min_terminated_length": "min", "clip/high_max": "max",
+        "mismatch/is_ratio_min": "min",
         **dict.fromkeys(("reward/mean", "loss", "kl", "completions/mean_length", "reward/frac_zero_std"), "mean"),
     }
 
@@ -285,3 +285,26 @@ def test_a_group_of_equal_rewards_counts_as_tied_though_its_float32_std_is_not_z
     # A group with fewer than two scored rewards has no std: not tied (TRL's nanstd is NaN there), but counted.
     nan = float("nan")
     assert _frac_tied_groups(torch.tensor([nan, nan, 1.0, 1.0, 0.5, nan]), [0, 0, 1, 1, 2, 2]) == pytest.approx(1 / 3)
+
+
+def test_terminated_lengths_are_trls_and_no_extreme_is_logged_as_an_infinity():
+    """TRL's completions/*_terminated_length: over the completions that ended, 0 where none did. A smallest or largest
+    that a step has none of (no completion ended, no token trained) is 0 in the logs, never an infinity."""
+    from lightning_rl.modules.grpo_metrics import StepStats, _extremes, batch_metrics
+    from lightning_rl.rollout.base import Rollout
+    from lightning_rl.rollout.buffer import ScoredBatch
+    from support.grpo import fit
+
+    module, _ = fit(1)
+
+    def batch(*ends: str) -> dict:
+        rollouts = [Rollout([1], [5] * (2 + k), [-0.5] * (2 + k), weight_version=0, group_id=0, finish_reason=end) for k, end in enumerate(ends)]
+        metrics = batch_metrics(ScoredBatch(0, [{"prompt": "p"}], rollouts, [1.0] * len(ends), {"r": [1.0] * len(ends)}), with_tools=False)
+        return metrics | _extremes(module, metrics | StepStats().metrics())
+
+    ended = batch("stop", "length", "stop")  # 2, 3 and 4 tokens, the second ran out
+    assert (ended["completions/mean_terminated_length"], ended["completions/min_terminated_length"], ended["completions/max_terminated_length"]) == (3.0, 2.0, 4.0)
+    assert (ended["completions/min_length"], ended["completions/max_length"]) == (2.0, 4.0)
+    truncated = batch("length", "length")
+    assert [truncated[f"completions/{kind}_terminated_length"] for kind in ("mean", "min", "max")] == [0.0, 0.0, 0.0]
+    assert truncated["clip/low_min"] == 0.0 and truncated["clip/high_max"] == 0.0  # a step of no trained token

@@ -61,6 +61,10 @@ class TokenLoss:
     entropy_bonus: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
     corrected: torch.Tensor | None = None  # the tokens the engine-vs-trainer correction truncated or masked
+    # The engine-vs-trainer weight each term took, as bounded (None: no correction); in the ``sequence_*`` modes one
+    # per sequence, repeated over its terms (``engine_weight_seq``: each term's sequence, then).
+    engine_weight: torch.Tensor | None = None
+    engine_weight_seq: torch.Tensor | None = None
     # What each term counts for in the clip fractions: 1 at token level; at sequence level, 1/(its sequence's terms),
     # so a sequence (one ratio) counts once, as TRL counts it.
     clip_weight: torch.Tensor | float = 1.0
@@ -235,6 +239,11 @@ class GRPOLoss:
         return self.importance_sampling_cap is not None or self.importance_sampling_floor is not None
 
     @property
+    def clips(self) -> bool:
+        """Whether the term clips its ratio, so that clip fractions mean something (sapo's and vespo's do not)."""
+        return self.loss_type not in ("sapo", "vespo")
+
+    @property
     def needs_sequences(self) -> bool:
         """Whether `token_loss` needs each term's sequence (`loss_seq`, `seq_num_tokens`)."""
         return (
@@ -326,6 +335,8 @@ class GRPOLoss:
             entropy_bonus=entropy_bonus,
             entropy_mask=entropy_mask,
             corrected=corrected,
+            engine_weight=None if engine_weight is None else engine_weight.detach(),
+            engine_weight_seq=seqs.index if engine_weight is not None and self.importance_sampling_mode.startswith("sequence") else None,
             clip_weight=1 / seqs.num_tokens.clamp(min=1).to(ratio)[seqs.index] if self.importance_sampling_level == "sequence" else 1.0,
         )
 

@@ -404,7 +404,7 @@ class GRPOModule(PolicyModule):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
-        stats = StepStats(bonus=self.entropy_control is not None)
+        stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips)
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
         # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).
@@ -419,7 +419,7 @@ class GRPOModule(PolicyModule):
         step_loss = self.loss  # with adaptive entropy control, the coefficient of this step
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
-        mismatch = MismatchStats(self.route_layers, unreplayed=unreplayed(self.sampling, self.policy)) if self._mismatch is None else None  # first pass
+        mismatch = MismatchStats(self.route_layers, corrects=self.loss.corrects_engine, unreplayed=unreplayed(self.sampling, self.policy)) if self._mismatch is None else None
         for k, packed in enumerate(packed_rows):
             if self.packing_verifier.due(step) and not packed.unpacked:
                 self._verify_packing(packed, step)
@@ -506,7 +506,7 @@ class GRPOModule(PolicyModule):
             entropy_threshold=entropy_threshold,
         )
         if mismatch is not None:
-            mismatch.add(logprobs, engine_logprobs, terms.corrected)
+            mismatch.add(logprobs, engine_logprobs, terms)
         return terms, None if entropy is None else entropy.detach()
 
     def pack_rollouts(self, rollouts: list[Rollout], advantages: torch.Tensor) -> PackedBatch:
@@ -581,7 +581,8 @@ class GRPOModule(PolicyModule):
 
     def _log_step(self, scored: ScoredBatch, stats: StepStats, staleness: int, waited: float, train_seconds: float) -> float:
         """Log the step's figures (over every rank); returns its mean reward."""
-        extra = {**({"entropy_coef": self.entropy_control.coef} if self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
+        coef = self.entropy_control.coef if self.entropy_control is not None else self.loss.entropy_coef  # TRL logs it with a bonus
+        extra = {**({"entropy_coef": coef} if coef or self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
         metrics, self._sync_metrics = step_metrics(scored, stats, staleness, waited, train_seconds, bool(self.rollout.tools), extra), {}
         reward = log_step(self, metrics, scored)
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first

@@ -41,13 +41,17 @@ class Pooled(float):
 
 class StepStats:
     """Sums over the rows of one step of what is logged about the loss; with ``bonus``, also the entropy of the
-    tokens an entropy bonus acts on (adaptive entropy control reads it)."""
+    tokens an entropy bonus acts on (adaptive entropy control reads it). ``clips``: the loss clips its ratio (sapo's
+    and vespo's do not: no clip figures, as TRL logs none)."""
 
-    def __init__(self, bonus: bool = False) -> None:
-        self.bonus = bonus
+    def __init__(self, bonus: bool = False, clips: bool = True) -> None:
+        self.bonus, self.clips = bonus, clips
         self.loss = 0.0
         self.tokens = 0
         self.low = self.high = self.clip_units = 0.0  # clipped, of clip_units: tokens, or sequences at sequence level
+        # Over the sequences that train a token: the smallest share of a sequence's terms clipped low, the largest
+        # clipped high (TRL's clip_ratio/low_min, high_max).
+        self.low_min, self.high_max = math.inf, -math.inf
         self.kl = self.entropy = self.ratio = 0.0
         self.bonus_entropy, self.bonus_tokens = 0.0, 0
         self.flat_tokens = self.unique_tokens = 0
@@ -63,6 +67,15 @@ class StepStats:
         self.low += float((terms.low_clipped * weight).sum())
         self.high += float((terms.high_clipped * weight).sum())
         self.clip_units += float(weight.sum()) if isinstance(weight, torch.Tensor) else weight * terms.loss.numel()
+        if terms.loss.numel():  # each sequence's share of its terms clipped (one term per token: a term per sequence counts alike)
+            counts = torch.bincount(packed.loss_seq, minlength=packed.num_sequences).double()
+            trains = counts > 0
+
+            def share(clipped: torch.Tensor) -> torch.Tensor:
+                return torch.bincount(packed.loss_seq, weights=clipped.double(), minlength=packed.num_sequences)[trains] / counts[trains]
+
+            self.low_min = min(self.low_min, float(share(terms.low_clipped).min()))
+            self.high_max = max(self.high_max, float(share(terms.high_clipped).max()))
         self.ratio += float(terms.ratio.sum())
         if terms.kl is not None:
             self.has_kl = True
@@ -80,15 +93,17 @@ class StepStats:
     def metrics(self) -> dict[str, float]:
         metrics = {
             "loss": self.loss,
-            "clip/low": Pooled(self.low, self.clip_units),
-            "clip/high": Pooled(self.high, self.clip_units),
-            "clip/fraction": Pooled(self.low + self.high, self.clip_units),
             "ratio/mean": Pooled(self.ratio, self.tokens),
             "entropy": Pooled(self.entropy, self.tokens),
             "packing_ratio": Pooled(self.flat_tokens, self.unique_tokens),
             "trained_tokens": float(self.tokens),
+            "flat_tokens": float(self.flat_tokens),  # each rollout's prompt and completion, as TRL's num_tokens counts a step's
             "rows": float(self.rows),
         }
+        if self.clips:  # a rank that trained no token gives the extremes no bound (inf), which the ranks' min/max pass over
+            metrics |= {"clip/low": Pooled(self.low, self.clip_units), "clip/high": Pooled(self.high, self.clip_units),
+                        "clip/fraction": Pooled(self.low + self.high, self.clip_units),
+                        "clip/low_min": self.low_min, "clip/high_max": self.high_max}  # fmt: skip
         if self.has_kl:
             metrics["kl"] = Pooled(self.kl, self.tokens)
         if self.grad_norm is not None:
@@ -113,6 +128,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "dynamic_sampling/filtered_fraction": Pooled(scored.filtered_groups, scored.sampled_groups),
         "completions/truncated_fraction": Pooled(sum(r.finish_reason == "length" for r in rollouts), len(rollouts)),
         **_lengths([sum(r.completion_mask) for r in rollouts]),  # the tokens the model wrote (not a tool's), as TRL
+        **_lengths([sum(r.completion_mask) for r in rollouts if r.finish_reason != "length"], "terminated_"),  # those that ended
         # Left out of the advantages and the loss for infrastructure failures (the rest are what was trained).
         "rollouts/excluded": float(sum(scored.excluded_rollouts.values())),
         "groups/excluded": float(scored.excluded_groups),
@@ -161,8 +177,8 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
 # How every rank's figure of a step makes the step's: counts add up, extremes are the extremes of the ranks', ratios
 # of sums (`Pooled`) and means of samples are taken over every rank's (`_over_ranks`), and the rest (settings, times,
 # figures every rank shares) are averaged.
-_REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|rows)$"), "sum"),
-               (re.compile(r"(max_length|ratio_max)$"), "max"), (re.compile(r"(min_length|ratio_min)$"), "min"))  # fmt: skip
+_REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|flat_tokens|rows)$"), "sum"),
+               (re.compile(r"(max_(terminated_)?length|_max)$"), "max"), (re.compile(r"(min_(terminated_)?length|_min)$"), "min"))  # fmt: skip
 
 
 def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBatch) -> float:
@@ -173,10 +189,10 @@ def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBat
         # The log_metric names every rank logs, in one order (Lightning reduces a rank's figures in its own order).
         pooled = {key: value for key, value in metrics.items() if isinstance(value, Pooled)}
         metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored), pooled)
+    metrics |= _extremes(module, metrics)
     by_reduction: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
-        fx = next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
-        by_reduction.setdefault(fx, {})[f"train/{key}"] = value
+        by_reduction.setdefault(_reduction(key), {})[f"train/{key}"] = value
     for fx, figures in by_reduction.items():
         module.log_dict(figures, on_step=True, prog_bar=False, batch_size=1, sync_dist=True, reduce_fx=fx)
     scored = ~rewards.isnan()
@@ -219,12 +235,29 @@ def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], l
     return figures
 
 
-def _lengths(lengths: list[int]) -> dict[str, float]:
-    """Completion lengths in tokens, as TRL names them (``completions/mean_length``, ``min_length``, ``max_length``)."""
-    if not lengths:
+def _lengths(lengths: list[int], kind: str = "") -> dict[str, float]:
+    """Completion lengths in tokens, as TRL names them (``completions/mean_length``, ``min_length``, ``max_length``;
+    ``kind`` ``terminated_``: of the completions that ended, TRL's ``mean_terminated_length`` ..., 0 where none)."""
+    if not lengths and not kind:
         return {}
-    return {"completions/mean_length": Pooled(sum(lengths), len(lengths)), "completions/min_length": float(min(lengths)),
-            "completions/max_length": float(max(lengths))}  # fmt: skip
+    return {f"completions/mean_{kind}length": Pooled(sum(lengths), len(lengths)), f"completions/min_{kind}length": float(min(lengths, default=math.inf)),
+            f"completions/max_{kind}length": float(max(lengths, default=-math.inf))}  # fmt: skip
+
+
+def _extremes(module: LightningModule, metrics: dict[str, Any]) -> dict[str, float]:
+    """Each figure that is a smallest or a largest (`_REDUCTIONS`), over every rank that has one: a rank without (no
+    completion that ended, no token trained) gives an infinite bound, which the others' pass over; 0 where no rank
+    has one (TRL's for the lengths), never an infinity in the logs."""
+    keys = [key for key in metrics if _reduction(key) in ("min", "max")]
+    signs = [-1.0 if _reduction(key) == "min" else 1.0 for key in keys]
+    local = torch.tensor([sign * float(metrics[key]) for key, sign in zip(keys, signs)], dtype=torch.float64, device=module.device)
+    if module.trainer.world_size > 1:
+        local = module.trainer.strategy.reduce(local, reduce_op="max")
+    return {key: sign * value if math.isfinite(value) else 0.0 for key, sign, value in zip(keys, signs, local.tolist())}
+
+
+def _reduction(key: str) -> str:
+    return next((fx for pattern, fx in _REDUCTIONS if pattern.search(key)), "mean")
 
 
 def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> Pooled:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.losses import GRPOLoss
+from lightning_rl.losses.grpo import TokenLoss
 from lightning_rl.models.routing import RouteAgreement, RouterReplaySetting, find_routers, router_replay_on
 from lightning_rl.rollout.base import RolloutEngine
 
@@ -102,8 +103,10 @@ _DROPOUT = "which the trainer's forward applies and the engine's does not"
 
 @dataclass
 class MismatchStats:
-    """Sums over the rows of one batch's first pass: k3, ratio, its extremes and the corrected tokens, and the
-    route agreement of ``route_layers`` routers (0: no replay)."""
+    """Sums over the rows of one batch's first pass: k3, ratio, its extremes and the corrected tokens, ``|d|`` and
+    its largest (TRL's ``sampling_logp_difference``), the engine-vs-trainer weights the loss applied where it corrects
+    (TRL's ``importance_sampling_ratio``: per token, or per sequence in the ``sequence_*`` modes), and the route
+    agreement of ``route_layers`` routers (0: no replay)."""
 
     route_layers: int = 0
     routes: RouteAgreement = field(default_factory=RouteAgreement)
@@ -113,11 +116,18 @@ class MismatchStats:
     ratio_max: float = -math.inf
     corrected: float = 0.0
     tokens: int = 0
+    logp_diff: float = 0.0
+    logp_diff_max: float = 0.0
+    weight: float = 0.0
+    weights: int = 0  # tokens, or sequences in the sequence_* modes
+    weight_min: float = math.inf
+    weight_max: float = -math.inf
+    corrects: bool = False  # the loss weighs terms by the engine-vs-trainer ratio (every rank logs its weights then)
     unreplayed: str | None = None  # what the engine applies and the trainer does not: named first by an alarm
 
-    def add(self, trainer_logprobs: Tensor, engine_logprobs: Tensor, corrected: Tensor | None) -> None:
-        """One row's trained tokens: the trainer's log-probs at the first pass, the engine's, and which tokens the
-        engine-vs-trainer correction truncated or masked (None: it is off)."""
+    def add(self, trainer_logprobs: Tensor, engine_logprobs: Tensor, terms: TokenLoss) -> None:
+        """One row's trained tokens: the trainer's log-probs at the first pass, the engine's, and the loss's terms
+        (which tokens the engine-vs-trainer correction truncated or masked, and the weights it applied)."""
         d = (trainer_logprobs.detach() - engine_logprobs).double()
         if d.numel() == 0:
             return
@@ -126,21 +136,40 @@ class MismatchStats:
         self.ratio += float(ratio.sum())
         self.ratio_min = min(self.ratio_min, float(ratio.min()))
         self.ratio_max = max(self.ratio_max, float(ratio.max()))
-        self.corrected += 0.0 if corrected is None else float(corrected.sum())
+        self.corrected += 0.0 if terms.corrected is None else float(terms.corrected.sum())
         self.tokens += d.numel()
+        self.logp_diff += float(d.abs().sum())
+        self.logp_diff_max = max(self.logp_diff_max, float(d.abs().max()))
+        if terms.engine_weight is not None:
+            weight = terms.engine_weight.double()
+            if terms.engine_weight_seq is not None:  # one per sequence: its first term's
+                first = torch.ones_like(terms.engine_weight_seq, dtype=torch.bool)
+                first[1:] = terms.engine_weight_seq[1:] != terms.engine_weight_seq[:-1]
+                weight = weight[first]
+            self.weight += float(weight.sum())
+            self.weights += weight.numel()
+            self.weight_min = min(self.weight_min, float(weight.min()))
+            self.weight_max = max(self.weight_max, float(weight.max()))
 
     def metrics(self, reduce: Reduce, device: torch.device, staleness: int, alarm_kl: float | None) -> dict[str, float]:
         """The figures over every rank (``train/`` is put in front by the caller); raises `MismatchAlarm` when a batch
         of staleness 0 shows a KL above ``alarm_kl``."""
-        sums = reduce(torch.tensor([self.k3, self.ratio, self.corrected, self.tokens], dtype=torch.float64, device=device), reduce_op="sum")
-        extremes = reduce(torch.tensor([-self.ratio_min, self.ratio_max], dtype=torch.float64, device=device), reduce_op="max")
-        k3, ratio, corrected, tokens = sums.tolist()
-        out: dict[str, float] = {}
+        sums = reduce(torch.tensor([self.k3, self.ratio, self.corrected, self.tokens, self.logp_diff, self.weight, self.weights],
+                                   dtype=torch.float64, device=device), reduce_op="sum")  # fmt: skip
+        extremes = reduce(torch.tensor([-self.ratio_min, self.ratio_max, self.logp_diff_max, -self.weight_min, self.weight_max],
+                                       dtype=torch.float64, device=device), reduce_op="max")  # fmt: skip
+        k3, ratio, corrected, tokens, logp_diff, weight, weights = sums.tolist()
+        # A step that trains no token (every completion masked) logs 0 for each, as TRL does, not nothing: a logger's
+        # summary (W&B's) would keep the last step's figure as the run's.
+        kl = k3 / tokens if tokens else 0.0
+        out = {"mismatch/ratio_mean": ratio / tokens if tokens else 0.0, "mismatch/ratio_min": -float(extremes[0]) if tokens else 0.0,
+               "mismatch/ratio_max": float(extremes[1]) if tokens else 0.0, "mismatch/corrected_fraction": corrected / tokens if tokens else 0.0,
+               "mismatch/logp_diff_mean": logp_diff / tokens if tokens else 0.0, "mismatch/logp_diff_max": float(extremes[2])}  # fmt: skip
+        if self.corrects:
+            out.update({"mismatch/is_ratio_mean": weight / weights if weights else 0.0, "mismatch/is_ratio_min": -float(extremes[3]) if weights else 0.0,
+                        "mismatch/is_ratio_max": float(extremes[4]) if weights else 0.0})  # fmt: skip
+        out.update({"mismatch/kl": kl, "offpolicy/kl": 0.0} if staleness == 0 else {"offpolicy/kl": kl})
         if tokens > 0:
-            kl = k3 / tokens
-            out = {"mismatch/ratio_mean": ratio / tokens, "mismatch/ratio_min": -float(extremes[0]),
-                   "mismatch/ratio_max": float(extremes[1]), "mismatch/corrected_fraction": corrected / tokens}  # fmt: skip
-            out.update({"mismatch/kl": kl, "offpolicy/kl": 0.0} if staleness == 0 else {"offpolicy/kl": kl})
             if staleness == 0 and alarm_kl is not None and kl > alarm_kl and not (self.unreplayed or "").endswith(_DROPOUT):
                 cause = f"{self.unreplayed}; other " if self.unreplayed else ""
                 raise MismatchAlarm(
