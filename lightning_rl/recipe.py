@@ -464,6 +464,9 @@ class RecipeCLI(LightningCLI):
                 monitor="step",
                 mode="max",
                 save_last=True,
+                # Not put off to a validation at an epoch's last batch: Lightning assumes one follows it, and with
+                # validation every n steps none may (the save then came a micro-batch late, mid-step, or never).
+                save_on_train_epoch_end=True,
             ),
         ]
         trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)

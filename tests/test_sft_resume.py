@@ -106,3 +106,23 @@ def test_a_finished_run_extended_from_its_last_checkpoint_trains_what_one_longer
     got = load_file(tmp_path / "extended" / "hf" / "model.safetensors")
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_periodic_checkpoint_at_an_epochs_last_step_is_written_there(tmp_path, accumulate):
+    """With validation every n steps (not every epoch), Lightning put off a save due at an epoch's last batch until a
+    validation that did not come: it was written one micro-batch into the next step (without that micro-batch's
+    gradient, so a resume from it trained another step 5), or, without accumulation, never."""
+    data, val = tmp_path / "rows.jsonl", tmp_path / "val.jsonl"
+    lines = TOY_TRAIN.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[:60]))  # 4 micro-batches an epoch at 256 tokens
+    val.write_text("".join(lines[60:70]))
+    run = run_cli(tmp_path / "run", data, f"--data.val_data={val}", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=1",
+                  f"--trainer.accumulate_grad_batches={accumulate}", "--checkpoint_every_n_steps=2", "--keep_checkpoints=10")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    assert [path.name for path in saved] == [f"step={step}.ckpt" for step in (2, 4, 6, 8)]
+    for path in saved:
+        state = torch.load(path, weights_only=True)
+        progress = state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        assert progress["ready"] == state["global_step"] * accumulate, (path.name, progress)  # at its step's end, no micro-batch after
