@@ -90,7 +90,10 @@ def test_a_resume_with_another_learning_rate_is_refused_not_ignored(tmp_path, ca
     betas was silently ignored while recipe.yaml recorded it. Refused, naming both values."""
     saved = one_step(capsys, SFT, tmp_path / "run", "--model.learning_rate=0.005")
     for override, message in (("--model.learning_rate=0.5", "learning_rate=0.5, but ckpt_path: {} resumes the optimizer with learning_rate=0.005"),
-                              ("--model.betas=[0.5, 0.6]", "betas=[0.5, 0.6], but ckpt_path: {} resumes the optimizer with betas=[0.9, 0.95]")):  # fmt: skip
+                              ("--model.betas=[0.5, 0.6]", "betas=[0.5, 0.6], but ckpt_path: {} resumes the optimizer with betas=[0.9, 0.95]"),
+                              # from 0 it groups the parameters otherwise (norms and biases without decay): was "another
+                              # kind of run (optimizer groups [24] there, [15, 9] here)"
+                              ("--model.weight_decay=0.01", "weight_decay=0.01, but ckpt_path: {} resumes the optimizer with weight_decay=0.0")):  # fmt: skip
         code, errors, _ = run(capsys, SFT, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.learning_rate=0.005", override)
         assert code == 2 and errors == [f"error: model.{message.format(saved)} (its state holds it): give that, or start a new run"], errors
     code, errors, _ = run(capsys, SFT, tmp_path / "run", "--ckpt_path=last", "--trainer.max_steps=2", "--model.learning_rate=0.005")

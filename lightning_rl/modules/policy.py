@@ -206,10 +206,22 @@ class PolicyModule(LightningModule):
         if lacking and path is not None and Path(path).is_file():  # a sharded one's parts are read by its strategy
             raise ForeignCheckpointError(f"ckpt_path: {path} holds no {lacking[0]}, so it cannot resume a run (saved with weights only, "
                                          "or by hand): resume from a checkpoint a run wrote")
+        recorded = checkpoint.get(WRITER)
+        if isinstance(recorded, dict) and {**recorded, "optimizer groups": None} == {**self.writer(), "optimizer groups": None}:
+            self._check_optimizer_keys(checkpoint, path)  # a run like this one: weight_decay 0 or not groups the parameters otherwise
         self.check_writer(checkpoint, path)
         check_weights_fit(checkpoint, self, path)
         if RANDOM_STATE in checkpoint:  # absent from an older checkpoint
             self._resumed_random = RandomState.from_plain(this_ranks(checkpoint[RANDOM_STATE], self.trainer, lambda _: False), self.device)
+        self._check_optimizer_keys(checkpoint, path)
+        step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
+        if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
+            raise ForeignCheckpointError(
+                f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
+                "train; raise trainer.max_steps to train on from it"
+            )
+
+    def _check_optimizer_keys(self, checkpoint: dict[str, Any], path: Any) -> None:
         saved = checkpoint.get("hyper_parameters") or {}
         for key in _OPTIMIZER_KEYS:  # restored with the optimizer's state: a new value would be ignored
             if key in saved and key in self.hparams and _plain(saved[key]) != _plain(self.hparams[key]):
@@ -217,12 +229,6 @@ class PolicyModule(LightningModule):
                     f"{key}={_plain(self.hparams[key])!r}, but ckpt_path: {path} resumes the optimizer with "
                     f"{key}={_plain(saved[key])!r} (its state holds it): give that, or start a new run", key,
                 )
-        step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
-        if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
-            raise ForeignCheckpointError(
-                f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
-                "train; raise trainer.max_steps to train on from it"
-            )
 
     def check_writer(self, checkpoint: dict[str, Any], path: Any) -> None:
         """Refuse a checkpoint another kind of run wrote: another task, model kind, LoRA layout or optimizer layout.
