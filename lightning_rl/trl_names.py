@@ -106,9 +106,9 @@ DIFFERENCES = (
     ("Multi-turn rows with Qwen3's or gpt-oss's own template", "refused in one line (Qwen3's renders earlier turns "
      "without their reasoning once later turns follow; gpt-oss's ends the last reply with `<|return|>`, earlier ones with `<|end|>`)", "trained with a training template of TRL's",
      "the served template cannot locate the assistant turns exactly"),
-    ("Tool turns inside a conversational completion", "only the assistant turns of the completion are trained",
-     "the whole completion is trained, the tool results and their headers too",
-     "a tool's output is the environment's, not the model's to predict"),
+    ("Tool turns, and user or system turns, inside a conversational completion", "only the assistant turns of the completion are trained",
+     "the whole completion is trained, the other turns and their headers too",
+     "a tool's output is the environment's, a user's turn the user's: not the model's to predict"),
     ("`train/loss` with `trainer.log_every_n_steps` > 1", "the loss of the step it is logged at",
      "the mean over the steps since the last log (`logging_steps`)", "each logged figure is one step's, as every "
      "other `train/` figure is"),

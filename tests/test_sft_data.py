@@ -131,6 +131,8 @@ def test_parquet_json_and_datasets_sources_agree(tiny_tokenizer, tmp_path):
 BAD_ROWS = {
     "missing messages": ({"conversation": []}, "line 2: missing `messages`"),
     "unknown role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: unknown role 'robot'"),
+    "ShareGPT's roles": ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+                         "line 2: `messages[0]`: unknown role 'human' (expected one of system, user, assistant, tool); ShareGPT's 'human' is 'user'"),
     "empty completion": ({"prompt": "1+1=", "completion": "  "}, "line 2: `completion` is empty"),
     "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: `content` must be a string, got int"),
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: `messages` has no assistant turn"),
@@ -162,6 +164,16 @@ def test_rows_are_named_by_their_line_in_the_file(tiny_tokenizer, tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([GOOD, {"conversation": []}]))
     with pytest.raises(DataError, match=r"rows.json: row 2: missing `messages`"):  # no lines: rows count from 1
         load_examples(tmp_path / "rows.json", Renderer(tiny_tokenizer, "tiny"), 512)
+
+
+def test_sharegpt_rows_of_from_and_value_are_read_as_trl_reads_them(tiny_tokenizer, tmp_path):
+    """TRL renames a message's `from` and `value`, and a `conversations` column, to ChatML's names: so does this (the
+    rows were refused as missing `messages`)."""
+    renderer = Renderer(tiny_tokenizer, "tiny")
+    sharegpt = {"conversations": [{"from": turn["role"], "value": turn["content"]} for turn in GOOD["messages"]]}
+    split = {"prompt": [{"from": "user", "value": "3+4="}], "completion": [{"from": "assistant", "value": "7"}]}
+    chatml = {"prompt": [{"role": "user", "content": "3+4="}], "completion": [{"role": "assistant", "content": "7"}]}
+    assert load_examples(write_jsonl(tmp_path / "s.jsonl", [sharegpt, split]), renderer, 512)[0] == load_examples(write_jsonl(tmp_path / "c.jsonl", [GOOD, chatml]), renderer, 512)[0]
 
 
 def test_a_parquet_file_may_mix_the_row_shapes_as_jsonl_may(tiny_tokenizer, tmp_path):

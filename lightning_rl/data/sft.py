@@ -357,7 +357,8 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             raise ValueError(f"{where} must be an object with `role` and `content`")
         role = message.get("role")
         if role not in ROLES:
-            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+            sharegpt = {"human": "user", "gpt": "assistant"}.get(role)  # the chat template knows no other names
+            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})" + (f"; ShareGPT's {role!r} is {sharegpt!r}" if sharegpt else ""))
         content = message.get("content")
         if role == "assistant" and message.get("tool_calls") and content in (None, ""):
             continue
@@ -418,7 +419,7 @@ def _check_row(row: Any) -> dict:
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
-    row = with_image_column(row)
+    row = with_image_column(_as_chatml(row))
     tools = _check_tools(row["tools"]) if "tools" in row else None
     if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
         raise ValueError("`tools` are rendered by the chat template: give the row as `messages` (or as conversational `prompt` and `completion`)")
@@ -446,6 +447,18 @@ def _check_row(row: Any) -> dict:
             raise ValueError("`completion` has no assistant turn to train on")
         return {"prompt": prompt, "completion": completion, **extra}
     raise ValueError("`prompt` and `completion` must both be strings or both be lists of messages")
+
+
+def _as_chatml(row: dict) -> dict:
+    """ShareGPT-style rows read as TRL reads them: messages of ``from`` and ``value`` as ``role`` and ``content``, and
+    a ``conversations`` column as ``messages``. The roles stay as written (``human``, ``gpt`` are refused by name)."""
+    renamed = {"from": "role", "value": "content"}
+    row = {key: [{renamed.get(name, name): part for name, part in m.items()} if isinstance(m, dict) else m for m in value]
+           if key in ("prompt", "completion", "messages", "conversations") and isinstance(value, list) else value
+           for key, value in row.items()}  # fmt: skip
+    if "conversations" in row and "messages" not in row:
+        row["messages"] = row.pop("conversations")
+    return row
 
 
 def _template_context(row: dict) -> dict[str, Any]:
