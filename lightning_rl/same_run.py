@@ -3,7 +3,8 @@
 Each checkpoint keeps the resolved recipe of the run that wrote it. A resume compares its own recipe with that one,
 key by key, and refuses a changed key unless the key is one of ``SAFE``: what a run may change without changing what
 it trains (how long it runs, what it logs, saves and evaluates, where its engine lives, and memory or speed settings
-that compute the same numbers). A changed seed, batch, data file, sampling setting or gradient clip would make the
+that compute the same numbers up to rounding: a chunk size, an attention backend or compilation sums in another order,
+and can change a weight's last bits). A changed seed, batch, data file, sampling setting or gradient clip would make the
 resumed run a different one, silently; it is one line naming every changed key instead. A checkpoint written before
 checkpoints kept their recipe is compared by its optimizer keys alone (``PolicyModule.on_load_checkpoint``).
 """

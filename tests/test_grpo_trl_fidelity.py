@@ -370,11 +370,12 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     ours, theirs = stats.metrics(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
     names = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"), ("clip_ratio/high_mean", "clip/high"),
              ("clip_ratio/region_mean", "clip/fraction"), ("clip_ratio/low_min", "clip/low_min"), ("clip_ratio/high_max", "clip/high_max"),
-             ("cispo_clip_ratio", "clip/high"))  # fmt: skip
+             ("cispo_clip_ratio", "clip/high"), ("vespo/phi_seq_mean", "vespo/phi_seq_mean"))  # fmt: skip
     for their_name, our_name in names:
         if their_name in theirs:
             assert ours[our_name] == pytest.approx(theirs[their_name], rel=1e-5, abs=1e-7), our_name
     assert ("clip/low" in ours) == any(name.startswith(("clip_ratio/", "cispo_")) for name in theirs)  # none for sapo, vespo
+    assert ("vespo/phi_seq_mean" in ours) == ("vespo/phi_seq_mean" in theirs)
 
     # The module's own step with these options (its `loss:` group) gives the same loss and gradients: what a
     # recipe sets reaches the loss whole, sequences, entropy (differentiable) and the reference included.

@@ -65,6 +65,7 @@ class TokenLoss:
     # per sequence, repeated over its terms (``engine_weight_seq``: each term's sequence, then).
     engine_weight: torch.Tensor | None = None
     engine_weight_seq: torch.Tensor | None = None
+    vespo_phi: torch.Tensor | None = None  # vespo's phi of each term's sequence (TRL logs its mean over the sequences)
     # What each term counts for in the clip fractions: 1 at token level; at sequence level, 1/(its sequence's terms),
     # so a sequence (one ratio) counts once, as TRL counts it.
     clip_weight: torch.Tensor | float = 1.0
@@ -297,7 +298,8 @@ class GRPOLoss:
             tau = torch.where(advantages > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
             loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
         elif self.loss_type == "vespo":
-            loss = -self._vespo_weight(log_ratio, advantages, engine_weight, seqs) * advantages * logprobs
+            phi = self._vespo_weight(log_ratio, advantages, engine_weight, seqs)
+            loss = -phi * advantages * logprobs
         else:
             clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.upper_clip)
             unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
@@ -336,6 +338,7 @@ class GRPOLoss:
             entropy_mask=entropy_mask,
             corrected=corrected,
             engine_weight=None if engine_weight is None else engine_weight.detach(),
+            vespo_phi=phi if self.loss_type == "vespo" else None,
             engine_weight_seq=seqs.index if engine_weight is not None and self.importance_sampling_mode.startswith("sequence") else None,
             clip_weight=1 / seqs.num_tokens.clamp(min=1).to(ratio)[seqs.index] if self.importance_sampling_level == "sequence" else 1.0,
         )

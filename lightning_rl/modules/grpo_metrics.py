@@ -52,6 +52,7 @@ class StepStats:
         # Over the sequences that train a token: the smallest share of a sequence's terms clipped low, the largest
         # clipped high (TRL's clip_ratio/low_min, high_max).
         self.low_min, self.high_max = math.inf, -math.inf
+        self.phi = self.phi_sequences = 0.0  # vespo's phi summed over the sequences that train, and their count
         self.kl = self.entropy = self.ratio = 0.0
         self.bonus_entropy, self.bonus_tokens = 0.0, 0
         self.flat_tokens = self.unique_tokens = 0
@@ -76,6 +77,9 @@ class StepStats:
 
             self.low_min = min(self.low_min, float(share(terms.low_clipped).min()))
             self.high_max = max(self.high_max, float(share(terms.high_clipped).max()))
+            if terms.vespo_phi is not None:  # one phi per sequence, repeated over its terms
+                self.phi += float(share(terms.vespo_phi).sum())
+                self.phi_sequences += float(trains.sum())
         self.ratio += float(terms.ratio.sum())
         if terms.kl is not None:
             self.has_kl = True
@@ -104,6 +108,8 @@ class StepStats:
             metrics |= {"clip/low": Pooled(self.low, self.clip_units), "clip/high": Pooled(self.high, self.clip_units),
                         "clip/fraction": Pooled(self.low + self.high, self.clip_units),
                         "clip/low_min": self.low_min, "clip/high_max": self.high_max}  # fmt: skip
+        if self.phi_sequences:
+            metrics["vespo/phi_seq_mean"] = Pooled(self.phi, self.phi_sequences)  # TRL's name
         if self.has_kl:
             metrics["kl"] = Pooled(self.kl, self.tokens)
         if self.grad_norm is not None:
