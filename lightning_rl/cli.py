@@ -226,6 +226,8 @@ def run(recipe: str | None, overrides: list[str]) -> int:
 def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from lightning_rl.data.sft import BatchingChanged
+
     trainer = cli.trainer
     if ckpt_path is not None and Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
         cli.check_resume(ckpt_path)  # the strategy or devices changed: named with both values
@@ -234,8 +236,8 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     try:
         # weights_only: every load Lightning does for us (the file, a sharded folder's meta.pt) admits no code.
         trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except ForeignWeightsError:
-        if ckpt_path is not None:  # a changed recipe key that adds or removes weights: named, with both values
+    except (ForeignWeightsError, BatchingChanged):
+        if ckpt_path is not None:  # a changed recipe key that adds or removes weights, or rebatches the rows: named, with both values
             cli.check_resume(ckpt_path)
         raise
     except SIGTERMException:

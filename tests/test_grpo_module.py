@@ -630,3 +630,15 @@ def test_a_packing_refusal_during_training_names_the_unpacked_way(monkeypatch):
     monkeypatch.setattr("lightning_rl.modules.grpo.packed_logprobs", refuses)  # what a model's row can raise mid-run
     with pytest.raises(PackingRefused, match=r"not computed exactly; model\.packing: none trains it one rollout a row"):
         fit(1)
+
+
+def test_a_resume_under_a_trainer_of_ones_own_with_another_prompt_batch_size_is_refused(tmp_path):
+    """Step i takes prompts i * batch_size on: under another batch size a resumed run trained on other prompts than
+    the uninterrupted one, silently (the command named the recipe key)."""
+    from lightning_rl.data.sft import BatchingChanged
+    from support.grpo import DIGIT_REWARDS
+
+    _, run = fit(1)
+    run.save_checkpoint(tmp_path / "one.ckpt")
+    with pytest.raises(BatchingChanged, match=r"^data\.batch_size=3 here, 2 in the run: the run being resumed cut"):
+        trainer_of(2).fit(GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS}), PromptDataModule(batch_size=3), ckpt_path=tmp_path / "one.ckpt")

@@ -381,3 +381,23 @@ def test_each_validate_logs_the_exact_match_and_prompt_data_is_refused_in_one_li
         assert "val/exact_match" in results
     with pytest.raises(RecipeError, match=r"^SFT trains on the packed rows of SFTDataModule, got a batch of \w+ from PromptDataModule$"):
         Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1).fit(SFTModule(), datamodule=PromptDataModule(batch_size=2))
+
+
+def test_a_resume_under_a_trainer_of_ones_own_that_would_cut_other_batches_is_refused(tmp_path):
+    """The data's position is a count of batches: under another max_tokens (or packing, shuffle, seed) it pointed at
+    other rows, and the resumed run trained on silently. The command named the changed recipe key; a Trainer of one's
+    own is refused too, naming it."""
+    from lightning_rl.data.sft import BatchingChanged
+
+    def trainer(steps: int) -> Trainer:
+        return Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+
+    first = trainer(1)
+    first.fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=96))
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    with pytest.raises(BatchingChanged, match=r"^data\.max_tokens=128 here, 96 in the run: the run being resumed cut its rows into other batches"):
+        trainer(2).fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=128), ckpt_path=tmp_path / "one.ckpt")
+    resumed = trainer(2)  # the run's own values resume
+    resumed.fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=96), ckpt_path=tmp_path / "one.ckpt")
+    assert resumed.global_step == 2

@@ -26,7 +26,7 @@ from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.images import ImageRenderer, check_prompt_images, image_key, images_of, load_images, with_image_column
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.sft import (
-    ROLES, DataError, DataSource, check_no_image_tokens, check_same_rows, check_source, check_template_kwargs, read_rows, rows_digest,
+    ROLES, DataError, DataSource, check_no_image_tokens, check_same_batching, check_same_rows, check_source, check_template_kwargs, read_rows, rows_digest,
     source_name,
 )
 from lightning_rl.toy.task import PROBLEMS_FILE
@@ -182,10 +182,11 @@ class PromptDataModule(L.LightningDataModule):
             self._locations = {id(record): where for where, record in located}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rows_digest": self.rows_digest()}
+        return {"rows_digest": self.rows_digest(), "batching": {"batch_size": self.batch_size, "seed": self.seed}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_same_rows("data.train_data", self.path, state.get("rows_digest"), self.rows_digest())
+        check_same_batching(state.get("batching"), {"batch_size": self.batch_size, "seed": self.seed})  # which prompts a step takes
 
     def rows_digest(self) -> str:
         """The digest of the prompt records (once: the run's data does not change)."""
@@ -266,6 +267,13 @@ class RenderedPrompt:
     image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     pictures: list[Any] = field(default_factory=list)
     template_ids: list[int] = field(default_factory=list)
+    # An image prompt as the reward functions read it, as TRL gives it: every turn's content a list of parts, each
+    # image part holding its opened image (an `images` column's placed in). None: ``messages`` as they are.
+    with_images: list[dict[str, Any]] | None = None
+
+    @property
+    def for_rewards(self) -> list[dict[str, Any]]:
+        return self.messages if self.with_images is None else self.with_images
 
     @property
     def keyed_images(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
@@ -345,4 +353,5 @@ class PromptRenderer:
             template_ids = renderer.template_ids(loaded, add_generation_prompt=True, tools=self.tools)
         except ValueError as error:
             raise DataError(f"{where}: {error}") from None
-        return RenderedPrompt(messages, ids, list(inputs), images_of(loaded), template_ids)
+        as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m for m in loaded]
+        return RenderedPrompt(messages, ids, list(inputs), images_of(loaded), template_ids, with_images=as_parts)

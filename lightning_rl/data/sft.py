@@ -56,6 +56,21 @@ class DataError(UserError, ValueError):
     """A problem with the training data, with the file and line (or row) it was found in."""
 
 
+class BatchingChanged(RecipeError):
+    """A resume that would cut the rows into other batches than the run it resumes (another ``max_tokens``, packing,
+    shuffle or seed): its position, a count of batches, would point at other rows. The command names every changed
+    recipe key instead (``lightning_rl/same_run.py``)."""
+
+
+def check_same_batching(saved: dict[str, Any] | None, here: dict[str, Any]) -> None:
+    """Refuse a resume whose data settings (``data.KEY`` by key) would cut other batches than the run's (``saved``;
+    None: an older checkpoint, which kept none)."""
+    if changed := [key for key in saved or {} if key in here and saved[key] != here[key]]:
+        raise BatchingChanged(
+            "; ".join(f"data.{key}={here[key]!r} here, {saved[key]!r} in the run" for key in changed) + ": the run being resumed "
+            "cut its rows into other batches, so it would resume at other rows; give the run's values, or start a new run")
+
+
 def limited_batches(trainer: Any, batches: int) -> int:
     """An epoch's training batches once ``trainer.limit_train_batches`` applies, as Lightning counts them: a number of
     batches caps the epoch, a fraction scales it (rounded down)."""
@@ -1003,7 +1018,11 @@ class SFTDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         epoch, taken = self._position
-        return {"epoch": epoch, "batches_taken": taken, "rows_digest": self.rows_digest()}
+        return {"epoch": epoch, "batches_taken": taken, "rows_digest": self.rows_digest(), "batching": self._batching()}
+
+    def _batching(self) -> dict[str, Any]:
+        """What cuts the rows into batches (`TokenBudgetBatchSampler`), by key."""
+        return {"max_tokens": self.max_tokens, "packing": self.resolved_packing, "shuffle": self.shuffle, "seed": self.seed}
 
     def rows_digest(self) -> str:
         """The digest of the training examples as tokenized (each once: the run's data does not change)."""
@@ -1016,6 +1035,7 @@ class SFTDataModule(LightningDataModule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_same_rows("data.train_data", self.train_data, state.get("rows_digest"), self.rows_digest())
+        check_same_batching(state.get("batching"), self._batching())
         self._position = (state["epoch"], state["batches_taken"])
         self._resume = self._position
         # Lightning warns of a resume inside an epoch when the DataLoader itself keeps no state; the sampler resumes
