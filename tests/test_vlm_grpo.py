@@ -224,6 +224,12 @@ def test_an_image_column_beside_text_prompts_goes_before_the_first_user_turn_as_
     for other in rendered[1:]:
         assert other.ids == rendered[0].ids and len(other.image_inputs) == 1
         assert all(torch.equal(other.image_inputs[0][key], value) for key, value in rendered[0].image_inputs[0].items())
+    # The reward functions read each prompt as TRL gives it: every turn a list of parts, the image part holding the
+    # opened image (they got the prompt as written: an empty image part, or a string turn with no image at all).
+    for prompt in rendered:
+        (turn,) = prompt.for_rewards
+        assert [part["type"] for part in turn["content"]] == ["image", "text"] and turn["content"][1]["text"] == QUESTION
+        assert turn["content"][0]["image"].size == (16, 16) and turn["content"][0]["image"].getpixel((0, 0)) == COLOURS["red"]
     data.write_text(json.dumps({"prompt": QUESTION, "image": "blue.png"}) + "\n")  # a missing image: found as the data is set up
     with pytest.raises(DataError, match=r"prompts.jsonl: line 1: .*blue.png"):
         PromptDataModule(path=str(data), prompt_field="prompt", batch_size=1).setup()

@@ -231,7 +231,7 @@ class RolloutCollector:
         scores = self.scorer.score(
             [self.renderer.tokenizer.decode(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],  # as read
             self._columns(records, rendered, rollouts), step=index + 1,
-            chat_prompts=[copy.deepcopy(rendered[r.group_id].messages) for r in rollouts] if conversational else None,
+            chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
             chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
             trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index)),
         )
