@@ -121,6 +121,9 @@ DIFFERENCES = (
     ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
      "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
      "clipped nor kept"),
+    ("`train/mismatch/is_ratio_*` in the `sequence_*` modes with `mask_truncated_completions`", "over the sequences "
+     "that train: a masked sequence has no weight applied", "every sequence, a masked one counted with weight 1 (its "
+     "masked tokens sum to 0)", "the figure describes the weights the loss applied"),
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),

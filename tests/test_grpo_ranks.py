@@ -52,8 +52,11 @@ def ends_early(tmp_path_factory, tiny_path) -> str:
         {"reward_aggregation": "normalize_then_sum", "rewards": DIGITS_AND_LENGTH},
         {"loss": {"loss_type": "grpo", "top_entropy_quantile": 0.5}},
         {"strategy": "fsdp2", "loss": {"beta": 0.1}, "ref_sync_every": 1},  # the reference refreshed from sharded weights
+        # Rows of 48 tokens: the ranks' rollouts of unlike lengths need unlike numbers of rows, and the rank with fewer
+        # runs empty ones (their pad token was counted in train/flat_tokens and train/rows).
+        {"model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48, "prefix_across_rows": "never"},
     ],
-    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh"],
+    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh", "rows-per-rank"],
 )
 def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, ends_early, options):
     # tiny_path builds the shared model cache first, so the two ranks only read it.
@@ -106,9 +109,13 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
     lengths = [sum(r.completion_mask) for r in scored_rollouts]
     if "model_name_or_path" in options:  # the ranks train different numbers of tokens
         assert len({sum(len(r["completion_ids"]) for r in rank["rollouts"] if r["finish_reason"] != "length") for rank in ranks}) == 2
+    ended = [length for length, r in zip(lengths, scored_rollouts) if r.finish_reason != "length"]
     expected = {"train/entropy": float(entropy.mean()), "train/ratio/mean": float(terms.ratio.mean()),
                 "train/completions/mean_length": sum(lengths) / len(lengths),
-                "train/completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)}  # fmt: skip
+                "train/completions/truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+                "train/flat_tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
+                "train/completions/mean_terminated_length": sum(ended) / len(ended) if ended else 0.0,
+                "train/completions/min_terminated_length": min(ended, default=0), "train/completions/max_terminated_length": max(ended, default=0)}  # fmt: skip
     for rank in ranks:
         assert {key: rank["logged"][key] for key in expected} == pytest.approx(expected, rel=1e-5)
     assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())

@@ -431,7 +431,7 @@ class GRPOModule(PolicyModule):
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
             finish_prefix(packed)  # a span's last row: one backward through its prefix
-            stats.add(loss.detach(), terms, entropy, packed)
+            stats.add(loss.detach(), terms, entropy, packed, padding=not rows[k])
         if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
             self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
         stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped

@@ -61,7 +61,7 @@ class StepStats:
         self.grad_norm: torch.Tensor | None = None  # of all gradients together, before clipping
         self.lr = 0.0  # the learning rate the step's optimizer update took
 
-    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch) -> None:
+    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch, padding: bool = False) -> None:
         self.loss += float(loss)
         self.tokens += int(terms.loss.numel())
         weight = terms.clip_weight
@@ -90,9 +90,10 @@ class StepStats:
             kept = entropy if terms.entropy_mask is None else entropy[terms.entropy_mask]
             self.bonus_entropy += float(kept.double().sum())
             self.bonus_tokens += kept.numel()
-        self.flat_tokens += packed.num_flat_tokens
-        self.unique_tokens += packed.num_unique_tokens
-        self.rows += 1
+        if not padding:  # a rank's empty row (one pad token, run so that every rank runs as many rows) is none
+            self.flat_tokens += packed.num_flat_tokens
+            self.unique_tokens += packed.num_unique_tokens
+            self.rows += 1
 
     def metrics(self) -> dict[str, float]:
         metrics = {
