@@ -124,6 +124,9 @@ DIFFERENCES = (
     ("`train/mismatch/is_ratio_*` in the `sequence_*` modes with `mask_truncated_completions`", "over the sequences "
      "that train: a masked sequence has no weight applied", "every sequence, a masked one counted with weight 1 (its "
      "masked tokens sum to 0)", "the figure describes the weights the loss applied"),
+    ("Two images side by side in a turn, with no text between them", "refused in one line naming the row: put text "
+     "between them", "trained", "with a template that renders no separator the two images' placeholders make one run, "
+     "which cannot be split between the images exactly"),
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),

@@ -270,3 +270,19 @@ def test_qwen_vl_image_tokens_sit_on_their_multi_axis_positions_in_generation_an
         own = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
         torch.testing.assert_close(torch.tensor(rollout.logprobs), own, rtol=0, atol=1e-5)  # 3e-4 to 1e-3 before
     assert uses_multi_axis_positions(load_causal_lm(str(path), lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])))
+
+
+def test_an_image_that_decodes_whole_though_its_end_marker_is_cut_is_read_as_sft_reads_it(tmp_path):
+    """A PNG missing its last bytes (the end marker): SFT decodes it and trains; GRPO's check of the prompts, which
+    does not decode, refused it for its checksum. Both read it now; one that does not decode is refused by both."""
+    from lightning_rl.data.images import check_prompt_images, load_images
+
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "red.png").read_bytes()[:-20])
+    record = {"prompt": [{"role": "user", "content": [{"type": "image", "image": "cut.png"}, {"type": "text", "text": QUESTION}]}]}
+    check_prompt_images(record, tmp_path)
+    (turn,) = load_images({"prompt": record["prompt"]}, tmp_path)["prompt"]
+    assert turn["content"][0]["image"].getpixel((15, 15)) == COLOURS["red"]
+    (tmp_path / "cut.png").write_bytes((tmp_path / "red.png").read_bytes()[:60])
+    with pytest.raises(ValueError, match=r"cut.png cannot be read as an image"):
+        check_prompt_images(record, tmp_path)

@@ -125,6 +125,9 @@ def _open(image: Any, base: Path | None, decode: bool = True) -> Any:
         with Image.open(data) as opened:
             return ImageOps.exif_transpose(opened).convert("RGB") if decode else opened.verify()
     except Exception as error:  # Pillow's UnidentifiedImageError, a truncated file, ...
+        if not decode:  # the check is stricter than a decode (a PNG without its end marker decodes whole): as training reads it
+            _open(image, base)
+            return None
         raise ValueError(f"{shown} cannot be read as an image ({type(error).__name__})") from None
 
 
