@@ -47,19 +47,33 @@ def trl_fields() -> dict[str, list[str]]:
 
 
 def default_differences() -> list[tuple[str, str, Any, str, str]]:
-    """(task, TRL field, its default, our key, its default) where a TRL field done by one key has another default."""
+    """(task, TRL field, its default, our key, its default) where a TRL field done by one key has another default:
+    a recipe key's (its schema's default), or a Lightning Trainer argument's (``TRAINER``; Lightning's default)."""
     import dataclasses
+    import inspect
 
     import trl
+    from lightning.pytorch import Trainer
 
+    lightning = {f"trainer.{name}": yaml.safe_dump(p.default, default_flow_style=True).strip().removesuffix("...").strip()
+                 for name, p in inspect.signature(Trainer).parameters.items()}  # fmt: skip
     found = []
     for task, config in (("sft", trl.SFTConfig), ("grpo", trl.GRPOConfig)):
         theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
         ours = {key: default for key, _, default, _ in rows(task)}
-        for name, keys in sorted(annotations(task).items()):
-            if name in theirs and len(set(keys)) == 1 and keys[0] in ours and not _same(ours[keys[0]], theirs[name]):
-                found.append((task, name, theirs[name], keys[0], ours[keys[0]]))
+        keys_of = {name: keys for name, keys in annotations(task).items() if len(set(keys)) == 1 and keys[0] in ours}
+        keys_of |= {name: [key] for (where, name), text in trl_names.TRAINER.items() if where in (task, "*")
+                    for key in [text.split(" ")[0].rstrip(":")] if key in lightning}  # fmt: skip
+        for name, (key, *_) in sorted(keys_of.items()):
+            default = ours[key] if key in ours else lightning[key]
+            if name in theirs and not _same(default, _plain(theirs[name])):
+                found.append((task, name, _plain(theirs[name]), key, default))
     return found
+
+
+def _plain(value: Any) -> Any:
+    """A TRL default as a recipe would write it (an enum's value: TRL's ``eval_strategy`` is ``IntervalStrategy.NO``)."""
+    return getattr(value, "value", value)
 
 
 def _same(shown: str, value: Any) -> bool:

@@ -39,6 +39,13 @@ TRAINER = {
 # the differences found there, so a default changed on either side needs its line here.
 DEFAULTS = {
     ("*", "seed"): "any fixed seed does; set 42 for TRL's",
+    ("*", "logging_steps"): "Lightning's default, every 50 steps; set 10 for TRL's",
+    ("*", "num_train_epochs"): "a run is bounded by `trainer.max_steps` (or `trainer.max_epochs` where given); with "
+    "neither, Lightning's 1000 epochs",
+    ("sft", "max_grad_norm"): "Lightning clips nothing unless asked; set 1.0 for TRL's clipping (GRPO's "
+    "`model.max_grad_norm` is 1.0)",
+    ("sft", "eval_strategy"): "validation runs once an epoch wherever `data.val_data` is given; no held-out file, no "
+    "validation",
     ("*", "gradient_checkpointing"): "recomputing each layer in backward costs time where memory suffices; the loss "
     "and gradients are the same with it on (exact with packing)",
     ("*", "output_dir"): "a run writes to a folder of its own from the start",
@@ -127,6 +134,8 @@ DIFFERENCES = (
     ("Two images side by side in a turn, with no text between them", "refused in one line naming the row: put text "
      "between them", "trained", "with a template that renders no separator the two images' placeholders make one run, "
      "which cannot be split between the images exactly"),
+    ("`warmup_steps` below 1", "refused: it counts optimizer steps", "a fraction of the run's steps", "one meaning "
+     "per key: give the fraction times `trainer.max_steps`"),
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),
@@ -137,7 +146,7 @@ DIFFERENCES = (
      "scored rewards all tie, whatever the scaling", "`frac_reward_zero_std` tests the std the advantages divide by: the "
      "step's under those settings, so 0 or 1", "a tied group gives no signal however the step is scaled: the figure "
      "counts them"),
-    ("`scale_rewards` as a flag", "a name only (`group`, `batch`, `none`): a flag is refused in one line", "`True` "
+    ("`scale_rewards` as a flag", "a name only (`group`, `batch`, `none`; `std` is `group`'s earlier name): a flag is refused in one line", "`True` "
      "(group) and `False` (none, Dr. GRPO's) too", "one spelling per setting: write TRL's True as group, False as none"),
     ("SFT's `mean_token_accuracy` and `entropy` under gradient accumulation or several ranks", "over every trained "
      "token of the step, on every rank (as `loss` is): `train/mean_token_accuracy`, `train/entropy`; held out, over "
@@ -156,7 +165,7 @@ NO_EQUIVALENT = {
     "model_init_kwargs": "models load from model.model_name_or_path in the precision of trainer.precision; a recipe "
     "holds typed keys, not a bag of keyword arguments",
     "trust_remote_code": "only model classes transformers ships are loaded: no code runs from a model folder",
-    "router_aux_loss_coef": "the router's auxiliary loss is not added (MoE policies train with model.router_replay)",
+    "router_aux_loss_coef": "the router's auxiliary loss is not added (GRPO's MoE policies train with model.router_replay)",
     "chat_template_path": "the model folder's tokenizer renders rows with its own chat template: put another one in "
     "that folder (chat_template.jinja)",
     "dataset_text_field": "rows are `messages` or `prompt`/`completion`; plain text rows are not trained",
@@ -257,11 +266,23 @@ def mapping(task: str, name: str, found: dict[str, list[str]]) -> tuple[str, str
     return "", ""
 
 
+# TRL 1.16's fields that only a pattern of NO_EQUIVALENT names (``vllm_*``): a pattern alone would match names that
+# are no TRL field. A test keeps this equal to what trl's own config classes hold.
+PATTERN_FIELDS = frozenset({
+    "adam_beta1", "adam_beta2", "bnb_4bit_quant_storage", "bnb_4bit_quant_type", "eval_steps", "eval_strategy", "load_in_4bit",
+    "load_in_8bit", "log_completions", "log_completions_hub_repo", "log_multimodal", "log_unique_prompts",
+    "use_transformers_continuous_batching", "use_transformers_paged", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
+    "vllm_group_port", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_mode",
+    "vllm_max_model_length", "vllm_model_impl", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+    "vllm_server_timeout", "vllm_structured_outputs_regex", "vllm_tensor_parallel_size",
+})  # fmt: skip
+
+
 def hint(task: str, name: str, documented: Iterable[tuple[str, str]]) -> str | None:
     """For a key a recipe of ``task`` does not take whose last part ``name`` is a TRL field: the recipe key doing that
     field's work, or why there is none (``documented``: the recipe's (key, doc) pairs); None for any other name."""
     found = annotations(documented)
-    if not (name in found or any((where, name) in TRAINER for where in (task, "*")) or name in NO_EQUIVALENT):
-        return None  # a pattern of NO_EQUIVALENT (``vllm_*``) would match names that are no TRL field
+    if not (name in found or any((where, name) in TRAINER for where in (task, "*")) or name in NO_EQUIVALENT or name in PATTERN_FIELDS):
+        return None
     ours, why = mapping(task, name, found)
     return f"for TRL's {name}, set {ours.replace('`', '')}" if ours else f"TRL's {name} has no key here: {why}"

@@ -90,6 +90,10 @@ def test_a_trl_field_given_as_a_key_names_the_key_doing_its_work(capsys):
     )
     [error] = error_lines(capsys, ["run", SFT, "--gradient_accumulation_steps=2"])
     assert error == "error: command line: unknown key 'gradient_accumulation_steps' (for TRL's gradient_accumulation_steps, set trainer.accumulate_grad_batches)"
+    # A field the table explains by a pattern (vllm_*) is explained too; a name no TRL field has is not.
+    [error] = error_lines(capsys, ["run", GRPO, "--vllm_gpu_memory_utilization=0.5", "--vllm_speed=2"])
+    assert error.startswith("error: command line: unknown key 'vllm_gpu_memory_utilization' (TRL's vllm_gpu_memory_utilization has no key here: ")
+    assert error.endswith("command line: unknown key 'vllm_speed'"), error
 
 
 @pytest.mark.parametrize("key, names", [("accumulate_grad_batches=4", "model.max_tokens_per_row"), ("gradient_clip_val=1.0", "model.max_grad_norm"),

@@ -2,6 +2,7 @@
 TRL 1.16's own classes (so a renamed or invented field fails here)."""
 
 import dataclasses
+import fnmatch
 
 import trl
 
@@ -21,6 +22,10 @@ def test_every_trl_name_is_a_field_of_trl_and_every_field_is_mapped_or_explained
     assert named - fields == set(), "annotations naming no TRL field"
     patterns = [pattern for pattern in trl_names.NO_EQUIVALENT if not any(c in pattern for c in "*?[")]
     assert set(patterns) - fields == set(), "reasons for fields TRL does not have"
+    wild = [pattern for pattern in trl_names.NO_EQUIVALENT if any(c in pattern for c in "*?[")]
+    listed = {name for names in trl_migration.trl_fields().values() for name in names}
+    only_by_pattern = {name for name in listed if name not in trl_names.NO_EQUIVALENT and any(fnmatch.fnmatchcase(name, p) for p in wild)}
+    assert trl_names.PATTERN_FIELDS == only_by_pattern  # the run's hint for them (`hint`) reads this list
     for title, names in trl_migration.trl_fields().items():
         task = "grpo" if title == "GRPOConfig" else "sft"
         found = trl_migration.annotations(task)
