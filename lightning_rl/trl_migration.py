@@ -83,7 +83,8 @@ def _same(shown: str, value: Any) -> bool:
     except yaml.YAMLError:
         return shown == str(value)
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, value))
-    return math.isclose(ours, value) if numbers else ours == value or str(ours) == str(value)
+    off = all(v is None or v is False for v in (ours, value))  # a switch left unset is off
+    return math.isclose(ours, value) if numbers else off or ours == value or str(ours) == str(value)
 
 
 def render() -> str:

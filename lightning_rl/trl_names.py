@@ -18,7 +18,10 @@ from collections.abc import Iterable
 COMMON = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
           "max_grad_norm", "warmup_steps", "lr_scheduler_type", "weight_decay", "seed", "output_dir", "bf16",
           "gradient_checkpointing", "save_steps", "logging_steps", "report_to", "resume_from_checkpoint", "adam_beta1",
-          "adam_beta2", "adam_epsilon", "eval_strategy", "eval_steps", "save_total_limit", "dataloader_num_workers")  # fmt: skip
+          "adam_beta2", "adam_epsilon", "eval_strategy", "eval_steps", "save_total_limit", "dataloader_num_workers",
+          "optim", "fp16", "run_name", "torch_compile", "lr_scheduler_kwargs", "per_device_eval_batch_size", "save_strategy",
+          "logging_strategy", "push_to_hub", "hub_model_id", "neftune_noise_alpha", "use_liger_kernel", "load_best_model_at_end",
+          "metric_for_best_model", "gradient_checkpointing_kwargs")  # fmt: skip
 # Lightning's Trainer arguments doing a TRL field's work, per task ("*": both).
 TRAINER = {
     ("*", "max_steps"): "trainer.max_steps",
@@ -26,6 +29,9 @@ TRAINER = {
     ("*", "bf16"): "trainer.precision: `bf16-mixed` (float32 weights, as TRL keeps them); `bf16-true` keeps only "
     "16-bit weights, which lose updates below half a bf16 step (said at the start under learning rates below 1e-4)",
     ("*", "logging_steps"): "trainer.log_every_n_steps",
+    ("*", "fp16"): "trainer.precision: `16-mixed`",
+    ("*", "torch_compile"): "model.compile",
+    ("*", "run_name"): "logger.name",
     ("sft", "gradient_accumulation_steps"): "trainer.accumulate_grad_batches",
     ("sft", "max_grad_norm"): "trainer.gradient_clip_val",
     ("sft", "eval_strategy"): "trainer.val_check_interval (training batches between validations; null: once per epoch)",
@@ -165,6 +171,20 @@ NO_EQUIVALENT = {
     "model_init_kwargs": "models load from model.model_name_or_path in the precision of trainer.precision; a recipe "
     "holds typed keys, not a bag of keyword arguments",
     "trust_remote_code": "only model classes transformers ships are loaded: no code runs from a model folder",
+    "optim": "the optimizer is torch's AdamW; its betas and weight decay are model keys",
+    "lr_scheduler_kwargs": "the schedules take no options beyond model.warmup_steps and model.lr_schedule",
+    "per_device_eval_batch_size": "held-out rows are batched as the training ones are (SFT: data.max_tokens tokens a row)",
+    "save_strategy": "checkpoints are taken every checkpoint_every_n_steps steps, and at the end",
+    "logging_strategy": "figures are logged every trainer.log_every_n_steps steps",
+    "push_to_hub": "the run writes a Hugging Face folder, OUTPUT_DIR/hf, with its model card: upload that folder",
+    "hub_model_id": "the run writes a Hugging Face folder, OUTPUT_DIR/hf, with its model card: upload that folder",
+    "neftune_noise_alpha": "NEFTune's noise on the input embeddings is not added",
+    "use_liger_kernel": "the loss is taken in chunks of model.chunk_size tokens, never holding a row's whole logits (what "
+    "Liger's fused cross-entropy saves)",
+    "load_best_model_at_end": "the exported model is the last step's; checkpoints are kept by step (keep_checkpoints)",
+    "metric_for_best_model": "the exported model is the last step's; checkpoints are kept by step (keep_checkpoints)",
+    "gradient_checkpointing_kwargs": "model.gradient_checkpointing recomputes each decoder layer, non-reentrant; it takes "
+    "no options",
     "router_aux_loss_coef": "the router's auxiliary loss is not added (GRPO's MoE policies train with model.router_replay)",
     "chat_template_path": "the model folder's tokenizer renders rows with its own chat template: put another one in "
     "that folder (chat_template.jinja)",
