@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import sys
 
 import pytest
@@ -574,3 +575,17 @@ def test_files_as_editors_and_tools_save_them_are_read_or_refused_in_one_line(tm
     monkeypatch.setitem(sys.modules, "datasets", None)  # as without the `data` extra
     with pytest.raises(DataError, match=r"rows.pq: reading it needs the datasets package: pip install 'lightning-rl\[data\]'$"):
         read_rows(str(tmp_path / "rows.pq"))
+
+
+def test_a_dataset_of_splits_is_refused_naming_the_split_to_give(tmp_path):
+    """A DatasetDict of one split was said to be "of several splits"; the line now names a split to give."""
+    import datasets
+
+    from lightning_rl.data.sft import SFTDataModule
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD])})
+    with pytest.raises(DataError, match=re.escape("train_data: a DatasetDict of splits (train), not one split: give one of them, e.g. dataset['train']")):
+        SFTDataModule(splits)
+    splits.save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataError, match=re.escape(f"a dataset of splits (train), not one split; give one split's folder ({tmp_path / 'saved' / 'train'})")):
+        SFTDataModule(str(tmp_path / "saved"))

@@ -156,7 +156,8 @@ def _source_problem(path: Path) -> str | None:
         return f"{what} is not read; give a .jsonl, .json or .parquet file, or a folder `datasets.save_to_disk` wrote" if what else None
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        return f"a dataset of several splits ({', '.join(splits)}); give one split's folder"
+        return f"a dataset of splits ({', '.join(splits)}), not one split; give one split's folder ({path / splits[0]})" if splits else \
+            "a dataset of splits, none saved in it"
     if not (path / "dataset_info.json").is_file():
         return "a folder, but not one `datasets.save_to_disk` wrote (no dataset_info.json); give a .jsonl, .json or .parquet file, or such a folder"
     return None
@@ -169,7 +170,8 @@ def check_source(key: str, source: DataSource) -> None:
         return
     if not isinstance(source, (str, os.PathLike)):
         if type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):
-            raise DataError(f"{key}: a {type(source).__name__} of several splits ({', '.join(source)}): give one of them", key)
+            raise DataError(f"{key}: a {type(source).__name__} of splits ({', '.join(source)}), not one split: give one of them, "
+                            f"e.g. dataset[{next(iter(source), 'train')!r}]", key)
         rows = isinstance(source, (list, tuple)) and all(isinstance(row, dict) for row in source)
         if isinstance(source, (bool, int, float, dict)) or (isinstance(source, (list, tuple)) and not rows) or not hasattr(source, "__iter__"):
             quote = f" (quote it, '{source}', for a file of that name)" if isinstance(source, (int, float)) and not isinstance(source, bool) else ""
