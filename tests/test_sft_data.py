@@ -135,6 +135,7 @@ BAD_ROWS = {
     "ShareGPT's roles": ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
                          "line 2: `messages[0]`: unknown role 'human' (expected one of system, user, assistant, tool); ShareGPT's 'human' is 'user'"),
     "empty completion": ({"prompt": "1+1=", "completion": "  "}, "line 2: `completion` is empty"),
+    "null completion": ({"prompt": "1+1=", "completion": None}, "line 2: `completion` is null"),
     "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: `content` must be a string, got int"),
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: `messages` has no assistant turn"),
     "mixed prompt shapes": ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}, "line 2: `prompt` and `completion` must both be"),

@@ -435,6 +435,7 @@ def _check_row(row: Any) -> dict:
     """The row with its shape checked; raises ValueError with a message naming the field."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    nulls = sorted(key for key, value in row.items() if value is None)
     row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
     row = with_image_column(_as_chatml(row))
     tools = _check_tools(row["tools"]) if "tools" in row else None
@@ -452,7 +453,9 @@ def _check_row(row: Any) -> dict:
             raise ValueError("`messages` has no assistant turn to train on")
         return {"messages": messages, **extra}
     if "prompt" not in row or "completion" not in row:
-        raise ValueError(f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
+        null = [key for key in nulls if key in ("messages", "prompt", "completion")]
+        raise ValueError(f"`{null[0]}` is null" if null and ("messages" in null or "prompt" in row or "completion" in row) else
+                         f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         if not completion.strip():
