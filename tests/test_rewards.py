@@ -227,6 +227,15 @@ def test_reward_mistakes_are_refused_before_training_in_one_line():
             scorer.check_arguments(["answer", column], given=["tool_calls"])
 
 
+def test_a_lambda_recorded_by_a_checkpoint_says_how_to_load_it_again():
+    """A reward given as a lambda is recorded as `__main__:<lambda>`: loading that said "module '__main__' has no
+    '<lambda>'"."""
+    spec = RewardSpec(lambda completions, **_: [0.0] * len(completions))
+    assert spec.as_config()["function"].endswith(":test_a_lambda_recorded_by_a_checkpoint_says_how_to_load_it_again.<locals>.<lambda>")
+    with pytest.raises(ValueError, match=r"was a lambda or a function defined inside another, which cannot be imported again: give it as rewards="):
+        RewardScorer([RewardSpec(spec.as_config()["function"])])
+
+
 def test_a_function_gets_only_the_arguments_it_names():
     # No **kwargs: the data's other columns (`kind`) and the batch's prompts are not passed to it.
     scorer = RewardScorer([RewardSpec(exact), RewardSpec(matches, kwargs={"pattern": r"\d"})])

@@ -56,6 +56,9 @@ BATCH_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_
 
 def load_reward_function(path: str) -> RewardFunction:
     """A built-in by name (`math_answer`) or any callable by dotted path (`pkg.module:fn` or `pkg.module.fn`)."""
+    if "<lambda>" in path or "<locals>" in path:  # a checkpoint's record of a function given as an object
+        raise ValueError(f"reward function {path!r} was a lambda or a function defined inside another, which cannot be imported "
+                         "again: give it as rewards= (load_from_checkpoint(..., rewards=[...])), or define it at a module's top level")
     function = load_object(path, "reward function", BUILTIN_REWARDS)
     if not callable(function):
         raise ValueError(f"reward function {path!r} is not callable")
