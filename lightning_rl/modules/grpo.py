@@ -136,7 +136,7 @@ class GRPOModule(PolicyModule):
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
-            one and stop before any weight changes if they disagree (``first_step``, ``every_n_steps``, ``never``).
+            one and stop before any weight changes if they disagree (``first_step``: a process's first, a resume's too; ``every_n_steps``, ``never``).
         async_mode, max_staleness: generate on a background thread; ``max_staleness`` bounds how many weight
             versions old a trained rollout may be (0: the synchronous run's rollouts).
         push_in_background: send each step's weights from a thread of their own while the trainer trains its next

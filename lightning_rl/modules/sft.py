@@ -52,8 +52,9 @@ class SFTModule(PolicyModule):
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: compare a packed row with its sequences run one by one, on the real backend, device and
-            dtype, and stop before any weight changes if they disagree: ``first_step`` (default), ``every_n_steps``
-            (every ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
+            dtype, and stop before any weight changes if they disagree: ``first_step`` (default: the first step a
+            process trains, a resumed run's too, whose machine or kernels may differ), ``every_n_steps`` (every
+            ``verify_packing_every`` optimizer steps) or ``never``. Logged as ``train/packing_error``.
         eval_generations: held-out prompts (``data.val_data``) greedily decoded for exact-match accuracy at each
             validation and after training: logged as ``val/exact_match``, the last in summary.json.
         max_new_tokens: decode budget for those generations.
