@@ -469,9 +469,24 @@ class RecipeCLI(LightningCLI):
                 save_on_train_epoch_end=True,
             ),
         ]
-        trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)
+        try:
+            trainer = super().instantiate_trainer(callbacks=callbacks, logger=False, **kwargs)
+        except UserError:
+            raise
+        except (ValueError, MisconfigurationException) as error:  # Lightning's words, with the key they are about
+            raise _trainer_refusal(error, config["trainer"]) from None
         trainer.strategy.checkpoint_io = staged_checkpoint_io(trainer.strategy.checkpoint_io)
         return trainer
+
+
+def _trainer_refusal(error: Exception, trainer: dict[str, Any]) -> RecipeError:
+    """Lightning's refusal of a Trainer argument, naming the ``trainer.`` key whose value it names (``No supported gpu
+    backend found!`` is ``trainer.accelerator=gpu``'s; a number is too common a word to tell), else Lightning's words."""
+    said = " ".join(str(error).split())
+    for key, value in trainer.items():
+        if isinstance(value, str) and re.search(rf"(?<![\w.]){re.escape(str(value))}(?![\w.])", said):
+            return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")
+    return RecipeError(said)
 
 
 # A key of one task written in a recipe of the other, with what this task has instead.

@@ -205,3 +205,9 @@ def test_overwrite_takes_a_value_as_every_flag_does():
     """`--overwrite=true` was refused (every other boolean key takes one); `--overwrite` alone still says yes."""
     for args, expected in ((["--overwrite"], True), (["--overwrite=true"], True), (["--overwrite=false"], False), ([], False)):
         assert build(SFT, args).config["overwrite"] is expected
+
+
+def test_a_trainer_argument_lightning_refuses_is_named_with_its_value(capsys):
+    """Lightning's own words came alone (`Timer(duration='abc')` is not a valid duration), naming no key."""
+    [error] = error_lines(capsys, ["run", SFT, "--trainer.max_time=abc"])
+    assert error.startswith("error: trainer.max_time=abc: `Timer(duration='abc')` is not a valid duration"), error
