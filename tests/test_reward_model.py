@@ -3,6 +3,7 @@ the embedded tokenizer and its chat template), batched against one at a time, an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,64 @@ def test_a_grpo_run_scores_with_a_reward_model_beside_a_function(reward_model_pa
     terms = module.last_trained.reward_terms
     assert set(terms) == {"reward_model", "text_length"} and len(set(terms["reward_model"])) > 1
     assert float(trainer.callback_metrics["train/reward/reward_model/errors"]) == 0
+
+
+def _gpt2(tiny_path: Path, folder: Path) -> None:
+    """GPT-2's learned positions (64 of them), its tokenizer set to pad on the left."""
+    from transformers import GPT2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4, num_labels=1)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    saved = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**saved, "padding_side": "left"}))  # as a model's folder may say
+    assert AutoTokenizer.from_pretrained(folder).padding_side == "left"
+
+
+def _gemma3(tiny_path: Path, folder: Path) -> None:
+    """Gemma 3's composite config (the pad id the head reads is its text config's), a tokenizer without a pad token."""
+    from transformers import Gemma3Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    tokenizer.pad_token = None
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, pad_token_id=0, sliding_window=8),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7, num_labels=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _gemma3], ids=["gpt2-left-padding", "gemma3-nested-pad-id"])
+def test_a_batch_scores_each_text_as_it_scores_alone_whatever_the_model_and_tokenizer(build, tiny_path, tmp_path):
+    """Padded on the tokenizer's side (left), a model of learned positions read a row at other positions; the pad id
+    set on the outer config of a composite one was not the one its head reads: batched scores were other numbers.
+    TRL pads on the right and sets the text config's."""
+    build(tiny_path, tmp_path)
+    completions = ["4", "8, which is the sum of three and five", "four"]
+    batched = RewardModel(str(tmp_path), batch_size=3)([PROMPTS[0]] * 3, completions)
+    alone = [RewardModel(str(tmp_path), batch_size=1)([PROMPTS[0]], [completion])[0] for completion in completions]
+    assert len(set(batched)) == 3 and batched == pytest.approx(alone, abs=1e-5)
+
+
+def test_a_text_past_the_reward_models_positions_is_cut_from_the_left(tiny_path, tmp_path):
+    """max_length None is the model's limit: a text past GPT-2's 64 positions failed inside the model (an IndexError,
+    which a run scored 0), where its last 64 tokens are what the reward reads."""
+    _gpt2(tiny_path, tmp_path)
+    reward = RewardModel(str(tmp_path))
+    long = " ".join(["two and two make four"] * 30)
+    (score,) = reward([PROMPTS[0]], [long])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer(reward.texts([PROMPTS[0]], [long])[0], add_special_tokens=False)["input_ids"]
+    assert len(ids) > 64
+    with torch.no_grad():
+        want = reward.model(input_ids=torch.tensor([ids[-64:]])).logits[0, 0]
+    assert score == pytest.approx(float(want), abs=1e-5)

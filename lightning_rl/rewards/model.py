@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from lightning_rl.models.paths import resolve_model_path
+from lightning_rl.models.paths import model_context, resolve_model_path
 
 
 class RewardModel:
@@ -23,7 +23,8 @@ class RewardModel:
     Args:
         path: the reward model; its config must have ``num_labels: 1`` (one score per sequence).
         batch_size: sequences per forward.
-        max_length: longer texts are cut from the left (the completion is kept); None: the model's limit.
+        max_length: longer texts are cut from the left (the completion is kept); None: the model's limit (its
+            positions, ``model_context``), where its config gives one.
     """
 
     def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None) -> None:
@@ -36,10 +37,14 @@ class RewardModel:
             raise ValueError(f"reward model {path}: it has {self.model.config.num_labels} labels; a reward model has 1")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # where each row's last real token is found
-        self.tokenizer.truncation_side = "left"
+        # Where each row's last real token is found: the head reads the text config's (Gemma 3's is nested). Rows are
+        # padded on the right whatever the tokenizer's side, as TRL pads them: padded on the left, a model of learned
+        # positions (GPT-2's) read a row at other positions, and its score changed with the batch it came in.
+        for config in {id(c): c for c in (self.model.config, self.model.config.get_text_config())}.values():
+            config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"
         self.batch_size = batch_size
-        self.max_length = max_length
+        self.max_length = max_length if max_length is not None else model_context(self.model.config)
 
     def to(self, device: torch.device | str) -> RewardModel:
         self.model.to(device)
