@@ -130,8 +130,10 @@ def test_reward_functions_get_what_trl_passes_them(conversational):
     assert set(mine) - set(trl) == {"transcripts"}
     for key in set(trl) - {"state", "log_extra", "log_metric"}:
         assert mine[key] == trl[key], key
-    for name in ("global_step", "max_steps", "epoch"):
+    for name in ("global_step", "max_steps", "epoch", "is_world_process_zero", "is_local_process_zero"):
         assert getattr(mine["state"], name) == getattr(trl["state"], name)
+    with pytest.raises(AttributeError, match=r"trainer_state has global_step, .*; transformers' TrainerState.log_history is not given"):
+        mine["state"].log_history  # a reward reading it fails in one line naming what it has
     assert callable(mine["log_extra"]) and callable(mine["log_metric"])
     if conversational:
         assert mine["completions"][1] == [{"role": "assistant", "content": "96 "}] and isinstance(mine["prompts"][0], list)

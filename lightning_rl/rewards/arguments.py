@@ -12,6 +12,7 @@ last reply.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import inspect
 import re
 import typing
@@ -32,11 +33,21 @@ class TrainerState:
         asynchronous run says the step its batch will train at, not how far the trainer has got).
     max_steps: the steps the run trains for (-1: not known).
     epoch: passes over the prompts before that step, fractional (None: not known).
+    is_world_process_zero, is_local_process_zero: whether this rank is the first of the run, of its node.
+    Another field of transformers' (``log_history``, ...) is an AttributeError naming those given.
     """
 
     global_step: int = 0
     max_steps: int = -1
     epoch: float | None = None
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+    def __getattr__(self, name: str) -> Any:  # only for names it does not have
+        if name.startswith("__"):
+            raise AttributeError(name)
+        given = ", ".join(field.name for field in dataclasses.fields(self))
+        raise AttributeError(f"trainer_state has {given}; transformers' TrainerState.{name} is not given to rewards here")
 
 
 def reads_text(parameters: typing.Iterable[inspect.Parameter]) -> bool:

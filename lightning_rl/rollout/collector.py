@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -233,7 +234,8 @@ class RolloutCollector:
             self._columns(records, rendered, rollouts), step=index + 1,
             chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
             chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
-            trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index)),
+            trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
+                                       int(os.environ.get("LOCAL_RANK", self.rank)) == 0),
         )
         calls = distinct_tool_calls(rollouts)
         failures = Counter(call["failure"] for call in calls if call["failure"] is not None)
