@@ -232,8 +232,12 @@ def test_a_lambda_recorded_by_a_checkpoint_says_how_to_load_it_again():
     '<lambda>'"."""
     spec = RewardSpec(lambda completions, **_: [0.0] * len(completions))
     assert spec.as_config()["function"].endswith(":test_a_lambda_recorded_by_a_checkpoint_says_how_to_load_it_again.<locals>.<lambda>")
-    with pytest.raises(ValueError, match=r"was a lambda or a function defined inside another, which cannot be imported again: give it as rewards="):
+    with pytest.raises(ValueError, match=r"was a lambda, a function defined inside another or a partial of positional arguments, which cannot be imported again: give it as rewards="):
         RewardScorer([RewardSpec(spec.as_config()["function"])])
+    # A partial's keywords are recorded as kwargs (they were dropped: loaded again, the function ran without them).
+    bound = RewardSpec(functools.partial(functools.partial(length_bonus, bonus=1.0, n=2), bonus=3.0), kwargs={"n": 5})
+    assert bound.as_config() == {"function": "test_rewards:length_bonus", "weight": 1.0, "kwargs": {"bonus": 3.0, "n": 5}, "name": None}
+    assert "<partial" in RewardSpec(functools.partial(length_bonus, "x")).as_config()["function"]
 
 
 def test_a_function_gets_only_the_arguments_it_names():

@@ -56,8 +56,8 @@ BATCH_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_
 
 def load_reward_function(path: str) -> RewardFunction:
     """A built-in by name (`math_answer`) or any callable by dotted path (`pkg.module:fn` or `pkg.module.fn`)."""
-    if "<lambda>" in path or "<locals>" in path:  # a checkpoint's record of a function given as an object
-        raise ValueError(f"reward function {path!r} was a lambda or a function defined inside another, which cannot be imported "
+    if any(mark in path for mark in ("<lambda>", "<locals>", "<partial")):  # a checkpoint's record of a function given as an object
+        raise ValueError(f"reward function {path!r} was a lambda, a function defined inside another or a partial of positional arguments, which cannot be imported "
                          "again: give it as rewards= (load_from_checkpoint(..., rewards=[...])), or define it at a module's top level")
     function = load_object(path, "reward function", BUILTIN_REWARDS)
     if not callable(function):
@@ -95,12 +95,21 @@ class RewardSpec:
     name: str | None = None
 
     def as_config(self) -> dict[str, Any]:
-        """The spec as plain data; a function given as an object is named by its dotted path."""
-        function = self.function
+        """The spec as plain data; a function given as an object is named by its dotted path, a ``functools.partial``
+        by its function's, with the keywords it binds among the kwargs (positional ones cannot be: it is then named as
+        a function that cannot be imported again, which loading says)."""
+        function, kwargs = self.function, dict(self.kwargs)
         if not isinstance(function, str):
-            inner = _unwrapped(function)
-            function = f"{getattr(inner, '__module__', None) or type(inner).__module__}:{getattr(inner, '__qualname__', None) or type(inner).__qualname__}"
-        return {"function": function, "weight": self.weight, "kwargs": dict(self.kwargs), "name": self.name}
+            partials = []
+            while isinstance(function, functools.partial):
+                partials.append(function)
+                function = function.func
+            for partial in partials:  # the outer partial's keywords win, as calling it does
+                kwargs = {**partial.keywords, **kwargs}
+            function = f"{getattr(function, '__module__', None) or type(function).__module__}:{getattr(function, '__qualname__', None) or type(function).__qualname__}"
+            if any(partial.args for partial in partials):
+                function += ".<partial with positional arguments>"
+        return {"function": function, "weight": self.weight, "kwargs": kwargs, "name": self.name}
 
     def resolve(self) -> tuple[str, RewardFunction]:
         """Its name (``name`` as given, else the function's: a path's last part, a partial's function's, an object's
