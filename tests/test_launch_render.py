@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,14 @@ def test_grpo_splits_trainer_and_vllm_nodes(tmp_path: Path) -> None:
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script
     assert '--model.engine.init_args.url="$SERVER_URL" --model.engine.init_args.transfer_address="$MASTER_ADDR"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    # SLURM's warning signal reaches every step: the server ignores it (vLLM has no handler, and it ended the server
+    # while the trainer saved its checkpoint). The wrapper as rendered, run on a real process, survives the signal.
+    wrapper = 'bash -c \'trap "" USR1; exec "$@"\' vllm-server '
+    assert wrapper in server, server
+    server_like = subprocess.Popen(["bash", "-c", 'trap "" USR1; exec "$@"', "vllm-server", sys.executable, "-c", "import time; time.sleep(3)"])
+    time.sleep(1)
+    server_like.send_signal(signal.SIGUSR1)
+    assert server_like.wait(timeout=30) == 0  # a Python without the wrapper ends at once, rc -10
 
 
 @pytest.mark.parametrize(("task", "override", "message"), [
@@ -193,8 +203,9 @@ def test_missing_partition_and_bad_time_fail_before_anything_is_written(tmp_path
     code = slurm.main(["slurm", str(view.path), "--nodes", "2", "--gpus-per-node", "8", "--script", str(script)])
     assert code == 2 and not script.exists()
     assert "no partition given: pass --partition" in capsys.readouterr().err
-    with pytest.raises(LaunchError, match="is not a SLURM time"):
-        render(view, time="two days")
+    for limit in ("two days", "25:99:99", "1-00:60"):  # SLURM carried 99 minutes over into hours, silently
+        with pytest.raises(LaunchError, match="is not a SLURM time"):
+            render(view, time=limit)
 
 
 def launch(capsys, *args: str) -> tuple[int, str, list[str]]:
