@@ -171,3 +171,15 @@ def test_unknown_partition_is_refused_by_name(cluster: LocalSlurmCluster, tmp_pa
     code = slurm.main(["slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "1", "--partition", "gpu-h100", "--script", str(script)])
     assert code == 2 and not script.exists()
     assert f"partition 'gpu-h100' does not exist on this cluster; sinfo lists: {PARTITION}" in capsys.readouterr().err
+
+
+def test_a_job_past_the_partitions_nodes_is_refused_before_it_waits_for_ever(cluster: LocalSlurmCluster, tmp_path: Path, monkeypatch, capsys) -> None:
+    """SLURM accepts a job past a partition's limits (EnforcePartLimits=NO, its default) and leaves it pending, its
+    reason PartitionNodeLimit or PartitionTimeLimit: refused by name before anything is written or submitted."""
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    script = tmp_path / "job.sbatch"
+    code = slurm.main(["slurm", RECIPE, "--nodes", "3", "--gpus-per-node", "1", "--partition", PARTITION, "--script", str(script)])
+    assert code == 2 and not script.exists()
+    assert f"error: --nodes 3: partition '{PARTITION}' has 2 nodes" in capsys.readouterr().err
+    # The partition's time limit read as sinfo gives it: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]].
+    assert [slurm.slurm_minutes(t) for t in ("10", "10:30", "1:00:00", "2-00", "1-12:00", "1-00:00:30")] == [10, 10.5, 60, 2880, 2160, 1440.5]

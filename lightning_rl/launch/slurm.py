@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -47,10 +48,41 @@ def known_partitions() -> list[str] | None:
     return [name.rstrip("*") for name in listing.stdout.split()]
 
 
-def _check_partition_exists(partition: str) -> None:
+def _check_partition(partition: str, nodes: int, time: str) -> None:
+    """The partition exists, has ``nodes`` nodes and allows ``time``: SLURM accepts a job past a partition's limits
+    (``EnforcePartLimits=NO``, its default) and leaves it pending for ever."""
     partitions = known_partitions()
-    if partitions is not None and partition not in partitions:
+    if partitions is None:
+        return
+    if partition not in partitions:
         raise LaunchError(f"partition {partition!r} does not exist on this cluster; sinfo lists: {', '.join(partitions)}")
+    listing = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%l %D"], capture_output=True, text=True, check=False)
+    rows = [line.split() for line in listing.stdout.splitlines() if len(line.split()) == 2]
+    if listing.returncode != 0 or not rows:
+        return
+    total = sum(int(count) for _, count in rows if count.isdigit())
+    if nodes > total:
+        raise LaunchError(f"--nodes {nodes}: partition {partition!r} has {total} node{'s' * (total != 1)}")
+    limit = rows[0][0]
+    if _SLURM_LIMIT.match(limit) and slurm_minutes(time) > slurm_minutes(limit):
+        raise LaunchError(f"--time {time}: partition {partition!r} allows a job at most {limit}")
+
+
+_SLURM_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")  # a time sinfo gives (not "infinite")
+
+
+def slurm_minutes(text: str) -> float:
+    """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in minutes."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(part) for part in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return int(days) * 1440 + hours * 60 + minutes + seconds / 60
+    if len(parts) == 1:  # MM
+        return parts[0]
+    if len(parts) == 2:  # MM:SS
+        return parts[0] + parts[1] / 60
+    return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
 def _split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -88,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if shutil.which("sbatch") is None:
             raise LaunchError("no sbatch on this machine: submit from a SLURM login node, or print the script with --dry-run")
-        _check_partition_exists(args.partition)
+        _check_partition(args.partition, args.nodes, args.time)
         path = args.script or Path(args.log_dir) / f"{job_name(recipe, options)}.sbatch"
         write_script(script, path)
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
