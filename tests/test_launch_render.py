@@ -296,3 +296,12 @@ def test_a_submit_where_sbatch_is_missing_is_one_line_and_writes_no_script(tmp_p
     code = slurm.main(["slurm", "recipes/tiny/sft.yaml", "--nodes", "1", "--gpus-per-node", "1", "--partition", "debug", "--script", str(script)])
     assert code == 2 and not script.exists()
     assert capsys.readouterr().err.strip() == "error: no sbatch on this machine: submit from a SLURM login node, or print the script with --dry-run"
+
+
+def test_a_data_file_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: Path, capsys) -> None:
+    """The job found it missing once it started, after its wait in the queue; a note says so at launch (a node's own
+    disk may hold it, so it is not refused)."""
+    code = slurm.main(["slurm", str(recipe(tmp_path).path), "--nodes", "1", "--gpus-per-node", "1", "--partition", "p", "--dry-run",
+                       "--", f"--data.train_data={tmp_path / 'gone.jsonl'}"])  # fmt: skip
+    assert code == 0
+    assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err

@@ -85,6 +85,16 @@ def slurm_minutes(text: str) -> float:
     return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
+def _note_missing_data(recipe: RecipeView) -> None:
+    """A data file the recipe names that this machine does not have: said before the queue wait, as a note (a node's
+    own disk may hold it), rather than found by the job once it starts."""
+    keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.path", "model.eval_data")
+    for key in keys:
+        value = recipe.get(key)
+        if isinstance(value, str) and Path(value).suffix.lower() in (".jsonl", ".json", ".parquet") and not Path(value).exists():
+            print(f"note: {key}: {value} is not on this machine; the job fails unless its nodes have it", file=sys.stderr)
+
+
 def _split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
     return split_overrides(argv[1:] if list(argv[:1]) == ["slurm"] else argv)
 
@@ -114,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # The recipe as `lightning-rl run` will read it in the job: the same parser, the overrides applied.
         recipe = RecipeView.parse(args.recipe, overrides)
+        _note_missing_data(recipe)
         script = render_slurm_script(recipe, Allocation(args.nodes, args.gpus_per_node, args.inference_nodes), options)
         if args.dry_run:
             print(script, end="")
