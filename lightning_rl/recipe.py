@@ -655,7 +655,15 @@ def _choices(options: str) -> list[str]:
 
 def _one_line(error: BaseException) -> str:
     """jsonargparse spreads a problem over several lines and type reprs; say it on one, in the recipe's words: an
-    unknown key by name, a bad value as ``KEY must be ..., got VALUE``."""
+    unknown key by name, a bad value as ``KEY must be ..., got VALUE`` (a mapping written ``{key:value}``, which YAML
+    reads as one key ``key:value``, with how to write it)."""
+    said = _said(error)
+    if re.search(r"got \{[^}]*\w:[^\s/}]", said):
+        said += " (YAML reads {key:value} as one key, 'key:value': write {key: value}, a space after each colon)"
+    return said
+
+
+def _said(error: BaseException) -> str:
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
     keys = _PARSER_KEY.findall(text)
     for pattern, key in _UNKNOWN_KEY:

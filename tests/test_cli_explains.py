@@ -211,3 +211,9 @@ def test_a_trainer_argument_lightning_refuses_is_named_with_its_value(capsys):
     """Lightning's own words came alone (`Timer(duration='abc')` is not a valid duration), naming no key."""
     [error] = error_lines(capsys, ["run", SFT, "--trainer.max_time=abc"])
     assert error.startswith("error: trainer.max_time=abc: `Timer(duration='abc')` is not a valid duration"), error
+
+
+def test_a_mapping_written_without_spaces_after_its_colons_says_how_yaml_reads_it(capsys):
+    """`{dtype:float32}` is one YAML key, 'dtype:float32': the line said only that the key "must be null"."""
+    [error] = error_lines(capsys, ["run", GRPO, "--model.engine.class_path=VLLMServerEngine", "--model.engine.init_args.server_options={dtype:float32}"])
+    assert error.endswith("got {dtype:float32} (YAML reads {key:value} as one key, 'key:value': write {key: value}, a space after each colon)"), error
