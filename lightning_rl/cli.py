@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E40
 
 from lightning_rl import run_folder  # noqa: E402
 from lightning_rl.checkpoints import ForeignCheckpointError, ForeignWeightsError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete  # noqa: E402
-from lightning_rl.errors import RecipeError, UserError, report  # noqa: E402
+from lightning_rl.errors import BatchingChanged, RecipeError, UserError, report  # noqa: E402
 
 if TYPE_CHECKING:
     from lightning_rl.recipe import RecipeCLI
@@ -225,8 +225,6 @@ def run(recipe: str | None, overrides: list[str]) -> int:
 
 def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from lightning_rl.data.sft import BatchingChanged
 
     trainer = cli.trainer
     if ckpt_path is not None and Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):

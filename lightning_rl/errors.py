@@ -42,6 +42,12 @@ class RecipeError(UserError, ValueError):
     """A recipe value, or a command-line flag, that cannot be used as given."""
 
 
+class BatchingChanged(RecipeError):
+    """A resume that would cut the rows into other batches than the run it resumes (another ``max_tokens``, packing,
+    shuffle or seed): its position, a count of batches, would point at other rows. The command names every changed
+    recipe key instead (``lightning_rl/same_run.py``)."""
+
+
 def report(error: UserError, say: bool = True) -> int:
     """The one way a command ends on a ``UserError``: one ``error:`` line on stderr (where ``say``), and its exit code."""
     if say:

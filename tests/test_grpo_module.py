@@ -635,7 +635,7 @@ def test_a_packing_refusal_during_training_names_the_unpacked_way(monkeypatch):
 def test_a_resume_under_a_trainer_of_ones_own_with_another_prompt_batch_size_is_refused(tmp_path):
     """Step i takes prompts i * batch_size on: under another batch size a resumed run trained on other prompts than
     the uninterrupted one, silently (the command named the recipe key)."""
-    from lightning_rl.data.sft import BatchingChanged
+    from lightning_rl.errors import BatchingChanged
     from support.grpo import DIGIT_REWARDS
 
     _, run = fit(1)

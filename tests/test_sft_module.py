@@ -387,7 +387,7 @@ def test_a_resume_under_a_trainer_of_ones_own_that_would_cut_other_batches_is_re
     """The data's position is a count of batches: under another max_tokens (or packing, shuffle, seed) it pointed at
     other rows, and the resumed run trained on silently. The command named the changed recipe key; a Trainer of one's
     own is refused too, naming it."""
-    from lightning_rl.data.sft import BatchingChanged
+    from lightning_rl.errors import BatchingChanged
 
     def trainer(steps: int) -> Trainer:
         return Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,

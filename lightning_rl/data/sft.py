@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_rl import validation
-from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.errors import BatchingChanged, RecipeError, UserError
 from lightning_rl.models.loading import end_of_turn_ids, saved_generation_config
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import learned_positions, resolve_model_path
@@ -54,12 +54,6 @@ Packing = Literal["auto", "tree", "flat", "none"]
 
 class DataError(UserError, ValueError):
     """A problem with the training data, with the file and line (or row) it was found in."""
-
-
-class BatchingChanged(RecipeError):
-    """A resume that would cut the rows into other batches than the run it resumes (another ``max_tokens``, packing,
-    shuffle or seed): its position, a count of batches, would point at other rows. The command names every changed
-    recipe key instead (``lightning_rl/same_run.py``)."""
 
 
 def check_same_batching(saved: dict[str, Any] | None, here: dict[str, Any]) -> None:
