@@ -106,8 +106,9 @@ def test_a_checkpoints_generation_config_never_changes_what_the_engine_samples(t
 
 def test_a_sampling_call_on_a_thread_of_its_own_draws_the_same_while_the_trainer_sets_the_generator(tiny_path):
     """Async GRPO: the engine samples on the rollout thread while the trainer's thread sets the process's generator (a
-    resumed run's first step restores its checkpoint's state). A set landing inside a sampling call changed its draws:
-    a resumed async run sampled other completions than the uninterrupted one, some of the time."""
+    resumed run's first step restores its checkpoint's state) and draws from it (dropout). A set landing inside a
+    sampling call changed its draws: a resumed async run sampled other completions than the uninterrupted one, some
+    of the time. The engine draws from a generator of its own, and leaves the process's as it was."""
     import threading
 
     from lightning_rl.ops.random_state import RandomState
@@ -120,5 +121,9 @@ def test_a_sampling_call_on_a_thread_of_its_own_draws_the_same_while_the_trainer
     thread.start()
     while not done.is_set():
         saved.restore()
+        torch.rand(64)  # as a forward under dropout draws
     thread.join()
     assert [r.completion_ids for r in sampled] == alone
+    before = torch.get_rng_state()
+    engine.generate([[1, 40, 41]], 4, sampling)
+    assert torch.equal(torch.get_rng_state(), before)

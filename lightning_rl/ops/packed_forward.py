@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_rl.attention.tree_attention import PackingRefused, TreeAttentionMeta, check_row, enable_tree_attention, packed_forward
-from lightning_rl.models.generators import GENERATORS
 from lightning_rl.models.structure import find_decoder_layers
 from lightning_rl.models.routing import RouteAgreement, RouteReplay, replaying
 from lightning_rl.ops.logprobs import lm_head_of, match_head_scaling, max_abs_logit, token_entropy, token_logprobs, token_stats
@@ -330,7 +329,7 @@ def check_packable(model: nn.Module, *, attention_backend: str = "auto", pad_to_
     comes from a copy of the generators, so the run draws as it would without this check."""
     device = next(model.parameters()).device
     batch = pack_sequences(probe_sequences(model.config), pad_to_multiple_of=pad_to_multiple_of).to(device)
-    with torch.no_grad(), GENERATORS, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         packed_hidden_states(model, batch, attention_backend=attention_backend)
 
 

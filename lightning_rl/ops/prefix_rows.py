@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.models.generators import GENERATORS
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
@@ -177,14 +176,13 @@ class _RandomState:
     `torch.utils.checkpoint` keeps it), to run the forward again the same (dropout)."""
 
     def __init__(self, on: Tensor) -> None:
-        with GENERATORS:  # not in the middle of an in-process engine's sampling call (async GRPO)
-            self.host = torch.get_rng_state()
-            self.device_type = on.device.type
-            self.devices, self.states = get_device_states(on)  # none for a CPU tensor
+        self.host = torch.get_rng_state()
+        self.device_type = on.device.type
+        self.devices, self.states = get_device_states(on)  # none for a CPU tensor
 
     @contextlib.contextmanager
     def restored(self):
-        with GENERATORS, torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
             torch.set_rng_state(self.host)
             set_device_states(self.devices, self.states, device_type=self.device_type)
             yield

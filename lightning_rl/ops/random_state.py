@@ -14,8 +14,6 @@ from typing import TypeVar
 
 import torch
 
-from lightning_rl.models.generators import GENERATORS
-
 Row = TypeVar("Row")
 Out = TypeVar("Out")
 
@@ -30,14 +28,12 @@ class RandomState:
 
     @classmethod
     def now(cls, device: torch.device) -> RandomState:
-        with GENERATORS:  # not in the middle of an in-process engine's sampling call
-            return cls(torch.get_rng_state(), device, torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        return cls(torch.get_rng_state(), device, torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
     def restore(self) -> None:
-        with GENERATORS:
-            torch.set_rng_state(self.host)
-            if self.accelerator is not None:
-                torch.cuda.set_rng_state(self.accelerator, self.device)
+        torch.set_rng_state(self.host)
+        if self.accelerator is not None:
+            torch.cuda.set_rng_state(self.accelerator, self.device)
 
     def plain(self) -> dict[str, torch.Tensor | None]:
         """As a checkpoint keeps it (tensors only: read back with ``torch.load(weights_only=True)``)."""

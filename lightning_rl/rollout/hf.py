@@ -8,14 +8,17 @@ copies the trainer's tensors in between two `generate` calls.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, PreTrainedModel, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from lightning_rl.models.generators import GENERATORS
 from lightning_rl.models.loading import generation_config_set_aside
 from lightning_rl.models.multimodal import image_token_types
 from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
@@ -87,10 +90,9 @@ class HFRolloutEngine(RolloutEngine):
             version = self._version
             seed = self._seeds.next(sampling)
             recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
-            # The process's generators to itself for the call (`GENERATORS`): the trainer's thread may set them meanwhile.
-            with GENERATORS, torch.random.fork_rng(devices=[]), recording as recorded:
-                torch.manual_seed(seed)
-                completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated)
+            with recording as recorded:  # draws from a generator of its own (`_Draw`), never the process's
+                generator = torch.Generator(self.device).manual_seed(seed)
+                completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated, generator)
         routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
         groups = []
         for g, prompt in enumerate(prompts):
@@ -112,17 +114,17 @@ class HFRolloutEngine(RolloutEngine):
         return RolloutBatch(groups)
 
     def _sample_rows(
-        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None = None
+        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None, generator: torch.Generator,
     ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
         """`_sample` of every row; with a repetition penalty, one call per prompt length: a row's left padding would be
         penalised as tokens it holds (transformers 5.19 does; with pad == eos, a reply was kept from ending)."""
         lengths = sorted({len(p) for p in prompts})
         if sampling.repetition_penalty == 1.0 or len(lengths) == 1:
-            return self._sample(prompts, sampling, images)
+            return self._sample(prompts, sampling, images, generator)
         results: list[Any] = [None] * len(prompts)
         for length in lengths:
             rows = [k for k, p in enumerate(prompts) if len(p) == length]
-            sampled = self._sample([prompts[k] for k in rows], sampling, None if images is None else [images[k] for k in rows])
+            sampled = self._sample([prompts[k] for k in rows], sampling, None if images is None else [images[k] for k in rows], generator)
             for k, row in zip(rows, zip(*sampled)):
                 results[k] = row
         completions, logprobs, supports, finished = (list(column) for column in zip(*results))
@@ -130,7 +132,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _sample(
-        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None = None
+        self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None, generator: torch.Generator,
     ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, where generation continues.
@@ -140,19 +142,17 @@ class HFRolloutEngine(RolloutEngine):
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention_mask[i, width - len(p):] = 1
         stops = list(dict.fromkeys(self.eos_token_ids + tuple(sampling.stop_token_ids)))
-        greedy = sampling.temperature == 0
+        # transformers' greedy search over what `_Draw` leaves: the one token it drew from the filtered distribution
+        # (transformers' own sampling draws from the process's generator, which the trainer's thread draws from too).
+        draw = None if sampling.temperature == 0 else _Draw(sampling, generator)
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy else sampling.top_k,  # 0 switches top-k off (transformers would default to 50)
-            min_p=None if greedy or not sampling.min_p else sampling.min_p,
+            do_sample=False,
             repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             suppress_tokens=list(sampling.suppress_token_ids) or None,
-            output_scores=True,  # what each token was drawn from: softmax of these
+            output_scores=True,  # greedy: what each token was chosen from
             return_dict_in_generate=True,
         )
         pictures = [image for own in images or [] for image in own]
@@ -162,11 +162,11 @@ class HFRolloutEngine(RolloutEngine):
         with generation_config_set_aside(self.model):  # a checkpoint's would sample from a policy the trainer never scores
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                generation_config=config, **pixels,
+                generation_config=config, logits_processor=LogitsProcessorList([draw] if draw else []), **pixels,
             )
         new_tokens = out.sequences[:, width:].cpu()
         # [batch, steps, vocab]: processed by temperature, suppression and the filters; what they removed is -inf
-        scores = torch.stack(out.scores, dim=1).float().cpu()
+        scores = torch.stack(draw.scores if draw else out.scores, dim=1).float().cpu()
         token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
         completions, logprobs, supports, finished = [], [], [], []
         for k, (row, row_logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist())):
@@ -271,3 +271,30 @@ def routes_of_rows(recorded: RouteRecorder, prompts: list[list[int]], completion
         last = first.new_full((min(len(completion), 1), *first.shape[1:]), -1)
         out.append(torch.cat([prompt_routes[b, width - len(prompt):], *(d[None] for d in decoded), last]))
     return out
+
+
+class _Draw(LogitsProcessor):
+    """Sampling as transformers samples (temperature, then top-k, top-p and min-p, in its order), drawn from the
+    engine's own ``generator``: the scores it draws from are kept (``scores``), and it leaves the drawn token alone
+    for the greedy search to take. The process's generator, which the trainer's thread draws its dropout masks from
+    meanwhile (async GRPO), is neither read nor moved."""
+
+    def __init__(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.warpers: list[LogitsProcessor] = []
+        if sampling.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:  # 0: off
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        if sampling.min_p:
+            self.warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
+        self.scores: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        self.scores.append(scores)
+        drawn = torch.multinomial(torch.softmax(scores.float(), dim=-1), num_samples=1, generator=self.generator)
+        return torch.full_like(scores, -math.inf).scatter_(1, drawn, 0.0)
