@@ -365,7 +365,7 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
     # What is logged under TRL's names is TRL's figure: the KL as the loss weighs it, and a clip fraction of
     # sequences at sequence level.
-    stats = StepStats(clips=loss.clips)
+    stats = StepStats(clips=loss.clips, vespo=loss.loss_type == "vespo")
     stats.add(our_loss, step_terms[-1], entropy, packed)
     ours, theirs = stats.metrics(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
     names = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"), ("clip_ratio/high_mean", "clip/high"),

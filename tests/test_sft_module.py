@@ -398,6 +398,11 @@ def test_a_resume_under_a_trainer_of_ones_own_that_would_cut_other_batches_is_re
     first.save_checkpoint(tmp_path / "one.ckpt")
     with pytest.raises(BatchingChanged, match=r"^data\.max_tokens=128 here, 96 in the run: the run being resumed cut its rows into other batches"):
         trainer(2).fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=128), ckpt_path=tmp_path / "one.ckpt")
+    # Unshuffled, the seed orders nothing: another one cuts the same batches, and resumes.
+    unshuffled = [SFTDataModule(TOY_TRAIN, None, max_tokens=96, shuffle=False, seed=seed) for seed in (0, 1)]
+    for data in unshuffled:
+        data.setup("fit")
+    unshuffled[1].load_state_dict(unshuffled[0].state_dict())
     resumed = trainer(2)  # the run's own values resume
     resumed.fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=96), ckpt_path=tmp_path / "one.ckpt")
     assert resumed.global_step == 2

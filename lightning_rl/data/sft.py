@@ -1021,7 +1021,7 @@ class SFTDataModule(LightningDataModule):
 
     def _batching(self) -> dict[str, Any]:
         """What cuts the rows into batches (`TokenBudgetBatchSampler`), by key."""
-        return {"max_tokens": self.max_tokens, "packing": self.resolved_packing, "shuffle": self.shuffle, "seed": self.seed}
+        return {"max_tokens": self.max_tokens, "packing": self.resolved_packing, "shuffle": self.shuffle, **({"seed": self.seed} if self.shuffle else {})}
 
     def rows_digest(self) -> str:
         """The digest of the training examples as tokenized (each once: the run's data does not change)."""

@@ -404,7 +404,7 @@ class GRPOModule(PolicyModule):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
-        stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips)
+        stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips, vespo=self.loss.loss_type == "vespo")
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
         # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).

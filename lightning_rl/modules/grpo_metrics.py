@@ -44,8 +44,8 @@ class StepStats:
     tokens an entropy bonus acts on (adaptive entropy control reads it). ``clips``: the loss clips its ratio (sapo's
     and vespo's do not: no clip figures, as TRL logs none)."""
 
-    def __init__(self, bonus: bool = False, clips: bool = True) -> None:
-        self.bonus, self.clips = bonus, clips
+    def __init__(self, bonus: bool = False, clips: bool = True, vespo: bool = False) -> None:
+        self.bonus, self.clips, self.vespo = bonus, clips, vespo
         self.loss = 0.0
         self.tokens = 0
         self.low = self.high = self.clip_units = 0.0  # clipped, of clip_units: tokens, or sequences at sequence level
@@ -109,7 +109,7 @@ class StepStats:
             metrics |= {"clip/low": Pooled(self.low, self.clip_units), "clip/high": Pooled(self.high, self.clip_units),
                         "clip/fraction": Pooled(self.low + self.high, self.clip_units),
                         "clip/low_min": self.low_min, "clip/high_max": self.high_max}  # fmt: skip
-        if self.phi_sequences:
+        if self.vespo:  # on every rank, one that trained no sequence too (0): the ranks log the same names
             metrics["vespo/phi_seq_mean"] = Pooled(self.phi, self.phi_sequences)  # TRL's name
         if self.has_kl:
             metrics["kl"] = Pooled(self.kl, self.tokens)
@@ -198,9 +198,9 @@ def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBat
         metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored), pooled)
     metrics |= _extremes(module, metrics)
     by_reduction: dict[str, dict[str, Any]] = {}
-    for key, value in metrics.items():
+    for key, value in sorted(metrics.items()):  # one order on every rank: Lightning reduces each name as it is logged
         by_reduction.setdefault(_reduction(key), {})[f"train/{key}"] = value
-    for fx, figures in by_reduction.items():
+    for fx, figures in sorted(by_reduction.items()):
         module.log_dict(figures, on_step=True, prog_bar=False, batch_size=1, sync_dist=True, reduce_fx=fx)
     scored = ~rewards.isnan()
     total, count = module.trainer.strategy.reduce(torch.stack([rewards[scored].sum(), scored.sum()]).double().to(module.device), reduce_op="sum").tolist()
@@ -244,9 +244,8 @@ def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], l
 
 def _lengths(lengths: list[int], kind: str = "") -> dict[str, float]:
     """Completion lengths in tokens, as TRL names them (``completions/mean_length``, ``min_length``, ``max_length``;
-    ``kind`` ``terminated_``: of the completions that ended, TRL's ``mean_terminated_length`` ..., 0 where none)."""
-    if not lengths and not kind:
-        return {}
+    ``kind`` ``terminated_``: of the completions that ended, TRL's ``mean_terminated_length`` ...), 0 where none: on
+    every rank, one without any too (the ranks log the same names, and `_extremes` passes over its infinities)."""
     return {f"completions/mean_{kind}length": Pooled(sum(lengths), len(lengths)), f"completions/min_{kind}length": float(min(lengths, default=math.inf)),
             f"completions/max_{kind}length": float(max(lengths, default=-math.inf))}  # fmt: skip
 

@@ -152,7 +152,7 @@ class HFRolloutEngine(RolloutEngine):
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             suppress_tokens=list(sampling.suppress_token_ids) or None,
-            output_scores=True,  # greedy: what each token was chosen from
+            output_scores=draw is None,  # greedy: what each token was chosen from (sampling: `_Draw` keeps them)
             return_dict_in_generate=True,
         )
         pictures = [image for own in images or [] for image in own]
