@@ -308,3 +308,30 @@ def test_terminated_lengths_are_trls_and_no_extreme_is_logged_as_an_infinity():
     truncated = batch("length", "length")
     assert [truncated[f"completions/{kind}_terminated_length"] for kind in ("mean", "min", "max")] == [0.0, 0.0, 0.0]
     assert truncated["clip/low_min"] == 0.0 and truncated["clip/high_max"] == 0.0  # a step of no trained token
+
+
+def test_rollout_rows_under_a_logger_without_a_folder_go_under_its_name_and_version(tmp_path):
+    """A logger that keeps no folder of its own (MLflow's: a save_dir shared by every experiment) has the rows under
+    its name and version there, one experiment's apart from another's."""
+    import lightning as L
+    from lightning.pytorch.loggers import Logger
+
+    from lightning_rl.data.prompts import PromptDataModule
+    from lightning_rl.modules.grpo import GRPOModule
+    from support.grpo import DIGIT_REWARDS, FAST
+
+    class Tracking(Logger):  # a tracking server's logger: metrics leave the machine, nothing in a folder of its own
+        name, version, save_dir = "experiment", "run-7", str(tmp_path / "tracking")
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS, "log_rollouts_every_n_steps": 1})
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=Tracking(), default_root_dir=tmp_path / "root", enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(module, PromptDataModule(batch_size=2))  # fmt: skip
+    rows = (tmp_path / "tracking" / "experiment" / "run-7" / "rollouts.jsonl").read_text().splitlines()
+    assert len(rows) == 8 and not (tmp_path / "tracking" / "rollouts.jsonl").exists()

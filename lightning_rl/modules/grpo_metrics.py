@@ -336,8 +336,9 @@ def log_rollouts(trainer: Trainer, step: int, table: tuple[list[str], list[list[
     if trainer.loggers and not wandb and trainer.is_global_zero:
         folder = Path(trainer.default_root_dir)
         if not is_run_folder(folder):  # as ``trainer.log_dir``, which broadcasts: only rank zero is here
-            first = trainer.loggers[0]
-            folder = Path(getattr(first, "log_dir", None) or first.save_dir or folder)
+            first = trainer.loggers[0]  # a logger without a folder of its own (MLflow's): its name and version under its save_dir
+            own = getattr(first, "log_dir", None) or Path(first.save_dir or folder, *(str(part) for part in (first.name, first.version) if part is not None))
+            folder = Path(own)
             folder.mkdir(parents=True, exist_ok=True)
         append_rows(folder / ROLLOUTS_FILE, [dict(zip(columns, row, strict=True)) for row in rows])
 
