@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from lightning_rl.recipe_reference import REPO, rows, write_or_check
+from lightning_rl.recipe_reference import REPO, _shown, rows, write_or_check
 from lightning_rl import trl_names
 from lightning_rl.trl_names import COMMON, mapping
 
@@ -55,8 +55,7 @@ def default_differences() -> list[tuple[str, str, Any, str, str]]:
     import trl
     from lightning.pytorch import Trainer
 
-    lightning = {f"trainer.{name}": yaml.safe_dump(p.default, default_flow_style=True).strip().removesuffix("...").strip()
-                 for name, p in inspect.signature(Trainer).parameters.items()}  # fmt: skip
+    lightning = {f"trainer.{name}": _shown(p.default) for name, p in inspect.signature(Trainer).parameters.items()}
     found = []
     for task, config in (("sft", trl.SFTConfig), ("grpo", trl.GRPOConfig)):
         theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}

@@ -18,7 +18,7 @@ from lightning_rl.rollout.vllm_server import VLLMServerEngine
 from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:[0-5]\d){0,2}$")  # minutes and seconds below 60 (SLURM would carry them over)
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:[0-5]\d){0,2}$")  # minutes and seconds below 60 (SLURM would carry them over)
 # What an `#SBATCH` value may hold unquoted.
 _PLAIN = re.compile(r"[\w@%+=:,./-]+")
 
@@ -59,7 +59,7 @@ def _check_options(options: SlurmOptions) -> None:
                           "also replace one; remove the earlier run's output_dir or choose another output_dir")
     if not options.partition:
         raise LaunchError("no partition given: pass --partition NAME (`sinfo -s` lists the partitions)")
-    if not _SLURM_TIME.match(options.time):
+    if not SLURM_TIME.match(options.time):
         raise LaunchError(f"--time {options.time!r} is not a SLURM time (e.g. 04:00:00 or 1-12:00:00)")
     for flag, value in (("--partition", options.partition), ("--job-name", options.job_name), ("--log-dir", options.log_dir)):
         if value is not None and ("\n" in value or "\0" in value):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from lightning_rl import validation
 from lightning_rl.errors import UserError, report
 from lightning_rl.launch.layout import Allocation
 from lightning_rl.launch.recipe_view import FlagParser, LaunchError, RecipeView, split_overrides
-from lightning_rl.launch.render import SlurmOptions, job_name, render_slurm_script, write_script
+from lightning_rl.launch.render import SLURM_TIME, SlurmOptions, job_name, render_slurm_script, write_script
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,11 +63,8 @@ def _check_partition(partition: str, nodes: int, time: str) -> None:
     if nodes > total:
         raise LaunchError(f"--nodes {nodes}: partition {partition!r} has {total} node{'s' * (total != 1)}")
     limit = rows[0][0]
-    if _SLURM_LIMIT.match(limit) and slurm_minutes(time) > slurm_minutes(limit):
+    if SLURM_TIME.match(limit) and slurm_minutes(time) > slurm_minutes(limit):  # not "infinite"
         raise LaunchError(f"--time {time}: partition {partition!r} allows a job at most {limit}")
-
-
-_SLURM_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")  # a time sinfo gives (not "infinite")
 
 
 def slurm_minutes(text: str) -> float:

@@ -142,10 +142,10 @@ class MismatchStats:
         self.logp_diff_max = max(self.logp_diff_max, float(d.abs().max()))
         if terms.engine_weight is not None:
             weight = terms.engine_weight.double()
-            if terms.engine_weight_seq is not None:  # one per sequence: its first term's
-                first = torch.ones_like(terms.engine_weight_seq, dtype=torch.bool)
-                first[1:] = terms.engine_weight_seq[1:] != terms.engine_weight_seq[:-1]
-                weight = weight[first]
+            if terms.engine_weight_seq is not None:  # one per sequence, repeated over its terms: each sequence's once
+                seq = terms.engine_weight_seq
+                counts = torch.bincount(seq)
+                weight = (torch.bincount(seq, weights=weight) / counts.clamp(min=1))[counts > 0]
             self.weight += float(weight.sum())
             self.weights += weight.numel()
             self.weight_min = min(self.weight_min, float(weight.min()))

@@ -207,13 +207,17 @@ class PolicyModule(LightningModule):
             raise ForeignCheckpointError(f"ckpt_path: {path} holds no {lacking[0]}, so it cannot resume a run (saved with weights only, "
                                          "or by hand): resume from a checkpoint a run wrote")
         recorded = checkpoint.get(WRITER)
-        if isinstance(recorded, dict) and {**recorded, "optimizer groups": None} == {**self.writer(), "optimizer groups": None}:
-            self._check_optimizer_keys(checkpoint, path)  # a run like this one: weight_decay 0 or not groups the parameters otherwise
+        # A run of this kind: its optimizer keys before its layout (weight_decay 0 or not groups the parameters
+        # otherwise); an older checkpoint, which records no layout, once the kind is told by its arguments.
+        same_kind = isinstance(recorded, dict) and {**recorded, "optimizer groups": None} == {**self.writer(), "optimizer groups": None}
+        if same_kind:
+            self._check_optimizer_keys(checkpoint, path)
         self.check_writer(checkpoint, path)
         check_weights_fit(checkpoint, self, path)
         if RANDOM_STATE in checkpoint:  # absent from an older checkpoint
             self._resumed_random = RandomState.from_plain(this_ranks(checkpoint[RANDOM_STATE], self.trainer, lambda _: False), self.device)
-        self._check_optimizer_keys(checkpoint, path)
+        if not same_kind:
+            self._check_optimizer_keys(checkpoint, path)
         step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
         if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
             raise ForeignCheckpointError(
