@@ -377,25 +377,31 @@ def test_several_passes_are_the_same_in_the_asynchronous_trainer():
 
 class EntropyLog(L.Callback):
     def __init__(self) -> None:
-        self.entropy, self.coef = [], []
+        self.entropy, self.coef, self.bonus = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.entropy.append(float(trainer.callback_metrics["train/entropy"]))
-        self.coef.append(float(trainer.callback_metrics["train/entropy_coef"]))
+        metrics = trainer.callback_metrics
+        self.entropy.append(float(metrics["train/entropy"]))
+        self.coef.append(float(metrics["train/entropy_coef"]))
+        self.bonus.append(float(metrics["train/policy_loss"]) - float(metrics["train/loss"]))  # TRL's policy_loss: no bonus
 
 
 def test_adaptive_entropy_control_follows_its_rule_and_gates_the_bonus():
     """The coefficient after each step is the rule applied to that step's mean entropy (TRL's: up by delta at or
     below the target, down otherwise, clamped); the bonus acts only after a step at or below the target."""
     log_, recorder = EntropyLog(), GradientRecorder()
-    target = 5.0  # about the tiny model's entropy, so the controller goes both ways
+    target = 5.824  # within the tiny model's entropies of these steps (5.835 falling to 5.817), so the controller goes both ways
     loss = {"adaptive_entropy": True, "entropy_coef": 0.05, "entropy_coef_delta": 0.02, "entropy_target": target,
             "entropy_coef_max": 0.08}  # fmt: skip
     module, _ = fit(5, [log_, recorder], batch_size=2, rewards=LENGTH_REWARD, loss=loss)
-    coef = 0.05
+    coef, applied = 0.05, 0.0
     for step, entropy in enumerate(log_.entropy):
+        assert log_.bonus[step] == pytest.approx(applied * entropy, rel=1e-4, abs=1e-7), step  # the bonus this step took
         coef = min(coef + 0.02, 0.08) if entropy <= target else max(coef - 0.02, 0.0)
+        applied = coef if entropy <= target else 0.0
         assert log_.coef[step] == pytest.approx(coef), step
+    assert any(log_.bonus) and not all(log_.bonus), "the bonus must apply on some steps and not on others"
+    assert min(log_.entropy) <= target < max(log_.entropy), "the controller must go both ways"
     assert module.entropy_control.last_entropy == pytest.approx(log_.entropy[-1], rel=1e-5)
     # The first step has no earlier entropy: no bonus, so its gradient is the plain loss's.
     plain = GradientRecorder()

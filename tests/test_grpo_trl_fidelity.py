@@ -330,13 +330,14 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
         kept = None if terms.entropy_mask is None else int(terms.entropy_mask.sum())
         counts = StepCounts(num_sequences=packed.num_sequences, num_tokens=tokens, rank_tokens=tokens,
                             max_completion_length=MAX_NEW, entropy_tokens=kept)  # fmt: skip
+        step_counts.append(counts)
         return loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
 
     def value_and_slopes(value: torch.Tensor) -> torch.Tensor:
         slopes = torch.autograd.grad(value, [logprobs, entropy], retain_graph=True, allow_unused=True, materialize_grads=True)
         return torch.cat([value.detach()[None], *slopes])
 
-    step_terms = []
+    step_terms, step_counts = [], []
     control = value_and_slopes(step_loss(GRPOLoss(**_control(options))))
     our_loss = step_loss(loss)
     assert not torch.allclose(value_and_slopes(our_loss), control, rtol=1e-3, atol=1e-5), "the option must matter on this batch"
@@ -365,17 +366,18 @@ def test_loss_options_match_trl(batch, tmp_path, options, old):
     _assert_same_loss_and_gradients(our_loss, module.policy, their_loss, trainer.model)
     # What is logged under TRL's names is TRL's figure: the KL as the loss weighs it, and a clip fraction of
     # sequences at sequence level.
-    stats = StepStats(clips=loss.clips, vespo=loss.loss_type == "vespo")
-    stats.add(our_loss, step_terms[-1], entropy, packed)
+    stats = StepStats(clips=loss.clips, vespo=loss.loss_type == "vespo", policy_loss=loss.entropy_coef != 0)
+    stats.add(our_loss, step_terms[-1], entropy, packed, bonus=loss.bonus(step_terms[-1], step_counts[-1]))
     ours, theirs = stats.metrics(), {name: values[-1] for name, values in trainer._metrics["train"].items()}
     names = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio/low_mean", "clip/low"), ("clip_ratio/high_mean", "clip/high"),
              ("clip_ratio/region_mean", "clip/fraction"), ("clip_ratio/low_min", "clip/low_min"), ("clip_ratio/high_max", "clip/high_max"),
-             ("cispo_clip_ratio", "clip/high"), ("vespo/phi_seq_mean", "vespo/phi_seq_mean"))  # fmt: skip
+             ("cispo_clip_ratio", "clip/high"), ("vespo/phi_seq_mean", "vespo/phi_seq_mean"), ("policy_loss", "policy_loss"))  # fmt: skip
     for their_name, our_name in names:
         if their_name in theirs:
             assert ours[our_name] == pytest.approx(theirs[their_name], rel=1e-5, abs=1e-7), our_name
     assert ("clip/low" in ours) == any(name.startswith(("clip_ratio/", "cispo_")) for name in theirs)  # none for sapo, vespo
     assert ("vespo/phi_seq_mean" in ours) == ("vespo/phi_seq_mean" in theirs)
+    assert ("policy_loss" in ours) == ("policy_loss" in theirs)  # the loss without its entropy bonus, where one may apply
 
     # The module's own step with these options (its `loss:` group) gives the same loss and gradients: what a
     # recipe sets reaches the loss whole, sequences, entropy (differentiable) and the reference included.

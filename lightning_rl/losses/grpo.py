@@ -375,12 +375,17 @@ class GRPOLoss:
         """This micro-batch's share of the step's loss: the weighted terms, less its share of the entropy
         bonus (a mean over the step's `counts.entropy_tokens`, whatever the loss type)."""
         total = (terms.loss * self.token_weights(loss_seq, seq_num_tokens, counts).to(terms.loss)).sum()
+        return total if terms.entropy_bonus is None else total - self.bonus(terms, counts)
+
+    def bonus(self, terms: TokenLoss, counts: StepCounts) -> torch.Tensor:
+        """This micro-batch's share of the step's entropy bonus, as `reduce` subtracts it (0 without a bonus):
+        `reduce(...) + bonus(...)` is the policy's loss alone, TRL's `policy_loss`."""
         if terms.entropy_bonus is None:
-            return total
+            return terms.loss.new_zeros(())
         if counts.entropy_tokens is None and terms.entropy_mask is not None:
             raise ValueError("entropy_coef with top_entropy_quantile < 1 needs counts.entropy_tokens (the tokens kept)")
         tokens = counts.num_tokens if counts.entropy_tokens is None else counts.entropy_tokens
-        return total - self.entropy_coef * terms.entropy_bonus.sum() * (counts.world_size / max(tokens, 1))
+        return self.entropy_coef * terms.entropy_bonus.sum() * (counts.world_size / max(tokens, 1))
 
     def _engine_weight(
         self, old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, seqs: _Sequences | None

@@ -404,7 +404,7 @@ class GRPOModule(PolicyModule):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         train_started = time.perf_counter()
-        stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips, vespo=self.loss.loss_type == "vespo")
+        stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips, vespo=self.loss.loss_type == "vespo", policy_loss=self.loss.entropy_coef != 0 or self.entropy_control is not None)
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
         # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).
@@ -431,7 +431,7 @@ class GRPOModule(PolicyModule):
             loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
             self.manual_backward(loss)
             finish_prefix(packed)  # a span's last row: one backward through its prefix
-            stats.add(loss.detach(), terms, entropy, packed, padding=not rows[k])
+            stats.add(loss.detach(), terms, entropy, packed, padding=not rows[k], bonus=step_loss.bonus(terms, counts).detach())
         if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
             self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
         stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped

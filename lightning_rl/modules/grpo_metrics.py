@@ -44,9 +44,9 @@ class StepStats:
     tokens an entropy bonus acts on (adaptive entropy control reads it). ``clips``: the loss clips its ratio (sapo's
     and vespo's do not: no clip figures, as TRL logs none)."""
 
-    def __init__(self, bonus: bool = False, clips: bool = True, vespo: bool = False) -> None:
-        self.bonus, self.clips, self.vespo = bonus, clips, vespo
-        self.loss = 0.0
+    def __init__(self, bonus: bool = False, clips: bool = True, vespo: bool = False, policy_loss: bool = False) -> None:
+        self.bonus, self.clips, self.vespo, self.logs_policy_loss = bonus, clips, vespo, policy_loss
+        self.loss = self.policy_loss = 0.0  # the loss, and the policy's part of it (without the entropy bonus)
         self.tokens = 0
         self.low = self.high = self.clip_units = 0.0  # clipped, of clip_units: tokens, or sequences at sequence level
         # Over the sequences that train a token: the smallest share of a sequence's terms clipped low, the largest
@@ -61,8 +61,10 @@ class StepStats:
         self.grad_norm: torch.Tensor | None = None  # of all gradients together, before clipping
         self.lr = 0.0  # the learning rate the step's optimizer update took
 
-    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch, padding: bool = False) -> None:
+    def add(self, loss: torch.Tensor, terms: TokenLoss, entropy: torch.Tensor | None, packed: PackedBatch, padding: bool = False,
+            bonus: torch.Tensor | float = 0.0) -> None:
         self.loss += float(loss)
+        self.policy_loss += float(loss) + float(bonus)
         self.tokens += int(terms.loss.numel())
         weight = terms.clip_weight
         self.low += float((terms.low_clipped * weight).sum())
@@ -113,6 +115,8 @@ class StepStats:
             metrics["vespo/phi_seq_mean"] = Pooled(self.phi, self.phi_sequences)  # TRL's name
         if self.has_kl:
             metrics["kl"] = Pooled(self.kl, self.tokens)
+        if self.logs_policy_loss:  # TRL logs it where an entropy bonus may apply
+            metrics["policy_loss"] = self.policy_loss
         if self.grad_norm is not None:
             metrics["grad_norm"] = float(self.grad_norm)
         return metrics
