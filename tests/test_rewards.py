@@ -365,6 +365,35 @@ def test_the_overlong_penalty_is_dapos_soft_punishment():
         RewardScorer([RewardSpec("overlong_penalty", kwargs={"max_length": 10, "cache": 0})])
 
 
+def makes_nothing(scale):
+    return scale
+
+
+def refuses_its_limit(limit):
+    raise ValueError("limit must be > 0")
+
+
+def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
+    """TRL's scripts call a factory (`get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)`); a
+    recipe names it with those kwargs. A function that takes nothing but its kwargs sees no completion, so it is
+    called once, before training, and what it returns scores, named as TRL names it; failed at the first step before."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    ids = [[1] * n for n in (3, 7, 9, 12)]
+    kwargs = {"max_completion_len": 10, "soft_punish_cache": 4}
+    theirs = get_soft_overlong_punishment(**kwargs)
+    scorer = RewardScorer([RewardSpec("trl.rewards:get_soft_overlong_punishment", kwargs=kwargs)])
+    scores = scorer.score(["p"] * 4, ["a"] * 4, {"completion_ids": ids})
+    assert list(scores.per_function) == [theirs.__name__]
+    assert scores.per_function[theirs.__name__].tolist() == pytest.approx(theirs(completion_ids=ids))
+    named = RewardScorer([RewardSpec("trl.rewards:get_soft_overlong_punishment", kwargs=kwargs, name="overlong")])
+    assert list(named.score(["p"] * 4, ["a"] * 4, {"completion_ids": ids}).per_function) == ["overlong"]
+    with pytest.raises(ValueError, match=r"reward 'makes_nothing' takes nothing but its kwargs \(scale\), so it cannot see a completion"):
+        RewardScorer([RewardSpec(makes_nothing, kwargs={"scale": 2.0})])
+    with pytest.raises(ValueError, match="reward 'refuses_its_limit' .* calling it with them failed: ValueError: limit must be > 0"):
+        RewardScorer([RewardSpec(refuses_its_limit, kwargs={"limit": 0})])
+
+
 def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():
     """A quoted string stays a string: typed Any, the recipe parser read '[0-9]' (a regular expression) again as YAML,
     a list; numbers, booleans, null and nested values keep their own types."""

@@ -123,6 +123,18 @@ class RewardSpec:
         return getattr(inner, "__name__", None) or type(inner).__name__, function
 
 
+def _takes_only(function: Any, kwargs: Mapping[str, Any]) -> bool:
+    """Whether every argument ``function`` takes by keyword is in ``kwargs`` (and it takes no ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind in (p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters):
+        return False
+    names = {p.name for p in parameters if p.kind is not p.VAR_POSITIONAL}
+    return bool(names) and names <= set(kwargs)
+
+
 def _unwrapped(function: Any) -> Any:
     """The function a ``functools.partial`` (of a partial ...) calls; anything else as it is."""
     while isinstance(function, functools.partial):
@@ -147,6 +159,8 @@ class _Reward:
             except Exception as error:  # its own code failed (a missing key, a service not reached, ...)
                 raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {type(error).__name__}: {error}") from None
             self.kwargs = {}
+        if self.kwargs and _takes_only(self.function, self.kwargs):
+            self._make_from_factory(spec)
         if not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")
         try:
@@ -175,6 +189,23 @@ class _Reward:
                 self.function(**{**{name: [] for name, required in self.accepted.items() if required}, **self.kwargs})
             except Exception as error:
                 raise ValueError(f"reward {self.name!r}: kwargs {self.kwargs} do not work: {type(error).__name__}: {error}") from None
+
+    def _make_from_factory(self, spec: RewardSpec) -> None:
+        """A function that takes nothing but its kwargs sees no completion: a factory (TRL's
+        ``get_soft_overlong_punishment``, written ``get_...(max_completion_len=..., ...)`` in TRL's scripts) that
+        returns the reward, which replaces it here (named as TRL names it, after the reward it returns)."""
+        given = ", ".join(self.kwargs)
+        try:
+            made = self.function(**self.kwargs)
+        except Exception as error:
+            raise ValueError(f"reward {self.name!r} takes nothing but its kwargs ({given}), so it is read as a factory of the reward, "
+                             f"and calling it with them failed: {type(error).__name__}: {error}") from None
+        if not callable(made):
+            raise ValueError(f"reward {self.name!r} takes nothing but its kwargs ({given}), so it cannot see a completion; a reward "
+                             f"takes `completions` (or `prompts`, `completion_ids`, a data column), or a factory returns such a function")
+        self.function, self.kwargs = made, {}
+        if not spec.name:
+            self.name = getattr(_unwrapped(made), "__name__", None) or self.name
 
     def check_arguments(self, available: Iterable[str]) -> None:
         available = set(available) | set(BATCH_ARGUMENTS)
