@@ -32,9 +32,18 @@ def _type_name(hint: Any) -> str:
 
 
 def _shown(default: Any) -> str:
+    """A default as a recipe writes it: plain values, and lists and mappings of them (``[0.9, 0.95]``, ``[]``)."""
     if default is None or isinstance(default, (bool, int, float, str)):
         return "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+    if isinstance(default, (list, tuple)) and all(_plain(v) for v in default):
+        return "[" + ", ".join(map(_shown, default)) + "]"
+    if isinstance(default, dict) and all(isinstance(k, str) and _plain(v) for k, v in default.items()):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in default.items()) + "}"
     return "see the class"
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _item_rows(key: str, hint: Any) -> list[tuple[str, str, str, str]]:

@@ -94,6 +94,12 @@ DIFFERENCES = (
      "tokenized joined, the loss starting where the two tokenizations differ",
      "the completion's tokens are the ones the model generates after the prompt, never a token merged across the "
      "boundary"),
+    ("SFT at 16-bit precision", "the LM head's logits are float32 whatever `trainer.precision` (the chunked head, "
+     "`model.chunk_size`), in SFT as in GRPO", "in the model's dtype (GRPO's `cast_lm_head_to_fp32` aside)",
+     "the loss and its gradient are not rounded to 16 bits over a vocabulary of 100K or more"),
+    ("An SFT assistant turn with empty content and no tool calls", "refused in one line naming the row and turn",
+     "trained: its end-of-turn token alone", "an empty reply in a dataset is far more often a lost answer than a "
+     "lesson in saying nothing"),
     ("SFT learning-rate schedule", "`model.lr_schedule` defaults to `cosine`", "`lr_scheduler_type` defaults to "
      "`linear`", "set `model.lr_schedule: linear` for TRL's"),
     ("SFT AdamW betas", "`model.betas` defaults to (0.9, 0.95)", "`adam_beta1`, `adam_beta2` default to 0.9, 0.999",

@@ -10,3 +10,5 @@ def test_the_recipe_reference_is_up_to_date(capsys):
                 "`logger.kind`", "`checkpoint_every_n_steps`", "`model.lora.r`", "`model.rewards[].weight`"):  # fmt: skip
         assert key in text
     assert "|  |" not in text, "every key has its docstring"
+    # A list default is shown as a recipe writes it (a TRL user mapping adam_beta1/adam_beta2 needs the number).
+    assert "| `model.betas` | `tuple[float, float]` | `[0.9, 0.95]` |" in text
