@@ -487,17 +487,18 @@ def test_engine_options_are_checked_against_the_engines_signature_before_any_mod
          "gpu_memory_utilization: Expected a"),
         (functools.partial(VLLMServerEngine, transprt="gloo"), "engine.init_args.transprt", "transprt: not an option of VLLMServerEngine"),
         ({"class_path": "hf", "init_args": {"seed": 3}}, "engine.init_args.seed", "seed: set by the run"),
-        ("vlm", "engine", "rollout engine 'vlm' is neither one of hf, vllm, vllm_server nor a dotted path"),
+        ("vlm", "engine", "rollout engine 'vlm' is neither one of hf, vllm, vllm_server (or HFRolloutEngine, VLLMEngine, VLLMServerEngine) nor a dotted path"),
         ("collections.OrderedDict", "engine", "rollout engine 'collections.OrderedDict' is not a RolloutEngine subclass"),
     ]
     for engine, key, message in cases:
         with pytest.raises(RecipeError) as caught:
             GRPOModule(engine=engine)
         assert caught.value.key == key and str(caught.value).startswith(message), (caught.value.key, str(caught.value))
-    module = GRPOModule(engine={"class_path": "vllm", "init_args": {"dtype": "bfloat16", "max_model_len": 512}})  # nothing of vLLM loads
-    assert module.engine is None
-    assert module.hparams["engine"] == {"class_path": "lightning_rl.rollout.vllm_engine.VLLMEngine",
-                                        "init_args": {"dtype": "bfloat16", "max_model_len": 512}}  # fmt: skip
+    for name in ("vllm", "VLLMEngine"):  # a class name, as a recipe may write it, from Python too
+        module = GRPOModule(engine={"class_path": name, "init_args": {"dtype": "bfloat16", "max_model_len": 512}})  # nothing of vLLM loads
+        assert module.engine is None
+        assert module.hparams["engine"] == {"class_path": "lightning_rl.rollout.vllm_engine.VLLMEngine",
+                                            "init_args": {"dtype": "bfloat16", "max_model_len": 512}}  # fmt: skip
     assert GRPOModule(engine=module.hparams["engine"]).engine_spec == module.engine_spec  # a checkpoint's hparams rebuild it
 
 

@@ -397,9 +397,10 @@ class RequestSeeds:
 
 
 def _engine_class(path: str) -> type[RolloutEngine]:
-    if path not in SHORT_NAMES and "." not in path and ":" not in path:
-        raise ValueError(f"rollout engine {path!r} is neither one of {', '.join(SHORT_NAMES)} nor a dotted path (pkg.module.Class)")
-    cls = load_object(SHORT_NAMES.get(path, path), "rollout engine")
+    by_class = {full.rpartition(".")[2]: full for full in SHORT_NAMES.values()}  # VLLMEngine, as a recipe may write it
+    if path not in SHORT_NAMES and path not in by_class and "." not in path and ":" not in path:
+        raise ValueError(f"rollout engine {path!r} is neither one of {', '.join(SHORT_NAMES)} (or {', '.join(by_class)}) nor a dotted path (pkg.module.Class)")
+    cls = load_object(SHORT_NAMES.get(path) or by_class.get(path, path), "rollout engine")
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
         raise ValueError(f"rollout engine {path!r} is not a RolloutEngine subclass")
     return cls

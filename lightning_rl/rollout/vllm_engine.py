@@ -181,10 +181,9 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         config = AutoConfig.from_pretrained(model)
-        if (refusal := transformers_backend_refusal(config)) is not None:
-            raise ValueError(refusal)
-        if (refusal := cpu_head_size_refusal(config)) is not None:
-            raise RecipeError(f"engine: {refusal}", "engine")
+        for refusal in (transformers_backend_refusal(config), cpu_head_size_refusal(config)):
+            if refusal is not None:  # one line naming the key, as every recipe mistake
+                raise RecipeError(f"engine: {refusal}", "engine")
         # With the "uni" executor this keeps the worker in this process, which is what lets reload_weights take
         # live tensors. vLLM reads it only while building the engine; servers started later must not inherit it.
         previous = os.environ.get(_IN_PROCESS)

@@ -15,6 +15,7 @@ import torch
 from engine_checks import KV_CACHE_BYTES, load_trainer_model, perturb_
 from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
+from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 from lightning_rl.rollout.base import SamplingConfig
 from lightning_rl.toy.model import build_tokenizer, save_from_any_process, seeded_model
@@ -36,8 +37,9 @@ def neox_dir(tmp_path_factory):
 def test_the_in_process_engine_refuses_it_in_one_line_and_names_the_server(neox_dir):
     from lightning_rl.rollout.vllm_engine import VLLMEngine
 
-    with pytest.raises(ValueError, match=r"^vLLM serves GPTNeoXForCausalLM through its Transformers backend, .* \(model.engine: vllm_server\)$"):
+    with pytest.raises(RecipeError, match=r"^engine: vLLM serves GPTNeoXForCausalLM through its Transformers backend, .* \(model.engine: vllm_server\)$") as caught:
         VLLMEngine(neox_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
+    assert caught.value.key == "engine"  # the command prints it as one line naming the key, not a stack trace
     load_trainer_model(neox_dir)(input_ids=torch.tensor([[5, 6, 7]]))  # this process's classes untouched
 
 
