@@ -75,7 +75,7 @@ def resolve_weight_sync(mode: str, policy: nn.Module, engine: object, lora: bool
     if merging is not None:  # neither the adapter alone nor merged: what the adapter targets is the fix
         alone = f" and the adapter alone: {refusal}" if refusal else ""
         raise RecipeError(f"weight_sync: {mode}: {merging} for a sync{alone}; leave that module out of "
-                          "model.lora.target_modules", "lora")
+                          "model.lora.target_modules (a list of the modules to adapt: all-linear takes every linear layer)", "lora")
     if mode == "adapter":
         raise RecipeError(f"weight_sync: adapter: {refusal}; sync merged (or auto)", "weight_sync")
     if mode == "auto":

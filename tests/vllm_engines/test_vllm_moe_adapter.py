@@ -74,7 +74,7 @@ def test_an_adapter_neither_sent_alone_nor_merged_is_refused_before_a_sync_namin
     nor merged (no merge into a 3D experts weight). Refused naming model.lora, before any weight is gathered."""
     with pytest.raises(RecipeError, match=r"^weight_sync: auto: merging LoRA into Qwen3MoeExperts at "
                        r"model.layers.0.mlp.experts is not supported for a sync and the adapter alone: .*; leave that "
-                       r"module out of model.lora.target_modules$") as refused:
+                       r"module out of model.lora.target_modules \(a list of the modules to adapt: all-linear takes every linear layer\)$") as refused:
         resolve_weight_sync("auto", lora(moe_dir, target_modules="all-linear"), engine, lora=True)
     assert refused.value.key == "lora"
 
