@@ -101,6 +101,25 @@ def test_sft_run_logs_the_packing_error(tiny_path):
     assert float(logged["train/packing_error"]) < 1e-4
 
 
+def test_every_check_reaches_the_log_whatever_log_every_n_steps(tiny_path, tmp_path):
+    """A check on a step Lightning does not log (log_every_n_steps 10: steps 9, 19, ...) was dropped: the shipped
+    recipe's metrics.csv had no train/packing_error column. Each check is written at its own step, once."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = SFTModule(learning_rate=1e-3, verify_packing="every_n_steps", verify_packing_every=4)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = Trainer(accelerator="cpu", logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, max_steps=10, log_every_n_steps=5)  # fmt: skip
+    trainer.fit(module, datamodule=SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    checked = [int(row["step"]) for row in rows if row.get("train/packing_error")]
+    assert checked == [0, 4, 8] and all(float(row["train/packing_error"]) < 1e-4 for row in rows if row.get("train/packing_error"))
+    assert [int(row["step"]) for row in rows if row.get("train/loss")] == [4, 9]  # Lightning's own steps, as before
+
+
 def test_grpo_run_stops_before_any_weight_changes(tiny_path, monkeypatch):
     module = GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS})
     monkeypatch.setattr(tree_attention, "attend_tree", leaky_beyond(24))

@@ -477,7 +477,7 @@ class GRPOModule(PolicyModule):
         with unpacked_hint("model.packing", "rollout"):
             error = self.packing_verifier.check(self.policy, packed, step=step, backend=self.attention_backend(), temperature=self._temperature(),
                                                 chunk_size=self.hparams.chunk_size, strategy=self.trainer.strategy, suppressed=self.sampling.suppress_token_ids)
-        self.log("train/packing_error", error)
+        self.log_check("train/packing_error", error)
 
     # -- pieces of the step --------------------------------------------------------------------
 

@@ -84,6 +84,14 @@ class PolicyModule(LightningModule):
                 for cached in (connector._progress_bar_metrics, connector._callback_metrics):
                     cached.pop(result.meta.name, None)
 
+    def log_check(self, name: str, value: float) -> None:
+        """Log a figure measured on some steps only (a packing check) at its own step: ``self.log`` alone would reach
+        the loggers only on the steps ``trainer.log_every_n_steps`` writes, and drop it on the others."""
+        self.log(name, value)
+        connector = self.trainer._logger_connector  # Lightning's own writer: its step and epoch, every logger
+        if not connector.should_update_logs:
+            connector.log_metrics({name: float(value)})
+
     def load_policy(self, path: str, lora: LoraSettings | None) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
         strategy loads them sharded, an image-text model's towers as ``towers`` says, each decoder layer recomputed

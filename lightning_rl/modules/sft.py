@@ -149,7 +149,7 @@ class SFTModule(PolicyModule):
                 error = self.packing_verifier.check(
                     self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
                 )
-            self.log("train/packing_error", error)
+            self.log_check("train/packing_error", error)
         logprobs, entropy, hits = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
         loss_sum = -logprobs.sum()
