@@ -225,6 +225,20 @@ def test_an_image_text_models_card_loads_it_with_the_image_text_classes_and_its_
     assert type(loaded["model"]).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded["processor"], "image_processor")
 
 
+def test_a_model_that_loads_only_as_image_text_gets_that_class_beside_its_tokenizer(tiny_muse_path):
+    """Muse Spark Open's folder holds a tokenizer, no processor, and its config loads only with the image-text auto
+    class: the card named AutoModelForCausalLM, whose code failed (an unrecognized configuration class)."""
+    from transformers import AutoConfig
+
+    from lightning_rl.models.structure import auto_model_class
+    from lightning_rl.modules.model_card import model_card
+
+    model_class = auto_model_class(AutoConfig.from_pretrained(tiny_muse_path)).__name__
+    card = model_card(task="SFT", base_model="muse", export="model", steps=1, data=None, settings={}, model_class=model_class)
+    loaded = _run_card_code(card, tiny_muse_path)
+    assert type(loaded["model"]).__name__ == "MuseSparkForConditionalGeneration" and loaded.get("tokenizer") is not None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="transformers warns only without torchvision")
 def test_a_text_run_imports_nothing_that_warns_about_torchvision():
     imports = "import lightning_rl.cli, lightning_rl.recipe, lightning_rl.modules.sft, lightning_rl.modules.grpo"

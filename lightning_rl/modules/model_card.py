@@ -41,11 +41,13 @@ def data_name(source: Any) -> str | None:
 
 def model_card(
     *, task: str, base_model: str, export: str, steps: int, data: str | None, settings: dict[str, Any], image_text: bool = False,
-    embedded_base: bool = False,
+    embedded_base: bool = False, model_class: str | None = None,
 ) -> str:
     """The card's text: Hugging Face metadata (base model, library, tags), then what trained the model and how to load
-    it: an image-text model through transformers' image-text classes and its processor; an adapter onto its base,
-    which for a model lightning-rl builds itself (``embedded_base``: no hub id) lightning-rl gives."""
+    it: an image-text model (``image_text``: it has a processor) through its processor; the model through
+    ``model_class``, the auto class its config loads with (by default the image-text one with a processor, else the
+    causal-LM one); an adapter onto its base, which for a model lightning-rl builds itself (``embedded_base``: no hub
+    id) lightning-rl gives."""
     adapter = export == "adapter"
     library = "peft" if adapter else "transformers"
     what = {"model": "the fully fine-tuned model", "merged": "the model with its LoRA adapter merged in", "adapter": "a LoRA adapter"}[export]
@@ -57,14 +59,15 @@ def model_card(
         + f"---\n\n# {task} of {base_model}\n\n"
         f"Trained with lightning-rl: {task} of `{base_model}` for {steps} optimizer steps{on}. This folder holds {what}.\n\n"
         f"| setting (recipe key under `model.`) | value |\n|---|---|\n{rows}\n"
-        f"Load it:\n\n```python\n{load_code(base_model, adapter, image_text, embedded_base)}\n```\n"
+        f"Load it:\n\n```python\n{load_code(base_model, adapter, image_text, embedded_base, model_class)}\n```\n"
     )
 
 
-def load_code(base_model: str, adapter: bool, image_text: bool, embedded_base: bool) -> str:
+def load_code(base_model: str, adapter: bool, image_text: bool, embedded_base: bool, model_class: str | None = None) -> str:
     """The Python that loads an export from ``FOLDER``: the model (an adapter onto its base) and its tokenizer or
     processor."""
-    model_class, reader, name = ("AutoModelForImageTextToText", "AutoProcessor", "processor") if image_text else ("AutoModelForCausalLM", "AutoTokenizer", "tokenizer")
+    reader, name = ("AutoProcessor", "processor") if image_text else ("AutoTokenizer", "tokenizer")
+    model_class = model_class or ("AutoModelForImageTextToText" if image_text else "AutoModelForCausalLM")
     lines = [*(["from peft import PeftModel"] if adapter else []), f"from transformers import {model_class}, {reader}"]
     if adapter and embedded_base:  # no hub id: lightning-rl builds the embedded model (cached) and gives its folder
         lines += ["from lightning_rl.models.paths import resolve_model_path", "", f"base = {model_class}.from_pretrained(resolve_model_path({base_model!r}))"]

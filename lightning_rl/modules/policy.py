@@ -19,7 +19,7 @@ from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_mu
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.paths import EMBEDDED
-from lightning_rl.models.structure import compile_decoder_layers
+from lightning_rl.models.structure import auto_model_class, compile_decoder_layers
 from lightning_rl.models.weights import export_merge_refusal
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
 from lightning_rl.modules.optim import adamw_with_schedule
@@ -262,5 +262,6 @@ class PolicyModule(LightningModule):
         base = self.hparams.model_name_or_path
         task = type(self).__name__.removesuffix("Module")
         card = model_card(task=task, base_model=base, export=mode, steps=self.global_step, data=data_name(data), settings=key_settings(self.hparams, self.lora),
-                          image_text=getattr(tokenizer, "image_processor", None) is not None, embedded_base=base in EMBEDDED)
+                          image_text=getattr(tokenizer, "image_processor", None) is not None, embedded_base=base in EMBEDDED,
+                          model_class=auto_model_class(self.policy.config).__name__)  # Muse Spark Open: image-text, even with a tokenizer only
         return export_hf(self.policy, tokenizer, path, mode=mode, write=write, base_model=base, model_card=card)
