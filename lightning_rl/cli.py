@@ -253,6 +253,34 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     return 0
 
 
+def run_arguments(args: list[str]) -> tuple[str | None, list[str]]:
+    """``run``'s recipe file and its overrides, as a user may write them: the recipe first, after the overrides, or
+    as ``-c``/``--config FILE`` (the usage line's); ``--task sft`` as ``--task=sft``, every ``--key value`` as
+    ``--key=value``."""
+    recipes, overrides, k = [], [], 0
+    while k < len(args):
+        arg = args[k]
+        value = args[k + 1] if k + 1 < len(args) and not args[k + 1].startswith("-") else None
+        if arg in ("-c", "--config") and value is not None:
+            recipes.append(value)
+            k += 2
+        elif arg.startswith("--config="):
+            recipes.append(arg.split("=", 1)[1])
+            k += 1
+        elif arg.startswith("--") and "=" not in arg and value is not None and arg not in ("--help", "--print_config", "--overwrite"):
+            overrides.append(f"{arg}={value}")
+            k += 2
+        elif not arg.startswith("-"):
+            recipes.append(arg)
+            k += 1
+        else:
+            overrides.append(arg)
+            k += 1
+    if len(recipes) > 1:
+        raise RecipeError(f"`run` takes one recipe file, got {len(recipes)}: {', '.join(recipes)} (a key's value is written --key=value)")
+    return (recipes[0] if recipes else None), overrides
+
+
 def _command(command: str, rest: list[str]) -> int:
     if command in SUBCOMMANDS:
         try:
@@ -263,7 +291,7 @@ def _command(command: str, rest: list[str]) -> int:
     if command != "run":
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    recipe, overrides = (rest[0], rest[1:]) if rest and not rest[0].startswith("-") else (None, rest)
+    recipe, overrides = run_arguments(rest)
     if recipe is None and not any(arg.startswith("--task=") for arg in overrides):
         if any(arg in ("-h", "--help") for arg in overrides):
             print(RUN_HELP)

@@ -674,6 +674,8 @@ def _said(error: BaseException) -> str:
             return f"unknown key '{name}'"
     if keys:
         key = keys[0] + "".join(f".{inner}" for inner in keys[1:] if not inner.startswith(keys[0]))  # a dataclass's field
+        if block := _block_given_a_value(text[text.rindex('Parser key "') :]):  # model.lora=true
+            return f"{key} is a block of keys ({key}.NAME=VALUE, or a mapping){block}"
         if match := _EXPECTED.search(text[text.rindex('Parser key "') :]):
             if match["options"] is not None:
                 expected = f"one of {', '.join(_choices(match['options']))}"
@@ -700,6 +702,22 @@ def _said(error: BaseException) -> str:
     if match := re.fullmatch(r"argument --([\w.]+): expected one argument", text):
         return f"{match[1]}: no value given (--{match[1]}=VALUE)"
     return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def _block_given_a_value(inner: str) -> str | None:
+    """For a key typed by a settings block (a dataclass, or null) given a plain value: what else it takes and the value
+    (`` or null, got true``); None for any other problem."""
+    subtypes, given = re.search(r"Subtypes: \[(.*?)\]", inner), re.search(r"Given value: (.*)$", inner)
+    if "Expected a dot import path string" not in inner or subtypes is None or given is None:
+        return None
+    for path in re.findall(r"<class '([\w.]+)'>", subtypes[1]):
+        module, _, name = path.rpartition(".")
+        try:
+            if dataclasses.is_dataclass(getattr(importlib.import_module(module), name)):
+                return f"{' or null' if 'NoneType' in subtypes[1] else ''}, got {given[1]}"
+        except (ImportError, AttributeError, ValueError):
+            continue
+    return None
 
 
 def _given_by_class_path(text: str) -> bool:

@@ -120,6 +120,22 @@ def test_subcommands_dispatch_lazily(capsys, monkeypatch):
     assert "unknown command 'fit'" in error_line(capsys, ["fit"])
 
 
+def test_run_takes_its_recipe_and_keys_as_users_write_them(capsys):
+    """The usage line's `-c CONFIG`, a recipe after the overrides and `--task sft` (space-separated, as every other
+    key) were each refused as 'run needs a recipe file'."""
+    recipe = str(REPO / "recipes" / "tiny" / "sft.yaml")
+    expected = (recipe, ["--trainer.max_steps=3", "--overwrite"])
+    for args in (["-c", recipe, "--trainer.max_steps", "3", "--overwrite"], ["--config", recipe, "--trainer.max_steps=3", "--overwrite"],
+                 [f"--config={recipe}", "--trainer.max_steps=3", "--overwrite"], ["--trainer.max_steps=3", recipe, "--overwrite"],
+                 ["--trainer.max_steps", "3", "--overwrite", recipe]):  # fmt: skip
+        assert cli.run_arguments(args) == expected, args
+    assert cli.run_arguments(["--task", "sft", "--model.lora", "null", "--help"]) == (None, ["--task=sft", "--model.lora=null", "--help"])
+    assert "two.yaml (a key's value is written --key=value)" in error_line(capsys, ["run", recipe, "two.yaml"])
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--trainer.max_steps", "3", "-c", recipe, "--print_config"])
+    assert done.value.code == 0 and "max_steps: 3" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_bundled_recipe_parses(recipe, capsys):
     with pytest.raises(SystemExit) as done:
