@@ -419,6 +419,7 @@ def test_option_combinations_that_make_no_sense_are_one_line_naming_the_key():
          "loss.importance_sampling_level must be 'token' for loss_type='vespo'"),
         (dict(reward_aggregation="normalize_then_sum", scale_rewards="batch"), "scale_rewards='batch' with reward_aggregation"),
         (dict(dynamic_sampling=True, num_generations=1), "num_generations=1: GRPO needs G >= 2"),
+        (dict(packing="none", prefix_across_rows="always"), "prefix_across_rows: always shares a prompt across packed rows, but packing: none"),
         (dict(rewards=[{"function": "reward_model", "kwargs": {"path": "/no/such/reward/model"}}]),
          "reward 'reward_model': cannot be built from kwargs"),
     ]

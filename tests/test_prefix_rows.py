@@ -15,8 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.ops.packed_forward import packed_logprobs, probe_across_rows, probe_sequences, verify_row
-from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, share_prefixes
+from lightning_rl.ops.packed_forward import across_rows_exact, packed_logprobs, probe_across_rows, probe_sequences, verify_row
+from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, plan_step_rows, share_prefixes
 from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
 from support import tiny_models
 from support.grpo import LENGTH_REWARD, GradientRecorder, fit
@@ -222,6 +222,27 @@ FORKS = [[3, 4, 5, 6, 7, 8] + tail for tail in ([10, 11, 12], [10, 11, 13, 14], 
 # Two untrained turns of 4 below the prompt, answers below each (trained from token 10): a turn's subtree spans rows of 5.
 NESTED_FORKS = [[3, 4, 5, 6, 7, 8] + turn + answer for turn, answers in (([10, 11, 12, 13], ([20, 21], [22, 23, 24], [25])),
                                                                          ([30, 31, 32, 33], ([40, 41], [42, 43]))) for answer in answers]  # fmt: skip
+
+
+def test_auto_keeps_sub_groups_where_the_model_or_its_kernel_cannot_continue_a_prefix():
+    """`auto` (the default) planned a span for a model the cross-row path refuses (DiffLlama), or for the varlen kernel,
+    and the run stopped at the first group too large for a row, hours in; it now asks first and keeps sub-groups,
+    which pack such a model exactly. A refusal that only `auto` can avoid says so."""
+    group = [list(range(3, 43)) + [43 + k, 52 + k, 60 - k, 44 + k] for k in range(8)]  # a prompt of 40, answers of 4
+    masks = [[t >= 40 for t in range(len(s))] for s in group]
+    llama, diffllama = (packing_families.build(name, torch.float32) for name in ("llama", "diffllama"))
+
+    def spans(model, backend):
+        plan = plan_step_rows(48, "auto", model, group, masks, [0] * len(group), False, lambda: across_rows_exact(model, backend))
+        return [p for rank in plan.prefixes for p in rank if p is not None]
+
+    assert spans(llama, "blocks"), "a span is planned where the model continues a prefix exactly"
+    assert across_rows_exact(llama, "blocks") and not across_rows_exact(llama, "varlen") and not across_rows_exact(diffllama, "blocks")
+    assert spans(llama, "varlen") == [] and spans(diffllama, "blocks") == []
+    always = plan_step_rows(48, "always", diffllama, group, masks, [0] * len(group), False, lambda: False)
+    assert any(p is not None for rank in always.prefixes for p in rank)  # `always` leaves the refusal to the row
+    with pytest.raises(PackingRefused, match=r"\(model.prefix_across_rows: never\) leaves it within one: set model.prefix_across_rows: auto"):
+        plan_step_rows(40, "never", llama, group, masks, [0] * len(group), False)
 
 
 @pytest.mark.parametrize("backend", ["blocks", "dense"])

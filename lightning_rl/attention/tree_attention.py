@@ -135,7 +135,8 @@ class TreeAttentionMeta:
         """This row's tree below a chain of ``prefix_len`` tokens whose keys and values are ``prefix_kv``: the same
         ancestor relation as the whole tree packed in one row, the prefix's queries left out."""
         if self.backend == "varlen" or self.both_ways is not None:
-            raise PackingRefused(f"{self.model_name}: a row continuing a prefix forwarded apart runs the blocks, flex or dense tree attention only, without image blocks")
+            raise PackingRefused(f"{self.model_name}: a row continuing a prefix forwarded apart runs the blocks, flex or dense tree attention only, "
+                                 "without image blocks; set model.prefix_across_rows: never")
         p, n, device = prefix_len, self.num_tokens, self.depth.device
         segments = [(0, p, p + n)] + [(s + p, e + p, se + p) for s, e, se in self.segments]
         return TreeAttentionMeta(

@@ -53,7 +53,7 @@ from lightning_rl.models.weights import SyncReport
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
-from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs, unpacked_hint
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, across_rows_exact, packed_logprobs, unpacked_hint
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix
 from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, share_prefixes
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
@@ -550,7 +550,7 @@ class GRPOModule(PolicyModule):
             rows, prefixes = [[i] for i in range(len(rollouts))] or rows, [None] * max(len(rollouts), 1)
         elif self.hparams.max_tokens_per_row is not None:
             plan = plan_step_rows(self.hparams.max_tokens_per_row, self.hparams.prefix_across_rows, self.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
-                                  [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()))  # fmt: skip
+                                  [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()), lambda: across_rows_exact(self.policy, self.attention_backend()))  # fmt: skip
             rows, prefixes = plan.ranks[0], plan.prefixes[0]
         most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))
         return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))

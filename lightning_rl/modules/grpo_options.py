@@ -82,6 +82,9 @@ def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
             print(f"note: {key} is set, but {needs} is {hparams[needs]}, so it is not used", file=sys.stderr)
     if hparams["packing"] == "none" and hparams["max_tokens_per_row"] is not None:
         raise RecipeError("max_tokens_per_row packs rollouts into rows, but packing: none forwards each alone: leave it unset", "max_tokens_per_row")
+    if hparams["packing"] == "none" and hparams["prefix_across_rows"] == "always":
+        raise RecipeError("prefix_across_rows: always shares a prompt across packed rows, but packing: none forwards each rollout alone, "
+                          "its prompt with it: leave it at auto", "prefix_across_rows")
     if hparams["eval_generations"] and hparams["eval_data"] is None:
         raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
     if hparams["eval_data"] not in (None, TOY_DATASET):

@@ -309,6 +309,7 @@ def packed_logprobs(
 # -- the probe -------------------------------------------------------------------------------------------------
 
 _PROBED: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()
+_ACROSS_ROWS: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()  # across_rows_exact's answers
 _ATTENTION_MODULES: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # found by the probe
 
 
@@ -413,6 +414,23 @@ def probe(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_
         for module, training in modes:
             module.training = training
     return _agree(error, model, device), _compute_dtype(hidden), scale
+
+
+def across_rows_exact(model: nn.Module, backend: str) -> bool:
+    """Whether ``model`` continues a prefix forwarded apart exactly on ``backend`` (the self-check's nested span, once
+    per model and backend): what ``prefix_across_rows: auto`` asks before it trains a span, so that a model or kernel
+    the cross-row path refuses keeps the sub-groups, which it packs exactly, instead of stopping the run."""
+    if backend == "varlen":  # no kernel for a row continuing a prefix (TreeAttentionMeta.after_prefix)
+        return False
+    known = _ACROSS_ROWS.setdefault(model, {})
+    if backend not in known:  # a refusal is remembered too: auto asks at every step that plans a span
+        try:
+            enable_tree_attention(model)
+            _probe_once(model, backend, next(model.parameters()).device, across_rows=True)
+            known[backend] = True
+        except PackingRefused:
+            known[backend] = False
+    return known[backend]
 
 
 @torch.no_grad()

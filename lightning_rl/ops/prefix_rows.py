@@ -167,7 +167,8 @@ def _captured(model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
     forward(captured)
     captured = list(captured)  # a layer recomputed in the prefix's backward appends again: not read
     if len({m for m, _, _ in captured}) != len(captured):
-        raise PackingRefused(f"{type(model).__name__}: an attention module runs twice in one forward; a row cannot tell which of its prefix keys and values to take")
+        raise PackingRefused(f"{type(model).__name__}: an attention module runs twice in one forward; a row cannot tell which of its prefix keys and "
+                             "values to take; set model.prefix_across_rows: never")
     return captured
 
 
@@ -302,16 +303,25 @@ def _trained_on_several_processes(model: nn.Module) -> bool:
 
 def plan_step_rows(
     max_tokens: int, setting: PrefixAcrossRows, model: nn.Module, sequences: list[list[int]], loss_masks: list[list[bool]], groups: list[int], apart: bool,
+    exact_across_rows: Callable[[], bool] = lambda: True,
 ) -> RowPlan:
     """A step's rows for a policy (``plan_rows`` with ``span_settings``); a sequence no row holds is refused naming the
-    key that sets the rows."""
+    key that sets the rows. ``auto`` plans sub-groups instead of a span where ``exact_across_rows()`` (asked only
+    then) says the model or its kernel cannot continue a prefix forwarded apart."""
+    settings = span_settings(setting, model, loss_masks, apart)
     try:
-        return plan_rows(sequences, max_tokens, groups=groups, **span_settings(setting, model, loss_masks, apart))
+        plan = plan_rows(sequences, max_tokens, groups=groups, **settings)
+        if setting == "auto" and any(p is not None for rank in plan.prefixes for p in rank) and not exact_across_rows():
+            settings["prefix_across_rows"] = "never"
+            plan = plan_rows(sequences, max_tokens, groups=groups, **settings)
+        return plan
     except RowTooLong as error:
+        fix = ("set model.prefix_across_rows: auto, which forwards a shared prompt apart, or raise max_tokens_per_row"
+               if settings["prefix_across_rows"] == "never" and setting == "never" else "raise max_tokens_per_row")
         raise PackingRefused(
             f"model.max_tokens_per_row={max_tokens}: a rollout of {error.length} tokens (its prompt and completion) fits no "
-            "row, and no prefix forwarded apart (model.prefix_across_rows) leaves it within one: raise max_tokens_per_row "
-            "to the longest prompt plus sampling.max_new_tokens"
+            f"row, and no prefix forwarded apart (model.prefix_across_rows: {settings['prefix_across_rows']}) leaves it within one: "
+            f"{fix} (to the longest prompt plus sampling.max_new_tokens)"
         ) from None
 
 
