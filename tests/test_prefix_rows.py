@@ -122,6 +122,9 @@ def nested_groups(draw):
         for _ in range(draw(st.integers(2, 4))):
             seqs.append(prompt + turns[-1] + draw(st.lists(token, min_size=1, max_size=4)))
             starts.append(len(prompt) + len(turns[-1]))
+    for _ in range(draw(st.integers(0, 2)) if len(prompt) > 1 else 0):  # answers trained right after the prompt (whose last token they read), beside the turns' subtrees
+        seqs.append(prompt + draw(st.lists(token, min_size=1, max_size=4)))
+        starts.append(len(prompt))
     longest, whole = max(map(len, seqs)), count_unique_tokens(seqs)
     assume(longest < whole)
     return seqs, starts, draw(st.integers(longest, (longest + whole) // 2))  # the lower half: turns' subtrees span rows
@@ -135,6 +138,18 @@ def test_nested_spans_equal_each_sequence_alone(group, name, dtype, recompute):
     model = (MODELS if dtype == torch.float32 else MODELS_FP64)[name]
     with mock.patch("lightning_rl.packing.planner.PREFIX_OVERHEAD_TOKENS", 0):
         _check_against_each_alone(model, *group, "blocks", *TOLERANCE[dtype], recompute=recompute)
+
+
+def test_an_answer_trained_right_after_the_prompt_leaves_the_others_their_nested_prefix():
+    """One completion trained from the prompt's end, two sharing a long untrained tool output: the group's prefix stops
+    at the prompt (the first one's limit), and all three rests began with its last token, so no nested prefix could
+    form and a budget below the tool output refused the group. The two now share a nested prefix, exact."""
+    tool = [20 + k % 40 for k in range(20)]
+    seqs = [[3, 4, 5, 6, 7, 8, 9] + answer for answer in ([50, 51, 52], tool + [60, 61], tool + [62, 63])]
+    starts = [7, 27, 27]
+    plan = plan_rows(seqs, 12, groups=[0] * 3, prefix_across_rows="always", prefix_limits=[start - 1 for start in starts])
+    assert plan.ranks[0] == [[0], [1, 2]] and plan.prefixes[0] == [(0, 6), ((0, 6), (1, 26))]
+    _check_against_each_alone(MODELS_FP64["llama"], seqs, starts, 12, "blocks", *TOLERANCE[torch.float64])
 
 
 def test_a_recomputed_prefix_keeps_no_graph_across_its_rows_and_gives_the_same_gradients():

@@ -233,9 +233,11 @@ def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequen
     if length <= base:
         return None
     rest = {i: sequences[i][length:] for i in idx}
-    parts: dict[int, list[int]] = {}  # by the first token after the prefix: the subtrees below it
+    # By the first token after the prefix: the subtrees below it. A sequence whose limit stops it at this prefix (it
+    # trains from the next token) goes in no nested prefix: it is kept apart, so the others' may go deeper.
+    parts: dict[tuple[int, bool], list[int]] = {}
     for i in idx:
-        parts.setdefault(rest[i][0], []).append(i)
+        parts.setdefault((rest[i][0], limits[i] > length), []).append(i)
     plain, children = [], []
     for part in parts.values():
         child = None
