@@ -142,6 +142,20 @@ def test_auto_resolves_by_strategy_and_device() -> None:
             resolve_pad_to_multiple_of(bad, torch.device("cpu"))
 
 
+def test_a_one_device_strategy_given_several_devices_is_refused_before_training(tiny_model: Path) -> None:
+    """Lightning cut trainer.devices: 2 (or num_nodes: 2) to one device under cpu_static and neuron, silently: a trn1's
+    32 NeuronCores would have trained on one."""
+    from lightning_rl.errors import RecipeError
+
+    for devices, nodes in ((2, 1), (1, 2)):
+        module = PackedLMModule(tiny_model, "auto", "all_positions")
+        trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=StaticShapeCPUStrategy(compile_backend="eager"),
+                            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+        with pytest.raises(RecipeError, match=rf"^strategy 'cpu_static' trains on one device, but trainer.devices asks for {devices} on {nodes} node"):
+            trainer.fit(module, torch.utils.data.DataLoader([[[5, 6, 7]]], batch_size=None, collate_fn=lambda b: b))
+        assert module.row_lengths == []  # no step ran
+
+
 def test_the_rehearsal_counts_every_shape_past_torchs_recompile_limit(tiny_model: Path) -> None:
     """torch runs a model eagerly, uncounted, after 8 shapes: the count stopped at 8 where it mattered most."""
     lengths = [5 + 9 * k for k in range(12)]

@@ -190,9 +190,16 @@ def test_varlen_is_chosen_only_when_asked_and_only_on_cuda():
     # A run asking for a kernel its device has none of was a traceback (flex at 64-true: Inductor's, deep in the forward).
     from lightning_rl.errors import RecipeError
 
-    with pytest.raises(RecipeError, match=r"^attention_backend: 'flex' on a CPU computes in float32, float16 and bfloat16 only") as refused:
-        choose_backend("flex", torch.device("cpu"), dtype=torch.float64)
-    assert refused.value.key == "attention_backend" and choose_backend("flex", torch.device("cpu"), dtype=torch.float32) == "flex"
+    # flex on a CPU trains in no dtype (no backward: a 200-line traceback at the first step, at 32-true too).
+    for dtype in (torch.float64, torch.float32):
+        with pytest.raises(RecipeError, match=r"^attention_backend: 'flex' has no backward on a CPU .* use 'blocks'$") as refused:
+            choose_backend("flex", torch.device("cpu"), dtype=dtype)
+        assert refused.value.key == "attention_backend"
+    # Where shapes must be static, a kernel whose shapes follow each row's tree compiled a graph per row: refused.
+    for backend, device in (("blocks", "cpu"), ("blocks", "xla"), ("flex", "xla")):
+        with pytest.raises(RecipeError, match=rf"^attention_backend: '{backend}' takes data-dependent shapes .* use 'auto'"):
+            choose_backend(backend, torch.device(device), static_shapes=device == "cpu")
+    assert choose_backend("dense", torch.device("cpu"), static_shapes=True) == choose_backend("auto", torch.device("cpu"), static_shapes=True) == "dense"
 
 
 def test_flex_backend_forward_matches_on_cpu():

@@ -68,9 +68,12 @@ def choose_backend(requested: str, device: torch.device, *, static_shapes: bool 
         raise RecipeError(f"attention_backend {requested!r} is not one of {', '.join(BACKENDS)}", "attention_backend")
     if requested == "varlen" and device.type != "cuda":
         raise RecipeError(f"attention_backend: 'varlen' runs torch's CUDA varlen kernel; on {device.type} use 'blocks'", "attention_backend")
-    if requested == "flex" and device.type == "cpu" and dtype == torch.float64:
-        raise RecipeError("attention_backend: 'flex' on a CPU computes in float32, float16 and bfloat16 only, not the float64 of "
-                          "trainer.precision 64-true; use 'blocks'", "attention_backend")
+    if requested == "flex" and device.type == "cpu":
+        raise RecipeError("attention_backend: 'flex' has no backward on a CPU (torch's FlexAttention), so it cannot train there; "
+                          "use 'blocks'", "attention_backend")
+    if requested not in ("auto", "dense") and (static_shapes or device.type in STATIC_SHAPE_DEVICE_TYPES):
+        raise RecipeError(f"attention_backend: {requested!r} takes data-dependent shapes (a new compiled graph per row's tree) where "
+                          "shapes must be static (XLA, Neuron, cpu_static); use 'auto' (the shape-only 'dense')", "attention_backend")
     if requested != "auto":
         return requested
     if static_shapes or device.type in STATIC_SHAPE_DEVICE_TYPES:

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, XLAStrategy
 from typing_extensions import override
 
 from lightning_rl import validation
+from lightning_rl.errors import RecipeError
 from lightning_rl.strategies.devices import DeviceInventory, detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
 from lightning_rl.models.structure import find_model_roots
@@ -47,6 +48,16 @@ class StaticShapes:
 
     requires_static_shapes = True
     static_shape_device_type = "xla"
+
+
+def check_one_device(trainer: Trainer, name: str) -> None:
+    """A single-device strategy given several devices or nodes: Lightning keeps one and says nothing (a trn1's 32
+    NeuronCores would train on one, on 1/32 of the batch), so it is refused in one line."""
+    connector = trainer._accelerator_connector  # what was asked for: Lightning has already cut it to one device
+    devices, nodes = len(connector._parallel_devices or [None]), int(connector._num_nodes_flag or 1)
+    if devices > 1 or nodes > 1:
+        raise RecipeError(f"strategy '{name}' trains on one device, but trainer.devices asks for {devices} on {nodes} node(s): "
+                          "set trainer.devices: 1 and trainer.num_nodes: 1 (several XLA devices: strategy 'xla_static')", "trainer.devices")
 
 
 class XLAStaticStrategy(StaticShapes, XLAStrategy):
@@ -125,6 +136,11 @@ class NeuronStrategy(StaticShapes, SingleDeviceStrategy):
             raise StrategyUnavailableError(f"strategy 'neuron': {reason}; {hint}")
         super().__init__(device=torch.device("neuron", device), accelerator=NeuronAccelerator(), **kwargs)
 
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        check_one_device(trainer, self.strategy_name)
+        super().setup(trainer)
+
 
 class StaticShapeCPUStrategy(StaticShapes, SingleDeviceStrategy):
     """A CPU rehearsal of the XLA/Neuron shape policy (registered as ``cpu_static``).
@@ -144,6 +160,7 @@ class StaticShapeCPUStrategy(StaticShapes, SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        check_one_device(trainer, self.strategy_name)
         super().setup(trainer)
         module = self.lightning_module
         assert isinstance(module, LightningModule)
