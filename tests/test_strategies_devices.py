@@ -6,6 +6,9 @@ DeviceInventory inputs (what each machine would report), never on real hardware.
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import lightning as L
 import pytest
 import torch
@@ -16,7 +19,7 @@ from lightning_rl.strategies import FSDP2Strategy, ROCmFSDP2Strategy, StrategyUn
 from lightning_rl.strategies.devices import detect_devices
 from lightning_rl.models.structure import find_decoder_layers, find_model_roots
 from lightning_rl.strategies.fsdp2 import mixed_precision_policy
-from lightning_rl.strategies.rocm import engine_visible_devices, rocm_attention_implementation
+from lightning_rl.strategies.rocm import engine_visible_devices
 from support.machines import CPU, CUDA, NEURONX, ROCM  # the machines described for the env report
 
 
@@ -68,15 +71,17 @@ def test_rocm_options_on_cuda_or_cpu_are_refused() -> None:
     with pytest.raises(StrategyUnavailableError) as error:
         engine_visible_devices({"HIP_VISIBLE_DEVICES": "0"}, CUDA)
     assert "use CUDA_VISIBLE_DEVICES instead" in one_line(error)
-    with pytest.raises(ValueError, match="for ROCm builds"):
-        rocm_attention_implementation(CUDA)
 
 
-def test_rocm_machine_gets_rccl_sdpa_and_matching_visible_devices() -> None:
-    strategy = ROCmFSDP2Strategy(inventory=ROCM)
+def test_rocm_machine_gets_rccl_and_matching_visible_devices() -> None:
+    """A mocked ROCm machine (no ROCm torch installs here): RCCL, and the engines' processes (which inherit this
+    process's environment) see the GPUs the scheduler gave, under both variables. Before, the strategy computed the
+    variables and dropped them."""
+    with mock.patch.dict(os.environ, {}, clear=False):
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        strategy = ROCmFSDP2Strategy(inventory=ROCM)  # ROCM's environment: HIP_VISIBLE_DEVICES=0,...,7
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == os.environ["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert strategy.process_group_backend == "nccl"  # the name RCCL answers to in a ROCm torch
-    assert rocm_attention_implementation(ROCM, flash_attn_installed=False) == "sdpa"
-    assert rocm_attention_implementation(ROCM, flash_attn_installed=True) == "flash_attention_2"
     assert engine_visible_devices({"CUDA_VISIBLE_DEVICES": "2,3"}, ROCM) == {
         "CUDA_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "2,3",
     }

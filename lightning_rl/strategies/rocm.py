@@ -1,16 +1,18 @@
-"""AMD GPUs through a ROCm build of torch: detection, RCCL, attention backend, visible-device variables.
+"""AMD GPUs through a ROCm build of torch: detection, RCCL, visible-device variables.
 
 A ROCm torch exposes AMD GPUs through the ``torch.cuda`` API, reports ``torch.version.hip``, and its
-``nccl`` process-group backend is RCCL. No ROCm build of torch is installable on the machine this is
-developed on, so these paths are tested only through :class:`DeviceInventory` inputs, never on an AMD GPU.
+``nccl`` process-group backend is RCCL. Attention needs nothing of its own: the tree attention's SDPA kernels run on
+ROCm's torch as on CUDA's. No ROCm build of torch is installable on the machine this is developed on, so these paths
+are tested only through :class:`DeviceInventory` inputs (mocked machines), never on an AMD GPU.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_rl.strategies.devices import DeviceInventory, detect_devices, module_installed
+from lightning_rl.strategies.devices import DeviceInventory, detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy
 
@@ -27,19 +29,6 @@ def rocm_unavailable_reason(inventory: DeviceInventory) -> str | None:
         shown = ", ".join(f"{k}={v}" for k, v in inventory.env.items()) or "no visible-device variable set"
         return f"ROCm torch {inventory.hip_version} sees no AMD GPU ({shown})"
     return None
-
-
-def rocm_attention_implementation(inventory: DeviceInventory, flash_attn_installed: bool | None = None) -> str:
-    """The transformers ``attn_implementation`` for AMD GPUs.
-
-    FlashAttention-3 kernels are Hopper-only, so never on ROCm; the ROCm build of flash-attention is used
-    when it is installed (``flash_attn`` importable), else PyTorch SDPA, whose ROCm kernels need nothing extra.
-    """
-    if not inventory.is_rocm:
-        raise ValueError("rocm_attention_implementation() is for ROCm builds of torch (torch.version.hip is None)")
-    if flash_attn_installed is None:
-        flash_attn_installed = module_installed("flash_attn")
-    return "flash_attention_2" if flash_attn_installed else "sdpa"
 
 
 def engine_visible_devices(env: Mapping[str, str], inventory: DeviceInventory) -> dict[str, str]:
@@ -71,7 +60,8 @@ class ROCmFSDP2Strategy(FSDP2Strategy):
     """FSDP2 on AMD GPUs over RCCL (registered as ``fsdp2_rocm``). Untested on real hardware here.
 
     Refuses to start on anything but a ROCm torch with a visible AMD GPU, so a CUDA or CPU machine gets a
-    clear message instead of a late, obscure failure.
+    clear message instead of a late, obscure failure. Sets ``CUDA_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` equal
+    in this process (``engine_visible_devices``), so the engine processes a run starts inherit the GPUs it meant.
     """
 
     strategy_name = "fsdp2_rocm"
@@ -81,6 +71,6 @@ class ROCmFSDP2Strategy(FSDP2Strategy):
         reason = rocm_unavailable_reason(inventory)
         if reason:
             raise StrategyUnavailableError(f"strategy 'fsdp2_rocm': {reason}; use 'fsdp2' instead")
-        engine_visible_devices(inventory.env, inventory)
+        os.environ.update(engine_visible_devices(inventory.env, inventory))
         kwargs.setdefault("process_group_backend", "nccl")  # RCCL answers to the name "nccl" on ROCm
         super().__init__(*args, **kwargs)
