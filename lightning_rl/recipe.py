@@ -233,14 +233,25 @@ def has_wandb_credentials() -> bool:
         return False
 
 
+def check_logger(settings: LoggerSettings) -> None:
+    """What a logger needs from this machine, refused before the run writes anything: an online W&B run, credentials."""
+    if settings.kind == "wandb" and settings.offline is False and os.environ.get("WANDB_MODE") != "offline" and not has_wandb_credentials():
+        raise RecipeError("logger.offline: false logs to W&B online, but no credentials are set (WANDB_API_KEY, or `wandb login`); "
+                          "log them in, or leave logger.offline unset to log offline and `wandb sync` later", "logger.offline")
+
+
 def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
     if settings.kind == "none":
         return False
     if settings.kind == "csv":
         return CSVLogger(save_dir=output_dir, name="csv")
+    check_logger(settings)
     offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") == "offline" or not has_wandb_credentials())
     if offline:
         print(f"W&B: logging offline to {output_dir}/wandb; upload later with `wandb sync {output_dir}/wandb/offline-run-*`", file=sys.stderr)
+        if os.environ.get("WANDB_RUN_ID"):
+            print(f"W&B: WANDB_RUN_ID={os.environ['WANDB_RUN_ID']} cannot resume an offline run: this one logs a history of its own "
+                  "(log in to resume it online)", file=sys.stderr)
     return WandbLogger(project=settings.project, name=settings.name or output_dir.name, save_dir=str(output_dir), offline=offline)
 
 

@@ -178,6 +178,24 @@ def test_wandb_without_credentials_logs_offline_and_says_how_to_sync(tmp_path):
     assert not_known_as_the_runs(out) == []  # --overwrite would take every file the run and W&B wrote
 
 
+def test_wandb_online_without_credentials_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """logger.offline: false with no credentials was wandb's 21-frame traceback after the model loaded, and left
+    recipe.yaml behind, so the corrected rerun was refused as a run already there."""
+    from lightning_rl.recipe import LoggerSettings, build_logger
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    out = tmp_path / "run"
+    line = error_line(capsys, ["run", str(TINY_RECIPE), f"--output_dir={out}", "--logger.kind=wandb", "--logger.offline=false"])
+    assert line.startswith("error: logger.offline: false logs to W&B online, but no credentials are set"), line
+    assert not (out / "recipe.yaml").exists()
+    # Offline, a WANDB_RUN_ID set to resume an earlier run cannot: said, not left to lose the first history on sync.
+    monkeypatch.setenv("WANDB_RUN_ID", "abc123")
+    build_logger(LoggerSettings(kind="wandb", offline=True), out)
+    assert "WANDB_RUN_ID=abc123 cannot resume an offline run" in capsys.readouterr().err
+
+
 def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_checkpoint(tmp_path):
     assert cli.resume_path(tmp_path, "last") is None  # nothing saved yet: it starts fresh and says so
     assert cli.resume_path(tmp_path, None) is None
