@@ -191,10 +191,11 @@ def test_varlen_is_chosen_only_when_asked_and_only_on_cuda():
     from lightning_rl.errors import RecipeError
 
     # flex on a CPU trains in no dtype (no backward: a 200-line traceback at the first step, at 32-true too).
-    for dtype in (torch.float64, torch.float32):
+    for dtype, training in ((torch.float64, False), (torch.float32, True)):
         with pytest.raises(RecipeError, match=r"^attention_backend: 'flex' has no backward on a CPU .* use 'blocks'$") as refused:
-            choose_backend("flex", torch.device("cpu"), dtype=dtype)
+            choose_backend("flex", torch.device("cpu"), dtype=dtype, training=training)
         assert refused.value.key == "attention_backend"
+    assert choose_backend("flex", torch.device("cpu"), dtype=torch.float32) == "flex"  # a forward alone runs (the next test)
     # Where shapes must be static, a kernel whose shapes follow each row's tree compiled a graph per row: refused.
     for backend, device in (("blocks", "cpu"), ("blocks", "xla"), ("flex", "xla")):
         with pytest.raises(RecipeError, match=rf"^attention_backend: '{backend}' takes data-dependent shapes .* use 'auto'"):

@@ -108,6 +108,7 @@ MISTAKES = {
     "warmup_steps negative": (SFT, lambda t: ["--model.warmup_steps=-5"], "model.warmup_steps must be >= 0, got -5"),
     "betas one value": (SFT, lambda t: ["--model.betas=[0.9]"], "command line: model.betas must be a list of 2 values, got [0.9]"),
     "loss block null": (GRPO, lambda t: ["--model.loss=null"], "command line: model.loss is a block of keys (model.loss.NAME=VALUE, or a mapping), got null"),
+    "flex attention on a CPU": (SFT, lambda t: ["--model.attention_backend=flex"], "model.attention_backend: 'flex' has no backward on a CPU"),
     "loss block a word": (GRPO, lambda t: ["--model.loss=dapo"], "command line: model.loss is a block of keys (model.loss.NAME=VALUE, or a mapping), got dapo"),
     "lora block true": (SFT, lambda t: ["--model.lora=true"], "command line: model.lora is a block of keys (model.lora.NAME=VALUE, or a mapping) or null, got true"),
     "flag without a value": (SFT, lambda t: ["--trainer.max_steps"], "command line: trainer.max_steps: no value given (--trainer.max_steps=VALUE)"),

@@ -60,17 +60,20 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def choose_backend(requested: str, device: torch.device, *, static_shapes: bool = False, dtype: torch.dtype | None = None) -> str:
+def choose_backend(
+    requested: str, device: torch.device, *, static_shapes: bool = False, dtype: torch.dtype | None = None, training: bool = False,
+) -> str:
     """``auto``: FlexAttention on CUDA, the shape-only dense path where shapes must be static (XLA, Neuron, or a
     strategy that rehearses them), the block path elsewhere. Anything else is taken as given, where it runs: a kernel
-    the device (or the weights' ``dtype`` there) has none of is one line naming ``attention_backend``."""
+    the device (or the weights' ``dtype`` there, or ``training``: its backward) has none of is one line naming
+    ``attention_backend``."""
     if requested not in BACKENDS:
         raise RecipeError(f"attention_backend {requested!r} is not one of {', '.join(BACKENDS)}", "attention_backend")
     if requested == "varlen" and device.type != "cuda":
         raise RecipeError(f"attention_backend: 'varlen' runs torch's CUDA varlen kernel; on {device.type} use 'blocks'", "attention_backend")
-    if requested == "flex" and device.type == "cpu":
-        raise RecipeError("attention_backend: 'flex' has no backward on a CPU (torch's FlexAttention), so it cannot train there; "
-                          "use 'blocks'", "attention_backend")
+    if requested == "flex" and device.type == "cpu" and (training or dtype == torch.float64):
+        raise RecipeError("attention_backend: 'flex' has no backward on a CPU (torch's FlexAttention) and computes in float32, float16 "
+                          "and bfloat16 only there, so it cannot train on one; use 'blocks'", "attention_backend")
     if requested not in ("auto", "dense") and (static_shapes or device.type in STATIC_SHAPE_DEVICE_TYPES):
         raise RecipeError(f"attention_backend: {requested!r} takes data-dependent shapes (a new compiled graph per row's tree) where "
                           "shapes must be static (XLA, Neuron, cpu_static); use 'auto' (the shape-only 'dense')", "attention_backend")

@@ -121,7 +121,7 @@ class PolicyModule(LightningModule):
         static-shape policy), not per row."""
         if self.device not in self._backends:
             static = self._trainer is not None and requires_static_shapes(self.trainer)
-            self._backends[self.device] = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static, dtype=self.policy.dtype)
+            self._backends[self.device] = choose_backend(self.hparams.attention_backend, self.device, static_shapes=static, dtype=self.policy.dtype, training=True)
         return self._backends[self.device]
 
     def check_packable(self) -> None:
