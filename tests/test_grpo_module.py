@@ -203,13 +203,25 @@ def test_max_epochs_alone_stops_a_grpo_run_after_that_many_passes_over_its_promp
     run.fit(module, PromptDataModule(train_data=str(data), batch_size=4))
     assert run.global_step == steps and run.max_steps == steps
     assert f"note: trainer.max_epochs={epochs}: {steps} optimizer steps" in capsys.readouterr().err
+    if epochs == 1:  # given max_steps too, it stops there, as TRL's max_steps overrides num_train_epochs: said, not silent
+        run = L.Trainer(max_epochs=1, max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        run.fit(GRPOModule(**{**FAST, "rewards": LENGTH_REWARD}), PromptDataModule(train_data=str(data), batch_size=4))
+        assert "note: trainer.max_epochs=1 is not used: a GRPO run given trainer.max_steps stops there" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="a GRPO run stops at trainer.max_steps"):
         L.Trainer(max_epochs=-1, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
             GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
     # Lightning's epoch would end at the limit: the note said 900 steps and the schedule spanned them, 3 ran.
-    with pytest.raises(RecipeError, match="trainer.limit_train_batches: 3 cuts a GRPO run's epochs short"):
-        L.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
-            GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
+    # A whole 1 is one batch too (it equalled the float 1.0 and got past: 1 step trained where the note said 3).
+    for limit in (3, 1):
+        with pytest.raises(RecipeError, match=f"trainer.limit_train_batches: {limit} cuts a GRPO run's epochs short"):
+            L.Trainer(max_epochs=1, limit_train_batches=limit, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
+                GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
+    # A fraction of an endless epoch, given max_steps too, was Lightning's exception and a traceback.
+    for key in ("limit_train_batches", "val_check_interval"):
+        with pytest.raises(RecipeError, match=f"trainer.{key}: 0.5 is a fraction of an epoch, but a GRPO run draws prompt batches without end"):
+            L.Trainer(max_steps=2, **{key: 0.5}, accelerator="cpu", logger=False, enable_checkpointing=False).fit(
+                GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(train_data=str(data), batch_size=4))
 
 
 def test_a_lora_policy_exports_its_adapter_alone_when_asked(tmp_path):

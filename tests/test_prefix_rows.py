@@ -5,20 +5,24 @@ the family matrix's attention styles in fp64; what it cannot compute is refused 
 the path before a model's first span."""
 
 import copy
+import os
 import random
 from unittest import mock
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_rl.attention.tree_attention import PackingRefused
 from lightning_rl.ops.packed_forward import across_rows_exact, packed_logprobs, probe_across_rows, probe_sequences, verify_row
-from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, plan_step_rows, share_prefixes
+from lightning_rl.ops.prefix_rows import PrefixedRow, cut_prefix, finish_prefix, plan_step_rows, rows_on_every_rank, share_prefixes
 from lightning_rl.packing import count_unique_tokens, pack_sequences, plan_rows
+from lightning_rl.rollout.vllm_server_process import free_port
 from support import tiny_models
+from support.distributed import leave_worker
 from support.grpo import LENGTH_REWARD, GradientRecorder, fit
 
 from lightning_rl.losses import GRPOLoss
@@ -258,6 +262,35 @@ def test_auto_keeps_sub_groups_where_the_model_or_its_kernel_cannot_continue_a_p
     assert any(p is not None for rank in always.prefixes for p in rank)  # `always` leaves the refusal to the row
     with pytest.raises(PackingRefused, match=r"\(model.prefix_across_rows: never\) leaves it within one: set model.prefix_across_rows: auto"):
         plan_step_rows(40, "never", llama, group, masks, [0] * len(group), False)
+
+
+def _refused_on_one_rank(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        def plan():
+            if rank == 1:
+                raise PackingRefused("model.max_tokens_per_row=25: a rollout of 79 tokens fits no row")
+            return [[0], [1]], [None, None]
+
+        def reduce(tensor, reduce_op):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return tensor
+
+        with pytest.raises(PackingRefused, match=r"^model.max_tokens_per_row=25: a rollout of 79 tokens fits no row$") as refused:
+            rows_on_every_rank(plan, reduce, torch.device("cpu"))
+        assert refused.value.on_every_rank  # said once, by the first process
+        assert rows_on_every_rank(lambda: ([[0]] * (1 + rank), [None] * (1 + rank)), reduce, torch.device("cpu")) == ([[0]] * (1 + rank) + [[]] * (1 - rank), [None, None])
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_worker()
+
+
+def test_a_row_refused_on_one_rank_is_raised_on_every_rank_in_its_words():
+    """Over DDP, a rollout too long for any row on one rank raised there alone; the other rank waited in the row-count
+    reduce until its peer's exit broke it: a gloo traceback after the clear line, exit 1."""
+    torch.multiprocessing.spawn(_refused_on_one_rank, args=(free_port(),), nprocs=2)
 
 
 @pytest.mark.parametrize("backend", ["blocks", "dense"])

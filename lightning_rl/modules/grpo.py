@@ -55,7 +55,7 @@ from lightning_rl.toy.task import HELDOUT_FILE
 from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, across_rows_exact, packed_logprobs, unpacked_hint
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix
-from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, share_prefixes
+from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, rows_on_every_rank, share_prefixes
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -545,15 +545,15 @@ class GRPOModule(PolicyModule):
 
     def _plan_rows(self, rollouts: list[Rollout]) -> tuple[list[list[int]], list[RowPrefix | None]]:
         """Micro-batches of this rank and their spans' prefixes; every rank runs the same number (padded with empty rows)."""
-        rows, prefixes = [list(range(len(rollouts)))], [None]
-        if self.hparams.packing == "none":
-            rows, prefixes = [[i] for i in range(len(rollouts))] or rows, [None] * max(len(rollouts), 1)
-        elif self.hparams.max_tokens_per_row is not None:
+        def plan() -> tuple[list[list[int]], list[RowPrefix | None]]:
+            if self.hparams.packing == "none":
+                return [[i] for i in range(len(rollouts))] or [[]], [None] * max(len(rollouts), 1)
+            if self.hparams.max_tokens_per_row is None:
+                return [list(range(len(rollouts)))], [None]
             plan = plan_step_rows(self.hparams.max_tokens_per_row, self.hparams.prefix_across_rows, self.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
                                   [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()), lambda: across_rows_exact(self.policy, self.attention_backend()))  # fmt: skip
-            rows, prefixes = plan.ranks[0], plan.prefixes[0]
-        most = int(self.trainer.strategy.reduce(torch.tensor(len(rows), device=self.device), reduce_op="max"))
-        return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))
+            return plan.ranks[0], plan.prefixes[0]
+        return rows_on_every_rank(plan, self.trainer.strategy.reduce, self.device)
 
     def _step_counts(self, rollouts: list[Rollout]) -> StepCounts:
         rank_tokens = sum(sum(r.completion_mask) for r in rollouts)

@@ -45,13 +45,22 @@ def steps_of_epochs(trainer: Any, pass_per_batch: float, num_iterations: int) ->
     """A GRPO run draws prompt batches without end, so it stops at ``trainer.max_steps``: a run given
     ``trainer.max_epochs`` alone (TRL's ``num_train_epochs``) trains that many passes over its prompts (a batch takes
     ``pass_per_batch`` of one, on every rank together), counted in optimizer steps (``num_iterations`` per batch). A
-    run given no limit at all (``max_epochs: -1``) is refused."""
+    run given no limit at all (``max_epochs: -1``) is refused, as is a fraction of its endless epoch."""
+    for key in ("limit_train_batches", "val_check_interval"):  # Lightning's own refusal of these was a traceback
+        value = getattr(trainer, key)
+        if isinstance(value, float) and value != 1.0:
+            raise RecipeError(f"trainer.{key}: {value:g} is a fraction of an epoch, but a GRPO run draws prompt batches without end: "
+                              "give a whole number of steps", f"trainer.{key}")
     if trainer.max_steps != -1:
+        if trainer.max_epochs not in (None, -1) and trainer.is_global_zero:
+            print(f"note: trainer.max_epochs={trainer.max_epochs} is not used: a GRPO run given trainer.max_steps stops there (as TRL's "
+                  "max_steps overrides num_train_epochs)", file=sys.stderr)
         return
     epochs = trainer.max_epochs
     if epochs is None or epochs < 0:
         raise RecipeError("a GRPO run stops at trainer.max_steps (or after trainer.max_epochs passes over its prompts): set one", "trainer.max_steps")
-    if trainer.limit_train_batches not in (1.0, None):  # Lightning's epoch would end at the limit, not after a pass
+    if not (trainer.limit_train_batches is None or isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0):
+        # Lightning's epoch would end at the limit, not after a pass (a whole number is batches, 1 too)
         raise RecipeError(f"trainer.limit_train_batches: {trainer.limit_train_batches} cuts a GRPO run's epochs short of a pass over its "
                           "prompts (trainer.max_epochs counts passes): give trainer.max_steps to train fewer steps", "trainer.limit_train_batches")
     batches = math.ceil(round(epochs / pass_per_batch, 6))

@@ -316,13 +316,38 @@ def plan_step_rows(
             plan = plan_rows(sequences, max_tokens, groups=groups, **settings)
         return plan
     except RowTooLong as error:
+        shown = "" if setting == settings["prefix_across_rows"] else (", none for this run: image rollouts, static shapes, several "
+                                                                      "processes, or a model or kernel that cannot")
         fix = ("set model.prefix_across_rows: auto, which forwards a shared prompt apart, or raise max_tokens_per_row"
                if settings["prefix_across_rows"] == "never" and setting == "never" else "raise max_tokens_per_row")
         raise PackingRefused(
             f"model.max_tokens_per_row={max_tokens}: a rollout of {error.length} tokens (its prompt and completion) fits no "
-            f"row, and no prefix forwarded apart (model.prefix_across_rows: {settings['prefix_across_rows']}) leaves it within one: "
+            f"row, and no prefix forwarded apart (model.prefix_across_rows: {setting}{shown}) leaves it within one: "
             f"{fix} (to the longest prompt plus sampling.max_new_tokens)"
         ) from None
+
+
+def rows_on_every_rank(plan: Callable[[], tuple[list[list[int]], list[RowPrefix | None]]], reduce: Callable[..., Tensor],
+                       device: torch.device) -> tuple[list[list[int]], list[RowPrefix | None]]:
+    """This rank's rows and their prefixes from ``plan``, padded with empty rows to the most any rank has
+    (``reduce``: the strategy's), so that every rank runs as many. A refusal on any rank is raised on every rank, in
+    the refusing rank's words: raised on one alone, it left the others waiting in the next collective until their
+    peer's exit broke it (a gloo traceback)."""
+    try:
+        (rows, prefixes), error = plan(), None
+    except PackingRefused as refused:
+        rows, prefixes, error = [], [], refused
+    most, failed = (int(v) for v in reduce(torch.tensor([len(rows), error is not None], device=device), reduce_op="max").tolist())
+    if failed:
+        said = [str(error)] if error is not None else []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, None if error is None else str(error))
+            said = [message for message in every if message]
+        refusal = PackingRefused(said[0])
+        refusal.on_every_rank = True  # every rank raises it: the first process says it
+        raise refusal
+    return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))
 
 
 def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> dict:
