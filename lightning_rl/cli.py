@@ -267,8 +267,9 @@ def run_arguments(args: list[str]) -> tuple[str | None, list[str]]:
         elif arg.startswith("--config="):
             recipes.append(arg.split("=", 1)[1])
             k += 1
-        elif arg.startswith("--") and "=" not in arg and value is not None and arg not in ("--help", "--print_config", "--overwrite"):
-            overrides.append(f"{arg}={value}")
+        elif arg.startswith("--") and "=" not in arg and value is not None and arg != "--help" and (
+                arg not in ("--overwrite", "--no_overwrite", "--print_config") or not value.endswith((".yaml", ".yml"))):
+            overrides.append(f"{arg}={value}")  # a flag whose value is optional takes the next word unless it is the recipe
             k += 2
         elif not arg.startswith("-"):
             recipes.append(arg)

@@ -130,6 +130,8 @@ def test_run_takes_its_recipe_and_keys_as_users_write_them(capsys):
                  ["--trainer.max_steps", "3", "--overwrite", recipe]):  # fmt: skip
         assert cli.run_arguments(args) == expected, args
     assert cli.run_arguments(["--task", "sft", "--model.lora", "null", "--help"]) == (None, ["--task=sft", "--model.lora=null", "--help"])
+    assert cli.run_arguments(["--overwrite", "true", recipe]) == (recipe, ["--overwrite=true"])  # a yes/no flag's optional value
+    assert cli.run_arguments(["--print_config", recipe]) == (recipe, ["--print_config"])
     assert "two.yaml (a key's value is written --key=value)" in error_line(capsys, ["run", recipe, "two.yaml"])
     with pytest.raises(SystemExit) as done:
         cli.main(["run", "--trainer.max_steps", "3", "-c", recipe, "--print_config"])
