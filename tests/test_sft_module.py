@@ -17,7 +17,7 @@ from support.paths import TOY_HELDOUT, TOY_TRAIN
 from lightning.pytorch import Callback
 
 from lightning_rl.callbacks import ExportHuggingFace, RunSummary
-from lightning_rl.data.sft import SFTDataModule
+from lightning_rl.data.sft import SFTDataModule, plan_batches
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.modules.sft import SFTModule
 from lightning_rl.ops.packed_forward import packed_logprobs
@@ -223,9 +223,10 @@ def test_weight_decay_leaves_biases_and_norm_weights_alone_as_trl_does(tmp_path)
     assert any(n.endswith("q_proj.weight") for n in (names[id(p)] for p in decayed["params"]))
 
 
-def test_a_schedule_over_epochs_spans_the_steps_each_epoch_packs_into(tmp_path, capsys):
-    """A later epoch's order can pack into fewer rows than the first's: the schedule was built for the first epoch's
-    count times max_epochs (72 steps where the run took 70), so a linear or cosine schedule never reached its end."""
+def test_every_epoch_takes_the_first_epochs_rows_so_each_validates_and_the_schedule_ends(tmp_path, capsys):
+    """A later epoch's order can pack into fewer rows than the first's. Lightning reads the count once and validates at
+    the batch whose index is the first epoch's count, so a shorter epoch ran no validation (the last one too: no final
+    val/loss); the schedule was once built for 72 steps where the run took 70. A shorter plan's fullest rows are now split."""
     import random
 
     from lightning_rl import cli
@@ -237,8 +238,8 @@ def test_a_schedule_over_epochs_spans_the_steps_each_epoch_packs_into(tmp_path, 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out"
-    code = cli.main(["run", str(REPO / "recipes/tiny/sft.yaml"), f"--data.train_data={data}", f"--output_dir={out}", "--data.val_data=null",
-                     "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.max_epochs=3",
+    code = cli.main(["run", str(REPO / "recipes/tiny/sft.yaml"), f"--data.train_data={data}", f"--output_dir={out}",
+                     "--model.eval_generations=0", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=1", "--trainer.max_epochs=3",
                      "--trainer.max_steps=-1", "--model.lr_schedule=linear", "--model.warmup_steps=0", "--model.learning_rate=1e-2",
                      "--data.packing=flat", "--data.max_tokens=130", "--logger.kind=csv", "--trainer.log_every_n_steps=1",
                      "--trainer.enable_progress_bar=false"])  # fmt: skip
@@ -246,8 +247,17 @@ def test_a_schedule_over_epochs_spans_the_steps_each_epoch_packs_into(tmp_path, 
     steps = json.loads((out / "summary.json").read_text())["steps"]
     module = SFTDataModule(str(data), max_tokens=130, packing="flat")
     module.setup("fit")
-    assert steps != 3 * module.batches_per_epoch()  # the epochs do pack otherwise
-    rates = [float(row["train/lr"]) for row in csv.DictReader((next(out.rglob("metrics.csv"))).open()) if row.get("train/lr")]
+    first = module.batches_per_epoch()
+    sampler = module._loader(module.train_examples, True, module.seed)[1]
+    packed = [len(plan_batches(module.train_examples, sampler._order(len(rows), epoch), 130, "flat")) for epoch in (1, 2)]
+    assert min(packed) < first, packed  # an epoch's own order does pack into fewer rows
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        assert len(sampler) == first and sorted(i for batch in sampler for i in batch) == list(range(len(rows)))
+    assert steps == 3 * first
+    rows_logged = list(csv.DictReader((next(out.rglob("metrics.csv"))).open()))
+    assert [int(row["epoch"]) for row in rows_logged if row.get("val/loss")] == [0, 1, 2]  # a validation after every epoch
+    rates = [float(row["train/lr"]) for row in rows_logged if row.get("train/lr")]
     assert rates[-1] == pytest.approx(1e-2 / steps, rel=1e-5)  # the last step's rate of a linear schedule over the run
 
 

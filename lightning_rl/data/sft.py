@@ -723,13 +723,28 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
 
 
+def _split_to(batches: list[list[int]], count: int) -> list[list[int]]:
+    """``batches`` as ``count`` rows: the row of the most examples split in halves, in its place, until there are as
+    many (a half forwards no more tokens than its row, so it fits the budget too). Every example stays, once."""
+    batches = [list(row) for row in batches]
+    while len(batches) < count:
+        k = max(range(len(batches)), key=lambda i: len(batches[i]))
+        row = batches[k]
+        if len(row) < 2:  # every row holds one example: no plan has fewer rows than examples
+            raise ValueError(f"{len(batches)} rows of one example each cannot make {count}")
+        batches[k : k + 1] = [row[: len(row) // 2], row[len(row) // 2 :]]
+    return batches
+
+
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Seeded, resumable batches under a token budget: epoch ``e`` always yields the same batches.
 
-    Each epoch plans its rows from its own seeded shuffle of the examples, in at most as many rows as the first epoch:
-    Lightning reads that number once per run, and would end an epoch of more rows before its last. An order that packs
-    into more is drawn again (seeded too), and after a few such draws the epoch takes the first epoch's rows in an order
-    of its own. Every epoch trains every example once.
+    Each epoch plans its rows from its own seeded shuffle of the examples, in as many rows as the first epoch:
+    Lightning reads that number once per run, and would end an epoch of more rows before its last, and run no
+    validation at the end of an epoch of fewer (it validates at the batch whose count is the first epoch's). An order
+    that packs into more is drawn again (seeded too), one that packs into fewer has its fullest rows split in two, and
+    after a few draws the epoch takes the first epoch's rows in an order of its own. Every epoch trains every example
+    once.
 
     Each of ``world_size`` ranks takes every ``world_size``-th batch, all ranks the same number (so
     collectives line up): a rank left one short takes an empty batch (``[]``: a row that trains no token, and the
@@ -773,7 +788,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         for draw in range(_PLAN_DRAWS if self.shuffle else 1):
             batches = plan_batches(self.examples, self._order(len(self.examples), epoch, draw), self.max_tokens, self.packing)
             if len(batches) <= len(first):
-                return batches
+                return _split_to(batches, len(first))
         return [first[i] for i in self._order(len(first), epoch)]
 
     def _order(self, n: int, epoch: int, draw: int = 0) -> list[int]:
@@ -938,22 +953,15 @@ class SFTDataModule(LightningDataModule):
             self._check_val_interval()
 
     def batches_per_epoch(self) -> int:
-        """This rank's batches in an epoch (every epoch has at most the first's), counted without a data loader."""
+        """This rank's batches in an epoch (every epoch has the first's), counted without a data loader."""
         if self._epoch_batches is None:
             self._epoch_batches = len(self._loader(self.train_examples, self.shuffle, self.seed)[1])
         return self._epoch_batches
 
     def batches_of_epochs(self, epochs: int) -> list[int]:
-        """This rank's batches in each of the first ``epochs`` epochs: a later epoch's order may pack into fewer rows
-        than the first's (an epoch without a shuffle, or of one example a row, packs into as many)."""
-        if not self.shuffle or self.resolved_packing == "none":
-            return [self.batches_per_epoch()] * epochs
-        sampler = self._loader(self.train_examples, self.shuffle, self.seed)[1]
-        counts = []
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            counts.append(len(sampler))
-        return counts
+        """This rank's batches in each of the first ``epochs`` epochs: as many in each as in the first
+        (``TokenBudgetBatchSampler``)."""
+        return [self.batches_per_epoch()] * epochs
 
     def _check_val_interval(self) -> None:
         """What Lightning refuses only once fitting, after the run has written its folder (a corrected rerun was
