@@ -253,22 +253,25 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     return 0
 
 
+_FLAG_WORDS = {"true", "false", "yes", "no", "skip_null", "skip_default", "comments"}  # an optional-value flag's values
+
+
 def run_arguments(args: list[str]) -> tuple[str | None, list[str]]:
     """``run``'s recipe file and its overrides, as a user may write them: the recipe first, after the overrides, or
     as ``-c``/``--config FILE`` (the usage line's); ``--task sft`` as ``--task=sft``, every ``--key value`` as
     ``--key=value``."""
-    recipes, overrides, k = [], [], 0
+    recipes, configs, overrides, k = [], [], [], 0
     while k < len(args):
         arg = args[k]
         value = args[k + 1] if k + 1 < len(args) and not args[k + 1].startswith("-") else None
         if arg in ("-c", "--config") and value is not None:
-            recipes.append(value)
+            configs.append(value)
             k += 2
         elif arg.startswith("--config="):
-            recipes.append(arg.split("=", 1)[1])
+            configs.append(arg.split("=", 1)[1])
             k += 1
         elif arg.startswith("--") and "=" not in arg and value is not None and arg != "--help" and (
-                arg not in ("--overwrite", "--no_overwrite", "--print_config") or not value.endswith((".yaml", ".yml"))):
+                arg not in ("--overwrite", "--no_overwrite", "--print_config") or value.lower() in _FLAG_WORDS):
             overrides.append(f"{arg}={value}")  # a flag whose value is optional takes the next word unless it is the recipe
             k += 2
         elif not arg.startswith("-"):
@@ -279,7 +282,9 @@ def run_arguments(args: list[str]) -> tuple[str | None, list[str]]:
             k += 1
     if len(recipes) > 1:
         raise RecipeError(f"`run` takes one recipe file, got {len(recipes)}: {', '.join(recipes)} (a key's value is written --key=value)")
-    return (recipes[0] if recipes else None), overrides
+    if not recipes and configs:  # the first config file is the recipe; later ones are laid over it, as LightningCLI's are
+        recipes.append(configs.pop(0))
+    return (recipes[0] if recipes else None), [*(f"--config={config}" for config in configs), *overrides]
 
 
 def _command(command: str, rest: list[str]) -> int:

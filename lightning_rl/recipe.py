@@ -20,6 +20,7 @@ import netrc
 import os
 import re
 import sys
+import urllib.parse
 import warnings
 from collections import abc
 from dataclasses import dataclass
@@ -227,15 +228,17 @@ def _check_devices(devices: Any, accelerator: Any) -> None:
 def has_wandb_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname  # a self-hosted server's too
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None  # NETRC as wandb reads it
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "api.wandb.ai") is not None  # NETRC as wandb reads it
     except (OSError, netrc.NetrcParseError):
         return False
 
 
 def check_logger(settings: LoggerSettings) -> None:
     """What a logger needs from this machine, refused before the run writes anything: an online W&B run, credentials."""
-    if settings.kind == "wandb" and settings.offline is False and os.environ.get("WANDB_MODE") != "offline" and not has_wandb_credentials():
+    quiet = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")  # wandb sends nothing in these modes
+    if settings.kind == "wandb" and settings.offline is False and not quiet and not has_wandb_credentials():
         raise RecipeError("logger.offline: false logs to W&B online, but no credentials are set (WANDB_API_KEY, or `wandb login`); "
                           "log them in, or leave logger.offline unset to log offline and `wandb sync` later", "logger.offline")
 

@@ -120,7 +120,7 @@ def test_subcommands_dispatch_lazily(capsys, monkeypatch):
     assert "unknown command 'fit'" in error_line(capsys, ["fit"])
 
 
-def test_run_takes_its_recipe_and_keys_as_users_write_them(capsys):
+def test_run_takes_its_recipe_and_keys_as_users_write_them(capsys, tmp_path):
     """The usage line's `-c CONFIG`, a recipe after the overrides and `--task sft` (space-separated, as every other
     key) were each refused as 'run needs a recipe file'."""
     recipe = str(REPO / "recipes" / "tiny" / "sft.yaml")
@@ -132,10 +132,18 @@ def test_run_takes_its_recipe_and_keys_as_users_write_them(capsys):
     assert cli.run_arguments(["--task", "sft", "--model.lora", "null", "--help"]) == (None, ["--task=sft", "--model.lora=null", "--help"])
     assert cli.run_arguments(["--overwrite", "true", recipe]) == (recipe, ["--overwrite=true"])  # a yes/no flag's optional value
     assert cli.run_arguments(["--print_config", recipe]) == (recipe, ["--print_config"])
+    assert cli.run_arguments(["--overwrite", "--trainer.max_steps=3"]) == (None, ["--overwrite", "--trainer.max_steps=3"])
+    # A later config file is laid over the recipe, as LightningCLI's -c files are.
+    assert cli.run_arguments([recipe, "--config", "over.yaml"]) == cli.run_arguments(["-c", recipe, "-c", "over.yaml"]) == (recipe, ["--config=over.yaml"])
     assert "two.yaml (a key's value is written --key=value)" in error_line(capsys, ["run", recipe, "two.yaml"])
     with pytest.raises(SystemExit) as done:
         cli.main(["run", "--trainer.max_steps", "3", "-c", recipe, "--print_config"])
     assert done.value.code == 0 and "max_steps: 3" in capsys.readouterr().out
+    over = tmp_path / "over.yaml"
+    over.write_text("trainer:\n  max_steps: 7\n")
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", recipe, "--config", str(over), "--print_config"])
+    assert done.value.code == 0 and "max_steps: 7" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -192,6 +200,17 @@ def test_wandb_online_without_credentials_is_one_line_before_anything_is_written
     line = error_line(capsys, ["run", str(TINY_RECIPE), f"--output_dir={out}", "--logger.kind=wandb", "--logger.offline=false"])
     assert line.startswith("error: logger.offline: false logs to W&B online, but no credentials are set"), line
     assert not (out / "recipe.yaml").exists()
+    # A self-hosted server's login (netrc under WANDB_BASE_URL's host), or a mode that sends nothing, passes.
+    from lightning_rl.recipe import check_logger
+
+    (tmp_path / "netrc").write_text("machine wandb.example.org login user password k\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    check_logger(LoggerSettings(kind="wandb", offline=False))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    check_logger(LoggerSettings(kind="wandb", offline=False))
+    monkeypatch.delenv("WANDB_MODE")
     # Offline, a WANDB_RUN_ID set to resume an earlier run cannot: said, not left to lose the first history on sync.
     monkeypatch.setenv("WANDB_RUN_ID", "abc123")
     build_logger(LoggerSettings(kind="wandb", offline=True), out)

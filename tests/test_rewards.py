@@ -369,6 +369,14 @@ def makes_nothing(scale):
     return scale
 
 
+CALLS: list = []
+
+
+def counts_calls(completions):
+    CALLS.append(completions)
+    return [len(c) for c in completions]
+
+
 def refuses_its_limit(limit):
     raise ValueError("limit must be > 0")
 
@@ -392,6 +400,10 @@ def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
         RewardScorer([RewardSpec(makes_nothing, kwargs={"scale": 2.0})])
     with pytest.raises(ValueError, match="reward 'refuses_its_limit' .* calling it with them failed: ValueError: limit must be > 0"):
         RewardScorer([RewardSpec(refuses_its_limit, kwargs={"limit": 0})])
+    # A reward whose batch argument is given as a kwarg is not called as a factory: the kwarg is what is wrong.
+    with pytest.raises(ValueError, match="reward 'counts_calls': kwarg 'completions' would replace the batch's completions"):
+        RewardScorer([RewardSpec(counts_calls, kwargs={"completions": ["x"]})])
+    assert CALLS == []
 
 
 def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():

@@ -154,6 +154,13 @@ def test_a_one_device_strategy_given_several_devices_is_refused_before_training(
         with pytest.raises(RecipeError, match=rf"^strategy 'cpu_static' trains on one device, but trainer.devices asks for {devices} on {nodes} node"):
             trainer.fit(module, torch.utils.data.DataLoader([[[5, 6, 7]]], batch_size=None, collate_fn=lambda b: b))
         assert module.row_lengths == []  # no step ran
+    # devices left at auto is the one device, whatever the machine holds (Lightning reads auto as every device).
+    from types import SimpleNamespace
+
+    from lightning_rl.strategies.xla import check_one_device
+
+    asked = SimpleNamespace(_devices_flag="auto", _parallel_devices=[torch.device("cpu")] * 32, _num_nodes_flag=1)
+    check_one_device(SimpleNamespace(_accelerator_connector=asked), "neuron")
 
 
 def test_the_rehearsal_counts_every_shape_past_torchs_recompile_limit(tiny_model: Path) -> None:

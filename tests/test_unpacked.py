@@ -53,7 +53,7 @@ def _assert_first_loss_is_a_plain_forwards(path: str, trainer: Trainer, data: SF
     trained = torch.tensor(example.loss_mask[1:])
     nll = -torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(float(nll[trained].mean()), rel=1e-5)
-    assert "train/packing_error" not in trainer.logged_metrics  # nothing packed, nothing to verify
+    assert "train/packing_error" not in trainer.callback_metrics  # nothing packed, nothing to verify
 
 
 def test_a_grpo_step_over_unpacked_rows_has_the_packed_steps_gradients(tiny_path):
@@ -72,7 +72,7 @@ def test_grpo_trains_a_model_packing_refuses_unpacked(tiny_path, tmp_path):
     with pytest.raises(PackingRefused, match=r"StableLmAttention is called without the packed row's metadata .*; model\.packing: none trains it one rollout a row"):
         grpo_fit(1, model_name_or_path=path)
     module, run = grpo_fit(1, model_name_or_path=path, packing="none")
-    assert run.global_step == 1 and "train/packing_error" not in run.logged_metrics
+    assert run.global_step == 1 and "train/packing_error" not in run.callback_metrics
 
 
 @pytest.mark.parametrize("family,config", [("gpt2", {"n_positions": 48}), ("llama_dynamic", {})])

@@ -87,10 +87,9 @@ class PolicyModule(LightningModule):
     def log_check(self, name: str, value: float) -> None:
         """Log a figure measured on some steps only (a packing check) at its own step: ``self.log`` alone would reach
         the loggers only on the steps ``trainer.log_every_n_steps`` writes, and drop it on the others."""
-        self.log(name, value)
-        connector = self.trainer._logger_connector  # Lightning's own writer: its step and epoch, every logger
-        if not connector.should_update_logs:
-            connector.log_metrics({name: float(value)})
+        self.log(name, value, logger=False)  # the progress bar and callbacks (callback_metrics); the loggers below, once
+        if self.trainer.log_every_n_steps:  # 0: no step logging at all
+            self.trainer._logger_connector.log_metrics({name: float(value)})  # Lightning's own writer: its step and epoch, every logger
 
     def load_policy(self, path: str, lora: LoraSettings | None) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the

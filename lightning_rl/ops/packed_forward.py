@@ -309,7 +309,7 @@ def packed_logprobs(
 # -- the probe -------------------------------------------------------------------------------------------------
 
 _PROBED: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()
-_ACROSS_ROWS: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()  # across_rows_exact's answers
+_ACROSS_ROWS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]] = weakref.WeakKeyDictionary()  # across_rows_exact's answers
 _ATTENTION_MODULES: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # found by the probe
 
 
@@ -422,15 +422,18 @@ def across_rows_exact(model: nn.Module, backend: str) -> bool:
     the cross-row path refuses keeps the sub-groups, which it packs exactly, instead of stopping the run."""
     if backend == "varlen":  # no kernel for a row continuing a prefix (TreeAttentionMeta.after_prefix)
         return False
+    device = next(model.parameters()).device
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    key = (backend, autocast, next((p.dtype for p in model.parameters() if p.is_floating_point()), None))  # as the probe's
     known = _ACROSS_ROWS.setdefault(model, {})
-    if backend not in known:  # a refusal is remembered too: auto asks at every step that plans a span
+    if key not in known:  # a refusal is remembered too: auto asks at every step that plans a span
         try:
             enable_tree_attention(model)
-            _probe_once(model, backend, next(model.parameters()).device, across_rows=True)
-            known[backend] = True
+            _probe_once(model, backend, device, across_rows=True)
+            known[key] = True
         except PackingRefused:
-            known[backend] = False
-    return known[backend]
+            known[key] = False
+    return known[key]
 
 
 @torch.no_grad()

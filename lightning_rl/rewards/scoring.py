@@ -159,7 +159,7 @@ class _Reward:
             except Exception as error:  # its own code failed (a missing key, a service not reached, ...)
                 raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {type(error).__name__}: {error}") from None
             self.kwargs = {}
-        if self.kwargs and _takes_only(self.function, self.kwargs):
+        if self.kwargs and not set(self.kwargs) & {*BATCH_ARGUMENTS, "completion_ids"} and _takes_only(self.function, self.kwargs):
             self._make_from_factory(spec)
         if not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")

@@ -54,7 +54,8 @@ def check_one_device(trainer: Trainer, name: str) -> None:
     """A single-device strategy given several devices or nodes: Lightning keeps one and says nothing (a trn1's 32
     NeuronCores would train on one, on 1/32 of the batch), so it is refused in one line."""
     connector = trainer._accelerator_connector  # what was asked for: Lightning has already cut it to one device
-    devices, nodes = len(connector._parallel_devices or [None]), int(connector._num_nodes_flag or 1)
+    asked = connector._devices_flag != "auto"  # devices left at auto (every device, to Lightning) is this one
+    devices, nodes = len(connector._parallel_devices or [None]) if asked else 1, int(connector._num_nodes_flag or 1)
     if devices > 1 or nodes > 1:
         raise RecipeError(f"strategy '{name}' trains on one device, but trainer.devices asks for {devices} on {nodes} node(s): "
                           "set trainer.devices: 1 and trainer.num_nodes: 1 (several XLA devices: strategy 'xla_static')", "trainer.devices")
