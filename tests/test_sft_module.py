@@ -4,6 +4,10 @@ loads with the same outputs; accumulation and bf16 precision come from Lightning
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,9 @@ from lightning_rl.data.sft import SFTDataModule, plan_batches
 from lightning_rl.models.loading import LoraSettings, load_causal_lm
 from lightning_rl.modules.sft import SFTModule
 from lightning_rl.ops.packed_forward import packed_logprobs
+from lightning_rl.rollout.vllm_server_process import free_port
+
+TESTS = Path(__file__).parent
 
 
 def fit(tmp_path, module, **trainer_kwargs):
@@ -416,3 +423,14 @@ def test_a_resume_under_a_trainer_of_ones_own_that_would_cut_other_batches_is_re
     resumed = trainer(2)  # the run's own values resume
     resumed.fit(SFTModule(learning_rate=1e-3), datamodule=SFTDataModule(TOY_TRAIN, None, max_tokens=96), ckpt_path=tmp_path / "one.ckpt")
     assert resumed.global_step == 2
+
+
+def test_sft_through_the_python_api_on_two_ranks_deals_its_own_rows(tmp_path, tiny_path):
+    """A user's own Trainer(devices=2) keeps Lightning's distributed sampler on by default, which could not wrap the
+    token-budget batch sampler: a 30-line TypeError on every rank. The datamodule turns it off (it deals the rows)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(TESTS)}
+    done = subprocess.run([sys.executable, str(TESTS / "support" / "sft_api_ddp.py"), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=TESTS.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == 2 and math.isfinite(result["loss"])

@@ -928,6 +928,8 @@ class SFTDataModule(LightningDataModule):
         self._rows_digest: str | None = None
 
     def setup(self, stage: str) -> None:
+        if self.trainer is not None and self.trainer.world_size > 1:  # rows are dealt to the ranks here (the sampler):
+            self.trainer._accelerator_connector.use_distributed_sampler = False  # Lightning's own could not wrap it (a TypeError)
         if self.tokenizer is not None:
             return
         path = resolve_model_path(self.tokenizer_name)
