@@ -434,3 +434,22 @@ def test_sft_through_the_python_api_on_two_ranks_deals_its_own_rows(tmp_path, ti
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["steps"] == 2 and math.isfinite(result["loss"])
+
+
+def test_a_64_true_step_logs_its_loss_in_float64(tiny_path):
+    """The step's sums were kept in float32: a 64-true run logged 5.8726801872 where its loss is 5.8726799491."""
+    data = SFTDataModule(TOY_TRAIN, None, max_tokens=256, shuffle=False)
+    trainer = Trainer(accelerator="cpu", precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, max_steps=1)  # fmt: skip
+    module = SFTModule(learning_rate=1e-3)
+    trainer.fit(module, datamodule=data)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float64)  # the weights before the step
+    first = next(iter(data._loader(data.train_examples, False, data.seed)[1]))  # the first row's examples (no shuffle)
+    total, tokens = 0.0, 0
+    for example in (data.train_examples[i] for i in first):
+        logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1]
+        nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(example.input_ids[1:])[:, None])[:, 0]
+        trained = torch.tensor(example.loss_mask[1:])
+        total, tokens = total + float(nll[trained].sum()), tokens + int(trained.sum())
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(total / tokens, rel=1e-12)
+    assert module.step_loss == pytest.approx(total / tokens, rel=1e-12)  # summary.json's first and last loss

@@ -97,7 +97,7 @@ class SFTModule(PolicyModule):
         validation.positive_int("max_new_tokens", max_new_tokens)
         # This rank's sums since the last optimizer step: loss, trained tokens, forwarded (unique) and flat tokens,
         # entropy and tokens predicted right (the likeliest token); the held-out ones: loss, tokens, entropy, right.
-        self._step_totals = torch.zeros(6)
+        self._step_totals = torch.zeros(6, dtype=torch.float64)  # as the held-out sums: a 64-true loss is not rounded to float32
         self._val_totals = torch.zeros(4, dtype=torch.float64)
         self.step_loss: float | None = None  # the last optimizer step's loss, over its micro-batches and ranks
         self.lora = LoraSettings.checked(lora)  # the typed settings; the hparams keep plain values (a weights-only load reads them)
@@ -153,8 +153,8 @@ class SFTModule(PolicyModule):
         logprobs, entropy, hits = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
         loss_sum = -logprobs.sum()
-        counts = torch.tensor([logprobs.numel(), batch.num_unique_tokens, batch.num_flat_tokens], dtype=torch.float32, device=loss_sum.device)
-        sums = torch.stack([loss_sum.detach().float(), *counts, entropy.sum().float(), hits.sum().float()])
+        counts = torch.tensor([logprobs.numel(), batch.num_unique_tokens, batch.num_flat_tokens], dtype=torch.float64, device=loss_sum.device)
+        sums = torch.stack([loss_sum.detach().double(), *counts, entropy.sum().double(), hits.sum().double()])
         self._step_totals = self._step_totals.to(loss_sum.device) + sums
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
@@ -192,7 +192,8 @@ class SFTModule(PolicyModule):
                 if p.grad is not None:
                     p.grad.mul_(scale)
             self.step_loss = loss_sum / tokens  # summary.json's, as logged
-            self.log("train/loss", loss_sum / tokens, prog_bar=True)
+            wide = torch.float64 if self.policy.dtype == torch.float64 else torch.float32  # a float is logged as float32
+            self.log("train/loss", torch.tensor(self.step_loss, dtype=wide), prog_bar=True)
         if any(p.grad is not None for p in self.parameters()):
             self.log("train/grad_norm", total_grad_norm(self.parameters()))
 
