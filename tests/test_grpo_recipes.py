@@ -90,7 +90,7 @@ def test_grpo_from_sft_reports_held_out_accuracy_before_and_after_with_the_sft_e
     assert main(["run", "recipes/tiny/grpo_from_sft.yaml", f"--output_dir={tmp_path / 'bad'}", "--model.model_name_or_path=tiny",
                  "--model.eval_data=null"]) == 2  # fmt: skip
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: model.eval_generations needs eval_data (held-out conversations; toy: the embedded task's)"
+        "error: model.eval_generations needs model.eval_data (held-out conversations; toy: the embedded task's)"
     )
     # A held-out file with a row the evaluator cannot read: one line naming the row, before the run writes anything.
     unanswered = tmp_path / "unanswered.jsonl"

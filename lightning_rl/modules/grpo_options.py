@@ -95,7 +95,7 @@ def check_values(hparams: Mapping[str, Any], init: Callable[..., Any]) -> None:
         raise RecipeError("prefix_across_rows: always shares a prompt across packed rows, but packing: none forwards each rollout alone, "
                           "its prompt with it: leave it at auto", "prefix_across_rows")
     if hparams["eval_generations"] and hparams["eval_data"] is None:
-        raise RecipeError("eval_generations needs eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
+        raise RecipeError("eval_generations needs model.eval_data (held-out conversations; toy: the embedded task's)", "eval_generations")
     if hparams["eval_data"] not in (None, TOY_DATASET):
         check_source("eval_data", toy_source(hparams["eval_data"]))
 
