@@ -453,3 +453,19 @@ def test_a_64_true_step_logs_its_loss_in_float64(tiny_path):
         total, tokens = total + float(nll[trained].sum()), tokens + int(trained.sum())
     assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(total / tokens, rel=1e-12)
     assert module.step_loss == pytest.approx(total / tokens, rel=1e-12)  # summary.json's first and last loss
+
+
+def test_a_checkpoint_of_the_earlier_epoch_rule_past_its_first_epoch_is_refused(tiny_path):
+    """An earlier version let a later epoch pack into fewer rows than the first; this one splits such an epoch's rows.
+    A checkpoint written by it past its first epoch would resume at other rows (repeating examples): refused in one
+    line. In its first epoch the rows are the same, so it resumes."""
+    from lightning_rl.errors import BatchingChanged
+
+    data = SFTDataModule(TOY_TRAIN, None, max_tokens=256)
+    data.setup("fit")
+    state = data.state_dict()
+    old = {**state, "batching": {k: v for k, v in state["batching"].items() if k != "epoch_rows"}}
+    with pytest.raises(BatchingChanged, match=r"^ckpt_path: the run being resumed \(in its data epoch 2\) was written by an earlier lightning-rl"):
+        data.load_state_dict({**old, "epoch": 2, "batches_taken": 1})
+    data.load_state_dict({**old, "epoch": 0, "batches_taken": 1})
+    data.load_state_dict({**state, "epoch": 2, "batches_taken": 1})  # this version's own

@@ -928,8 +928,9 @@ class SFTDataModule(LightningDataModule):
         self._rows_digest: str | None = None
 
     def setup(self, stage: str) -> None:
-        if self.trainer is not None and self.trainer.world_size > 1:  # rows are dealt to the ranks here (the sampler):
-            self.trainer._accelerator_connector.use_distributed_sampler = False  # Lightning's own could not wrap it (a TypeError)
+        if self.trainer is not None and self.trainer._accelerator_connector.is_distributed:  # DDP, FSDP2 (one device too):
+            self.trainer._accelerator_connector.use_distributed_sampler = False  # rows are dealt to the ranks here; Lightning's
+            # own sampler could not wrap this batch sampler (a TypeError)
         if self.tokenizer is not None:
             return
         path = resolve_model_path(self.tokenizer_name)
@@ -1031,7 +1032,8 @@ class SFTDataModule(LightningDataModule):
 
     def _batching(self) -> dict[str, Any]:
         """What cuts the rows into batches (`TokenBudgetBatchSampler`), by key."""
-        return {"max_tokens": self.max_tokens, "packing": self.resolved_packing, "shuffle": self.shuffle, **({"seed": self.seed} if self.shuffle else {})}
+        shuffled = {"seed": self.seed, **({"epoch_rows": "as_first"} if self.resolved_packing != "none" else {})} if self.shuffle else {}
+        return {"max_tokens": self.max_tokens, "packing": self.resolved_packing, "shuffle": self.shuffle, **shuffled}
 
     def rows_digest(self) -> str:
         """The digest of the training examples as tokenized (each once: the run's data does not change)."""
@@ -1044,7 +1046,13 @@ class SFTDataModule(LightningDataModule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_same_rows("data.train_data", self.train_data, state.get("rows_digest"), self.rows_digest())
-        check_same_batching(state.get("batching"), self._batching())
+        saved, here = state.get("batching"), self._batching()
+        check_same_batching(saved, here)
+        if saved is not None and "epoch_rows" in here and "epoch_rows" not in saved and state["epoch"] >= 1:
+            raise BatchingChanged(
+                f"ckpt_path: the run being resumed (in its data epoch {state['epoch']}) was written by an earlier lightning-rl, whose later "
+                "epochs could pack into fewer rows than the first; this one plans every epoch as the first, so it would resume at "
+                "other rows: finish the run with that version, or start a new run", "ckpt_path")
         self._position = (state["epoch"], state["batches_taken"])
         self._resume = self._position
         # Lightning warns of a resume inside an epoch when the DataLoader itself keeps no state; the sampler resumes
