@@ -64,6 +64,7 @@ class PolicyModule(LightningModule):
         self._backends: dict[torch.device, str] = {}
         self.offloaded: OffloadedForwards | None = None  # with offload_activations: what the latest forward moved
         self._resumed_random: RandomState | None = None  # a checkpoint's, until the resumed run's first step
+        self._unwritten: dict[str, float] = {}  # log_check's figures of this step, until on_train_batch_end
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """A resumed run's first step draws its dropout masks from the random state the checkpoint kept, as the
@@ -85,11 +86,20 @@ class PolicyModule(LightningModule):
                     cached.pop(result.meta.name, None)
 
     def log_check(self, name: str, value: float) -> None:
-        """Log a figure measured on some steps only (a packing check) at its own step: ``self.log`` alone would reach
-        the loggers only on the steps ``trainer.log_every_n_steps`` writes, and drop it on the others."""
-        self.log(name, value, logger=False)  # the progress bar and callbacks (callback_metrics); the loggers below, once
-        if self.trainer.log_every_n_steps:  # 0: no step logging at all
-            self.trainer._logger_connector.log_metrics({name: float(value)})  # Lightning's own writer: its step and epoch, every logger
+        """Log a figure measured on some steps only (a packing check) at its own step: ``self.log`` alone reaches the
+        loggers only on the steps ``trainer.log_every_n_steps`` writes, and dropped it on the others, where
+        ``on_train_batch_end`` writes it."""
+        self.log(name, value)
+        self._unwritten[name] = float(value)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A check's figure on a step Lightning does not write, written at that step (after the callbacks, so a stop one
+        of them asks for, which makes Lightning write the step, is known: it is written once, either way)."""
+        if self._unwritten:
+            connector = self.trainer._logger_connector
+            if not connector.should_update_logs and self.trainer.log_every_n_steps:  # 0: no step logging at all
+                connector.log_metrics(dict(self._unwritten))  # Lightning's own writer: its step and epoch, every logger
+            self._unwritten.clear()
 
     def load_policy(self, path: str, lora: LoraSettings | None) -> torch.nn.Module:
         """The model at ``path`` to train, in train mode: its weights read by each rank's own shards when the
