@@ -353,10 +353,15 @@ def _right_padded(ids: Tensor, multiple: int | None) -> Tensor:
     return torch.nn.functional.pad(ids, (0, multiple - len(ids) % multiple))
 
 
-def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None, across_rows: bool = False) -> None:
+def _probe_key(model: nn.Module, backend: str, device: torch.device) -> tuple:
+    """What a probe's answer holds for: the kernel, the device, the autocast dtype and the weights' dtype (a model cast
+    later is probed again)."""
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # a model cast later is probed again
-    key = (backend, device.type, autocast, weights)
+    return backend, device.type, autocast, next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _probe_once(model: nn.Module, backend: str, device: torch.device, pad_to_multiple_of: int | None = None, across_rows: bool = False) -> None:
+    key = _probe_key(model, backend, device)
     for way, run in ((key, lambda: probe(model, backend, device, pad_to_multiple_of)), ((*key, "across rows"), lambda: probe_across_rows(model, backend, device))):
         if way in _PROBED.setdefault(model, set()) or (not across_rows and way != key):
             continue
@@ -423,8 +428,7 @@ def across_rows_exact(model: nn.Module, backend: str) -> bool:
     if backend == "varlen":  # no kernel for a row continuing a prefix (TreeAttentionMeta.after_prefix)
         return False
     device = next(model.parameters()).device
-    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    key = (backend, autocast, next((p.dtype for p in model.parameters() if p.is_floating_point()), None))  # as the probe's
+    key = _probe_key(model, backend, device)
     known = _ACROSS_ROWS.setdefault(model, {})
     if key not in known:  # a refusal is remembered too: auto asks at every step that plans a span
         try:
