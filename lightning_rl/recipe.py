@@ -724,14 +724,18 @@ def _block_given_a_value(inner: str) -> str | None:
     subtypes, given = re.search(r"Subtypes: \[(.*?)\]", inner), re.search(r"Given value: (.*)$", inner)
     if "Expected a dot import path string" not in inner or subtypes is None or given is None:
         return None
-    for path in re.findall(r"<class '([\w.]+)'>", subtypes[1]):
-        module, _, name = path.rpartition(".")
-        try:
-            if dataclasses.is_dataclass(getattr(importlib.import_module(module), name)):
-                return f"{' or null' if 'NoneType' in subtypes[1] else ''}, got {given[1]}"
-        except (ImportError, AttributeError, ValueError):
-            continue
+    if any(_is_dataclass_path(path) for path in re.findall(r"<class '([\w.]+)'>", subtypes[1])):
+        return f"{' or null' if 'NoneType' in subtypes[1] else ''}, got {given[1]}"
     return None
+
+
+def _is_dataclass_path(path: str) -> bool | None:
+    """Whether the class at dotted ``path`` is a dataclass; None where it cannot be imported."""
+    module, _, name = path.rpartition(".")
+    try:
+        return dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def _given_by_class_path(text: str) -> bool:
@@ -740,11 +744,7 @@ def _given_by_class_path(text: str) -> bool:
     named = re.search(r"given class_path '([\w.]+)'", text)
     if named is None:
         return "class_path" in text
-    module, _, name = named[1].rpartition(".")
-    try:
-        return not dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
-    except (ImportError, AttributeError, ValueError):
-        return True
+    return _is_dataclass_path(named[1]) is not True
 
 
 def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserError:
