@@ -14,6 +14,7 @@ out, and nothing is written into it before the model and data are set up.
 from __future__ import annotations
 
 import fcntl
+import gc
 import importlib
 import os
 import signal
@@ -322,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         if command_line:  # the process ends now: a scheduler's SIGTERM after the run's end does not turn it into a kill
             for signum in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(signum, _after_the_end)
+            # The run's objects (model, trainer, process groups) are freed while the interpreter is whole: freed by its
+            # exit instead, gloo's worker threads can abort the process (SIGABRT) after an error was said.
+            gc.collect()
 
 
 def _after_the_end(signum: int, _frame: object) -> None:

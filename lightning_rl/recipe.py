@@ -11,6 +11,7 @@ run relies on, and the module and datamodule check their own values as they are 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import importlib
@@ -771,7 +772,11 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
         with warnings.catch_warnings():
             # The recipe goes in as `args` on purpose; LightningCLI warns when sys.argv is also set.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
-            return RecipeCLI(
+            # In a context of its own: jsonargparse leaves its parser in a context variable it sets while parsing, and
+            # the parser holds the run (its model, trainer and process groups), which would then live until the
+            # interpreter's exit, where gloo's threads freeing them can abort the process (cli.py frees them before).
+            return contextvars.copy_context().run(
+                RecipeCLI,
                 model_class,
                 datamodule_class,
                 build=build,

@@ -242,3 +242,18 @@ def test_periodic_checkpoints_turned_off_keep_the_last_steps_and_resume(tmp_path
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     assert cli.main(["run", recipe, "--trainer.max_steps=3", "--ckpt_path=last", *common]) == 0, capsys.readouterr().err[-3000:]
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_built_run_is_freed_once_its_caller_lets_it_go(tmp_path):
+    """Parsing a recipe left its parser, and through it the run (model, trainer, process groups), in a context
+    variable until the interpreter's exit, where gloo's threads freeing them aborted a two-rank run after its error."""
+    import gc
+    import weakref
+
+    from lightning_rl.recipe import build
+
+    run = build(str(TINY_RECIPE), [f"--output_dir={tmp_path / 'out'}"])
+    trainer, model = weakref.ref(run.trainer), weakref.ref(run.model)
+    del run
+    gc.collect()
+    assert trainer() is None and model() is None
