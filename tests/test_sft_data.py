@@ -590,3 +590,15 @@ def test_a_dataset_of_splits_is_refused_naming_the_split_to_give(tmp_path):
     splits.save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=re.escape(f"a dataset of splits (train), not one split; give one split's folder ({tmp_path / 'saved' / 'train'})")):
         SFTDataModule(str(tmp_path / "saved"))
+
+
+def test_an_epoch_of_fewer_rows_splits_its_fullest_rows_first_in_their_place():
+    """The first of the fullest rows is split in halves where it stood, until there are as many rows as asked."""
+    from lightning_rl.data.sft import _split_to
+
+    rows = [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert _split_to(rows, 5) == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+    assert _split_to(rows, 6) == [[0], [1], [2, 3], [4, 5], [6, 7], [8]]
+    assert _split_to([[0, 1, 2], [3]], 3) == [[0], [1, 2], [3]]
+    with pytest.raises(ValueError, match="2 rows of one example each cannot make 3"):
+        _split_to([[0], [1]], 3)

@@ -15,6 +15,7 @@ import array
 import codecs
 import dataclasses
 import hashlib
+import heapq
 import importlib
 import json
 import os
@@ -724,16 +725,19 @@ _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows 
 
 
 def _split_to(batches: list[list[int]], count: int) -> list[list[int]]:
-    """``batches`` as ``count`` rows: the row of the most examples split in halves, in its place, until there are as
-    many (a half forwards no more tokens than its row, so it fits the budget too). Every example stays, once."""
-    batches = [list(row) for row in batches]
-    while len(batches) < count:
-        k = max(range(len(batches)), key=lambda i: len(batches[i]))
-        row = batches[k]
-        if len(row) < 2:  # every row holds one example: no plan has fewer rows than examples
-            raise ValueError(f"{len(batches)} rows of one example each cannot make {count}")
-        batches[k : k + 1] = [row[: len(row) // 2], row[len(row) // 2 :]]
-    return batches
+    """``batches`` as ``count`` rows: the row of the most examples (the first of those) split in halves, in its place,
+    until there are as many (a half forwards no more tokens than its row, so it fits the budget too). Every example
+    stays, once. A row's place is a path of halves from the row it came from, so the fullest row is a heap's top."""
+    fullest = [(-len(row), (k,), list(row)) for k, row in enumerate(batches)]
+    heapq.heapify(fullest)
+    while len(fullest) < count:
+        size, place, row = heapq.heappop(fullest)
+        if -size < 2:  # every row holds one example: no plan has fewer rows than examples
+            raise ValueError(f"{len(fullest) + 1} rows of one example each cannot make {count}")
+        half = len(row) // 2
+        heapq.heappush(fullest, (-half, (*place, 0), row[:half]))
+        heapq.heappush(fullest, (half - len(row), (*place, 1), row[half:]))
+    return [row for _, _, row in sorted(fullest, key=lambda entry: entry[1])]
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
