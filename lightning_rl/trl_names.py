@@ -37,6 +37,8 @@ TRAINER = {
     ("sft", "eval_strategy"): "trainer.val_check_interval (training batches between validations; null: once per epoch)",
     ("sft", "eval_steps"): "trainer.val_check_interval (counted in training batches: optimizer steps times "
     "trainer.accumulate_grad_batches)",
+    ("grpo", "eval_strategy"): "trainer.val_check_interval (steps between held-out evaluations of model.eval_data)",
+    ("grpo", "eval_steps"): "trainer.val_check_interval (optimizer steps; model.eval_generations prompts decoded each time)",
     ("grpo", "gradient_accumulation_steps"): "model.max_tokens_per_row (a step is data.batch_size prompts, forwarded in "
     "micro-batches of at most this many tokens whose gradients add up)",
 }
@@ -52,6 +54,8 @@ DEFAULTS = {
     "`model.max_grad_norm` is 1.0)",
     ("sft", "eval_strategy"): "validation runs once an epoch wherever `data.val_data` is given; no held-out file, no "
     "validation",
+    ("grpo", "eval_strategy"): "held-out prompts are evaluated before the first step and after the last wherever "
+    "`model.eval_generations` is set; a whole `trainer.val_check_interval` adds evaluations between",
     ("*", "gradient_checkpointing"): "recomputing each layer in backward costs time where memory suffices; the loss "
     "and gradients are the same with it on (exact with packing)",
     ("*", "output_dir"): "a run writes to a folder of its own from the start",
@@ -208,7 +212,7 @@ NO_EQUIVALENT = {
     "adam_epsilon": "AdamW's eps is torch's default, 1e-8, TRL's default too",
     "dataloader_num_workers": "GRPO's prompts are a few per step, read in the main process",
     "adam_beta*": "GRPO's AdamW takes torch's betas, (0.9, 0.999), TRL's defaults",
-    "eval_*": "GRPO evaluates model.eval_data before the first step and after the last (model.eval_generations)",
+    "eval_*": "GRPO evaluates model.eval_data before the first step, every trainer.val_check_interval steps and after the last (model.eval_generations)",
     "pad_to_multiple_of": "GRPO's packed rows take the step's shape (model.max_tokens_per_row bounds them)",
     "completion_only_loss": "always: the loss covers the completion (or the assistant turns) only",
     "assistant_only_loss": "always: the loss covers the assistant turns (or the completion) only",

@@ -662,3 +662,19 @@ def test_a_resume_under_a_trainer_of_ones_own_with_another_prompt_batch_size_is_
     run.save_checkpoint(tmp_path / "one.ckpt")
     with pytest.raises(BatchingChanged, match=r"^data\.batch_size=3 here, 2 in the run: the run being resumed cut"):
         trainer_of(2).fit(GRPOModule(**{**FAST, "rewards": DIGIT_REWARDS}), PromptDataModule(batch_size=3), ckpt_path=tmp_path / "one.ckpt")
+
+
+def test_held_out_prompts_are_evaluated_every_val_check_interval_steps(tmp_path):
+    """TRL's eval_steps: a whole trainer.val_check_interval evaluates eval_data every that many steps, besides before
+    training and at its end (it was taken and did nothing); without eval_generations it is refused in one line."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD}, eval_data="toy", eval_generations=1, eval_max_new_tokens=2)
+    trainer_of(5, logger=CSVLogger(tmp_path), val_check_interval=2).fit(module, PromptDataModule(batch_size=2))
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("val/exact_match")
+    # before training (at 0), after steps 2 and 4 (logged where their figures are: 1 and 3); the end's is summary.json's
+    assert [int(row.split(",")[rows[0].split(",").index("step")]) for row in rows[1:] if row.split(",")[column]] == [0, 1, 3]
+    with pytest.raises(RecipeError, match=r"trainer.val_check_interval=2: a GRPO run evaluates held-out prompts .* only with model.eval_generations"):
+        trainer_of(1, val_check_interval=2).fit(GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(batch_size=2))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
 from transformers import PreTrainedTokenizerBase
 
 from lightning_rl.data.sft import DataError, DataSource, GenerationCase, Renderer, load_examples
@@ -67,3 +67,20 @@ def log_heldout(module: LightningModule, figures: dict[str, Any]) -> dict[str, A
     for logger in module.loggers:
         logger.log_metrics({HELDOUT_METRIC: figures["heldout_exact_match"]}, step=max(module.global_step - 1, 0))
     return figures
+
+
+class HeldOutEvery(Callback):
+    """GRPO's held-out evaluation every ``trainer.val_check_interval`` steps (a whole number; TRL's ``eval_steps``), on
+    every rank, besides the one before training and the one at its end (summary.json). An interval with nothing to
+    evaluate (``eval_generations`` 0) is refused: it would be taken without effect."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        interval = trainer.val_check_interval
+        if isinstance(interval, int) and not pl_module.hparams.eval_generations:
+            raise RecipeError(f"trainer.val_check_interval={interval}: a GRPO run evaluates held-out prompts (model.eval_data) only "
+                              "with model.eval_generations set: set it, or leave val_check_interval out", "trainer.val_check_interval")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        interval, step = trainer.val_check_interval, trainer.global_step
+        if isinstance(interval, int) and pl_module.hparams.eval_generations and step % interval == 0 and step < trainer.max_steps:
+            pl_module.evaluate()  # the last step's is the run's final evaluation

@@ -43,7 +43,7 @@ from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
-from lightning_rl.modules.evaluation import exact_match, heldout_cases, log_heldout
+from lightning_rl.modules.evaluation import HeldOutEvery, exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
 from lightning_rl.modules.entropy_threshold import step_entropy_threshold
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, log_step, rollout_table, run_summary, step_metrics
@@ -161,8 +161,8 @@ class GRPOModule(PolicyModule):
             ``merged`` into the weights or its ``adapter`` alone, ``delta`` (only changed tensors), ``auto``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily, each up to
-            ``eval_max_new_tokens`` tokens, before training and after, by the SFT module's evaluator (``summary.json``:
-            ``heldout_exact_match_before``, ``heldout_exact_match``); string prompts rendered as training renders them.
+            ``eval_max_new_tokens`` tokens, before training, every ``trainer.val_check_interval`` steps and after, by the SFT
+            module's evaluator (``val/exact_match``; summary.json's ``heldout_exact_match_before`` and ``heldout_exact_match``).
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
         export: the Hugging Face folder: ``model``, ``merged`` (LoRA merged in: the default with ``lora``), ``adapter`` (TRL's).
@@ -363,7 +363,7 @@ class GRPOModule(PolicyModule):
     def configure_callbacks(self) -> list[Callback]:
         # Lightning calls no module hook when a fit ends by an exception (a SIGTERM stop included); a rollout thread
         # left running there aborts the interpreter at exit (exit code 134).
-        return [*super().configure_callbacks(), _CloseOnException()]
+        return [*super().configure_callbacks(), _CloseOnException(), HeldOutEvery()]
 
     def close(self) -> None:
         """Stop the weight push and the rollout thread, the tool workers and the engine."""

@@ -71,10 +71,10 @@ class TrainedRollouts(L.Callback):
 
 
 def trainer(max_steps: int, callbacks: list[L.Callback] | None = None, **kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks or [], **kwargs,
-    )
+    return L.Trainer(**{
+        "max_steps": max_steps, "accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "callbacks": callbacks or [], **kwargs,
+    })
 
 
 def fit(max_steps: int, callbacks: list[L.Callback] | None = None, batch_size: int = 2, ckpt_path: str | None = None,
