@@ -214,16 +214,17 @@ class ExportHuggingFace(Callback):
 
 
 class ScheduleOnResume(Callback):
-    """A resume with another ``trainer.max_steps`` than the run that wrote the checkpoint says in one line how the
-    learning-rate schedule changes, and follows the new schedule from its first step.
+    """A resume whose schedule spans another number of steps than the run that wrote the checkpoint (another
+    ``trainer.max_steps`` or ``trainer.max_epochs``) says in one line how the learning-rate schedule changes, and
+    follows the new schedule from its first step.
 
-    Every checkpoint records the run's ``max_steps`` and the schedule's length. On resume the schedule is rebuilt over
-    the new length, while the optimizer comes back with the old schedule's learning rate for this step: without the
-    correction here the first step would use the old value and the next ones the new schedule's.
+    Every checkpoint records the run's ``max_steps``, ``max_epochs`` and the schedule's length. On resume the schedule
+    is rebuilt over the new length, while the optimizer comes back with the old schedule's learning rate for this
+    step: without the correction here the first step would use the old value and the next ones the new schedule's.
     """
 
     def __init__(self) -> None:
-        self.length: dict[str, Any] = {}  # this run's max_steps and schedule length, saved in every checkpoint
+        self.length: dict[str, Any] = {}  # this run's max_steps, max_epochs and schedule length, saved in every checkpoint
         self.recorded: dict[str, Any] | None = None  # the checkpoint's
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,12 +235,19 @@ class ScheduleOnResume(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         total = trainer.estimated_stepping_batches
-        self.length = {"max_steps": trainer.max_steps, "schedule_steps": int(total) if math.isfinite(total) else None}
+        self.length = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs,
+                       "schedule_steps": int(total) if math.isfinite(total) else None}
         recorded, self.recorded = self.recorded, None
-        if not recorded or recorded.get("max_steps") == trainer.max_steps:
+        if not recorded:
+            return
+        # A checkpoint of an earlier version records no max_epochs: its keys are taken as unchanged.
+        changed = [key for key in ("max_steps", "max_epochs") if recorded.get(key, self.length[key]) != self.length[key]]
+        if not changed and recorded.get("schedule_steps") == self.length["schedule_steps"]:
             return
         step = trainer.global_step
-        said = f"resume at step {step}: trainer.max_steps is {trainer.max_steps}, the checkpoint's run had {recorded['max_steps']}"
+        said = f"resume at step {step}: " + (", ".join(
+            f"trainer.{key} is {self.length[key]}, the checkpoint's run had {recorded[key]}" for key in changed) or
+            f"the run spans {self.length['schedule_steps']} steps, the checkpoint's spanned {recorded.get('schedule_steps')}")
         configs = trainer.lr_scheduler_configs  # one: the modules' configure_optimizers
         change = _follow_new_schedule(configs[0].scheduler, step) if configs else None
         if change is not None:

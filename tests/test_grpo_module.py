@@ -678,3 +678,15 @@ def test_held_out_prompts_are_evaluated_every_val_check_interval_steps(tmp_path)
     assert [int(row.split(",")[rows[0].split(",").index("step")]) for row in rows[1:] if row.split(",")[column]] == [0, 1, 3]
     with pytest.raises(RecipeError, match=r"trainer.val_check_interval=2: a GRPO run evaluates held-out prompts .* only with model.eval_generations"):
         trainer_of(1, val_check_interval=2).fit(GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(batch_size=2))
+
+
+def test_a_resume_that_starts_evaluating_has_no_before_training_figure(tmp_path):
+    """Held-out prompts first evaluated on a resume were scored on the checkpoint's weights and called 'before training'."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer_of(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], enable_checkpointing=True).fit(
+        GRPOModule(**FAST, rewards=LENGTH_REWARD), PromptDataModule(batch_size=2))
+    resumed = GRPOModule(**FAST, rewards=LENGTH_REWARD, eval_data="toy", eval_generations=1, eval_max_new_tokens=2)
+    trainer_of(2).fit(resumed, PromptDataModule(batch_size=2), ckpt_path=tmp_path / "last.ckpt")
+    summary = resumed.summary_metrics()
+    assert resumed.heldout_before is None and summary["heldout_exact_match_before"] is None and summary["heldout_exact_match"] is not None

@@ -91,6 +91,32 @@ def test_a_resume_at_the_end_of_the_warmup_does_not_call_a_cosine_schedule_lengt
     assert [name for name, over in spans.items() if over] == ["linear", "cosine", "cosine_with_restarts", "polynomial"]
 
 
+def test_a_resume_given_more_epochs_follows_the_longer_schedule_and_one_with_none_left_is_refused(tmp_path, capsys):
+    """Bounded by trainer.max_epochs (max_steps -1 both times), a resume with more epochs trained its first step at
+    the old schedule's end rate (0) without a word; one with no epoch left re-exported the run as finished."""
+    from lightning_rl.checkpoints import checkpoint_step
+
+    out, rows = tmp_path / "run", tmp_path / "rows.jsonl"
+    rows.write_text("".join((REPO / "lightning_rl" / "assets" / "toy" / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    args = ["run", SFT, f"--output_dir={out}", *QUIET, f"--data.train_data={rows}", "--data.val_data=null", "--data.max_tokens=128",
+            "--model.eval_generations=0", "--model.warmup_steps=0", "--model.lr_schedule=cosine", "--model.learning_rate=1e-3",
+            "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.max_steps=-1"]  # fmt: skip
+    assert cli.main([*args, "--trainer.max_epochs=1"]) == 0
+    epoch = checkpoint_step(out / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    assert cli.main([*args, "--trainer.max_epochs=2", "--ckpt_path=last"]) == 0
+    assert (f"resume at step {epoch}: trainer.max_epochs is 2, the checkpoint's run had 1: the learning-rate schedule now spans "
+            f"{2 * epoch} steps (it spanned {epoch}), so the learning rate at this step is 0.0005, not 0") in capsys.readouterr().err
+    assert logged(out, "train/lr")[epoch] == pytest.approx(0.5e-3, rel=1e-6)  # the cosine's middle, where it was 0
+    exported = (out / "hf" / "model.safetensors").read_bytes()
+    for epochs in (2, 1):
+        assert cli.main([*args, f"--trainer.max_epochs={epochs}", "--ckpt_path=last"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: ckpt_path: {out / 'checkpoints' / 'last.ckpt'} has trained 2 epochs (step {2 * epoch}), and trainer.max_epochs "
+            f"is {epochs}: there is nothing left to train; raise trainer.max_epochs to train on from it")
+    assert (out / "hf" / "model.safetensors").read_bytes() == exported
+
+
 def test_held_out_generations_without_held_out_data_are_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["run", SFT, f"--output_dir={out}", "--trainer.max_steps=1", "--data.val_data=null",

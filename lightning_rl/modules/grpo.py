@@ -336,7 +336,7 @@ class GRPOModule(PolicyModule):
     def on_train_start(self) -> None:
         # Here, not in on_fit_start: a resume has restored global_step by now. Versions count batches of rollouts
         # (one per num_iterations optimizer steps).
-        if self.hparams.eval_generations and self.heldout_before is None:  # not on a resume: it has them
+        if self.hparams.eval_generations and self.heldout_before is None and self.global_step == 0:  # a resume has them, or none
             self.heldout_before = self.evaluate()
         index, iteration = divmod(self.global_step, self.hparams.num_iterations)
         self._push_weights(version=index)

@@ -235,11 +235,19 @@ class PolicyModule(LightningModule):
             self._resumed_random = RandomState.from_plain(this_ranks(checkpoint[RANDOM_STATE], self.trainer, lambda _: False), self.device)
         if not same_kind:
             self._check_optimizer_keys(checkpoint, path)
-        step, max_steps = int(checkpoint["global_step"]), self.trainer.max_steps
-        if max_steps >= 0 and step >= max_steps:  # Lightning would train nothing, then export it again as finished
+        step, max_steps, max_epochs = int(checkpoint["global_step"]), self.trainer.max_steps, self.trainer.max_epochs
+        # Lightning would train nothing, then export it again as finished. Its epochs count as its loop counts them
+        # (an epoch is done once processed, before the hook that saves at its end).
+        epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed", 0)
+        if max_steps >= 0 and step >= max_steps:
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
                 "train; raise trainer.max_steps to train on from it"
+            )
+        if max_steps < 0 and max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
+            raise ForeignCheckpointError(
+                f"ckpt_path: {path} has trained {epochs} epoch{'s' if epochs != 1 else ''} (step {step}), and trainer.max_epochs "
+                f"is {max_epochs}: there is nothing left to train; raise trainer.max_epochs to train on from it"
             )
 
     def _check_optimizer_keys(self, checkpoint: dict[str, Any], path: Any) -> None:
