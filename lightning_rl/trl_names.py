@@ -173,8 +173,9 @@ DIFFERENCES = (
      "every held-out token", "the mean of each micro-batch's figure (gathered over the ranks), and of each eval "
      "batch's", "a micro-batch of few tokens weighs as much as one of many there; here each token counts once, as in "
      "the loss"),
-    ("`num_tokens`", "`train/trained_tokens` and `train/flat_tokens`: this step's (summary.json sums them over the run)",
-     "the running total of the inputs' tokens", "a step's figure reads alone; the total is the run's summary"),
+    ("`num_tokens`", "`train/trained_tokens` and `train/flat_tokens`: this step's (summary.json sums them over the run; with "
+     "`model.num_iterations` > 1 each pass over a batch counts)", "the running total of the inputs' tokens, a batch counted once",
+     "a step's figure reads alone; the total is the run's summary, of the tokens forwarded"),
     ("A reward that times itself with `signal.alarm`", "a plain function runs on a thread of its own, where a signal "
      "cannot be set: it fails on every sample, in one line", "called on the main thread", "a reward that does not "
      "return is left behind on its thread at `reward_timeout_s`, and the run goes on; bound a reward's own time with a "

@@ -347,7 +347,9 @@ def test_terminated_lengths_are_trls_and_no_extreme_is_logged_as_an_infinity():
     assert (ended["completions/min_length"], ended["completions/max_length"]) == (2.0, 4.0)
     truncated = batch("length", "length")
     assert [truncated[f"completions/{kind}_terminated_length"] for kind in ("mean", "min", "max")] == [0.0, 0.0, 0.0]
-    assert truncated["clip/low_min"] == 0.0 and truncated["clip/high_max"] == 0.0  # a step of no trained token
+    assert math.isnan(truncated["clip/low_min"]) and math.isnan(truncated["clip/high_max"])  # no sequence trained: TRL's NaN
+    alone = batch("stop")  # one scored sample: TRL's nanstd is NaN (a 0 read as every sample tied)
+    assert math.isnan(float(alone["reward/std"])) and math.isnan(float(alone["reward/r/std"])) and float(ended["reward/std"]) == 0.0
 
 
 def test_rollout_rows_under_a_logger_without_a_folder_go_under_its_name_and_version(tmp_path):

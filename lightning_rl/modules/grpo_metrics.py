@@ -241,8 +241,8 @@ def _over_ranks(module: LightningModule, samples: dict[tuple[str, str | None], l
     figures: dict[str, float] = {key: float(Pooled(sum_, count)) for key, count, sum_ in zip(ratios, n[len(keys):], total[len(keys):])}
     for (mean, std), count, sum_, sum_sq in zip(keys, n, total, squares):
         figures[mean] = sum_ / count if count else math.nan
-        if std is not None:  # unbiased, 0 for fewer than two (as `_nanstd`)
-            figures[std] = math.sqrt(max(sum_sq - sum_ * sum_ / count, 0.0) / (count - 1)) if count > 1 else 0.0
+        if std is not None:  # unbiased, NaN for fewer than two (as `_nanstd`)
+            figures[std] = math.sqrt(max(sum_sq - sum_ * sum_ / count, 0.0) / (count - 1)) if count > 1 else math.nan
     return figures
 
 
@@ -256,14 +256,15 @@ def _lengths(lengths: list[int], kind: str = "") -> dict[str, float]:
 
 def _extremes(module: LightningModule, metrics: dict[str, Any]) -> dict[str, float]:
     """Each figure that is a smallest or a largest (`_REDUCTIONS`), over every rank that has one: a rank without (no
-    completion that ended, no token trained) gives an infinite bound, which the others' pass over; 0 where no rank
-    has one (TRL's for the lengths), never an infinity in the logs."""
+    completion that ended, no token trained) gives an infinite bound, which the others' pass over; where no rank has
+    one, TRL's: 0 for a length, NaN for a clip figure (no sequence trained), never an infinity in the logs."""
     keys = [key for key in metrics if _reduction(key) in ("min", "max")]
     signs = [-1.0 if _reduction(key) == "min" else 1.0 for key in keys]
     local = torch.tensor([sign * float(metrics[key]) for key, sign in zip(keys, signs)], dtype=torch.float64, device=module.device)
     if module.trainer.world_size > 1:
         local = module.trainer.strategy.reduce(local, reduce_op="max")
-    return {key: sign * value if math.isfinite(value) else 0.0 for key, sign, value in zip(keys, signs, local.tolist())}
+    return {key: sign * value if math.isfinite(value) else 0.0 if key.endswith("length") else math.nan
+            for key, sign, value in zip(keys, signs, local.tolist())}
 
 
 def _reduction(key: str) -> str:
@@ -283,9 +284,9 @@ def _frac_tied_groups(rewards: torch.Tensor, groups: list[int]) -> Pooled:
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
-    """The unbiased std of the values that are not NaN (TRL's ``nanstd``); 0 for fewer than two."""
+    """The unbiased std of the values that are not NaN (TRL's ``nanstd``): NaN for fewer than two, as TRL logs it."""
     present = values[~values.isnan()]
-    return present.std() if present.numel() > 1 else torch.tensor(0.0)
+    return present.std() if present.numel() > 1 else torch.tensor(math.nan)
 
 
 def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str], step: int) -> tuple[list[str], list[list[Any]]]:
