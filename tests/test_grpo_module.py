@@ -328,7 +328,7 @@ def test_dynamic_sampling_says_when_its_bound_is_hit(caplog):
     with caplog.at_level(logging.WARNING):
         module, trainer = fit(1, batch_size=2, rewards=[RewardSpec("test_grpo_module:always_one")],
                               dynamic_sampling=True, dynamic_sampling_max_rounds=3)  # fmt: skip
-    assert "step 1: dynamic sampling found 0 of 2 groups with differing rewards after 3 rounds" in caplog.text
+    assert "step 1: dynamic sampling found 0 of 2 groups with differing rewards after 3 rounds (dynamic_sampling_max_rounds); the step trains the first round's groups, whose advantages are all 0" in caplog.text
     assert module.last_trained.sampling_rounds == 3 and module.last_trained.filtered_groups == 6
     assert float(trainer.callback_metrics["train/dynamic_sampling/filtered_fraction"]) == 1.0  # every group sampled tied
 

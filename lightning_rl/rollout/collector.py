@@ -200,7 +200,8 @@ class RolloutCollector:
         if len(kept.records) < wanted:
             log.warning(
                 "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
-                "(dynamic_sampling_max_rounds); training on those", index + 1, len(kept.records), wanted, rounds,
+                "(dynamic_sampling_max_rounds); %s", index + 1, len(kept.records), wanted, rounds,
+                "training on those" if kept.records else "the step trains the first round's groups, whose advantages are all 0",
             )
         filtered = sampled - len(kept.records) - kept.excluded_groups  # the rest left for infrastructure failures
         if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
