@@ -806,11 +806,23 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
             else:
                 message = ("model.engine: init_args given without a class_path: name the engine beside them with class_path "
                            "(its class name, e.g. HFRolloutEngine or VLLMEngine, or pkg.module.Class)")  # fmt: skip
+        elif nested := re.fullmatch(r"trainer\.strategy must be .*, got NestedArg\(key='([\w.]+)', val='(.*)'\)", message):
+            message = _strategy_options(nested[1], nested[2])
         key = re.match(r"(?:unknown key ')?([\w.]+)", message)
         blamed = recipe is None or (key is not None and _written_on_command_line(key[1], overrides))
         raise RecipeError(f"{'command line' if blamed else recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
+
+
+def _strategy_options(option: str, value: str) -> str:
+    """A strategy given by its registered name (``cpu_static``) and an option: a name takes none, its class does."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ours = ", ".join(f"{name}: {entry['strategy'].__name__}" for name, entry in StrategyRegistry.items()
+                     if entry["strategy"].__module__.startswith("lightning_rl."))
+    return (f"trainer.strategy: a strategy given by its registered name takes no options ({option}={value}): name its class "
+            f"({ours}; Lightning's, e.g. DDPStrategy), then its options: --trainer.strategy=CLASS --trainer.strategy.{option}={value}")
 
 
 def _engine_name(recipe: str | None, overrides: list[str]) -> tuple[bool, str | None]:

@@ -217,3 +217,13 @@ def test_a_mapping_written_without_spaces_after_its_colons_says_how_yaml_reads_i
     """`{dtype:float32}` is one YAML key, 'dtype:float32': the line said only that the key "must be null"."""
     [error] = error_lines(capsys, ["run", GRPO, "--model.engine.class_path=VLLMServerEngine", "--model.engine.init_args.server_options={dtype:float32}"])
     assert error.endswith("got {dtype:float32} (YAML reads {key:value} as one key, 'key:value': write {key: value}, a space after each colon)"), error
+
+
+def test_an_option_of_a_strategy_given_by_name_says_to_name_its_class(tmp_path, capsys):
+    """jsonargparse's words were 'must be a string or a Strategy, got NestedArg(...)'; the class takes the option."""
+    [error] = error_lines(capsys, ["run", SFT, f"--output_dir={tmp_path}", "--trainer.strategy=cpu_static",
+                                   "--trainer.strategy.init_args.compile_backend=eager"])  # fmt: skip
+    assert error == ("error: command line: trainer.strategy: a strategy given by its registered name takes no options "
+                     "(compile_backend=eager): name its class (fsdp2: FSDP2Strategy, fsdp2_rocm: ROCmFSDP2Strategy, xla_static: "
+                     "XLAStaticStrategy, neuron: NeuronStrategy, cpu_static: StaticShapeCPUStrategy; Lightning's, e.g. DDPStrategy), "
+                     "then its options: --trainer.strategy=CLASS --trainer.strategy.compile_backend=eager")
