@@ -310,13 +310,18 @@ class LoggerAfterSetup(Callback):
     """Attaches the run's logger once its model and data are set up: a run that fails before leaves no logger
     folder behind. It logs ``recipe``, the run's resolved recipe by dotted key, as the run's hyperparameters (the
     loss, sampling, rewards, data and trainer keys too: W&B's config, the CSV logger's hparams.yaml) as training
-    starts, beside the module's own, which Lightning logs after fit start."""
+    starts, in place of the module's and datamodule's own, which Lightning would log after fit start: each setting
+    once, under its recipe key (``model.learning_rate``, not ``learning_rate`` too)."""
 
     def __init__(self, logger: Logger, recipe: dict[str, Any] | None = None) -> None:
         self.logger, self.recipe = logger, recipe or {}
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.loggers = [*trainer.loggers, self.logger]
+        if self.recipe:
+            for owner in (pl_module, trainer.datamodule):
+                if owner is not None:
+                    owner._log_hyperparams = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Not at fit start: nothing may reach the logger's folder before --overwrite has removed the earlier run's.

@@ -192,6 +192,7 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     assert recipe.startswith(run_folder.MARKER + "\n") and "overwrite: false" in recipe  # rerunning it replaces nothing
     logged = yaml.safe_load((out / "csv" / "version_1" / "hparams.yaml").read_text())
     assert logged["overwrite"] is False and logged["trainer.max_steps"] == 2  # the logged hyperparameters are recipe.yaml's
+    assert "model.learning_rate" in logged and "learning_rate" not in logged  # each once, by its recipe key
     assert not (out / ".lock").exists()
 
 
