@@ -249,7 +249,7 @@ NO_EQUIVALENT = {
     "attn_implementation": "packed rows need the tree attention: model.attention_backend",
     "use_peft": "a model.lora block turns LoRA on",
     "lora_target_parameters": "LoRA adapts modules (model.lora.target_modules), not parameters",
-    "lora_modules_to_save": "only the adapters train under LoRA (and model.towers: train for image-text towers)",
+    "lora_modules_to_save": "only the adapters train under LoRA (an image-text model's towers too, with model.towers: lora)",
     "lora_task_type": "always a causal language model",
     "use_rslora": "LoRA's scale is alpha / r",
     "use_dora": "plain LoRA only",

@@ -14,3 +14,17 @@ def test_fused_expert_projections_are_named_in_the_refusal():
     with pytest.raises(RecipeError, match=r"'gate_proj', 'down_proj' match no module of Qwen3MoeForCausalLM \(its linear layers: .*"
                                           r"q_proj.*; or all-linear; its experts' projections are fused parameters \(down_proj, gate_up_proj\)"):
         _check_lora_targets(model, ["q_proj", "gate_proj", "down_proj"])
+
+
+def test_the_output_head_and_a_container_module_are_refused_naming_the_key_and_the_linear_layers():
+    """An adapted head was refused at the first step as a packing problem, with a hint (packing: none) that failed the
+    same way; peft's refusal of a container module was cut off inside the module's repr."""
+    from lightning_rl.models.loading import LoraSettings, load_causal_lm
+
+    for targets in (["q_proj", "lm_head"], "lm_head"):
+        with pytest.raises(RecipeError, match=r"^lora.target_modules: 'lm_head' is Qwen3ForCausalLM's output head \(lm_head\), whose "
+                                              r"log-probs are computed in chunks from its plain weight: leave it out \(all-linear does\)$"):
+            load_causal_lm("tiny", lora=LoraSettings.checked({"r": 2, "target_modules": targets}))
+    with pytest.raises(RecipeError, match=r"^lora.target_modules: peft cannot adapt Qwen3ForCausalLM as asked: Target module Qwen3MLP is "
+                                          r"not supported \(name the modules to adapt: its linear layers down_proj, gate_proj, .*; or all-linear\)$"):
+        load_causal_lm("tiny", lora=LoraSettings(r=2, target_modules=["mlp"]))

@@ -147,20 +147,34 @@ def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module
     try:
         return get_peft_model(model, config)
     except ValueError as error:
-        raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {str(error).splitlines()[0]} (name the "
-                          "modules to adapt)", "lora.target_modules") from None
+        # peft names a module it cannot adapt by its repr, over many lines: its class name says it
+        said = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported", " ".join(str(error).split()))
+        raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {said.split('. Currently')[0]} (name the "
+                          f"modules to adapt: its linear layers {', '.join(_linear_leaves(model))}; or all-linear)", "lora.target_modules") from None
+
+
+def _linear_leaves(model: torch.nn.Module) -> list[str]:
+    """The last names of ``model``'s linear layers, each once: what ``lora.target_modules`` can name."""
+    linear = (torch.nn.Linear, Conv1D)  # GPT-2's projections are Conv1D layers, which peft adapts too
+    return sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear)})
 
 
 def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
     """Every name of a list must match modules of the model (as peft matches: the name, or its last parts); peft
     itself refuses only a list that matches nothing, and adapts the rest silently."""
-    if isinstance(targets, str):
+    if isinstance(targets, str):  # all-linear (a run's one name is a list of it by now)
         return
     names = [name for name, _ in model.named_modules()]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = [name for name, module in model.named_modules() if head is not None and module is head]
+    if adapted := [t for t in targets if any(name == t or name.endswith(f".{t}") for name in heads)]:
+        raise RecipeError(
+            f"lora.target_modules: {adapted[0]!r} is {type(model).__name__}'s output head ({heads[0]}), whose log-probs are computed "
+            "in chunks from its plain weight: leave it out (all-linear does)", "lora.target_modules",
+        )
     missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
     if missing:
-        linear = (torch.nn.Linear, Conv1D)  # GPT-2's projections are Conv1D layers, which peft adapts too
-        leaves = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear)})
+        leaves = _linear_leaves(model)
         # Experts kept as one 3-D parameter per projection: peft would adapt those parameters, not modules, which the
         # weight syncs, exports and shardings here do not carry.
         fused = sorted({name for module in model.modules() if not isinstance(module, torch.nn.modules.conv._ConvNd)
