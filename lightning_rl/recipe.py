@@ -893,4 +893,6 @@ def _written(parsed: Any, written: Any) -> Any:
         return parsed
     if "init_args" in parsed and "init_args" not in written:
         written = {**written, "init_args": {key: value for key, value in written.items() if key != "class_path"}}
+    elif "init_args" not in parsed and isinstance(written.get("init_args"), dict):  # a dataclass by class_path: parsed as its fields
+        written = {**{key: value for key, value in written.items() if key not in ("class_path", "init_args")}, **written["init_args"]}
     return {key: _written(parsed[key], written[key]) for key in parsed if key in written}

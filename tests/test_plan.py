@@ -232,6 +232,16 @@ def test_each_term_is_counted_in_the_dtype_the_run_holds_it_in(tmp_path: Path, c
     assert beside["reference model (model.loss.beta != 0)"].endswith("x 4 B, gathered")
     on_cpu = formulas("--model.engine={class_path: HFRolloutEngine, init_args: {device: cpu}}")
     assert "transformers engine's own copy (model.engine)" not in on_cpu
+    # fp32's policy gathers in the weights' own dtype (it was counted 4 B under bf16-true); a MixedPrecisionPolicy by
+    # class_path (a crash) gathers in its param_dtype; shard units of the recipe's own are refused (they were ignored).
+    strategy = "--trainer.strategy={class_path: lightning_rl.strategies.fsdp2.FSDP2Strategy, init_args: {mixed_precision: %s}}"
+    assert formulas("--trainer.precision=bf16-true", strategy % "fp32") == formulas("--trainer.precision=bf16-true", strategy % "null")
+    policy = "{class_path: torch.distributed.fsdp.MixedPrecisionPolicy, init_args: {param_dtype: torch.float16}}"
+    assert formulas(strategy % policy)["FSDP root unit, gathered for the step"].endswith("x 2 B")
+    assert formulas(strategy % "{class_path: torch.distributed.fsdp.MixedPrecisionPolicy}")["FSDP root unit, gathered for the step"].endswith("x 4 B")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "80", "--",
+                      "--trainer.strategy=lightning_rl.strategies.fsdp2.FSDP2Strategy", "--trainer.strategy.layer_classes=[Qwen3MLP]"]) == 2
+    assert "`trainer.strategy.layer_classes` chooses the shard units, which the plan takes from the model" in capsys.readouterr().err
 
 
 def _tiny(model_type: str, **overrides):

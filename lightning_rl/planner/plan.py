@@ -28,8 +28,9 @@ LOCAL_CONFIGS = Path(__file__).resolve().parent / "models"  # package data: foun
 # matmuls in 16 bits, but the weights and what flows between the layers (each layer's input, kept under checkpointing)
 # stay float32.
 _PRECISION_BYTES = {"bf16-true": (2, 2), "bf16-mixed": (4, 4), "16-mixed": (4, 4), "32-true": (4, 4), "64-true": (8, 8)}  # validation.PRECISIONS
-# FSDP2's mixed_precision: the dtype it gathers weights in (None: the weights' own).
-_GATHER_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, None: None}
+# FSDP2's mixed_precision: the bytes of the dtype it gathers weights in (None: the weights' own, as fp32's policy
+# leaves them: strategies/fsdp2.py).
+_GATHER_BYTES = {"bf16": 2, "fp16": 2, "fp32": None, None: None}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,7 +110,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
-        gather_bytes=_GATHER_BYTES.get(recipe.get("trainer.strategy.mixed_precision")),
+        gather_bytes=_gather_bytes(recipe),
         activation_checkpointing=checkpointing,
         offload_activations=bool(recipe.get("model.offload_activations", False)),
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
@@ -153,6 +154,19 @@ def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, root
     return dataclasses.replace(training, beside=tuple(beside), notes=training.notes + notes)
 
 
+def _gather_bytes(recipe: RecipeView) -> int | None:
+    """The bytes FSDP2 gathers a weight element in, as the recipe's ``mixed_precision`` sets them: a name, or a
+    ``MixedPrecisionPolicy`` by ``class_path`` (its ``param_dtype``); None: the weights' own."""
+    value = recipe.get("trainer.strategy.mixed_precision")
+    if isinstance(value, dict):  # the policy's fields, as the recipe gave them
+        dtype = value.get("param_dtype")
+        return None if dtype is None else _dtype_bytes(dtype, 0) or None
+    if isinstance(value, str | type(None)) and value in _GATHER_BYTES:
+        return _GATHER_BYTES[value]
+    raise LaunchError(f"{recipe.path}: `trainer.strategy.mixed_precision: {value!r}` is not planned: give bf16, fp16, fp32, null or a "
+                      "MixedPrecisionPolicy class_path")
+
+
 def _dtype_bytes(name: object, default: int) -> int:
     """The bytes of one element of a dtype named as recipes and configs name it (``bfloat16``, ``torch.float32``, a
     ``torch.dtype``); ``default`` for anything else (``auto``, none)."""
@@ -184,6 +198,9 @@ def _check_strategy(recipe: RecipeView, world_size: int) -> None:
         raise LaunchError(f"{recipe.path}: `trainer.strategy: {name}`: the plan models FSDP2 (weights, gradients and optimizer states "
                           "sharded over the GPUs); another strategy on several GPUs (Lightning's auto picks DDP, which keeps "
                           "them whole on each) is not planned: set trainer.strategy: fsdp2")
+    if recipe.get("trainer.strategy.layer_classes"):
+        raise LaunchError(f"{recipe.path}: `trainer.strategy.layer_classes` chooses the shard units, which the plan takes from the model "
+                          "(its _no_split_modules) and does not model otherwise: plan without it")
     if recipe.get("trainer.strategy.reshard_after_forward") is False:
         raise LaunchError(f"{recipe.path}: `trainer.strategy.reshard_after_forward: false` keeps every decoder layer gathered from "
                           "forward to backward, which the plan (one layer gathered at a time) does not model")
