@@ -19,7 +19,7 @@ from lightning_rl.launch import slurm
 from lightning_rl.launch.layout import Allocation
 from lightning_rl.launch.recipe_view import LaunchError, RecipeView
 from lightning_rl.launch.render import SlurmOptions, render_slurm_script
-from support.paths import TOY_TRAIN
+from support.paths import REPO, TOY_TRAIN
 
 MUSE_RECIPE = Path("recipes/muse_spark_open/lora_sft_8x8.yaml")
 MUSE_SCRIPT = Path("launch/slurm/muse_spark_open_lora_sft_8x8.sbatch")
@@ -305,3 +305,11 @@ def test_a_data_file_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: 
                        "--", f"--data.train_data={tmp_path / 'gone.jsonl'}"])  # fmt: skip
     assert code == 0
     assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err
+
+
+def test_another_launchers_name_is_one_line_naming_the_script_for_it(capsys) -> None:
+    """`launch torchrun RECIPE.yaml` took "torchrun" for the recipe, and said --nodes was missing."""
+    assert slurm.main(["torchrun", str(REPO / "recipes" / "tiny" / "sft.yaml"), "--nodes", "1", "--gpus-per-node", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: launch torchrun: launch renders SLURM jobs (lightning-rl launch [slurm] RECIPE.yaml --nodes N --gpus-per-node G); "
+        "without SLURM, launch/torchrun.sh starts a run on each node")

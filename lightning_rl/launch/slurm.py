@@ -107,6 +107,10 @@ def _check_flags(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     own_args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
     try:
+        if len(own_args) > 1 and own_args[0].isidentifier() and not Path(own_args[0]).exists() and not own_args[1].startswith("-"):
+            # `launch torchrun RECIPE.yaml`: another launcher's name where the recipe goes
+            raise LaunchError(f"launch {own_args[0]}: launch renders SLURM jobs (lightning-rl launch [slurm] RECIPE.yaml --nodes N "
+                              "--gpus-per-node G); without SLURM, launch/torchrun.sh starts a run on each node")
         args = _parser().parse_args(own_args)
         _check_flags(args)
         options = SlurmOptions(
