@@ -551,7 +551,7 @@ def test_prompts_given_from_python_as_a_dataset_or_rows_train_as_a_file_of_them_
         trainer_of(1).fit(module, data)
         rewards.append(module.last_trained.rewards)
     assert rewards[0] == rewards[1] == rewards[2]
-    with pytest.raises(Exception, match=r"^list: row 2: no field 'prompt'"):
+    with pytest.raises(Exception, match=r"^data.train_data \(list\): row 2: no field 'prompt'"):
         PromptDataModule(train_data=[rows[0], {"question": "1+1="}]).setup()
 
 

@@ -602,3 +602,15 @@ def test_an_epoch_of_fewer_rows_splits_its_fullest_rows_first_in_their_place():
     assert _split_to([[0, 1, 2], [3]], 3) == [[0], [1, 2], [3]]
     with pytest.raises(ValueError, match="2 rows of one example each cannot make 3"):
         _split_to([[0], [1]], 3)
+
+
+def test_a_bad_row_of_a_dataset_given_from_python_names_the_key_it_was_given_as(tmp_path):
+    """A Dataset has no path that says which it is: its rows were named 'Dataset: row N', train and held-out alike."""
+    import datasets
+
+    from lightning_rl.data.sft import SFTDataModule
+
+    long_row = {"messages": [SYSTEM, {"role": "user", "content": "1+" * 200 + "1="}, {"role": "assistant", "content": "201"}]}
+    data = SFTDataModule(write_jsonl(tmp_path / "train.jsonl", [GOOD]), datasets.Dataset.from_list([GOOD, long_row]), max_tokens=128)
+    with pytest.raises(DataError, match=r"^data.val_data \(Dataset\): row 2: \d+ tokens, longer than"):
+        data.setup("fit")

@@ -66,7 +66,7 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
     """Every row of a data file (JSONL, JSON, Parquet or a saved dataset, read as for SFT), with where it is (``FILE:
     line N`` or ``FILE: row N``); each must hold a non-empty `prompt_field` (a string, or a list of chat messages
     whose trailing assistant turns are dropped)."""
-    name, rows = read_rows(source)
+    name, rows = read_rows(source, "data.train_data")
     records = []
     for where, row in rows:
         if not isinstance(row, dict) or row.get(prompt_field) is None:

@@ -303,13 +303,15 @@ def source_name(source: DataSource) -> str:
     return getattr(getattr(source, "info", None), "dataset_name", None) or type(source).__name__
 
 
-def read_rows(source: DataSource) -> tuple[str, list[tuple[str, Any]]]:
-    """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset. Each row
-    comes with where it is, for messages: its line in a JSONL file, else ``row N`` counted from 1."""
+def read_rows(source: DataSource, key: str | None = None) -> tuple[str, list[tuple[str, Any]]]:
+    """(name used in error messages, rows) from JSONL, JSON, Parquet, a saved dataset folder or a Dataset (named by the
+    ``key`` it was given as too: a path says which it is, a ``Dataset`` does not). Each row comes with where it is, for
+    messages: its line in a JSONL file, else ``row N`` counted from 1."""
     if not isinstance(source, (str, os.PathLike)):
         arrow = type(source).__module__.split(".")[0] == "datasets"  # a Dataset; not the caller's own rows, left as given
         rows = [_without_filled_arguments(row) if arrow else row for row in source]
-        return source_name(source), [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
+        name = f"{key} ({source_name(source)})" if key else source_name(source)
+        return name, [(f"row {i}", row) for i, row in enumerate(rows, start=1)]
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
@@ -681,12 +683,13 @@ class Renderer:
 
 def load_examples(
     source: DataSource, renderer: Renderer, max_length: int, fix: str = "raise max_length", limit: str | None = None,
-    as_chat: Callable[[dict], dict] | None = None,
+    as_chat: Callable[[dict], dict] | None = None, key: str | None = None,
 ) -> tuple[list[Example], list[GenerationCase]]:
     """Check and render every row of ``source``; the first bad row raises DataError naming it (a row longer than
     ``max_length``: with ``fix``, what lets it in; ``limit``: what ``max_length`` is, when not the key itself).
-    ``as_chat``: each checked row's shape before it is rendered (GRPO's held-out string prompts as chat turns)."""
-    name, rows = read_rows(source)
+    ``as_chat``: each checked row's shape before it is rendered (GRPO's held-out string prompts as chat turns); ``key``:
+    the recipe key the source was given as."""
+    name, rows = read_rows(source, key)
     if not rows:
         raise DataError(f"{name}: no rows")
     examples, cases = [], []
@@ -948,9 +951,9 @@ class SFTDataModule(LightningDataModule):
         if positions is not None and positions[0] < max_length:  # a longer row would index past the model's table
             (max_length, key), fix = positions, ""
             limit = f"the {max_length} positions the model learned (its config's {key})"
-        self.train_examples, _ = load_examples(self.train_data, renderer, max_length, fix, limit)
+        self.train_examples, _ = load_examples(self.train_data, renderer, max_length, fix, limit, key="data.train_data")
         if self.val_data is not None:
-            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, max_length, fix, limit)
+            self.val_examples, self.generation_cases = load_examples(self.val_data, renderer, max_length, fix, limit, key="data.val_data")
         if self.packing == "auto":
             self.resolved_packing = "tree" if prefix_sharing_ratio(self.train_examples, self.max_tokens) > 1.05 else "flat"
         if self.packing == "none" and (self.trainer is None or self.trainer.is_global_zero):

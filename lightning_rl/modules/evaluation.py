@@ -34,7 +34,7 @@ def heldout_cases(
             return row
         return {**row, "prompt": prompt_messages(row["prompt"]), "completion": [{"role": "assistant", "content": row["completion"]}]}
 
-    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30, as_chat=as_chat)
+    _, cases = load_examples(source, Renderer(tokenizer, tokenizer_name, processor, image_token_id), max_length=1 << 30, as_chat=as_chat, key="model.eval_data")
     if not cases:
         raise RecipeError(f"eval_data ({source}) has no conversation ending in a reply: the held-out evaluation "
                           "(eval_generations) decodes the prompts of those and compares the replies", "eval_data")
