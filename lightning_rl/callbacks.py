@@ -240,10 +240,10 @@ class ScheduleOnResume(Callback):
         recorded, self.recorded = self.recorded, None
         if not recorded:
             return
-        # A checkpoint of an earlier version records no max_epochs: its keys are taken as unchanged.
-        changed = [key for key in ("max_steps", "max_epochs") if recorded.get(key, self.length[key]) != self.length[key]]
-        if not changed and recorded.get("schedule_steps") == self.length["schedule_steps"]:
+        if recorded.get("schedule_steps") == self.length["schedule_steps"]:  # a limit that does not bind changed, or none
             return
+        # The limits that changed (a checkpoint of an earlier version records no max_epochs: taken as unchanged).
+        changed = [key for key in ("max_steps", "max_epochs") if recorded.get(key, self.length[key]) != self.length[key]]
         step = trainer.global_step
         said = f"resume at step {step}: " + (", ".join(
             f"trainer.{key} is {self.length[key]}, the checkpoint's run had {recorded[key]}" for key in changed) or

@@ -115,6 +115,15 @@ def test_a_resume_given_more_epochs_follows_the_longer_schedule_and_one_with_non
             f"error: ckpt_path: {out / 'checkpoints' / 'last.ckpt'} has trained 2 epochs (step {2 * epoch}), and trainer.max_epochs "
             f"is {epochs}: there is nothing left to train; raise trainer.max_epochs to train on from it")
     assert (out / "hf" / "model.safetensors").read_bytes() == exported
+    # A checkpoint at the epoch's last batch (a periodic one there: the epoch's end saves no other), which Lightning
+    # counts as a whole epoch on resume; and max_steps given too, beside the epochs that bind.
+    again = tmp_path / "again"
+    assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", f"--checkpoint_every_n_steps={epoch}"]) == 0
+    capsys.readouterr()
+    for limits in ([], ["--trainer.max_steps=100"]):
+        assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", *limits, "--ckpt_path=last"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"has trained 1 epoch (step {epoch}), and trainer.max_epochs is 1: there is nothing left to train; raise trainer.max_epochs to train on from it")
 
 
 def test_held_out_generations_without_held_out_data_are_one_line(tmp_path, capsys):

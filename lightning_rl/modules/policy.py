@@ -238,13 +238,17 @@ class PolicyModule(LightningModule):
         step, max_steps, max_epochs = int(checkpoint["global_step"]), self.trainer.max_steps, self.trainer.max_epochs
         # Lightning would train nothing, then export it again as finished. Its epochs count as its loop counts them
         # (an epoch is done once processed, before the hook that saves at its end).
-        epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed", 0)
+        fit = checkpoint.get("loops", {}).get("fit_loop", {})
+        current = fit.get("epoch_progress", {}).get("current", {})
+        epochs = current.get("processed", 0)
+        if fit.get("epoch_loop.batch_progress", {}).get("is_last_batch") and epochs == current.get("completed", 0):
+            epochs += 1  # saved at the epoch's last batch (a periodic or a signal's checkpoint): Lightning counts it done on resume
         if max_steps >= 0 and step >= max_steps:
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
                 "train; raise trainer.max_steps to train on from it"
             )
-        if max_steps < 0 and max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
+        if max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} has trained {epochs} epoch{'s' if epochs != 1 else ''} (step {step}), and trainer.max_epochs "
                 f"is {max_epochs}: there is nothing left to train; raise trainer.max_epochs to train on from it"
