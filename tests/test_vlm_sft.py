@@ -219,6 +219,32 @@ def test_a_photo_is_read_upright_as_its_exif_orientation_says(tmp_path):
     assert ours.size == load_image(str(tmp_path / "photo.jpg")).size == (20, 40)
 
 
+def test_a_transparent_image_reaches_the_model_as_the_processor_and_load_image_make_it(tmp_path):
+    """A transparent image given decoded (a PIL image, a datasets Image cell) lost its alpha channel here, where the
+    processor lays it onto white (TRL's collator hands it the decoded image): other pixels, another loss. One named by
+    a path is read as transformers' load_image reads it (alpha dropped), as apply_chat_template does."""
+    import io
+
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+    from transformers.image_utils import load_image
+
+    from lightning_rl.data.images import load_images
+
+    pixels = np.zeros((8, 8, 4), np.uint8)
+    pixels[..., 0], pixels[4:, :, 3] = 200, 255  # red, its top half transparent
+    image = Image.fromarray(pixels, "RGBA")
+    image.save(tmp_path / "clear.png")
+    cell = {"bytes": (tmp_path / "clear.png").read_bytes(), "path": None}
+    for given, reference in ((image, convert_to_rgb(image, return_numpy=True)), (image.convert("LA"), convert_to_rgb(image.convert("LA"), return_numpy=True)),
+                             (cell, convert_to_rgb(Image.open(io.BytesIO(cell["bytes"])), return_numpy=True)),
+                             ("clear.png", np.asarray(load_image(str(tmp_path / "clear.png"))))):  # fmt: skip
+        row = {"messages": [{"role": "user", "content": [{"type": "image", "image": given}]}]}
+        ours = np.asarray(load_images(row, tmp_path)["messages"][0]["content"][0]["image"])
+        assert ours.shape == reference.shape and (ours == reference).all(), type(given).__name__
+    assert (np.asarray(load_images({"messages": [{"role": "user", "content": [{"type": "image", "image": image}]}]}, None)["messages"][0]["content"][0]["image"])[0, 0] == 255).all()
+
+
 def test_an_image_row_whose_generation_block_holds_the_separator_does_not_train_it():
     """As a text row's: each trained run ends at its end-of-turn token (the image path kept the separator trained)."""
     from PIL import Image

@@ -115,20 +115,38 @@ def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
 def _open(image: Any, base: Path | None, decode: bool = True) -> Any:
     """The image, opened (RGB) and turned upright as its EXIF orientation says (a phone's photo, as transformers'
     ``load_image`` and ``datasets`` read it); with ``decode=False`` only checked: its header read and, where the format
-    has them, its checksums, without decoding a pixel (returns None)."""
+    has them, its checksums, without decoding a pixel (returns None).
+
+    Transparency goes as the same image reaches a processor elsewhere: one named by a path or URL is read by
+    transformers' ``load_image``, which drops it; one that arrives decoded (a PIL image, a ``datasets`` Image cell, bytes)
+    is laid onto white by the processor's ``convert_to_rgb``."""
     from PIL import Image, ImageOps
 
     if isinstance(image, Image.Image):
-        return image.convert("RGB") if decode else None
+        return _on_white(image) if decode else None
     data, shown = _image_data(image, base)
+    decoded = isinstance(image, (dict, bytes, bytearray))
     try:
         with Image.open(data) as opened:
-            return ImageOps.exif_transpose(opened).convert("RGB") if decode else opened.verify()
+            if not decode:
+                return opened.verify()
+            upright = ImageOps.exif_transpose(opened)
+            return _on_white(upright) if decoded else upright.convert("RGB")
     except Exception as error:  # Pillow's UnidentifiedImageError, a truncated file, ...
         if not decode:  # the check is stricter than a decode (a PNG without its end marker decodes whole): as training reads it
             _open(image, base)
             return None
         raise ValueError(f"{shown} cannot be read as an image ({type(error).__name__})") from None
+
+
+def _on_white(image: Any) -> Any:
+    """An RGB image, any transparency laid onto white (as image processors' ``convert_to_rgb`` does)."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def check_prompt_images(record: dict, base: Path | None) -> None:
