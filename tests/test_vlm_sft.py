@@ -265,3 +265,19 @@ def test_an_image_row_whose_generation_block_holds_the_separator_does_not_train_
     example = Renderer(tokenizer, path, processor, image_token).example(row)
     trained = [token for token, on in zip(example.input_ids, example.loss_mask) if on]
     assert tokenizer.decode(trained) == "red<|im_end|>"
+
+
+def test_the_tiny_vlms_template_renders_a_system_turn_of_parts():
+    """datasets' image sets store every turn as parts; the system turn's made the template fail (str + list)."""
+    from transformers import AutoTokenizer
+
+    from lightning_rl.toy.vlm import VLM_CHAT_TEMPLATE, tiny_vlm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_path())
+    user = {"role": "user", "content": [{"type": "text", "text": "what?"}]}
+
+    def text(system):
+        return tokenizer.apply_chat_template([{"role": "system", "content": system}, user], chat_template=VLM_CHAT_TEMPLATE, tokenize=False)
+
+    assert text([{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]) == text("Be brief.")
+    assert text([{"type": "image"}, {"type": "text", "text": "Be brief."}]) == text("<image>Be brief.")

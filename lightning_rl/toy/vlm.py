@@ -13,7 +13,7 @@ from transformers import AutoModelForImageTextToText, LlavaConfig, LlavaProcesso
 from lightning_rl.toy.model import CHAT_TEMPLATE, build_tokenizer, cached_build, default_cache_dir, save_from_any_process, seeded_model
 
 TINY_VLM_NAME = "tiny-vlm"
-TINY_VLM_VERSION = 1  # bump when the config, processor or template changes
+TINY_VLM_VERSION = 2  # bump when the config, processor or template changes
 IMAGE_TOKEN = "<image>"
 IMAGE_SIDE, PATCH = 16, 4  # 16 image tokens per image (the CLS feature dropped)
 
@@ -26,8 +26,14 @@ _PARTS_TURN = (
     "{%- for part in message.content %}{% if part.type == 'image' %}{{ '" + IMAGE_TOKEN + "' }}{% else %}{{ part.text }}{% endif %}{% endfor %}"
     "{%- endif %}{{ '<|im_end|>\\n' }}"
 )
-assert _TEXT_TURN in CHAT_TEMPLATE
-VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_TURN, _PARTS_TURN)
+_SYSTEM = "{% set system = messages[0].content %}"
+_PARTS_SYSTEM = (
+    "{% if messages[0].content is string %}{% set system = messages[0].content %}{% else %}{% set parts = namespace(text='') %}"
+    "{%- for part in messages[0].content %}{% set parts.text = parts.text + ('" + IMAGE_TOKEN + "' if part.type == 'image' else part.text) %}"
+    "{%- endfor %}{% set system = parts.text %}{% endif %}"
+)
+assert _TEXT_TURN in CHAT_TEMPLATE and _SYSTEM in CHAT_TEMPLATE
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_TURN, _PARTS_TURN).replace(_SYSTEM, _PARTS_SYSTEM)
 
 
 def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
