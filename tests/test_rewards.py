@@ -381,6 +381,10 @@ def refuses_its_limit(limit):
     raise ValueError("limit must be > 0")
 
 
+def scores_a_column(answer=None):
+    return [float(a == "5") for a in answer]
+
+
 def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
     """TRL's scripts call a factory (`get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)`); a
     recipe names it with those kwargs. A function that takes nothing but its kwargs sees no completion, so it is
@@ -404,6 +408,23 @@ def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
     with pytest.raises(ValueError, match="reward 'counts_calls': kwarg 'completions' would replace the batch's completions"):
         RewardScorer([RewardSpec(counts_calls, kwargs={"completions": ["x"]})])
     assert CALLS == []
+
+
+
+def test_a_factory_whose_other_arguments_have_defaults_is_the_reward_it_returns():
+    """TRL's get_repetition_penalty_reward() takes only defaulted arguments: named without kwargs, or with some, it
+    was called as the reward at the first step (after a whole generation) and its function returned. A function of a
+    data column with a default stays the reward."""
+    from trl.rewards import get_repetition_penalty_reward
+
+    ids = [[1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 3, 4, 5, 6, 7, 8]]
+    for kwargs in ({}, {"ngram_size": 2}):
+        theirs = get_repetition_penalty_reward(**kwargs)
+        scores = RewardScorer([RewardSpec("trl.rewards:get_repetition_penalty_reward", kwargs=kwargs)]).score(["p"] * 2, ["a"] * 2, {"completion_ids": ids})
+        assert list(scores.per_function) == [theirs.__name__]
+        assert scores.per_function[theirs.__name__].tolist() == pytest.approx(theirs(completion_ids=ids))
+    column = RewardScorer([RewardSpec(scores_a_column)]).score(["p"] * 2, ["a"] * 2, {"answer": ["5", "6"]})
+    assert column.per_function["scores_a_column"].tolist() == [1.0, 0.0]
 
 
 def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():

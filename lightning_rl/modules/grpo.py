@@ -59,10 +59,10 @@ from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, rows_on_
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
-from lightning_rl.rewards import RewardScorer, RewardSpec
+from lightning_rl.rewards import ROLLOUT_COLUMNS, RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
-from lightning_rl.rollout.collector import ROLLOUT_COLUMNS, RolloutCollector, RolloutSettings
+from lightning_rl.rollout.collector import RolloutCollector, RolloutSettings
 from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.stopping import fetched_on_every_rank
 from lightning_rl.rollout import vllm_engine, vllm_server  # noqa: F401  (a recipe may name their engines by class name)

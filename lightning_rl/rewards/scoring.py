@@ -52,6 +52,8 @@ RewardFunction = Callable[..., Any]
 
 BATCH_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_metric")
 """What every reward function may ask for, whatever the data; the caller's columns come on top."""
+# What reward functions get besides prompts, completions and the data's columns (the trainer's, per rollout).
+ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")
 
 
 def load_reward_function(path: str) -> RewardFunction:
@@ -123,16 +125,25 @@ class RewardSpec:
         return getattr(inner, "__name__", None) or type(inner).__name__, function
 
 
-def _takes_only(function: Any, kwargs: Mapping[str, Any]) -> bool:
-    """Whether every argument ``function`` takes by keyword is in ``kwargs`` (and it takes no ``**kwargs``)."""
+def _factory_kind(function: Any, kwargs: Mapping[str, Any]) -> str | None:
+    """How ``function`` reads as a factory of the reward rather than the reward: ``named`` when every argument it
+    takes by keyword is in ``kwargs``; ``defaults`` when the others have defaults and none is an argument a reward is
+    called with (TRL's ``get_repetition_penalty_reward()``); None for a reward (or a ``**kwargs`` function)."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
-        return False
-    if any(p.kind in (p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters):
-        return False
-    names = {p.name for p in parameters if p.kind is not p.VAR_POSITIONAL}
-    return bool(names) and names <= set(kwargs)
+        return None
+    if any(p.kind in (p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters) or inspect.iscoroutinefunction(function):
+        return None
+    named = [p for p in parameters if p.kind is not p.VAR_POSITIONAL]
+    if not named or set(kwargs) & {*BATCH_ARGUMENTS, *ROLLOUT_COLUMNS}:
+        return None
+    if {p.name for p in named} <= set(kwargs):
+        return "named"
+    rest = [p for p in named if p.name not in kwargs]
+    if all(p.default is not p.empty and p.name not in {*BATCH_ARGUMENTS, *ROLLOUT_COLUMNS} for p in rest):
+        return "defaults"
+    return None
 
 
 def _unwrapped(function: Any) -> Any:
@@ -159,8 +170,8 @@ class _Reward:
             except Exception as error:  # its own code failed (a missing key, a service not reached, ...)
                 raise ValueError(f"reward {self.name!r}: cannot be built from kwargs {self.kwargs}: {type(error).__name__}: {error}") from None
             self.kwargs = {}
-        if self.kwargs and not set(self.kwargs) & {*BATCH_ARGUMENTS, "completion_ids"} and _takes_only(self.function, self.kwargs):
-            self._make_from_factory(spec)
+        if (kind := _factory_kind(self.function, self.kwargs)) is not None:
+            self._make_from_factory(spec, kind)
         if not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {spec.weight}")
         try:
@@ -190,16 +201,22 @@ class _Reward:
             except Exception as error:
                 raise ValueError(f"reward {self.name!r}: kwargs {self.kwargs} do not work: {type(error).__name__}: {error}") from None
 
-    def _make_from_factory(self, spec: RewardSpec) -> None:
+    def _make_from_factory(self, spec: RewardSpec, kind: str) -> None:
         """A function that takes nothing but its kwargs sees no completion: a factory (TRL's
         ``get_soft_overlong_punishment``, written ``get_...(max_completion_len=..., ...)`` in TRL's scripts) that
-        returns the reward, which replaces it here (named as TRL names it, after the reward it returns)."""
-        given = ", ".join(self.kwargs)
+        returns the reward, which replaces it here (named as TRL names it, after the reward it returns). One whose
+        other arguments have defaults (``kind`` ``defaults``) is a factory where calling it so returns a function;
+        else it stays the reward (a function of data columns with defaults, say)."""
+        given = ", ".join(self.kwargs) or "none given"
         try:
             made = self.function(**self.kwargs)
         except Exception as error:
+            if kind == "defaults":
+                return
             raise ValueError(f"reward {self.name!r} takes nothing but its kwargs ({given}), so it is read as a factory of the reward, "
                              f"and calling it with them failed: {type(error).__name__}: {error}") from None
+        if kind == "defaults" and (not callable(made) or inspect.isclass(made)):
+            return
         if not callable(made):
             raise ValueError(f"reward {self.name!r} takes nothing but its kwargs ({given}), so it cannot see a completion; a reward "
                              f"takes `completions` (or `prompts`, `completion_ids`, a data column), or a factory returns such a function")

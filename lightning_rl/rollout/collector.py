@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 # the run stops: a passing fault (an engine restarting) costs a resample, a lasting one ends the run in one line.
 ALL_EXCLUDED_ATTEMPTS = 3
 
-# What reward functions get besides prompts, completions and the data's columns.
-ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +277,7 @@ class RolloutCollector:
 
     def _columns(self, records: list[dict[str, Any]], rendered: list[RenderedPrompt], rollouts: list[Rollout]) -> dict[str, list[Any]]:
         """What the reward functions get per rollout besides prompts and completions: its record's columns (every
-        column any record holds, None where its record has none, as a dataset's column is) and `ROLLOUT_COLUMNS`.
+        column any record holds, None where its record has none, as a dataset's column is) and `rewards.ROLLOUT_COLUMNS`.
         Each rollout gets its own copy: a reward that changes what it is given changes neither the other rollouts'
         nor the data's (the next pass's prompts)."""
         if self._column_keys is None:  # the data's columns do not change: read once (every record is looked at)
