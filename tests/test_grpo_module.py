@@ -690,3 +690,27 @@ def test_a_resume_that_starts_evaluating_has_no_before_training_figure(tmp_path)
     trainer_of(2).fit(resumed, PromptDataModule(batch_size=2), ckpt_path=tmp_path / "last.ckpt")
     summary = resumed.summary_metrics()
     assert resumed.heldout_before is None and summary["heldout_exact_match_before"] is None and summary["heldout_exact_match"] is not None
+
+
+def test_a_prompt_column_beside_another_prompt_field_is_refused_naming_the_row(tmp_path):
+    """With data.prompt_field elsewhere, the row's own 'prompt' column was replaced by the prompt read, unsaid."""
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"question": "1+1=", "prompt": "a note"}) + "\n")
+    with pytest.raises(Exception, match=r"p.jsonl: line 1: a 'prompt' column beside data.prompt_field 'question': "):
+        PromptDataModule(train_data=str(rows), prompt_field="question").setup()
+    rows.write_text(json.dumps({"question": "1+1=", "prompt": None}) + "\n")  # a column some rows lack, read as null
+    PromptDataModule(train_data=str(rows), prompt_field="question").setup()
+
+
+
+def wants_completion(completions, completion):
+    return [float(c == r) for c, r in zip(completions, completion)]
+
+
+def test_a_completion_column_is_not_given_to_rewards_as_trl_gives_none(tmp_path):
+    """TRL passes rewards every column but the prompt and a `completion` column; the latter reached rewards here."""
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{k}+1=", "completion": str(k + 1)}) + "\n" for k in range(4)))
+    module = GRPOModule(**{**FAST, "rewards": [RewardSpec("test_grpo_module:wants_completion")]})
+    with pytest.raises(Exception, match=r"reward 'wants_completion' needs 'completion', which is neither a data column nor a reward argument"):
+        trainer_of(1).fit(module, PromptDataModule(train_data=str(rows), batch_size=2))

@@ -107,7 +107,7 @@ def test_a_rows_chat_template_kwargs_reach_the_template_as_in_trl(tiny_path, tmp
     assert tokenizer.decode(pirate.input_ids).startswith("<|im_start|>system\na pirate<|im_end|>\n<|im_start|>user\n1+1=")
     assert tokenizer.decode(plain.input_ids).startswith("<|im_start|>user\n1+1=")
     assert trained_text(tokenizer, pirate) == trained_text(tokenizer, plain) == "2<|im_end|>" and split == pirate
-    for bad in ({"tokenize": False}, ["persona"]):
+    for bad in ({"tokenize": False}, ["persona"], {"tokenizer_kwargs": {"truncation": True}}):  # the last: 1.2 KB of repr
         with pytest.raises(DataError, match="line 1: `chat_template_kwargs` must be an object of the template's variables"):
             load_examples(write_jsonl(tmp_path / "bad.jsonl", [{"messages": turns, "chat_template_kwargs": bad}]), Renderer(tokenizer, "tiny"), 512)
 

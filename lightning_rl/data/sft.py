@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import heapq
 import importlib
+import inspect
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from typing import Any, Literal, Union
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 
 from lightning_rl import validation
 from lightning_rl.errors import BatchingChanged, RecipeError, UserError
@@ -417,8 +418,12 @@ def _check_tools(tools: Any) -> list[dict]:
 
 
 # Arguments of apply_chat_template itself, which a row's chat_template_kwargs may not set.
-_RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
-                           "return_dict", "return_assistant_tokens_mask", "chat_template", "padding", "truncation", "max_length", "return_tensors"}
+# What a row's template variables may not be named: the arguments of the tokenizer's and processor's
+# apply_chat_template, as the installed transformers has them (a row's kwargs go beside them).
+_RESERVED_TEMPLATE_KEYS = {"messages"} | {
+    name for call in (PreTrainedTokenizerBase.apply_chat_template, ProcessorMixin.apply_chat_template)
+    for name, p in inspect.signature(call).parameters.items() if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+}
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
-from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
+from lightning_rl.data.prompts import NO_REWARD_COLUMNS, TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import HeldOutEvery, exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
@@ -295,7 +295,7 @@ class GRPOModule(PolicyModule):
             raise TypeError(f"GRPO reads its prompts from a PromptSource (such as PromptDataModule), got {type(datamodule).__name__}")
         steps_of_epochs(self.trainer, datamodule.epoch_of(1), self.hparams.num_iterations)
         try:
-            self.scorer.check_arguments(sorted(datamodule.columns() - {"prompt"}), ROLLOUT_COLUMNS)
+            self.scorer.check_arguments(sorted(datamodule.columns() - NO_REWARD_COLUMNS), ROLLOUT_COLUMNS)
         except ValueError as error:
             raise DataError(f"{datamodule.path}: {error}") from None
 

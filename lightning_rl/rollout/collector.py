@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_rl import validation
-from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
+from lightning_rl.data.prompts import NO_REWARD_COLUMNS, PromptRenderer, PromptSource, RenderedPrompt
 from lightning_rl.data.sft import DataError
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards import RewardScorer, TrainerState
@@ -281,7 +281,7 @@ class RolloutCollector:
         Each rollout gets its own copy: a reward that changes what it is given changes neither the other rollouts'
         nor the data's (the next pass's prompts)."""
         if self._column_keys is None:  # the data's columns do not change: read once (every record is looked at)
-            self._column_keys = sorted(self.prompts.columns() - {"prompt"})
+            self._column_keys = sorted(self.prompts.columns() - NO_REWARD_COLUMNS)
         keys = self._column_keys
         columns = {key: [copy.deepcopy(records[r.group_id].get(key)) for r in rollouts] for key in keys}
         columns["tool_calls"] = [r.metadata.get("tool_calls", []) for r in rollouts]
