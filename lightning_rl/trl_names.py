@@ -121,6 +121,9 @@ DIFFERENCES = (
     ("Log-probs under `sampling.top_k`, `top_p` or `min_p`", "each sampled token is scored over the support the filters "
      "kept (its log-prob renormalised over it), by the trainer as by the engine", "scored over the whole vocabulary",
      "the policy gradient and the importance ratio are those of the distribution the tokens were sampled from"),
+    ("A JSONL column's numbers", "read as written: `5` stays an int beside a `2.5` (Parquet and saved datasets keep their "
+     "column's type)", "`load_dataset('json')` gives the column one type: `5.0`", "the value a reward compares is the one in "
+     "the file; `float(x)` reads both"),
     ("A reward's NaN score", "a failure of that sample: scored 0 and counted (`train/reward/NAME/non_finite`)",
      "left out of the sum like None", "a NaN is a bug of the function more often than a choice; return None to abstain"),
     ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
