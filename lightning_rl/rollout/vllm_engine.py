@@ -13,8 +13,11 @@ tokens (`Rollout.token_versions`): a step samples one token per running sequence
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import gc
+import inspect
 import importlib.util
 import json
 import os
@@ -44,8 +47,27 @@ _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
 
 
+# The `LLM` arguments the engine gives itself: its own (named as `VLLMEngine`'s), or fixed by how it runs.
+_SET_BY_THE_ENGINE = ("model", "seed", "dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
+                      "distributed_executor_backend", "logprobs_mode", "max_logprobs", "enable_lora", "max_lora_rank", "max_loras")
+
+
 def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`engine_kwargs`, refused with vLLM's asynchronous scheduling (see `VLLMEngine`)."""
+    """`engine_kwargs`, checked: each an argument of vLLM's engine that the engine does not set itself, and vLLM's
+    asynchronous scheduling refused (see `VLLMEngine`)."""
+    for key in engine_kwargs or {}:
+        if key in _SET_BY_THE_ENGINE:
+            raise ValueError(f"engine_kwargs.{key}: set by the engine itself" + (
+                f" (give it as the engine's own {key})" if key in inspect.signature(VLLMEngine).parameters else ""))
+    if engine_kwargs and importlib.util.find_spec("vllm") is not None:
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        known = {field.name for field in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM).parameters)
+        for key in engine_kwargs:
+            if key not in known:
+                near = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ValueError(f"engine_kwargs.{key}: not an argument of vLLM's engine{f' (did you mean {near[0]!r}?)' if near else ''}")
     if (engine_kwargs or {}).get("async_scheduling"):
         raise ValueError("engine_kwargs.async_scheduling: true is refused: a push would land while a step's tokens are "
                          "in flight, and which weights sampled them would not be known")
@@ -198,7 +220,7 @@ class VLLMEngine(RolloutEngine):
                 # Whole prefills on a CPU (`vllm_server_process.vllm_on_cpu`).
                 **{"async_scheduling": False, **({"enable_chunked_prefill": False} if vllm_on_cpu() else {}), **_check_scheduling(engine_kwargs)},
             )
-        except ValueError as error:  # vLLM's checks of its options (pydantic's ValidationError is a ValueError)
+        except (ValueError, TypeError) as error:  # vLLM's checks of its options (pydantic's ValidationError is a ValueError)
             said = " ".join(str(error).split())
             raise RecipeError(f"engine: vLLM refused the engine's options: {said[:400]}", "engine") from None
         finally:

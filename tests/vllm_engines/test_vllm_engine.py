@@ -293,6 +293,15 @@ def test_asynchronous_scheduling_is_refused_naming_the_key():
     # Chunked prefill on a CPU: accepted, then the engine died on the first step that split a seeded prompt.
     with pytest.raises(ValueError, match=r"^engine_kwargs.enable_chunked_prefill: true is refused on a CPU"):
         VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"enable_chunked_prefill": True}})
+    # A key vLLM's engine does not take, or one the engine sets itself, was a TypeError traceback once the model had
+    # loaded (and its recipe.yaml blocked the corrected rerun).
+    with pytest.raises(ValueError, match=r"^engine_kwargs.max_num_seqz: not an argument of vLLM's engine \(did you mean 'max_num_seqs'\?\)$"):
+        VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"max_num_seqz": 4}})
+    with pytest.raises(ValueError, match=r"^engine_kwargs.logprobs_mode: set by the engine itself$"):
+        VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"logprobs_mode": "raw_logprobs"}})
+    with pytest.raises(ValueError, match=r"^engine_kwargs.max_model_len: set by the engine itself \(give it as the engine's own max_model_len\)$"):
+        VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"max_model_len": 64}})
+    VLLMEngine.check_options({"dtype": "auto", "engine_kwargs": {"max_num_seqs": 4}})
 
 
 def test_options_vllm_refuses_are_one_line_and_leave_no_run_folder(tmp_path):
