@@ -692,15 +692,15 @@ def test_a_resume_that_starts_evaluating_has_no_before_training_figure(tmp_path)
     assert resumed.heldout_before is None and summary["heldout_exact_match_before"] is None and summary["heldout_exact_match"] is not None
 
 
-def test_a_prompt_column_beside_another_prompt_field_is_refused_naming_the_row(tmp_path):
-    """With data.prompt_field elsewhere, the row's own 'prompt' column was replaced by the prompt read, unsaid."""
+def test_a_prompt_column_beside_another_prompt_field_is_left_to_the_prompt_read(tmp_path):
+    """ultrachat's layout (a `prompt` string beside `messages`) read through data.prompt_field=messages: the prompt
+    read takes the name, and rewards get neither (as TRL gives a `prompt` column to none)."""
     rows = tmp_path / "p.jsonl"
-    rows.write_text(json.dumps({"question": "1+1=", "prompt": "a note"}) + "\n")
-    with pytest.raises(Exception, match=r"p.jsonl: line 1: a 'prompt' column beside data.prompt_field 'question': "):
-        PromptDataModule(train_data=str(rows), prompt_field="question").setup()
-    rows.write_text(json.dumps({"question": "1+1=", "prompt": None}) + "\n")  # a column some rows lack, read as null
-    PromptDataModule(train_data=str(rows), prompt_field="question").setup()
-
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+                                "prompt": "1+1=", "prompt_id": "a"}) + "\n")
+    data = PromptDataModule(train_data=str(rows), prompt_field="messages")
+    data.setup()
+    assert data.records[0]["prompt"] == [{"role": "user", "content": "1+1="}] and data.columns() == {"messages", "prompt", "prompt_id"}
 
 
 def wants_completion(completions, completion):
@@ -712,5 +712,5 @@ def test_a_completion_column_is_not_given_to_rewards_as_trl_gives_none(tmp_path)
     rows = tmp_path / "p.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{k}+1=", "completion": str(k + 1)}) + "\n" for k in range(4)))
     module = GRPOModule(**{**FAST, "rewards": [RewardSpec("test_grpo_module:wants_completion")]})
-    with pytest.raises(Exception, match=r"reward 'wants_completion' needs 'completion', which is neither a data column nor a reward argument"):
+    with pytest.raises(Exception, match=r"reward 'wants_completion' needs 'completion': a data column of that name is not given to rewards, as TRL gives none"):
         trainer_of(1).fit(module, PromptDataModule(train_data=str(rows), batch_size=2))

@@ -385,6 +385,14 @@ def scores_a_column(answer=None):
     return [float(a == "5") for a in answer]
 
 
+ANNOTATED_CALLS: list = []
+
+
+def scores_a_column_annotated(answer=None) -> list[float]:
+    ANNOTATED_CALLS.append(answer)
+    return [float(a == "5") for a in answer]
+
+
 def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
     """TRL's scripts call a factory (`get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)`); a
     recipe names it with those kwargs. A function that takes nothing but its kwargs sees no completion, so it is
@@ -402,7 +410,7 @@ def test_a_factory_named_with_its_kwargs_is_the_reward_it_returns():
     assert list(named.score(["p"] * 4, ["a"] * 4, {"completion_ids": ids}).per_function) == ["overlong"]
     with pytest.raises(ValueError, match=r"reward 'makes_nothing' takes nothing but its kwargs \(scale\), so it cannot see a completion"):
         RewardScorer([RewardSpec(makes_nothing, kwargs={"scale": 2.0})])
-    with pytest.raises(ValueError, match="reward 'refuses_its_limit' .* calling it with them failed: ValueError: limit must be > 0"):
+    with pytest.raises(ValueError, match=r"reward 'refuses_its_limit' .* calling it with its kwargs \(limit\) failed: ValueError: limit must be > 0"):
         RewardScorer([RewardSpec(refuses_its_limit, kwargs={"limit": 0})])
     # A reward whose batch argument is given as a kwarg is not called as a factory: the kwarg is what is wrong.
     with pytest.raises(ValueError, match="reward 'counts_calls': kwarg 'completions' would replace the batch's completions"):
@@ -425,6 +433,13 @@ def test_a_factory_whose_other_arguments_have_defaults_is_the_reward_it_returns(
         assert scores.per_function[theirs.__name__].tolist() == pytest.approx(theirs(completion_ids=ids))
     column = RewardScorer([RewardSpec(scores_a_column)]).score(["p"] * 2, ["a"] * 2, {"answer": ["5", "6"]})
     assert column.per_function["scores_a_column"].tolist() == [1.0, 0.0]
+    # Its kwargs refused by it: said before training, as TRL's call says it (it failed on every sample at the first step).
+    with pytest.raises(ValueError, match=r"reward 'get_repetition_penalty_reward' takes no argument a reward is called with .* calling it "
+                                         r"with its kwargs \(max_penalty\) failed: ValueError: max_penalty 1.0 should not be positive"):
+        RewardScorer([RewardSpec("trl.rewards:get_repetition_penalty_reward", kwargs={"max_penalty": 1.0})])
+    annotated = RewardScorer([RewardSpec(scores_a_column_annotated)])  # said to return its scores: never called to find out
+    assert annotated.score(["p"] * 2, ["a"] * 2, {"answer": ["5", "6"]}).per_function["scores_a_column_annotated"].tolist() == [1.0, 0.0]
+    assert ANNOTATED_CALLS == [["5", "6"]]
 
 
 def test_a_rewards_fixed_kwargs_keep_what_the_recipe_wrote():

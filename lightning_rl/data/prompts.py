@@ -62,11 +62,6 @@ class PromptSource(Protocol):
         """The folder relative image paths of the prompts start from (None: the working directory)."""
 
 
-# The data's columns a reward function is not given, as TRL gives neither: the prompt (given as `prompts`) and a
-# `completion` column (the completions are the policy's).
-NO_REWARD_COLUMNS = frozenset({"prompt", "completion"})
-
-
 def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str, dict[str, Any]]]:
     """Every row of a data file (JSONL, JSON, Parquet or a saved dataset, read as for SFT), with where it is (``FILE:
     line N`` or ``FILE: row N``); each must hold a non-empty `prompt_field` (a string, or a list of chat messages
@@ -78,9 +73,6 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
             keys = sorted(k for k, v in row.items() if v is not None) if isinstance(row, dict) else type(row).__name__
             raise DataError(f"{name}: {where}: no field {prompt_field!r} (row has {keys})")
         prompt = row[prompt_field]
-        if prompt_field != "prompt" and row.get("prompt") is not None:  # the prompt read goes under that name, over this column
-            raise DataError(f"{name}: {where}: a 'prompt' column beside data.prompt_field {prompt_field!r}: the prompt read from "
-                            f"{prompt_field!r} is what rewards get as the prompt, so that column would be lost: rename it")
         if isinstance(prompt, list):
             while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
                 prompt = prompt[:-1]

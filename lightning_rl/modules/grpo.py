@@ -41,7 +41,7 @@ from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
-from lightning_rl.data.prompts import NO_REWARD_COLUMNS, TOY_DATASET, PromptRenderer, PromptSource
+from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import HeldOutEvery, exact_match, heldout_cases, log_heldout
 from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
@@ -59,7 +59,7 @@ from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, rows_on_
 from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
-from lightning_rl.rewards import ROLLOUT_COLUMNS, RewardScorer, RewardSpec
+from lightning_rl.rewards import NO_REWARD_COLUMNS, ROLLOUT_COLUMNS, RewardScorer, RewardSpec
 from lightning_rl.rollout.base import EngineFactory, EngineName, EngineSpec, Rollout, RolloutEngine, SamplingConfig, SamplingSettings
 from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
 from lightning_rl.rollout.collector import RolloutCollector, RolloutSettings

@@ -54,6 +54,9 @@ BATCH_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_
 """What every reward function may ask for, whatever the data; the caller's columns come on top."""
 # What reward functions get besides prompts, completions and the data's columns (the trainer's, per rollout).
 ROLLOUT_COLUMNS = ("tool_calls", "transcripts", "completion_ids", "prompt_messages")
+# The data's columns a reward function is not given, as TRL gives neither: the prompt (it gets `prompts`, as rendered)
+# and a `completion` column (it gets the policy's `completions`).
+NO_REWARD_COLUMNS = frozenset({"prompt", "completion"})
 
 
 def load_reward_function(path: str) -> RewardFunction:
@@ -130,10 +133,12 @@ def _factory_kind(function: Any, kwargs: Mapping[str, Any]) -> str | None:
     takes by keyword is in ``kwargs``; ``defaults`` when the others have defaults and none is an argument a reward is
     called with (TRL's ``get_repetition_penalty_reward()``); None for a reward (or a ``**kwargs`` function)."""
     try:
-        parameters = inspect.signature(function).parameters.values()
+        signature = inspect.signature(function)
     except (TypeError, ValueError):
         return None
-    if any(p.kind in (p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters) or inspect.iscoroutinefunction(function):
+    parameters = signature.parameters.values()
+    if any(p.kind in (p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters) or any(
+            inspect.iscoroutinefunction(f) for f in (function, getattr(function, "__call__", None))):
         return None
     named = [p for p in parameters if p.kind is not p.VAR_POSITIONAL]
     if not named or set(kwargs) & {*BATCH_ARGUMENTS, *ROLLOUT_COLUMNS}:
@@ -141,7 +146,10 @@ def _factory_kind(function: Any, kwargs: Mapping[str, Any]) -> str | None:
     if {p.name for p in named} <= set(kwargs):
         return "named"
     rest = [p for p in named if p.name not in kwargs]
-    if all(p.default is not p.empty and p.name not in {*BATCH_ARGUMENTS, *ROLLOUT_COLUMNS} for p in rest):
+    returns = signature.return_annotation
+    # A reward annotated to return its scores is one; TRL's factories say they return a Callable.
+    said = returns is signature.empty or "Callable" in str(returns) or "callable" in str(returns)
+    if said and all(p.default is not p.empty and p.name not in {*BATCH_ARGUMENTS, *ROLLOUT_COLUMNS} for p in rest):
         return "defaults"
     return None
 
@@ -207,14 +215,15 @@ class _Reward:
         returns the reward, which replaces it here (named as TRL names it, after the reward it returns). One whose
         other arguments have defaults (``kind`` ``defaults``) is a factory where calling it so returns a function;
         else it stays the reward (a function of data columns with defaults, say)."""
-        given = ", ".join(self.kwargs) or "none given"
+        given = ", ".join(self.kwargs)
+        takes = f"takes nothing but its kwargs ({given})" if kind == "named" else "takes no argument a reward is called with (the rest have defaults)"
         try:
             made = self.function(**self.kwargs)
         except Exception as error:
-            if kind == "defaults":
+            if kind == "defaults" and not self.kwargs:  # maybe a reward of defaulted data columns, called without them
                 return
-            raise ValueError(f"reward {self.name!r} takes nothing but its kwargs ({given}), so it is read as a factory of the reward, "
-                             f"and calling it with them failed: {type(error).__name__}: {error}") from None
+            raise ValueError(f"reward {self.name!r} {takes}, so it is read as a factory of the reward, and calling it with its "
+                             f"kwargs ({given}) failed: {type(error).__name__}: {error}") from None
         if kind == "defaults" and (not callable(made) or inspect.isclass(made)):
             return
         if not callable(made):
@@ -230,6 +239,9 @@ class _Reward:
             if key in available:
                 raise ValueError(f"reward {self.name!r}: kwarg {key!r} is also a data column; rename one of them")
         missing = [n for n, required in self.accepted.items() if required and n not in self.kwargs and n not in available]
+        if withheld := [n for n in missing if n in NO_REWARD_COLUMNS]:
+            raise ValueError(f"reward {self.name!r} needs {withheld[0]!r}: a data column of that name is not given to rewards, as TRL "
+                             f"gives none (they get `prompts` and the policy's `completions`); read another column")
         if missing:
             raise ValueError(
                 f"reward {self.name!r} needs {', '.join(map(repr, missing))}, which is neither a data column nor a "

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_rl import validation
-from lightning_rl.data.prompts import NO_REWARD_COLUMNS, PromptRenderer, PromptSource, RenderedPrompt
+from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
 from lightning_rl.data.sft import DataError
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.rewards import RewardScorer, TrainerState
+from lightning_rl.rewards import NO_REWARD_COLUMNS, RewardScorer, TrainerState
 from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import ScoredBatch
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, completion_text, distinct_tool_calls, visible_text
