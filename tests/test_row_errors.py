@@ -21,10 +21,6 @@ GOOD = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "
 IMAGE = {"type": "image", "image": "red.png"}
 
 BAD_ROWS = {
-    "an image in a system turn": (
-        VLM_SFT, {"messages": [{"role": "system", "content": [IMAGE]}, {"role": "user", "content": [IMAGE, {"type": "text", "text": QUESTION}]},
-                               {"role": "assistant", "content": "red"}]},
-        "the chat template cannot render the row (TypeError: can only concatenate str (not \"list\") to str)"),
     "tool_calls that is not a list": (
         SFT, {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "", "tool_calls": "add"}]},
         "the chat template cannot render the row (TypeError: Object of type Undefined is not JSON serializable)"),
