@@ -52,7 +52,7 @@ _SET_BY_THE_ENGINE = ("model", "seed", "dtype", "max_model_len", "gpu_memory_uti
                       "distributed_executor_backend", "logprobs_mode", "max_logprobs", "enable_lora", "max_lora_rank", "max_loras")
 
 
-def _check_scheduling(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def _check_engine_kwargs(engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """`engine_kwargs`, checked: each an argument of vLLM's engine that the engine does not set itself, and vLLM's
     asynchronous scheduling refused (see `VLLMEngine`)."""
     for key in engine_kwargs or {}:
@@ -184,7 +184,7 @@ class VLLMEngine(RolloutEngine):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(f"{cls.__name__} needs vLLM, which is not installed in this Python environment (pip install 'lightning-rl[vllm]'; on a CPU, `make vllm-venv`)")
         check_dtype(options["dtype"], VLLM_DTYPES)
-        _check_scheduling(options["engine_kwargs"])
+        _check_engine_kwargs(options["engine_kwargs"])
 
     def __init__(
         self,
@@ -218,7 +218,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # up to the whole vocabulary: a filter's support
                 **({} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": served_lora_rank(max_lora_rank), "max_loras": 1}),
                 # Whole prefills on a CPU (`vllm_server_process.vllm_on_cpu`).
-                **{"async_scheduling": False, **({"enable_chunked_prefill": False} if vllm_on_cpu() else {}), **_check_scheduling(engine_kwargs)},
+                **{"async_scheduling": False, **({"enable_chunked_prefill": False} if vllm_on_cpu() else {}), **_check_engine_kwargs(engine_kwargs)},
             )
         except (ValueError, TypeError) as error:  # vLLM's checks of its options (pydantic's ValidationError is a ValueError)
             said = " ".join(str(error).split())
