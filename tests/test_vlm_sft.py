@@ -87,7 +87,7 @@ def served_png(tmp_path):
 
 def test_an_image_part_may_name_its_image_by_path_url_or_data_url(served_png, tmp_path, capsys):
     """The keys and sources transformers' chat templates take: ``image``, ``url`` or ``path``; a path, a file://,
-    http(s) or data URL. Each row trains; an image that cannot be fetched is one line naming the file and line."""
+    http(s) or data URL, or base64 data. Each row trains; an image that cannot be fetched is one line naming the file and line."""
     import base64
     import io
 
@@ -95,7 +95,8 @@ def test_an_image_part_may_name_its_image_by_path_url_or_data_url(served_png, tm
     png = io.BytesIO()
     Image.new("RGB", (16, 16), COLOURS["red"]).save(png, format="PNG")
     sources = [("image", "blue.png"), ("path", str(tmp_path / "blue.png")), ("url", f"file://{tmp_path / 'blue.png'}"),
-               ("url", f"{served_png}/red.png"), ("image", "data:image/png;base64," + base64.b64encode(png.getvalue()).decode())]
+               ("url", f"{served_png}/red.png"), ("image", "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()),
+               ("image", base64.b64encode(png.getvalue()).decode())]  # raw base64, which transformers' load_image takes
     rows = [{"messages": [{"role": "user", "content": [{"type": "image", key: value}, {"type": "text", "text": "What colour?"}]},
                           {"role": "assistant", "content": "red"}]} for key, value in sources]  # fmt: skip
     data = tmp_path / "rows.jsonl"

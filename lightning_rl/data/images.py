@@ -92,6 +92,20 @@ def _fetch(url: str) -> bytes:
         raise ValueError(f"image {url}: cannot be fetched ({getattr(error, 'reason', error)})") from None
 
 
+def _base64(text: str) -> bytes | None:
+    """The bytes a string of base64 image data stands for; None for anything else (a name too short to be an image's
+    data, or with characters base64 does not use, is a file name)."""
+    import base64
+    import binascii
+
+    if len(text) < 64:
+        return None
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
 def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
     """What Pillow opens for an image a part names (a path, a file-like object), and how an error names it."""
     if isinstance(image, dict) and isinstance(image.get("bytes"), (bytes, bytearray)):  # a datasets / Parquet Image cell
@@ -107,6 +121,9 @@ def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
         if not path.is_absolute() and base is not None:
             path = base / path
         if not path.is_file():
+            raw = _base64(image)  # base64 image data without a data: prefix, which transformers' load_image takes too
+            if raw is not None:
+                return io.BytesIO(raw), f"image {image[:60]}... (base64)"
             raise ValueError(f"image {image}: no such file ({path})")
         return path, f"image {image}"
     raise ValueError(f"an image part must hold a path, a URL or bytes, got {type(image).__name__}")
