@@ -384,13 +384,15 @@ class RecipeCLI(LightningCLI):
         """Every key of the recipe file and the command line that the schema does not take, as ``WHERE: unknown
         key 'KEY' (HINT)``: a key of the other task, the nearest key of this one, or the key a linked one is set from."""
         schema = _Schema(parser)
-        problems = []
+        problems, engine = [], _engine_name(self.recipe, self.overrides)[1]
         if self.recipe is not None:
             root = yaml.compose(Path(self.recipe).read_text(), Loader=yaml.SafeLoader)
-            problems += [f"{self.recipe}: line {line}: {schema.problem(key, self.task)}" for key, line in schema.unknown_in(root)]
+            problems += [f"{self.recipe}: line {line}: {schema.problem(key, self.task, engine)}" for key, line in schema.unknown_in(root)]
+        options = _engine_options(engine)
         for key in dict.fromkeys(_override_keys(self.overrides)):
-            if not schema.takes(key):
-                problems.append(f"command line: {schema.problem(key, self.task)}")
+            option = key.removeprefix("model.engine.init_args.")
+            if not schema.takes(key) or (option != key and options is not None and option not in options):
+                problems.append(f"command line: {schema.problem(key, self.task, engine)}")
         return problems
 
     @property
@@ -546,9 +548,19 @@ class _Schema:
                 found += self.unknown_in(value, f"{name}.")
             elif not self.takes(name):
                 found.append((name, key.start_mark.line + 1))
+            elif name == "model.engine" and isinstance(value, yaml.MappingNode):  # class_path + init_args: its options
+                given = {str(k.value): v for k, v in value.value if isinstance(k, yaml.ScalarNode)}
+                options = _engine_options(given["class_path"].value if isinstance(given.get("class_path"), yaml.ScalarNode) else None)
+                for option, line in _keys_with_lines(given.get("init_args")) if options is not None else []:
+                    if option not in options:
+                        found.append((f"{name}.init_args.{option}", line))
         return found
 
-    def problem(self, key: str, task: str) -> str:
+    def problem(self, key: str, task: str, engine: str | None = None) -> str:
+        if key.startswith("model.engine.init_args.") and (options := _engine_options(engine)) is not None:
+            guess = difflib.get_close_matches(key.rpartition(".")[2], options, n=1, cutoff=0.6)
+            hint = f"did you mean 'model.engine.init_args.{guess[0]}'?" if guess else f"{engine} takes {', '.join(options)}"
+            return f"unknown key '{key}' ({hint})"
         if key in self.linked:
             return f"{key} is set from {self.linked[key]}: give {self.linked[key]}"
         block, _, field = key.partition(".")
@@ -839,6 +851,22 @@ def _engine_name(recipe: str | None, overrides: list[str]) -> tuple[bool, str | 
         elif key == "--model.engine.class_path":
             named, name = True, value.strip()
     return named, name
+
+
+def _engine_options(name: str | None) -> list[str] | None:
+    """The options an engine's ``init_args`` take (its class's own, less the model path and seed the run gives); None
+    where that cannot be said: no engine named, one that does not resolve (said elsewhere), or one taking any keyword."""
+    try:
+        parameters = list(inspect.signature(EngineSpec.of(name).engine_class).parameters.values()) if name else None
+    except (ValueError, ImportError):
+        return None
+    if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _keys_with_lines(node: yaml.Node | None) -> list[tuple[str, int]]:
+    return [(str(k.value), k.start_mark.line + 1) for k, _ in node.value if isinstance(k, yaml.ScalarNode)] if isinstance(node, yaml.MappingNode) else []
 
 
 def _unknown_engine(name: str | None) -> str | None:

@@ -78,6 +78,21 @@ def test_every_unknown_key_is_named_at_once_where_it_was_written_with_the_key_me
     assert error_lines(capsys, ["run", SFT, "--trainer.default_root_dir=x"]) == ["error: command line: trainer.default_root_dir is set from output_dir: give output_dir"]
 
 
+def test_an_engines_unknown_options_are_named_at_once_where_they_were_written(tmp_path, capsys):
+    """The options under model.engine.init_args are checked against the engine class's own, as every other key is."""
+    recipe = tmp_path / "recipe.yaml"
+    engine = "  engine:\n    class_path: HFRolloutEngine\n    init_args:\n      verify_weight: false\n      dtype: float32\n      zzz: 1\n"
+    recipe.write_text(Path(GRPO).read_text().replace("model:\n", "model:\n" + engine + "  learnin_rate: 0.1\n", 1))
+    line = next(n for n, text in enumerate(recipe.read_text().splitlines(), 1) if "verify_weight" in text)
+    [error] = error_lines(capsys, ["run", str(recipe), "--model.engine.init_args.devce=cpu"])
+    assert error == (
+        f"error: {recipe}: line {line}: unknown key 'model.engine.init_args.verify_weight' (did you mean 'model.engine.init_args.verify_weights'?); "
+        f"{recipe}: line {line + 2}: unknown key 'model.engine.init_args.zzz' (HFRolloutEngine takes device, dtype, pad_token_id, eos_token_id, verify_weights); "
+        f"{recipe}: line {line + 3}: unknown key 'model.learnin_rate' (did you mean 'model.learning_rate'?); "
+        "command line: unknown key 'model.engine.init_args.devce' (did you mean 'model.engine.init_args.device'?)"
+    )
+
+
 def test_a_trl_field_given_as_a_key_names_the_key_doing_its_work(capsys):
     """From the same table as docs/migrating_from_trl.md; a key of ours with that very name still comes first."""
     [error] = error_lines(capsys, ["run", GRPO, "--max_completion_length=8", "--model.epsilon=0.3", "--use_vllm=true", "--model.temperature=0.5"])

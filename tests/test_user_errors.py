@@ -148,7 +148,7 @@ MISTAKES = {
     "engine class_path typo": (GRPO, lambda t: ["--model.engine=lightning_rl.rollout.vllm_engine.VLLMEngin", "--model.engine.init_args.dtype=float32"],
                                "command line: model.engine.class_path: rollout engine 'lightning_rl.rollout.vllm_engine.VLLMEngin': module "
                                "'lightning_rl.rollout.vllm_engine' has no 'VLLMEngin' (did you mean lightning_rl.rollout.vllm_engine.VLLMEngine?)"),
-    "engine option typo": (GRPO, lambda t: ["--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilisation=0.5"], "command line: unknown key 'model.engine.init_args.gpu_memory_utilisation'"),
+    "engine option typo": (GRPO, lambda t: ["--model.engine=VLLMEngine", "--model.engine.init_args.gpu_memory_utilisation=0.5"], "command line: unknown key 'model.engine.init_args.gpu_memory_utilisation' (did you mean 'model.engine.init_args.gpu_memory_utilization'?)"),
     "engine option of the wrong type": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.transport=mpi"], "command line: model.engine.transport must be one of auto, gloo, nccl, got mpi"),
     "server engine restarts -1": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.engine_max_restarts=-1"],
                                   "model.engine: engine_max_restarts must be an integer >= 0, got -1"),
