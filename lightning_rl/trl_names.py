@@ -94,7 +94,9 @@ DIFFERENCES = (
      "header", "TRL 1.16 renders some families (Qwen2.5, Qwen3) with training templates of its own, which can put "
      "a header token (the newline after `<|im_start|>assistant`) in the loss",
      "the model is trained on the template it is served with"),
-    ("SFT string prompt/completion rows", "prompt and completion are tokenized apart, then joined",
+    ("SFT string prompt/completion rows", "the row is tokenized whole and the loss starts after the prompt's own "
+     "tokens; where a token spans the boundary, the completion is tokenized apart, and the row is refused if that "
+     "changes its text (a SentencePiece word marker before it)",
      "tokenized joined, the loss starting where the two tokenizations differ",
      "the completion's tokens are the ones the model generates after the prompt, never a token merged across the "
      "boundary"),

@@ -57,6 +57,31 @@ def test_prompt_completion_strings_and_messages(tiny_tokenizer, tmp_path):
     assert tiny_tokenizer.decode(examples[2].input_ids) == "1+2=3<|im_end|>" and trained_text(tiny_tokenizer, examples[2]) == "3<|im_end|>"
 
 
+def test_text_rows_train_their_own_text_with_a_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece tokenizer opens every text it encodes with a word marker: the completion tokenized alone read
+    ' Yes.' after the prompt. The tokens that follow the prompt's in the whole row are trained (TRL's); a row whose
+    boundary falls inside a token, and whose completion tokenized apart would read otherwise, is refused."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.train_from_iterator(["Question: two plus two?\nAnswer: four. Hello world. Yes."] * 20,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", spm.token_to_id("<s>"))])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    rows = [{"prompt": "Question: two plus two?\n", "completion": "Yes."}, {"prompt": "Answer:", "completion": " four"}]
+    examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tokenizer, "spm"), 512)
+    for row, example in zip(rows, examples):
+        assert example.input_ids == tokenizer(row["prompt"] + row["completion"])["input_ids"] + [tokenizer.eos_token_id]
+        assert trained_text(tokenizer, example).removesuffix("</s>").strip() == row["completion"].strip()
+    assert tokenizer.convert_ids_to_tokens([t for t, m in zip(examples[0].input_ids, examples[0].loss_mask) if m])[0] == "Yes"
+    with pytest.raises(DataError, match=r"line 1: tokenizer spm: a token spans the end of `prompt` and the start of "
+                                        r"`completion` \('Hello ' \| 'world'\), and the completion tokenized apart reads ' world'"):
+        load_examples(write_jsonl(tmp_path / "e.jsonl", [{"prompt": "Hello ", "completion": "world"}]), Renderer(tokenizer, "spm"), 512)
+
+
 def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_tokenizer, tmp_path):
     plain = AutoTokenizer.from_pretrained(tiny_path)
     plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")

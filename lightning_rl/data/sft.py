@@ -638,8 +638,7 @@ class Renderer:
             self._require_template()
             ids, mask = self._assistant_mask(row["messages"], context)
         elif isinstance(row["prompt"], str):
-            prompt = self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
-            completion = self.tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+            prompt, completion = self._text_completion(row["prompt"], row["completion"])
             eos = self.tokenizer.eos_token_id
             if eos is not None and completion[-1:] != [eos]:  # one that ends with the end token already (TRL's add_eos)
                 completion = completion + [eos]
@@ -659,6 +658,25 @@ class Renderer:
             raise ValueError("no trained tokens after rendering")
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
+
+    def _text_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        """A text row's prompt ids and the completion's: the tokens that follow the prompt's in the row's text tokenized
+        whole, where the prompt's own tokens start it (as TRL takes them). Where a token spans the boundary, the
+        completion tokenized apart, unless that changes the text (a SentencePiece tokenizer opens every text it
+        encodes with a word marker, a space the row does not have): that row is refused, never trained on another text."""
+        tokenize = lambda text, special: self.tokenizer(text, add_special_tokens=special)["input_ids"]  # noqa: E731
+        prompt_ids, whole = tokenize(prompt, True), tokenize(prompt + completion, True)
+        if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
+            return prompt_ids, whole[len(prompt_ids) :]
+        apart = tokenize(completion, False)
+        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+        said, asked = text(prompt_ids + apart), text(prompt_ids)
+        if not said.startswith(asked) or said[len(asked) :] != text(apart):
+            raise ValueError(f"tokenizer {self.name}: a token spans the end of `prompt` and the start of `completion` "
+                             f"({prompt[-20:]!r} | {completion[:20]!r}), and the completion tokenized apart reads "
+                             f"{said[len(asked) :][:20]!r} after the prompt: end the prompt where a token ends (a space "
+                             "at its end belongs at the completion's start)")
+        return prompt_ids, apart
 
     def _trained_reply(self, prompt: list[int], conversation: list[int], content: str) -> str:
         """The final reply as the model is trained to write it, up to its end of turn: what the template renders
