@@ -103,7 +103,8 @@ DIFFERENCES = (
     ("SFT at 16-bit precision", "the LM head's logits are float32 whatever `trainer.precision` (the chunked head, "
      "`model.chunk_size`), in SFT as in GRPO", "in the model's dtype (GRPO's `cast_lm_head_to_fp32` aside)",
      "the loss and its gradient are not rounded to 16 bits over a vocabulary of 100K or more"),
-    ("An SFT assistant turn with empty content and no tool calls", "refused in one line naming the row and turn",
+    ("An SFT assistant turn with empty content and no tool calls, or an empty text `completion` (whitespace only "
+     "counts as empty)", "refused in one line naming the row and turn",
      "trained: its end-of-turn token alone", "an empty reply in a dataset is far more often a lost answer than a "
      "lesson in saying nothing"),
     ("SFT learning-rate schedule", "`model.lr_schedule` defaults to `cosine`", "`lr_scheduler_type` defaults to "
