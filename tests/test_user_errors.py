@@ -154,6 +154,10 @@ MISTAKES = {
                                   "model.engine: engine_max_restarts must be an integer >= 0, got -1"),
     "server engine timeout 0": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.request_timeout=0"],
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
+    "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
+                                                     "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
+                                    "model.engine: server_options (dtype, max_model_len) configure a server this engine starts, and url names one "
+                                    "started elsewhere, which runs as it was started: leave server_options out"),
     "server engine url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=localhost:8000"],
                           "model.engine: url must be a server's http(s)://HOST:PORT, got 'localhost:8000'"),
     "server chunked prefill on a CPU": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.server_options={whole_prefills: false}"],

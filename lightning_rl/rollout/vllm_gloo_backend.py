@@ -179,8 +179,8 @@ class WeightSyncWorker:
 
     def lightning_rl_model_info(self) -> dict[str, Any]:
         """What the trainer needs to judge a sync mode: the fused modules and their parts (written together by a
-        delta), the layers this worker serves LoRA on, the architecture's name, and the tied names to send
-        (`vllm_held.held_aliases`)."""
+        delta), the layers this worker serves LoRA on, the architecture's name, the tied names to send
+        (`vllm_held.held_aliases`), and its checkpoint's tensor shapes by name."""
         packed = getattr(type(self.get_model()), "packed_modules_mapping", {})
         layout = self._lightning_rl_layout()
         serves_lora = getattr(self.model_runner, "lora_manager", None) is not None
@@ -188,7 +188,8 @@ class WeightSyncWorker:
                 "lora_targets": lora_targets(self) if serves_lora else [],
                 "lora_refusal": lora_refusal(self) if serves_lora else None,
                 "lora_dtype": lora_dtype(self) if serves_lora else None,
-                "architecture": layout.architecture, "held_aliases": sorted(held_aliases(self.get_model(), layout))}
+                "architecture": layout.architecture, "held_aliases": sorted(held_aliases(self.get_model(), layout)),
+                "shapes": {name: list(shape) for name, shape in layout.shapes.items()}}
 
     def lightning_rl_stage(self, update_info: dict[str, Any]) -> None:
         """Receive one chunk of a push (weights or an adapter) on a thread of this worker; returns at once."""

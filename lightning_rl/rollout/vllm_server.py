@@ -236,6 +236,10 @@ class VLLMServerEngine(RolloutEngine):
             except ValueError as error:
                 raise ValueError(f"server_options.{error}") from None
         server = options["server_options"] or {}
+        if options["url"] is not None and server:  # they would go unused: the server runs as it was started
+            raise ValueError(f"server_options ({', '.join(sorted(server))}) configure a server this engine starts, and url "
+                             "names one started elsewhere, which runs as it was started: leave server_options out (give "
+                             "that server those flags)")
         if options["url"] is None and (why := split_prefills_refusal(server.get("whole_prefills"), server.get("extra_args") or ())):
             raise ValueError(f"server_options.{why}")
         if why := engine_flags_refusal(server.get("extra_args") or ()):
@@ -320,6 +324,31 @@ class VLLMServerEngine(RolloutEngine):
         super().__init__(seed)
         # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
         self._lock = threading.RLock()
+        if url is not None and model is not None:
+            try:
+                other = self._serves_another_model()
+            except VLLMServerError as error:
+                other = f"it does not answer as a server started with the flags VLLMServer passes ({_one_line(error, 300)})"
+            if other is not None:
+                self.close()
+                raise ServerStartError(f"url: the vLLM server at {self.url} cannot serve this run's {model}: {other}")
+
+    def _serves_another_model(self) -> str | None:
+        """How the checkpoint the server loaded differs from the run's model (its first tensor of another name or
+        shape), or None where they agree: a server given by ``url`` may have been started with any model."""
+        from transformers import AutoConfig
+
+        from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
+
+        served = {name: tuple(shape) for name, shape in (self._model_info().get("shapes") or {}).items()}
+        ours = CheckpointLayout(AutoConfig.from_pretrained(self.model)).shapes
+        if not served or served == ours:
+            return None
+        source = (self._server_config().get("model_config") or {}).get("model")
+        loaded = f"it serves {source} ({self._model_info()['architecture']})"
+        shape = lambda shapes, name: str(shapes[name]) if name in shapes else "absent"  # noqa: E731
+        name = next(name for name in [*ours, *served] if ours.get(name) != served.get(name))
+        return f"{loaded}, where '{name}' is {shape(served, name)}, and {shape(ours, name)} in this run's model"
 
     def _post(self, route: str, body: Any | None = None, timeout: float | None = None) -> Any:
         return request_json(f"{self.url}/{route}", body, timeout or self.request_timeout)

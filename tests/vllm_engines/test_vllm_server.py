@@ -292,3 +292,22 @@ def test_grpo_training_keeps_the_server_on_the_trainer_weights(server_engine, ti
     assert all(r.weight_version == trainer.global_step == 2 for r in batch.rollouts)
     assert max_logprob_error(module.policy.float().eval(), batch.rollouts) < LOGPROB_ATOL
     observer.close()
+
+
+def test_a_server_given_by_url_that_serves_another_model_is_one_line_before_any_push(server_engine, tiny_model_dir, tmp_path):
+    """A server started elsewhere may hold any model: the run's is compared with it, tensor by tensor, on connecting
+    (the first push used to fail on the server, in a traceback through the training loop)."""
+    import json
+    import shutil
+
+    from lightning_rl.errors import UserError
+
+    other = shutil.copytree(tiny_model_dir, tmp_path / "wider")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    with pytest.raises(UserError, match=rf"^url: the vLLM server at {server_engine.url} cannot serve this run's {other}: it serves "
+                                        rf".* \(Qwen3ForCausalLM\), where 'model\.layers\.0\.mlp\.gate_proj\.weight' is "
+                                        rf"\({config['intermediate_size']}, {config['hidden_size']}\), and "
+                                        rf"\({2 * config['intermediate_size']}, {config['hidden_size']}\) in this run's model$"):
+        VLLMServerEngine(other, url=server_engine.url)
+    VLLMServerEngine(tiny_model_dir, url=server_engine.url).close()  # its own model: taken
