@@ -158,6 +158,8 @@ MISTAKES = {
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
                                     "model.engine: server_options (dtype, max_model_len) configure a server this engine starts, and url names one "
                                     "started elsewhere, which runs as it was started: leave server_options out"),
+    "server engine url with the OpenAI path": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:8000/v1"],
+                                                "model.engine: url must be a server's http(s)://HOST:PORT, without a path, got 'http://127.0.0.1:8000/v1' (drop '/v1')"),
     "server engine url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=localhost:8000"],
                           "model.engine: url must be a server's http(s)://HOST:PORT, got 'localhost:8000'"),
     "server chunked prefill on a CPU": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.server_options={whole_prefills: false}"],

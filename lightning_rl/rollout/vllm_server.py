@@ -226,6 +226,8 @@ class VLLMServerEngine(RolloutEngine):
         parts = urllib.parse.urlsplit(str(url)) if url is not None else None
         if parts is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
             raise ValueError(f"url must be a server's http(s)://HOST:PORT, got {url!r}")
+        if parts is not None and parts.path.strip("/"):  # the OpenAI-style base URL: this engine's routes are the server's own
+            raise ValueError(f"url must be a server's http(s)://HOST:PORT, without a path, got {url!r} (drop {parts.path!r})")
         taken = set(inspect.signature(VLLMServer.__init__).parameters) - {"self", "model", "seed", "transport", "max_lora_rank"}
         if unknown := sorted(set(options["server_options"] or {}) - taken):
             raise ValueError(f"server_options: unknown {', '.join(map(repr, unknown))} (it takes {', '.join(sorted(taken))}; "
