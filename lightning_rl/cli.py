@@ -235,15 +235,18 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
     try:
         # weights_only: every load Lightning does for us (the file, a sharded folder's meta.pt) admits no code.
         trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except (ForeignWeightsError, BatchingChanged):
-        if ckpt_path is not None:  # a changed recipe key that adds or removes weights, or rebatches the rows: named, with both values
-            cli.check_resume(ckpt_path)
-        raise
     except SIGTERMException:
         # Every rank stopped at the same step boundary (RequeueOnSignal); a stopped run must not look finished.
         if trainer.is_global_zero:
             print(f"stopped by {cli.requeue.stopped_by or 'SIGTERM'} after step {trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
         return EXIT_SIGTERM
+    except Exception as error:
+        # Weights or rows that did not fit (a changed key that adds or removes weights, or rebatches the rows), or a
+        # checkpoint a strategy's own reader failed on before any check of ours (FSDP2 reading a LoRA run's optimizer
+        # state, in torch's words): a changed recipe key explains it, named with both values.
+        if ckpt_path is not None and (isinstance(error, (ForeignWeightsError, BatchingChanged)) or not isinstance(error, UserError)):
+            cli.check_resume(ckpt_path)
+        raise
     finally:
         _destroy_process_groups()
     if cli.requeue.received and trainer.is_global_zero:

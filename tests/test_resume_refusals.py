@@ -399,6 +399,16 @@ def test_a_changed_key_that_adds_the_reference_model_is_named_not_called_another
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: model.loss.beta=0.1 here, 0.0 in the run: ckpt_path: "), errors
 
 
+def test_a_lora_checkpoint_resumed_under_fsdp2_names_the_strategy_before_torch_reads_it(tmp_path, capsys):
+    """FSDP2 reads a checkpoint's optimizer state itself, before any hook of the run's: a LoRA run's file checkpoint
+    failed there in torch's words (missing optimizer state), in a traceback. The changed key is named first."""
+    lora = ["--model.lora.r=4", "--model.lora.target_modules=[q_proj]"]
+    one_step(capsys, SFT, tmp_path / "run", *lora)
+    code, errors, err = run(capsys, SFT, tmp_path / "run", *lora, "--ckpt_path=last", "--trainer.max_steps=2", "--trainer.strategy=fsdp2")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: trainer.strategy=fsdp2 here, auto in the run: ckpt_path: "), errors
+
+
 def test_a_checkpoint_resumed_under_another_strategy_is_one_line_naming_it(tmp_path):
     """A sharded checkpoint (a folder) resumed by DDP ended in IsADirectoryError's traceback on every rank, and a DDP
     checkpoint resumed by FSDP2 was said to hold no weights. Both name the changed strategy, before anything trains."""
