@@ -61,7 +61,8 @@ class LoggerSettings:
 
     Args:
         kind: ``csv`` (OUTPUT_DIR/csv), ``wandb`` or ``none``. TRL: `report_to`.
-        project, name: the W&B project and run name (default: the output folder's name).
+        project: the W&B project. Read by ``wandb`` only.
+        name: the W&B run name (default: the output folder's name). Read by ``wandb`` only.
         offline: force W&B offline (None: offline when no credentials are configured).
     """
 
