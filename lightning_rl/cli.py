@@ -196,7 +196,26 @@ def _destroy_process_groups() -> None:
         torch.distributed.destroy_process_group()
 
 
+# What Lightning writes into this process's environment for its ranks to find each other. Left set after a run, they
+# made the next run of the same process (a notebook, a test, a sweep from Python) take itself for one rank of a job
+# launched elsewhere: two devices then waited for a peer that never came.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
 def run(recipe: str | None, overrides: list[str]) -> int:
+    """`lightning-rl run`; the process's environment is left as the run found it (`_LAUNCH_ENV`)."""
+    found = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    try:
+        return _run(recipe, overrides)
+    finally:
+        for key, value in found.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(recipe: str | None, overrides: list[str]) -> int:
     try:
         from lightning_rl.recipe import build  # needs jsonargparse, which `lightning-rl env` runs without
     except ImportError as e:

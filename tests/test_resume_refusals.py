@@ -404,9 +404,13 @@ def test_a_lora_checkpoint_resumed_under_fsdp2_names_the_strategy_before_torch_r
     failed there in torch's words (missing optimizer state), in a traceback. The changed key is named first."""
     lora = ["--model.lora.r=4", "--model.lora.target_modules=[q_proj]"]
     one_step(capsys, SFT, tmp_path / "run", *lora)
+    environment = dict(os.environ)
     code, errors, err = run(capsys, SFT, tmp_path / "run", *lora, "--ckpt_path=last", "--trainer.max_steps=2", "--trainer.strategy=fsdp2")
     assert code == 2 and "Traceback" not in err, err[-3000:]
     assert len(errors) == 1 and errors[0].startswith("error: trainer.strategy=fsdp2 here, auto in the run: ckpt_path: "), errors
+    # Lightning's rendezvous variables (MASTER_PORT, LOCAL_RANK, ...) left behind made the next two-rank run of this
+    # process's children wait for a peer that never came.
+    assert {k: v for k, v in os.environ.items() if environment.get(k) != v} == {}
 
 
 def test_a_checkpoint_resumed_under_another_strategy_is_one_line_naming_it(tmp_path):
