@@ -221,6 +221,26 @@ def check_trainer(trainer: Any, task: str | None = None, sized_only: bool = Fals
         validation.positive_int("trainer.check_val_every_n_epoch", trainer["check_val_every_n_epoch"])
 
 
+def check_precision_here(trainer: Any) -> None:
+    """A precision this machine's accelerator does not run, which Lightning would swap for another, is refused."""
+    precision = trainer.get("precision")
+    if precision is not None and validation.precision(precision) == "16-mixed" and _runs_on_cpu(trainer.get("accelerator")):
+        raise RecipeError(f"trainer.precision={precision}: float16 mixed precision does not run on a CPU (Lightning would run "
+                          "bf16-mixed in its place, and the run record 16-mixed): give bf16-mixed", "trainer.precision")
+
+
+def _runs_on_cpu(accelerator: Any) -> bool:
+    """Whether ``trainer.accelerator`` is, or ``auto`` resolves to, the CPU (no CUDA, MPS or XLA device here)."""
+    if accelerator == "cpu":
+        return True
+    if accelerator not in (None, "auto"):
+        return False
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return not torch.cuda.is_available() and not (mps is not None and mps.is_available()) and importlib.util.find_spec("torch_xla") is None
+
+
 def _check_devices(devices: Any, accelerator: Any) -> None:
     """``trainer.devices`` as Lightning reads it (``validation.devices``); a CPU has no device indices."""
     if isinstance(validation.devices(devices), list) and accelerator == "cpu":
@@ -412,8 +432,9 @@ class RecipeCLI(LightningCLI):
                 "a run: give one of them", "overwrite",
             )  # fmt: skip
         check_trainer(self.config["trainer"], self.config["task"], self.sized_only)
-        if self.build:
+        if self.build:  # what this machine runs
             check_engine_here(self.config["model"])
+            check_precision_here(self.config["trainer"])
         else:  # launch, plan: the module's own checks of its values, as `run` makes them (the model itself is not read)
             try:
                 self.model_class(**{**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]})

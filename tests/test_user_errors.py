@@ -154,6 +154,8 @@ MISTAKES = {
                                   "model.engine: engine_max_restarts must be an integer >= 0, got -1"),
     "server engine timeout 0": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.request_timeout=0"],
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
+    "float16 mixed precision on a CPU": (SFT, lambda t: ["--trainer.precision=16-mixed"],
+                                         "trainer.precision=16-mixed: float16 mixed precision does not run on a CPU (Lightning would run bf16-mixed"),
     "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value, got none (null)"),
     "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
