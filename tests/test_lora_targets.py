@@ -28,3 +28,27 @@ def test_the_output_head_and_a_container_module_are_refused_naming_the_key_and_t
     with pytest.raises(RecipeError, match=r"^lora.target_modules: peft cannot adapt Qwen3ForCausalLM as asked: Target module Qwen3MLP is "
                                           r"not supported \(name the modules to adapt: its linear layers down_proj, gate_proj, .*; or all-linear\)$"):
         load_causal_lm("tiny", lora=LoraSettings(r=2, target_modules=["mlp"]))
+
+
+def test_a_16_bit_merged_export_rounds_each_weight_once(tiny_path, tmp_path, tiny_tokenizer):
+    """peft adds the adapter's product, rounded to bfloat16, to a bfloat16 weight and rounds the sum again; the export
+    merges in float32 and rounds once, to the weight the exact merge rounds to."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.models.loading import export_hf
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model.to(torch.bfloat16)  # as trainer.precision bf16-true holds it: the adapters in bfloat16 too
+    layers = {name: m for name, m in model.named_modules() if name.endswith("q_proj") and hasattr(m, "lora_B")}
+    exact = {}
+    for name, layer in layers.items():
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
+        delta = layer.lora_B["default"].weight.double() @ layer.lora_A["default"].weight.double() * layer.scaling["default"]
+        exact[name.removeprefix("base_model.model.") + ".weight"] = (layer.base_layer.weight.double() + delta).to(torch.bfloat16)
+    export_hf(model, tiny_tokenizer, tmp_path / "hf", mode="merged")
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exact and all(saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], weight) for name, weight in exact.items())

@@ -313,6 +313,16 @@ def _readable_as_umask_allows(folder: Path) -> None:
             file.chmod(0o666 & ~umask)
 
 
+def _merged_rounded_once(model: PeftModel) -> torch.nn.Module:
+    """peft's ``merge_and_unload``, each weight of a 16-bit model rounded once: merged in float32, then cast back
+    (peft rounds the adapter's product to the weights' dtype, then their sum again). In place, as peft merges."""
+    dtypes = {p.dtype for p in model.parameters()}
+    narrow = next(iter(dtypes)) if len(dtypes) == 1 else None
+    if narrow not in (torch.bfloat16, torch.float16):
+        return model.merge_and_unload()
+    return model.float().merge_and_unload().to(narrow)
+
+
 def export_hf(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -343,7 +353,7 @@ def export_hf(
         if mode != "adapter" and isinstance(model, PeftModel):
             model = model.get_base_model()
     elif mode != "adapter" and isinstance(model, PeftModel):
-        model = model.merge_and_unload()
+        model = _merged_rounded_once(model)
     path = Path(path)
     if not write:
         return path
