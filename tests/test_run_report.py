@@ -156,10 +156,10 @@ def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_w
     summary = json.loads((out / "summary.json").read_text())
     norms = logged(out, "train/grad_norm")
     assert sorted(norms) == [0, 1, 2] and all(math.isfinite(norm) and norm >= 0 for norm in norms.values())
-    # Before the first step (at 0), and after the last: at that step's row, 2, as validations are (it was at 3, a row
-    # of its own after the last training row).
-    exact = logged(out, "val/exact_match")
-    assert sorted(exact) == [0, 2] and exact[2] == summary["heldout_exact_match"] and exact[0] == summary["heldout_exact_match_before"]
+    # After the last step: at that step's row, 2, as validations are (it was at 3, a row of its own after the last
+    # training row); before the first, under a name of its own at 0 (under one name, W&B kept either it or step 1's).
+    exact, before = logged(out, "val/exact_match"), logged(out, "val/exact_match_before")
+    assert sorted(exact) == [2] and exact[2] == summary["heldout_exact_match"] and before == {0: summary["heldout_exact_match_before"]}
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0] * 8 + [2] * 8  # 2 prompts x 4 completions, every 2 steps
     assert {"prompt", "completion", "reward", "weight_version", "math_answer", "format"} <= set(rows[0])

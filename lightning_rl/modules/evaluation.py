@@ -16,6 +16,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import generate_greedy
 
 HELDOUT_METRIC = "val/exact_match"  # the held-out exact match, as the run's loggers have it
+HELDOUT_BEFORE_METRIC = "val/exact_match_before"  # ... of the weights before the first step (summary.json's `_before`)
 
 
 def heldout_cases(
@@ -62,10 +63,12 @@ def exact_match(
 
 def log_heldout(module: LightningModule, figures: dict[str, Any]) -> dict[str, Any]:
     """``figures`` (``exact_match``'s), after logging the held-out exact match to the run's loggers (CSV, W&B) at the
-    step it follows, where Lightning logs that step's figures (one less than the steps taken; before any, 0): each
-    evaluation is in the logs, not only the last in summary.json."""
+    step it follows, where Lightning logs that step's figures (one less than the steps taken): each evaluation is in
+    the logs, not only the last in summary.json. Before any step, it is ``HELDOUT_BEFORE_METRIC`` at 0, which the
+    first step's row holds too: under one name, W&B kept one of the two and a CSV row had two."""
+    before = module.global_step == 0
     for logger in module.loggers:
-        logger.log_metrics({HELDOUT_METRIC: figures["heldout_exact_match"]}, step=max(module.global_step - 1, 0))
+        logger.log_metrics({HELDOUT_BEFORE_METRIC if before else HELDOUT_METRIC: figures["heldout_exact_match"]}, step=max(module.global_step - 1, 0))
     return figures
 
 

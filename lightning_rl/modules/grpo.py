@@ -160,9 +160,9 @@ class GRPOModule(PolicyModule):
         weight_sync: how the policy reaches the engine after each step (``models/policy_sync.py``): ``full``, a LoRA
             ``merged`` into the weights or its ``adapter`` alone, ``delta`` (only changed tensors), ``auto``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
-            embedded task's) of which the first ``eval_generations`` are decoded greedily, each up to
-            ``eval_max_new_tokens`` tokens, before training, every ``trainer.val_check_interval`` steps and after, by the SFT
-            module's evaluator (``val/exact_match``; summary.json's ``heldout_exact_match_before`` and ``heldout_exact_match``).
+            embedded task's) of which the first ``eval_generations`` are decoded greedily, each up to ``eval_max_new_tokens``
+            tokens, before training, every ``trainer.val_check_interval`` steps and after, by the SFT module's evaluator
+            (``val/exact_match``; before training ``val/exact_match_before``; summary.json's ``heldout_exact_match[_before]``).
         log_rollouts_every_n_steps: rollout table (prompt, completion, rewards) cadence; 0 disables.
         summary_window: steps averaged for the first/last reward means of `summary_metrics`.
         export: the Hugging Face folder: ``model``, ``merged`` (LoRA merged in: the default with ``lora``), ``adapter`` (TRL's).
