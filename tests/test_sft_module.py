@@ -291,7 +291,7 @@ def test_the_held_out_loss_on_two_ranks_is_that_of_one_process(tmp_path, capsys)
     assert val_loss(tmp_path / "two") == pytest.approx(val_loss(tmp_path / "one"), rel=1e-6) and len(val_loss(tmp_path / "one")) == 1
     # summary.json's token counts are the run's, every rank's (they were rank 0's): those of one process taking both
     # ranks' batches (rank r trains every 2nd batch from r) as one step of two micro-batches.
-    assert cli.main(["run", recipe, f"--output_dir={tmp_path / 'both'}", *args, "--trainer.accumulate_grad_batches=2"]) == 0
+    assert cli.main(["run", recipe, f"--output_dir={tmp_path / 'both'}", *args, "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=2"]) == 0
     both, summed = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("both", "two"))
     assert (summed["tokens"], summed["flat_tokens"]) == (both["tokens"], both["flat_tokens"]) and summed["world_size"] == 2
 

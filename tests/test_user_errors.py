@@ -156,6 +156,9 @@ MISTAKES = {
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
     "float16 mixed precision on a CPU": (SFT, lambda t: ["--trainer.precision=16-mixed"],
                                          "trainer.precision=16-mixed: float16 mixed precision does not run on a CPU (Lightning would run bf16-mixed"),
+    "a validation inside an optimizer step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3"],
+                                              "trainer.val_check_interval=3 validates every 3 training batches, inside an optimizer step of "
+                                              "trainer.accumulate_grad_batches=2"),
     "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value, got none (null)"),
     "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],

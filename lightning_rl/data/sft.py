@@ -1007,7 +1007,16 @@ class SFTDataModule(LightningDataModule):
                 f"trainer.limit_train_batches={limit} keeps no batch of data.train_data's {self.batches_per_epoch()} per "
                 f"epoch (data.max_tokens {self.max_tokens}): give at least {1 / self.batches_per_epoch():.4g}, or a number of batches"
             )
-        if not isinstance(interval, int) or isinstance(interval, bool) or trainer.check_val_every_n_epoch is None:
+        whole = isinstance(interval, int) and not isinstance(interval, bool)
+        every = interval if whole else max(int(batches * interval), 1) if isinstance(interval, float) else None
+        accumulate = trainer.accumulate_grad_batches
+        if every is not None and every % accumulate and every < batches:  # an epoch's end steps the optimizer anyway
+            shown = "" if whole else f" ({every} of an epoch's {batches})"
+            raise RecipeError(
+                f"trainer.val_check_interval={interval} validates every {every} training batches{shown}, inside an optimizer "
+                f"step of trainer.accumulate_grad_batches={accumulate} (its figures would be logged a step late, beside the "
+                f"next step's): give a whole number of batches, a multiple of {accumulate}", "trainer.val_check_interval")
+        if not whole or trainer.check_val_every_n_epoch is None:
             return
         if interval > batches:
             raise DataError(
