@@ -187,6 +187,10 @@ _GRPO_TRAINER = {
     "gradient_clip_val": ((None, 0), "it clips the gradient norm itself: set model.max_grad_norm (null: no clipping)"),
     "gradient_clip_algorithm": ((None,), "it clips the gradient norm itself, over every mesh the weights live on: set "
                                 "model.max_grad_norm (null: no clipping)"),
+    "limit_val_batches": ((None, 0, 1.0), "it runs no validation batches: its held-out evaluation decodes the first "
+                          "model.eval_generations prompts of model.eval_data"),
+    "check_val_every_n_epoch": ((None, 1), "it runs no validation loop: its held-out evaluation runs every "
+                                "trainer.val_check_interval steps (model.eval_data)"),
 }  # fmt: skip
 
 

@@ -112,7 +112,8 @@ def test_a_trl_field_given_as_a_key_names_the_key_doing_its_work(capsys):
 
 
 @pytest.mark.parametrize("key, names", [("accumulate_grad_batches=4", "model.max_tokens_per_row"), ("gradient_clip_val=1.0", "model.max_grad_norm"),
-                                        ("gradient_clip_algorithm=norm", "model.max_grad_norm")])  # fmt: skip
+                                        ("gradient_clip_algorithm=norm", "model.max_grad_norm"), ("limit_val_batches=5", "model.eval_generations"),
+                                        ("check_val_every_n_epoch=2", "trainer.val_check_interval")])  # fmt: skip
 def test_trainer_arguments_grpo_cannot_take_name_its_own_key(key, names, capsys):
     [error] = error_lines(capsys, ["run", GRPO, f"--trainer.{key}"])
     assert error.startswith(f"error: trainer.{key.split('=')[0]}=") and "is not taken by GRPO" in error and names in error
@@ -152,7 +153,7 @@ def test_every_trainer_argument_is_taken_or_one_line(recipe, tmp_path, capsys):
             outcomes[name] = "refused"
     capsys.readouterr()
     refused = {name for name, outcome in outcomes.items() if outcome == "refused"}
-    grpo_only = {"accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm"}
+    grpo_only = {"accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "check_val_every_n_epoch"}  # limit_val_batches=0 is taken
     always = {"logger", "fast_dev_run", "enable_checkpointing", "use_distributed_sampler", "barebones", "default_root_dir"}
     assert refused == always | (grpo_only if recipe == GRPO else set())
 

@@ -159,6 +159,7 @@ MISTAKES = {
     "a validation inside an optimizer step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3"],
                                               "trainer.val_check_interval=3 validates every 3 training batches, inside an optimizer step of "
                                               "trainer.accumulate_grad_batches=2"),
+    "validation batches of a GRPO run": (GRPO, lambda t: ["--trainer.limit_val_batches=5"], "trainer.limit_val_batches=5 is not taken by GRPO: it runs no validation batches"),
     "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value, got none (null)"),
     "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
