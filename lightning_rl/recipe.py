@@ -539,6 +539,7 @@ _OTHER_TASK_HINTS = {
     ("grpo", "data.max_tokens"): "a GRPO step is data.batch_size prompts x model.num_generations completions; "
     "model.max_tokens_per_row bounds a packed micro-batch",
     ("grpo", "data.val_data"): "GRPO's held-out data is model.eval_data",
+    ("sft", "model.max_grad_norm"): "SFT clips the gradient norm with trainer.gradient_clip_val",
 }
 
 _A = {"sft": "an SFT", "grpo": "a GRPO"}
@@ -711,6 +712,8 @@ def _one_line(error: BaseException) -> str:
     unknown key by name, a bad value as ``KEY must be ..., got VALUE`` (a mapping written ``{key:value}``, which YAML
     reads as one key ``key:value``, with how to write it)."""
     said = _said(error)
+    if re.fullmatch(r"model\.warmup_steps must be an integer, got 0?\.\d+", said):  # TRL's warmup_ratio, as a count
+        said += " (a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"
     if re.search(r"got \{[^}]*\w:[^\s/}]", said):
         said += " (YAML reads {key:value} as one key, 'key:value': write {key: value}, a space after each colon)"
     return said

@@ -116,6 +116,9 @@ DIFFERENCES = (
      "an instruction-tuned model is prompted as it is served; write the prompt as chat messages to choose the turns"),
     ("The logged `epoch`", "Lightning's: the whole passes over the data done (0 through the first)", "fractional (0.25 "
      "a quarter into the first pass)", "Lightning's loggers write it; the step numbers give the progress within a pass"),
+    ("The logged step", "Lightning's: a step's figures are at the steps taken before it (the first step's at 0)",
+     "the steps taken with it (the first step's at 1)", "Lightning's loggers count so; a curve laid over TRL's is one "
+     "step to its left"),
     ("SFT's held-out loss", "`val/loss`: the mean over every held-out token", "`eval_loss`: the mean of the batches' means",
      "a short batch weighs as much as a long one there; here each token counts once"),
     ("A GRPO prompt whose messages end with assistant turns", "those turns are dropped: the prompt ends with the last "

@@ -160,6 +160,10 @@ MISTAKES = {
                                               "trainer.val_check_interval=3 validates every 3 training batches, inside an optimizer step of "
                                               "trainer.accumulate_grad_batches=2"),
     "validation batches of a GRPO run": (GRPO, lambda t: ["--trainer.limit_val_batches=5"], "trainer.limit_val_batches=5 is not taken by GRPO: it runs no validation batches"),
+    "a warmup given as a share": (SFT, lambda t: ["--model.warmup_steps=0.1"], "command line: model.warmup_steps must be an integer, got 0.1 "
+                                  "(a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"),
+    "SFT's clipping asked of GRPO's key": (SFT, lambda t: ["--model.max_grad_norm=1"], "command line: unknown key 'model.max_grad_norm' (a GRPO "
+                                          "key; SFT clips the gradient norm with trainer.gradient_clip_val)"),
     "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value, got none (null)"),
     "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
