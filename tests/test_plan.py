@@ -122,7 +122,9 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     assert "1 GPUs x 2048 tokens x 1 accumulation" in capsys.readouterr().out
     recipe.write_text("task: grpo\nmodel: {model_name_or_path: tiny}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 2
-    assert "`model.max_tokens_per_row` is null: each step is forwarded in one row" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "`model.max_tokens_per_row` is null: each step is forwarded in one row" in err
+    assert "8 x 8 x (the longest prompt + its max_new_tokens) tokens at most" in err  # the module's defaults, as run reads them
     overrides = ["--", "--model.max_tokens_per_row=512", "--model.lora={r: 8}"]  # as run reads them
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", *overrides]) == 0
     out = capsys.readouterr().out

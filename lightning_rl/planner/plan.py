@@ -94,9 +94,12 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
     if tokens is None and recipe.task == "grpo":
+        batch, samples = recipe.setting("data.batch_size"), recipe.setting("model.num_generations")
+        new = recipe.get("model.sampling.max_new_tokens", None) or "its max_new_tokens"
         raise LaunchError(f"{recipe.path}: `{row_key}` is null: each step is forwarded in one row, as long as its "
-                          "prompts and completions (data.batch_size x model.num_generations, model.sampling.max_new_tokens "
-                          "each); pass --tokens-per-micro-batch with that length")
+                          f"prompts and completions (data.batch_size x model.num_generations x (a prompt + "
+                          f"model.sampling.max_new_tokens): {batch} x {samples} x (the longest prompt + {new}) tokens at "
+                          "most, a shared prompt counted once per group); pass --tokens-per-micro-batch with that length")
     if not isinstance(tokens, int) or tokens < 1:
         raise LaunchError(f"{recipe.path}: `{row_key}` is missing or not a positive integer; pass --tokens-per-micro-batch")
     _check_strategy(recipe, args.nodes * args.gpus_per_node)
