@@ -284,6 +284,28 @@ def test_invalid_executor_settings_are_refused():
         ToolExecutor([Tool("label", "", {"type": "object"}, lambda: "x")])
 
 
+def test_a_tool_defined_in_the_script_being_run_is_refused_before_any_call(monkeypatch):
+    """A tool written in the training script itself (TRL users' habit) pickles by name under __main__, which a worker's
+    __main__ lacks: it was taken, and every call failed as the tool's own error, scored as the model's."""
+    import sys
+
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city.
+        """
+        return "sunny"
+
+    get_weather.__module__, get_weather.__qualname__ = "__main__", "get_weather"
+    monkeypatch.setattr(sys.modules["__main__"], "get_weather", get_weather, raising=False)
+    from lightning_rl.tools.schema import as_tool
+
+    for given in (lambda: as_tool(get_weather), lambda: ToolExecutor([Tool.from_function(get_weather)])):  # a module's tools, an executor's
+        with pytest.raises(ValueError, match=r"^tool 'get_weather' runs in a worker process, .* it is defined in the script being run \(__main__\)"):
+            given()
+
+
 def test_a_hanging_tool_in_a_conversation_times_out_and_the_executor_serves_on(tool_calling_model):
     model, tokenizer, prompts, _ = tool_calling_model
     hanging = Tool.from_function(hanging_calculator, name="calculator")

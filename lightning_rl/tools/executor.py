@@ -35,7 +35,7 @@ from typing import Any, Literal
 from lightning_rl.stopping import StepAbandoned, wait_unless_stopping
 from lightning_rl.tools.arguments import validated_arguments
 from lightning_rl.tools.calls import ToolCall
-from lightning_rl.tools.schema import Tool
+from lightning_rl.tools.schema import Tool, check_sendable
 from lightning_rl.tools.worker import truncate
 
 log = logging.getLogger(__name__)
@@ -139,13 +139,7 @@ class ToolExecutor:
         if max_output_chars < 1:
             raise ValueError(f"tool_output_max_chars must be >= 1, got {max_output_chars}")
         for tool in tools:
-            try:
-                pickle.dumps(tool.function)
-            except Exception as error:
-                raise ValueError(
-                    f"tool {tool.name!r} runs in a worker process, so its function must be importable by its module "
-                    f"path (not a lambda or a nested function): {error}"
-                ) from None
+            check_sendable(tool)
         self.tools = {tool.name: tool for tool in tools}
         self._signatures = {tool.name: _signature(tool.function) for tool in tools}
         self.timeout_s = timeout_s

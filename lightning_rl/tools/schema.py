@@ -7,6 +7,7 @@ JSON Schema, checked with jsonschema before training starts.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,14 +77,30 @@ class Tool:
 
 def as_tool(tool: str | Tool | Callable[..., Any]) -> Tool:
     """A tool as given: a dotted path (`load_tool`), a `Tool`, or a function (as TRL takes them). Its calls run in
-    worker processes, which import its function by module and name."""
+    worker processes, which import its function by module and name (`check_sendable`)."""
     if isinstance(tool, Tool):
-        return tool
+        return check_sendable(tool)
     if isinstance(tool, str):
-        return load_tool(tool)
+        return check_sendable(load_tool(tool))
     if callable(tool):
-        return Tool.from_function(tool)
+        return check_sendable(Tool.from_function(tool))
     raise ValueError(f"a tool is a dotted path, a function or a Tool, got {type(tool).__name__}")
+
+
+def check_sendable(tool: Tool) -> Tool:
+    """``tool``, whose function a worker process can import by module and name (pickled by name); a ValueError naming
+    it otherwise: a lambda, a nested function, or one defined in the script being run (``__main__``: the worker's own
+    ``__main__`` lacks it, and every call would fail as the tool's own error)."""
+    try:
+        sent = pickle.dumps(tool.function)
+    except Exception as error:
+        raise ValueError(f"tool {tool.name!r} runs in a worker process, so its function must be importable by its module "
+                         f"path (not a lambda or a nested function): {error}") from None
+    if b"__main__" in sent:
+        raise ValueError(f"tool {tool.name!r} runs in a worker process, so its function must be importable by its module "
+                         "path, and it is defined in the script being run (__main__), which the worker does not run: move "
+                         "it into a module beside the script and import it from there")
+    return tool
 
 
 def tool_reference(tool: str | Tool | Callable[..., Any]) -> str:
