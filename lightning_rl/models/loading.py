@@ -314,13 +314,19 @@ def _readable_as_umask_allows(folder: Path) -> None:
 
 
 def _merged_rounded_once(model: PeftModel) -> torch.nn.Module:
-    """peft's ``merge_and_unload``, each weight of a 16-bit model rounded once: merged in float32, then cast back
-    (peft rounds the adapter's product to the weights' dtype, then their sum again). In place, as peft merges."""
-    dtypes = {p.dtype for p in model.parameters()}
-    narrow = next(iter(dtypes)) if len(dtypes) == 1 else None
-    if narrow not in (torch.bfloat16, torch.float16):
-        return model.merge_and_unload()
-    return model.float().merge_and_unload().to(narrow)
+    """peft's ``merge_and_unload``, each 16-bit weight rounded once: its layer merged in float32, then cast back (peft
+    rounds a 16-bit adapter's product to the weight's dtype, then the sum again). In place, one layer at a time (a
+    layer's float32 copy is all the memory it takes), as peft merges."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer) and not layer.merged:
+            dtype = getattr(layer.get_base_layer(), "weight", torch.empty(0)).dtype
+            if dtype in (torch.bfloat16, torch.float16):
+                layer.float()
+                layer.merge()
+                layer.to(dtype)
+    return model.merge_and_unload()  # what is left (the layers of other dtypes), then the LoRA modules taken out
 
 
 def export_hf(
