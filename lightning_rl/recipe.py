@@ -756,7 +756,7 @@ def _said(error: BaseException) -> str:
         if match := re.search(r"Unable to load config '(.*?)'", text):  # a block (a settings group) given a scalar
             return f"{key} is a block of keys ({key}.NAME=VALUE, or a mapping), got {match[1]}"
     if match := re.search(r"the following arguments are required: ([\w.]+(?:, [\w.]+)*)$", text):  # a key set to null
-        return f"{match[1]} must be given a value, got none (null)"
+        return f"{match[1]} must be given a value (it is missing, or null)"
     if match := re.fullmatch(r"argument --([\w.]+): expected one argument", text):
         return f"{match[1]}: no value given (--{match[1]}=VALUE)"
     return text if len(text) <= 400 else text[:400] + " ..."

@@ -164,7 +164,7 @@ MISTAKES = {
                                   "(a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"),
     "SFT's clipping asked of GRPO's key": (SFT, lambda t: ["--model.max_grad_norm=1"], "command line: unknown key 'model.max_grad_norm' (a GRPO "
                                           "key; SFT clips the gradient norm with trainer.gradient_clip_val)"),
-    "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value, got none (null)"),
+    "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value (it is missing, or null)"),
     "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
                                                      "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
                                     "model.engine: server_options (dtype, max_model_len) configure a server this engine starts, and url names one "

@@ -674,8 +674,8 @@ class Renderer:
         if not said.startswith(asked) or said[len(asked) :] != text(apart):
             raise ValueError(f"tokenizer {self.name}: a token spans the end of `prompt` and the start of `completion` "
                              f"({prompt[-20:]!r} | {completion[:20]!r}), and the completion tokenized apart reads "
-                             f"{said[len(asked) :][:20]!r} after the prompt: end the prompt where a token ends (a space "
-                             "at its end belongs at the completion's start)")
+                             f"{said[len(asked) :][:20]!r} after the prompt: end the prompt where a token ends"
+                             + (" (a space at its end belongs at the completion's start)" if prompt.endswith(" ") else ""))
         return prompt_ids, apart
 
     def _trained_reply(self, prompt: list[int], conversation: list[int], content: str) -> str:
