@@ -134,7 +134,7 @@ def test_a_finished_run_resumed_further_trains_as_an_uninterrupted_one(tmp_path,
     elif case == "max_epochs into more epochs":
         first, then = ["--trainer.max_steps=-1", "--trainer.max_epochs=1"], ["--trainer.max_steps=-1", "--trainer.max_epochs=3"]
     else:
-        constant += [f"--data.val_data={TOY_HELDOUT}", "--trainer.val_check_interval=5", "--trainer.check_val_every_n_epoch=null",
+        constant += [f"--data.val_data={TOY_HELDOUT}", "--trainer.val_check_interval=10", "--trainer.check_val_every_n_epoch=null",
                      "--trainer.limit_val_batches=1", "--trainer.accumulate_grad_batches=2"]
         first, then = ["--trainer.max_steps=5"], ["--trainer.max_steps=8"]
     assert run(capsys, tmp_path / "whole", *constant, *then)[0] == 0

@@ -639,3 +639,14 @@ def test_a_bad_row_of_a_dataset_given_from_python_names_the_key_it_was_given_as(
     data = SFTDataModule(write_jsonl(tmp_path / "train.jsonl", [GOOD]), datasets.Dataset.from_list([GOOD, long_row]), max_tokens=128)
     with pytest.raises(DataError, match=r"^data.val_data \(Dataset\): row 2: \d+ tokens, longer than"):
         data.setup("fit")
+
+
+@pytest.mark.parametrize("every, batches, accumulate, across, most, inside", [
+    (3, 56, 2, False, None, 3), (6, 12, 2, False, None, None), (60, 56, 3, True, None, 60), (60, 12, 3, True, None, None),
+    (7, 5, 2, True, None, 21),  # batches 7 and 14 end steps (2 and 4 of an epoch), 21 is an epoch's first
+    (7, 5, 2, True, 20, None),  # ... and a run of 20 batches never gets there
+])  # fmt: skip
+def test_a_validation_inside_an_optimizer_step_is_found_where_lightning_puts_it(every, batches, accumulate, across, most, inside):
+    from lightning_rl.data.sft import _inside_a_step
+
+    assert _inside_a_step(every, batches, accumulate, across, most) == inside

@@ -156,9 +156,14 @@ MISTAKES = {
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
     "float16 mixed precision on a CPU": (SFT, lambda t: ["--trainer.precision=16-mixed"],
                                          "trainer.precision=16-mixed: float16 mixed precision does not run on a CPU (Lightning would run bf16-mixed"),
-    "a validation inside an optimizer step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3"],
-                                              "trainer.val_check_interval=3 validates every 3 training batches, inside an optimizer step of "
-                                              "trainer.accumulate_grad_batches=2"),
+    "a validation inside an optimizer step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3", "--trainer.max_steps=2"],
+                                              "trainer.val_check_interval=3 validates every 3 training batches, and at batch 3 (batch 3 of an "
+                                              "epoch of 56, counted across epochs) inside an optimizer step of trainer.accumulate_grad_batches=2"),
+    # A multiple of the accumulation, counted across epochs of an odd number of batches: the second epoch's steps start one later.
+    "a validation inside a later epoch's step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=6",
+                                                                "--trainer.limit_train_batches=5", "--trainer.max_steps=4"],
+                                                 "trainer.val_check_interval=6 validates every 6 training batches, and at batch 6 (batch 1 of an "
+                                                 "epoch of 5, counted across epochs) inside an optimizer step"),
     "validation batches of a GRPO run": (GRPO, lambda t: ["--trainer.limit_val_batches=5"], "trainer.limit_val_batches=5 is not taken by GRPO: it runs no validation batches"),
     "a warmup given as a share": (SFT, lambda t: ["--model.warmup_steps=0.1"], "command line: model.warmup_steps must be an integer, got 0.1 "
                                   "(a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"),

@@ -19,6 +19,7 @@ import heapq
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -750,6 +751,19 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
 
 
+def _inside_a_step(every: int, batches: int, accumulate: int, across_epochs: bool, most: int | None = None) -> int | None:
+    """The first training batch (counted from the run's start; at most ``most``, the run's) at which Lightning validates
+    inside an optimizer step, None if none: it validates at every ``every``-th batch of an epoch (``across_epochs``: of
+    the run), and a step ends at every ``accumulate``-th batch of an epoch and at its last. The pattern repeats every
+    lcm(every, batches) batches."""
+    horizon = min(math.lcm(every, batches) if across_epochs else batches, most or math.inf)
+    for at in range(every, horizon + 1, every):
+        place = (at - 1) % batches + 1
+        if place != batches and place % accumulate:
+            return at
+    return None
+
+
 def _split_to(batches: list[list[int]], count: int) -> list[list[int]]:
     """``batches`` as ``count`` rows: the row of the most examples (the first of those) split in halves, in its place,
     until there are as many (a half forwards no more tokens than its row, so it fits the budget too). Every example
@@ -1009,14 +1023,18 @@ class SFTDataModule(LightningDataModule):
             )
         whole = isinstance(interval, int) and not isinstance(interval, bool)
         every = interval if whole else max(int(batches * interval), 1) if isinstance(interval, float) else None
-        accumulate = trainer.accumulate_grad_batches
-        if every is not None and every % accumulate and every < batches:  # an epoch's end steps the optimizer anyway
+        accumulate, across = trainer.accumulate_grad_batches, whole and trainer.check_val_every_n_epoch is None
+        steps, epochs = trainer.max_steps, trainer.max_epochs
+        most = min(steps * accumulate if steps and steps > 0 else math.inf, epochs * batches if epochs and epochs > 0 else math.inf)
+        if every is not None and batches and (inside := _inside_a_step(every, batches, accumulate, across, most if most < math.inf else None)) is not None:
             shown = "" if whole else f" ({every} of an epoch's {batches})"
+            where = f" (batch {(inside - 1) % batches + 1} of an epoch of {batches}, counted across epochs)" if across else ""
             raise RecipeError(
-                f"trainer.val_check_interval={interval} validates every {every} training batches{shown}, inside an optimizer "
-                f"step of trainer.accumulate_grad_batches={accumulate} (its figures would be logged a step late, beside the "
-                f"next step's): give a whole number of batches, a multiple of {accumulate}", "trainer.val_check_interval")
-        if not whole or trainer.check_val_every_n_epoch is None:
+                f"trainer.val_check_interval={interval} validates every {every} training batches{shown}, and at batch "
+                f"{inside}{where} inside an optimizer step of trainer.accumulate_grad_batches={accumulate} (its figures would "
+                "be logged a step late, beside the next step's): give a number of batches at which an optimizer step ends",
+                "trainer.val_check_interval")
+        if not whole or across:
             return
         if interval > batches:
             raise DataError(
