@@ -595,6 +595,8 @@ def test_files_as_editors_and_tools_save_them_are_read_or_refused_in_one_line(tm
     datasets.Dataset.from_list(rows).select([]).save_to_disk(str(tmp_path / "empty"))
     with pytest.raises(DataError, match=r"empty: no rows$"):
         load_examples(str(tmp_path / "empty"), None, 512)
+    with pytest.raises(DataError, match=rf"^data.val_data: {tmp_path / 'empty'}: no rows$"):  # the key it was given as (one file may be two)
+        load_examples(str(tmp_path / "empty"), None, 512, key="data.val_data")
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(DataError, match=r"fifo: not a regular file \(a pipe or a device, which can be read only once\)"):
         read_rows(str(tmp_path / "fifo"))
@@ -615,6 +617,12 @@ def test_a_dataset_of_splits_is_refused_naming_the_split_to_give(tmp_path):
     splits.save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=re.escape(f"a dataset of splits (train), not one split; give one split's folder ({tmp_path / 'saved' / 'train'})")):
         SFTDataModule(str(tmp_path / "saved"))
+    # The split each key means: the first in the alphabet (test) was offered as the training data.
+    both = tmp_path / "both"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD]), "test": datasets.Dataset.from_list([GOOD])}).save_to_disk(str(both))
+    for key, split in (("train_data", "train"), ("val_data", "test")):
+        with pytest.raises(DataError, match=re.escape(f"{key}: {both}: a dataset of splits (test, train), not one split; give one split's folder ({both / split})")):
+            SFTDataModule(**{"train_data": str(both) if key == "train_data" else str(tmp_path / "saved" / "train"), key: str(both)})
 
 
 def test_an_epoch_of_fewer_rows_splits_its_fullest_rows_first_in_their_place():

@@ -88,8 +88,8 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
             raise DataError(f"{name}: {where}: field {prompt_field!r} is {kinds[1]}, where {records[0][0]} gives {kinds[0]}: "
                             "rewards read the prompts and completions of a step as text or as messages, so give every row's one way")
         records.append((f"{name}: {where}", {**row, "prompt": prompt}))
-    if not records:
-        raise DataError(f"{name}: no rows")
+    if not records:  # named by its key too: one file may be given as two
+        raise DataError(f"{name}: no rows" if name.startswith("data.train_data") else f"data.train_data: {name}: no rows")
     return records
 
 

@@ -143,9 +143,9 @@ _UNREAD_FORMATS = {
 }  # fmt: skip
 
 
-def _source_problem(path: Path) -> str | None:
+def _source_problem(path: Path, key: str | None = None) -> str | None:
     """Why a file or folder is not one ``read_rows`` reads, or None: a file of a format it does not read, or a folder
-    ``datasets.save_to_disk`` did not write for a single split."""
+    ``datasets.save_to_disk`` did not write for a single split (for ``key``, the split meant: train, or held out)."""
     if not path.is_dir() and not path.is_file():
         return "not a regular file (a pipe or a device, which can be read only once); save the rows to a file first"
     if not path.is_dir():
@@ -153,7 +153,10 @@ def _source_problem(path: Path) -> str | None:
         return f"{what} is not read; give a .jsonl, .json or .parquet file, or a folder `datasets.save_to_disk` wrote" if what else None
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        return f"a dataset of splits ({', '.join(splits)}), not one split; give one split's folder ({path / splits[0]})" if splits else \
+        held_out = key is not None and key.endswith(("val_data", "eval_data"))
+        meant = [s for s in (("validation", "valid", "val", "test", "eval") if held_out else ("train",)) if s in splits]
+        shown = f" ({path / meant[0]})" if meant else f": {', '.join(str(path / s) for s in splits)}"
+        return f"a dataset of splits ({', '.join(splits)}), not one split; give one split's folder{shown}" if splits else \
             "a dataset of splits, none saved in it"
     if not (path / "dataset_info.json").is_file():
         return "a folder, but not one `datasets.save_to_disk` wrote (no dataset_info.json); give a .jsonl, .json or .parquet file, or such a folder"
@@ -182,7 +185,7 @@ def check_source(key: str, source: DataSource) -> None:
         hub = ("; a Hub dataset is not downloaded here: save one split of it with datasets' save_to_disk and give that folder"
                if re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) and not path.suffix else "")  # trl-lib/Capybara
         raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}{hub}", key)
-    if (problem := _source_problem(path)):
+    if (problem := _source_problem(path, key)):
         raise DataError(f"{key}: {source}: {problem}", key)
 
 
@@ -317,7 +320,7 @@ def read_rows(source: DataSource, key: str | None = None) -> tuple[str, list[tup
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder{validation.resolved_against(path)}")
-    if (problem := _source_problem(path)):
+    if (problem := _source_problem(path, key)):
         raise DataError(f"{path}: {problem}")
     suffix = path.suffix.lower()  # train.JSON, train.Parquet
     if path.is_file() and _opens_with(path, b"PAR1"):  # Parquet by its magic bytes, whatever its name (train.pq)
@@ -714,8 +717,8 @@ def load_examples(
     ``as_chat``: each checked row's shape before it is rendered (GRPO's held-out string prompts as chat turns); ``key``:
     the recipe key the source was given as."""
     name, rows = read_rows(source, key)
-    if not rows:
-        raise DataError(f"{name}: no rows")
+    if not rows:  # named by its key too: one file may be given as two
+        raise DataError(f"{name}: no rows" if key is None or name.startswith(key) else f"{key}: {name}: no rows")
     examples, cases = [], []
     base = Path(name).parent if Path(name).is_file() else None  # image paths are relative to the data file
     for where, raw in rows:
