@@ -658,3 +658,17 @@ def test_a_validation_inside_an_optimizer_step_is_found_where_lightning_puts_it(
     from lightning_rl.data.sft import _inside_a_step
 
     assert _inside_a_step(every, batches, accumulate, across, most) == inside
+
+
+def test_a_runs_batches_count_each_epochs_shorter_last_step():
+    """max_steps=12 over epochs of 5 batches at accumulation 2 (steps of 2, 2, 1) is 20 batches, not 24: batch 21's
+    mid-step validation never comes."""
+    from types import SimpleNamespace
+
+    from lightning_rl.data.sft import _inside_a_step, _run_batches
+
+    run = SimpleNamespace(accumulate_grad_batches=2, max_steps=12, max_epochs=-1)
+    assert _run_batches(run, 5) == 20 and _inside_a_step(7, 5, 2, True, _run_batches(run, 5)) is None
+    assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=13, max_epochs=None), 5) == 22
+    assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=-1, max_epochs=3), 5) == 15
+    assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=-1, max_epochs=-1), 5) is None

@@ -304,6 +304,12 @@ def test_a_tool_defined_in_the_script_being_run_is_refused_before_any_call(monke
     for given in (lambda: as_tool(get_weather), lambda: ToolExecutor([Tool.from_function(get_weather)])):  # a module's tools, an executor's
         with pytest.raises(ValueError, match=r"^tool 'get_weather' runs in a worker process, .* it is defined in the script being run \(__main__\)"):
             given()
+    import functools
+    import posixpath
+
+    # An importable function whose pickled arguments merely hold the text: taken.
+    joined = Tool("joined", "", {"type": "object"}, functools.partial(posixpath.join, "/srv/app/__main__"))
+    assert as_tool(joined) is joined
 
 
 def test_a_hanging_tool_in_a_conversation_times_out_and_the_executor_serves_on(tool_calling_model):

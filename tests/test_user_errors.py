@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from lightning_rl import cli
-from support.paths import REPO, TOY_TRAIN
+from support.paths import REPO, TOY_HELDOUT, TOY_TRAIN
 
 SFT, SFT_LORA, GRPO = (str(REPO / "recipes" / "tiny" / name) for name in ("sft.yaml", "sft_lora.yaml", "grpo.yaml"))
 MUSE = str(REPO / "recipes" / "muse_spark_open" / "lora_sft_8x8.yaml")
@@ -26,6 +26,7 @@ SHORT = ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trai
 SHORT_SFT = [*SHORT, "--data.val_data=null", "--data.max_tokens=256", "--model.eval_generations=0",
              "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0"]  # fmt: skip
 SHORT_GRPO = [*SHORT, "--model.num_generations=2", "--data.batch_size=1"]
+VALIDATED = [f"--data.val_data={TOY_HELDOUT}", "--trainer.limit_val_batches=1"]  # SHORT_SFT validates nothing
 GOOD_ROW = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
 
 
@@ -156,14 +157,15 @@ MISTAKES = {
                                 "model.engine: request_timeout must be > 0 (seconds), got 0.0"),
     "float16 mixed precision on a CPU": (SFT, lambda t: ["--trainer.precision=16-mixed"],
                                          "trainer.precision=16-mixed: float16 mixed precision does not run on a CPU (Lightning would run bf16-mixed"),
-    "a validation inside an optimizer step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3", "--trainer.max_steps=2"],
+    "a validation inside an optimizer step": (SFT, lambda t: [*VALIDATED, "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3", "--trainer.max_steps=2"],
                                               "trainer.val_check_interval=3 validates every 3 training batches, and at batch 3 (batch 3 of an "
                                               "epoch of 56, counted across epochs) inside an optimizer step of trainer.accumulate_grad_batches=2"),
     # A multiple of the accumulation, counted across epochs of an odd number of batches: the second epoch's steps start one later.
-    "a validation inside a later epoch's step": (SFT, lambda t: ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=6",
+    "a validation inside a later epoch's step": (SFT, lambda t: [*VALIDATED, "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=6",
                                                                 "--trainer.limit_train_batches=5", "--trainer.max_steps=4"],
                                                  "trainer.val_check_interval=6 validates every 6 training batches, and at batch 6 (batch 1 of an "
-                                                 "epoch of 5, counted across epochs) inside an optimizer step"),
+                                                 "epoch of 5, counted across epochs) inside an optimizer step of trainer.accumulate_grad_batches=2 "
+                                                 "(its figures would be logged a step late, beside the next step's): give a multiple of an epoch's 5 batches"),
     "validation batches of a GRPO run": (GRPO, lambda t: ["--trainer.limit_val_batches=5"], "trainer.limit_val_batches=5 is not taken by GRPO: it runs no validation batches"),
     "a warmup given as a share": (SFT, lambda t: ["--model.warmup_steps=0.1"], "command line: model.warmup_steps must be an integer, got 0.1 "
                                   "(a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"),

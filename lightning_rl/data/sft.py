@@ -754,6 +754,19 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
 
 
+def _run_batches(trainer: Any, batches: int) -> int | None:
+    """The training batches a run of ``batches`` an epoch takes (None: no bound): an epoch's last step may take fewer
+    than ``accumulate_grad_batches``."""
+    accumulate, steps, epochs = trainer.accumulate_grad_batches, trainer.max_steps, trainer.max_epochs
+    most = math.inf
+    if steps is not None and steps > 0:
+        full, left = divmod(steps, -(-batches // accumulate))  # whole epochs of steps, then steps of the next
+        most = full * batches + left * accumulate
+    if epochs is not None and epochs > 0:
+        most = min(most, epochs * batches)
+    return None if most == math.inf else int(most)
+
+
 def _inside_a_step(every: int, batches: int, accumulate: int, across_epochs: bool, most: int | None = None) -> int | None:
     """The first training batch (counted from the run's start; at most ``most``, the run's) at which Lightning validates
     inside an optimizer step, None if none: it validates at every ``every``-th batch of an epoch (``across_epochs``: of
@@ -1027,16 +1040,15 @@ class SFTDataModule(LightningDataModule):
         whole = isinstance(interval, int) and not isinstance(interval, bool)
         every = interval if whole else max(int(batches * interval), 1) if isinstance(interval, float) else None
         accumulate, across = trainer.accumulate_grad_batches, whole and trainer.check_val_every_n_epoch is None
-        steps, epochs = trainer.max_steps, trainer.max_epochs
-        most = min(steps * accumulate if steps and steps > 0 else math.inf, epochs * batches if epochs and epochs > 0 else math.inf)
-        if every is not None and batches and (inside := _inside_a_step(every, batches, accumulate, across, most if most < math.inf else None)) is not None:
+        validates = bool(self.val_examples) and trainer.limit_val_batches != 0
+        if every is not None and batches and validates and (inside := _inside_a_step(every, batches, accumulate, across, _run_batches(trainer, batches))) is not None:
             shown = "" if whole else f" ({every} of an epoch's {batches})"
             where = f" (batch {(inside - 1) % batches + 1} of an epoch of {batches}, counted across epochs)" if across else ""
+            fix = f"a multiple of {accumulate}" if not across or batches % accumulate == 0 else f"a multiple of an epoch's {batches} batches"
             raise RecipeError(
                 f"trainer.val_check_interval={interval} validates every {every} training batches{shown}, and at batch "
                 f"{inside}{where} inside an optimizer step of trainer.accumulate_grad_batches={accumulate} (its figures would "
-                "be logged a step late, beside the next step's): give a number of batches at which an optimizer step ends",
-                "trainer.val_check_interval")
+                f"be logged a step late, beside the next step's): give {fix}", "trainer.val_check_interval")
         if not whole or across:
             return
         if interval > batches:

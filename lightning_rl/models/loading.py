@@ -317,8 +317,13 @@ def _merged_rounded_once(model: PeftModel) -> torch.nn.Module:
     """peft's ``merge_and_unload``, each 16-bit weight rounded once: its layer merged in float32, then cast back (peft
     rounds a 16-bit adapter's product to the weight's dtype, then the sum again). In place, one layer at a time (a
     layer's float32 copy is all the memory it takes), as peft merges."""
+    import warnings
+
     from peft.tuners.lora import LoraLayer
 
+    allowed = getattr(model.base_model, "_check_merge_allowed", None)  # peft's refusals (GPTQ, ...) before any weight moves
+    if allowed is not None:
+        allowed()
     for layer in model.modules():
         if isinstance(layer, LoraLayer) and not layer.merged:
             dtype = getattr(layer.get_base_layer(), "weight", torch.empty(0)).dtype
@@ -326,7 +331,9 @@ def _merged_rounded_once(model: PeftModel) -> torch.nn.Module:
                 layer.float()
                 layer.merge()
                 layer.to(dtype)
-    return model.merge_and_unload()  # what is left (the layers of other dtypes), then the LoRA modules taken out
+    with warnings.catch_warnings():  # the layers merged above are said to be, one line each
+        warnings.filterwarnings("ignore", message="All adapters are already merged")
+        return model.merge_and_unload()  # what is left (the layers of other dtypes), then the LoRA modules taken out
 
 
 def export_hf(

@@ -7,6 +7,8 @@ JSON Schema, checked with jsonschema before training starts.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -87,6 +89,19 @@ def as_tool(tool: str | Tool | Callable[..., Any]) -> Tool:
     raise ValueError(f"a tool is a dotted path, a function or a Tool, got {type(tool).__name__}")
 
 
+def _defined_in_main(function: Any, depth: int = 0) -> bool:
+    """Whether ``function`` (a function, a partial of one, a bound method, a callable object) is pickled by a name in
+    the script being run: its own module, or its object's class's, is ``__main__``."""
+    if depth > 4:
+        return False
+    if isinstance(function, functools.partial):
+        return _defined_in_main(function.func, depth + 1)
+    if inspect.ismethod(function):
+        return _defined_in_main(function.__func__, depth + 1) or _defined_in_main(function.__self__, depth + 1)
+    named = inspect.isfunction(function) or inspect.isclass(function) or inspect.isbuiltin(function)
+    return (getattr(function, "__module__", None) if named else type(function).__module__) == "__main__"
+
+
 def check_sendable(tool: Tool) -> Tool:
     """``tool``, whose function a worker process can import by module and name (pickled by name); a ValueError naming
     it otherwise: a lambda, a nested function, or one defined in the script being run (``__main__``: the worker's own
@@ -96,7 +111,7 @@ def check_sendable(tool: Tool) -> Tool:
     except Exception as error:
         raise ValueError(f"tool {tool.name!r} runs in a worker process, so its function must be importable by its module "
                          f"path (not a lambda or a nested function): {error}") from None
-    if b"__main__" in sent:
+    if b"__main__" in sent and _defined_in_main(tool.function):
         raise ValueError(f"tool {tool.name!r} runs in a worker process, so its function must be importable by its module "
                          "path, and it is defined in the script being run (__main__), which the worker does not run: move "
                          "it into a module beside the script and import it from there")
