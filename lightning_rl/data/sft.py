@@ -673,6 +673,8 @@ class Renderer:
         if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
             return prompt_ids, whole[len(prompt_ids) :]
         apart = tokenize(completion, False)
+        if prompt_ids[-1:] and prompt_ids[-1] in self.tokenizer.all_special_ids:  # the tokenizer ends every text with one
+            return prompt_ids, apart  # (add_eos_token): the completion starts a text after it, as it always did
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
         said, asked = text(prompt_ids + apart), text(prompt_ids)
         if not said.startswith(asked) or said[len(asked) :] != text(apart):
