@@ -889,7 +889,7 @@ def _engine_options(name: str | None) -> list[str] | None:
     where that cannot be said: no engine named, one that does not resolve (said elsewhere), or one taking any keyword."""
     try:
         parameters = list(inspect.signature(EngineSpec.of(name).engine_class).parameters.values()) if name else None
-    except (ValueError, ImportError):
+    except Exception:  # an engine that does not resolve, or whose module fails to import: said where the engine is built
         return None
     if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters):
         return None
