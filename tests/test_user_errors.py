@@ -172,10 +172,6 @@ MISTAKES = {
     "SFT's clipping asked of GRPO's key": (SFT, lambda t: ["--model.max_grad_norm=1"], "command line: unknown key 'model.max_grad_norm' (a GRPO "
                                           "key; SFT clips the gradient norm with trainer.gradient_clip_val)"),
     "a required key cleared": (SFT, lambda t: ["--data.train_data=null"], "command line: data.train_data must be given a value (it is missing, or null)"),
-    "server options beside a url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:9",
-                                                     "--model.engine.init_args.server_options={dtype: bfloat16, max_model_len: 4096}"],
-                                    "model.engine: server_options (dtype, max_model_len) configure a server this engine starts, and url names one "
-                                    "started elsewhere, which runs as it was started: leave server_options out"),
     "server engine url with the OpenAI path": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=http://127.0.0.1:8000/v1"],
                                                 "model.engine: url must be a server's http(s)://HOST:PORT, without a path, got 'http://127.0.0.1:8000/v1' (drop '/v1')"),
     "server engine url": (GRPO, lambda t: ["--model.engine=VLLMServerEngine", "--model.engine.init_args.url=localhost:8000"],

@@ -238,10 +238,6 @@ class VLLMServerEngine(RolloutEngine):
             except ValueError as error:
                 raise ValueError(f"server_options.{error}") from None
         server = options["server_options"] or {}
-        if options["url"] is not None and server:  # they would go unused: the server runs as it was started
-            raise ValueError(f"server_options ({', '.join(sorted(server))}) configure a server this engine starts, and url "
-                             "names one started elsewhere, which runs as it was started: leave server_options out (give "
-                             "that server those flags)")
         if options["url"] is None and (why := split_prefills_refusal(server.get("whole_prefills"), server.get("extra_args") or ())):
             raise ValueError(f"server_options.{why}")
         if why := engine_flags_refusal(server.get("extra_args") or ()):
