@@ -3,16 +3,20 @@ log-probs), a list of prompts and real reward functions and tools; no model, no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytest
 
+from lightning_rl import stopping
 from lightning_rl.data.prompts import PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError
 from lightning_rl.rewards import RewardScorer, RewardSpec
-from lightning_rl.rollout.base import ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.buffer import BatchInterrupted
 from lightning_rl.rollout.collector import RolloutCollector, RolloutSettings
 from support.prompt_sources import PromptList
 
@@ -325,3 +329,88 @@ def test_each_rank_batch_and_turn_samples_with_seeds_of_its_own(tiny_tokenizer, 
     prompt = tiny_tokenizer("1+1=")["input_ids"]
     drawn = [[r.completion_ids for r in engine.generate([prompt], 4, c.sampling_for(index=3, turn=0)).rollouts] for c in ranks]
     assert drawn[0] == drawn[1] and drawn[0] != drawn[2]
+
+
+class CutOnceEngine(ScriptedEngine):
+    """Its first call is cut after ``cut_after`` tokens of each sample, as `interrupt` cuts a stopping run's
+    generation; every later call replies as `ScriptedEngine`, at weight version 1."""
+
+    def __init__(self, tokenizer: Any, script: Any, cut_after: int) -> None:
+        super().__init__(tokenizer, script)
+        self.cut_after = cut_after
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
+        batch = super().generate(prompts, n, sampling, images)
+        if self.cut_after is None:
+            return batch
+        cut = [[dataclasses.replace(r, completion_ids=r.completion_ids[: self.cut_after], logprobs=[-0.5] * min(self.cut_after, len(r.logprobs)),
+                                    completion_mask=None, finish_reason=INTERRUPTED) for r in group] for group in batch.groups]
+        self.cut_after, self._version = None, 1
+        raise GenerationInterrupted(RolloutBatch(cut))
+
+
+def test_a_batch_cut_by_a_stop_comes_back_and_its_samples_finish_as_one_completion_each(tiny_tokenizer, caplog):
+    records = [{"prompt": "a?", "tied": False}, {"prompt": "b?", "tied": False}]
+    rollouts = collector(tiny_tokenizer, lambda prompt: ["answer 12", "2"], PromptList(records), "last_digit_unless_tied", max_new_tokens=12)
+    engine = rollouts.engine = CutOnceEngine(tiny_tokenizer, rollouts.engine.script, cut_after=2)
+    with pytest.raises(BatchInterrupted) as stopped:
+        rollouts.collect(3)
+    cut = stopped.value.rollouts
+    assert stopped.value.index == 3 and [len(r.completion_ids) for r in cut] == [2, 2, 2, 2]
+    reply = tiny_tokenizer.encode("answer 12", add_special_tokens=False) + [tiny_tokenizer.eos_token_id]
+    assert len(reply) + 2 <= 12
+
+    engine.cut_after = 1  # stopped again while it finishes them: each is saved as far as it got now, on its own prompt
+    with pytest.raises(BatchInterrupted) as again:
+        rollouts.collect(3, partial=cut)
+    assert [(r.prompt_ids, r.completion_ids[:2], len(r.completion_ids), r.finish_reason) for r in again.value.rollouts] == [
+        (r.prompt_ids, r.completion_ids, 3, INTERRUPTED) for r in cut]
+
+    scored = rollouts.collect(3, partial=cut)  # the resumed run: each cut sample sampled on from where it stopped
+    (_, n, sampling) = engine.requests[-1]
+    assert (n, sampling.max_new_tokens, sampling.seed) == (1, 10, rollouts.sampling_for(3, -1, 0).seed)
+    for before, after in zip(cut, scored.rollouts, strict=True):
+        assert after.prompt_ids == before.prompt_ids and after.group_id == before.group_id
+        assert after.completion_ids[:2] == before.completion_ids and after.logprobs[:2] == [-0.5, -0.5]
+        assert after.logprobs[2:] == [LOGPROB] * (len(after.completion_ids) - 2) and after.finish_reason == "stop"
+        assert after.versions == [0, 0] + [1] * (len(after.completion_ids) - 2) and after.weight_version == 0
+    texts = [tiny_tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in scored.rollouts]
+    assert scored.rewards == [float(text.strip()[-1]) for text in texts]  # scored on the whole completion
+
+    # A sample cut at the cap is finished as it is; cut samples of prompts this run does not render are not continued.
+    full = dataclasses.replace(cut[0], completion_ids=list(range(8)), logprobs=[-1.0] * 8, completion_mask=None)
+    calls = len(engine.requests)
+    assert [r.finish_reason for r in engine.continue_rollouts([full], SamplingConfig(max_new_tokens=8))] == ["length"]
+    assert len(engine.requests) == calls
+    other = [dataclasses.replace(r, prompt_ids=r.prompt_ids + [5]) for r in cut]
+    with caplog.at_level("WARNING"):
+        fresh = rollouts.collect(3, partial=other)
+    assert "sampled from other prompts than this run renders" in caplog.text
+    assert engine.requests[-1][1] == 2 and all(r.completion_ids == reply for r in fresh.rollouts[::2])
+
+
+def test_a_batch_whose_rewards_a_stop_gives_up_comes_back_whole_and_is_scored_after_the_resume(tiny_tokenizer):
+    """On the rollout thread (whose work a stop discards) a stop signal gives up the rewards being computed; the
+    samples are whole, so they come back as they are, and the resumed run scores them without sampling again."""
+    rollouts = collector(tiny_tokenizer, numbered, PromptList([{"prompt": "a?", "tied": False}]), "last_digit_unless_tied")
+    stopped: list[BaseException] = []
+
+    def rollout_thread() -> None:
+        stopping.discard_on_stop()
+        try:
+            rollouts.collect(0)
+        except BaseException as error:
+            stopped.append(error)
+
+    stopping.signal_came()
+    try:
+        thread = threading.Thread(target=rollout_thread)
+        thread.start()
+        thread.join(30)
+    finally:
+        stopping.signal_came(False)
+    [cut] = stopped
+    assert isinstance(cut, BatchInterrupted) and cut.why.endswith("had not returned") and cut.code == 143
+    assert [r.finish_reason for r in cut.rollouts] == ["stop", "stop"] and len(rollouts.engine.requests) == 1
+    scored = rollouts.collect(0, partial=cut.rollouts)
+    assert len(rollouts.engine.requests) == 1 and scored.rollouts == cut.rollouts and scored.rewards == [1.0, 2.0]

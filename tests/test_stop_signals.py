@@ -16,8 +16,8 @@ import torch
 
 from lightning_rl import stopping
 from lightning_rl.checkpoints import checkpoint_step, load_safely
-from lightning_rl.rollout.base import Rollout
-from lightning_rl.rollout.buffer import RolloutProducer, ScoredBatch
+from lightning_rl.rollout.base import INTERRUPTED, Rollout
+from lightning_rl.rollout.buffer import BatchInterrupted, RolloutProducer, ScoredBatch
 from support.paths import REPO
 from support.recipe_runs import exported
 from support.signalled_runs import Recipe, exit_after_signal, log_of, progress, signal_mid_step, wait_until
@@ -203,3 +203,42 @@ def test_a_signal_during_the_commands_start_exits_143_with_one_line(tmp_path, si
     assert proc.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1] == f"{signal.Signals(signum).name} arrived before training started: the command stops, nothing trained"
     assert not out.exists()
+
+
+def test_a_stop_saves_the_batch_in_the_making_as_far_as_it_got_and_the_resume_finishes_it(inside_a_step):
+    """Batch 4 is being sampled when the stop comes: the save has the engine cut it (``interrupt``), keeps its samples
+    as far as they got, and a later batch that finished meanwhile (concurrent batches) stays queued behind it. The
+    resumed run hands the cut samples back to finish them (``produce(4, rollouts)``) before it trains batch 5."""
+    cut = threading.Event()
+    half = Rollout([1, 2], [3], [-0.5], weight_version=3, group_id=0, finish_reason=INTERRUPTED)
+    calls = []
+
+    def produce(index: int, partial: list[Rollout] | None = None) -> ScoredBatch:
+        calls.append((index, partial))
+        if index == 4 and partial is None:
+            cut.wait(10)
+            raise BatchInterrupted(4, [half])
+        return scored(index, 4 if partial is not None else 3)
+
+    producer = RolloutProducer(produce, lambda: 3, max_staleness=2, start_index=4, concurrent=True, interrupt=lambda: cut.set() or True)
+    producer.start()
+    deadline = time.monotonic() + 10
+    while not (len(calls) == 2 and 5 in producer._ready) and time.monotonic() < deadline:  # 5 done, 4 being sampled
+        time.sleep(0.01)
+    stopping.signal_came()
+    try:
+        state = producer.state_dict()
+    finally:
+        producer.close()
+    assert [batch["index"] for batch in state["ready"]] == [5]
+    assert [(p["index"], [Rollout(**r) for r in p["rollouts"]]) for p in state["partial"]] == [(4, [half])]
+    stopping.signal_came(False)
+    calls.clear()
+    restored = RolloutProducer(produce, lambda: 4, max_staleness=2, concurrent=True)
+    restored.load_state_dict(state, next_step=4)
+    restored.start()
+    try:
+        assert [restored.take(i).index for i in (4, 5)] == [4, 5]
+    finally:
+        restored.close()
+    assert calls[0] == (4, [half]) and all(index != 5 for index, _ in calls)  # 5 came from the queue

@@ -344,7 +344,7 @@ class GRPOModule(PolicyModule):
             return
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
         self.producer = RolloutProducer(self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness,
-                                        start_index=first, concurrent=self.engine.concurrent_batches)
+                                        start_index=first, concurrent=self.engine.concurrent_batches, interrupt=self.engine.interrupt)
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
         share_cores_with_rollouts(self.engine, self.trainer, self.asynchronous.max_staleness)  # the rollout thread computes beside this one
@@ -631,7 +631,7 @@ class GRPOModule(PolicyModule):
         super().on_load_checkpoint(checkpoint)
         if self._trainer is None:  # load_from_checkpoint: the weights alone
             return
-        state = this_ranks(checkpoint.get("grpo", {}), self.trainer, lambda saved: saved.get("batch") is not None or saved["rollout_queue"]["ready"])
+        state = this_ranks(checkpoint.get("grpo", {}), self.trainer, lambda saved: saved.get("batch") is not None or any(saved["rollout_queue"].values()))
         self._restored_queue = state.get("rollout_queue")
         self._batch = None if state.get("batch") is None else ScoredBatch.from_state(state["batch"])
         for key, name in _SAVED.items():  # absent from an older checkpoint: the fresh module's value

@@ -8,6 +8,7 @@ version that produced it, which is what bounded staleness in asynchronous traini
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 import re
@@ -245,6 +246,34 @@ class RolloutBatch:
         return len(self.groups)
 
 
+class GenerationInterrupted(Exception):
+    """`generate` ended early by `RolloutEngine.interrupt`: ``partial`` holds every sample as far as it got, those cut
+    with finish reason ``interrupted`` (`RolloutEngine.continue_rollouts` finishes them)."""
+
+    def __init__(self, partial: RolloutBatch) -> None:
+        super().__init__("generation interrupted")
+        self.partial = partial
+
+
+INTERRUPTED = "interrupted"  # the finish reason of a sample `RolloutEngine.interrupt` cut
+
+
+def continued(cut: Rollout, more: Rollout) -> Rollout:
+    """``cut`` followed by ``more``, the completion an engine sampled from ``cut``'s prompt and completion: one rollout,
+    each token keeping the log-prob, version and support it was sampled with. Routes are ``more``'s, which cover the
+    whole sequence."""
+    if more.prompt_ids != cut.prompt_ids + cut.completion_ids:
+        raise ValueError(f"rollout of group {cut.group_id}: the continuation does not start from the cut sequence")
+    versions = cut.versions + more.versions
+    return Rollout(
+        prompt_ids=cut.prompt_ids, completion_ids=cut.completion_ids + more.completion_ids, logprobs=cut.logprobs + more.logprobs,
+        weight_version=min(versions, default=more.weight_version), group_id=cut.group_id, finish_reason=more.finish_reason,
+        metadata=cut.metadata, routes=more.routes, infra_failure=more.infra_failure,
+        support=concat_supports([(cut.support, len(cut.completion_ids)), (more.support, len(more.completion_ids))]),
+        token_versions=versions if len(set(versions)) > 1 else None,
+    )
+
+
 def padded_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> dict[str, torch.Tensor]:
     """The rollouts in the padded layout of generate-style trainers (TRL's GRPOTrainer among them): prompts
     left-padded, completions right-padded, each with its mask, and the engine's log-probs per completion token."""
@@ -336,6 +365,35 @@ class RolloutEngine(abc.ABC):
         """Sample `n` completions for each prompt; `group_id` of each rollout = index of its prompt. ``images[i]``:
         prompt ``i``'s images (`PromptImages`), whose placeholders ``prompts[i]`` holds expanded. Tokens in
         ``sampling.suppress_token_ids`` are never sampled, and leave the distribution whose log-probs are reported."""
+
+    def interrupt(self) -> bool:
+        """End the generation in flight now: each `generate` call running raises `GenerationInterrupted` with what its
+        samples hold so far, and one that starts before the interrupt is over samples nothing. False where the engine
+        cannot (its generation then runs to the end). A stopping run saves the cut samples and finishes them after the
+        resume (`continue_rollouts`)."""
+        return False
+
+    def continue_rollouts(self, cut: Sequence[Rollout], sampling: SamplingConfig) -> list[Rollout]:
+        """Each of ``cut`` (single-turn samples, text prompts) sampled on to the end under ``sampling``, whose
+        ``max_new_tokens`` counts the tokens it already holds: a continuation is sampled from the prompt and the cut
+        completion with the tokens left, which is the distribution the whole completion would have had (the sampling
+        settings have nothing that depends on a token's position besides the length cap, and the repetition penalty
+        reads the prompt's tokens as the completion's). Those cut at the cap keep finish reason ``length``."""
+        done = [dataclasses.replace(r, finish_reason="length") if len(r.completion_ids) >= sampling.max_new_tokens else None for r in cut]
+        by_left: dict[int, list[int]] = {}
+        for i, rollout in enumerate(cut):
+            if done[i] is None:
+                by_left.setdefault(sampling.max_new_tokens - len(rollout.completion_ids), []).append(i)
+        for left, which in by_left.items():  # samples cut at the same length share one call (they often all are)
+            try:
+                more = self.generate([cut[i].sequence for i in which], 1, dataclasses.replace(sampling, max_new_tokens=left)).groups
+            except GenerationInterrupted as again:  # cut once more: each as far as it got now, in ``cut``'s order
+                for i, group in zip(which, again.partial.groups, strict=True):
+                    done[i] = continued(cut[i], group[0])
+                raise GenerationInterrupted(RolloutBatch([[d if d is not None else c for d, c in zip(done, cut)]])) from None
+            for i, group in zip(which, more, strict=True):
+                done[i] = continued(cut[i], group[0])
+        return [rollout for rollout in done if rollout is not None]
 
     @abc.abstractmethod
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -11,6 +11,11 @@ as soon as the bound allows, while earlier ones are still generating: their last
 engine with the next batch's first tokens, instead of the engine waiting on one straggler. Batches still arrive in
 order (`take`), each within the bound.
 
+A stop signal that finds a batch half generated saves it as far as it got, where the engine can cut its generation
+(`RolloutEngine.interrupt`, the vLLM server engine): `state_dict` has the engine cut it, the collector hands the samples
+back (`BatchInterrupted`), and the resumed run samples each cut one on to the end (`RolloutEngine.continue_rollouts`),
+every token keeping the version it was sampled with. Elsewhere the batch in the making is sampled again after the resume.
+
 A batch that is staler all the same (a resume whose recipe lowered `max_staleness` finds the checkpointed queue
 too old for the new bound) is never trained and never dropped: `take` has the producer sample the same prompt
 batch again under the current weights, and the batch counts it (`ScoredBatch.stale_regenerations`).
@@ -18,6 +23,7 @@ batch again under the current weights, and the batch counts it (`ScoredBatch.sta
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +32,9 @@ from typing import Any
 from lightning_rl.errors import UserError
 from lightning_rl.rollout.base import Rollout
 from lightning_rl.stopping import POLL_S, StepAbandoned, discard_on_stop, signalled, wait_unless_stopping
+
+INTERRUPT_WAIT_S = 30.0  # how long a stopping run's save waits for the batches its engine cut
+GIVE_UP_WAIT_S = 4 * POLL_S  # ... and, with an engine that cannot cut, for those the stop finds scored
 
 
 @dataclass
@@ -73,12 +82,24 @@ class ScoredBatch:
         return cls(**{**state, "rollouts": [Rollout(**r) for r in state["rollouts"]]})
 
 
+class BatchInterrupted(StepAbandoned):
+    """Batch ``index`` given up by a stopping run: ``rollouts``, its samples as far as they got (those whose generation
+    was cut with finish reason ``interrupted``), for the resumed run to finish and score (`RolloutCollector.collect`'s
+    ``partial``). The producer saves them; on the trainer's thread (a synchronous run) it is the step given up."""
+
+    def __init__(self, index: int, rollouts: list[Rollout], why: str | None = None) -> None:
+        super().__init__(why or f"rollout batch {index} had not returned")
+        self.index, self.rollouts = index, rollouts
+
+
 class RolloutProducer:
     """Runs `produce(index)` for index = start, start+1, ... on background threads (one at a time unless
     ``concurrent``: then each batch the bound allows starts at once, on a thread of its own).
 
     `current_version()` is the version of the weights generation uses now. `take(index)` blocks
     until that batch is ready; a failure on a producer thread is raised there (a `UserError` as it is).
+    ``interrupt()`` cuts the generation in flight when a stopping run saves (`RolloutEngine.interrupt`); a batch
+    saved cut is produced as ``produce(index, rollouts)``.
     """
 
     def __init__(
@@ -88,6 +109,7 @@ class RolloutProducer:
         max_staleness: int,
         start_index: int = 0,
         concurrent: bool = False,
+        interrupt: Callable[[], bool] | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -101,6 +123,11 @@ class RolloutProducer:
         self._stopping = False
         self._generating: set[int] = set()  # the batches being produced now
         self._regenerate: int | None = None  # a batch index `take` found too stale: generated again, before the next
+        # Batches below the next index still to produce after a resume: cut by the stop (their samples as far as they
+        # got, to finish) or in the making when it came (None: sampled anew).
+        self._partial: dict[int, list[Rollout] | None] = {}
+        self._interrupt = interrupt
+        self._interrupting = False  # a stopping run's save is cutting the generation: no batch starts meanwhile
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
@@ -115,9 +142,14 @@ class RolloutProducer:
         queue_has_room = len(self._ready) + len(self._generating) <= self.max_staleness
         return queue_has_room and self._current_version() >= index - self.max_staleness
 
+    def _resumed_partial(self) -> int | None:
+        """The first batch still to produce after a resume, if the bound lets it start now."""
+        index = min(self._partial, default=None)
+        return index if index is not None and index not in self._generating and self._may_generate(index) else None
+
     def _may_start(self) -> bool:
-        return (self.concurrent or not self._generating) and self._error is None and (
-            self._regenerate is not None or self._may_generate(self._next_index))
+        return (self.concurrent or not self._generating) and self._error is None and not self._interrupting and (
+            self._regenerate is not None or self._resumed_partial() is not None or self._may_generate(self._next_index))
 
     def _run(self) -> None:
         """Starts each batch once the bound allows it: on this thread, or with ``concurrent`` on a thread of its own."""
@@ -129,10 +161,11 @@ class RolloutProducer:
                     if self._stopping or self._error is not None:
                         return
                     again = self._regenerate is not None
-                    index = self._regenerate if again else self._next_index
-                    self._regenerate = None
-                    if not again:
+                    index = self._regenerate if again else self._resumed_partial()
+                    if index is None:
+                        index = self._next_index
                         self._next_index = index + 1
+                    self._regenerate = None
                     self._generating.add(index)
                     if self.concurrent:
                         self._workers = [w for w in self._workers if w.is_alive()]
@@ -148,11 +181,21 @@ class RolloutProducer:
 
     def _produce_one(self, index: int) -> None:
         discard_on_stop()
+        with self._changed:
+            partial = self._partial.pop(index, None)
         try:
-            batch = self._produce(index)
+            batch = self._produce(index) if partial is None else self._produce(index, partial)
+        except BatchInterrupted as cut:  # a stopping run's save keeps it (`state_dict`)
+            with self._changed:
+                self._generating.discard(index)
+                self._partial[index] = cut.rollouts
+                self._changed.notify_all()
+            return
         except BaseException as error:  # handed to the trainer thread by `take`
             with self._changed:
                 self._generating.discard(index)
+                if partial is not None:  # a stop while it is finished: saved as it was
+                    self._partial.setdefault(index, partial)
                 if self._error is None:
                     self._error = error
                 self._changed.notify_all()
@@ -208,18 +251,34 @@ class RolloutProducer:
         """Nothing is being generated, and nothing may be until the weights change."""
         if self._thread is None or self._stopping or self._error is not None:
             return True
-        return not self._generating and self._regenerate is None and not self._may_generate(self._next_index)
+        return (not self._generating and self._regenerate is None and self._resumed_partial() is None
+                and not self._may_generate(self._next_index))
 
     def state_dict(self) -> dict[str, Any]:
         """Finished batches not yet trained, once every batch the current weights allow is finished (at most
         ``max_staleness + 1`` generations away). So what a checkpoint holds does not depend on the producer's
         timing, and a resumed run finds its next batch in the queue (its engine reports version 0 until the first
-        weight push after the resume, so the producer would not generate that batch)."""
+        weight push after the resume, so the producer would not generate that batch).
+
+        Once a stop signal came it does not wait for the batches in the making (they may never come): the engine cuts
+        them where it can (``interrupt``) and they are saved as far as they got (``partial``), else the resumed run
+        samples them again."""
         with self._changed:
-            # Once a stop signal came, not the batch in the making (it may never come): the resumed run generates it.
             while not self._changed.wait_for(lambda: self._settled() or signalled(), POLL_S):
                 pass
-            return {"ready": [self._ready[i].state() for i in sorted(self._ready)]}
+            cut = signalled() and bool(self._generating) and not self._interrupting
+            self._interrupting = self._interrupting or cut
+        if cut:  # the cut samples come back at once, as do those whose rewards the stop gave up (`BatchInterrupted`);
+            # a batch still out after this (an engine that cannot cut its generation) is sampled again
+            wait = INTERRUPT_WAIT_S if self._interrupt is not None and self._interrupt() else GIVE_UP_WAIT_S
+            with self._changed:
+                self._changed.wait_for(lambda: not self._generating, wait)
+        with self._changed:
+            if cut:  # a run that goes on after all (a requeue no scheduler took) finishes the cut batches
+                self._interrupting = False
+                self._changed.notify_all()
+            return {"ready": [self._ready[i].state() for i in sorted(self._ready)],
+                    "partial": [{"index": i, "rollouts": [asdict(r) for r in cut]} for i, cut in sorted(self._partial.items()) if cut is not None]}
 
     def give_back(self, batch: ScoredBatch) -> None:
         """Put a batch taken for a step that was then given up back at the front of the queue."""
@@ -228,15 +287,22 @@ class RolloutProducer:
             self._changed.notify_all()
 
     def load_state_dict(self, state: dict[str, Any], next_step: int) -> None:
-        """Restore before `start()`; `next_step` is the first batch index still to train."""
+        """Restore before `start()`; `next_step` is the first batch index still to train. A batch between the saved
+        ones that was in the making when the run stopped is sampled again, before the next one."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before start()")
         ready = [ScoredBatch.from_state(s) for s in state.get("ready", [])]
         self._ready = {b.index: b for b in ready if b.index >= next_step}
-        expected = list(range(next_step, next_step + len(self._ready)))
-        if sorted(self._ready) != expected:
-            raise ValueError(f"checkpointed rollout queue holds batches {sorted(self._ready)}, expected {expected}")
-        self._next_index = next_step + len(self._ready)
+        self._partial = {p["index"]: [Rollout(**r) for r in p["rollouts"]] for p in state.get("partial", []) if p["index"] >= next_step}
+        if self._ready.keys() & self._partial.keys():
+            raise ValueError(f"checkpointed rollout queue holds batches {sorted(self._ready.keys() & self._partial.keys())} both "
+                             "finished and cut")
+        saved = self._ready.keys() | self._partial.keys()
+        self._next_index = max(saved, default=next_step - 1) + 1
+        if self._partial:
+            print(f"resume: rollout batch(es) {', '.join(map(str, sorted(self._partial)))} were cut by the stop, each sample as far "
+                  "as it got: sampled on from there", file=sys.stderr)
+        self._partial.update({i: None for i in range(next_step, self._next_index) if i not in saved})
 
     def close(self) -> None:
         with self._changed:

@@ -25,9 +25,10 @@ from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedProm
 from lightning_rl.data.sft import DataError
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.rewards import NO_REWARD_COLUMNS, RewardScorer, TrainerState
-from lightning_rl.rollout.base import PromptImages, Rollout, RolloutEngine, SamplingConfig
-from lightning_rl.rollout.buffer import ScoredBatch
+from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
+from lightning_rl.rollout.buffer import BatchInterrupted, ScoredBatch
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, completion_text, distinct_tool_calls, visible_text
+from lightning_rl.stopping import StepAbandoned
 from lightning_rl.tools import Tool, ToolExecutor, as_tool, tool_reference
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,9 @@ class RolloutCollector:
         if self.executor is not None:
             self.executor.close()
 
-    def collect(self, index: int) -> ScoredBatch:
-        """Rollouts of prompt batch `index` with their rewards.
+    def collect(self, index: int, partial: list[Rollout] | None = None) -> ScoredBatch:
+        """Rollouts of prompt batch `index` with their rewards; ``partial``: its samples as a stopped run left them
+        (`BatchInterrupted`), the cut ones to sample on to the end.
 
         Rollouts that failed for infrastructure reasons are left out, with their groups when fewer than two samples
         remain (`without_infra_failures`). A batch left with nothing is sampled again, with seeds of its own, up to
@@ -165,7 +167,7 @@ class RolloutCollector:
         excluded: Counter[str] = Counter()
         excluded_groups = 0
         for attempt in range(ALL_EXCLUDED_ATTEMPTS):
-            scored = self._collect(index, first_round=attempt * self.settings.dynamic_sampling_max_rounds)
+            scored = self._collect(index, first_round=attempt * self.settings.dynamic_sampling_max_rounds, partial=partial if attempt == 0 else None)
             excluded.update(scored.excluded_rollouts)
             excluded_groups += scored.excluded_groups
             if scored.rollouts:
@@ -180,10 +182,10 @@ class RolloutCollector:
             f"row ({_reasons(excluded)}): see the engine's log, the tools' workers, reward_timeout_s"
         )
 
-    def _collect(self, index: int, first_round: int) -> ScoredBatch:
+    def _collect(self, index: int, first_round: int, partial: list[Rollout] | None = None) -> ScoredBatch:
         """One attempt at batch `index`, its rounds of dynamic sampling numbered from `first_round` (their seeds)."""
         records = self.prompts.prompt_batch(index)
-        scored = self.sample_and_score(index, first_round, records)
+        scored = self.sample_and_score(index, first_round, records, partial)
         if not self.settings.dynamic_sampling:
             return scored
         wanted = sampled = len(records)
@@ -207,35 +209,45 @@ class RolloutCollector:
         kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
         return kept
 
-    def sample_and_score(self, index: int, round: int, records: list[dict[str, Any]]) -> ScoredBatch:
-        """One round of step `index`: the records' rollouts, scored."""
+    def sample_and_score(self, index: int, round: int, records: list[dict[str, Any]], partial: list[Rollout] | None = None) -> ScoredBatch:
+        """One round of step `index`: the records' rollouts, scored. ``partial``: see `collect`."""
         rendered = [self.renderer.render(record, self.prompts) for record in records]
         self._check_prompts_fit(records, rendered)
         prompts = [r.ids for r in rendered]
         engine_images = [_engine_images(r) for r in rendered] if any(r.pictures for r in rendered) else None
+        if partial is not None and sorted({(r.group_id, tuple(r.prompt_ids)) for r in partial}) != list(enumerate(map(tuple, prompts))):
+            log.warning("step %d: the saved partial completions were sampled from other prompts than this run renders (its "
+                        "data or chat template changed): sampling the step anew", index + 1)
+            partial = None
+        # A stopping run keeps what it sampled, to finish (and score) after the resume, where it can take it up again:
+        # single-turn text prompts, in the step's first round (a later round's would need the earlier rounds' too).
+        resumable = round == 0 and self.executor is None and engine_images is None
         started = time.perf_counter()
-        if self.executor is not None:
-            settings = self.settings
-            conversation = ToolConversation(self.engine, self.renderer.tokenizer, self.executor, settings.max_turns, self.context_limit)
-            samples = [settings.num_generations, *settings.samples_per_turn]
-            batch = conversation.generate(prompts, samples, lambda turn: self.sampling_for(index, turn, round), images=engine_images,
-                                          template_kwargs=[record.get("chat_template_kwargs") or {} for record in records])
-        else:
-            batch = self.engine.generate(prompts, self.settings.num_generations, self.sampling_for(index, 0, round), images=engine_images)
+        try:
+            batch = self._generate(index, round, records, prompts, engine_images, partial)
+        except GenerationInterrupted as cut:
+            if resumable:
+                raise BatchInterrupted(index, cut.partial.rollouts) from None
+            raise StepAbandoned(f"rollout batch {index}") from None
         generation_seconds = time.perf_counter() - started
         rollouts = batch.rollouts
         if engine_images is not None:
             for rollout in rollouts:  # each rollout trains with its prompt's images
                 rollout.metadata["images"] = rendered[rollout.group_id].keyed_images
         conversational = any(isinstance(record["prompt"], list) for record in records)
-        scores = self.scorer.score(
-            [self.renderer.tokenizer.decode(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],  # as read
-            self._columns(records, rendered, rollouts), step=index + 1,
-            chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
-            chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
-            trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
-                                       int(os.environ.get("LOCAL_RANK", self.rank)) == 0),
-        )
+        try:
+            scores = self.scorer.score(
+                [self.renderer.tokenizer.decode(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],  # as read
+                self._columns(records, rendered, rollouts), step=index + 1,
+                chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
+                chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
+                trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
+                                           int(os.environ.get("LOCAL_RANK", self.rank)) == 0),
+            )
+        except StepAbandoned as stopped:  # stopped while its rewards were computed: the samples are whole, scored after the resume
+            if resumable:
+                raise BatchInterrupted(index, rollouts, stopped.why) from None
+            raise
         calls = distinct_tool_calls(rollouts)
         failures = Counter(call["failure"] for call in calls if call["failure"] is not None)
         mark_infra_failures(rollouts, scores.errors)
@@ -253,6 +265,30 @@ class RolloutCollector:
             tool_failures=dict(failures),
             sampled_rollouts=len(rollouts),
         ))
+
+    def _generate(self, index: int, round: int, records: list[dict[str, Any]], prompts: list[list[int]],
+                  engine_images: list[PromptImages | None] | None, partial: list[Rollout] | None) -> RolloutBatch:
+        if self.executor is not None:
+            settings = self.settings
+            conversation = ToolConversation(self.engine, self.renderer.tokenizer, self.executor, settings.max_turns, self.context_limit)
+            samples = [settings.num_generations, *settings.samples_per_turn]
+            return conversation.generate(prompts, samples, lambda turn: self.sampling_for(index, turn, round), images=engine_images,
+                                         template_kwargs=[record.get("chat_template_kwargs") or {} for record in records])
+        if partial is None:
+            return self.engine.generate(prompts, self.settings.num_generations, self.sampling_for(index, 0, round), images=engine_images)
+        # Turn -1: seeds of their own, so no continuation shares its random stream with a sample of the first call.
+        cut = [i for i, r in enumerate(partial) if r.finish_reason == INTERRUPTED]
+
+        def grouped(finished: list[Rollout]) -> RolloutBatch:  # ``partial`` with its cut samples replaced
+            whole = list(partial)
+            for i, rollout in zip(cut, finished, strict=True):
+                whole[i] = rollout
+            return RolloutBatch([[r for r in whole if r.group_id == g] for g in range(len(prompts))])
+
+        try:
+            return grouped(self.engine.continue_rollouts([partial[i] for i in cut], self.sampling_for(index, -1, round)))
+        except GenerationInterrupted as again:  # stopped again: each cut sample as far as it got now
+            raise GenerationInterrupted(grouped(again.partial.rollouts)) from None
 
     def sampling_for(self, index: int, turn: int, round: int = 0) -> SamplingConfig:
         """The sampling of batch `index`'s turn and dynamic-sampling round on this rank: a seed of its own makes

@@ -43,13 +43,14 @@ import torch
 from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
+from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
 from lightning_rl.rollout.vllm_held import write_groups
 from lightning_rl.rollout.vllm_server_process import (
     WEIGHT_TRANSFER_BACKENDS, VLLMServer, VLLMServerError, VLLMServerTimeout, cpu_head_size_refusal, engine_flags_refusal, request_json,
     split_prefills_refusal,
 )
+from lightning_rl.stopping import signalled
 
 if TYPE_CHECKING:
     from lightning_rl.rollout.nccl_transport import NCCLSender
@@ -319,6 +320,7 @@ class VLLMServerEngine(RolloutEngine):
         self._adapter_loaded = False  # generation names the adapter once one is loaded
         self._info: dict[str, Any] | None = None  # the worker's `lightning_rl_model_info`
         self._context: int | None = None  # the server's max_model_len, read once
+        self._interrupts = 0  # counts `interrupt` calls: a generate call that sees it change was cut
         super().__init__(seed)
         # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
         self._lock = threading.RLock()
@@ -369,6 +371,7 @@ class VLLMServerEngine(RolloutEngine):
         with self._lock:
             seed = self._seeds.next(sampling)
             started = self._version  # the version of tokens no span labels: sampled before the server's first label
+            interrupts = self._interrupts
         vocab_size = self._vocab_size() if sampling.filtered else 0  # bounds the top log-probs a support asks for
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
@@ -376,13 +379,40 @@ class VLLMServerEngine(RolloutEngine):
              "output_mode": "tokens", **({"model": ADAPTER} if self._adapter_loaded else {})}
             for g, prompt in enumerate(prompts)
         ]
-        requests = [self._pool.submit(self._healing, lambda body=body: self._post("inference/v1/generate", body)) for body in bodies]
+
+        def post(body: dict[str, Any]) -> dict[str, Any] | None:  # None: not sent, the generation being cut first
+            return None if self._interrupts != interrupts else self._healing(lambda: self._post("inference/v1/generate", body))
+
+        requests = [self._pool.submit(post, body) for body in bodies]
         responses = [request.result() for request in requests]
         for g, (prompt, response) in enumerate(zip(prompts, responses)):
-            if own[g]:
+            if own[g] and response is not None:
                 check_expanded(type(self).__name__, g, response.get("prompt_token_ids") or (), prompt)
-        return RolloutBatch([self._group_of(g, list(prompt), response, sampling, vocab_size, started)
-                             for g, (prompt, response) in enumerate(zip(prompts, responses))])
+        # Cut by `interrupt`, or by another process's on a server they share: a stop signal reaches every rank at once.
+        cut = self._interrupts != interrupts or (signalled() and any(
+            choice.get("finish_reason") == "abort" for response in responses if response is not None for choice in response["choices"]))
+        batch = RolloutBatch([
+            self._group_of(g, list(prompt), response, sampling, vocab_size, started, cut) if response is not None
+            else [Rollout(list(prompt), [], [], started, g, finish_reason=INTERRUPTED) for _ in range(n)]
+            for g, (prompt, response) in enumerate(zip(prompts, responses))
+        ])
+        if cut:
+            raise GenerationInterrupted(batch)
+        return batch
+
+    def interrupt(self) -> bool:
+        """Abort every request the server runs (vLLM's ``pause?mode=abort``; each answers with the tokens it holds),
+        then let it serve again: a server others share goes on serving them."""
+        with self._lock:
+            self._interrupts += 1
+        try:
+            self._post("pause?mode=abort")
+            self._post("resume")
+        except VLLMServerError as error:
+            log.warning("could not cut the generation in flight on the vLLM server at %s (%s): the batch is sampled again "
+                        "after the resume", self.url, _one_line(error))
+            return False
+        return True
 
     def _vocab_size(self) -> int:
         """The model's vocabulary size (its config's: this engine's model, else the one the server loaded)."""
@@ -398,11 +428,14 @@ class VLLMServerEngine(RolloutEngine):
 
     def _group_of(
         self, group_id: int, prompt: list[int], response: dict[str, Any], sampling: SamplingConfig, vocab_size: int, started: int,
+        cut: bool = False,
     ) -> list[Rollout]:
+        """One prompt's samples; ``cut``: the call was interrupted, and a sample vLLM aborted was cut by it."""
         rollouts = []
         for choice in sorted(response["choices"], key=lambda c: c["index"]):
             content = (choice.get("logprobs") or {}).get("content") or []
             versions = token_versions(choice.get("weight_versions") or [], len(choice["token_ids"]), started)
+            aborted = choice.get("finish_reason") == "abort"
             # The oldest weights that produced any token of the completion bound its staleness.
             version = min(versions, default=started)
             rollouts.append(Rollout(
@@ -413,10 +446,10 @@ class VLLMServerEngine(RolloutEngine):
                                    sampling, vocab_size),
                 weight_version=version,
                 group_id=group_id,
-                finish_reason=choice.get("finish_reason") or "length",
+                finish_reason=INTERRUPTED if cut and aborted else choice.get("finish_reason") or "length",
                 token_versions=versions if len(set(versions)) > 1 else None,
                 # vLLM ended the request itself (aborted): a cut the model did not make.
-                infra_failure="engine" if choice.get("finish_reason") == "abort" else None,
+                infra_failure="engine" if aborted and not cut else None,
             ))
         return rollouts
 

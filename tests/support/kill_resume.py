@@ -21,12 +21,14 @@ from support.signalled_runs import Recipe, progress, signal_mid_step, step_secon
 
 
 class TokenVersions(Callback):
-    """Appends, for each trained batch, its index and each rollout's token versions to $TOKEN_VERSIONS_FILE."""
+    """Appends, for each trained batch, its index and each rollout's token versions and completion to
+    $TOKEN_VERSIONS_FILE."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         scored = pl_module.last_trained
         with open(os.environ["TOKEN_VERSIONS_FILE"], "a") as f:
-            f.write(json.dumps({"index": scored.index, "versions": [r.versions for r in scored.rollouts]}) + "\n")
+            f.write(json.dumps({"index": scored.index, "versions": [r.versions for r in scored.rollouts],
+                                "completions": [r.completion_ids for r in scored.rollouts]}) + "\n")
 
 
 def killed_at_a_random_moment(recipe: Recipe, out: Path, rng: random.Random, max_steps: int) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
 import torch
 from engine_checks import LOGPROB_ATOL, LONG_PROMPTS, load_trainer_model, max_logprob_error, perturb_
+from support.stopping_engine import sampled_tokens
 
 from lightning_rl.rollout import gloo_transport
-from lightning_rl.rollout.base import RolloutEngine, SamplingConfig
+from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.vllm_server import VLLMServerEngine, VLLMServerError, served_config_refusal
 from lightning_rl.models.weights import WeightMismatchError, iter_full_weights
 
@@ -156,22 +156,16 @@ def generated_mid_push(engine, models, new_version, prompts, sampling) -> tuple[
     The weights are gathered first: on a loaded machine, gathering them while the server's threads take every core
     took a second, as long as the whole generation, so the push landed after it."""
     weights = list(iter_full_weights(models[new_version]))
-    before = generated_tokens(engine)
+    before = sampled_tokens(engine.url)
     generated = []
     generating = threading.Thread(target=lambda: generated.extend(engine.generate(prompts, n=2, sampling=sampling).rollouts))
     generating.start()
-    while generated_tokens(engine) < before + 16 and generating.is_alive():
+    while sampled_tokens(engine.url) < before + 16 and generating.is_alive():
         time.sleep(0.02)
     in_flight = generating.is_alive()
     engine.push_weights(iter(weights), version=new_version)
     generating.join()
     return generated, in_flight
-
-
-def generated_tokens(engine) -> float:
-    """The tokens the server has sampled so far (its Prometheus counter)."""
-    text = urllib.request.urlopen(f"{engine.url}/metrics", timeout=30).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
 
 
 def test_a_push_in_wait_mode_waits_for_generation(server_engine, tiny_model_dir, monkeypatch):
@@ -257,6 +251,53 @@ def test_generation_continues_across_a_push_with_every_token_versioned_and_corre
     versions = torch.cat([torch.tensor(r.versions) for r in spanning])[packed.loss_seq.argsort(stable=True).argsort()]
     assert (terms.loss.detach() - plain)[versions == old + 1].abs().max() < 1e-3  # sampled by the trainer's weights
     assert (terms.loss.detach() - plain)[versions == old].abs().max() > 1e-2  # corrected, token by token
+
+
+def test_a_stop_cuts_the_samples_in_flight_and_each_finishes_under_the_next_weights(server_engine, tiny_model_dir):
+    """What an asynchronous run's save keeps when a stop signal finds a batch half sampled: ``interrupt`` cuts every
+    sample in flight (``generate`` raises `GenerationInterrupted` with the tokens each holds) and leaves the server
+    serving; after the resume's push, ``continue_rollouts`` samples each on to the end. Each token keeps the version
+    that sampled it, and its recorded log-prob is that version's model's on the whole prefix."""
+    from engine_checks import reference_logprobs
+
+    old = server_engine.weight_version
+    models = models_up_to(old + 1, tiny_model_dir)
+    sampling = SamplingConfig(max_new_tokens=240, seed=11)
+    for _ in range(4):  # the cut must come while the samples are in flight: a loaded machine may finish them first
+        outcome: dict = {}
+
+        def sample() -> None:
+            try:
+                outcome["done"] = server_engine.generate(PROMPTS, n=2, sampling=sampling)
+            except GenerationInterrupted as cut:
+                outcome["cut"] = cut.partial.rollouts
+
+        before = sampled_tokens(server_engine.url)
+        generating = threading.Thread(target=sample)
+        generating.start()
+        while sampled_tokens(server_engine.url) < before + 16 and generating.is_alive():
+            time.sleep(0.02)
+        assert server_engine.interrupt()
+        generating.join(60)
+        cut = [r for r in outcome.get("cut", ()) if r.finish_reason == INTERRUPTED]
+        if any(r.completion_ids for r in cut):
+            break
+    assert any(r.completion_ids for r in cut), "no sample was in flight at any of the cuts"
+    assert all(r.infra_failure is None and r.versions == [old] * len(r.completion_ids) for r in cut)
+    assert all(0 < len(r.completion_ids) < 240 for r in cut if r.completion_ids)
+
+    server_engine.push_weights(iter_full_weights(models[old + 1]), version=old + 1)
+    finished = server_engine.continue_rollouts(cut, SamplingConfig(max_new_tokens=240, seed=12))
+    for before, after in zip(cut, finished, strict=True):
+        k = len(before.completion_ids)
+        assert after.prompt_ids == before.prompt_ids and after.completion_ids[:k] == before.completion_ids
+        assert after.logprobs[:k] == before.logprobs and after.finish_reason in ("stop", "length")
+        assert len(after.completion_ids) == 240 or after.finish_reason == "stop"
+        versions = torch.tensor(after.versions)
+        assert versions.tolist() == [old] * k + [old + 1] * (len(after.completion_ids) - k) and after.weight_version == old
+        own = torch.where(versions == old, reference_logprobs(models[old], after.prompt_ids, after.completion_ids),
+                          reference_logprobs(models[old + 1], after.prompt_ids, after.completion_ids))
+        assert (torch.tensor(after.logprobs) - own).abs().max() < LOGPROB_ATOL
 
 
 def test_a_refused_push_names_the_tensor_and_leaves_the_server_serving(server_engine, tiny_model_dir):
