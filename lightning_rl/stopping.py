@@ -6,9 +6,10 @@ it may give up (``may_abandon``: one that started at an optimizer-step boundary)
 main one, where signal handlers run) inside such a step gives up at once with ``StepAbandoned``; the callback then
 saves the last complete step, whose weights the abandoned one had not yet changed, and the process exits 143.
 
-Async GRPO's rollout producer works for batches a stopped run does not keep (``discard_on_stop``): once a stop signal
-came, its waits give up too, and the checkpoint holds the batches it finished, not the one in the making
-(``signalled``), which the resumed run generates again.
+Async GRPO's rollout producer works for batches a stopped run may not keep (``discard_on_stop``): once a stop signal
+came, its waits give up too and it starts no batch, and the checkpoint holds the batches it finished, with the one in
+the making as far as it got where the engine can cut its generation (``signalled``; `rollout/buffer.py`); else the
+resumed run generates that one again.
 
 With several ranks a step's inputs are fetched by ``fetched_on_every_rank``: the ranks agree, before the step's first
 collective, whether one of them is giving the step up, so that a rank stuck in a reward never leaves the others

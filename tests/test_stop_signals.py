@@ -241,4 +241,46 @@ def test_a_stop_saves_the_batch_in_the_making_as_far_as_it_got_and_the_resume_fi
         assert [restored.take(i).index for i in (4, 5)] == [4, 5]
     finally:
         restored.close()
-    assert calls[0] == (4, [half]) and all(index != 5 for index, _ in calls)  # 5 came from the queue
+    assert (4, [half]) in calls and all(index != 5 for index, _ in calls)  # 5 came from the queue
+
+
+def test_a_stale_batch_cut_while_sampled_again_is_saved_once_and_a_lowered_bound_still_resumes(inside_a_step):
+    """Batch 3 came back too stale and is being sampled again when the stop comes: the save keeps the new, cut sample
+    alone (the queue held the stale one as well, and such a checkpoint would not load). A resume under a lower
+    ``max_staleness`` than the queue was filled under still finishes batch 3 first (it needs no room in the queue), and
+    nothing starts while the stop signal stands: the cut batch waits until it is withdrawn."""
+    cut = threading.Event()
+    half = Rollout([1, 2], [3], [-0.5], weight_version=3, group_id=0, finish_reason=INTERRUPTED)
+    calls = []
+
+    def produce(index: int, partial: list[Rollout] | None = None) -> ScoredBatch:
+        calls.append((index, partial))
+        if partial is None and index == 3:
+            cut.wait(10)
+            raise BatchInterrupted(3, [half])
+        return scored(index, 5)
+
+    producer = RolloutProducer(produce, lambda: 3, max_staleness=2, interrupt=lambda: cut.set() or True)
+    producer.load_state_dict({"ready": [scored(3, 0).state(), scored(4, 3).state(), scored(5, 3).state()]}, next_step=3)
+    producer.start()
+    threading.Timer(0.3, stopping.signal_came).start()  # once batch 3 is being sampled again
+    try:
+        with pytest.raises(stopping.StepAbandoned):
+            producer.take(3)
+        state = producer.state_dict()
+    finally:
+        producer.close()
+    assert [batch["index"] for batch in state["ready"]] == [4, 5] and [p["index"] for p in state["partial"]] == [3]
+
+    calls.clear()
+    restored = RolloutProducer(produce, lambda: 5, max_staleness=1)  # room for one batch: 4 and 5 are queued already
+    restored.load_state_dict(state, next_step=3)
+    stopping.signal_came()  # still standing: nothing starts
+    restored.start()
+    try:
+        time.sleep(0.3)
+        assert calls == []
+        stopping.signal_came(False)
+        assert restored.take(3).index == 3 and calls == [(3, [half])]
+    finally:
+        restored.close()

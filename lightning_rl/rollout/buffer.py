@@ -127,7 +127,6 @@ class RolloutProducer:
         # got, to finish) or in the making when it came (None: sampled anew).
         self._partial: dict[int, list[Rollout] | None] = {}
         self._interrupt = interrupt
-        self._interrupting = False  # a stopping run's save is cutting the generation: no batch starts meanwhile
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
@@ -143,12 +142,16 @@ class RolloutProducer:
         return queue_has_room and self._current_version() >= index - self.max_staleness
 
     def _resumed_partial(self) -> int | None:
-        """The first batch still to produce after a resume, if the bound lets it start now."""
+        """The first batch still to produce below the next index (after a resume, or given up for a stop that was then
+        withdrawn), if the weights let it start now: it holds no room of the queue, which the saved batches behind it
+        fill (more of them than a lowered ``max_staleness`` leaves room for)."""
         index = min(self._partial, default=None)
-        return index if index is not None and index not in self._generating and self._may_generate(index) else None
+        return index if index is not None and index not in self._generating and self._current_version() >= index - self.max_staleness else None
 
     def _may_start(self) -> bool:
-        return (self.concurrent or not self._generating) and self._error is None and not self._interrupting and (
+        # Nothing starts while a stop signal stands: a stopped run keeps what it has, and one that goes on after all (a
+        # requeue no scheduler took) starts again once it is withdrawn.
+        return (self.concurrent or not self._generating) and self._error is None and not signalled() and (
             self._regenerate is not None or self._resumed_partial() is not None or self._may_generate(self._next_index))
 
     def _run(self) -> None:
@@ -156,8 +159,9 @@ class RolloutProducer:
         discard_on_stop()  # a stopped run keeps the finished batches only (`state_dict`)
         try:
             while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: self._stopping or self._error is not None or self._may_start())
+                with self._changed:  # polled: a stop signal withdrawn notifies nobody
+                    while not self._changed.wait_for(lambda: self._stopping or self._error is not None or self._may_start(), POLL_S):
+                        pass
                     if self._stopping or self._error is not None:
                         return
                     again = self._regenerate is not None
@@ -185,17 +189,15 @@ class RolloutProducer:
             partial = self._partial.pop(index, None)
         try:
             batch = self._produce(index) if partial is None else self._produce(index, partial)
-        except BatchInterrupted as cut:  # a stopping run's save keeps it (`state_dict`)
+        except StepAbandoned as stopped:  # given up for a stop: saved as far as it got (`state_dict`), else sampled again
             with self._changed:
                 self._generating.discard(index)
-                self._partial[index] = cut.rollouts
+                self._partial[index] = stopped.rollouts if isinstance(stopped, BatchInterrupted) else partial
                 self._changed.notify_all()
             return
         except BaseException as error:  # handed to the trainer thread by `take`
             with self._changed:
                 self._generating.discard(index)
-                if partial is not None:  # a stop while it is finished: saved as it was
-                    self._partial.setdefault(index, partial)
                 if self._error is None:
                     self._error = error
                 self._changed.notify_all()
@@ -215,14 +217,17 @@ class RolloutProducer:
         (the trainer holds version `index` until this step is done, so the new sample is not stale)."""
         regenerations, stale = 0, None
 
+        def given_up() -> bool:  # a stop signal stands, and nothing is producing the batch: it will not come
+            return signalled() and index not in self._generating and self._regenerate != index
+
         def arrived(seconds: float) -> bool:
-            return self._changed.wait_for(lambda: index in self._ready or self._error is not None, seconds)
+            return self._changed.wait_for(lambda: index in self._ready or self._error is not None or given_up(), seconds)
 
         with self._changed:
             while True:
                 try:  # a stop signal does not wait for a batch that may never come (a reward that does not return)
                     wait_unless_stopping(arrived, None, f"rollout batch {index}")
-                    if index not in self._ready and isinstance(self._error, StepAbandoned):
+                    if index not in self._ready and (given_up() or isinstance(self._error, StepAbandoned)):
                         # The producer gave the batch up for the stop (whichever thread saw the signal first): said
                         # as the trainer sees it, the batch it waited for.
                         raise StepAbandoned(f"rollout batch {index} had not returned")
@@ -266,18 +271,14 @@ class RolloutProducer:
         with self._changed:
             while not self._changed.wait_for(lambda: self._settled() or signalled(), POLL_S):
                 pass
-            cut = signalled() and bool(self._generating) and not self._interrupting
-            self._interrupting = self._interrupting or cut
+            cut = signalled() and bool(self._generating)
         if cut:  # the cut samples come back at once, as do those whose rewards the stop gave up (`BatchInterrupted`);
             # a batch still out after this (an engine that cannot cut its generation) is sampled again
             wait = INTERRUPT_WAIT_S if self._interrupt is not None and self._interrupt() else GIVE_UP_WAIT_S
             with self._changed:
                 self._changed.wait_for(lambda: not self._generating, wait)
-        with self._changed:
-            if cut:  # a run that goes on after all (a requeue no scheduler took) finishes the cut batches
-                self._interrupting = False
-                self._changed.notify_all()
-            return {"ready": [self._ready[i].state() for i in sorted(self._ready)],
+        with self._changed:  # a batch both queued too stale and cut while sampled again is saved as cut
+            return {"ready": [self._ready[i].state() for i in sorted(self._ready) if self._partial.get(i) is None],
                     "partial": [{"index": i, "rollouts": [asdict(r) for r in cut]} for i, cut in sorted(self._partial.items()) if cut is not None]}
 
     def give_back(self, batch: ScoredBatch) -> None:
@@ -294,14 +295,12 @@ class RolloutProducer:
         ready = [ScoredBatch.from_state(s) for s in state.get("ready", [])]
         self._ready = {b.index: b for b in ready if b.index >= next_step}
         self._partial = {p["index"]: [Rollout(**r) for r in p["rollouts"]] for p in state.get("partial", []) if p["index"] >= next_step}
-        if self._ready.keys() & self._partial.keys():
-            raise ValueError(f"checkpointed rollout queue holds batches {sorted(self._ready.keys() & self._partial.keys())} both "
-                             "finished and cut")
+        self._ready = {i: batch for i, batch in self._ready.items() if i not in self._partial}
         saved = self._ready.keys() | self._partial.keys()
         self._next_index = max(saved, default=next_step - 1) + 1
         if self._partial:
-            print(f"resume: rollout batch(es) {', '.join(map(str, sorted(self._partial)))} were cut by the stop, each sample as far "
-                  "as it got: sampled on from there", file=sys.stderr)
+            print(f"resume: the rollouts of step(s) {', '.join(str(i + 1) for i in sorted(self._partial))} were saved as far as "
+                  "the stop let them get: sampled on (and scored) from there", file=sys.stderr)
         self._partial.update({i: None for i in range(next_step, self._next_index) if i not in saved})
 
     def close(self) -> None:

@@ -228,7 +228,7 @@ class RolloutCollector:
         except GenerationInterrupted as cut:
             if resumable:
                 raise BatchInterrupted(index, cut.partial.rollouts) from None
-            raise StepAbandoned(f"rollout batch {index}") from None
+            raise StepAbandoned(f"rollout batch {index} had not returned") from None
         generation_seconds = time.perf_counter() - started
         rollouts = batch.rollouts
         if engine_images is not None:

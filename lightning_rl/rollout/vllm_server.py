@@ -402,7 +402,8 @@ class VLLMServerEngine(RolloutEngine):
 
     def interrupt(self) -> bool:
         """Abort every request the server runs (vLLM's ``pause?mode=abort``; each answers with the tokens it holds),
-        then let it serve again: a server others share goes on serving them."""
+        then let it serve again. On a server other runs share, their requests in flight are aborted too (they see an
+        engine failure, and leave those samples out); a stop signal reaches every rank of this run at once."""
         with self._lock:
             self._interrupts += 1
         try:

@@ -79,7 +79,7 @@ def test_a_sigterm_mid_generation_saves_the_samples_as_far_as_they_got_and_the_r
         index: [(r.finish_reason, len(r.completion_ids)) for r in cut] for index, cut in saved.items()}
 
     recipe.run(out, "--ckpt_path=last")
-    assert f"rollout batch(es) {', '.join(map(str, sorted(saved)))} were cut by the stop" in log_of(out)
+    assert f"the rollouts of step(s) {', '.join(str(i + 1) for i in sorted(saved))} were saved as far as the stop" in log_of(out)
     trained = [json.loads(line) for line in versions_file.read_text().splitlines()]
     assert sorted(batch["index"] for batch in trained) == list(range(steps))
     for index, cut in saved.items():
