@@ -836,6 +836,8 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
             )
     except ArgumentError as e:
         message = _one_line(e)
+        if re.fullmatch(r"model\.scale_rewards must be one of .*, got (?i:true|false)", message):  # TRL's booleans
+            message += " (TRL's True is group, its False none)"
         if message.startswith("model.engine must be one of"):
             short, got = message.removeprefix("model.engine must be one of ").split(", got ", 1)
             if got.isidentifier():

@@ -39,8 +39,13 @@ TRAINER = {
     "trainer.accumulate_grad_batches)",
     ("grpo", "eval_strategy"): "trainer.val_check_interval (steps between held-out evaluations of model.eval_data)",
     ("grpo", "eval_steps"): "trainer.val_check_interval (optimizer steps; model.eval_generations prompts decoded each time)",
-    ("grpo", "gradient_accumulation_steps"): "model.max_tokens_per_row (a step is data.batch_size prompts, forwarded in "
-    "micro-batches of at most this many tokens whose gradients add up)",
+    ("grpo", "per_device_train_batch_size"): "data.batch_size (prompts per step and rank, where TRL's counts "
+    "completions: its per_device_train_batch_size x gradient_accumulation_steps / num_generations)",
+    ("grpo", "gradient_accumulation_steps"): "data.batch_size (a step trains per_device_train_batch_size x "
+    "gradient_accumulation_steps / num_generations prompts a rank, forwarded in micro-batches of at most "
+    "model.max_tokens_per_row tokens whose gradients add up)",
+    ("grpo", "vllm_importance_sampling_cap"): "model.loss.importance_sampling_cap (TRL's deprecated name of "
+    "vllm_importance_sampling_clip_max)",
 }
 # The TRL fields whose default differs from the default of the one key doing their work, with why, by task ("*":
 # both). The guide shows both defaults, read from TRL and from the recipe schema; a test keeps this table equal to
@@ -153,6 +158,8 @@ DIFFERENCES = (
     ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
      "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
      "clipped nor kept"),
+    ("`train/vespo/phi_seq_mean` with `mask_truncated_completions`", "over the sequences that train",
+     "every sequence, a masked one counted with phi 1", "the figure describes the weights the loss applied"),
     ("`train/mismatch/is_ratio_*` in the `sequence_*` modes with `mask_truncated_completions`", "over the sequences "
      "that train: a masked sequence has no weight applied", "every sequence, a masked one counted with weight 1 (its "
      "masked tokens sum to 0)", "the figure describes the weights the loss applied"),
@@ -246,7 +253,6 @@ NO_EQUIVALENT = {
     "use_vllm": "give model.engine: vllm (in this process) or vllm_server (a server of its own)",
     "vllm_mode": "model.engine: vllm is TRL's colocate mode, vllm_server its server mode",
     "vllm_importance_sampling_correction": "on when model.loss.importance_sampling_cap or _floor is set",
-    "vllm_importance_sampling_cap": "model.loss.importance_sampling_cap",
     "vllm_*": "vLLM's own options are the engine's init_args (model.engine.init_args; docs/recipe_reference.md)",
     "log_*": "rollouts are logged every model.log_rollouts_every_n_steps steps",
     "num_completions_to_print": "rollouts are logged every model.log_rollouts_every_n_steps steps",
@@ -316,7 +322,7 @@ PATTERN_FIELDS = frozenset({
     "adam_beta1", "adam_beta2", "bnb_4bit_quant_storage", "bnb_4bit_quant_type", "eval_steps", "eval_strategy", "load_in_4bit",
     "load_in_8bit", "log_completions", "log_completions_hub_repo", "log_multimodal", "log_unique_prompts",
     "use_transformers_continuous_batching", "use_transformers_paged", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
-    "vllm_group_port", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_mode",
+    "vllm_group_port", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_mode",
     "vllm_max_model_length", "vllm_model_impl", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
     "vllm_server_timeout", "vllm_structured_outputs_regex", "vllm_tensor_parallel_size",
 })  # fmt: skip

@@ -56,3 +56,18 @@ def test_every_default_that_differs_from_trls_says_why_and_no_reason_is_stale():
     stale = {key for key in DEFAULTS if not any((task, name) in found for task in ("sft", "grpo") for name in [key[1]] if key[0] in (task, "*"))}
     assert not stale, f"no longer different: {sorted(stale)}"
     assert ("grpo", "lr_scheduler_type") in found and ("grpo", "vllm_importance_sampling_mode") not in found
+
+
+def test_trls_batch_size_is_converted_and_its_booleans_for_scale_rewards_are_named(capsys, tmp_path):
+    """TRL's GRPO batch counts completions, ours prompts: the hint gives the conversion, not the bare key (a TRL user
+    set 8x the batch). A deprecated TRL name maps to its key; TRL's ``scale_rewards: false`` is named in our words."""
+    from lightning_rl import cli
+
+    recipe_file = str(recipe_reference.REPO / recipe_reference.EXAMPLES["grpo"])
+    documented = recipe._Schema(recipe._cli(recipe_file, [], build=False).parser).documented()
+    said = trl_names.hint("grpo", "per_device_train_batch_size", documented)
+    assert said.startswith("for TRL's per_device_train_batch_size, set data.batch_size (") and "gradient_accumulation_steps / num_generations" in said
+    said = trl_names.hint("grpo", "vllm_importance_sampling_cap", documented)
+    assert said.startswith("for TRL's vllm_importance_sampling_cap, set model.loss.importance_sampling_cap")
+    assert cli.main(["run", recipe_file, f"--output_dir={tmp_path / 'run'}", "--model.scale_rewards=false"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("got false (TRL's True is group, its False none)")

@@ -138,8 +138,9 @@ class PromptDataModule(L.LightningDataModule):
             TRL: `dataset_name`.
         prompt_field: the column holding the prompt: a string, or chat messages (trailing assistant turns dropped);
             every other column reaches the reward functions.
-        batch_size: prompts per optimizer step and rank (times ``model.num_generations`` completions). TRL:
-            `per_device_train_batch_size` (which counts completions).
+        batch_size: prompts per optimizer step and rank (times ``model.num_generations`` completions). TRL's
+            per_device_train_batch_size counts completions: its per_device_train_batch_size x
+            gradient_accumulation_steps / num_generations.
         seed: the order of the prompts, a fresh shuffle per pass (a recipe's top-level ``seed``).
         path: the earlier name of ``train_data`` (the name SFT gives its data file too); still read, and said so.
     """
