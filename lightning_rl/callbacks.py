@@ -376,6 +376,29 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
                 **{key: here(state_dict[key]) for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
             }  # fmt: skip
         super().load_state_dict(state_dict)
+        self._keep_within_limit()
+
+    def _keep_within_limit(self) -> None:
+        """A resume with a lower ``keep_checkpoints`` than the run kept: the newest of its periodic checkpoints are
+        kept, the rest removed once the next checkpoint is written (never the one resumed from before that). Lightning
+        restores them all, and then either failed at its next save (a ``KeyError`` deep in ``ModelCheckpoint``, where
+        the run had kept fewer than its old limit) or never pruned again (it prunes only at exactly the limit)."""
+        k = self.save_top_k
+        if k < 0 or len(self.best_k_models) < k or (len(self.best_k_models) == k and self.kth_best_model_path in self.best_k_models):
+            return
+        ranked = sorted(self.best_k_models, key=lambda path: float(self.best_k_models[path]), reverse=self.mode == "max")
+        self._dropped = [*getattr(self, "_dropped", []), *ranked[k:]]
+        self.best_k_models = {path: self.best_k_models[path] for path in ranked[:k]}
+        if k:
+            self.kth_best_model_path = ranked[k - 1]
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        for path in getattr(self, "_dropped", []):  # beyond a lowered keep_checkpoints (`_keep_within_limit`)
+            if path != filepath and self._fs.exists(path):
+                self._remove_checkpoint(trainer, path)
+        self._dropped = []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The last step's checkpoint is written at its end (after its validation, if one is due), as a periodic one

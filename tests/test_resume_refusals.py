@@ -195,6 +195,20 @@ def test_a_run_folder_moved_between_runs_keeps_pruning_and_replacing_its_checkpo
     assert checkpoint_step(moved / "checkpoints" / "last.ckpt") == 8
 
 
+def test_a_resume_with_fewer_checkpoints_kept_prunes_to_the_new_limit(tmp_path, capsys):
+    """keep_checkpoints lowered on resume: Lightning restored the run's checkpoints as they were, then failed at its
+    next save with a KeyError deep in ModelCheckpoint (fewer kept than the old limit: 2 of 3 here), or never pruned
+    again (as many as the old limit)."""
+    out = tmp_path / "run"
+    code, errors, err = run(capsys, SFT, out, "--trainer.max_steps=4", "--checkpoint_every_n_steps=2", "--keep_checkpoints=3")
+    assert code == 0 and errors == [], err[-3000:]
+    code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=6", "--checkpoint_every_n_steps=1",
+                            "--keep_checkpoints=1")
+    assert code == 0 and errors == [], err[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=6.ckpt"]
+    assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 6
+
+
 def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
     out = tmp_path / "run"
     # The last step is no multiple of the checkpoints' period: the run still ends with a checkpoint of it.
