@@ -374,15 +374,21 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
                 **state_dict, "dirpath": self.dirpath,
                 "best_k_models": {here(path): score for path, score in state_dict.get("best_k_models", {}).items()},
                 **{key: here(state_dict[key]) for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
+                "dropped": [here(path) for path in state_dict.get("dropped", [])],
             }  # fmt: skip
         super().load_state_dict(state_dict)
+        self._dropped = list(state_dict.get("dropped", []))
         self._keep_within_limit()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "dropped": list(getattr(self, "_dropped", []))}  # a stop's checkpoint before they went
 
     def _keep_within_limit(self) -> None:
         """A resume with a lower ``keep_checkpoints`` than the run kept: the newest of its periodic checkpoints are
-        kept, the rest removed once the next checkpoint is written (never the one resumed from before that). Lightning
-        restores them all, and then either failed at its next save (a ``KeyError`` deep in ``ModelCheckpoint``, where
-        the run had kept fewer than its old limit) or never pruned again (it prunes only at exactly the limit)."""
+        kept, the rest removed once the next periodic or last checkpoint is written (never the one resumed from before
+        that; a stop's checkpoint in between carries the list). Lightning restores them all, and then either failed at
+        its next save (a ``KeyError`` deep in ``ModelCheckpoint``, where the run had kept fewer than its old limit) or
+        never pruned again (it prunes only at exactly the limit)."""
         k = self.save_top_k
         if k < 0 or len(self.best_k_models) < k or (len(self.best_k_models) == k and self.kth_best_model_path in self.best_k_models):
             return

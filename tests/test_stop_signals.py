@@ -284,3 +284,22 @@ def test_a_stale_batch_cut_while_sampled_again_is_saved_once_and_a_lowered_bound
         assert restored.take(3).index == 3 and calls == [(3, [half])]
     finally:
         restored.close()
+
+
+def test_a_wait_that_may_not_give_up_still_ends_when_a_stop_leaves_its_batch_to_nobody():
+    """Batch 0 came back too stale, and a stop signal stands: nothing starts its new sample, so the wait for it ends
+    (a step outside ``may_abandon``'s reach waited for a batch nothing would produce), and the batch stays queued."""
+    producer = RolloutProducer(lambda index: scored(index, 3), lambda: 3, max_staleness=1)
+    producer.load_state_dict({"ready": [scored(0, -5).state()]}, next_step=0)
+    stopping.signal_came()
+    ended: list[BaseException] = []
+    try:
+        producer.start()
+        waiting = threading.Thread(target=lambda: ended.append(pytest.raises(stopping.StepAbandoned, producer.take, 0).value))
+        waiting.start()
+        waiting.join(10)
+        assert not waiting.is_alive() and ended[0].why == "rollout batch 0 had not returned"
+        assert [batch["index"] for batch in producer.state_dict()["ready"]] == [0]
+    finally:
+        stopping.signal_came(False)
+        producer.close()

@@ -217,8 +217,8 @@ class RolloutProducer:
         (the trainer holds version `index` until this step is done, so the new sample is not stale)."""
         regenerations, stale = 0, None
 
-        def given_up() -> bool:  # a stop signal stands, and nothing is producing the batch: it will not come
-            return signalled() and index not in self._generating and self._regenerate != index
+        def given_up() -> bool:  # a stop signal stands, and nothing is producing the batch (nor will: nothing starts)
+            return signalled() and index not in self._generating
 
         def arrived(seconds: float) -> bool:
             return self._changed.wait_for(lambda: index in self._ready or self._error is not None or given_up(), seconds)
