@@ -156,7 +156,7 @@ class RolloutProducer:
 
     def _run(self) -> None:
         """Starts each batch once the bound allows it: on this thread, or with ``concurrent`` on a thread of its own."""
-        discard_on_stop()  # a stopped run keeps the finished batches only (`state_dict`)
+        discard_on_stop()  # a stopped run keeps the finished batches, and those it gave up as far as they got (`state_dict`)
         try:
             while True:
                 with self._changed:  # polled: a stop signal withdrawn notifies nobody
