@@ -363,6 +363,9 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         beside it, the periodic ones never pruned)."""
         return type(self).__qualname__
 
+    # Checkpoint files beyond a lowered keep_checkpoints, removed at the next save (`_keep_within_limit`).
+    _dropped: tuple[str, ...] = ()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A run folder moved or renamed since its checkpoint: the checkpoints it names are read in the folder where
         they are now. Lightning forgets them instead, and then neither prunes the old periodic ones (keep_checkpoints)
@@ -377,11 +380,11 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
                 "dropped": [here(path) for path in state_dict.get("dropped", [])],
             }  # fmt: skip
         super().load_state_dict(state_dict)
-        self._dropped = list(state_dict.get("dropped", []))
+        self._dropped = tuple(state_dict.get("dropped", ()))
         self._keep_within_limit()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dropped": list(getattr(self, "_dropped", []))}  # a stop's checkpoint before they went
+        return {**super().state_dict(), "dropped": list(self._dropped)}  # a stop's checkpoint before they went
 
     def _keep_within_limit(self) -> None:
         """A resume with a lower ``keep_checkpoints`` than the run kept: the newest of its periodic checkpoints are
@@ -393,7 +396,7 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         if k < 0 or len(self.best_k_models) < k or (len(self.best_k_models) == k and self.kth_best_model_path in self.best_k_models):
             return
         ranked = sorted(self.best_k_models, key=lambda path: float(self.best_k_models[path]), reverse=self.mode == "max")
-        self._dropped = [*getattr(self, "_dropped", []), *ranked[k:]]
+        self._dropped = (*self._dropped, *ranked[k:])
         self.best_k_models = {path: self.best_k_models[path] for path in ranked[:k]}
         if k:
             self.kth_best_model_path = ranked[k - 1]
@@ -401,10 +404,10 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
-        for path in getattr(self, "_dropped", []):  # beyond a lowered keep_checkpoints (`_keep_within_limit`)
+        for path in self._dropped:
             if path != filepath and self._fs.exists(path):
                 self._remove_checkpoint(trainer, path)
-        self._dropped = []
+        self._dropped = ()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The last step's checkpoint is written at its end (after its validation, if one is due), as a periodic one

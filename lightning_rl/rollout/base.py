@@ -386,13 +386,13 @@ class RolloutEngine(abc.ABC):
                 by_left.setdefault(sampling.max_new_tokens - len(rollout.completion_ids), []).append(i)
         for left, which in by_left.items():  # samples cut at the same length share one call (they often all are)
             try:
-                more = self.generate([cut[i].sequence for i in which], 1, dataclasses.replace(sampling, max_new_tokens=left)).groups
-            except GenerationInterrupted as again:  # cut once more: each as far as it got now, in ``cut``'s order
-                for i, group in zip(which, again.partial.groups, strict=True):
-                    done[i] = continued(cut[i], group[0])
-                raise GenerationInterrupted(RolloutBatch([[d if d is not None else c for d, c in zip(done, cut)]])) from None
-            for i, group in zip(which, more, strict=True):
+                more, again = self.generate([cut[i].sequence for i in which], 1, dataclasses.replace(sampling, max_new_tokens=left)), None
+            except GenerationInterrupted as interrupted:  # cut once more: each as far as it got now
+                more, again = interrupted.partial, interrupted
+            for i, group in zip(which, more.groups, strict=True):
                 done[i] = continued(cut[i], group[0])
+            if again is not None:  # in ``cut``'s order, those not yet continued as they were
+                raise GenerationInterrupted(RolloutBatch([[d if d is not None else c for d, c in zip(done, cut)]])) from None
         return [rollout for rollout in done if rollout is not None]
 
     @abc.abstractmethod

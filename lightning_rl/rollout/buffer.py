@@ -279,7 +279,7 @@ class RolloutProducer:
                 self._changed.wait_for(lambda: not self._generating, wait)
         with self._changed:  # a batch both queued too stale and cut while sampled again is saved as cut
             return {"ready": [self._ready[i].state() for i in sorted(self._ready) if self._partial.get(i) is None],
-                    "partial": [{"index": i, "rollouts": [asdict(r) for r in cut]} for i, cut in sorted(self._partial.items()) if cut is not None]}
+                    "partial": [{"index": i, "rollouts": [asdict(r) for r in rollouts]} for i, rollouts in sorted(self._partial.items()) if rollouts is not None]}
 
     def give_back(self, batch: ScoredBatch) -> None:
         """Put a batch taken for a step that was then given up back at the front of the queue."""
