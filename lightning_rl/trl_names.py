@@ -158,6 +158,12 @@ DIFFERENCES = (
     ("Clip fractions at `importance_sampling_level: sequence` with `mask_truncated_completions`", "of the sequences "
      "that train", "of every sequence, a masked one counted as not clipped", "a sequence that trains nothing is neither "
      "clipped nor kept"),
+    ("`loss_type: bnpo`, and the entropy bonus and top-entropy threshold of every loss type, with "
+     "`gradient_accumulation_steps` > 1", "normalised over the whole optimizer step's tokens on the rank (bnpo is "
+     "dapo on one process), and the top-entropy quantile taken over the step's tokens", "normalised over each "
+     "micro-batch's tokens, then divided by the accumulation steps, so one micro-batch's tokens weigh more than "
+     "another's", "a step's loss does not depend on how it is split into micro-batches (`data.batch_size` replaces "
+     "both TRL keys here)"),
     ("`train/vespo/phi_seq_mean` with `mask_truncated_completions`", "over the sequences that train",
      "every sequence, a masked one counted with phi 1", "the figure describes the weights the loss applied"),
     ("`train/mismatch/is_ratio_*` in the `sequence_*` modes with `mask_truncated_completions`", "over the sequences "

@@ -351,15 +351,16 @@ class GRPOLoss:
         return torch.quantile(entropy.detach().float(), 1 - self.top_entropy_quantile)
 
     def token_weights(
-        self, loss_seq: torch.Tensor, seq_num_tokens: torch.Tensor, counts: StepCounts
+        self, loss_seq: torch.Tensor, seq_num_tokens: torch.Tensor, counts: StepCounts, dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Weight of each term so that summing `loss * weight` over every micro-batch of the step
         (and averaging over ranks) gives the variant's loss. `loss_seq` [M] maps a term to its
-        sequence, `seq_num_tokens` [B] counts each sequence's trained tokens."""
+        sequence, `seq_num_tokens` [B] counts each sequence's trained tokens. Computed in ``dtype``: float64 for a
+        float64 loss (a float32 weight such as 1/3 would round its terms at float32's precision)."""
         world = float(counts.world_size)
-        ones = torch.ones_like(loss_seq, dtype=torch.float32)
+        ones = torch.ones_like(loss_seq, dtype=dtype)
         if self.loss_type in ("grpo", "sapo"):
-            per_seq = seq_num_tokens.clamp(min=1).to(torch.float32)[loss_seq]
+            per_seq = seq_num_tokens.clamp(min=1).to(dtype)[loss_seq]
             return world / (counts.num_sequences * per_seq)
         if self.loss_type in ("dapo", "cispo", "vespo"):
             return ones * (world / max(counts.num_tokens, 1))
@@ -374,7 +375,8 @@ class GRPOLoss:
     ) -> torch.Tensor:
         """This micro-batch's share of the step's loss: the weighted terms, less its share of the entropy
         bonus (a mean over the step's `counts.entropy_tokens`, whatever the loss type)."""
-        total = (terms.loss * self.token_weights(loss_seq, seq_num_tokens, counts).to(terms.loss)).sum()
+        dtype = torch.float64 if terms.loss.dtype == torch.float64 else torch.float32
+        total = (terms.loss * self.token_weights(loss_seq, seq_num_tokens, counts, dtype).to(terms.loss)).sum()
         return total if terms.entropy_bonus is None else total - self.bonus(terms, counts)
 
     def bonus(self, terms: TokenLoss, counts: StepCounts) -> torch.Tensor:
