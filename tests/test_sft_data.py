@@ -50,7 +50,9 @@ def test_prompt_completion_strings_and_messages(tiny_tokenizer, tmp_path):
         {"prompt": [SYSTEM, {"role": "user", "content": "1+1="}], "completion": [{"role": "assistant", "content": "2"}]},
         {"prompt": "1+2=", "completion": "3<|im_end|>"},  # its end token written out: not appended again (TRL's)
     ]
-    examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    examples, cases = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    # The held-out reference is the reply a greedy decode writes (its end token is not text): "3" for "3<|im_end|>" too.
+    assert [case.reference for case in cases] == ["19", "2", "3"]
     assert trained_text(tiny_tokenizer, examples[0]) == "19<|im_end|>"
     assert tiny_tokenizer.decode(examples[0].input_ids) == "12+7=19<|im_end|>"
     assert trained_text(tiny_tokenizer, examples[1]) == "2<|im_end|>"

@@ -72,6 +72,33 @@ def test_an_adapter_sync_gives_the_trainers_logprobs_and_what_a_merged_sync_give
     assert (logprobs(by_adapter.model) - logprobs(policy)).abs().max() > 1e-3
 
 
+def test_an_adapter_sync_onto_an_engine_holding_other_base_weights_is_refused() -> None:
+    """The adapter sent alone applies to the base the engine holds: a server given by url may serve another checkpoint
+    of the same shape, or weights another run pushed merged. The first adapter sync proves the engine's base the
+    trainer's, digest for digest, and refuses in one line otherwise (it passed, and the engine sampled from another
+    policy). An engine that does not verify what it holds (``verify_weights: false``) is not asked."""
+    policy = lora_policy()
+    train_step(policy, seed=1, only="lora_")
+    with pytest.raises(WeightMismatchError, match=r"adapter alone, onto the base weights the engine holds, and those are not the trainer's: the engine's 'model\."):
+        PolicySync("adapter").sync(policy, HFRolloutEngine(base(seed=1)), 1)
+    merged_before = HFRolloutEngine(base())
+    PolicySync("merged").sync(policy, merged_before, 1)
+    with pytest.raises(WeightMismatchError, match="not the trainer's"):
+        PolicySync("adapter").sync(policy, merged_before, 2)
+    engine = HFRolloutEngine(base())
+    sync = PolicySync("adapter")
+    sync.sync(policy, engine, 1)
+    train_step(policy, seed=2, only="lora_")
+    sync.sync(policy, engine, 2)  # checked once: the engine's peft copy holds the base as its base layers
+    assert (logprobs(engine.model) - logprobs(policy)).abs().max() < 1e-5
+    PolicySync("adapter").check_base(policy, engine)  # a new sync's check reads the base through peft's names
+    PolicySync("adapter").sync(policy, HFRolloutEngine(base(seed=1), verify_weights=False), 1)
+    # A trainer that holds the base in bfloat16 (precision: bf16-true) trains its adapter on other weights than the
+    # float32 ones a float32 engine loaded: said as such.
+    with pytest.raises(WeightMismatchError, match=r"the trainer holds the base in torch.bfloat16 and the engine in torch.float32"):
+        PolicySync("adapter").sync(lora_policy().to(torch.bfloat16), HFRolloutEngine(base()), 1)
+
+
 def test_an_adapter_with_modules_to_save_reaches_the_transformers_engine() -> None:
     policy = lora_policy(modules_to_save=["model.norm"])
     spec = adapter_spec(policy)

@@ -707,7 +707,12 @@ class Renderer:
             context = _template_context(row)
             prompt = self._chat(messages[:-1], add_generation_prompt=True, context=context)
             return GenerationCase(prompt, self._trained_reply(prompt, self._chat(messages, context=context), last["content"]))
-        return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"], row["completion"])
+        # The completion as trained, up to its end token: one written with its end token's text ("45<|im_end|>") is
+        # what a greedy decode writes without it.
+        completion = self._text_completion(row["prompt"], row["completion"])[1]
+        end = next((k for k, token in enumerate(completion) if token in self.end_ids), len(completion))
+        return GenerationCase(self.tokenizer(row["prompt"], add_special_tokens=True)["input_ids"],
+                              self.tokenizer.decode(completion[:end], skip_special_tokens=True))
 
 
 def load_examples(

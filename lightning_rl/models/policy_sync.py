@@ -3,7 +3,9 @@
 - ``full``: every weight, every sync (full-weight training).
 - ``merged``: every weight, the LoRA adapter merged into a copy of each base weight it touches.
 - ``adapter``: the LoRA adapter alone, as a new adapter version; the engine keeps serving the base weights it loaded
-  (the trainer never changes them) and applies the adapter to every generation after the sync.
+  (the trainer never changes them) and applies the adapter to every generation after the sync. The first sync
+  proves those base weights the trainer's, digest against digest, where the engine verifies what it holds (a
+  server given by ``url`` may hold another checkpoint's, or weights another run pushed).
 - ``delta``: only the tensors that changed since the version the engine holds, written in place. A tensor is skipped
   only when it equals, bit for bit, the copy of it last sent, kept in host memory (one more copy of the model: why
   it is asked for, not the default). A full sync is sent instead on the first sync (and so after a resume), when the
@@ -26,8 +28,8 @@ from torch import Tensor, nn
 
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import (
-    AdapterReceiver, AdapterSpec, DeltaReceiver, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors, iter_adapter_weights,
-    iter_full_weights, merge_refusal, push_stream,
+    AdapterReceiver, AdapterSpec, DeltaReceiver, SentDigests, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors,
+    held_problems, iter_adapter_weights, iter_full_weights, merge_refusal, push_stream,
 )
 
 WeightSync = Literal["auto", "full", "merged", "adapter", "delta"]
@@ -140,14 +142,17 @@ class PolicySync:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.delta = DeltaTracker() if mode == "delta" else None
+        self.base_checked = mode != "adapter"  # the engine's base weights proven the trainer's (`check_base`)
 
     def sync(self, policy: nn.Module, engine: WeightReceiver | None, version: int) -> SyncReport:
+        self.check_base(policy, engine)
         return self.send(self._weights(policy, engine), engine, version, adapter_spec(policy) if self.mode == "adapter" else None)
 
     def stage(self, policy: nn.Module, engine: WeightReceiver | None) -> Callable[[int], SyncReport] | None:
         """What the next sync sends, gathered now (on every rank) and copied to host memory: returns the send of that
         copy as a version (``send``), to run on another thread while the trainer goes on; None on ranks without the
         engine. Gathered in full even for a delta, which is filtered as it is sent."""
+        self.check_base(policy, engine)
         spec = adapter_spec(policy) if self.mode == "adapter" else None
         stream = self._weights(policy, engine)
         if engine is None:
@@ -156,6 +161,38 @@ class PolicySync:
             return None
         staged = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in stream]
         return lambda version: self.send(iter(staged), engine, version, spec)
+
+    def check_base(self, policy: nn.Module, engine: WeightReceiver | None) -> None:
+        """Once, before the first adapter sync (on every rank: the base is gathered like a merged sync's weights):
+        the base weights the engine holds must be the trainer's, or the adapter sent alone would be applied to
+        weights the trainer never trained it on. Not for the modules the adapter trains whole (sent with it)."""
+        if self.base_checked:
+            return
+        held = getattr(engine, "held_base", lambda: None)()
+        if held is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self.base_checked = True  # nothing to compare with, and no other rank gathering
+            return
+        whole = adapter_spec(policy).modules_to_save
+        apart = lambda name: any(name.startswith(f"{module}.") for module in whole)  # noqa: E731
+        sent = SentDigests(((n, t) for n, t in iter_full_weights(policy, merge_lora=False) if not apart(n)),
+                           lambda name: None if held is None else held.dtypes.get(name))
+        trained_in = {name: tensor.dtype for name, tensor in sent}  # every rank gathers; only the engine's compares
+        if held is not None:
+            kept = {name: digest for name, digest in held.digests.items() if not apart(held.ties.get(name, name))}
+            problems = held_problems(sent, kept, held.ties)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                cast = sorted({(str(trained_in[n]), str(held.dtypes[n])) for n in trained_in.keys() & held.dtypes.keys()
+                               if trained_in[n] != held.dtypes[n] and trained_in[n].itemsize < held.dtypes[n].itemsize})
+                fix = (f"the trainer holds the base in {cast[0][0]} and the engine in {cast[0][1]}: load the engine in the "
+                       "trainer's dtype (model.engine.init_args.dtype), or sync merged") if cast else (
+                       "start the engine from model.model_name_or_path (a server given by url may serve another checkpoint, "
+                       "or weights another run pushed), or sync merged")
+                raise WeightMismatchError(
+                    f"weight_sync: adapter sends the LoRA adapter alone, onto the base weights the engine holds, and "
+                    f"those are not the trainer's: {problems[0]}{more}; {fix}"
+                )
+        self.base_checked = True
 
     def _weights(self, policy: nn.Module, engine: WeightReceiver | None) -> Iterator[tuple[str, Tensor]]:
         if self.mode == "adapter":

@@ -86,6 +86,16 @@ class AdapterSpec:
         return self.config["lora_alpha"] / root
 
 
+@dataclass(frozen=True)
+class HeldWeights:
+    """What an engine holds, by Hugging Face name: each tensor's `tensor_digest` and dtype, and each tied name's
+    source (``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
+
+    digests: dict[str, int]
+    dtypes: dict[str, torch.dtype]
+    ties: dict[str, str]
+
+
 @runtime_checkable
 class AdapterReceiver(Protocol):
     """An engine that serves the base weights it loaded and applies a LoRA adapter sent alone."""
@@ -98,7 +108,11 @@ class AdapterReceiver(Protocol):
         trained: the adapter is sent in it, which loses nothing the engine would keep and sends fewer bytes."""
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], adapter: AdapterSpec, version: int) -> float | None:
-        """Load the adapter's tensors (peft's names) as ``version``; generation after it uses them."""
+        """Load the adapter's tensors (peft's names) as ``version``; generation after it uses them.
+
+        An engine may also give ``held_base() -> HeldWeights | None``: the base weights it holds (None where it does
+        not check what it holds, ``verify_weights: false``). The first adapter sync proves them the trainer's.
+        """
 
 
 @runtime_checkable
@@ -603,6 +617,17 @@ def verify_held(
     passes ``earlier``, the ``held`` of the last verified version: a tensor not sent must still hold that digest
     (the trainer proved it unchanged since, so it is still the trainer's).
     """
+    problems = held_problems(sent, held, ties, earlier)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise WeightMismatchError(
+            f"weight sync to version {version} failed verification: {problems[0]}{more}; "
+            "the engine would sample from weights the trainer does not hold"
+        )
+
+
+def held_problems(sent: SentDigests, held: Mapping[str, int], ties: Mapping[str, str], earlier: Mapping[str, int] | None = None) -> list[str]:
+    """What `verify_held` finds wrong, one line each (none: the engine holds what was sent)."""
     problems = [f"'{name}' was sent twice" for name in dict.fromkeys(sent.repeated)]
     expected = {ties.get(name, name): digest for name, digest in (earlier or {}).items()}
     sent_sources: set[str] = set()
@@ -621,9 +646,4 @@ def verify_held(
         elif expected[source] != digest:
             problems.append(f"the engine's '{name}' differs from the trainer's")
     problems += [f"'{name}' was sent, but the engine holds no such tensor" for name in expected if name not in covered]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise WeightMismatchError(
-            f"weight sync to version {version} failed verification: {problems[0]}{more}; "
-            "the engine would sample from weights the trainer does not hold"
-        )
+    return problems

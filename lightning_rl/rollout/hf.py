@@ -21,7 +21,7 @@ from transformers import (
 
 from lightning_rl.models.loading import generation_config_set_aside
 from lightning_rl.models.multimodal import image_token_types
-from lightning_rl.models.weights import AdapterSpec, SentDigests, tensor_digest, verify_held
+from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, tensor_digest, verify_held
 from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
@@ -230,6 +230,22 @@ class HFRolloutEngine(RolloutEngine):
 
     def adapter_dtype(self) -> torch.dtype | None:
         return None  # peft keeps the adapter's dtype on this engine's copy as on the trainer's
+
+    def held_base(self) -> HeldWeights | None:
+        """The base weights this engine's copy holds (under peft: each adapted layer's base layer, and the original of
+        a module trained whole), by Hugging Face name; None without `verify_weights`."""
+        if not self.verify_weights:
+            return None
+        with self._lock:
+            base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
+            tensors = {}
+            for name, tensor in base.state_dict(keep_vars=True).items():
+                parts = name.split(".")
+                if any(part.startswith("lora_") or part == "modules_to_save" for part in parts):
+                    continue  # the adapter's own tensors, sent with it
+                tensors[".".join(part for part in parts if part not in ("base_layer", "original_module"))] = tensor
+            ties = base.get_expanded_tied_weights_keys(all_submodels=True)
+            return HeldWeights(_digests(tensors), {name: t.dtype for name, t in tensors.items()}, dict(ties))
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Load the adapter's tensors into this engine's copy of the base, adapted by peft (on the first push) as the

@@ -36,7 +36,7 @@ from lightning_rl.rollout.base import (
     support_too_wide, suppressing_bias,
 )
 from lightning_rl.errors import RecipeError
-from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
+from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, verify_held
 from lightning_rl.rollout.checkpoint_layout import CheckpointLayout
 from lightning_rl.rollout.vllm_held import (
     held_adapter, held_aliases, held_digests, lora_dtype, lora_refusal, lora_targets, prepack_on_reload, ties_of, write_groups,
@@ -371,6 +371,19 @@ class VLLMEngine(RolloutEngine):
 
     def adapter_dtype(self) -> torch.dtype | None:
         return self._lora_dtype
+
+    def held_base(self) -> HeldWeights | None:
+        """The base weights the worker holds (an adapted layer's base layer), by Hugging Face name; None without
+        `verify_weights`."""
+        if not self.verify_weights:
+            return None
+        self._push_wanted.set()  # read between two steps of the generation, as a push is
+        with self._turn:
+            self._push_wanted.clear()
+            self._turn.notify_all()
+            held = self._held()
+        return HeldWeights({n: digest for n, (_, digest) in held.items()}, {n: getattr(torch, dtype) for n, (dtype, _) in held.items()},
+                           ties_of(self._layout))
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Write the adapter as a peft folder and load it in place under one name (vLLM loads adapters from folders);

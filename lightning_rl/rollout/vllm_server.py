@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import torch
 
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.models.weights import AdapterSpec, SentDigests, verify_held
+from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
@@ -519,6 +519,16 @@ class VLLMServerEngine(RolloutEngine):
     def adapter_dtype(self) -> torch.dtype | None:
         held = self._model_info()["lora_dtype"]
         return getattr(torch, held) if held else None
+
+    def held_base(self) -> HeldWeights | None:
+        """The base weights the server's worker holds (an adapted layer's base layer), by Hugging Face name; None
+        without `verify_weights`."""
+        if not self.verify_weights:
+            return None
+        with self._lock:
+            held = self._healing(self._held)
+        return HeldWeights({n: digest for n, (_, digest) in held["tensors"].items()},
+                           {n: getattr(torch, dtype) for n, (dtype, _) in held["tensors"].items()}, dict(held["ties"]))
 
     def push_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec, version: int) -> float:
         """Send the adapter alone as `version`: staged on the server while it keeps generating (its worker receives

@@ -60,7 +60,13 @@ def test_a_delta_without_the_fused_parts_is_caught(engine, tiny_model_dir):
 def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, tiny_model_dir):
     policy = lora_trainer(tiny_model_dir, seed=5)
     base = load_trainer_model(tiny_model_dir)
-    PolicySync("full").sync(base, engine, 5)  # the base again, after the delta tests
+    # Weights another run pushed (a server given by url): an adapter sent alone would apply to them. Refused.
+    pushed = load_trainer_model(tiny_model_dir)
+    nudge_(pushed, seed=4, only="model.norm")
+    PolicySync("full").sync(pushed, engine, 5)
+    with pytest.raises(WeightMismatchError, match="onto the base weights the engine holds, and those are not the trainer's: the engine's 'model.norm.weight'"):
+        PolicySync("adapter").sync(policy, engine, 5)
+    PolicySync("full").sync(base, engine, 5)  # the base again
     assert resolve_weight_sync("auto", policy, engine, lora=True) == "adapter"
     sync = PolicySync("adapter")
     for version in (6, 7):
