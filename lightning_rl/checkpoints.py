@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,14 @@ def checkpoint_step(path: Path) -> int:
         raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
     if not isinstance(checkpoint, dict) or "global_step" not in checkpoint:
         raise IncompleteCheckpointError("not a Lightning checkpoint (no global_step)")
+    if start == b"PK":  # the tensors are mapped, not read: damage inside one shows in its record's checksum
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as error:
+            raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
+        if damaged is not None:
+            raise IncompleteCheckpointError(f"damaged: its record {damaged} fails its checksum")
     return int(checkpoint["global_step"])
 
 

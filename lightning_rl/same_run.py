@@ -53,7 +53,8 @@ def changed(saved: str, here: str) -> list[tuple[str, Any, Any]]:
 def _same(key: str, before: Any, now: Any) -> bool:
     """Whether two values of ``key`` mean the same: equal once typed (the command line gives ``devices`` as the
     string "1", a recipe as the number), the same precision by another of its names, or the same file by another path
-    (relative or absolute, from another working directory: a path that no longer exists was moved to the new one)."""
+    (relative or absolute, from another working directory: a path that no longer exists was moved to the new one; not
+    a Hub id or the embedded model's name, which a local folder does not replace)."""
     if _typed(before) == _typed(now):
         return True
     if key == "trainer.precision":
@@ -62,8 +63,16 @@ def _same(key: str, before: Any, now: Any) -> bool:
         except RecipeError:
             return False
     if isinstance(before, str) and isinstance(now, str) and os.path.exists(now):
-        return not os.path.exists(before) or os.path.samefile(before, now)
+        if os.path.exists(before):
+            return os.path.samefile(before, now)
+        # Moved; but a model named as on the Hub, or the embedded one, is another model than a local folder (a data
+        # file's rows are compared apart: `data.sft.rows_digest`).
+        return key.startswith("data.") or not _HUB_NAME.fullmatch(before)
     return False
+
+
+# A name that is no path: a Hub id (``Qwen/Qwen3-0.6B``) or the embedded model's (``tiny``).
+_HUB_NAME = re.compile(r"[\w-]+(?:/[\w.-]+)?")
 
 
 def _typed(value: Any) -> Any:

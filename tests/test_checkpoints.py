@@ -75,6 +75,19 @@ def test_a_truncated_single_file_is_incomplete(tmp_path):
         checkpoint_step(path)
 
 
+def test_a_single_file_damaged_inside_a_tensor_is_incomplete(tmp_path):
+    """The tensors are mapped, not read, when the step is found: damage inside one (its zip record intact) was taken
+    for a complete checkpoint, and the restore then failed deep in torch's reader. Each record's checksum tells."""
+    path = tmp_path / "step=3.ckpt"
+    StagedCheckpointIO().save_checkpoint({"global_step": 3, "state_dict": {"w": torch.arange(4096.0)}}, path)
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(torch.arange(4096.0).numpy().tobytes()[:64])  # the tensor's bytes in the archive
+    data[at + 100 : at + 200] = b"x" * 100
+    path.write_bytes(bytes(data))
+    with pytest.raises(IncompleteCheckpointError, match=r"damaged: its record .*data/0 fails its checksum"):
+        checkpoint_step(path)
+
+
 def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     single(checkpoints / "step=3.ckpt", 3)

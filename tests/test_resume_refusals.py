@@ -403,6 +403,12 @@ def test_a_resume_is_not_refused_for_the_same_value_written_another_way(tmp_path
     assert changed(saved, same) == []
     other = yaml.safe_dump({"seed": 3, "data": {"train_data": "other.jsonl"}, "trainer": {"devices": 2, "precision": "bf16-mixed"}})
     assert sorted(key for key, _, _ in changed(saved, other)) == ["data.train_data", "seed", "trainer.devices", "trainer.precision"]
+    # A model named as on the Hub, or the embedded one, is not "moved" to a local folder: another base, which the
+    # exported adapter and the model card would name (the resume trained on the checkpoint's weights).
+    for name in ("tiny", "Qwen/Qwen3-0.6B"):
+        here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "moved-model")}})
+        assert changed(yaml.safe_dump({"model": {"model_name_or_path": name}}), here) == [
+            ("model.model_name_or_path", name, str(tmp_path / "moved-model"))]
 
 
 def test_a_changed_key_that_adds_the_reference_model_is_named_not_called_another_modules_weights(tmp_path, capsys):
