@@ -30,6 +30,19 @@ def test_the_output_head_and_a_container_module_are_refused_naming_the_key_and_t
         load_causal_lm("tiny", lora=LoraSettings(r=2, target_modules=["mlp"]))
 
 
+def test_dropout_on_a_mixture_of_experts_expert_weights_is_refused_naming_lora_dropout():
+    """peft adapts fused expert weights (parameters, not layers) only without dropout: its refusal was blamed on
+    lora.target_modules, with "all-linear" (what was given) as the fix and linear layers read off the half-adapted
+    model ("base_layer, default")."""
+    from lightning_rl.models.loading import with_adapters
+    from peft import LoraConfig
+
+    with pytest.raises(RecipeError, match=r"^lora.dropout: peft cannot adapt Qwen3MoeForCausalLM as asked with dropout 0.1: .*lora_dropout.*"
+                                          r"\(set lora.dropout: 0, or name in lora.target_modules only linear layers: k_proj, .*q_proj, v_proj\)$") as refused:
+        with_adapters(tiny_moe.build("qwen3_moe"), LoraConfig(r=2, lora_dropout=0.1, target_modules="all-linear"))
+    assert refused.value.key == "lora.dropout" and "base_layer" not in str(refused.value)
+
+
 def test_a_16_bit_merged_export_rounds_each_weight_once(tiny_path, tmp_path, tiny_tokenizer):
     """peft adds the adapter's product, rounded to bfloat16, to a bfloat16 weight and rounds the sum again; the export
     merges in float32 and rounds once, to the weight the exact merge rounds to."""

@@ -338,9 +338,15 @@ def test_a_tools_column_reaches_the_chat_template_as_in_trl(tiny_tokenizer, tmp_
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     messages = [{"role": "user", "content": "Weather in Paris?"}, call, {"role": "tool", "content": "sunny"},
                 {"role": "assistant", "content": "Sunny."}]  # fmt: skip
+    calls_as_string = [messages[0], {**call, "tool_calls": json.dumps(call["tool_calls"])}, *messages[2:]]
     rows = [{"messages": messages, "tools": WEATHER}, {"messages": messages, "tools": json.dumps(WEATHER)}, {"messages": messages},
-            {"prompt": messages[:1], "completion": messages[1:], "tools": WEATHER}]  # fmt: skip
-    (with_tools, as_string, without, split), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+            {"prompt": messages[:1], "completion": messages[1:], "tools": WEATHER}, {"messages": calls_as_string, "tools": WEATHER}]  # fmt: skip
+    (with_tools, as_string, without, split, calls_read), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert calls_read == with_tools  # tool calls stored as a JSON string are read as such, as `tools` are
+    for bad, why in (("{not json", "is a string but not JSON"), ({"name": "f"}, "must be a list of calls")):
+        row = {"messages": [messages[0], {**call, "tool_calls": bad}, *messages[2:]]}
+        with pytest.raises(DataError, match=rf"line 1: `messages\[1\]`: `tool_calls` {why}"):
+            load_examples(write_jsonl(tmp_path / "b.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)
     text = tiny_tokenizer.decode(with_tools.input_ids)
     assert "get_weather" in text.split("Weather in Paris?")[0] and "The weather in a city" in text
     assert "The weather in a city" not in tiny_tokenizer.decode(without.input_ids)
@@ -616,6 +622,9 @@ def test_a_dataset_of_splits_is_refused_naming_the_split_to_give(tmp_path):
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD])})
     with pytest.raises(DataError, match=re.escape("train_data: a DatasetDict of splits (train), not one split: give one of them, e.g. dataset['train']")):
         SFTDataModule(splits)
+    frame = datasets.Dataset.from_list([GOOD]).to_pandas()  # iterated, a DataFrame gives its column names, not rows
+    with pytest.raises(DataError, match=re.escape("train_data: a pandas DataFrame: give datasets.Dataset.from_pandas(frame), or frame.to_dict('records')")):
+        SFTDataModule(frame)
     splits.save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=re.escape(f"a dataset of splits (train), not one split; give one split's folder ({tmp_path / 'saved' / 'train'})")):
         SFTDataModule(str(tmp_path / "saved"))

@@ -169,6 +169,8 @@ def check_source(key: str, source: DataSource) -> None:
     if source is None:
         return
     if not isinstance(source, (str, os.PathLike)):
+        if type(source).__name__ == "DataFrame":  # iterated, it gives its column names
+            raise DataError(f"{key}: a pandas DataFrame: give datasets.Dataset.from_pandas(frame), or frame.to_dict('records')", key)
         if type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):
             raise DataError(f"{key}: a {type(source).__name__} of splits ({', '.join(source)}), not one split: give one of them, "
                             f"e.g. dataset[{next(iter(source), 'train')!r}]", key)
@@ -378,6 +380,15 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
         if role not in ROLES:
             sharegpt = {"human": "user", "gpt": "assistant"}.get(role)  # the chat template knows no other names
             raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})" + (f"; ShareGPT's {role!r} is {sharegpt!r}" if sharegpt else ""))
+        calls = message.get("tool_calls")
+        if isinstance(calls, str):  # a JSON string of them, as some datasets store them (`tools` too)
+            try:
+                calls = json.loads(calls)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: `tool_calls` is a string but not JSON ({e.msg})") from None
+            messages[k] = message = {**message, "tool_calls": calls}
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls)):
+            raise ValueError(f"{where}: `tool_calls` must be a list of calls (objects)")
         content = message.get("content")
         if role == "assistant" and message.get("tool_calls") and content in (None, ""):
             continue

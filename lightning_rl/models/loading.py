@@ -143,14 +143,18 @@ def load_causal_lm(
 def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """peft's model with LoRA adapters on ``model``; a module peft refuses to adapt (a Mamba mixer's ``out_proj``) is
     one line naming ``lora.target_modules``."""
-    name = type(model).__name__
+    name, leaves = type(model).__name__, _linear_leaves(model)  # before peft, which rewrites the model in place as it fails
     try:
         return get_peft_model(model, config)
     except ValueError as error:
         # peft names a module it cannot adapt by its repr, over many lines: its class name says it
         said = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported", " ".join(str(error).split()))
-        raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {said.split('. Currently')[0]} (name the "
-                          f"modules to adapt: its linear layers {', '.join(_linear_leaves(model))}; or all-linear)", "lora.target_modules") from None
+        said = said.split(". Currently")[0].rstrip(".")
+        if "dropout" in said:  # peft adapts a mixture of experts' expert weights (parameters, not layers) without dropout
+            raise RecipeError(f"lora.dropout: peft cannot adapt {name} as asked with dropout {config.lora_dropout}: {said} (set "
+                              f"lora.dropout: 0, or name in lora.target_modules only linear layers: {', '.join(leaves)})", "lora.dropout") from None
+        raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {said} (name the "
+                          f"modules to adapt: its linear layers {', '.join(leaves)}; or all-linear)", "lora.target_modules") from None
 
 
 def _linear_leaves(model: torch.nn.Module) -> list[str]:
