@@ -191,6 +191,19 @@ def test_an_interrupt_cuts_the_samples_in_flight_and_each_continues_from_where_i
     assert isinstance(raised, GenerationInterrupted)
     assert all(r.completion_ids == [] and r.finish_reason == INTERRUPTED for r in raised.partial.rollouts)
 
+    # Under a stop signal the cut stands: a call that starts after it (another group of a continuation, a later round
+    # or turn of the cut batch) samples nothing, so that the save does not wait for it; withdrawn, sampling goes on.
+    from lightning_rl import stopping
+
+    stopping.signal_came()
+    try:
+        engine.interrupt()
+        again = _raised(lambda: engine.generate(prompts, 2, sampling))
+        assert isinstance(again, GenerationInterrupted) and all(r.completion_ids == [] for r in again.partial.rollouts)
+    finally:
+        stopping.signal_came(False)
+    assert [r.completion_ids for r in engine.generate(prompts, 2, sampling).rollouts] == [w.completion_ids for w in whole]
+
 
 def _raised(call):
     try:

@@ -79,7 +79,8 @@ def test_an_adapter_sync_onto_an_engine_holding_other_base_weights_is_refused() 
     policy). An engine that does not verify what it holds (``verify_weights: false``) is not asked."""
     policy = lora_policy()
     train_step(policy, seed=1, only="lora_")
-    with pytest.raises(WeightMismatchError, match=r"adapter alone, onto the base weights the engine holds, and those are not the trainer's: the engine's 'model\."):
+    with pytest.raises(WeightMismatchError, match=r"^weight_sync: adapter: the LoRA adapter would be sent alone, onto the base the engine holds, "
+                                                  r"and the base weights the engine holds are not the trainer's: the engine's 'model\..*start the engine"):
         PolicySync("adapter").sync(policy, HFRolloutEngine(base(seed=1)), 1)
     merged_before = HFRolloutEngine(base())
     PolicySync("merged").sync(policy, merged_before, 1)
@@ -95,8 +96,12 @@ def test_an_adapter_sync_onto_an_engine_holding_other_base_weights_is_refused() 
     PolicySync("adapter").sync(policy, HFRolloutEngine(base(seed=1), verify_weights=False), 1)
     # A trainer that holds the base in bfloat16 (precision: bf16-true) trains its adapter on other weights than the
     # float32 ones a float32 engine loaded: said as such.
-    with pytest.raises(WeightMismatchError, match=r"the trainer holds the base in torch.bfloat16 and the engine in torch.float32"):
+    with pytest.raises(WeightMismatchError, match=r"\(the trainer holds the base in torch.bfloat16, the engine in torch.float32\); load the engine in"):
         PolicySync("adapter").sync(lora_policy().to(torch.bfloat16), HFRolloutEngine(base()), 1)
+    # Under auto, such an engine is synced merged instead: the run goes on, on the trainer's weights.
+    auto, stale = PolicySync("adapter", "auto"), HFRolloutEngine(base(seed=1))
+    assert auto.sync(policy, stale, 1).mode == "merged" and auto.mode == "merged"
+    assert (logprobs(stale.model) - logprobs(policy)).abs().max() < 1e-5
 
 
 def test_an_adapter_with_modules_to_save_reaches_the_transformers_engine() -> None:

@@ -5,7 +5,8 @@
 - ``adapter``: the LoRA adapter alone, as a new adapter version; the engine keeps serving the base weights it loaded
   (the trainer never changes them) and applies the adapter to every generation after the sync. The first sync
   proves those base weights the trainer's, digest against digest, where the engine verifies what it holds (a
-  server given by ``url`` may hold another checkpoint's, or weights another run pushed).
+  server given by ``url`` may hold another checkpoint's, or weights another run pushed; a float32 engine holds
+  other values than a bfloat16 trainer); where they differ, ``auto`` syncs merged instead, ``adapter`` stops.
 - ``delta``: only the tensors that changed since the version the engine holds, written in place. A tensor is skipped
   only when it equals, bit for bit, the copy of it last sent, kept in host memory (one more copy of the model: why
   it is asked for, not the default). A full sync is sent instead on the first sync (and so after a resume), when the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, get_args
@@ -139,8 +141,8 @@ class PolicySync:
     """Syncs the policy to one engine in a run's mode (`resolve_weight_sync`); call `sync` (or `stage`) on every rank
     (the engine is None on ranks that only help gather)."""
 
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
+    def __init__(self, mode: str, requested: str | None = None) -> None:
+        self.mode, self.requested = mode, requested or mode  # the mode `resolve_weight_sync` chose for the one asked
         self.delta = DeltaTracker() if mode == "delta" else None
         self.base_checked = mode != "adapter"  # the engine's base weights proven the trainer's (`check_base`)
 
@@ -165,34 +167,43 @@ class PolicySync:
     def check_base(self, policy: nn.Module, engine: WeightReceiver | None) -> None:
         """Once, before the first adapter sync (on every rank: the base is gathered like a merged sync's weights):
         the base weights the engine holds must be the trainer's, or the adapter sent alone would be applied to
-        weights the trainer never trained it on. Not for the modules the adapter trains whole (sent with it)."""
+        weights the trainer never trained it on. Not for the modules the adapter trains whole (sent with it). Where
+        they differ, ``auto`` syncs merged from then on (every rank), and ``adapter`` stops in one line."""
         if self.base_checked:
             return
+        self.base_checked = True
         held = getattr(engine, "held_base", lambda: None)()
-        if held is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            self.base_checked = True  # nothing to compare with, and no other rank gathering
-            return
+        several = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if held is None and not several:
+            return  # nothing to compare with, and no other rank gathering
         whole = adapter_spec(policy).modules_to_save
         apart = lambda name: any(name.startswith(f"{module}.") for module in whole)  # noqa: E731
         sent = SentDigests(((n, t) for n, t in iter_full_weights(policy, merge_lora=False) if not apart(n)),
                            lambda name: None if held is None else held.dtypes.get(name))
         trained_in = {name: tensor.dtype for name, tensor in sent}  # every rank gathers; only the engine's compares
-        if held is not None:
-            kept = {name: digest for name, digest in held.digests.items() if not apart(held.ties.get(name, name))}
-            problems = held_problems(sent, kept, held.ties)
+        problems = [] if held is None else held_problems(
+            sent, {name: digest for name, digest in held.digests.items() if not apart(held.ties.get(name, name))}, held.ties)
+        if not (_on_any_rank(bool(problems)) if several else problems):
+            return
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            cast = sorted({(str(trained_in[n]), str(held.dtypes[n])) for n in trained_in.keys() & held.dtypes.keys()
+                           if trained_in[n] != held.dtypes[n] and trained_in[n].itemsize < held.dtypes[n].itemsize})
+            why = f"the base weights the engine holds are not the trainer's: {problems[0]}{more}" + (
+                f" (the trainer holds the base in {cast[0][0]}, the engine in {cast[0][1]})" if cast else "")
+        else:
+            why = "the base weights another rank's engine holds are not the trainer's (that rank says which)"
+        merging = merge_refusal(policy)
+        if self.requested == "auto" and merging is None:
             if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                cast = sorted({(str(trained_in[n]), str(held.dtypes[n])) for n in trained_in.keys() & held.dtypes.keys()
-                               if trained_in[n] != held.dtypes[n] and trained_in[n].itemsize < held.dtypes[n].itemsize})
-                fix = (f"the trainer holds the base in {cast[0][0]} and the engine in {cast[0][1]}: load the engine in the "
-                       "trainer's dtype (model.engine.init_args.dtype), or sync merged") if cast else (
-                       "start the engine from model.model_name_or_path (a server given by url may serve another checkpoint, "
-                       "or weights another run pushed), or sync merged")
-                raise WeightMismatchError(
-                    f"weight_sync: adapter sends the LoRA adapter alone, onto the base weights the engine holds, and "
-                    f"those are not the trainer's: {problems[0]}{more}; {fix}"
-                )
-        self.base_checked = True
+                print(f"note: weight_sync: auto syncs merged, not the adapter alone: {why}", file=sys.stderr, flush=True)
+            self.mode = "merged"
+            return
+        fix = ("load the engine in the trainer's dtype (model.engine.init_args.dtype)" if problems and cast else
+               "start the engine from model.model_name_or_path (a server given by url may serve another checkpoint, or "
+               "weights another run pushed)") + (", or sync merged" if merging is None else "")
+        raise WeightMismatchError(f"weight_sync: {self.requested}: the LoRA adapter would be sent alone, onto the base the engine "
+                                  f"holds, and {why}; {fix}")
 
     def _weights(self, policy: nn.Module, engine: WeightReceiver | None) -> Iterator[tuple[str, Tensor]]:
         if self.mode == "adapter":
@@ -226,6 +237,14 @@ class PolicySync:
         report = push_stream(full, lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
         tracker.version = version
         return report
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """``flag`` or'ed over the ranks of the default process group."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    total = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+    return bool(total.item())
 
 
 def check_push_in_background(setting: str, async_mode: bool, max_staleness: int) -> None:

@@ -323,7 +323,7 @@ class GRPOModule(PolicyModule):
             spec = dataclasses.replace(spec, init_args={**spec.init_args, "device": str(self.device)})
         options = engine_options_for(spec.engine_class, spec.init_args, self.hparams.weight_sync, self.lora and self.lora.r, moe=is_moe(self.policy))
         self.engine = dataclasses.replace(spec, init_args=options).build(resolve_model_path(self.hparams.model_name_or_path), self.hparams.seed)
-        self.weight_sync = PolicySync(resolve_weight_sync(self.hparams.weight_sync, self.policy, self.engine, self.lora is not None))
+        self.weight_sync = PolicySync(resolve_weight_sync(self.hparams.weight_sync, self.policy, self.engine, self.lora is not None), self.hparams.weight_sync)
         self.route_layers = replay_routes(self.hparams.router_replay, self.policy, self.engine)
         self.scorer.to(self.device)  # reward models score on the trainer's device
         renderer = PromptRenderer(self.tokenizer, self.processor, self.image_token_id, self.hparams.system_prompt, self.rollout.tool_specs, self.hparams.model_name_or_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -70,6 +71,7 @@ class HFRolloutEngine(RolloutEngine):
         self.verify_weights = verify_weights
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
         self._interrupts = 0  # `interrupt` calls so far: a `generate` that began before the last one is cut
+        self._interrupting = threading.Lock()
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
@@ -87,7 +89,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         check_request(prompts, n, images)
-        interrupts = self._interrupts
+        interrupts = self._interrupts - self.cut_standing()  # a call that starts while a cut stands is cut at once
         repeated = [list(own.inputs if own else ()) for own in images for _ in range(n)] if images is not None else None
         with self._lock:
             version = self._version
@@ -123,7 +125,9 @@ class HFRolloutEngine(RolloutEngine):
     def interrupt(self) -> bool:
         """Cut every `generate` call running (after the token each row is sampling now) or waiting for the engine: it
         raises `GenerationInterrupted` with its samples as far as they got."""
-        self._interrupts += 1  # one writer at a time: the stopping run's save
+        with self._interrupting:  # the stopping run's save, and a push waiting for the engine
+            self._interrupts += 1
+            self._cut_under_signal = signalled()
         return True
 
     def _sample_rows(
@@ -236,7 +240,7 @@ class HFRolloutEngine(RolloutEngine):
         a module trained whole), by Hugging Face name; None without `verify_weights`."""
         if not self.verify_weights:
             return None
-        with self._lock:
+        with self._held_for_push():
             base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
             tensors = {}
             for name, tensor in base.state_dict(keep_vars=True).items():
@@ -252,7 +256,7 @@ class HFRolloutEngine(RolloutEngine):
         trainer's is; with `verify_weights`, prove every adapter tensor the engine holds is the one sent."""
         from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-        with self._lock:
+        with self._held_for_push():
             if not hasattr(self.model, "peft_config"):
                 self.model = get_peft_model(self.model, LoraConfig(**adapter.config)).eval()
             dtypes = {name: tensor.dtype for name, tensor in get_peft_model_state_dict(self.model).items()}

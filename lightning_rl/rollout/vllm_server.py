@@ -371,7 +371,7 @@ class VLLMServerEngine(RolloutEngine):
         with self._lock:
             seed = self._seeds.next(sampling)
             started = self._version  # the version of tokens no span labels: sampled before the server's first label
-            interrupts = self._interrupts
+            interrupts = self._interrupts - self.cut_standing()  # a call that starts while a cut stands is cut at once
         vocab_size = self._vocab_size() if sampling.filtered else 0  # bounds the top log-probs a support asks for
         # vLLM seeds sample k of a request with seed + k: spacing prompts n apart keeps all samples distinct.
         bodies = [
@@ -406,6 +406,7 @@ class VLLMServerEngine(RolloutEngine):
         engine failure, and leave those samples out); a stop signal reaches every rank of this run at once."""
         with self._lock:
             self._interrupts += 1
+            self._cut_under_signal = signalled()
         try:
             self._post("pause?mode=abort")
             self._post("resume")
