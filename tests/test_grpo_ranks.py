@@ -105,6 +105,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         assert ranks[0]["logged"]["train/reward_metric/shared_a"] == pytest.approx(150.0)
         assert ranks[0]["logged"]["train/reward_metric/shared_b"] == pytest.approx(1.5)
         assert ranks[0]["logged"]["train/reward_metric/rank0_only"] == pytest.approx(7.0)
+        assert ranks[0]["logged"]["train/reward_metric/parse_errors"] == pytest.approx(2.0)  # a mean, whatever its name
     # Per-token and per-rollout figures are the sums over both ranks divided once (each rank's mean averaged weighed a
     # rank of fewer tokens as much as one of more), as one process logs them.
     lengths = [sum(r.completion_mask) for r in scored_rollouts]

@@ -100,6 +100,7 @@ def test_a_reward_that_breaks_its_contract_stops_the_run_in_one_line(on_error):
         "short": ([1.0], "returned 1 scores for 2 completions"),
         "long": ([1.0, 2.0, 3.0], "returned 3 scores for 2 completions"),
         "scalar": (1.0, "returned a float, not a list of one score per completion"),
+        "scalar_tensor": (torch.tensor(1.0), r"returned a 0-d Tensor \(one number\), not a list of one score per completion"),
         "text": ("10", "returned a str, not a list"),
         "strings": (["1.0", 2.0], r"returned '1.0' \(str\) for completion 0, not a number or None"),
     }
@@ -113,6 +114,22 @@ def test_a_reward_that_breaks_its_contract_stops_the_run_in_one_line(on_error):
     assert scorer.score(["a", "b"], ["x", "y"], {}).total.tolist() == [1.5, 1.0]  # numbers of any kind pass
     scorer = RewardScorer([RewardSpec(lambda completions, **_: [torch.tensor(0.5), None, numpy.bool_(True)], name="mixed")])
     assert scorer.score(["a", "b", "c"], ["x", "y", "z"], {}).per_function["mixed"].tolist()[::2] == [0.5, 1.0]
+
+
+def test_a_failed_call_is_retried_a_prompt_at_a_time_so_a_reward_comparing_completions_keeps_its_scores(caplog):
+    """A reward that compares a prompt's completions (1 for the shortest) and fails on one prompt: the retry sample by
+    sample scored each other completion alone, the shortest of its one-sample batch, so every one got 1 silently.
+    Retried a prompt's completions at a time, the other prompt keeps its scores; the failing one, each alone, said."""
+    def shortest(prompts, completions, **_):
+        if "bad" in prompts:
+            raise ValueError("cannot score this prompt")
+        return [float(len(c) == min(len(d) for q, d in zip(prompts, completions) if q == p)) for p, c in zip(prompts, completions)]
+
+    scorer = RewardScorer([RewardSpec(shortest, name="shortest")])
+    scores = scorer.score(["ok"] * 3 + ["bad"] * 2, ["a", "bb", "ccc", "d", "ee"], {}, step=1)
+    assert scores.per_function["shortest"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [(e.sample, e.kind) for e in scores.errors] == [(3, "raised"), (4, "raised")]
+    assert "failed on the completions of prompt 'bad' together: each is scored alone" in caplog.text
 
 
 def test_bad_reward_specs_are_refused_by_name():

@@ -196,14 +196,18 @@ def log_step(module: LightningModule, metrics: dict[str, Any], scored: ScoredBat
     """Log a step's ``train/`` figures as the step's, over every rank (each rank's alone was rank 0's in the logs),
     and return the step's mean reward over every rank's scored samples (summary.json's reward history)."""
     rewards = torch.tensor(scored.rewards)
+    over_ranks: dict[str, float] = {}  # figures already over every rank's samples: the same on every rank
     if module.trainer.world_size > 1:
         # The log_metric names every rank logs, in one order (Lightning reduces a rank's figures in its own order).
         pooled = {key: value for key, value in metrics.items() if isinstance(value, Pooled)}
-        metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | _over_ranks(module, _samples(scored), pooled)
+        over_ranks = _over_ranks(module, _samples(scored), pooled)
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("reward_metric/")} | over_ranks
     metrics |= _extremes(module, metrics)
     by_reduction: dict[str, dict[str, Any]] = {}
     for key, value in sorted(metrics.items()):  # one order on every rank: Lightning reduces each name as it is logged
-        by_reduction.setdefault(_reduction(key), {})[f"train/{key}"] = value
+        # A log_metric name that reads like one of the library's counts ("parse_errors") is the user's mean.
+        fx = "mean" if key in over_ranks or key.startswith("reward_metric/") else _reduction(key)
+        by_reduction.setdefault(fx, {})[f"train/{key}"] = value
     for fx, figures in sorted(by_reduction.items()):
         module.log_dict(figures, on_step=True, prog_bar=False, batch_size=1, sync_dist=True, reduce_fx=fx)
     scored = ~rewards.isnan()

@@ -89,13 +89,25 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.completions)
 
-    def sample(self, i: int) -> RewardBatch:
-        """The batch of completion ``i`` alone."""
+    def part(self, samples: list[int]) -> RewardBatch:
+        """The batch of these completions alone, in this order."""
         chat = self.chat_prompts is not None
         return RewardBatch(
-            [self.prompts[i]], [self.completions[i]], {key: [column[i]] for key, column in self.columns.items()},
-            [self.chat_prompts[i]] if chat else None, [self.chat_completions[i]] if chat else None,  # type: ignore[index]
+            [self.prompts[i] for i in samples], [self.completions[i] for i in samples],
+            {key: [column[i] for i in samples] for key, column in self.columns.items()},
+            [self.chat_prompts[i] for i in samples] if chat else None,  # type: ignore[index]
+            [self.chat_completions[i] for i in samples] if chat else None,  # type: ignore[index]
         )
+
+    def groups(self) -> list[list[int]]:
+        """The completions of each prompt: runs of consecutive completions of one prompt, as a step scores them."""
+        runs: list[list[int]] = []
+        for i, prompt in enumerate(self.prompts):
+            if runs and self.prompts[runs[-1][0]] == prompt and (self.chat_prompts is None or self.chat_prompts[runs[-1][0]] == self.chat_prompts[i]):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
 
     def arguments(self, text: bool) -> dict[str, Any]:
         """``prompts``, ``completions`` (as text when ``text``, else in TRL's shape) and the columns."""

@@ -282,8 +282,9 @@ class RewardContractError(UserError, ValueError):
 
 def _scores_of(result: Any, n: int, what: str) -> list[Any]:
     """``result`` as a list of ``n`` scores (numbers, bools, or None); a `RewardContractError` otherwise."""
-    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
-        raise RewardContractError(f"{what} returned a {type(result).__name__}, not a list of one score per completion")
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable) or getattr(result, "ndim", None) == 0:
+        shown = f"a 0-d {type(result).__name__} (one number)" if getattr(result, "ndim", None) == 0 else f"a {type(result).__name__}"
+        raise RewardContractError(f"{what} returned {shown}, not a list of one score per completion")
     scores = list(result)
     if len(scores) != n:
         raise RewardContractError(f"{what} returned {len(scores)} scores for {n} completions (one per completion, None where it does not apply)")
@@ -551,16 +552,34 @@ class RewardScorer:
             if self.on_error == "raise":
                 raise _raised(reward.name, f"raised {type(error).__name__}: {error}{_where_raised(error)}") from error
             values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
-            for i in range(n):
+            groups = batch.groups()
+            # Called again a prompt's completions at a time (a reward may compare them with each other: alone, each
+            # would score otherwise), then, in a group that fails again, each completion alone.
+            alone = groups if len(groups) == 1 else []
+            for group in groups if len(groups) > 1 else []:
                 try:
-                    one, one_applies = await reward(batch.sample(i), shared([i]), self.timeout_s, one_at_a_time)
-                    values[i], applies[i] = one[0], one_applies[0]
+                    values[group], applies[group] = await reward(batch.part(group), shared(group), self.timeout_s, one_at_a_time)
                 except (StepAbandoned, RewardContractError):
                     raise
-                except RewardTimeout as error:
-                    self._failed(errors, reward.name, i, batch, str(error), "timeout")
-                except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0
-                    self._failed(errors, reward.name, i, batch, f"{type(error).__name__}: {error}", "raised")
+                except RewardTimeout as error:  # a retry per sample could cost the limit once per sample
+                    for i in group:
+                        self._failed(errors, reward.name, i, batch, str(error), "timeout")
+                except (Exception, SystemExit):
+                    alone.append(group)
+            for group in alone:
+                if len(group) > 1:
+                    log.warning("reward %r failed on the completions of prompt %r together: each is scored alone, which "
+                                "changes the scores of a reward that compares them with each other", reward.name, batch.prompts[group[0]][:200])
+                for i in group:
+                    try:
+                        one, one_applies = await reward(batch.part([i]), shared([i]), self.timeout_s, one_at_a_time)
+                        values[i], applies[i] = one[0], one_applies[0]
+                    except (StepAbandoned, RewardContractError):
+                        raise
+                    except RewardTimeout as error:
+                        self._failed(errors, reward.name, i, batch, str(error), "timeout")
+                    except (Exception, SystemExit) as error:  # a broken reward must not end the run: the sample scores 0
+                        self._failed(errors, reward.name, i, batch, f"{type(error).__name__}: {error}", "raised")
         for i in torch.nonzero(~torch.isfinite(values) & applies).flatten().tolist():  # never into the advantages
             message = f"returned {float(values[i])}"
             if self.on_error == "raise":

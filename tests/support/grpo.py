@@ -27,7 +27,7 @@ def digit_count(completions: list[str], **_: Any) -> list[float]:
 
 def length_or_none(completions: list[str], log_metric: Any, **_: Any) -> list[float | None]:
     """The length, None for completions of an odd length (ranks then score different numbers of samples); logs a
-    figure every rank logs, in an order of its own, and one that rank 0 alone logs."""
+    figure every rank logs, in an order of its own, one that rank 0 alone logs, and one named like a count."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -35,6 +35,7 @@ def length_or_none(completions: list[str], log_metric: Any, **_: Any) -> list[fl
         log_metric(name, 100.0 * (rank + 1) if name == "shared_a" else 1.0 * (rank + 1))
     if rank == 0:
         log_metric("rank0_only", 7.0)
+    log_metric("parse_errors", 2.0)  # named as the library's own counts are, which are summed over the ranks
     return [None if len(c) % 2 else float(len(c)) for c in completions]
 
 
