@@ -82,3 +82,20 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(tiny_path, tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"model.model_name_or_path: {folder}: the checkpoint has no tensor '{name}'" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "hf").exists()
+
+
+def test_lora_factors_are_drawn_alike_whatever_the_default_dtype():
+    """A precision plugin sets the default dtype (float64 at 64-true, bfloat16 at bf16-true) around one process's
+    configure_model, where its LoRA factors are drawn, and not around a sharded load: the draws were other numbers
+    there, so an FSDP2 run started from other LoRA factors than one process's, and a 64-true run than a 32-true one's."""
+    from lightning_rl.models.sharded_loading import lora_factor
+
+    name, shape = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", torch.Size([4, 32])
+    drawn = lora_factor(name, shape, seed=0)
+    for dtype in (torch.float64, torch.bfloat16):
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            assert torch.equal(lora_factor(name, shape, seed=0), drawn) and lora_factor(name, shape, 0).dtype == torch.float32
+        finally:
+            torch.set_default_dtype(before)

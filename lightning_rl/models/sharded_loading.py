@@ -93,14 +93,16 @@ def _local_rows(tensor: DTensor) -> tuple[int, int]:
 
 def lora_factor(name: str, shape: torch.Size, seed: int) -> Tensor:
     """peft's default init of a LoRA factor (A: Kaiming-uniform, B: zeros; an embedding's the other way round), drawn from ``seed`` and the factor's
-    name alone: the same tensor on every rank, and in a run on one process (`init_lora_factors`) as in a sharded one."""
+    name alone: the same tensor on every rank, and in a run on one process (`init_lora_factors`) as in a sharded one.
+    Drawn in float32 whatever the default dtype (a precision plugin sets it to float64 or bfloat16 around one process's
+    `configure_model`, not around a sharded load), and cast by the parameter it is copied into."""
     if ".lora_B." in name or ".lora_embedding_A." in name:
-        return torch.zeros(shape)
+        return torch.zeros(shape, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
     if ".lora_embedding_B." in name:  # an embedding's: A zeros, B standard normal
-        return torch.empty(shape).normal_(generator=generator)
+        return torch.empty(shape, dtype=torch.float32).normal_(generator=generator)
     bound = 1.0 / math.sqrt(math.prod(shape[1:]))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
-    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 
 def _is_lora_factor(name: str) -> bool:
