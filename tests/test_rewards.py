@@ -130,6 +130,7 @@ def test_a_failed_call_is_retried_a_prompt_at_a_time_so_a_reward_comparing_compl
     assert scores.per_function["shortest"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert [(e.sample, e.kind) for e in scores.errors] == [(3, "raised"), (4, "raised")]
     assert "failed on the completions of prompt 'bad' together: each is scored alone" in caplog.text
+    assert "step 1: reward 'shortest' failed on sample 3 of 5 (prompt 'bad', completion 'd'): ValueError" in caplog.text
 
 
 def test_bad_reward_specs_are_refused_by_name():
@@ -193,7 +194,7 @@ def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_adv
         ("non_finite", 4, "returned nan", "non_finite"), ("weighted sum", 6, "overflowed to inf", "non_finite"),
     ]
     assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 3, "timeout": 0}
-    assert "reward 'non_finite' failed on sample 0 ('inf'): returned inf" in caplog.text
+    assert "reward 'non_finite' failed on sample 0 of 8 (prompt 'p', completion 'inf'): returned inf" in caplog.text
     advantages = group_advantages(scores.total, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "std")
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
     with pytest.raises(RewardFailedError, match="reward 'non_finite' returned inf for sample 0"):

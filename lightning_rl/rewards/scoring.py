@@ -27,6 +27,7 @@ the step before.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
@@ -410,11 +411,14 @@ class Scores:
         return counts
 
 
+_STEP: contextvars.ContextVar[str] = contextvars.ContextVar("reward_step", default="")  # "step N: ", for warnings
+
+
 class RewardScorer:
     """Calls every reward function on a batch and sums the weighted scores.
 
-    A function that raises on the batch is retried sample by sample so that only the failing samples
-    score 0; a non-finite score (NaN, +-inf) is a failure of that sample. With `on_error="raise"` the
+    A function that raises on the batch is retried a prompt's completions at a time, and where that fails too,
+    sample by sample, so that only the failing samples score 0; a non-finite score (NaN, +-inf) is a failure of that sample. With `on_error="raise"` the
     first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
     sample raises `RewardFailedError` naming it, the step and its first error. A call that runs past
     `timeout_s` (None: no limit) fails every sample it was given, without a retry sample by sample.
@@ -480,6 +484,7 @@ class RewardScorer:
             None if chat_prompts is None else list(chat_prompts), None if chat_completions is None else list(chat_completions),
         )
         where = f"step {step}: " if step is not None else ""
+        said = _STEP.set(where)  # for the warnings of this thread's call alone (batches may be scored side by side)
         try:
             scores = asyncio.run(self._score(batch, trainer_state or TrainerState()))
         except _Abandoned as abandoned:  # out of the loop as an Exception: its tasks' ends are read, nothing is left
@@ -488,6 +493,8 @@ class RewardScorer:
             raise RewardContractError(f"{where}{error}") from None
         except RewardFailedError as error:  # reward_on_error: raise
             raise RewardFailedError(f"{where}{error}", error.reward, step, error.first_error) from error.__cause__
+        finally:
+            _STEP.reset(said)
         if self.all_failed == "stop" and completions:
             for name, counts in scores.failure_counts().items():
                 if sum(counts.values()) == len(completions):
@@ -588,10 +595,10 @@ class RewardScorer:
             values[i] = 0.0
         return values
 
-    @staticmethod
     def _failed(
-        errors: list[RewardError], name: str, i: int, batch: RewardBatch, message: str,
+        self, errors: list[RewardError], name: str, i: int, batch: RewardBatch, message: str,
         kind: Literal["raised", "non_finite", "timeout"],
     ) -> None:
-        log.warning("reward %r failed on sample %d (%r): %s", name, i, batch.completions[i][:200], message)
+        log.warning("%sreward %r failed on sample %d of %d (prompt %r, completion %r): %s", _STEP.get(), name, i, len(batch),
+                    batch.prompts[i][-200:], batch.completions[i][:200], message)
         errors.append(RewardError(name, i, batch.prompts[i], batch.completions[i], message, kind))
