@@ -258,9 +258,10 @@ def saved_value(path: str | os.PathLike, key: str) -> Any:
     return found.get(key) if isinstance(found, dict) else None
 
 
-def checkpoint_step(path: Path) -> int:
+def checkpoint_step(path: Path, intact: bool = False) -> int:
     """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete,
-    ``ForeignFileError`` when the safe readers refuse it (it is never read another way)."""
+    ``ForeignFileError`` when the safe readers refuse it (it is never read another way). ``intact``: every record's
+    checksum read too (`check_records`), for the one a run resumes from."""
     if path.is_dir():
         manifest = path / MANIFEST
         if not manifest.is_file():
@@ -292,15 +293,26 @@ def checkpoint_step(path: Path) -> int:
         raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
     if not isinstance(checkpoint, dict) or "global_step" not in checkpoint:
         raise IncompleteCheckpointError("not a Lightning checkpoint (no global_step)")
-    if start == b"PK":  # the tensors are mapped, not read: damage inside one shows in its record's checksum
-        try:
-            with zipfile.ZipFile(path) as archive:
-                damaged = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as error:
-            raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
-        if damaged is not None:
-            raise IncompleteCheckpointError(f"damaged: its record {damaged} fails its checksum")
+    if intact:
+        check_records(path)
     return int(checkpoint["global_step"])
+
+
+def check_records(path: Path) -> None:
+    """A single-file checkpoint's tensors are mapped, not read, when its step is found: damage inside one (its zip
+    record intact) shows in the record's checksum, read here (every byte: for the checkpoint a run resumes from). An
+    archive written without checksums (``torch.utils.serialization.config.save.compute_crc32 = False``) is not read."""
+    if path.is_dir():
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip() if any(info.CRC for info in archive.infolist()) else None
+    except zipfile.BadZipFile:
+        return  # a pickle of an older torch.save, which `checkpoint_step` read whole
+    except OSError as error:
+        raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
+    if damaged is not None:
+        raise IncompleteCheckpointError(f"damaged: its record {damaged} fails its checksum")
 
 
 def check_weights_fit(checkpoint: dict[str, Any], module: torch.nn.Module, path: Any) -> None:
@@ -378,7 +390,15 @@ def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Pat
                 complete.append((checkpoint_step(path), mtime, path))
             except IncompleteCheckpointError as error:
                 unusable.append((mtime, path, error.what, str(error)))
-    newest = max(complete) if complete else None
+    newest = None
+    for step, mtime, path in sorted(complete, reverse=True):  # the newest whose records are intact
+        try:
+            check_records(path)
+        except IncompleteCheckpointError as error:
+            unusable.append((mtime, path, error.what, str(error)))
+            continue
+        newest = (step, mtime, path)
+        break
     passed_over = [(p, what, reason) for m, p, what, reason in sorted(unusable, reverse=True) if newest is None or m >= newest[1]]
     return (None if newest is None else Checkpoint(newest[2], newest[0])), passed_over
 

@@ -159,7 +159,7 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
         if not path.exists():
             raise RecipeError(f"ckpt_path: no such checkpoint: {path}", "ckpt_path")
         try:
-            step = checkpoint_step(path)
+            step = checkpoint_step(path, intact=True)
         except IncompleteCheckpointError as e:
             hint = "; --ckpt_path=last takes the newest complete one" if type(e) is IncompleteCheckpointError else ""
             if (path / "checkpoints").is_dir():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -65,14 +66,13 @@ def _same(key: str, before: Any, now: Any) -> bool:
     if isinstance(before, str) and isinstance(now, str) and os.path.exists(now):
         if os.path.exists(before):
             return os.path.samefile(before, now)
-        # Moved; but a model named as on the Hub, or the embedded one, is another model than a local folder (a data
-        # file's rows are compared apart: `data.sft.rows_digest`).
-        return key.startswith("data.") or not _HUB_NAME.fullmatch(before)
+        # Moved (a data file's rows are compared apart: `data.sft.rows_digest`), where it was a path: an absolute or
+        # explicitly relative one, or one the new path ends with (the same folder, from another working directory).
+        # A Hub id (``Qwen/Qwen3-0.6B``) or the embedded model (``tiny``) is another model than a local folder.
+        old = Path(before)
+        return (key.startswith("data.") or old.is_absolute() or before.startswith(("./", "../", "~"))
+                or Path(now).resolve().parts[-len(old.parts):] == old.parts)
     return False
-
-
-# A name that is no path: a Hub id (``Qwen/Qwen3-0.6B``) or the embedded model's (``tiny``).
-_HUB_NAME = re.compile(r"[\w-]+(?:/[\w.-]+)?")
 
 
 def _typed(value: Any) -> Any:

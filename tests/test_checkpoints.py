@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -84,8 +85,22 @@ def test_a_single_file_damaged_inside_a_tensor_is_incomplete(tmp_path):
     at = bytes(data).index(torch.arange(4096.0).numpy().tobytes()[:64])  # the tensor's bytes in the archive
     data[at + 100 : at + 200] = b"x" * 100
     path.write_bytes(bytes(data))
+    assert checkpoint_step(path) == 3  # found cheaply, as every checkpoint beside it is
     with pytest.raises(IncompleteCheckpointError, match=r"damaged: its record .*data/0 fails its checksum"):
-        checkpoint_step(path)
+        checkpoint_step(path, intact=True)  # the one a run resumes from is read whole
+    single(tmp_path / "step=2.ckpt", 2)
+    os.utime(path, (time.time() + 10, time.time() + 10))  # the damaged one is the newer
+    found, passed_over = newest_complete(tmp_path)
+    assert found.path.name == "step=2.ckpt" and [(p.name, what) for p, what, _ in passed_over] == [("step=3.ckpt", "incomplete")]
+    # An archive written without checksums (a torch.save setting for speed) has none to fail.
+    from torch.utils.serialization import config
+
+    config.save.compute_crc32 = False
+    try:
+        single(tmp_path / "step=4.ckpt", 4)
+    finally:
+        config.save.compute_crc32 = True
+    assert checkpoint_step(tmp_path / "step=4.ckpt", intact=True) == 4
 
 
 def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):

@@ -409,6 +409,10 @@ def test_a_resume_is_not_refused_for_the_same_value_written_another_way(tmp_path
         here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "moved-model")}})
         assert changed(yaml.safe_dump({"model": {"model_name_or_path": name}}), here) == [
             ("model.model_name_or_path", name, str(tmp_path / "moved-model"))]
+    # A relative folder given from another working directory is the same folder.
+    (tmp_path / "first" / "outputs" / "sft").mkdir(parents=True)  # the first run's working directory: first/
+    here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "first" / "outputs" / "sft")}})
+    assert changed(yaml.safe_dump({"model": {"model_name_or_path": "outputs/sft"}}), here) == []
 
 
 def test_a_changed_key_that_adds_the_reference_model_is_named_not_called_another_modules_weights(tmp_path, capsys):

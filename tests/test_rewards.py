@@ -130,6 +130,17 @@ def test_a_failed_call_is_retried_a_prompt_at_a_time_so_a_reward_comparing_compl
     assert scores.per_function["shortest"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert [(e.sample, e.kind) for e in scores.errors] == [(3, "raised"), (4, "raised")]
     assert "failed on the completions of prompt 'bad' together: each is scored alone" in caplog.text
+    # Prompts of one completion each (interleaved): a completion that failed alone is not called alone once more.
+    calls = []
+
+    def counted(completions, **_):
+        calls.append(list(completions))
+        if "bad" in completions:
+            raise ValueError("bad")
+        return [1.0] * len(completions)
+
+    scores = RewardScorer([RewardSpec(counted, name="counted")]).score(["p", "q", "p", "q"], ["a", "bad", "c", "d"], {})
+    assert scores.per_function["counted"].tolist() == [1.0, 0.0, 1.0, 1.0] and calls[1:] == [["a"], ["bad"], ["c"], ["d"]]
     assert "step 1: reward 'shortest' failed on sample 3 of 5 (prompt 'bad', completion 'd'): ValueError" in caplog.text
 
 

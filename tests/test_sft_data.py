@@ -343,6 +343,10 @@ def test_a_tools_column_reaches_the_chat_template_as_in_trl(tiny_tokenizer, tmp_
             {"prompt": messages[:1], "completion": messages[1:], "tools": WEATHER}, {"messages": calls_as_string, "tools": WEATHER}]  # fmt: skip
     (with_tools, as_string, without, split, calls_read), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
     assert calls_read == with_tools  # tool calls stored as a JSON string are read as such, as `tools` are
+    plain = {"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4", "tool_calls": ""}]}
+    (empty,), _ = load_examples(write_jsonl(tmp_path / "e.jsonl", [plain]), Renderer(tiny_tokenizer, "tiny"), 512)
+    plain["messages"][1].pop("tool_calls")  # "" (a table's empty cell) is no calls
+    assert empty == load_examples(write_jsonl(tmp_path / "n.jsonl", [plain]), Renderer(tiny_tokenizer, "tiny"), 512)[0][0]
     for bad, why in (("{not json", "is a string but not JSON"), ({"name": "f"}, "must be a list of calls")):
         row = {"messages": [messages[0], {**call, "tool_calls": bad}, *messages[2:]]}
         with pytest.raises(DataError, match=rf"line 1: `messages\[1\]`: `tool_calls` {why}"):

@@ -381,6 +381,9 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             sharegpt = {"human": "user", "gpt": "assistant"}.get(role)  # the chat template knows no other names
             raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})" + (f"; ShareGPT's {role!r} is {sharegpt!r}" if sharegpt else ""))
         calls = message.get("tool_calls")
+        if calls == "" or (isinstance(calls, float) and math.isnan(calls)):  # none, as a table stores it
+            messages[k] = message = {key: value for key, value in message.items() if key != "tool_calls"}
+            calls = None
         if isinstance(calls, str):  # a JSON string of them, as some datasets store them (`tools` too)
             try:
                 calls = json.loads(calls)

@@ -150,7 +150,7 @@ def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module
         # peft names a module it cannot adapt by its repr, over many lines: its class name says it
         said = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported", " ".join(str(error).split()))
         said = said.split(". Currently")[0].rstrip(".")
-        if "dropout" in said:  # peft adapts a mixture of experts' expert weights (parameters, not layers) without dropout
+        if config.lora_dropout and "lora_dropout" in said:  # peft adapts a mixture of experts' expert weights (parameters, not layers) without dropout
             raise RecipeError(f"lora.dropout: peft cannot adapt {name} as asked with dropout {config.lora_dropout}: {said} (set "
                               f"lora.dropout: 0, or name in lora.target_modules only linear layers: {', '.join(leaves)})", "lora.dropout") from None
         raise RecipeError(f"lora.target_modules: peft cannot adapt {name} as asked: {said} (name the "

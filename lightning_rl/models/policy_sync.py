@@ -241,7 +241,8 @@ class PolicySync:
 
 def _on_any_rank(flag: bool) -> bool:
     """``flag`` or'ed over the ranks of the default process group."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator() if "gloo" not in torch.distributed.get_backend() else None
+    device = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
     total = torch.tensor([float(flag)], device=device)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     return bool(total.item())

@@ -571,8 +571,11 @@ class RewardScorer:
                 except RewardTimeout as error:  # a retry per sample could cost the limit once per sample
                     for i in group:
                         self._failed(errors, reward.name, i, batch, str(error), "timeout")
-                except (Exception, SystemExit):
-                    alone.append(group)
+                except (Exception, SystemExit) as error:
+                    if len(group) > 1:
+                        alone.append(group)
+                    else:  # that was it alone
+                        self._failed(errors, reward.name, group[0], batch, f"{type(error).__name__}: {error}", "raised")
             for group in alone:
                 if len(group) > 1:
                     log.warning("reward %r failed on the completions of prompt %r together: each is scored alone, which "

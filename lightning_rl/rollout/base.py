@@ -379,7 +379,9 @@ class RolloutEngine(abc.ABC):
         """Whether an `interrupt` came and the stop signal it came for still stands: a `generate` call that starts now
         is cut at once, sampling nothing (another group of a continuation, a later round or turn of the batch that was
         cut), so that the save does not wait for it. A run that goes on after all (the signal withdrawn) samples again."""
-        return self._cut_under_signal and signalled()
+        if not signalled():
+            self._cut_under_signal = False  # withdrawn: a later signal's cut is its own interrupt's
+        return self._cut_under_signal
 
     def continue_rollouts(self, cut: Sequence[Rollout], sampling: SamplingConfig) -> list[Rollout]:
         """Each of ``cut`` (single-turn samples, text prompts) sampled on to the end under ``sampling``, whose
