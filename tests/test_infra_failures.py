@@ -127,6 +127,9 @@ def test_a_dead_tool_worker_excludes_its_rollout_and_a_group_left_with_one_sampl
     figures = batch_metrics(scored, with_tools=True)
     assert (figures["tools/calls"], figures["tools/failures/worker_lost"], figures["tools/failures/raised"]) == (4, 3, 1)
     assert (figures["tools/call_frequency"], figures["tools/failure_frequency"]) == (4 / 6, 1.0)  # TRL's two figures
+    assert float(figures["tools/context_ended_fraction"]) == 0.0
+    scored.rollouts[0].metadata["ended"] = "context_length"  # its calls' results did not fit: counted, not silent
+    assert float(batch_metrics(scored, with_tools=True)["tools/context_ended_fraction"]) == 0.5
     assert scored.records == [{"prompt": "first"}] and [r.group_id for r in scored.rollouts] == [0, 0]
     assert scored.rewards == [1.0, 7.0]  # "answer 1", and "done 7" after the calculator's ZeroDivisionError
     assert "ZeroDivisionError" in scored.rollouts[1].metadata["tool_calls"][0]["content"]

@@ -124,6 +124,17 @@ def test_an_async_tool_is_awaited_and_its_result_is_what_the_model_reads():
     assert (outcome.content, outcome.failure) == ("5", None)  # not "<coroutine object ...>"
 
 
+def test_a_call_that_cannot_be_read_stays_in_the_reply_text_not_in_its_tool_calls():
+    """A call of bad JSON, or cut off, reached rewards as ``tool_calls`` with name None (TRL's parsing leaves such a
+    reply as text alone): rewards reading ``function.name`` failed on it."""
+    from lightning_rl.rollout.conversation import _as_written
+
+    good = '<tool_call>{"name": "calculator", "arguments": {"a": 1}}</tool_call>'
+    calls = parse_tool_calls(good + '<tool_call>{"name": "calculator", "arguments": {</tool_call><tool_call>{"name": "calc')
+    assert [c.error is None for c in calls] == [True, False, False]
+    assert _as_written(calls) == [{"type": "function", "function": {"name": "calculator", "arguments": {"a": 1}}}]
+
+
 @pytest.fixture(scope="module")
 def tool_calling_model():
     return train_tool_calling_model()

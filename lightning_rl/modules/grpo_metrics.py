@@ -166,6 +166,8 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         # TRL's: calls per sampled completion, and the share of calls that failed (0 without calls).
         metrics["tools/call_frequency"] = Pooled(scored.tool_calls, scored.sampled_rollouts)
         metrics["tools/failure_frequency"] = Pooled(sum(scored.tool_failures.values()), scored.tool_calls)
+        # Completions ended at the context: their last calls ran, and their results did not fit in max_context_tokens.
+        metrics["tools/context_ended_fraction"] = Pooled(sum(r.metadata.get("ended") == "context_length" for r in rollouts), len(rollouts))
     return metrics
 
 

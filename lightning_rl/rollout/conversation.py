@@ -128,8 +128,8 @@ class ToolConversation:
                 # ended the text: the template never writes a tool result after it.
                 ended_text = self.turn_end is not None and list(reply[-1:]) != [self.turn_end]
                 if not calls or turn == self.max_turns or history.finish_reason != "stop" or ended_text:
-                    if calls:  # not run (the last turn, or a cut reply), yet the reply holds them, as TRL's messages do
-                        history.messages[-1]["tool_calls"] = _as_written(calls)
+                    if written := _as_written(calls):  # not run (the last turn, or a cut reply), yet the reply holds them, as TRL's messages do
+                        history.messages[-1]["tool_calls"] = written
                     history.metadata["final_reply"] = text
                     finished.append(history)
                 else:
@@ -141,7 +141,8 @@ class ToolConversation:
                 ran = [next(outcomes) for _ in calls]
                 # The assistant turn as TRL's reward functions read it: the calls as the model wrote them (arguments a
                 # schema refused too; the run's are in `tool_calls`).
-                history.messages[-1]["tool_calls"] = _as_written([o.call for o in ran])
+                if written := _as_written([o.call for o in ran]):
+                    history.messages[-1]["tool_calls"] = written
                 history.metadata["tool_calls"].extend(
                     {"call_id": next(call_ids), "name": o.call.name, "arguments": o.arguments, "content": o.content,
                      "failure": o.failure}
@@ -213,5 +214,6 @@ def _append(
 
 
 def _as_written(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``: each call's name and arguments as the model wrote them."""
-    return [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+    """An assistant message's ``tool_calls``: each call's name and arguments as the model wrote them; not a call that
+    could not be read (bad JSON, cut off), which stays in the message's content alone, as TRL's parsing leaves it."""
+    return [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in calls if call.error is None]
