@@ -100,7 +100,8 @@ def one_of(key: str, value: Any, names: Iterable[Any]) -> Any:
     names = list(names)
     # A flag is none of the names (True == 1), unless the names are flags too.
     if value not in names or (isinstance(value, bool) and not any(isinstance(name, bool) for name in names)):
-        raise RecipeError(f"{key} must be one of {', '.join(map(str, names))}, got {value!r}", key)
+        trl = " (TRL's True is group, its False none)" if key.rpartition(".")[2] == "scale_rewards" and isinstance(value, bool) else ""
+        raise RecipeError(f"{key} must be one of {', '.join(map(str, names))}, got {value!r}{trl}", key)
     return value
 
 

@@ -305,6 +305,11 @@ def test_a_data_file_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: 
                        "--", f"--data.train_data={tmp_path / 'gone.jsonl'}"])  # fmt: skip
     assert code == 0
     assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err
+    # GRPO's prompts are data.train_data too (the note looked for its earlier name alone).
+    code = slurm.main(["slurm", "recipes/qwen3/grpo_vllm_server.yaml", "--nodes", "2", "--gpus-per-node", "1", "--inference-nodes", "1",
+                       "--partition", "p", "--dry-run", "--", f"--data.train_data={tmp_path / 'gone.jsonl'}"])  # fmt: skip
+    assert code == 0
+    assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err
 
 
 def test_another_launchers_name_is_one_line_naming_the_script_for_it(capsys) -> None:

@@ -4,9 +4,11 @@ TRL 1.16's own classes (so a renamed or invented field fails here)."""
 import dataclasses
 import fnmatch
 
+import pytest
 import trl
 
 from lightning_rl import recipe, recipe_reference, trl_migration, trl_names
+from lightning_rl.errors import RecipeError
 
 TRL_CLASSES = (trl.SFTConfig, trl.GRPOConfig, trl.ModelConfig, trl.ScriptArguments)
 
@@ -71,3 +73,7 @@ def test_trls_batch_size_is_converted_and_its_booleans_for_scale_rewards_are_nam
     assert said.startswith("for TRL's vllm_importance_sampling_cap, set model.loss.importance_sampling_cap")
     assert cli.main(["run", recipe_file, f"--output_dir={tmp_path / 'run'}", "--model.scale_rewards=false"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("got false (TRL's True is group, its False none)")
+    from lightning_rl.modules.grpo import GRPOModule
+
+    with pytest.raises(RecipeError, match=r"^scale_rewards must be one of .*, got False \(TRL's True is group, its False none\)$"):
+        GRPOModule(scale_rewards=False)  # from Python too

@@ -225,6 +225,8 @@ MISTAKES = {
     "data row named by its line": (SFT, lambda t: ["--data.train_data=" + data_file(t, "d.jsonl", GOOD + b"\n" + EMPTY_TURN)],
                                    "{t}/d.jsonl: line 3: `messages[1]`: the assistant turn is empty"),
     "reward module with a syntax error": (GRPO, lambda t: ['--model.rewards=[{"function": "broken_reward:score"}]'], "reward function 'broken_reward:score': {t}/broken_reward.py:1: "),
+    "reward given by its name alone": (GRPO, lambda t: ["--model.rewards+=format"],
+                                       "command line: model.rewards: each reward is a block (function, weight, kwargs), got format: write {{function: format}}"),
 }
 
 

@@ -84,7 +84,7 @@ def slurm_minutes(text: str) -> float:
 def _note_missing_data(recipe: RecipeView) -> None:
     """A data file the recipe names that this machine does not have: said before the queue wait, as a note (a node's
     own disk may hold it), rather than found by the job once it starts."""
-    keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.path", "model.eval_data")
+    keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.train_data", "data.path", "model.eval_data")
     for key in keys:
         value = recipe.get(key)
         if isinstance(value, str) and Path(value).suffix.lower() in (".jsonl", ".json", ".parquet") and not Path(value).exists():
