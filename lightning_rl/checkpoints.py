@@ -377,10 +377,11 @@ def clean_staging(output_dir: Path) -> list[str]:
     return done
 
 
-def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
+def newest_complete(output_dir: Path, intact: bool = True) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
     """The complete checkpoint of the run with the highest global step (the newer file on a tie), and the
     checkpoints found beside it that it cannot take and that are newer than it (all, when none is complete), each
-    with what it is (``incomplete``, ``not a checkpoint of this run``) and why."""
+    with what it is (``incomplete``, ``not a checkpoint of this run``) and why. ``intact``: the one found has every
+    record's checksum read (`check_records`), as the one a run resumes from; without, its step is read alone."""
     complete: list[tuple[int, int, Path]] = []
     unusable: list[tuple[int, Path, str, str]] = []
     for folder in checkpoint_folders(output_dir):
@@ -393,7 +394,8 @@ def newest_complete(output_dir: Path) -> tuple[Checkpoint | None, list[tuple[Pat
     newest = None
     for step, mtime, path in sorted(complete, reverse=True):  # the newest whose records are intact
         try:
-            check_records(path)
+            if intact:
+                check_records(path)
         except IncompleteCheckpointError as error:
             unusable.append((mtime, path, error.what, str(error)))
             continue

@@ -165,7 +165,7 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
             if (path / "checkpoints").is_dir():
                 hint = f"; to resume the run in that folder: --output_dir={path} --ckpt_path=last"
             raise ForeignCheckpointError(f"ckpt_path: {path} is {e.what} ({e}){hint}") from None
-        newest, _ = newest_complete(output_dir)
+        newest, _ = newest_complete(output_dir, intact=False)  # its step alone: the resume is from ckpt_path
         if newest is not None and newest.step > step:  # a run of two branches, whose `last` would be the other's
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} is at step {step}, but output_dir {output_dir} holds checkpoints up to step {newest.step} "

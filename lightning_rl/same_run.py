@@ -67,11 +67,12 @@ def _same(key: str, before: Any, now: Any) -> bool:
         if os.path.exists(before):
             return os.path.samefile(before, now)
         # Moved (a data file's rows are compared apart: `data.sft.rows_digest`), where it was a path: an absolute or
-        # explicitly relative one, or one the new path ends with (the same folder, from another working directory).
+        # explicitly relative one, or one of several parts the new path ends with (the same folder, from another
+        # working directory; a bare name, ``tiny`` or ``gpt2``, is a model's name as much as a folder's).
         # A Hub id (``Qwen/Qwen3-0.6B``) or the embedded model (``tiny``) is another model than a local folder.
         old = Path(before)
         return (key.startswith("data.") or old.is_absolute() or before.startswith(("./", "../", "~"))
-                or Path(now).resolve().parts[-len(old.parts):] == old.parts)
+                or (len(old.parts) > 1 and Path(now).resolve().parts[-len(old.parts):] == old.parts))
     return False
 
 

@@ -409,6 +409,9 @@ def test_a_resume_is_not_refused_for_the_same_value_written_another_way(tmp_path
         here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "moved-model")}})
         assert changed(yaml.safe_dump({"model": {"model_name_or_path": name}}), here) == [
             ("model.model_name_or_path", name, str(tmp_path / "moved-model"))]
+    (tmp_path / "elsewhere" / "tiny").mkdir(parents=True)  # a folder named as the embedded model is not it
+    here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "elsewhere" / "tiny")}})
+    assert [key for key, _, _ in changed(yaml.safe_dump({"model": {"model_name_or_path": "tiny"}}), here)] == ["model.model_name_or_path"]
     # A relative folder given from another working directory is the same folder.
     (tmp_path / "first" / "outputs" / "sft").mkdir(parents=True)  # the first run's working directory: first/
     here = yaml.safe_dump({"model": {"model_name_or_path": str(tmp_path / "first" / "outputs" / "sft")}})

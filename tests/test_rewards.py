@@ -141,6 +141,9 @@ def test_a_failed_call_is_retried_a_prompt_at_a_time_so_a_reward_comparing_compl
 
     scores = RewardScorer([RewardSpec(counted, name="counted")]).score(["p", "q", "p", "q"], ["a", "bad", "c", "d"], {})
     assert scores.per_function["counted"].tolist() == [1.0, 0.0, 1.0, 1.0] and calls[1:] == [["a"], ["bad"], ["c"], ["d"]]
+    calls.clear()
+    scores = RewardScorer([RewardSpec(counted, name="counted")], all_failed="zero").score(["p"], ["bad"], {})
+    assert calls == [["bad"]] and [(e.sample, e.kind) for e in scores.errors] == [(0, "raised")]  # one call, one failure
     assert "step 1: reward 'shortest' failed on sample 3 of 5 (prompt 'bad', completion 'd'): ValueError" in caplog.text
 
 

@@ -241,7 +241,7 @@ class PolicySync:
 
 def _on_any_rank(flag: bool) -> bool:
     """``flag`` or'ed over the ranks of the default process group."""
-    accelerator = torch.accelerator.current_accelerator() if "gloo" not in torch.distributed.get_backend() else None
+    accelerator = torch.accelerator.current_accelerator(check_available=True) if "gloo" not in torch.distributed.get_backend() else None
     device = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
     total = torch.tensor([float(flag)], device=device)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)

@@ -562,7 +562,9 @@ class RewardScorer:
             groups = batch.groups()
             # Called again a prompt's completions at a time (a reward may compare them with each other: alone, each
             # would score otherwise), then, in a group that fails again, each completion alone.
-            alone = groups if len(groups) == 1 else []
+            alone = groups if len(groups) == 1 and n > 1 else []  # one completion: that call was it alone
+            if n == 1:
+                self._failed(errors, reward.name, 0, batch, f"{type(error).__name__}: {error}", "raised")
             for group in groups if len(groups) > 1 else []:
                 try:
                     values[group], applies[group] = await reward(batch.part(group), shared(group), self.timeout_s, one_at_a_time)
