@@ -23,7 +23,7 @@ IMAGE = {"type": "image", "image": "red.png"}
 BAD_ROWS = {
     "tool_calls that is not a list": (
         SFT, {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "", "tool_calls": "add"}]},
-        "the chat template cannot render the row (TypeError: Object of type Undefined is not JSON serializable)"),
+        "`messages[1]`: `tool_calls` is a string but not JSON (Expecting value)"),
     "the image placeholder typed in a row without images": (
         VLM_SFT, {"messages": [{"role": "user", "content": "<image> what colour?"}, {"role": "assistant", "content": "red"}]},
         "the text holds the model's image placeholder '<image>', but the row gives no image (give the image as a part, or "
