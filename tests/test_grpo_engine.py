@@ -3,8 +3,6 @@ reproducible from the seed, and pushed weights take effect with their version.""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from lightning_rl.modules.grpo import GRPOModule
@@ -129,91 +127,3 @@ def test_a_sampling_call_on_a_thread_of_its_own_draws_the_same_while_the_trainer
     before = torch.get_rng_state()
     engine.generate([[1, 40, 41]], 4, sampling)
     assert torch.equal(torch.get_rng_state(), before)
-
-
-def test_an_interrupt_cuts_the_samples_in_flight_and_each_continues_from_where_it_was_cut(tiny_path):
-    """A stopping run's save cuts the batch being sampled (`interrupt`): each sample keeps the tokens and log-probs it
-    had, exactly those of the same call uncut, and `continue_rollouts` samples it on to the end from there, each new
-    token's log-prob the model's on the whole prefix. A call waiting for the engine when the interrupt comes samples
-    nothing; one that starts after it is not cut."""
-    import threading
-    import time
-
-    from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted
-
-    engine, uncut = HFRolloutEngine(str(tiny_path)), HFRolloutEngine(str(tiny_path))
-    prompts = [[1, 40, 41], [1, 50]]
-    sampling = SamplingConfig(max_new_tokens=24, seed=11, suppress_token_ids=engine.eos_token_ids)  # none ends early
-    whole = uncut.generate(prompts, 2, sampling).rollouts
-
-    forwards = []
-
-    def count(*_) -> None:
-        forwards.append(1)
-        if len(forwards) == 6:
-            engine.interrupt()
-
-    hook = engine.model.register_forward_hook(count)
-    try:
-        engine.generate(prompts, 2, sampling)
-        raise AssertionError("the interrupted call returned")
-    except GenerationInterrupted as interrupted:
-        cut = interrupted.partial.rollouts
-    finally:
-        hook.remove()
-    assert [r.finish_reason for r in cut] == [INTERRUPTED] * 4
-    assert {len(r.completion_ids) for r in cut} == {6}  # the prompt's forward and five steps, then the cut
-    for r, w in zip(cut, whole, strict=True):
-        assert r.completion_ids == w.completion_ids[:6] and r.prompt_ids == w.prompt_ids
-        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs[:6]), rtol=0, atol=1e-6)
-    assert [r.completion_ids for r in engine.generate(prompts, 2, sampling).rollouts] == [w.completion_ids for w in whole]
-
-    finished = engine.continue_rollouts(cut, SamplingConfig(max_new_tokens=24, seed=12, suppress_token_ids=engine.eos_token_ids))
-    for before, after in zip(cut, finished, strict=True):
-        assert after.completion_ids[:6] == before.completion_ids and len(after.completion_ids) == 24
-        assert after.finish_reason == "length" and after.logprobs[:6] == before.logprobs
-        with torch.no_grad():
-            logits = engine.model(input_ids=torch.tensor([after.sequence])).logits[0].float()
-        logits[:, list(engine.eos_token_ids)] = float("-inf")
-        start = len(after.prompt_ids)
-        model = torch.log_softmax(logits, -1)[start - 1 : -1].gather(1, torch.tensor(after.completion_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(after.logprobs[6:]), model[6:], rtol=0, atol=LOGPROB_TOLERANCE)
-
-    waiting = []
-    with engine._lock:  # a push holds the engine: the call waits, and the interrupt comes meanwhile
-        thread = threading.Thread(target=lambda: waiting.append(_raised(lambda: engine.generate(prompts, 2, sampling))))
-        thread.start()
-        while _innermost(thread) != "generate":  # waiting there for the lock
-            time.sleep(0.01)
-        engine.interrupt()
-    thread.join()
-    [raised] = waiting
-    assert isinstance(raised, GenerationInterrupted)
-    assert all(r.completion_ids == [] and r.finish_reason == INTERRUPTED for r in raised.partial.rollouts)
-
-    # Under a stop signal the cut stands: a call that starts after it (another group of a continuation, a later round
-    # or turn of the cut batch) samples nothing, so that the save does not wait for it; withdrawn, sampling goes on.
-    from lightning_rl import stopping
-
-    stopping.signal_came()
-    try:
-        engine.interrupt()
-        again = _raised(lambda: engine.generate(prompts, 2, sampling))
-        assert isinstance(again, GenerationInterrupted) and all(r.completion_ids == [] for r in again.partial.rollouts)
-    finally:
-        stopping.signal_came(False)
-    assert [r.completion_ids for r in engine.generate(prompts, 2, sampling).rollouts] == [w.completion_ids for w in whole]
-
-
-def _raised(call):
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - the test asserts which
-        return error
-    return None
-
-
-def _innermost(thread) -> str | None:
-    """The function ``thread`` runs now, innermost."""
-    frame = sys._current_frames().get(thread.ident)
-    return None if frame is None else frame.f_code.co_name

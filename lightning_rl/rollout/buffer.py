@@ -12,7 +12,7 @@ engine with the next batch's first tokens, instead of the engine waiting on one 
 order (`take`), each within the bound.
 
 A stop signal that finds a batch half generated saves it as far as it got, where the engine can cut its generation
-(`RolloutEngine.interrupt`: the vLLM server and transformers engines): `state_dict` has the engine cut it, the collector hands the samples
+(`RolloutEngine.interrupt`, the vLLM server engine): `state_dict` has the engine cut it, the collector hands the samples
 back (`BatchInterrupted`), and the resumed run samples each cut one on to the end (`RolloutEngine.continue_rollouts`),
 every token keeping the version it was sampled with. Elsewhere the batch in the making is sampled again after the resume.
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import (
-    AutoConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, PreTrainedModel, StoppingCriteria, StoppingCriteriaList,
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    AutoConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, PreTrainedModel, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from lightning_rl.models.loading import generation_config_set_aside
@@ -27,9 +26,8 @@ from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
 from lightning_rl.rollout.base import (
-    INTERRUPTED, TORCH_FLOAT_DTYPES, GenerationInterrupted, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_device, check_dtype, check_request, supports_of,
+    TORCH_FLOAT_DTYPES, ImagesArg, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_device, check_dtype, check_request, supports_of,
 )
-from lightning_rl.stopping import POLL_S, signalled
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -70,8 +68,6 @@ class HFRolloutEngine(RolloutEngine):
         self.model = model.to(device).eval().requires_grad_(False)
         self.verify_weights = verify_weights
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
-        self._interrupts = 0  # `interrupt` calls so far: a `generate` that began before the last one is cut
-        self._interrupting = threading.Lock()
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else (eos or ()))
         pad = pad_token_id if pad_token_id is not None else self.model.generation_config.pad_token_id
@@ -89,7 +85,6 @@ class HFRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, images: ImagesArg = None) -> RolloutBatch:
         check_request(prompts, n, images)
-        interrupts = self._interrupts - self.cut_standing()  # a call that starts while a cut stands is cut at once
         repeated = [list(own.inputs if own else ()) for own in images for _ in range(n)] if images is not None else None
         with self._lock:
             version = self._version
@@ -97,9 +92,8 @@ class HFRolloutEngine(RolloutEngine):
             recording = record_routes(self.model) if self.record_routes else contextlib.nullcontext()
             with recording as recorded:  # draws from a generator of its own (`_Draw`), never the process's
                 generator = torch.Generator(self.device).manual_seed(seed)
-                cut = _Cut(lambda: self._interrupts != interrupts)
-                completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated, generator, cut)
-        routes = None if recorded is None or not recorded.calls else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
+                completions, logprobs, supports, finished = self._sample_rows([list(p) for p in prompts for _ in range(n)], sampling, repeated, generator)
+        routes = None if recorded is None else routes_of_rows(recorded, [list(p) for p in prompts for _ in range(n)], completions)
         groups = []
         for g, prompt in enumerate(prompts):
             group = []
@@ -112,37 +106,25 @@ class HFRolloutEngine(RolloutEngine):
                         support=supports[k],
                         weight_version=version,
                         group_id=g,
-                        finish_reason="stop" if finished[k] else (
-                            "length" if len(completions[k]) >= sampling.max_new_tokens or not cut.hit else INTERRUPTED),
+                        finish_reason="stop" if finished[k] else "length",
                         routes=None if routes is None else routes[k],
                     )
                 )
             groups.append(group)
-        if cut.hit:
-            raise GenerationInterrupted(RolloutBatch(groups))
         return RolloutBatch(groups)
-
-    def interrupt(self) -> bool:
-        """Cut every `generate` call running (after the token each row is sampling now) or waiting for the engine: it
-        raises `GenerationInterrupted` with its samples as far as they got."""
-        with self._interrupting:  # the stopping run's save, and a push waiting for the engine
-            self._interrupts += 1
-            self._cut_under_signal = signalled()
-        return True
 
     def _sample_rows(
         self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None, generator: torch.Generator,
-        cut: _Cut,
     ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
         """`_sample` of every row; with a repetition penalty, one call per prompt length: a row's left padding would be
         penalised as tokens it holds (transformers 5.19 does; with pad == eos, a reply was kept from ending)."""
         lengths = sorted({len(p) for p in prompts})
         if sampling.repetition_penalty == 1.0 or len(lengths) == 1:
-            return self._sample(prompts, sampling, images, generator, cut)
+            return self._sample(prompts, sampling, images, generator)
         results: list[Any] = [None] * len(prompts)
         for length in lengths:
             rows = [k for k, p in enumerate(prompts) if len(p) == length]
-            sampled = self._sample([prompts[k] for k in rows], sampling, None if images is None else [images[k] for k in rows], generator, cut)
+            sampled = self._sample([prompts[k] for k in rows], sampling, None if images is None else [images[k] for k in rows], generator)
             for k, row in zip(rows, zip(*sampled)):
                 results[k] = row
         completions, logprobs, supports, finished = (list(column) for column in zip(*results))
@@ -151,12 +133,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, images: list[list[dict[str, torch.Tensor]]] | None, generator: torch.Generator,
-        cut: _Cut,
     ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[bool]]:
-        """Each row's completion, its tokens' log-probs and supports, and whether it ended on a stop token; ``cut``
-        ends the sampling of every row after the token it samples now (none at all once it is hit)."""
-        if cut(None, None).all():
-            return [[] for _ in prompts], [[] for _ in prompts], [None for _ in prompts], [False for _ in prompts]
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, where generation continues.
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -185,8 +162,7 @@ class HFRolloutEngine(RolloutEngine):
         with generation_config_set_aside(self.model):  # a checkpoint's would sample from a policy the trainer never scores
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                generation_config=config, logits_processor=LogitsProcessorList([draw] if draw else []),
-                stopping_criteria=StoppingCriteriaList([cut]), **pixels,
+                generation_config=config, logits_processor=LogitsProcessorList([draw] if draw else []), **pixels,
             )
         new_tokens = out.sequences[:, width:].cpu()
         # [batch, steps, vocab]: processed by temperature, suppression and the filters; what they removed is -inf
@@ -219,7 +195,7 @@ class HFRolloutEngine(RolloutEngine):
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         sent = SentDigests(named_tensors, lambda name: getattr(params.get(name), "dtype", None))
         self._verified = None  # until this push is verified
-        with self._held_for_push(), torch.no_grad():
+        with self._lock, torch.no_grad():
             paused = time.perf_counter()
             self._load(sent if self.verify_weights else named_tensors, params)
             if self.verify_weights:
@@ -240,7 +216,7 @@ class HFRolloutEngine(RolloutEngine):
         a module trained whole), by Hugging Face name; None without `verify_weights`."""
         if not self.verify_weights:
             return None
-        with self._held_for_push():
+        with self._lock:
             base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
             tensors = {}
             for name, tensor in base.state_dict(keep_vars=True).items():
@@ -256,13 +232,13 @@ class HFRolloutEngine(RolloutEngine):
         trainer's is; with `verify_weights`, prove every adapter tensor the engine holds is the one sent."""
         from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-        with self._held_for_push():
+        with self._lock:
             if not hasattr(self.model, "peft_config"):
                 self.model = get_peft_model(self.model, LoraConfig(**adapter.config)).eval()
             dtypes = {name: tensor.dtype for name, tensor in get_peft_model_state_dict(self.model).items()}
         state = SentDigests(named_tensors, dtypes.get)
         received = dict(state)  # an adapter is small: received whole before generation is held off
-        with self._held_for_push(), torch.no_grad():
+        with self._lock, torch.no_grad():
             paused = time.perf_counter()
             loaded = set_peft_model_state_dict(self.model, received)
             if loaded.unexpected_keys:
@@ -271,18 +247,6 @@ class HFRolloutEngine(RolloutEngine):
                 verify_held(state, _digests(get_peft_model_state_dict(self.model)), {}, version)
             self._version = version
             return time.perf_counter() - paused
-
-    @contextlib.contextmanager
-    def _held_for_push(self) -> Iterator[None]:
-        """The engine, for a push, once no batch is being sampled: a stop signal that comes while one is cuts it (as the
-        stopping run's save would), so that neither the push nor the save after it waits for the batch's last token."""
-        while not self._lock.acquire(timeout=POLL_S):
-            if signalled():
-                self.interrupt()
-        try:
-            yield
-        finally:
-            self._lock.release()
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]) -> None:
         for name, tensor in named_tensors:
@@ -323,18 +287,6 @@ def routes_of_rows(recorded: RouteRecorder, prompts: list[list[int]], completion
         last = first.new_full((min(len(completion), 1), *first.shape[1:]), -1)
         out.append(torch.cat([prompt_routes[b, width - len(prompt):], *(d[None] for d in decoded), last]))
     return out
-
-
-class _Cut(StoppingCriteria):
-    """Ends every row's sampling once ``interrupted()``; ``hit`` says whether it did."""
-
-    def __init__(self, interrupted: Callable[[], bool]) -> None:
-        self.interrupted, self.hit = interrupted, False
-
-    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor | None, **kwargs: Any) -> torch.BoolTensor:
-        self.hit = self.hit or self.interrupted()
-        rows = 1 if input_ids is None else input_ids.shape[0]
-        return torch.full((rows,), self.hit, dtype=torch.bool, device=None if input_ids is None else input_ids.device)
 
 
 class _Draw(LogitsProcessor):

@@ -1,6 +1,5 @@
-"""Engines that send a stop signal from inside while they sample: for a test that needs a SIGTERM to find a batch half
-sampled, whose timing the tiny model's fast sampling leaves no room to aim from outside. The vLLM server engine, and
-the transformers engine."""
+"""The vLLM server engine, and a stop signal sent from inside it while the server samples: for a test that needs a
+SIGTERM to find a batch half sampled, whose timing the tiny model's fast sampling leaves no room to aim from outside."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import time
 import urllib.request
 from typing import Any
 
-from lightning_rl.rollout.hf import HFRolloutEngine
 from lightning_rl.rollout.vllm_server import VLLMServerEngine
 
 
@@ -37,30 +35,3 @@ class StopsMidGeneration(VLLMServerEngine):
         while sampled_tokens(self.url) < before + 20:
             time.sleep(0.005)
         os.killpg(os.getpgid(0), signal.SIGTERM)
-
-
-class HFStopsMidGeneration(HFRolloutEngine):
-    """At its $STOP_AT_CALL-th `generate` call, SIGTERM to this run's process group after the model's 10th forward
-    (its prompt's and nine sampling steps); each later step of that call then takes 50 ms, so that the save cuts it
-    on its way rather than after its last token."""
-
-    calls = 0
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        type(self).calls += 1
-        if str(self.calls) != os.environ.get("STOP_AT_CALL"):
-            return super().generate(*args, **kwargs)
-        forwards = []
-
-        def forward(*_: Any) -> None:
-            forwards.append(1)
-            if len(forwards) == 10:
-                os.killpg(os.getpgid(0), signal.SIGTERM)
-            elif len(forwards) > 10:
-                time.sleep(0.05)
-
-        hook = self.model.register_forward_hook(forward)
-        try:
-            return super().generate(*args, **kwargs)
-        finally:
-            hook.remove()
