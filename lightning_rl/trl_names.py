@@ -225,7 +225,7 @@ NO_EQUIVALENT = {
     "router_aux_loss_coef": "the router's auxiliary loss is not added (GRPO's MoE policies train with model.router_replay)",
     "chat_template_path": "the model folder's tokenizer renders rows with its own chat template: put another one in "
     "that folder (chat_template.jinja)",
-    "dataset_text_field": "rows are `messages` or `prompt`/`completion`; plain text rows are not trained",
+    "dataset_text_field": "a row's `text` column, TRL's default, is read as plain text and trained whole (the end token appended); another name is not read",
     "dataset_kwargs": "a recipe holds typed keys, not a bag of keyword arguments",
     "dataset_num_proc": "rows are tokenized once, in the main process",
     "eos_token": "each reply ends with the special token the chat template writes after it, read from the template",

@@ -196,7 +196,7 @@ def test_a_row_with_the_wrong_columns_lists_the_columns_it_has(tmp_path, capsys)
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     [error] = error_lines(capsys, ["run", SFT, f"--data.train_data={rows}", f"--output_dir={tmp_path / 'out'}", *SHORT_SFT])
-    assert error == f"error: {rows}: line 1: missing `messages` (or both `prompt` and `completion`); the row has 'answer', 'question'"
+    assert error == f"error: {rows}: line 1: missing `messages` (or both `prompt` and `completion`, or `text`); the row has 'answer', 'question'"
     [error] = error_lines(capsys, ["run", GRPO, f"--data.train_data={rows}", f"--output_dir={tmp_path / 'out'}", *SHORT])
     assert error == f"error: {rows}: line 1: no field 'prompt' (row has ['answer', 'question'])"
 

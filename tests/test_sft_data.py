@@ -687,3 +687,27 @@ def test_a_runs_batches_count_each_epochs_shorter_last_step():
     assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=13, max_epochs=None), 5) == 22
     assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=-1, max_epochs=3), 5) == 15
     assert _run_batches(SimpleNamespace(accumulate_grad_batches=2, max_steps=-1, max_epochs=-1), 5) is None
+
+
+def test_plain_text_rows_are_tokenized_and_trained_as_trl_trains_them(tiny_path, tiny_tokenizer, tmp_path):
+    """TRL's language-modelling rows (``{"text": ...}``): the text tokenized with its special tokens, the end token
+    appended unless it ends with it, every token a label. They were refused as rows missing `messages`."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    rows = [{"text": "12+7=19"}, {"text": "reverse 1 2: 2 1<|im_end|>"}, {"text": "<|im_start|>user\nhi"}]
+    examples, cases = load_examples(write_jsonl(tmp_path / "d.jsonl", rows), Renderer(tiny_tokenizer, "tiny"), 512)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True)
+    trainer = trl.SFTTrainer(AutoModelForCausalLM.from_pretrained(tiny_path), args=args, processing_class=tiny_tokenizer,
+                             train_dataset=datasets.Dataset.from_list(rows))
+    for example, theirs in zip(examples, trainer.train_dataset, strict=True):
+        assert example.input_ids == theirs["input_ids"] and "completion_mask" not in theirs  # TRL: every token a label
+        assert example.loss_mask == [False] + [True] * (len(example.input_ids) - 1)  # the first has nothing before it
+    assert cases == []  # nothing asked: no held-out reply to decode
+    bad = {"null": ({"text": None}, "`text` is null"), "empty": ({"text": " "}, "`text` is empty"),
+           "a list": ({"text": ["a"]}, "`text` must be a string, got list"),
+           "tools": ({"text": "a", "tools": WEATHER}, "`tools` are rendered by the chat template")}
+    for row, message in bad.values():
+        with pytest.raises(DataError, match=rf"line 1: {re.escape(message)}"):
+            load_examples(write_jsonl(tmp_path / "b.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)

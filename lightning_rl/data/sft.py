@@ -1,9 +1,10 @@
 """SFT data: read and check rows, render them with the tokenizer's chat template, pack them into rows.
 
-Two row shapes are accepted:
+Three row shapes are accepted:
 - ``{"messages": [{"role": ..., "content": ...}, ...]}``: every assistant turn is trained;
 - ``{"prompt": ..., "completion": ...}``: both strings, or both lists of messages; only the completion
-  is trained.
+  is trained;
+- ``{"text": ...}``: plain text (TRL's language-modelling rows), every token trained, the end token appended.
 
 Every row is checked and tokenized in ``setup`` before any training step runs, so a bad row stops
 the run with one message naming the file and line (or row), before anything is written.
@@ -472,10 +473,16 @@ def _check_row(row: Any) -> dict:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("`messages` has no assistant turn to train on")
         return {"messages": messages, **extra}
+    if "text" in row and "prompt" not in row and "completion" not in row:
+        if not isinstance(row["text"], str):
+            raise ValueError(f"`text` must be a string, got {type(row['text']).__name__}")
+        if not row["text"].strip():
+            raise ValueError("`text` is empty")
+        return {"text": row["text"]}
     if "prompt" not in row or "completion" not in row:
-        null = [key for key in nulls if key in ("messages", "prompt", "completion")]
-        raise ValueError(f"`{null[0]}` is null" if null and ("messages" in null or "prompt" in row or "completion" in row) else
-                         f"missing `messages` (or both `prompt` and `completion`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
+        null = [key for key in nulls if key in ("messages", "prompt", "completion", "text")]
+        raise ValueError(f"`{null[0]}` is null" if null and ("messages" in null or "prompt" in row or "completion" in row or "text" in null) else
+                         f"missing `messages` (or both `prompt` and `completion`, or `text`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         if not completion.strip():
@@ -655,11 +662,12 @@ class Renderer:
         if "messages" in row:
             self._require_template()
             ids, mask = self._assistant_mask(row["messages"], context)
+        elif "text" in row:  # every token is trained but the first, which no token before it predicts
+            ids = self._ended(self.tokenizer(row["text"], add_special_tokens=True)["input_ids"])
+            mask = [False] + [True] * (len(ids) - 1)
         elif isinstance(row["prompt"], str):
             prompt, completion = self._text_completion(row["prompt"], row["completion"])
-            eos = self.tokenizer.eos_token_id
-            if eos is not None and completion[-1:] != [eos]:  # one that ends with the end token already (TRL's add_eos)
-                completion = completion + [eos]
+            completion = self._ended(completion)
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
@@ -676,6 +684,11 @@ class Renderer:
             raise ValueError("no trained tokens after rendering")
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
+
+    def _ended(self, ids: list[int]) -> list[int]:
+        """A text's ids with the end token after them, unless they end with it already (TRL's add_eos)."""
+        eos = self.tokenizer.eos_token_id
+        return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
     def _text_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         """A text row's prompt ids and the completion's: the tokens that follow the prompt's in the row's text tokenized
@@ -709,7 +722,10 @@ class Renderer:
         return self.tokenizer.decode(reply[:end], skip_special_tokens=True)
 
     def generation_case(self, row: dict) -> GenerationCase | None:
-        """The prompt up to the final assistant turn and that turn's text; None if it has tool calls."""
+        """The prompt up to the final assistant turn and that turn's text; None if it has tool calls, or asks nothing
+        (a plain `text` row)."""
+        if "text" in row:
+            return None
         if "messages" in row or isinstance(row["prompt"], list):
             messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
             last = messages[-1]
