@@ -552,6 +552,7 @@ class _Schema:
     def __init__(self, parser: LightningArgumentParser) -> None:
         self.parser = parser
         self.leaves, self.groups, self.linked = set(), set(), {}
+        self.item_keys: dict[str, list[str]] = {}  # a list of blocks (model.rewards): the keys each item takes
         for action in parser._actions:
             if " --> " in (link := (action.option_strings or [""])[0]):
                 self.linked[action.dest] = link.split(" --> ")[0]
@@ -559,6 +560,9 @@ class _Schema:
                 self.groups.add(action.dest)
             elif action.dest not in ("help", "config", "print_config") and not action.dest.endswith(".help"):
                 self.leaves.add(action.dest)
+                fields = item_fields(action.dest, getattr(action, "_typehint", None))
+                if fields and fields[0][0].startswith(f"{action.dest}[]."):
+                    self.item_keys[action.dest] = [key.rpartition(".")[2] for key, _, _ in fields]
 
     def takes(self, key: str) -> bool:
         parts = key.split(".")
@@ -575,6 +579,10 @@ class _Schema:
                 found += self.unknown_in(value, f"{name}.")
             elif not self.takes(name):
                 found.append((name, key.start_mark.line + 1))
+            elif name in self.item_keys and isinstance(value, yaml.SequenceNode):  # - function: ..., each item's keys
+                for k, item in enumerate(value.value):
+                    found += [(f"{name}[{k}].{option}", line) for option, line in _keys_with_lines(item)
+                              if option not in self.item_keys[name]]
             elif name == "model.engine" and isinstance(value, yaml.MappingNode):  # class_path + init_args: its options
                 given = {str(k.value): v for k, v in value.value if isinstance(k, yaml.ScalarNode)}
                 options = _engine_options(given["class_path"].value if isinstance(given.get("class_path"), yaml.ScalarNode) else None)
@@ -584,6 +592,11 @@ class _Schema:
         return found
 
     def problem(self, key: str, task: str, engine: str | None = None) -> str:
+        if (item := re.fullmatch(r"([\w.]+)\[\d+\]\.(\w+)", key)) and item[1] in self.item_keys:
+            options = self.item_keys[item[1]]
+            guess = difflib.get_close_matches(item[2], options, n=1, cutoff=0.6)
+            hint = f"did you mean '{key.rpartition('.')[0]}.{guess[0]}'?" if guess else f"each item takes {', '.join(options)}"
+            return f"unknown key '{key}' ({hint})"
         if key.startswith("model.engine.init_args.") and (options := _engine_options(engine)) is not None:
             guess = difflib.get_close_matches(key.rpartition(".")[2], options, n=1, cutoff=0.6)
             hint = f"did you mean 'model.engine.init_args.{guess[0]}'?" if guess else f"{engine} takes {', '.join(options)}"

@@ -243,3 +243,14 @@ def test_an_option_of_a_strategy_given_by_name_says_to_name_its_class(tmp_path, 
                      "(compile_backend=eager): name its class (fsdp2: FSDP2Strategy, fsdp2_rocm: ROCmFSDP2Strategy, xla_static: "
                      "XLAStaticStrategy, neuron: NeuronStrategy, cpu_static: StaticShapeCPUStrategy; Lightning's, e.g. DDPStrategy), "
                      "then its options: --trainer.strategy=CLASS --trainer.strategy.compile_backend=eager")
+
+
+def test_an_unknown_key_inside_a_list_item_is_named_with_its_item_line_and_the_key_meant(tmp_path, capsys):
+    """``- functon: math_answer`` under model.rewards was named without its line, and the next item's typo not at all."""
+    recipe = tmp_path / "recipe.yaml"
+    text = Path(GRPO).read_text()
+    recipe.write_text(text.replace("- function: math_answer", "- functon: math_answer").replace("weight: 0.5", "xyz: 0.5"))
+    lines = {word: next(n for n, t in enumerate(recipe.read_text().splitlines(), 1) if word in t) for word in ("functon", "xyz")}
+    [error] = error_lines(capsys, ["run", str(recipe)])
+    assert error == (f"error: {recipe}: line {lines['functon']}: unknown key 'model.rewards[0].functon' (did you mean 'model.rewards[0].function'?); "
+                     f"{recipe}: line {lines['xyz']}: unknown key 'model.rewards[1].xyz' (each item takes function, weight, kwargs, name)")
