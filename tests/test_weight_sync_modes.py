@@ -203,7 +203,7 @@ def test_a_delta_sync_sends_only_what_changed_and_keeps_the_engine_on_the_traine
     assert sync.sync(policy, engine, 4).num_bytes == 0 and engine.weight_version == 4
 
 
-def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check(monkeypatch) -> None:
+def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check(monkeypatch, caplog) -> None:
     policy, engine = base(seed=1), HFRolloutEngine(base())
     sync = PolicySync("delta")
     sync.sync(policy, engine, 0)
@@ -222,8 +222,10 @@ def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_c
     train_step(policy, seed=3, only="layers.1.self_attn.q_proj")
     gathers = []  # the fallback sends the copies the delta's stream left: one gather, as on every other rank
     monkeypatch.setattr(policy_sync, "iter_full_weights", lambda *a, **k: gathers.append(1) or iter_full_weights(*a, **k))
-    report = resumed.sync(policy, restarted, 4)
+    with caplog.at_level("WARNING", logger="lightning_rl.models.policy_sync"):
+        report = resumed.sync(policy, restarted, 4)
     assert report.mode == "full" and restarted.weight_version == 4 and held_equals_trainer(restarted, policy)
+    assert "weight_sync: delta: the engine does not hold what the syncs before this one sent" in caplog.text  # said, not only counted
     assert len(gathers) == 1
     monkeypatch.undo()
     train_step(policy, seed=4, only="layers.1.self_attn.q_proj")

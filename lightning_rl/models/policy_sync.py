@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,8 @@ from lightning_rl.models.weights import (
     AdapterReceiver, AdapterSpec, DeltaReceiver, SentDigests, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors,
     held_problems, iter_adapter_weights, iter_full_weights, merge_refusal, push_stream,
 )
+
+log = logging.getLogger(__name__)
 
 WeightSync = Literal["auto", "full", "merged", "adapter", "delta"]
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSync)
@@ -227,7 +230,9 @@ class PolicySync:
                                      lambda named: engine.push_changed(named, version), SyncReport(version, "delta"))
                 tracker.version = version
                 return report
-            except WeightMismatchError:
+            except WeightMismatchError as error:
+                log.warning("weight_sync: delta: the engine does not hold what the syncs before this one sent (%s): "
+                            "every weight is sent again, and verified", str(error).splitlines()[0][:300])
                 # The engine's state is not the trainer's: send it all, verified again (a second failure stops the
                 # run). The delta's stream was read to its end, so the copies are every weight as it is now: sent
                 # from them, not gathered again, which the other ranks (they gathered once) would not join.
