@@ -24,7 +24,6 @@ from lightning_rl import validation
 from lightning_rl.dotted import load_object
 from lightning_rl.errors import RecipeError
 from lightning_rl.packing.tree import concat_supports
-from lightning_rl.stopping import signalled
 
 
 @dataclass(frozen=True)
@@ -345,7 +344,6 @@ class RolloutEngine(abc.ABC):
         self._seeds = RequestSeeds(seed)
         self._version = 0
         self._lock = threading.Lock()  # held by generate and push_weights: they exclude each other
-        self._cut_under_signal = False  # an `interrupt` came while a stop signal stood (`cut_standing`)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -372,16 +370,8 @@ class RolloutEngine(abc.ABC):
         """End the generation in flight now: each `generate` call running raises `GenerationInterrupted` with what its
         samples hold so far, and one that starts before the interrupt is over samples nothing. False where the engine
         cannot (its generation then runs to the end). A stopping run saves the cut samples and finishes them after the
-        resume (`continue_rollouts`). An engine that can sets ``_cut_under_signal`` (`cut_standing`)."""
+        resume (`continue_rollouts`)."""
         return False
-
-    def cut_standing(self) -> bool:
-        """Whether an `interrupt` came and the stop signal it came for still stands: a `generate` call that starts now
-        is cut at once, sampling nothing (another group of a continuation, a later round or turn of the batch that was
-        cut), so that the save does not wait for it. A run that goes on after all (the signal withdrawn) samples again."""
-        if not signalled():
-            self._cut_under_signal = False  # withdrawn: a later signal's cut is its own interrupt's
-        return self._cut_under_signal
 
     def continue_rollouts(self, cut: Sequence[Rollout], sampling: SamplingConfig) -> list[Rollout]:
         """Each of ``cut`` (single-turn samples, text prompts) sampled on to the end under ``sampling``, whose

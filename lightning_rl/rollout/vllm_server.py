@@ -321,6 +321,7 @@ class VLLMServerEngine(RolloutEngine):
         self._info: dict[str, Any] | None = None  # the worker's `lightning_rl_model_info`
         self._context: int | None = None  # the server's max_model_len, read once
         self._interrupts = 0  # counts `interrupt` calls: a generate call that sees it change was cut
+        self._cut_under_signal = False  # an `interrupt` came while a stop signal stood (`cut_standing`)
         super().__init__(seed)
         # Reentrant: a push that finds the server dead restarts it (and re-pushes) under the lock it holds.
         self._lock = threading.RLock()
@@ -399,6 +400,14 @@ class VLLMServerEngine(RolloutEngine):
         if cut:
             raise GenerationInterrupted(batch)
         return batch
+
+    def cut_standing(self) -> bool:
+        """Whether an `interrupt` came and the stop signal it came for still stands: a `generate` call that starts now
+        is cut at once, sampling nothing (another group of a continuation, a later round or turn of the batch that was
+        cut), so that the save does not wait for it. A run that goes on after all (the signal withdrawn) samples again."""
+        if not signalled():
+            self._cut_under_signal = False  # withdrawn: a later signal's cut is its own interrupt's
+        return self._cut_under_signal
 
     def interrupt(self) -> bool:
         """Abort every request the server runs (vLLM's ``pause?mode=abort``; each answers with the tokens it holds),

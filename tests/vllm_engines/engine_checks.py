@@ -74,3 +74,19 @@ def merged_copy(policy: torch.nn.Module, path: Path) -> PreTrainedModel:
     model = load_trainer_model(path)
     model.load_state_dict(dict(iter_full_weights(policy)), strict=False)  # the tied head follows the embedding
     return model
+
+
+def check_adapter_refused_on_another_base(engine, policy: torch.nn.Module, path: Path, version: int) -> None:
+    """Weights another run pushed (a server given by url): an adapter sent alone would apply to them, and is refused;
+    then the base at ``path`` is pushed back as ``version``."""
+    import pytest
+
+    from lightning_rl.models.policy_sync import PolicySync
+    from lightning_rl.models.weights import WeightMismatchError
+
+    pushed = load_trainer_model(path)
+    nudge_(pushed, seed=4, only="model.norm")
+    PolicySync("full").sync(pushed, engine, version)
+    with pytest.raises(WeightMismatchError, match="the base weights the engine holds are not the trainer's: the engine's 'model.norm.weight'"):
+        PolicySync("adapter").sync(policy, engine, version)
+    PolicySync("full").sync(load_trainer_model(path), engine, version)  # the base again

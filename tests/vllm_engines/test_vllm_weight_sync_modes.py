@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_checks import (
-    KV_CACHE_BYTES, LOGPROB_ATOL, LORA_TARGETS, load_trainer_model, lora_trainer, max_logprob_error, merged_copy, nudge_,
+    KV_CACHE_BYTES, LOGPROB_ATOL, LORA_TARGETS, check_adapter_refused_on_another_base, load_trainer_model, lora_trainer, max_logprob_error, merged_copy, nudge_,
 )
 from lightning_rl.models.policy_sync import PolicySync, resolve_weight_sync
 from lightning_rl.models.weights import AdapterSpec, WeightMismatchError, adapter_spec, iter_adapter_weights, iter_full_weights
@@ -60,13 +60,7 @@ def test_a_delta_without_the_fused_parts_is_caught(engine, tiny_model_dir):
 def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, tiny_model_dir):
     policy = lora_trainer(tiny_model_dir, seed=5)
     base = load_trainer_model(tiny_model_dir)
-    # Weights another run pushed (a server given by url): an adapter sent alone would apply to them. Refused.
-    pushed = load_trainer_model(tiny_model_dir)
-    nudge_(pushed, seed=4, only="model.norm")
-    PolicySync("full").sync(pushed, engine, 5)
-    with pytest.raises(WeightMismatchError, match="the base weights the engine holds are not the trainer's: the engine's 'model.norm.weight'"):
-        PolicySync("adapter").sync(policy, engine, 5)
-    PolicySync("full").sync(base, engine, 5)  # the base again
+    check_adapter_refused_on_another_base(engine, policy, tiny_model_dir, 5)
     assert resolve_weight_sync("auto", policy, engine, lora=True) == "adapter"
     sync = PolicySync("adapter")
     for version in (6, 7):
