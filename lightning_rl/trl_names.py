@@ -228,7 +228,9 @@ NO_EQUIVALENT = {
     "dataset_text_field": "a row's `text` column, TRL's default, is read as plain text and trained whole (the end token appended); another name is not read",
     "dataset_kwargs": "a recipe holds typed keys, not a bag of keyword arguments",
     "dataset_num_proc": "rows are tokenized once, in the main process",
-    "eos_token": "each reply ends with the special token the chat template writes after it, read from the template",
+    "eos_token": "each reply ends with the special token the chat template writes after it, read from the template; "
+    "a `text` row and a string completion end with the tokenizer's own eos_token (once: a tokenizer that appends it "
+    "itself is not given it twice, as TRL's appended text is)",
     "pad_token": "packed rows hold no padding to fill",
     "truncation_mode": "an example longer than data.max_length is an error, never cut",
     "eval_packing": "held-out rows are packed as the training ones are",

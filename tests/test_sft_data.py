@@ -705,9 +705,11 @@ def test_plain_text_rows_are_tokenized_and_trained_as_trl_trains_them(tiny_path,
         assert example.input_ids == theirs["input_ids"] and "completion_mask" not in theirs  # TRL: every token a label
         assert example.loss_mask == [False] + [True] * (len(example.input_ids) - 1)  # the first has nothing before it
     assert cases == []  # nothing asked: no held-out reply to decode
-    bad = {"null": ({"text": None}, "`text` is null"), "empty": ({"text": " "}, "`text` is empty"),
+    bad = {"null": ({"text": None}, "`text` is null"), "empty": ({"text": " "}, "`text` holds only whitespace"),
            "a list": ({"text": ["a"]}, "`text` must be a string, got list"),
-           "tools": ({"text": "a", "tools": WEATHER}, "`tools` are rendered by the chat template")}
+           "tools": ({"text": "a", "tools": WEATHER}, "`tools` are rendered by the chat template"),
+           "a stray prompt": ({"text": "a", "prompt": "b"}, "the row has `text` and `prompt` but no `completion`: give one shape"),
+           "images": ({"text": "a", "images": ["x.png"]}, "a plain `text` row cannot hold images: they go in a conversation's user turn")}
     for row, message in bad.values():
         with pytest.raises(DataError, match=rf"line 1: {re.escape(message)}"):
             load_examples(write_jsonl(tmp_path / "b.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)

@@ -458,6 +458,10 @@ def _check_row(row: Any) -> dict:
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     nulls = sorted(key for key, value in row.items() if value is None)
     row = {key: value for key, value in row.items() if value is not None}  # a column another row shape fills (Parquet)
+    if "text" in row and not any(key in row for key in ("messages", "conversations", "prompt", "completion")):
+        if any(key in row for key in ("images", "image")):
+            raise ValueError("a plain `text` row cannot hold images: they go in a conversation's user turn (`messages`, "
+                             "or conversational `prompt` and `completion`)")
     row = with_image_column(_as_chatml(row))
     tools = _check_tools(row["tools"]) if "tools" in row else None
     if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
@@ -477,8 +481,12 @@ def _check_row(row: Any) -> dict:
         if not isinstance(row["text"], str):
             raise ValueError(f"`text` must be a string, got {type(row['text']).__name__}")
         if not row["text"].strip():
-            raise ValueError("`text` is empty")
+            raise ValueError("`text` is empty" if not row["text"] else "`text` holds only whitespace")
         return {"text": row["text"]}
+    if "text" in row and ("prompt" in row) != ("completion" in row):
+        given = "prompt" if "prompt" in row else "completion"
+        raise ValueError(f"the row has `text` and `{given}` but no `{'completion' if given == 'prompt' else 'prompt'}`: give one shape, "
+                         "`text` alone or `prompt` and `completion`")
     if "prompt" not in row or "completion" not in row:
         null = [key for key in nulls if key in ("messages", "prompt", "completion", "text")]
         raise ValueError(f"`{null[0]}` is null" if null and ("messages" in null or "prompt" in row or "completion" in row or "text" in null) else
