@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import json
 import re
+import signal
+import threading
 import time
 
 import pytest
@@ -195,19 +198,21 @@ def non_finite(completions, **_):
     return [{"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "huge": 1e30}.get(c, 1.0) for c in completions]
 
 
-def test_non_finite_scores_are_failures_of_their_samples_and_never_reach_the_advantages(caplog):
+def test_infinite_scores_are_failures_of_their_samples_and_never_reach_the_advantages_and_nan_is_none(caplog):
+    """An infinite score fails its sample. A NaN is a sample the function does not apply to, as TRL reads it (it reads
+    None as NaN): left out of the weighted sum, where it was a failure scoring 0."""
     completions = ["inf", "a", "-inf", "b", "nan", "c", "huge", "d"]
     scorer = RewardScorer([RewardSpec(non_finite, weight=1e10), RewardSpec("support.grpo:text_length")])
     with caplog.at_level(logging.WARNING):
         scores = scorer.score(["p"] * 8, completions, {})
-    assert scores.per_function["non_finite"].tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1e30, 1.0])
-    assert torch.isfinite(scores.total).all()
+    assert scores.per_function["non_finite"].tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0, math.nan, 1.0, 1e30, 1.0], nan_ok=True)
+    assert torch.isfinite(scores.total).all() and scores.total[4] == scores.per_function["text_length"][4]  # the other reward alone
     # 1e30 x 1e10 overflows float32: the weighted sum of that sample is a failure too.
     assert [(e.function, e.sample, e.error, e.kind) for e in scores.errors] == [
         ("non_finite", 0, "returned inf", "non_finite"), ("non_finite", 2, "returned -inf", "non_finite"),
-        ("non_finite", 4, "returned nan", "non_finite"), ("weighted sum", 6, "overflowed to inf", "non_finite"),
+        ("weighted sum", 6, "overflowed to inf", "non_finite"),
     ]
-    assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 3, "timeout": 0}
+    assert scores.failure_counts()["non_finite"] == {"raised": 0, "non_finite": 2, "timeout": 0}
     assert "reward 'non_finite' failed on sample 0 of 8 (prompt 'p', completion 'inf'): returned inf" in caplog.text
     advantages = group_advantages(scores.total, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "std")
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
@@ -291,9 +296,9 @@ def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
     )
     assert (caught.value.reward, caught.value.step) == ("matches", 3)
     assert scorer.stopped_by == {"reward": "matches", "step": 3, "error": caught.value.first_error}
-    nan_everywhere = RewardScorer([RewardSpec(non_finite)])
-    with pytest.raises(RewardFailedError, match="reward 'non_finite' failed on all 1 samples, first: returned nan"):
-        nan_everywhere.score(["p"], ["nan"], {})
+    inf_everywhere = RewardScorer([RewardSpec(non_finite)])
+    with pytest.raises(RewardFailedError, match="reward 'non_finite' failed on all 1 samples, first: returned inf"):
+        inf_everywhere.score(["p"], ["inf"], {})
     lenient = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})], all_failed="zero")
     scores = lenient.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]})
     assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0, "timeout": 0}
@@ -533,3 +538,34 @@ def test_a_step_abandoned_while_rewards_score_leaves_no_task_behind(caplog):
         scorer.score(["p"], ["c"], {})
     gc.collect()  # where an unread task's exception is reported
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def needs_the_main_thread(completions, **_):
+    """A reward with signal.alarm timeouts, as math_verify's parse and verify have: signal.signal raises off the main
+    thread."""
+    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))
+    return [float(len(c)) for c in completions]
+
+
+def test_a_reward_that_needs_the_main_thread_runs_there_as_in_trl_or_is_refused_in_one_line(caplog):
+    """math_verify's rewards (the usual GRPO accuracy reward) failed on every sample: plain functions run on a thread
+    of their own. One failing so is called on the main thread from then on, where the step scores on it."""
+    scorer = RewardScorer([RewardSpec(needs_the_main_thread)])
+    with caplog.at_level(logging.WARNING):
+        first = scorer.score(["p"] * 2, ["ab", "abc"], {})
+        second = scorer.score(["p"] * 2, ["a", "abcd"], {})
+    assert first.total.tolist() == [2.0, 3.0] and second.total.tolist() == [1.0, 4.0] and not first.errors
+    assert caplog.text.count("needs the main thread (ValueError: signal only works in main thread") == 1
+    raised = []
+    elsewhere = threading.Thread(target=lambda: _record(raised, lambda: RewardScorer([RewardSpec(needs_the_main_thread)]).score(["p"], ["a"], {})))
+    elsewhere.start()
+    elsewhere.join()
+    assert isinstance(raised[0], RewardContractError)
+    assert "needs the main thread (ValueError: signal only works in main thread" in str(raised[0]) and "async_mode: false" in str(raised[0])
+
+
+def _record(into: list, call) -> None:
+    try:
+        call()
+    except Exception as error:
+        into.append(error)

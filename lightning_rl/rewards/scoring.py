@@ -11,12 +11,14 @@ Mistakes are refused before training: fixed kwargs the function does not take, a
 neither the data nor the trainer provides (`check_arguments`), and, for the built-ins, fixed kwargs
 that do not work (they are called once on an empty batch, which compiles a regular expression).
 
-While training, a function that raises or returns a non-finite score costs only the samples it failed
-on (they score 0, are logged and counted); one that returns something else than a number (or None) per completion
+A NaN is read as None, as TRL reads it. While training, a function that raises or returns an infinite score costs
+only the samples it failed on (they score 0, are logged and counted); one that returns something else than a number (or None) per completion
 stops the run at once (`RewardContractError`); one that fails on every sample of a step stops the run
 (`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
 past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
-its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. Coroutines run
+its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. A plain function
+that fails there for needing the main thread (``signal.alarm`` timeouts: math_verify's) is called on the main thread
+from then on, where the step scores on it, as TRL calls it. Coroutines run
 on an event loop of their own thread (kept for the process, as TRL keeps one), so one that blocks (``time.sleep``
 inside ``async def``) still times out, where it would have frozen the loop that keeps the time (it holds the rewards'
 loop, and the coroutines after it, until it returns). A stop signal
@@ -33,6 +35,7 @@ import inspect
 import logging
 import math
 import numbers
+import re
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -173,6 +176,7 @@ class _Reward:
                              f"`function: reward_model` with `kwargs: {{path: {where}}}`")
         self.weight = float(spec.weight)
         self.kwargs = dict(spec.kwargs)
+        self.on_main_thread = False  # a plain function that failed on a thread of its own for needing the main one
         if inspect.isclass(self.function):  # a reward with state (a reward model): built once from its kwargs
             try:
                 self.function = self.function(**self.kwargs)
@@ -264,14 +268,40 @@ class _Reward:
                 result = await _within(_on_reward_loop(self.function(**arguments)), timeout_s, what)
             else:  # plain functions one at a time, as if called in turn (a shared tokenizer is not thread-safe)
                 async with one_at_a_time or asyncio.Lock():
-                    result = await _within(_on_thread(self.function, arguments, self.name), timeout_s, what)
+                    result = await self._plain(arguments, timeout_s, what)
                 if inspect.isawaitable(result):  # an object whose __call__ is async
                     result = await _within(_on_reward_loop(result) if asyncio.iscoroutine(result) else result, timeout_s, what)
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
-        result = _scores_of(result, len(batch), what)
-        values = [math.nan if v is None else float(v) for v in result]
-        return torch.tensor(values, dtype=torch.float32), torch.tensor([v is not None for v in result])
+        # None, or NaN (TRL reads None as NaN, and a NaN as a sample the function does not apply to): left out.
+        values = [math.nan if v is None else float(v) for v in _scores_of(result, len(batch), what)]
+        return torch.tensor(values, dtype=torch.float32), torch.tensor([not math.isnan(v) for v in values])
+
+    async def _plain(self, arguments: dict[str, Any], timeout_s: float | None, what: str) -> Any:
+        """A plain function's result: called on a thread of its own, which ``timeout_s`` can leave behind; on the main
+        thread, as TRL calls it, once it failed on its own for needing the main one (math_verify's ``signal.alarm``
+        timeouts)."""
+        if self.on_main_thread:
+            return self.function(**arguments)
+        try:
+            return await _within(_on_thread(self.function, arguments, self.name), timeout_s, what)
+        except Exception as error:
+            if not _NEEDS_MAIN_THREAD.search(str(error)):
+                raise
+            said = f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"
+            if threading.current_thread() is not threading.main_thread():
+                raise RewardContractError(
+                    f"{what} needs the main thread ({said}), and async_mode scores on the rollout thread: set "
+                    "async_mode: false, or make the reward run on any thread (math_verify: parse(..., parsing_timeout=None), "
+                    "verify(..., timeout_seconds=None))") from None
+            log.warning("%s needs the main thread (%s): it is called there from now on, as TRL calls it, where "
+                        "reward_timeout_s cannot cut a call that does not return", what, said)
+            self.on_main_thread = True
+            return self.function(**arguments)
+
+
+# What a function that runs only on the main thread raises elsewhere (signal.signal's ValueError, math_verify's).
+_NEEDS_MAIN_THREAD = re.compile(r"only works in main thread|threaded environment")
 
 
 class RewardContractError(UserError, ValueError):
