@@ -72,6 +72,9 @@ DEFAULTS = {
     ("sft", "adam_beta1"): "see the SFT AdamW betas below",
     ("sft", "adam_beta2"): "see the SFT AdamW betas below",
     ("sft", "max_length"): "longer examples are refused, not cut: the limit defaults to a row's budget, `data.max_tokens`",
+    ("sft", "assistant_only_loss"): "a conversation trains its replies, as a chat model learns them; false trains every "
+    "token of the row, TRL's default",
+    ("sft", "completion_only_loss"): "TRL's None trains the completion alone wherever rows have one, as true does",
     ("sft", "packing"): "rows are packed by default, exactly (tree or padding-free): the loss is each example's alone",
     ("sft", "packing_strategy"): "`data.packing` names the layout: tree, flat or none",
     ("sft", "padding_free"): "`data.packing: flat` is padding-free; `auto` packs by default",
@@ -239,8 +242,6 @@ NO_EQUIVALENT = {
     "adam_beta*": "GRPO's AdamW takes torch's betas, (0.9, 0.999), TRL's defaults",
     "eval_*": "GRPO evaluates model.eval_data before the first step, every trainer.val_check_interval steps and after the last (model.eval_generations)",
     "pad_to_multiple_of": "GRPO's packed rows take the step's shape (model.max_tokens_per_row bounds them)",
-    "completion_only_loss": "always: the loss covers the completion (or the assistant turns) only",
-    "assistant_only_loss": "always: the loss covers the assistant turns (or the completion) only",
     "loss_type": "SFT's loss is the negative log-likelihood only",
     "disable_dropout": "models are trained with the dropout their config sets; attention dropout, which tree "
     "attention does not apply, is refused in one line naming its config key (set it to 0)",

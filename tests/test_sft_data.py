@@ -713,3 +713,27 @@ def test_plain_text_rows_are_tokenized_and_trained_as_trl_trains_them(tiny_path,
     for row, message in bad.values():
         with pytest.raises(DataError, match=rf"line 1: {re.escape(message)}"):
             load_examples(write_jsonl(tmp_path / "b.jsonl", [row]), Renderer(tiny_tokenizer, "tiny"), 512)
+
+
+def test_whole_row_training_is_trls_default_for_conversations_and_a_choice_for_completions(tiny_path, tiny_tokenizer, tmp_path):
+    """``data.assistant_only_loss: false`` trains every token of a `messages` row, as TRL does by default (there was no
+    way to); ``completion_only_loss: false`` the prompt of a `prompt`/`completion` row too. The tokens are TRL's."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.data.sft import SFTDataModule
+
+    conversation = {"messages": [SYSTEM, {"role": "user", "content": "2+3="}, {"role": "assistant", "content": "5"}]}
+    completion = {"prompt": "12+7=", "completion": "19"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    for row, flag in ((conversation, "assistant_only_loss"), (completion, "completion_only_loss")):
+        data = SFTDataModule(write_jsonl(tmp_path / f"{flag}.jsonl", [row]), tokenizer=str(tiny_path), **{flag: False})
+        data.setup("fit")
+        [example] = data.train_examples
+        args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True, **{flag: False})
+        [theirs] = trl.SFTTrainer(model, args=args, processing_class=tiny_tokenizer, train_dataset=datasets.Dataset.from_list([row])).train_dataset
+        assert example.input_ids == theirs["input_ids"]
+        assert example.loss_mask == [False] + [True] * (len(example.input_ids) - 1)  # TRL: every token a label
+        kept, _ = load_examples(tmp_path / f"{flag}.jsonl", Renderer(tiny_tokenizer, "tiny"), 512)  # by default, the reply
+        assert kept[0].input_ids == example.input_ids and sum(kept[0].loss_mask) < sum(example.loss_mask)

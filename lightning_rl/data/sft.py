@@ -545,9 +545,11 @@ def _runs(mask: list[bool]) -> list[tuple[int, int]]:
 class Renderer:
     """Turns checked rows into token ids and a loss mask with the tokenizer's own chat template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, processor: Any = None, image_token_id: int | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, processor: Any = None, image_token_id: int | None = None,
+                 assistant_only_loss: bool = True, completion_only_loss: bool = True) -> None:
         self.tokenizer = tokenizer
         self.name = name
+        self.assistant_only_loss, self.completion_only_loss = assistant_only_loss, completion_only_loss
         # What ends a reply (Gemma's <end_of_turn> besides its <eos>): a template's separator after it is not trained.
         self.end_ids = set(end_of_turn_ids(saved_generation_config(name) if Path(name).is_dir() else None, tokenizer))
         self.images = ImageRenderer(processor, image_token_id) if processor is not None and image_token_id is not None else None
@@ -661,13 +663,24 @@ class Renderer:
             print(f"note: tokenizer {self.name}: {why}", file=sys.stderr)
 
     def example(self, row: dict) -> Example:
+        """The row's tokens and which are trained: its assistant turns (a `messages` row), its completion (a `prompt`
+        and `completion` row), or every token but the first (a `text` row, and a row of a shape whose flag,
+        ``assistant_only_loss`` or ``completion_only_loss``, is off: TRL's language modelling of the whole row)."""
+        whole = "messages" in row and not self.assistant_only_loss or "prompt" in row and not self.completion_only_loss
         if row_has_images(row):
             for column in ("tools", "chat_template_kwargs"):
                 if row.get(column):
                     raise ValueError(f"`{column}` in a row with images: the image processor's template is not given them here")
+            if whole:
+                raise ValueError(f"data.{'assistant_only_loss' if 'messages' in row else 'completion_only_loss'}: false with "
+                                 "a row with images: their placeholder tokens would be trained; keep it true for image rows")
             return self._image_example(row)
         context = _template_context(row)
-        if "messages" in row:
+        if whole and ("messages" in row or isinstance(row["prompt"], list)):  # the conversation as TRL renders it
+            self._require_template()
+            ids = self._chat(row["messages"] if "messages" in row else row["prompt"] + row["completion"], context=context)
+            mask = [False] + [True] * (len(ids) - 1)
+        elif "messages" in row:
             self._require_template()
             ids, mask = self._assistant_mask(row["messages"], context)
         elif "text" in row:  # every token is trained but the first, which no token before it predicts
@@ -688,6 +701,8 @@ class Renderer:
             if prompt is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
             mask[: len(prompt)] = [False] * len(prompt)
+        if whole:
+            mask = [False] + [True] * (len(ids) - 1)
         if not any(mask[1:]):
             raise ValueError("no trained tokens after rendering")
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
@@ -985,6 +1000,11 @@ class SFTDataModule(LightningDataModule):
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
             TRL: `dataloader_num_workers`.
+        assistant_only_loss: the loss of a ``messages`` row covers its assistant turns; false: every token of the
+            row (its system and user turns and the template's tokens too), as TRL trains such rows by default. TRL:
+            the same name.
+        completion_only_loss: the loss of a ``prompt``/``completion`` row covers its completion; false: the prompt's
+            tokens too. TRL: the same name.
     """
 
     def __init__(
@@ -999,8 +1019,11 @@ class SFTDataModule(LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        assistant_only_loss: bool = True,
+        completion_only_loss: bool = True,
     ) -> None:
         super().__init__()
+        self.assistant_only_loss, self.completion_only_loss = assistant_only_loss, completion_only_loss
         train_data, val_data = toy_source(train_data), toy_source(val_data)
         check_source("train_data", train_data)
         check_source("val_data", val_data)
@@ -1042,7 +1065,7 @@ class SFTDataModule(LightningDataModule):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.processor, self.image_token_id = load_processor(path)
         self.position_rule = position_rule(path) if self.processor is not None else None  # multi-axis rotary positions
-        renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id)
+        renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id, self.assistant_only_loss, self.completion_only_loss)
         fix = "raise data.max_length" if self.max_length < self.max_tokens else "raise data.max_tokens, which max_length may not exceed"
         max_length, limit = self.max_length, None
         positions = learned_positions(path)
