@@ -138,8 +138,6 @@ DIFFERENCES = (
     ("A JSONL column's numbers", "read as written: `5` stays an int beside a `2.5` (Parquet and saved datasets keep their "
      "column's type)", "`load_dataset('json')` gives the column one type: `5.0`", "the value a reward compares is the one in "
      "the file; `float(x)` reads both"),
-    ("A reward's NaN score", "a failure of that sample: scored 0 and counted (`train/reward/NAME/non_finite`)",
-     "left out of the sum like None", "a NaN is a bug of the function more often than a choice; return None to abstain"),
     ("Prompts written as text parts", "a text-only prompt's parts are joined into one string before rendering, and "
      "rewards get the joined text", "rewards get the parts as written",
      "the text-only chat template renders strings; a reward reading `content[0][\"text\"]` reads `content` instead"),
@@ -201,10 +199,11 @@ DIFFERENCES = (
     ("`num_tokens`", "`train/trained_tokens` and `train/flat_tokens`: this step's (summary.json sums them over the run; with "
      "`model.num_iterations` > 1 each pass over a batch counts)", "the running total of the inputs' tokens, a batch counted once",
      "a step's figure reads alone; the total is the run's summary, of the tokens forwarded"),
-    ("A reward that times itself with `signal.alarm`", "a plain function runs on a thread of its own, where a signal "
-     "cannot be set: it fails on every sample, in one line", "called on the main thread", "a reward that does not "
-     "return is left behind on its thread at `reward_timeout_s`, and the run goes on; bound a reward's own time with a "
-     "thread or a process"),
+    ("A reward that times itself with `signal.alarm` (math_verify's defaults)", "it fails on the thread of its own "
+     "a plain function runs on, and is called on the main thread from then on, with a warning; under `async_mode`, "
+     "which scores off the main thread, the run stops in one line", "called on the main thread",
+     "a reward that does not return is left behind on its thread at `reward_timeout_s`, and the run goes on; on the "
+     "main thread nothing can cut it"),
 )
 # TRL fields with no key here, and why (fnmatch patterns: the first that matches).
 NO_EQUIVALENT = {

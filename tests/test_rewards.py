@@ -564,6 +564,19 @@ def test_a_reward_that_needs_the_main_thread_runs_there_as_in_trl_or_is_refused_
     assert "needs the main thread (ValueError: signal only works in main thread" in str(raised[0]) and "async_mode: false" in str(raised[0])
 
 
+def picky_about_alarms(completions, **_):
+    if "bad" in completions:
+        raise ValueError("bad input: no signal.alarm here")  # the words, on the main thread too: its own failure
+    return [1.0] * len(completions)
+
+
+def test_a_reward_failing_alike_on_the_main_thread_is_an_ordinary_failure_of_its_samples():
+    scorer = RewardScorer([RewardSpec(picky_about_alarms)], all_failed="zero")
+    scores = scorer.score(["p"] * 2, ["bad", "good"], {})
+    assert scores.total.tolist() == [0.0, 1.0] and [e.sample for e in scores.errors] == [0]
+    assert scorer.score(["p"], ["good"], {}).total.tolist() == [1.0] and not scorer.rewards["picky_about_alarms"].on_main_thread
+
+
 def _record(into: list, call) -> None:
     try:
         call()

@@ -488,7 +488,7 @@ def _check_row(row: Any) -> dict:
         raise ValueError(f"the row has `text` and `{given}` but no `{'completion' if given == 'prompt' else 'prompt'}`: give one shape, "
                          "`text` alone or `prompt` and `completion`")
     if "prompt" not in row or "completion" not in row:
-        null = [key for key in nulls if key in ("messages", "prompt", "completion", "text")]
+        null = [key for key in nulls if key in ("messages", "prompt", "completion") or key == "text" and "prompt" not in row and "completion" not in row]
         raise ValueError(f"`{null[0]}` is null" if null and ("messages" in null or "prompt" in row or "completion" in row or "text" in null) else
                          f"missing `messages` (or both `prompt` and `completion`, or `text`); the row has {', '.join(map(repr, sorted(row))) or 'no columns'}")
     prompt, completion = row["prompt"], row["completion"]

@@ -81,7 +81,7 @@ class GRPOModule(PolicyModule):
         model_name_or_path: a from_pretrained folder, or ``tiny`` for the embedded default.
         lora: train a LoRA adapter (peft) instead of all weights; the engine gets them as ``weight_sync`` says.
         rewards: reward functions (built-in name or dotted path), each with a weight and kwargs.
-        reward_on_error: ``zero`` scores a sample whose reward raises or is not finite 0 (and logs it); ``raise`` stops.
+        reward_on_error: ``zero`` scores a sample whose reward raises or is infinite 0 (and logs it); ``raise`` stops.
         reward_all_failed: ``stop`` (default) ends the run when a reward fails on every sample of a step, naming
             it; ``zero`` trains on with 0 for it.
         reward_timeout_s: a reward call running longer fails the samples it was given (kind ``timeout``); null: no

@@ -154,7 +154,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         metrics[f"reward/{name}/mean"] = terms.nanmean()  # over the samples it applied to (did not return None)
         metrics[f"reward/{name}/std"] = _nanstd(terms)
         metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
-        metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned NaN/inf
+        metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned +-inf
         metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
     for name, values in scored.logged_metrics.items():  # a reward function's log_metric, averaged over the step
         metrics[f"reward_metric/{name}"] = sum(values) / len(values)

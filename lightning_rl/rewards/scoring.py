@@ -22,7 +22,7 @@ from then on, where the step scores on it, as TRL calls it. Coroutines run
 on an event loop of their own thread (kept for the process, as TRL keeps one), so one that blocks (``time.sleep``
 inside ``async def``) still times out, where it would have frozen the loop that keeps the time (it holds the rewards'
 loop, and the coroutines after it, until it returns). A stop signal
-does not wait for a call that has not returned: the step is abandoned (``stopping.StepAbandoned``) and the run saves
+does not wait for a call that has not returned (one called on the main thread runs to its end first): the step is abandoned (``stopping.StepAbandoned``) and the run saves
 the step before.
 """
 
@@ -177,6 +177,7 @@ class _Reward:
         self.weight = float(spec.weight)
         self.kwargs = dict(spec.kwargs)
         self.on_main_thread = False  # a plain function that failed on a thread of its own for needing the main one
+        self.on_main_thread_why = ""  # the first line of that failure
         if inspect.isclass(self.function):  # a reward with state (a reward model): built once from its kwargs
             try:
                 self.function = self.function(**self.kwargs)
@@ -281,27 +282,31 @@ class _Reward:
         """A plain function's result: called on a thread of its own, which ``timeout_s`` can leave behind; on the main
         thread, as TRL calls it, once it failed on its own for needing the main one (math_verify's ``signal.alarm``
         timeouts)."""
-        if self.on_main_thread:
+        here = threading.current_thread() is threading.main_thread()
+        if self.on_main_thread and here:
             return self.function(**arguments)
         try:
+            if self.on_main_thread:  # scored off the main thread after all: refused below, as a first failure is
+                raise ValueError(self.on_main_thread_why)
             return await _within(_on_thread(self.function, arguments, self.name), timeout_s, what)
         except Exception as error:
             if not _NEEDS_MAIN_THREAD.search(str(error)):
                 raise
             said = f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"
-            if threading.current_thread() is not threading.main_thread():
+            if not here:
                 raise RewardContractError(
-                    f"{what} needs the main thread ({said}), and async_mode scores on the rollout thread: set "
-                    "async_mode: false, or make the reward run on any thread (math_verify: parse(..., parsing_timeout=None), "
-                    "verify(..., timeout_seconds=None))") from None
+                    f"{what} needs the main thread ({said}), and rewards are scored off it here (async_mode scores on "
+                    "the rollout thread): set async_mode: false, or make the reward run on any thread (math_verify: "
+                    "parse(..., parsing_timeout=None), verify(..., timeout_seconds=None))") from None
+            result = self.function(**arguments)  # raises as it would have on its thread: not the main thread's want
             log.warning("%s needs the main thread (%s): it is called there from now on, as TRL calls it, where "
                         "reward_timeout_s cannot cut a call that does not return", what, said)
-            self.on_main_thread = True
-            return self.function(**arguments)
+            self.on_main_thread, self.on_main_thread_why = True, str(error).splitlines()[0][:400]
+            return result
 
 
 # What a function that runs only on the main thread raises elsewhere (signal.signal's ValueError, math_verify's).
-_NEEDS_MAIN_THREAD = re.compile(r"only works in main thread|threaded environment")
+_NEEDS_MAIN_THREAD = re.compile(r"signal only works in main thread|signal\.alarm")
 
 
 class RewardContractError(UserError, ValueError):
@@ -448,7 +453,8 @@ class RewardScorer:
     """Calls every reward function on a batch and sums the weighted scores.
 
     A function that raises on the batch is retried a prompt's completions at a time, and where that fails too,
-    sample by sample, so that only the failing samples score 0; a non-finite score (NaN, +-inf) is a failure of that sample. With `on_error="raise"` the
+    sample by sample, so that only the failing samples score 0; an infinite score is a failure of that sample (a NaN
+    is a sample the function does not apply to, as None is). With `on_error="raise"` the
     first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
     sample raises `RewardFailedError` naming it, the step and its first error. A call that runs past
     `timeout_s` (None: no limit) fails every sample it was given, without a retry sample by sample.
