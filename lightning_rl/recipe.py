@@ -430,6 +430,12 @@ class RecipeCLI(LightningCLI):
         validation.positive_int("keep_checkpoints", self.config["keep_checkpoints"])
         if not str(self.config["output_dir"]).strip():
             raise RecipeError(f"output_dir must name a folder, got {self.config['output_dir']!r}", "output_dir")
+        # ~ as the shell reads it, once for every reader: Lightning's checkpoints and logs expanded it, the run's own
+        # files did not (a folder named ~ in the working directory, and a resume that found no checkpoint).
+        for key, value in (("output_dir", self.config["output_dir"]), ("ckpt_path", self.config["ckpt_path"])):
+            if isinstance(value, str) and value.startswith("~"):
+                self.config[key] = os.path.expanduser(value)
+        self.config["trainer"]["default_root_dir"] = self.config["output_dir"]
         if self.config["overwrite"] and self.config["ckpt_path"] is not None:
             raise RecipeError(
                 f"overwrite: --overwrite starts the run in output_dir over, --ckpt_path={self.config['ckpt_path']} resumes "
@@ -491,7 +497,8 @@ class RecipeCLI(LightningCLI):
         output_dir = Path(config["output_dir"])
         self.requeue = RequeueOnSignal(output_dir)
         logger = build_logger(config["logger"], output_dir)
-        callbacks = list(config["trainer"].get("callbacks") or [])
+        callbacks = config["trainer"].get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]  # one given alone
         if config["trainer"].get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
         callbacks += [

@@ -257,3 +257,23 @@ def test_a_built_run_is_freed_once_its_caller_lets_it_go(tmp_path):
     del run
     gc.collect()
     assert trainer() is None and model() is None
+
+
+def test_a_home_relative_output_dir_and_model_are_one_folder_each_and_a_run_resumes_there(tmp_path, monkeypatch, capsys, tiny_path):
+    """``output_dir: ~/run`` put the run's own files in a folder named ~ under the working directory and Lightning's
+    checkpoints in the home one, so ``--ckpt_path=last`` started over; ``~/model`` failed as a hub id. One callback
+    given alone (not in a list) was a TypeError."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "model").symlink_to(tiny_path)
+    recipe = recipe_with(tmp_path, set_key("output_dir", "~/run"))
+    short = ["--model.model_name_or_path=~/model", "--data.val_data=null", "--model.eval_generations=0",
+             "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+             "--trainer.callbacks=lightning.pytorch.callbacks.LearningRateMonitor"]
+    assert cli.main(["run", str(recipe), "--trainer.max_steps=1", *short]) == 0, capsys.readouterr().err[-2000:]
+    run = tmp_path / "home" / "run"
+    assert (run / "summary.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file() and not (tmp_path / "~").exists()
+    assert cli.main(["run", str(recipe), "--trainer.max_steps=2", "--ckpt_path=last", *short]) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert "resume: no complete checkpoint" not in capsys.readouterr().err

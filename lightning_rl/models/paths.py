@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Any
 from pathlib import Path
@@ -28,7 +29,7 @@ def resolve_model_path(name_or_path: str, key: str = "model_name_or_path") -> st
     if name_or_path == TINY_MOE_NAME:
         return str(tiny_moe_path())
     check_model_source(name_or_path, key)
-    return name_or_path
+    return os.path.expanduser(name_or_path) if name_or_path.startswith("~") else name_or_path  # a folder: checked there
 
 
 _ROTARY_OR_RELATIVE = ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct", "rotary_emb_base", "alibi")
