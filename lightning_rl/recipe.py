@@ -345,6 +345,22 @@ def _lists_replaced(parser: LightningArgumentParser, args: list[str]) -> list[st
     return replaced
 
 
+def _refuse_item_fields_of_a_whole_list(schema: _Schema, args: list[str]) -> None:
+    """Refuse ``--model.rewards.weight=3``: jsonargparse sets the field of the list's last item alone, which reads as
+    every item's. After ``--model.rewards+=ITEM`` it is that item's field, as jsonargparse means it."""
+    appended = set()
+    for arg in args:
+        key = arg.partition("=")[0].removeprefix("--") if arg.startswith("--") else ""
+        if key.endswith("+"):
+            appended.add(key[:-1])
+            continue
+        for listed in schema.item_keys:
+            if key.startswith(f"{listed}.") and listed not in appended:
+                raise RecipeError(f"command line: --{key} would set the field of the last item of {listed} alone: give "
+                                  f"the whole list (--{listed}='[{{...}}, ...]'), or the field after the item it belongs "
+                                  f"to (--{listed}+='{{...}}' --{key}=...)")
+
+
 def _holds_a_list(typehint: Any) -> bool:
     if get_origin(typehint) in (Union, UnionType):
         return any(_holds_a_list(option) for option in get_args(typehint))
@@ -397,6 +413,8 @@ class RecipeCLI(LightningCLI):
             parser.link_arguments("model.model_name_or_path", "data.tokenizer")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if isinstance(args, list):
+            _refuse_item_fields_of_a_whole_list(_Schema(parser), args)
         try:
             super().parse_arguments(parser, _lists_replaced(parser, args) if isinstance(args, list) else args)
         except ArgumentError:

@@ -254,3 +254,6 @@ def test_an_unknown_key_inside_a_list_item_is_named_with_its_item_line_and_the_k
     [error] = error_lines(capsys, ["run", str(recipe)])
     assert error == (f"error: {recipe}: line {lines['functon']}: unknown key 'model.rewards[0].functon' (did you mean 'model.rewards[0].function'?); "
                      f"{recipe}: line {lines['xyz']}: unknown key 'model.rewards[1].xyz' (each item takes function, weight, kwargs, name)")
+    # A field of a list's items on the command line set the last item's alone, silently; after += it is that item's.
+    [error] = error_lines(capsys, ["run", GRPO, "--model.rewards.weight=3"])
+    assert error.startswith("error: command line: --model.rewards.weight would set the field of the last item of model.rewards alone")
