@@ -85,15 +85,36 @@ def task_classes(task: str) -> tuple[type[LightningModule], type[LightningDataMo
         raise RecipeError(f"task: {task!r} is not available in this install ({e})", "task") from None
 
 
+def overlays(overrides: list[str]) -> list[Path]:
+    """The recipe files laid over the recipe (``--config=FILE``, as LightningCLI's later ``-c`` files), in order."""
+    return [Path(arg.split("=", 1)[1]) for arg in overrides if arg.startswith("--config=")]
+
+
 def read_task(recipe: Path | None, overrides: list[str]) -> str:
-    """The recipe's ``task`` (a ``--task=...`` override wins), read before the full parse picks classes, from a file
-    that holds each key once (YAML would keep the last of two silently, and so would the parser). Without a recipe
-    file the command line names it."""
+    """The recipe's ``task`` (a ``--task=...`` override wins, then the last file laid over the recipe that says it),
+    read before the full parse picks classes, from files that hold each key once (YAML would keep the last of two
+    silently, and so would the parser). Without a recipe file the command line names it."""
     given = [arg.split("=", 1)[1] for arg in overrides if arg.startswith("--task=")]
+    laid = [config["task"] for config in map(_read_recipe_file, overlays(overrides)) if isinstance(config, dict) and "task" in config]
+    given = given or [str(task) for task in laid]
     if recipe is None:
         if not given:
             raise RecipeError(f"command line: give a recipe file or --task (one of {', '.join(TASKS)})", "task")
         return given[-1]
+    config = _read_recipe_file(recipe)
+    if given:
+        return given[-1]
+    if not isinstance(config, dict) or "task" not in config:
+        near = difflib.get_close_matches("task", [str(key).lower() for key in config or {}], n=1, cutoff=0.7)
+        written = next((str(key) for key in config or {} if near and str(key).lower() == near[0]), None)
+        hint = f"; the recipe has {written!r}: did you mean 'task'?" if written else ""
+        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)}){hint}")
+    return str(config["task"])
+
+
+def _read_recipe_file(recipe: Path) -> Any:
+    """A recipe file's content, refused in one line where it is not a recipe: missing, not YAML, not a mapping, a
+    block given a value, a key written twice, a shell variable."""
     if not recipe.is_file():
         raise RecipeError(f"{recipe}: no such recipe file")
     try:
@@ -113,14 +134,7 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
             example = "{kind: wandb}" if block == "logger" else "{key: value, ...}"
             raise RecipeError(f"{recipe}: {block} is a block of keys ({block}: {example}), got {value!r}")
     _refuse_unexpanded_variables(recipe, config)
-    if given:
-        return given[-1]
-    if not isinstance(config, dict) or "task" not in config:
-        near = difflib.get_close_matches("task", [str(key).lower() for key in config or {}], n=1, cutoff=0.7)
-        written = next((str(key) for key in config or {} if near and str(key).lower() == near[0]), None)
-        hint = f"; the recipe has {written!r}: did you mean 'task'?" if written else ""
-        raise RecipeError(f"{recipe}: missing key 'task' (one of {', '.join(TASKS)}){hint}")
-    return str(config["task"])
+    return config
 
 
 def _refuse_unexpanded_variables(recipe: Path, value: Any, key: str = "") -> None:
@@ -335,6 +349,11 @@ def _lists_replaced(parser: LightningArgumentParser, args: list[str]) -> list[st
     replaced = []
     for i, arg in enumerate(args):
         key, equals, value = arg.partition("=")
+        if key == "--config" and equals:  # a file laid over the recipe: its lists replace the recipe's too
+            for dotted_key, listed in _dotted_items(yaml.safe_load(Path(value).read_text()) or {}):
+                action = parser._option_string_actions.get(f"--{dotted_key}")
+                if isinstance(listed, list) and _holds_a_list(getattr(action, "_typehint", None)):
+                    replaced.append(f"--{dotted_key}=[]")
         if not equals and i + 1 < len(args):
             value = args[i + 1]  # `--key VALUE`
         # jsonargparse's table of flags, and an action's type: the one place that says a key holds a list
@@ -359,6 +378,15 @@ def _refuse_item_fields_of_a_whole_list(schema: _Schema, args: list[str]) -> Non
                 raise RecipeError(f"command line: --{key} would set the field of the last item of {listed} alone: give "
                                   f"the whole list (--{listed}='[{{...}}, ...]'), or the field after the item it belongs "
                                   f"to (--{listed}+='{{...}}' --{key}=...)")
+
+
+def _dotted_items(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every value of a recipe's nested mappings, the mappings' own too."""
+    found = []
+    for key, value in node.items() if isinstance(node, dict) else []:
+        found.append((f"{prefix}{key}", value))
+        found += _dotted_items(value, f"{prefix}{key}.")
+    return found
 
 
 def _holds_a_list(typehint: Any) -> bool:
@@ -428,9 +456,9 @@ class RecipeCLI(LightningCLI):
         key 'KEY' (HINT)``: a key of the other task, the nearest key of this one, or the key a linked one is set from."""
         schema = _Schema(parser)
         problems, engine = [], _engine_name(self.recipe, self.overrides)[1]
-        if self.recipe is not None:
-            root = yaml.compose(Path(self.recipe).read_text(), Loader=yaml.SafeLoader)
-            problems += [f"{self.recipe}: line {line}: {schema.problem(key, self.task, engine)}" for key, line in schema.unknown_in(root)]
+        for recipe in [*([self.recipe] if self.recipe is not None else []), *overlays(self.overrides)]:
+            root = yaml.compose(Path(recipe).read_text(), Loader=yaml.SafeLoader)
+            problems += [f"{recipe}: line {line}: {schema.problem(key, self.task, engine)}" for key, line in schema.unknown_in(root)]
         options = _engine_options(engine)
         for key in dict.fromkeys(_override_keys(self.overrides)):
             option = key.removeprefix("model.engine.init_args.")
@@ -678,6 +706,12 @@ def _override_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
+def _written_in(key: str, recipe: Path) -> bool:
+    """Whether a recipe file writes ``key`` (or a key inside it, or the block holding it)."""
+    written = [dotted for dotted, _ in _dotted_items(yaml.safe_load(recipe.read_text()) or {})]
+    return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in written)
+
+
 def _written_on_command_line(key: str, overrides: list[str]) -> bool:
     return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in _override_keys(overrides))
 
@@ -897,7 +931,8 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
             message = _strategy_options(nested[1], nested[2])
         key = re.match(r"(?:unknown key ')?([\w.]+)", message)
         blamed = recipe is None or (key is not None and _written_on_command_line(key[1], overrides))
-        raise RecipeError(f"{'command line' if blamed else recipe}: {message}") from None
+        laid = [path for path in overlays(overrides) if key is not None and _written_in(key[1], path)]
+        raise RecipeError(f"{'command line' if blamed else laid[-1] if laid else recipe}: {message}") from None
     except UserError as error:
         raise keyed(error, model_class, datamodule_class) from None
 
@@ -980,7 +1015,16 @@ def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[s
     _import_from(recipe)
     config = _cli(recipe, overrides, build=False, sized_only=sized_only).config.as_dict()
     written = yaml.safe_load(Path(recipe).read_text())
+    for overlay in overlays(overrides):  # a file laid over the recipe writes its keys
+        for dotted_key, value in _dotted_items(yaml.safe_load(overlay.read_text()) or {}):
+            node = written
+            *parents, last = dotted_key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
+            node.setdefault(last, {} if isinstance(value, dict) else True)
     for override in overrides:  # `--a.b=value`: a.b is written
+        if override.startswith("--config="):
+            continue
         node = written
         *parents, last = override.lstrip("-").split("=", 1)[0].rstrip("+").split(".")
         for part in parents:

@@ -257,3 +257,25 @@ def test_an_unknown_key_inside_a_list_item_is_named_with_its_item_line_and_the_k
     # A field of a list's items on the command line set the last item's alone, silently; after += it is that item's.
     [error] = error_lines(capsys, ["run", GRPO, "--model.rewards.weight=3"])
     assert error.startswith("error: command line: --model.rewards.weight would set the field of the last item of model.rewards alone")
+
+
+def test_a_file_laid_over_the_recipe_is_read_and_checked_as_the_recipe_is(tmp_path, capsys):
+    """``run base.yaml --config over.yaml``: the overlay's task was ignored (an SFT run recorded as GRPO), its reward
+    list merged item by item into the base's (a new reward inherited the old one's weight and kwargs), its typo blamed
+    on the base file, and its shell variables and keys let through unchecked."""
+    from lightning_rl.recipe import parse
+
+    over = tmp_path / "over.yaml"
+    over.write_text("model:\n  rewards:\n    - function: math_answer\n    - function: support.grpo:text_length\n")
+    config = parse(GRPO, [f"--config={over}"])
+    assert config["model"]["rewards"][1] == {"function": "support.grpo:text_length", "weight": 1.0, "kwargs": {}, "name": None}
+    assert "config" not in config
+    over.write_text("task: grpo\n")  # the run is a GRPO run: the SFT recipe's own keys are not GRPO's
+    [error] = error_lines(capsys, ["run", SFT, "--config", str(over)])
+    assert error.startswith(f"error: {SFT}: line ") and "unknown key 'data.max_tokens' (an SFT key" in error
+    over.write_text("model:\n  learnin_rate: 0.1\n")
+    [error] = error_lines(capsys, ["run", SFT, "--config", str(over)])
+    assert error == f"error: {over}: line 2: unknown key 'model.learnin_rate' (did you mean 'model.learning_rate'?)"
+    over.write_text("output_dir: $HOME/x\n")
+    [error] = error_lines(capsys, ["run", SFT, "--config", str(over)])
+    assert error.startswith(f"error: {over}: output_dir: '$HOME/x' names the variable HOME")
