@@ -538,6 +538,8 @@ class RecipeCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init
         strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
+        if isinstance(strategy, str) and (cls := _strategy_class(strategy)) is not None:  # a class named alone: built
+            config["trainer"]["strategy"] = strategy = cls()  # with its defaults, as {class_path: ...} builds it
         if isinstance(strategy, str) or accelerator == "tpu":  # refuse what this machine cannot run before Lightning starts on it
             check_strategy_request(strategy if isinstance(strategy, str) else "auto", accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
@@ -575,10 +577,33 @@ class RecipeCLI(LightningCLI):
         return trainer
 
 
+def _strategy_class(name: str) -> type | None:
+    """The Strategy class a ``trainer.strategy`` string names by its class name or dotted path (Lightning reads a
+    string as a registered name only: ``DDPStrategy`` was an invalid name), None for a registered name or another."""
+    from lightning.pytorch import strategies
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    if name in StrategyRegistry or name == "auto":
+        return None
+    import lightning_rl.strategies as ours
+
+    found = getattr(strategies, name, None) or getattr(ours, name, None)
+    if found is None and "." in name:
+        try:
+            found = dotted.load_object(name, "trainer.strategy")
+        except Exception:
+            return None
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
 def _trainer_refusal(error: Exception, trainer: dict[str, Any]) -> RecipeError:
     """Lightning's refusal of a Trainer argument, naming the ``trainer.`` key whose value it names (``No supported gpu
-    backend found!`` is ``trainer.accelerator=gpu``'s; a number is too common a word to tell), else Lightning's words."""
+    backend found!`` is ``trainer.accelerator=gpu``'s; a number is too common a word to tell), else Lightning's words:
+    a value it quotes first (its list of choices names others)."""
     said = " ".join(str(error).split())
+    for key, value in trainer.items():
+        if isinstance(value, str) and re.search(rf"['\"]{re.escape(value)}['\"]", said, re.IGNORECASE):
+            return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")
     for key, value in trainer.items():
         if isinstance(value, str) and re.search(rf"(?<![\w.]){re.escape(str(value))}(?![\w.])", said):
             return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")

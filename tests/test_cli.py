@@ -277,3 +277,14 @@ def test_a_home_relative_output_dir_and_model_are_one_folder_each_and_a_run_resu
     assert cli.main(["run", str(recipe), "--trainer.max_steps=2", "--ckpt_path=last", *short]) == 0, capsys.readouterr().err[-2000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert "resume: no complete checkpoint" not in capsys.readouterr().err
+
+
+def test_a_strategy_named_by_its_class_is_built_and_an_unknown_one_blamed_on_its_key(tmp_path, capsys):
+    """``--trainer.strategy=DDPStrategy`` (the form our own hint gives) was refused as an invalid name, and a dotted class
+    path in a recipe was blamed on trainer.devices=auto, a word of Lightning's list of choices."""
+    recipe = recipe_with(tmp_path, set_key("trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"))
+    short = ["--trainer.max_steps=1", "--data.val_data=null", "--model.eval_generations=0", "--trainer.val_check_interval=null",
+             "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
+    assert cli.main(["run", str(recipe), *short]) == 0, capsys.readouterr().err[-2000:]
+    line = error_line(capsys, ["run", str(recipe), *short, "--trainer.strategy=NoSuchStrategy", "--overwrite"])
+    assert line.startswith("error: trainer.strategy=NoSuchStrategy: You selected an invalid strategy name")
