@@ -491,13 +491,20 @@ class RecipeCLI(LightningCLI):
         if self.build:  # what this machine runs
             check_engine_here(self.config["model"])
             check_precision_here(self.config["trainer"])
-        else:  # launch, plan: the module's own checks of its values, as `run` makes them (the model itself is not read)
-            try:
-                self.model_class(**{**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]})
-            except UserError:
-                raise
-            except (ValueError, MisconfigurationException) as error:  # as `instantiate_classes` says it
-                raise RecipeError(" ".join(str(error).split())) from None
+        else:  # launch, plan: the module's and the data's own checks of their values, as `run` makes them (the model
+            # and the data files are not read: they may be on the cluster alone)
+            from lightning_rl.toy.task import TRAIN_FILE
+
+            data = {**self.config["data"].as_dict(), "train_data": str(TRAIN_FILE)}
+            data.update({"val_data": None} if "val_data" in data else {})
+            for cls, arguments in ((self.model_class, {**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]}),
+                                   (self.datamodule_class, data)):
+                try:
+                    cls(**arguments)
+                except UserError:
+                    raise  # keyed by its block where the parse is (`keyed`)
+                except (ValueError, MisconfigurationException) as error:  # as `instantiate_classes` says it
+                    raise RecipeError(" ".join(str(error).split())) from None
 
     def instantiate_classes(self) -> None:
         if not self.build:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -279,3 +280,16 @@ def test_a_file_laid_over_the_recipe_is_read_and_checked_as_the_recipe_is(tmp_pa
     over.write_text("output_dir: $HOME/x\n")
     [error] = error_lines(capsys, ["run", SFT, "--config", str(over)])
     assert error.startswith(f"error: {over}: output_dir: '$HOME/x' names the variable HOME")
+
+
+@pytest.mark.parametrize("recipe, override, said", [
+    (SFT, "--data.max_tokens=0", "data.max_tokens must be >= 1, got 0"),
+    (SFT, "--data.num_workers=-1", "data.num_workers must be >= 0, got -1"),
+    (GRPO, "--data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+])
+def test_launch_and_plan_check_the_datas_values_as_run_does(recipe, override, said):
+    """A launch wrote the job's script for a data value `run` refuses at once (plan sized data.batch_size=0)."""
+    from lightning_rl.recipe import parse
+
+    with pytest.raises(UserError, match=re.escape(said)):
+        parse(recipe, [override])
