@@ -582,3 +582,18 @@ def _record(into: list, call) -> None:
         call()
     except Exception as error:
         into.append(error)
+
+
+async def _length_later(completion: str) -> float:
+    await asyncio.sleep(0)
+    return float(len(completion))
+
+
+def runs_its_own_coroutines(completions, **_):
+    """A sync wrapper around async code, as rewards written before async rewards are: on TRL's main thread
+    asyncio.get_event_loop() gives a loop; on a reward's own thread there was none."""
+    return asyncio.get_event_loop().run_until_complete(asyncio.gather(*(_length_later(c) for c in completions)))
+
+
+def test_a_plain_reward_that_runs_its_own_coroutines_scores_as_on_trls_main_thread():
+    assert RewardScorer([RewardSpec(runs_its_own_coroutines)]).score(["p"] * 2, ["a", "bb"], {}).total.tolist() == [1.0, 2.0]

@@ -379,10 +379,17 @@ def _on_thread(function: RewardFunction, arguments: dict[str, Any], name: str) -
 
     def work() -> None:
         value, error = None, None
+        # An event loop of the thread's own, as the main thread TRL calls rewards on has one for asyncio.get_event_loop()
+        # (a sync reward running a coroutine with run_until_complete failed here for want of one).
+        own_loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(own_loop)
         try:
             value = function(**arguments)
         except BaseException as caught:  # SystemExit included: it fails the samples, not the run
             error = caught
+        finally:
+            asyncio.set_event_loop(None)
+            own_loop.close()
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the step gave up on this call (a timeout) and its loop is closed
