@@ -737,3 +737,11 @@ def test_whole_row_training_is_trls_default_for_conversations_and_a_choice_for_c
         assert example.loss_mask == [False] + [True] * (len(example.input_ids) - 1)  # TRL: every token a label
         kept, _ = load_examples(tmp_path / f"{flag}.jsonl", Renderer(tiny_tokenizer, "tiny"), 512)  # by default, the reply
         assert kept[0].input_ids == example.input_ids and sum(kept[0].loss_mask) < sum(example.loss_mask)
+
+
+def test_a_tokenizer_without_an_eos_token_trains_text_without_one_and_says_so_once(tiny_path, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    tokenizer.eos_token = None
+    examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "abd"}]), Renderer(tokenizer, "tiny"), 512)
+    assert [e.input_ids for e in examples] == [tokenizer("abc")["input_ids"], tokenizer("abd")["input_ids"]]
+    assert capsys.readouterr().err.count("note: tokenizer tiny has no eos_token") == 1

@@ -711,6 +711,10 @@ class Renderer:
     def _ended(self, ids: list[int]) -> list[int]:
         """A text's ids with the end token after them, unless they end with it already (TRL's add_eos)."""
         eos = self.tokenizer.eos_token_id
+        if eos is None and not self._said_no_end:
+            self._said_no_end = True
+            print(f"note: tokenizer {self.name} has no eos_token: text rows and string completions are trained without "
+                  "an end token, so the model is not trained to stop after them", file=sys.stderr)
         return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
     def _text_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
