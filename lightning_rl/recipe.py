@@ -90,12 +90,41 @@ def overlays(overrides: list[str]) -> list[Path]:
     return [Path(arg.split("=", 1)[1]) for arg in overrides if arg.startswith("--config=")]
 
 
+def _with_overlays_spelled_out(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``-c FILE`` and ``--config FILE`` written ``--config=FILE`` (as `cli.run_arguments` writes
+    them; launch and plan pass theirs on as given), and a file laid over the recipe that sets nothing left out."""
+    spelled, k = [], 0
+    while k < len(overrides):
+        arg = overrides[k]
+        if arg in ("-c", "--config") and k + 1 < len(overrides):
+            arg, k = f"--config={overrides[k + 1]}", k + 1
+        k += 1
+        path = Path(arg.split("=", 1)[1]) if arg.startswith("--config=") else None
+        if path is not None and path.is_file() and _sets_nothing(path):
+            continue
+        spelled.append(arg)
+    return spelled
+
+
+def _sets_nothing(path: Path) -> bool:
+    try:
+        return yaml.safe_load(path.read_text()) is None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False  # said where it is read
+
+
 def read_task(recipe: Path | None, overrides: list[str]) -> str:
     """The recipe's ``task`` (a ``--task=...`` override wins, then the last file laid over the recipe that says it),
     read before the full parse picks classes, from files that hold each key once (YAML would keep the last of two
     silently, and so would the parser). Without a recipe file the command line names it."""
     given = [arg.split("=", 1)[1] for arg in overrides if arg.startswith("--task=")]
-    laid = [config["task"] for config in map(_read_recipe_file, overlays(overrides)) if isinstance(config, dict) and "task" in config]
+    laid = []
+    for overlay in overlays(overrides):
+        config = _read_recipe_file(overlay) or {}  # comments alone set nothing
+        if cleared := [block for block in ("model", "data", "trainer", "logger") if block in config and config[block] is None]:
+            raise RecipeError(f"{overlay}: {cleared[0]}: null would clear the recipe's whole {cleared[0]} block: leave it out, "
+                              f"or set the keys inside it")
+        laid += [config["task"]] if "task" in config else []
     given = given or [str(task) for task in laid]
     if recipe is None:
         if not given:
@@ -370,8 +399,8 @@ def _refuse_item_fields_of_a_whole_list(schema: _Schema, args: list[str]) -> Non
     appended = set()
     for arg in args:
         key = arg.partition("=")[0].removeprefix("--") if arg.startswith("--") else ""
-        if key.endswith("+"):
-            appended.add(key[:-1])
+        if key.endswith("+") or key in schema.item_keys:  # an item appended, or the whole list given: its last is known
+            appended.add(key.removesuffix("+"))
             continue
         for listed in schema.item_keys:
             if key.startswith(f"{listed}.") and listed not in appended:
@@ -495,7 +524,8 @@ class RecipeCLI(LightningCLI):
             # and the data files are not read: they may be on the cluster alone)
             from lightning_rl.toy.task import TRAIN_FILE
 
-            data = {**self.config["data"].as_dict(), "train_data": str(TRAIN_FILE)}
+            data = self.config["data"].as_dict()
+            data["path" if data.get("path") is not None else "train_data"] = str(TRAIN_FILE)  # GRPO's earlier name kept
             data.update({"val_data": None} if "val_data" in data else {})
             for cls, arguments in ((self.model_class, {**self.config["model"].as_dict(), "model_name_or_path": EMBEDDED[0]}),
                                    (self.datamodule_class, data)):
@@ -546,7 +576,7 @@ class RecipeCLI(LightningCLI):
         config = self.config_init
         strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
         if isinstance(strategy, str) and (cls := _strategy_class(strategy)) is not None:  # a class named alone: built
-            config["trainer"]["strategy"] = strategy = cls()  # with its defaults, as {class_path: ...} builds it
+            config["trainer"]["strategy"] = strategy = _built_strategy(cls, strategy, accelerator)  # with its defaults
         if isinstance(strategy, str) or accelerator == "tpu":  # refuse what this machine cannot run before Lightning starts on it
             check_strategy_request(strategy if isinstance(strategy, str) else "auto", accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
@@ -601,6 +631,26 @@ def _strategy_class(name: str) -> type | None:
         except Exception:
             return None
     return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
+def _built_strategy(cls: type, name: str, accelerator: Any) -> Any:
+    """``cls`` built with its defaults, as ``{class_path: ...}`` builds it, once what this machine cannot run under its
+    registered name is refused; one that cannot be built so (abstract, or needing arguments) is refused in one line."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for registered, entry in StrategyRegistry.items():
+        if entry["strategy"] is cls and not entry.get("init_params"):
+            check_strategy_request(registered, accelerator if isinstance(accelerator, str) else None)
+            break
+    if inspect.isabstract(cls):
+        raise RecipeError(f"trainer.strategy={name} is an abstract class: name a strategy that runs (DDPStrategy, FSDP2Strategy, "
+                          "or a registered name such as ddp, fsdp2)", "trainer.strategy")
+    try:
+        return cls()
+    except (TypeError, ValueError, MisconfigurationException) as error:
+        raise RecipeError(f"trainer.strategy={name}: {cls.__name__}() failed: {' '.join(str(error).split())} (a strategy that "
+                          f"needs options takes them as --trainer.strategy.class_path={name} --trainer.strategy.init_args.OPTION=VALUE)",
+                          "trainer.strategy") from None
 
 
 def _trainer_refusal(error: Exception, trainer: dict[str, Any]) -> RecipeError:
@@ -740,7 +790,7 @@ def _override_keys(overrides: list[str]) -> list[str]:
 
 def _written_in(key: str, recipe: Path) -> bool:
     """Whether a recipe file writes ``key`` (or a key inside it, or the block holding it)."""
-    written = [dotted for dotted, _ in _dotted_items(yaml.safe_load(recipe.read_text()) or {})]
+    written = [dotted for dotted, value in _dotted_items(yaml.safe_load(recipe.read_text()) or {}) if not isinstance(value, dict)]
     return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in written)
 
 
@@ -912,6 +962,7 @@ def keyed(error: UserError, model_class: type, datamodule_class: type) -> UserEr
 def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool = False) -> RecipeCLI:
     """The parsed (and, with ``build``, built) run of a recipe file and command-line overrides, or of the command
     line alone (``recipe`` None: ``--task`` names the task)."""
+    overrides = _with_overlays_spelled_out(overrides)
     task = read_task(None if recipe is None else Path(recipe), overrides)
     model_class, datamodule_class = task_classes(task)
     if task == "grpo":  # GRPO's data file was data.path; a command line may still say so, and override the recipe's
@@ -1045,6 +1096,7 @@ def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[s
     length): a plain nested dict of the values the user wrote, in the recipe or an override (the defaults left out, so
     a launch can tell "not said" from a value). Reward and tool modules are imported as ``build`` imports them."""
     _import_from(recipe)
+    overrides = _with_overlays_spelled_out(overrides)
     config = _cli(recipe, overrides, build=False, sized_only=sized_only).config.as_dict()
     written = yaml.safe_load(Path(recipe).read_text())
     for overlay in overlays(overrides):  # a file laid over the recipe writes its keys

@@ -280,6 +280,21 @@ def test_a_file_laid_over_the_recipe_is_read_and_checked_as_the_recipe_is(tmp_pa
     over.write_text("output_dir: $HOME/x\n")
     [error] = error_lines(capsys, ["run", SFT, "--config", str(over)])
     assert error.startswith(f"error: {over}: output_dir: '$HOME/x' names the variable HOME")
+    # As launch and plan pass them on (-c FILE), an overlay of comments alone, a block cleared by null, and an error in
+    # the recipe not blamed on an overlay that writes another key of its block.
+    over.write_text("model:\n  learnin_rate: 0.1\n")
+    with pytest.raises(UserError, match=re.escape(f"{over}: line 2: unknown key 'model.learnin_rate'")):
+        parse(GRPO, ["-c", str(over)])
+    over.write_text("# nothing yet\n")
+    assert parse(GRPO, [f"--config={over}"])["model"]["num_generations"] == 8
+    over.write_text("model: null\n")
+    with pytest.raises(UserError, match=re.escape(f"{over}: model: null would clear the recipe's whole model block")):
+        parse(GRPO, [f"--config={over}"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(Path(GRPO).read_text().replace("num_generations: 8", "num_generations: abc"))
+    over.write_text("model:\n  learning_rate: 0.001\n")
+    with pytest.raises(UserError, match=re.escape(f"{recipe}: model.num_generations must be an integer, got abc")):
+        parse(str(recipe), [f"--config={over}"])
 
 
 @pytest.mark.parametrize("recipe, override, said", [
@@ -293,3 +308,11 @@ def test_launch_and_plan_check_the_datas_values_as_run_does(recipe, override, sa
 
     with pytest.raises(UserError, match=re.escape(said)):
         parse(recipe, [override])
+
+
+def test_launch_and_plan_read_a_grpo_recipe_that_still_names_its_data_path(tmp_path, capsys):
+    from lightning_rl.recipe import parse
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(Path(GRPO).read_text().replace("  train_data: toy", "  path: toy"))
+    assert parse(str(recipe), [])["data"]["path"] == "toy"
