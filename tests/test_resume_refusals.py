@@ -111,6 +111,10 @@ def test_a_resume_that_changes_what_the_run_trains_is_refused_and_one_that_runs_
     assert errors[0].startswith("error: trainer.gradient_clip_val=1.0 here, 0.5 in the run; data.max_tokens=128 here, 256 in "
                                 "the run; seed=7 here, 0 in the run: ckpt_path: "), errors
     assert (out / "recipe.yaml").read_text() == recipe and checkpoint_step(out / "checkpoints" / "last.ckpt") == 1
+    # A key that trains other tokens of the same rows is named too (it was blamed on the data file).
+    code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2", "--trainer.gradient_clip_val=0.5",
+                          "--data.assistant_only_loss=false")
+    assert code == 2 and errors[0].startswith("error: data.assistant_only_loss=false here, true in the run: ckpt_path: "), errors
     # What only says how long the run goes, what it logs and where it saves may change.
     code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=2", "--trainer.gradient_clip_val=0.5",
                             "--trainer.log_every_n_steps=1", "--checkpoint_every_n_steps=5", "--logger.kind=csv")

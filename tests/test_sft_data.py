@@ -745,3 +745,25 @@ def test_a_tokenizer_without_an_eos_token_trains_text_without_one_and_says_so_on
     examples, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "abd"}]), Renderer(tokenizer, "tiny"), 512)
     assert [e.input_ids for e in examples] == [tokenizer("abc")["input_ids"], tokenizer("abd")["input_ids"]]
     assert capsys.readouterr().err.count("note: tokenizer tiny has no eos_token") == 1
+
+
+@pytest.mark.parametrize("assistant_only, completion_only", [(True, False), (False, True), (False, False), (True, True)])
+def test_a_conversational_completion_is_masked_as_trl_masks_it_under_both_flags(tiny_path, tiny_tokenizer, tmp_path, assistant_only, completion_only):
+    """TRL trains a token where every mask it applies keeps it: the assistant turns' and the completion's. Under
+    (true, false) the whole row was trained, system and user turns included; under (false, true) the completion's
+    assistant turns alone, its tool reply left out."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    row = {"prompt": [SYSTEM, {"role": "user", "content": "Weather in Paris?"}],
+           "completion": [call, {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+    renderer = Renderer(tiny_tokenizer, "tiny", assistant_only_loss=assistant_only, completion_only_loss=completion_only)
+    [example], _ = load_examples(write_jsonl(tmp_path / "d.jsonl", [row]), renderer, 512)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True,
+                         assistant_only_loss=assistant_only, completion_only_loss=completion_only)
+    [theirs] = trl.SFTTrainer(AutoModelForCausalLM.from_pretrained(tiny_path), args=args, processing_class=tiny_tokenizer,
+                              train_dataset=datasets.Dataset.from_list([row])).train_dataset
+    assert example.input_ids == theirs["input_ids"]
+    assert example.loss_mask[1:] == [label != -100 for label in theirs["labels"]][1:]  # the first is no label on either side

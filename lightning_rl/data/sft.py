@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 
 from lightning_rl import validation
-from lightning_rl.errors import BatchingChanged, RecipeError, UserError
+from lightning_rl.errors import BatchingChanged, RecipeError, RowsChanged, UserError
 from lightning_rl.models.loading import end_of_turn_ids, saved_generation_config
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import learned_positions, resolve_model_path
@@ -102,7 +102,7 @@ def check_same_rows(key: str, source: Any, saved: str | None, here: str) -> None
     """Refuse a resume whose data holds other rows than those the run trained on (``saved``; None: an older
     checkpoint, which kept no digest)."""
     if saved is not None and saved != here:
-        raise DataError(
+        raise RowsChanged(
             f"{key}: {source} holds other rows than the run being resumed trained on (the file was changed or replaced, "
             "or the tokenizer or its template was): resume with the run's data, or start a new run (another output_dir, or --overwrite)"
         )
@@ -666,14 +666,18 @@ class Renderer:
         """The row's tokens and which are trained: its assistant turns (a `messages` row), its completion (a `prompt`
         and `completion` row), or every token but the first (a `text` row, and a row of a shape whose flag,
         ``assistant_only_loss`` or ``completion_only_loss``, is off: TRL's language modelling of the whole row)."""
-        whole = "messages" in row and not self.assistant_only_loss or "prompt" in row and not self.completion_only_loss
+        # TRL trains a token where every mask it applies keeps it: the assistant turns' (assistant_only_loss), and a
+        # prompt/completion row's completion (completion_only_loss); a string row has no turns.
+        assistant = self.assistant_only_loss and ("messages" in row or isinstance(row.get("prompt"), list))
+        whole = not assistant and ("messages" in row or "prompt" in row and not self.completion_only_loss)
         if row_has_images(row):
             for column in ("tools", "chat_template_kwargs"):
                 if row.get(column):
                     raise ValueError(f"`{column}` in a row with images: the image processor's template is not given them here")
-            if whole:
-                raise ValueError(f"data.{'assistant_only_loss' if 'messages' in row else 'completion_only_loss'}: false with "
-                                 "a row with images: their placeholder tokens would be trained; keep it true for image rows")
+            if flag := next((name for name, on in (("assistant_only_loss", self.assistant_only_loss),
+                                                    ("completion_only_loss", self.completion_only_loss or "messages" in row)) if not on), None):
+                raise ValueError(f"data.{flag}: false with a row with images: an image row trains its replies alone "
+                                 "(its placeholder tokens are not trained); keep it true for image rows")
             return self._image_example(row)
         context = _template_context(row)
         if whole and ("messages" in row or isinstance(row["prompt"], list)):  # the conversation as TRL renders it
@@ -692,7 +696,12 @@ class Renderer:
             ids, mask = prompt + completion, [False] * len(prompt) + [True] * len(completion)
         else:
             self._require_template()
-            ids, mask = self._assistant_mask(row["prompt"] + row["completion"], context, first=len(row["prompt"]))
+            conversation = row["prompt"] + row["completion"]
+            if assistant:  # the completion's replies, or (completion_only_loss false) the prompt's too
+                ids, mask = self._assistant_mask(conversation, context, first=len(row["prompt"]) if self.completion_only_loss else 0)
+            else:  # every token of the completion, as the prompt renders before it
+                ids = self._chat(conversation, context=context)
+                mask = [True] * len(ids)
             # The prompt as it is asked (with the template's generation prompt, where the completion opens with an
             # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends.
             asked = row["completion"][0]["role"] == "assistant"
@@ -700,7 +709,8 @@ class Renderer:
             prompt = next((p for p in [*renderings, self._chat(row["prompt"], context=context)] if ids[: len(p)] == p), None)
             if prompt is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
-            mask[: len(prompt)] = [False] * len(prompt)
+            if self.completion_only_loss:
+                mask[: len(prompt)] = [False] * len(prompt)
         if whole:
             mask = [False] + [True] * (len(ids) - 1)
         if not any(mask[1:]):
