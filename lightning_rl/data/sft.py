@@ -1014,11 +1014,12 @@ class SFTDataModule(LightningDataModule):
         seed: the shuffle's seed (a recipe's top-level ``seed``).
         num_workers: DataLoader worker processes (they leave the stop signals to the main process: ``data/workers.py``).
             TRL: `dataloader_num_workers`.
-        assistant_only_loss: the loss of a ``messages`` row covers its assistant turns; false: every token of the
-            row (its system and user turns and the template's tokens too), as TRL trains such rows by default. TRL:
-            the same name.
+        assistant_only_loss: the loss of a conversation covers its assistant turns; false: every token of a
+            ``messages`` row (its system and user turns and the template's tokens too, as TRL trains such rows by
+            default), and of a conversational completion. TRL: the same name.
         completion_only_loss: the loss of a ``prompt``/``completion`` row covers its completion; false: the prompt's
-            tokens too. TRL: the same name.
+            tokens too (its assistant turns alone under ``assistant_only_loss``). A token is trained where both keep
+            it, as in TRL. TRL: the same name.
     """
 
     def __init__(
