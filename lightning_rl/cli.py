@@ -233,8 +233,9 @@ def _run(recipe: str | None, overrides: list[str]) -> int:
     except UserError as error:  # one found once the run started (a data row, a checkpoint, a reward, a step)
         if first and ckpt_path is None and cli.trainer.global_step == 0 and cli.wrote_run_folder():
             # A fresh run refused before its first step (an engine it cannot build, ...) takes back what it wrote,
-            # so that the corrected rerun starts there: nothing was trained, no earlier run's file is touched.
+            # so that the corrected rerun starts there: nothing was trained, and the run --overwrite replaces is back.
             run_folder.remove_run_files(output_dir)
+            run_folder.restore_set_aside(output_dir)
         raise cli.keyed(error) from None
     finally:
         if lock is not None:  # first: a signal from here on finds the folder free

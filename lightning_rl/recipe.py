@@ -347,14 +347,19 @@ class SaveRecipe(SaveConfigCallback):
         if not trainer.is_global_zero:
             return
         output_dir = Path(self.config["output_dir"])
-        if self.config["overwrite"]:
-            run_folder.remove_run_files(output_dir)
+        if self.config["overwrite"]:  # set aside until the first step is trained: a refusal before it loses nothing
+            run_folder.set_aside_run_files(output_dir)
         path = output_dir / run_folder.RECIPE
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(run_folder.marked(self.recipe_text()), encoding="utf-8")
         os.replace(tmp, path)
         self.wrote = True
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.is_global_zero and self.config["overwrite"] and trainer.global_step >= 1 and not getattr(self, "dropped", False):
+            run_folder.drop_set_aside(Path(self.config["output_dir"]))  # the new run has trained: the earlier one goes
+            self.dropped = True
 
     def recipe_text(self) -> str:
         """The resolved recipe, as the run folder and each checkpoint keep it."""

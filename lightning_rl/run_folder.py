@@ -21,6 +21,7 @@ HF_LISTING = ".hf-files"  # the files of hf/ the run's export wrote, one relativ
 _CHECKPOINT = r"(?:\.staging|\.trash)?"  # a checkpoint being written, or being replaced (lightning_rl/checkpoints.py)
 # Per folder of the run (relative to output_dir), the names the run gives what it writes there; a match is removed
 # whole (a sharded checkpoint and a logger's run are folders). csv/version_N holds only the CSV logger's two files.
+ASIDE = ".overwritten"  # an earlier run's files while --overwrite's new run has not trained its first step
 RUN_NAMES = {
     ".": re.compile(
         rf"recipe\.yaml|\.recipe\.yaml\.tmp|summary\.json(?:\.tmp)?|rollouts\.jsonl(?:\.tmp)?|hpc_ckpt_\d+\.ckpt{_CHECKPOINT}|hf\.tmp|hf\.old|{re.escape(HF_LISTING)}(?:\.tmp)?"
@@ -85,6 +86,38 @@ def run_files(output_dir: Path) -> list[Path]:
             if folder.is_dir():
                 found += [path for path in sorted(folder.iterdir()) if names.fullmatch(path.name)]
     return found + [output_dir / HF / name for name in _exported(output_dir)]
+
+
+def set_aside_run_files(output_dir: Path) -> None:
+    """Move what the run in ``output_dir`` wrote into ``ASIDE`` (kept by its place in the folder): ``--overwrite``'s new
+    run takes the folder, and the earlier run comes back should the new one be refused before its first step
+    (`restore_set_aside`), or goes once that step is trained (`drop_set_aside`). An aside left by a killed process
+    goes first."""
+    drop_set_aside(output_dir)
+    aside = output_dir / ASIDE
+    for path in run_files(output_dir):
+        target = aside / path.relative_to(output_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+    remove_run_files(output_dir)  # the folders this left empty
+
+
+def restore_set_aside(output_dir: Path) -> None:
+    """Put the earlier run's files back where they were (the new run's removed first, by the caller)."""
+    aside = output_dir / ASIDE
+    if not aside.is_dir():
+        return
+    for path in sorted(p for p in aside.rglob("*") if not p.is_dir()):
+        target = output_dir / path.relative_to(aside)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+    shutil.rmtree(aside)
+
+
+def drop_set_aside(output_dir: Path) -> None:
+    aside = output_dir / ASIDE
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
 
 
 def remove_run_files(output_dir: Path) -> None:

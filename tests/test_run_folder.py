@@ -193,7 +193,28 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     logged = yaml.safe_load((out / "csv" / "version_1" / "hparams.yaml").read_text())
     assert logged["overwrite"] is False and logged["trainer.max_steps"] == 2  # the logged hyperparameters are recipe.yaml's
     assert "model.learning_rate" in logged and "learning_rate" not in logged  # each once, by its recipe key
-    assert not (out / ".lock").exists()
+    assert not (out / ".lock").exists() and not (out / run_folder.ASIDE).exists()
+
+
+class RefusedBeforeTheFirstStep(Callback):
+    """A refusal after the run folder is taken and before the first step (a GRPO prompt too long for the engine's
+    context is found there, once the engine is built)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lightning_rl.errors import RecipeError
+
+        raise RecipeError("refused before the first step", "model.sampling")
+
+
+def test_an_overwrite_refused_before_its_first_step_gives_the_earlier_run_back(tmp_path, capsys, rows):
+    """--overwrite removed the earlier run's files, then the refusal the new run's: the folder was left empty."""
+    out = tmp_path / "run"
+    assert run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=1") == (0, [])
+    earlier = files(out)
+    code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2", "--overwrite",
+                       "--trainer.callbacks=test_run_folder.RefusedBeforeTheFirstStep")
+    assert code == 2 and errors == ["error: model.sampling: refused before the first step"]
+    assert files(out) == earlier and not (out / run_folder.ASIDE).exists()
 
 
 def test_overwrite_on_a_folder_of_user_files_deletes_nothing(tmp_path, capsys, rows):
