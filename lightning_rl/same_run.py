@@ -91,11 +91,23 @@ def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
     if saved is None:
         return
     if differences := changed(saved, here):
-        said = "; ".join(f"{key}={_shown(value)} here, {_shown(before)} in the run" for key, before, value in differences)
+        said = "; ".join(f"{key}={_shown(value)} here, {_shown(before)} in the run"
+                         for difference in differences for key, before, value in _narrowed(*difference))
         raise RecipeError(
             f"{said}: ckpt_path: {ckpt_path} resumes a run that another value would make a different run; give the "
             "run's values, or start a new run (another output_dir, or --overwrite)",
         )  # no key: each is named from the recipe's top already (a module's key would be read from inside its block)
+
+
+def _narrowed(key: str, before: Any, now: Any) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, value here) of the items that differ, where a list or mapping changed in part
+    (``model.rewards[1].weight``): both whole values, cut to a line, may read the same."""
+    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
+        return [found for i, (old, new) in enumerate(zip(before, now)) if _typed(old) != _typed(new) for found in _narrowed(f"{key}[{i}]", old, new)]
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [found for name in dict.fromkeys([*before, *now]) if _typed(before.get(name)) != _typed(now.get(name))
+                for found in _narrowed(f"{key}.{name}", before.get(name), now.get(name))]
+    return [(key, before, now)]
 
 
 def _shown(value: Any) -> str:

@@ -458,3 +458,16 @@ def test_a_checkpoint_resumed_under_another_strategy_is_one_line_naming_it(tmp_p
         errors = sorted({line for line in resumed.stderr.splitlines() if line.startswith("error:")})
         assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
         assert len(errors) == 1 and errors[0].startswith(f"error: trainer.strategy={resumes} here, {wrote} in the run: ckpt_path: "), errors
+
+
+def test_a_list_changed_in_part_is_named_by_the_items_that_changed():
+    """A resume changing one reward's weight showed the whole list twice, both cut at 80 characters to the same text."""
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.same_run import check_same_run
+
+    rewards = [{"function": "math_answer", "weight": 1.0, "kwargs": {}, "name": None},
+               {"function": "my_long_module_name:my_reward", "weight": 0.5, "kwargs": {"pattern": "x"}, "name": None}]
+    saved = yaml.safe_dump({"task": "grpo", "model": {"rewards": rewards}})
+    rewards[1] = {**rewards[1], "weight": 0.7}
+    with pytest.raises(RecipeError, match=r"^model\.rewards\[1\]\.weight=0\.7 here, 0\.5 in the run: ckpt_path: last\.ckpt resumes"):
+        check_same_run(saved, yaml.safe_dump({"task": "grpo", "model": {"rewards": rewards}}), "last.ckpt")
