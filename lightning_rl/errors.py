@@ -48,11 +48,6 @@ class BatchingChanged(RecipeError):
     recipe key instead (``lightning_rl/same_run.py``)."""
 
 
-class RowsChanged(UserError, ValueError):
-    """A resume whose data holds other rows than the run it resumes trained on: the data was changed, or a recipe key
-    that renders it (the tokenizer, which tokens are trained), which the command names instead where one changed."""
-
-
 def report(error: UserError, say: bool = True) -> int:
     """The one way a command ends on a ``UserError``: one ``error:`` line on stderr (where ``say``), and its exit code."""
     if say:

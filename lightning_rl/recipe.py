@@ -357,7 +357,7 @@ class SaveRecipe(SaveConfigCallback):
         self.wrote = True
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.is_global_zero and self.config["overwrite"] and trainer.global_step >= 1 and not getattr(self, "dropped", False):
+        if trainer.is_global_zero and trainer.global_step >= 1 and not getattr(self, "dropped", False):
             run_folder.drop_set_aside(Path(self.config["output_dir"]))  # the new run has trained: the earlier one goes
             self.dropped = True
 
@@ -374,6 +374,7 @@ class SaveRecipe(SaveConfigCallback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:  # after ExportHuggingFace, which comes earlier among the callbacks
             run_folder.record_export(Path(self.config["output_dir"]))
+            run_folder.drop_set_aside(Path(self.config["output_dir"]))  # a run of no step finished all the same
 
 
 def _lists_replaced(parser: LightningArgumentParser, args: list[str]) -> list[str]:

@@ -21,7 +21,10 @@ HF_LISTING = ".hf-files"  # the files of hf/ the run's export wrote, one relativ
 _CHECKPOINT = r"(?:\.staging|\.trash)?"  # a checkpoint being written, or being replaced (lightning_rl/checkpoints.py)
 # Per folder of the run (relative to output_dir), the names the run gives what it writes there; a match is removed
 # whole (a sharded checkpoint and a logger's run are folders). csv/version_N holds only the CSV logger's two files.
-ASIDE = ".overwritten"  # an earlier run's files while --overwrite's new run has not trained its first step
+# While --overwrite's new run has not trained its first step: the earlier run's files, renamed in place with PREFIX,
+# and listed (by their own names) in ASIDE.
+ASIDE = ".overwritten-files"
+PREFIX = ".overwritten-"
 RUN_NAMES = {
     ".": re.compile(
         rf"recipe\.yaml|\.recipe\.yaml\.tmp|summary\.json(?:\.tmp)?|rollouts\.jsonl(?:\.tmp)?|hpc_ckpt_\d+\.ckpt{_CHECKPOINT}|hf\.tmp|hf\.old|{re.escape(HF_LISTING)}(?:\.tmp)?"
@@ -89,41 +92,63 @@ def run_files(output_dir: Path) -> list[Path]:
 
 
 def set_aside_run_files(output_dir: Path) -> None:
-    """Move what the run in ``output_dir`` wrote into ``ASIDE`` (kept by its place in the folder): ``--overwrite``'s new
-    run takes the folder, and the earlier run comes back should the new one be refused before its first step
-    (`restore_set_aside`), or goes once that step is trained (`drop_set_aside`). An aside left by a killed process
-    goes first."""
-    drop_set_aside(output_dir)
-    aside = output_dir / ASIDE
-    for path in run_files(output_dir):
-        target = aside / path.relative_to(output_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(target)
-    remove_run_files(output_dir)  # the folders this left empty
+    """Rename what the run in ``output_dir`` wrote, each where it is (``PREFIX`` before its name: a checkpoints folder
+    on another filesystem stays there, a symlink stays one), and list the renamed in ``ASIDE``: ``--overwrite``'s new
+    run takes the folder, and the earlier run comes back should the new one end before its first step
+    (`restore_set_aside`), or goes once it has trained one (`drop_set_aside`). An aside left by a run that stopped
+    before its first step (killed, or crashed) is given back first, in place of that run's files."""
+    if _set_aside(output_dir):
+        remove_run_files(output_dir)
+        restore_set_aside(output_dir)
+    entries = run_files(output_dir)
+    for folder in sorted(output_dir.glob("csv/version_*")):  # a log folder of the run's files alone goes whole: the
+        inside = [path for path in entries if path.parent == folder]  # new log takes its version, as it did
+        if inside and folder.is_dir() and not folder.is_symlink() and len(inside) == len(list(folder.iterdir())):
+            entries = [path for path in entries if path.parent != folder] + [folder]
+    moved = []
+    with open(output_dir / ASIDE, "w", encoding="utf-8") as listing:
+        for path in entries:
+            path.rename(path.with_name(PREFIX + path.name))
+            moved.append(str(path.relative_to(output_dir)))
+            listing.write(moved[-1] + "\n")
+            listing.flush()
+    remove_run_files(output_dir)  # the folders this left without a file of the run
+
+
+def _set_aside(output_dir: Path) -> list[Path]:
+    try:
+        return [output_dir / line for line in (output_dir / ASIDE).read_text(encoding="utf-8").splitlines() if line]
+    except (OSError, UnicodeDecodeError):
+        return []
 
 
 def restore_set_aside(output_dir: Path) -> None:
-    """Put the earlier run's files back where they were (the new run's removed first, by the caller)."""
-    aside = output_dir / ASIDE
-    if not aside.is_dir():
-        return
-    for path in sorted(p for p in aside.rglob("*") if not p.is_dir()):
-        target = output_dir / path.relative_to(aside)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(target)
-    shutil.rmtree(aside)
+    """Give the earlier run's files their names back (the new run's, removed by the caller, made room for them)."""
+    for path in _set_aside(output_dir):
+        aside = path.with_name(PREFIX + path.name)
+        if aside.exists() or aside.is_symlink():
+            aside.rename(path)
+    (output_dir / ASIDE).unlink(missing_ok=True)
 
 
 def drop_set_aside(output_dir: Path) -> None:
-    aside = output_dir / ASIDE
-    if aside.is_dir() and not aside.is_symlink():
-        shutil.rmtree(aside)
+    """Remove the earlier run's files, once the new run has trained."""
+    for path in _set_aside(output_dir):
+        aside = path.with_name(PREFIX + path.name)
+        shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink(missing_ok=True)
+    (output_dir / ASIDE).unlink(missing_ok=True)
+    _remove_emptied(output_dir)
 
 
 def remove_run_files(output_dir: Path) -> None:
     """Remove what the run in ``output_dir`` wrote (``run_files``), then the run's folders that this left empty."""
     for path in run_files(output_dir):
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    _remove_emptied(output_dir)
+
+
+def _remove_emptied(output_dir: Path) -> None:
+    """The run's folders left empty."""
     hf = output_dir / HF
     emptied = sorted((p for p in hf.rglob("*") if p.is_dir()), reverse=True) if hf.is_dir() else []
     for folder in [*emptied, *sorted(output_dir.glob("csv/version_*")), *(output_dir / name for name in ("csv", "checkpoints", "wandb", HF))]:

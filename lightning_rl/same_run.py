@@ -92,7 +92,7 @@ def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
         return
     if differences := changed(saved, here):
         said = "; ".join(f"{key}={_shown(value)} here, {_shown(before)} in the run"
-                         for difference in differences for key, before, value in _narrowed(*difference))
+                         for difference in differences for key, before, value in _narrowed_or_whole(*difference))
         raise RecipeError(
             f"{said}: ckpt_path: {ckpt_path} resumes a run that another value would make a different run; give the "
             "run's values, or start a new run (another output_dir, or --overwrite)",
@@ -108,6 +108,10 @@ def _narrowed(key: str, before: Any, now: Any) -> list[tuple[str, Any, Any]]:
         return [found for name in dict.fromkeys([*before, *now]) if _typed(before.get(name)) != _typed(now.get(name))
                 for found in _narrowed(f"{key}.{name}", before.get(name), now.get(name))]
     return [(key, before, now)]
+
+
+def _narrowed_or_whole(key: str, before: Any, now: Any) -> list[tuple[str, Any, Any]]:
+    return _narrowed(key, before, now) or [(key, before, now)]  # items alike once typed: the whole values, as found
 
 
 def _shown(value: Any) -> str:

@@ -193,7 +193,7 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     logged = yaml.safe_load((out / "csv" / "version_1" / "hparams.yaml").read_text())
     assert logged["overwrite"] is False and logged["trainer.max_steps"] == 2  # the logged hyperparameters are recipe.yaml's
     assert "model.learning_rate" in logged and "learning_rate" not in logged  # each once, by its recipe key
-    assert not (out / ".lock").exists() and not (out / run_folder.ASIDE).exists()
+    assert not (out / ".lock").exists() and not list(out.rglob(run_folder.PREFIX + "*"))
 
 
 class RefusedBeforeTheFirstStep(Callback):
@@ -214,7 +214,7 @@ def test_an_overwrite_refused_before_its_first_step_gives_the_earlier_run_back(t
     code, errors = run(capsys, out, f"--data.train_data={rows}", "--trainer.max_steps=2", "--overwrite",
                        "--trainer.callbacks=test_run_folder.RefusedBeforeTheFirstStep")
     assert code == 2 and errors == ["error: model.sampling: refused before the first step"]
-    assert files(out) == earlier and not (out / run_folder.ASIDE).exists()
+    assert files(out) == earlier and not list(out.rglob(run_folder.PREFIX + "*"))
 
 
 def test_overwrite_on_a_folder_of_user_files_deletes_nothing(tmp_path, capsys, rows):
@@ -300,3 +300,26 @@ def test_a_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pa
     code, errors = run(capsys, out, f"--data.train_data={rows}", "--ckpt_path=last", f"--trainer.max_steps={saved + 2}")
     assert code == 0 and errors == []
     assert newest_complete(out)[0].step == saved + 2 and not (out / ".lock").exists()
+
+
+def test_a_set_aside_run_comes_back_whole_after_a_new_run_that_never_trained(tmp_path):
+    """Set aside in place (a checkpoints folder on another filesystem stays there; wandb's latest-run link stays a
+    link), given back whole, and given back by the next --overwrite after a new run killed before its first step."""
+    out = tmp_path / "run"
+    for name, data in {"recipe.yaml": run_folder.marked("task: sft\n"), "summary.json": "{}", "checkpoints/last.ckpt": "w",
+                       "csv/version_0/metrics.csv": "step\n", "wandb/run-20260101_000000-abc/files/x": "1"}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(data)
+    (out / "wandb" / "latest-run").symlink_to("run-20260101_000000-abc")
+    earlier = files(out)
+    run_folder.set_aside_run_files(out)
+    assert run_folder.run_files(out) == [] and not run_folder.is_run_folder(out)
+    (out / "recipe.yaml").write_text(run_folder.marked("task: sft\n# the new run, killed before its first step\n"))
+    (out / "csv" / "version_0").mkdir(parents=True)  # the new log took version 0 again
+    (out / "csv" / "version_0" / "hparams.yaml").write_text("new")
+    run_folder.set_aside_run_files(out)  # the next --overwrite: the earlier run back first, then set aside again
+    run_folder.restore_set_aside(out)
+    assert files(out) == earlier and (out / "wandb" / "latest-run").is_symlink() and not (out / run_folder.ASIDE).exists()
+    run_folder.set_aside_run_files(out)
+    run_folder.drop_set_aside(out)
+    assert run_folder.run_files(out) == [] and not list(out.rglob(run_folder.PREFIX + "*"))
