@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E40
 
 from lightning_rl import run_folder  # noqa: E402
 from lightning_rl.checkpoints import ForeignCheckpointError, ForeignWeightsError, IncompleteCheckpointError, checkpoint_step, clean_staging, newest_complete  # noqa: E402
-from lightning_rl.errors import BatchingChanged, RecipeError, UserError, report  # noqa: E402
+from lightning_rl.errors import BatchingChanged, RecipeError, RowsChanged, UserError, report  # noqa: E402
 
 if TYPE_CHECKING:
     from lightning_rl.recipe import RecipeCLI
@@ -261,8 +261,6 @@ def _fit(cli: RecipeCLI, ckpt_path: str | None) -> int:
             print(f"stopped by {cli.requeue.stopped_by or 'SIGTERM'} after step {trainer.global_step}; resume with --ckpt_path=last", file=sys.stderr)
         return EXIT_SIGTERM
     except Exception as error:
-        from lightning_rl.data.sft import RowsChanged
-
         # Weights or rows that did not fit (a changed key that adds or removes weights, or rebatches the rows), or a
         # checkpoint a strategy's own reader failed on before any check of ours (FSDP2 reading a LoRA run's optimizer
         # state, in torch's words): a changed recipe key explains it, named with both values.

@@ -48,6 +48,15 @@ class BatchingChanged(RecipeError):
     recipe key instead (``lightning_rl/same_run.py``)."""
 
 
+class DataError(UserError, ValueError):
+    """A problem with the training data, with the file and line (or row) it was found in."""
+
+
+class RowsChanged(DataError):
+    """A resume whose data holds other rows than the run it resumes trained on: the data was changed, or a recipe key
+    that renders it (the tokenizer, which tokens are trained), which the command names instead where one changed."""
+
+
 def report(error: UserError, say: bool = True) -> int:
     """The one way a command ends on a ``UserError``: one ``error:`` line on stderr (where ``say``), and its exit code."""
     if say:

@@ -44,7 +44,9 @@ from lightning_rl.errors import RecipeError, UserError
 from lightning_rl.models.paths import EMBEDDED
 from lightning_rl.rollout.base import SHORT_NAMES, EngineSpec
 from lightning_rl.same_run import check_same_run, leaves
+from lightning_rl import strategies as our_strategies
 from lightning_rl.strategies import check_strategy_request
+from lightning_rl.toy.task import TRAIN_FILE
 
 TASKS = {
     "sft": ("lightning_rl.modules.sft:SFTModule", "lightning_rl.data.sft:SFTDataModule"),
@@ -528,8 +530,6 @@ class RecipeCLI(LightningCLI):
             check_precision_here(self.config["trainer"])
         else:  # launch, plan: the module's and the data's own checks of their values, as `run` makes them (the model
             # and the data files are not read: they may be on the cluster alone)
-            from lightning_rl.toy.task import TRAIN_FILE
-
             data = self.config["data"].as_dict()
             data["path" if data.get("path") is not None else "train_data"] = str(TRAIN_FILE)  # GRPO's earlier name kept
             data.update({"val_data": None} if "val_data" in data else {})
@@ -628,9 +628,7 @@ def _strategy_class(name: str) -> type | None:
 
     if name in StrategyRegistry or name == "auto":
         return None
-    import lightning_rl.strategies as ours
-
-    found = getattr(strategies, name, None) or getattr(ours, name, None)
+    found = getattr(strategies, name, None) or getattr(our_strategies, name, None)
     if found is None and "." in name:
         try:
             found = dotted.load_object(name, "trainer.strategy")

@@ -105,6 +105,8 @@ def set_aside_run_files(output_dir: Path) -> None:
         inside = [path for path in entries if path.parent == folder]  # new log takes its version, as it did
         if inside and folder.is_dir() and not folder.is_symlink() and len(inside) == len(list(folder.iterdir())):
             entries = [path for path in entries if path.parent != folder] + [folder]
+    if not entries:  # no earlier run (a new folder, or one of user files alone)
+        return
     moved = []
     with open(output_dir / ASIDE, "w", encoding="utf-8") as listing:
         for path in entries:

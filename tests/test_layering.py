@@ -37,7 +37,8 @@ ALLOWED = {
     "callbacks": {"checkpoints", "ops", "strategies", "errors", "stopping"},
     "run_folder": set(),
     "same_run": {"errors", "validation"},
-    "recipe": {"callbacks", "checkpoints", "console", "dotted", "errors", "models", "rollout", "run_folder", "same_run", "strategies", "trl_names", "validation"},
+    "recipe": {"callbacks", "checkpoints", "console", "dotted", "errors", "models", "rollout", "run_folder", "same_run", "strategies", "toy",
+               "trl_names", "validation"},  # toy: the embedded data file, a stand-in for launch's checks of data values
     "launch": {"models", "rollout", "recipe", "errors", "strategies", "validation"},
     "planner": {"launch", "errors", "models", "validation"},
     "env_report": {"strategies"},

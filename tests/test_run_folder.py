@@ -215,6 +215,7 @@ def test_an_overwrite_refused_before_its_first_step_gives_the_earlier_run_back(t
                        "--trainer.callbacks=test_run_folder.RefusedBeforeTheFirstStep")
     assert code == 2 and errors == ["error: model.sampling: refused before the first step"]
     assert files(out) == earlier and not list(out.rglob(run_folder.PREFIX + "*"))
+    assert run(capsys, tmp_path / "new", f"--data.train_data={rows}", "--trainer.max_steps=1", "--overwrite") == (0, [])  # nothing to set aside
 
 
 def test_overwrite_on_a_folder_of_user_files_deletes_nothing(tmp_path, capsys, rows):

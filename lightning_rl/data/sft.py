@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 
 from lightning_rl import validation
-from lightning_rl.errors import BatchingChanged, RecipeError, UserError
+from lightning_rl.errors import BatchingChanged, DataError, RecipeError, RowsChanged
 from lightning_rl.models.loading import end_of_turn_ids, saved_generation_config
 from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import learned_positions, resolve_model_path
@@ -56,13 +56,6 @@ _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Packing = Literal["auto", "tree", "flat", "none"]
 
 
-class DataError(UserError, ValueError):
-    """A problem with the training data, with the file and line (or row) it was found in."""
-
-
-class RowsChanged(DataError):
-    """A resume whose data holds other rows than the run it resumes trained on: the data was changed, or a recipe key
-    that renders it (the tokenizer, which tokens are trained), which the command names instead where one changed."""
 
 
 def check_same_batching(saved: dict[str, Any] | None, here: dict[str, Any]) -> None:
