@@ -662,12 +662,10 @@ def _trainer_refusal(error: Exception, trainer: dict[str, Any]) -> RecipeError:
     backend found!`` is ``trainer.accelerator=gpu``'s; a number is too common a word to tell), else Lightning's words:
     a value it quotes first (its list of choices names others)."""
     said = " ".join(str(error).split())
-    for key, value in trainer.items():
-        if isinstance(value, str) and re.search(rf"['\"]{re.escape(value)}['\"]", said, re.IGNORECASE):
-            return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")
-    for key, value in trainer.items():
-        if isinstance(value, str) and re.search(rf"(?<![\w.]){re.escape(str(value))}(?![\w.])", said):
-            return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")
+    for quoted, flags in ((r"['\"]{}['\"]", re.IGNORECASE), (r"(?<![\w.]){}(?![\w.])", 0)):
+        for key, value in trainer.items():
+            if isinstance(value, str) and re.search(quoted.format(re.escape(value)), said, flags):
+                return RecipeError(f"trainer.{key}={value}: {said}", f"trainer.{key}")
     return RecipeError(said)
 
 
@@ -792,14 +790,18 @@ def _override_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
-def _written_in(key: str, recipe: Path) -> bool:
-    """Whether a recipe file writes ``key`` (or a key inside it, or the block holding it)."""
-    written = [dotted for dotted, value in _dotted_items(yaml.safe_load(recipe.read_text()) or {}) if not isinstance(value, dict)]
+def _among(key: str, written: abc.Iterable[str]) -> bool:
+    """Whether ``written`` (dotted keys) holds ``key``, a key inside it, or the block holding it."""
     return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in written)
 
 
+def _written_in(key: str, recipe: Path) -> bool:
+    """Whether a recipe file writes ``key`` (or a key inside it, or the block holding it)."""
+    return _among(key, (dotted for dotted, value in _dotted_items(yaml.safe_load(recipe.read_text()) or {}) if not isinstance(value, dict)))
+
+
 def _written_on_command_line(key: str, overrides: list[str]) -> bool:
-    return any(key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.") for given in _override_keys(overrides))
+    return _among(key, _override_keys(overrides))
 
 
 def item_fields(key: str, hint: Any) -> list[tuple[str, dataclasses.Field, str]]:
@@ -1105,20 +1107,21 @@ def parse(recipe: str, overrides: list[str], sized_only: bool = False) -> dict[s
     written = yaml.safe_load(Path(recipe).read_text())
     for overlay in overlays(overrides):  # a file laid over the recipe writes its keys
         for dotted_key, value in _dotted_items(yaml.safe_load(overlay.read_text()) or {}):
-            node = written
-            *parents, last = dotted_key.split(".")
-            for part in parents:
-                node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
-            node.setdefault(last, {} if isinstance(value, dict) else True)
+            _place(written, dotted_key).setdefault(dotted_key.rpartition(".")[2], {} if isinstance(value, dict) else True)
     for override in overrides:  # `--a.b=value`: a.b is written
-        if override.startswith("--config="):
-            continue
-        node = written
-        *parents, last = override.lstrip("-").split("=", 1)[0].rstrip("+").split(".")
-        for part in parents:
-            node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
-        node[last] = True
+        if not override.startswith("--config="):
+            dotted_key = override.lstrip("-").split("=", 1)[0].rstrip("+")
+            _place(written, dotted_key)[dotted_key.rpartition(".")[2]] = True
     return _written(config, written)
+
+
+def _place(written: dict[str, Any], dotted_key: str) -> dict[str, Any]:
+    """The mapping of ``written`` that holds ``dotted_key``'s last part, made where missing (a value where a mapping
+    would be: a mapping of its own, not kept)."""
+    node = written
+    for part in dotted_key.split(".")[:-1]:
+        node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
+    return node
 
 
 def _written(parsed: Any, written: Any) -> Any:

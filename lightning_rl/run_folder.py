@@ -107,17 +107,20 @@ def set_aside_run_files(output_dir: Path) -> None:
             entries = [path for path in entries if path.parent != folder] + [folder]
     if not entries:  # no earlier run (a new folder, or one of user files alone)
         return
-    moved = []
     with open(output_dir / ASIDE, "w", encoding="utf-8") as listing:
         for path in entries:
-            path.rename(path.with_name(PREFIX + path.name))
-            moved.append(str(path.relative_to(output_dir)))
-            listing.write(moved[-1] + "\n")
+            path.rename(_aside(path))
+            listing.write(f"{path.relative_to(output_dir)}\n")
             listing.flush()
     remove_run_files(output_dir)  # the folders this left without a file of the run
 
 
+def _aside(path: Path) -> Path:
+    return path.with_name(PREFIX + path.name)
+
+
 def _set_aside(output_dir: Path) -> list[Path]:
+    """The files and folders ``ASIDE`` lists, by their own names."""
     try:
         return [output_dir / line for line in (output_dir / ASIDE).read_text(encoding="utf-8").splitlines() if line]
     except (OSError, UnicodeDecodeError):
@@ -127,16 +130,14 @@ def _set_aside(output_dir: Path) -> list[Path]:
 def restore_set_aside(output_dir: Path) -> None:
     """Give the earlier run's files their names back (the new run's, removed by the caller, made room for them)."""
     for path in _set_aside(output_dir):
-        aside = path.with_name(PREFIX + path.name)
-        if aside.exists() or aside.is_symlink():
-            aside.rename(path)
+        if _aside(path).exists() or _aside(path).is_symlink():
+            _aside(path).rename(path)
     (output_dir / ASIDE).unlink(missing_ok=True)
 
 
 def drop_set_aside(output_dir: Path) -> None:
     """Remove the earlier run's files, once the new run has trained."""
-    for path in _set_aside(output_dir):
-        aside = path.with_name(PREFIX + path.name)
+    for aside in map(_aside, _set_aside(output_dir)):
         shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink(missing_ok=True)
     (output_dir / ASIDE).unlink(missing_ok=True)
     _remove_emptied(output_dir)
