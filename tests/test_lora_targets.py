@@ -65,3 +65,20 @@ def test_a_16_bit_merged_export_rounds_each_weight_once(tiny_path, tmp_path, tin
     export_hf(model, tiny_tokenizer, tmp_path / "hf", mode="merged")
     saved = load_file(tmp_path / "hf" / "model.safetensors")
     assert exact and all(saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], weight) for name, weight in exact.items())
+
+
+def test_an_adapter_exported_from_a_base_under_home_loads_with_its_base(tiny_path, tmp_path, tiny_tokenizer, monkeypatch):
+    """A recipe's ``~/...`` model is written as the folder it names: from_pretrained does not expand ``~``."""
+    import shutil
+
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rl.models.loading import export_hf
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_path, tmp_path / "base")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(r=2, target_modules=["q_proj"]))
+    export_hf(model, tiny_tokenizer, tmp_path / "hf", mode="adapter", base_model="~/base")
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")

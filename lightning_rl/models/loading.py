@@ -381,9 +381,11 @@ def export_hf(
         tokenizer.save_pretrained(staging)
         if mode == "adapter" and base_model is not None:
             # After saving: peft reads the base's config from this name as it saves (to see whether the vocabulary grew).
+            # A folder under ~ is written as the shell reads it: from_pretrained does not expand ~.
             adapter_config = staging / "adapter_config.json"
             config = json.loads(adapter_config.read_text(encoding="utf-8"))
-            adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2) + "\n", encoding="utf-8")
+            named = os.path.expanduser(base_model) if base_model.startswith("~") else base_model
+            adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": named}, indent=2) + "\n", encoding="utf-8")
         if model_card is not None:
             (staging / "README.md").write_text(model_card, encoding="utf-8")  # in place of peft's template
         _readable_as_umask_allows(staging)
