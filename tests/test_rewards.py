@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from lightning_rl.errors import RecipeError
 from lightning_rl.losses import group_advantages
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rewards.scoring import RewardContractError, RewardFailedError, load_reward_function
@@ -155,8 +156,9 @@ def test_bad_reward_specs_are_refused_by_name():
         RewardScorer([RewardSpec("nonsense")])
     with pytest.raises(ValueError, match="no module 'no_such_module' in .*the installed packages"):
         RewardScorer([RewardSpec("no_such_module.fn")])
-    with pytest.raises(ValueError, match="names must be unique"):
-        RewardScorer([RewardSpec("math_answer"), RewardSpec("math_answer")])
+    with pytest.raises(RecipeError, match=r"names must be unique: 'math_answer' names rewards\[0\] too") as twice:
+        RewardScorer([RewardSpec("math_answer"), RewardSpec("format"), RewardSpec("math_answer")])
+    assert twice.value.within("model").line().startswith("model.rewards[2].name: reward function names must be unique")
 
 
 class Judge:

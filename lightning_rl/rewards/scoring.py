@@ -479,8 +479,9 @@ class RewardScorer:
             raise ValueError(f"reward_all_failed must be 'stop' or 'zero', got {all_failed!r}")
         rewards = [_Reward(spec) for spec in specs]
         names = [reward.name for reward in rewards]
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward function names must be unique (set `name:`), got {names}")
+        if again := next((i for i, name in enumerate(names) if name in names[:i]), None):
+            raise RecipeError(f"reward function names must be unique: {names[again]!r} names rewards[{names.index(names[again])}] "
+                              f"too (set `name:` on one), got {names}", f"rewards[{again}].name")
         self.rewards = {reward.name: reward for reward in rewards}
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"reward_timeout_s must be a finite number > 0 or null, got {timeout_s}")
