@@ -23,6 +23,7 @@ _SHORT = {
     "train/lr": "lr",
     "train/tokens_per_s": "tok/s",
     "val/loss": "val_loss",
+    "val/exact_match": "val_exact_match",
 }
 
 
@@ -71,6 +72,14 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Without a terminal, a line of each validation's figures at the step it ran after: the step lines show the
+        latest validation's, which the last step's line, printed before that step's validation, did not have yet."""
+        super().on_validation_end(trainer, pl_module)
+        shown = {name: value for name, value in self.figures(trainer).items() if name.startswith("val_")}
+        if not self.terminal and not super().is_disabled and not trainer.sanity_checking and shown:
+            print(f"validation at step {trainer.global_step}  " + "  ".join(f"{name} {_number(value)}" for name, value in shown.items()), flush=True)
 
     def _print_line(self, trainer: Trainer) -> None:
         step, total = trainer.global_step, convert_inf(trainer.estimated_stepping_batches)

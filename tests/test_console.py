@@ -19,8 +19,8 @@ def _fit_sft(tmp_path, bar, **trainer_args):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:8]))  # a few rows: several epochs
     trainer = Trainer(accelerator="cpu", max_steps=5, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[bar, RunSummary(tmp_path, task="sft")],
-                      **trainer_args)  # fmt: skip
+                      enable_model_summary=False, callbacks=[bar, RunSummary(tmp_path, task="sft")],
+                      **{"limit_val_batches": 0, **trainer_args})  # fmt: skip
     trainer.fit(SFTModule(learning_rate=1e-3, eval_generations=0), datamodule=SFTDataModule(rows, TOY_HELDOUT, max_tokens=128))
     return trainer
 
@@ -46,6 +46,14 @@ def test_without_a_terminal_progress_is_a_plain_line_every_few_steps(tmp_path, t
     # summary.json's names do not depend on the run's length: 5 steps give a window of 2 under the same names.
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["loss_window"] == 2 and {"loss_first_window_mean", "loss_last_window_mean"} <= set(summary)
+
+
+def test_without_a_terminal_each_validation_says_its_figures_at_its_step(tmp_path, tiny_path, capsys):
+    """The last step's line is printed before that step's validation: the validation's own line gives its loss."""
+    trainer = _fit_sft(tmp_path, StepProgressBar(terminal=False), limit_val_batches=1, log_every_n_steps=2)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("validation at step ")]
+    assert len(lines) >= 2 and [int(line[3]) for line in lines] == sorted({int(line[3]) for line in lines}), lines
+    assert lines[-1][3:6] == ["5", "val_loss", f"{float(trainer.callback_metrics['val/loss']):.4g}"], lines
 
 
 def test_lightning_tips_are_dropped(caplog):
