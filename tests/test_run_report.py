@@ -170,6 +170,9 @@ def test_a_grpo_run_logs_its_gradient_norm_held_out_score_and_rollouts_without_w
             if row["step"] == step:
                 groups.setdefault(row["prompt"], []).append(row["reward"])
         assert len(groups) == 2 and tied[step] == sum(len(set(g)) == 1 for g in groups.values()) / 2
+        for row in (row for row in rows if row["step"] == step):  # TRL's table's advantage: against its group's rewards
+            group = torch.tensor(groups[row["prompt"]], dtype=torch.float64)
+            assert row["advantage"] == pytest.approx(float((row["reward"] - group.mean()) / (group.std() + 1e-4)), abs=1e-6)
     longest, shortest = logged(out, "train/completions/max_length"), logged(out, "train/completions/min_length")
     assert sorted(longest) == [0, 1, 2] and all(1 <= shortest[s] <= logged(out, "train/completions/mean_length")[s] <= longest[s] for s in longest)
     closing = capsys.readouterr().out.strip().splitlines()[-1]

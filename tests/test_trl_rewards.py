@@ -253,9 +253,9 @@ def test_the_rollout_table_keeps_its_own_columns_when_a_reward_or_its_log_shares
     rollouts = [Rollout([1, 2], [3], [-0.5], 0, 0), Rollout([1, 2], [4], [-0.5], 0, 0)]
     scored = ScoredBatch(index=3, records=[{"prompt": "p"}], rollouts=rollouts, rewards=[2.0, 0.0],
                          reward_terms={"reward": [1.0, 0.0]}, logged_columns={"step": ["parsed", "parsed"], "reward": [5, 6]})  # fmt: skip
-    columns, rows = rollout_table(scored, str, step=7)
+    columns, rows = rollout_table(scored, str, step=7, advantages=[0.5, -0.5])
     table = [dict(zip(columns, row, strict=True)) for row in rows]
-    assert columns[6:] == ["reward/reward", "extra/step", "extra/reward"]
+    assert columns[7:] == ["reward/reward", "extra/step", "extra/reward"] and [t["advantage"] for t in table] == [0.5, -0.5]
     assert [(t["step"], t["reward"], t["reward/reward"], t["extra/step"], t["extra/reward"]) for t in table] == [
         (7, 2.0, 1.0, "parsed", 5), (7, 0.0, 0.0, "parsed", 6)]
 

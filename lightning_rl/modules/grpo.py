@@ -587,7 +587,7 @@ class GRPOModule(PolicyModule):
         reward = log_step(self, metrics, scored)
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first
         if (every := self.hparams.log_rollouts_every_n_steps) and scored.index % every == 0 and step % self.hparams.num_iterations == 0:
-            log_rollouts(self.trainer, step, rollout_table(scored, self.tokenizer.decode, step))  # every token as the model read it
+            log_rollouts(self.trainer, step, rollout_table(scored, self.tokenizer.decode, step, self._advantages(scored).tolist()))  # every token as the model read it
         return reward
 
     @functools.cached_property

@@ -295,18 +295,19 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
     return present.std() if present.numel() > 1 else torch.tensor(math.nan)
 
 
-def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str], step: int) -> tuple[list[str], list[list[Any]]]:
+def rollout_table(scored: ScoredBatch, text: Callable[[Sequence[int]], str], step: int, advantages: Sequence[float]) -> tuple[list[str], list[list[Any]]]:
     """The batch as a table (columns, rows): the trainer step that first trained it (the logged figures' ``step``) and
-    the batch's index (they differ with ``num_iterations`` > 1), prompt, completion, reward, each reward term and each
+    the batch's index (they differ with ``num_iterations`` > 1), prompt, completion, reward, advantage (TRL's table
+    has it too), each reward term and each
     column the reward functions logged (``log_extra``) per rollout. A term or logged column named like a column before
     it is ``reward/NAME`` or ``extra/NAME`` (a term named ``reward`` replaced the weighted total, a column ``step``
     the step that a resume's rewrite of the table goes by)."""
     names, logged = list(scored.reward_terms), list(scored.logged_columns)
-    columns = ["step", "batch", "prompt", "completion", "reward", "weight_version"]
+    columns = ["step", "batch", "prompt", "completion", "reward", "advantage", "weight_version"]
     for kind, keys in (("reward", names), ("extra", logged)):
         columns += [key if key not in columns else f"{kind}/{key}" for key in keys]
     rows = [
-        [step, scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], r.weight_version]
+        [step, scored.index, text(r.prompt_ids), text(r.completion_ids), scored.rewards[i], float(advantages[i]), r.weight_version]
         + [scored.reward_terms[name][i] for name in names] + [scored.logged_columns[name][i] for name in logged]
         for i, r in enumerate(scored.rollouts)
     ]
