@@ -229,6 +229,7 @@ def _run(recipe: str | None, overrides: list[str]) -> int:
         if lock is not None:
             lock.acquire()
         check_run_folder(output_dir, resuming=ckpt_path is not None, overwrite=cli.config["overwrite"])
+        cli.model.finish_when_trained = ckpt_path == "last"
         return _fit(cli, resume_path(output_dir, ckpt_path, first))
     except UserError as error:  # one found once the run started (a data row, a checkpoint, a reward, a step)
         if first and ckpt_path is None and cli.trainer.global_step == 0 and cli.wrote_run_folder():

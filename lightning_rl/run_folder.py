@@ -136,8 +136,11 @@ def restore_set_aside(output_dir: Path) -> None:
 
 
 def drop_set_aside(output_dir: Path) -> None:
-    """Remove the earlier run's files, once the new run has trained."""
-    for aside in map(_aside, _set_aside(output_dir)):
+    """Remove the earlier run's files, once the new run has trained, and the folders that left empty (not the new
+    run's: its log folder is empty until the logger's first write)."""
+    if not (set_aside := _set_aside(output_dir)):
+        return
+    for aside in map(_aside, set_aside):
         shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink(missing_ok=True)
     (output_dir / ASIDE).unlink(missing_ok=True)
     _remove_emptied(output_dir)

@@ -223,13 +223,23 @@ def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, c
     umask = os.umask(0)
     os.umask(umask)  # every file of the export as readable as a plain write makes it (the weights were 0600)
     assert {f.name: oct(f.stat().st_mode & 0o777) for f in (out / "hf").iterdir()} == {f.name: oct(0o666 & ~umask) for f in (out / "hf").iterdir()}
-    for max_steps in (2, 3):
-        code, errors, _ = run(capsys, SFT, out, "--ckpt_path=last", f"--trainer.max_steps={max_steps}")
+    for max_steps, ckpt_path in ((2, "last"), (3, str(out / "checkpoints" / "last.ckpt"))):
+        code, errors, _ = run(capsys, SFT, out, f"--ckpt_path={ckpt_path}", f"--trainer.max_steps={max_steps}")
         assert code == 2 and errors == [
             f"error: ckpt_path: {out / 'checkpoints' / 'last.ckpt'} is at step 3, and trainer.max_steps is {max_steps}: "
             "there is nothing left to train; raise trainer.max_steps to train on from it"
         ]
     assert (out / "hf" / "model.safetensors").read_bytes() == exported  # not exported again
+    # The command a requeued job runs every time (--ckpt_path=last, the run's own limit), after a kill that cut the
+    # run's end: that end is written again, the same, and nothing is trained.
+    summary = json.loads((out / "summary.json").read_text())
+    shutil.rmtree(out / "hf")
+    (out / "summary.json").unlink()
+    code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=3")
+    assert code == 0 and errors == [] and (out / "hf" / "model.safetensors").read_bytes() == exported
+    assert "resume: nothing is left to train at step 3 (trainer.max_steps is 3): the run's end is written again" in err
+    again = json.loads((out / "summary.json").read_text())
+    assert {k: v for k, v in again.items() if "seconds" not in k and "memory" not in k} == {k: v for k, v in summary.items() if "seconds" not in k and "memory" not in k}
 
 
 @contextlib.contextmanager

@@ -109,21 +109,25 @@ def test_a_resume_given_more_epochs_follows_the_longer_schedule_and_one_with_non
             f"{2 * epoch} steps (it spanned {epoch}), so the learning rate at this step is 0.0005, not 0") in capsys.readouterr().err
     assert logged(out, "train/lr")[epoch] == pytest.approx(0.5e-3, rel=1e-6)  # the cosine's middle, where it was 0
     exported = (out / "hf" / "model.safetensors").read_bytes()
-    for epochs in (2, 1):
-        assert cli.main([*args, f"--trainer.max_epochs={epochs}", "--ckpt_path=last"]) == 2
+    last = out / "checkpoints" / "last.ckpt"
+    for epochs, ckpt_path in ((2, last), (1, "last")):  # --ckpt_path=last at the run's own limit writes its end again
+        assert cli.main([*args, f"--trainer.max_epochs={epochs}", f"--ckpt_path={ckpt_path}"]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
-            f"error: ckpt_path: {out / 'checkpoints' / 'last.ckpt'} has trained 2 epochs (step {2 * epoch}), and trainer.max_epochs "
+            f"error: ckpt_path: {last} has trained 2 epochs (step {2 * epoch}), and trainer.max_epochs "
             f"is {epochs}: there is nothing left to train; raise trainer.max_epochs to train on from it")
     assert (out / "hf" / "model.safetensors").read_bytes() == exported
     # A checkpoint at the epoch's last batch (a periodic one there: the epoch's end saves no other), which Lightning
     # counts as a whole epoch on resume; and max_steps given too, beside the epochs that bind.
     again = tmp_path / "again"
     assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", f"--checkpoint_every_n_steps={epoch}"]) == 0
+    (again / "checkpoints" / "last.ckpt").unlink()  # the periodic one is the newest
     capsys.readouterr()
     for limits in ([], ["--trainer.max_steps=100"]):
-        assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", *limits, "--ckpt_path=last"]) == 2
+        assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", *limits, f"--ckpt_path={again / 'checkpoints' / f'step={epoch}.ckpt'}"]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
             f"has trained 1 epoch (step {epoch}), and trainer.max_epochs is 1: there is nothing left to train; raise trainer.max_epochs to train on from it")
+    assert cli.main([*args, f"--output_dir={again}", "--trainer.max_epochs=1", "--ckpt_path=last"]) == 0
+    assert f"resume: nothing is left to train at step {epoch} (trainer.max_epochs is 1)" in capsys.readouterr().err
 
 
 def test_held_out_generations_without_held_out_data_are_one_line(tmp_path, capsys):

@@ -65,6 +65,10 @@ class PolicyModule(LightningModule):
         self.offloaded: OffloadedForwards | None = None  # with offload_activations: what the latest forward moved
         self._resumed_random: RandomState | None = None  # a checkpoint's, until the resumed run's first step
         self._unwritten: dict[str, float] = {}  # log_check's figures of this step, until on_train_batch_end
+        # Set by the command for --ckpt_path=last (a requeued job's, which starts with the same command every time):
+        # a newest checkpoint with nothing left to train writes the run's end (held-out score, summary.json, hf/)
+        # again, where a kill may have cut it, instead of being refused.
+        self.finish_when_trained = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """A resumed run's first step draws its dropout masks from the random state the checkpoint kept, as the
@@ -236,13 +240,23 @@ class PolicyModule(LightningModule):
         if not same_kind:
             self._check_optimizer_keys(checkpoint, path)
         step, max_steps, max_epochs = int(checkpoint["global_step"]), self.trainer.max_steps, self.trainer.max_epochs
-        # Lightning would train nothing, then export it again as finished. Its epochs count as its loop counts them
-        # (an epoch is done once processed, before the hook that saves at its end).
+        # At or past its limit Lightning trains nothing and writes the run's end again: wanted for --ckpt_path=last at
+        # the run's own limit (a requeue, after a kill that cut the export), refused otherwise. Epochs count as its
+        # loop counts them (an epoch is done once processed, before the hook that saves at its end).
         fit = checkpoint.get("loops", {}).get("fit_loop", {})
         current = fit.get("epoch_progress", {}).get("current", {})
         epochs = current.get("processed", 0)
         if fit.get("epoch_loop.batch_progress", {}).get("is_last_batch") and epochs == current.get("completed", 0):
             epochs += 1  # saved at the epoch's last batch (a periodic or a signal's checkpoint): Lightning counts it done on resume
+        # The run's own limit reached (a lower one is refused below: it asks for less than was trained).
+        reached = "max_steps" if max_steps >= 0 and step == max_steps else "max_epochs" if (
+            max_epochs is not None and max_epochs >= 0 and epochs == max_epochs and not 0 <= max_steps < step) else None  # fmt: skip
+        if reached and self.finish_when_trained:
+            if self.global_rank == 0:
+                print(f"resume: nothing is left to train at step {step} (trainer.{reached} is {getattr(self.trainer, reached)}): "
+                      f"the run's end is written again (summary.json, and hf/ where the recipe exports); raise trainer.{reached} "
+                      "to train on from it", file=sys.stderr)
+            return
         if max_steps >= 0 and step >= max_steps:
             raise ForeignCheckpointError(
                 f"ckpt_path: {path} is at step {step}, and trainer.max_steps is {max_steps}: there is nothing left to "
