@@ -363,9 +363,6 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
         beside it, the periodic ones never pruned)."""
         return type(self).__qualname__
 
-    # Checkpoint files beyond a lowered keep_checkpoints, removed at the next save (`_keep_within_limit`).
-    _dropped: tuple[str, ...] = ()
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A run folder moved or renamed since its checkpoint: the checkpoints it names are read in the folder where
         they are now. Lightning forgets them instead, and then neither prunes the old periodic ones (keep_checkpoints)
@@ -377,37 +374,37 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
                 **state_dict, "dirpath": self.dirpath,
                 "best_k_models": {here(path): score for path, score in state_dict.get("best_k_models", {}).items()},
                 **{key: here(state_dict[key]) for key in ("kth_best_model_path", "last_model_path", "best_model_path") if key in state_dict},
-                "dropped": [here(path) for path in state_dict.get("dropped", [])],
             }  # fmt: skip
         super().load_state_dict(state_dict)
-        self._dropped = tuple(state_dict.get("dropped", ()))
         self._keep_within_limit()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dropped": list(self._dropped)}  # a stop's checkpoint before they went
 
     def _keep_within_limit(self) -> None:
         """A resume with a lower ``keep_checkpoints`` than the run kept: the newest of its periodic checkpoints are
-        kept, the rest removed once the next periodic or last checkpoint is written (never the one resumed from before
-        that; a stop's checkpoint in between carries the list). Lightning restores them all, and then either failed at
-        its next save (a ``KeyError`` deep in ``ModelCheckpoint``, where the run had kept fewer than its old limit) or
-        never pruned again (it prunes only at exactly the limit)."""
+        kept, the rest removed once the next periodic or last checkpoint is written (`_save_checkpoint`; never the one
+        resumed from before that). Lightning restores them all, and then either failed at its next save (a
+        ``KeyError`` deep in ``ModelCheckpoint``, where the run had kept fewer than its old limit) or never pruned
+        again (it prunes only at exactly the limit)."""
         k = self.save_top_k
         if k < 0 or len(self.best_k_models) < k or (len(self.best_k_models) == k and self.kth_best_model_path in self.best_k_models):
             return
         ranked = sorted(self.best_k_models, key=lambda path: float(self.best_k_models[path]), reverse=self.mode == "max")
-        self._dropped = (*self._dropped, *ranked[k:])
         self.best_k_models = {path: self.best_k_models[path] for path in ranked[:k]}
         if k:
             self.kth_best_model_path = ranked[k - 1]
             self.kth_value = self.best_k_models[self.kth_best_model_path]
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Each save, once written, removes the run's periodic checkpoints beyond the ``keep_checkpoints`` kept, as
+        the folder holds them: those of a lowered limit, and those a kill left that the resumed run's record does not
+        name (a kill between a periodic save and the removal of the one it replaced; they stayed for good)."""
         super()._save_checkpoint(trainer, filepath)
-        for path in self._dropped:
-            if path != filepath and self._fs.exists(path):
-                self._remove_checkpoint(trainer, path)
-        self._dropped = ()
+        if self.save_top_k < 0 or self.dirpath is None or not Path(self.dirpath).is_dir():
+            return
+        periodic = re.compile(re.escape(self.filename or "").replace(re.escape("{step}"), r"step=\d+") + r"(-v\d+)?\.ckpt")
+        kept = {Path(path).name for path in self.best_k_models} | {Path(filepath).name}
+        for path in sorted(Path(self.dirpath).iterdir()):
+            if periodic.fullmatch(path.name) and path.name not in kept:
+                self._remove_checkpoint(trainer, str(path))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The last step's checkpoint is written at its end (after its validation, if one is due), as a periodic one
