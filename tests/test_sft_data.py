@@ -568,6 +568,10 @@ def test_a_reasoning_generation_prompt_trains_each_reply_from_where_the_renderin
     (one, split, two), _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), thinking, 512)
     assert trained_text(tiny_tokenizer, one) == trained_text(tiny_tokenizer, split) == "2<|im_end|>"
     assert one.input_ids == split.input_ids and trained_text(tiny_tokenizer, two) == "2<|im_end|>4<|im_end|>"
+    # The completion's every token (assistant_only_loss: false) likewise: from where they part, the header not trained.
+    thinking.assistant_only_loss = False
+    (whole,), _ = load_examples(write_jsonl(tmp_path / "w.jsonl", rows[1:2]), thinking, 512)
+    assert whole.input_ids == split.input_ids and trained_text(tiny_tokenizer, whole) == "2<|im_end|>\n"  # TRL's tokens
 
 
 def test_a_reply_ended_by_the_next_turns_opening_end_token_trains_it(tiny_tokenizer, tmp_path, capsys):

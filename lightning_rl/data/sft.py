@@ -701,14 +701,19 @@ class Renderer:
                 ids = self._chat(conversation, context=context)
                 mask = [True] * len(ids)
             # The prompt as it is asked (with the template's generation prompt, where the completion opens with an
-            # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends.
+            # assistant turn; some templates end a conversation otherwise, Phi-3's with its eos), else as it ends. A
+            # generation prompt that opens the turn otherwise than the written turn renders (a reasoning template's
+            # `<think>`) asks up to where the two part, as for a conversation's turns (`_assistant_mask`) and in TRL.
             asked = row["completion"][0]["role"] == "assistant"
-            renderings = [self._chat(row["prompt"], add_generation_prompt=True, context=context)] if asked else []
-            prompt = next((p for p in [*renderings, self._chat(row["prompt"], context=context)] if ids[: len(p)] == p), None)
-            if prompt is None:
+            said = self._chat(row["prompt"], context=context)
+            cut = len(said) if ids[: len(said)] == said else None
+            if asked:
+                with_prompt = self._chat(row["prompt"], add_generation_prompt=True, context=context)
+                cut = len(with_prompt) if ids[: len(with_prompt)] == with_prompt else None if cut is None else max(cut, common_prefix(with_prompt, ids))
+            if cut is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
             if self.completion_only_loss:
-                mask[: len(prompt)] = [False] * len(prompt)
+                mask[:cut] = [False] * cut
         if whole:
             mask = [False] + [True] * (len(ids) - 1)
         if not any(mask[1:]):
