@@ -146,6 +146,9 @@ def test_a_strategy_the_plan_does_not_model_is_refused(tmp_path: Path, capsys) -
     assert plan.main([*args, *kept]) == 2
     assert "`trainer.strategy.reshard_after_forward: false` keeps every decoder layer gathered" in capsys.readouterr().err
     assert plan.main([*args[:4], "1", *args[5:], "--trainer.strategy=auto"]) == 0  # one GPU: nothing to shard
+    assert "FSDP" not in capsys.readouterr().out  # nor any buffer to gather into: they were counted
+    assert plan.main([*args[:4], "1", *args[5:], "--trainer.strategy=fsdp2"]) == 0
+    assert "FSDP all-gather buffers" in capsys.readouterr().out
 
 
 def test_the_planner_takes_exactly_the_precisions_run_takes(tmp_path: Path, capsys) -> None:
@@ -266,6 +269,26 @@ def test_families_are_counted_as_peft_adapts_the_model_a_run_trains(model_type: 
     trainable, _ = model.get_nb_trainable_parameters()
     assert census.lora_params(8) == trainable > 0
     assert census.activation_elements_per_token_layer > 0 and all(unit.params > 0 for unit in census.units)
+
+
+def test_tokens_travel_to_the_experts_at_the_width_fed_to_them(muse_census) -> None:
+    """The all-to-all buffers were sized at the experts' intermediate width (768 for Qwen3-30B-A3B's 2048-wide tokens)."""
+    qwen = count_model(_tiny("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8))
+    layer_types = ["sliding_attention", "full_attention"]  # gpt-oss stores its experts (experts, in, out)
+    gpt_oss = count_model(_tiny("gpt_oss", intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=layer_types))
+    assert qwen.routed_width == gpt_oss.routed_width == 32
+    assert muse_census.routed_width == 4096  # its pre_expert_proj takes the 8192-wide hidden state to the experts' 4096
+    training = Training(nodes=1, gpus_per_node=2, tokens_per_micro_batch=64, expert_parallel=2)
+    buffers = next(t for t in plan_memory(qwen, training, Hardware(gpu_memory_gb=80)).terms if t.name == "expert all-to-all buffers")
+    assert buffers.formula == "send+recv x 64 tokens x top-2 x 32 x 2 B"
+
+
+def test_an_lm_head_chunk_holds_at_most_the_rows_tokens() -> None:
+    """A 512-token row was counted as a full chunk of 1024 tokens' logits."""
+    census = count_model(_tiny("qwen3", head_dim=8))
+    training = Training(nodes=1, gpus_per_node=1, tokens_per_micro_batch=512, logits_chunk=1024)
+    head = next(t for t in plan_memory(census, training, Hardware(gpu_memory_gb=80)).terms if t.name == "chunked LM head")
+    assert head.bytes == 3 * 512 * 64 * 4 and "3 x 512 tokens" in head.formula
 
 
 def load_causal_lm_from_config(config):

@@ -49,6 +49,7 @@ class Training:
     activation_checkpointing: bool = True
     offload_activations: bool = False  # saved activations in host memory between forward and backward
     cpu_offload: bool = False
+    sharded: bool = True  # FSDP2 (a single GPU without it holds weights and gradients whole: nothing to gather or scatter)
     expert_parallel: int = 1
     logits_chunk: int = 1024
     beside: tuple[Term, ...] = ()  # what shares the GPU with training (GRPO: a colocated engine, the reference model)
@@ -142,33 +143,35 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
         Term("Adam states, sharded", on_gpu * sharded_optimizer, f"{_count(trainable)} x {_ADAM_STATES} x {trainable_bytes} B {where}"),
     ]
 
-    unit_name, unit = _largest_gathered_unit(census, training)
-    g = training.gathered_bytes
-    root = census.root_params * g
-    plan.terms += [
-        Term(
-            "FSDP all-gather buffers",
-            _UNITS_IN_FLIGHT * unit,
-            f"{_UNITS_IN_FLIGHT} units in flight x largest unit ({unit_name}) {unit / GIB:.2f} GiB"
-            + (f" (experts split {training.expert_parallel}-way)" if training.expert_parallel > 1 else ""),
-        ),
-        Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {g} B"),
-    ]
-    largest_unit = max((unit.params for unit in census.units), default=0)
-    unit_trainable = trainable / census.decoder_layers if lora else largest_unit
-    plan.terms.append(
-        Term("gradient reduce-scatter buffer", unit_trainable * 4, f"one unit's {_count(unit_trainable)} unsharded gradients x fp32")
-    )
+    if training.sharded:  # FSDP2's own buffers: the units it gathers, and one unit's gradients before it scatters them
+        unit_name, unit = _largest_gathered_unit(census, training)
+        g = training.gathered_bytes
+        root = census.root_params * g
+        plan.terms += [
+            Term(
+                "FSDP all-gather buffers",
+                _UNITS_IN_FLIGHT * unit,
+                f"{_UNITS_IN_FLIGHT} units in flight x largest unit ({unit_name}) {unit / GIB:.2f} GiB"
+                + (f" (experts split {training.expert_parallel}-way)" if training.expert_parallel > 1 else ""),
+            ),
+            Term("FSDP root unit, gathered for the step", root, f"{_count(census.root_params)} (embeddings, head) x {g} B"),
+        ]
+        largest_unit = max((unit.params for unit in census.units), default=0)
+        unit_trainable = trainable / census.decoder_layers if lora else largest_unit
+        plan.terms.append(
+            Term("gradient reduce-scatter buffer", unit_trainable * 4, f"one unit's {_count(unit_trainable)} unsharded gradients x fp32")
+        )
     if training.expert_parallel > 1:
         dispatch = 2 * tokens * census.experts_per_token * census.routed_width * c
         plan.terms.append(
             Term("expert all-to-all buffers", dispatch, f"send+recv x {tokens} tokens x top-{census.experts_per_token} x {census.routed_width} x {c} B")
         )
 
-    head = 3 * training.logits_chunk * census.vocab_size * 4
+    chunk = min(training.logits_chunk, tokens)  # a chunk holds at most the row's tokens
+    head = 3 * chunk * census.vocab_size * 4
     plan.terms += [
         _activations(plan),
-        Term("chunked LM head", head, f"logits, softmax, grad: 3 x {training.logits_chunk} tokens x {census.vocab_size} x fp32"),
+        Term("chunked LM head", head, f"logits, softmax, grad: 3 x {chunk} tokens x {census.vocab_size} x fp32"),
         Term("reserved (CUDA context, NCCL, allocator)", hardware.reserved_gb * GIB, "assumed"),
         *training.beside,
     ]

@@ -128,6 +128,18 @@ def _activation_elements(layer: nn.Module, expert_names: set[str], experts_per_t
     return elements
 
 
+def _routed_width(model: nn.Module, expert_names: set[str]) -> int:
+    """The width tokens travel to their experts at: the input of the first grouped weight of an experts module (its
+    first projection, gate_up_proj or up_proj), stored (experts, out, in), or (experts, in, out) where transformers
+    marks the module ``is_transposed`` (gpt-oss). That is the hidden state fed to the experts, which a MoE block may
+    project from the model's width first (Muse Spark's pre_expert_proj); 0 without grouped experts."""
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if f"{module_name}.{name}" in expert_names and param.ndim == 3:
+                return int(param.shape[1] if getattr(module, "is_transposed", False) else param.shape[-1])
+    return 0
+
+
 def _lora_params_per_rank(config: PreTrainedConfig, target_modules: Iterable[str] | str, exclude: str | None = None) -> int:
     """The weights LoRA adds per unit of rank, as peft adds them to the model a run trains: every module peft adapts
     under ``target_modules`` (nn.Linear, GPT-2's Conv1D, a MoE's grouped experts and router), none matching
@@ -174,8 +186,6 @@ def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | s
     first_layer = stack[0]
     first_prefix = f"{stack_prefix}.0."
     layer_expert_names = {name[len(first_prefix) :] for name in expert_full if name.startswith(first_prefix)}
-    # Tokens travel to their experts at the experts' input width (the last dim of a grouped weight).
-    routed_width = min((p.shape[-1] for n, p in model.named_parameters() if n in expert_full), default=0)
     head = model.get_output_embeddings()
     return ModelCensus(
         model_class=type(model).__name__,
@@ -192,5 +202,5 @@ def count_model(config: PreTrainedConfig, lora_target_modules: Iterable[str] | s
         lora_params_per_rank=_lora_params_per_rank(config, lora_target_modules, None if towers == "lora" else outside),
         frozen_params=frozen,
         activation_elements_per_token_layer=_activation_elements(first_layer, layer_expert_names, experts_per_token),
-        routed_width=int(routed_width),
+        routed_width=_routed_width(model, expert_full),
     )

@@ -117,6 +117,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         activation_checkpointing=checkpointing,
         offload_activations=bool(recipe.get("model.offload_activations", False)),
         cpu_offload=bool(recipe.get("trainer.strategy.cpu_offload", False)),
+        sharded=_shards(recipe),
         expert_parallel=_expert_parallel(recipe, args.expert_parallel),
         logits_chunk=int(recipe.setting("model.chunk_size")),
     )
@@ -192,12 +193,22 @@ def _plain_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
 
 
+def _strategy_name(recipe: RecipeView) -> str:
+    strategy = recipe.get("trainer.strategy") or "auto"
+    return strategy if isinstance(strategy, str) else str(strategy.get("class_path", "")) if isinstance(strategy, dict) else type(strategy).__name__
+
+
+def _shards(recipe: RecipeView) -> bool:
+    """Whether the recipe's strategy is FSDP2, which shards the weights (and gathers them to compute)."""
+    name = _strategy_name(recipe)
+    return name in ("fsdp2", "fsdp2_rocm") or name.endswith("FSDP2Strategy")
+
+
 def _check_strategy(recipe: RecipeView, world_size: int) -> None:
     """The plan is FSDP2's (weights, gradients and optimizer states sharded over the GPUs, each decoder layer gathered
     in its turn and freed after forward): on several GPUs another strategy, or layers kept gathered, is refused."""
-    strategy = recipe.get("trainer.strategy") or "auto"
-    name = strategy if isinstance(strategy, str) else str(strategy.get("class_path", "")) if isinstance(strategy, dict) else type(strategy).__name__
-    if world_size > 1 and name not in ("fsdp2", "fsdp2_rocm") and not name.endswith("FSDP2Strategy"):
+    name = _strategy_name(recipe)
+    if world_size > 1 and not _shards(recipe):
         raise LaunchError(f"{recipe.path}: `trainer.strategy: {name}`: the plan models FSDP2 (weights, gradients and optimizer states "
                           "sharded over the GPUs); another strategy on several GPUs (Lightning's auto picks DDP, which keeps "
                           "them whole on each) is not planned: set trainer.strategy: fsdp2")
