@@ -91,22 +91,35 @@ def check_same_run(saved: str | None, here: str, ckpt_path: Any) -> None:
     if saved is None:
         return
     if differences := changed(saved, here):
-        said = "; ".join(f"{key}={_shown(value)} here, {_shown(before)} in the run"
-                         for difference in differences for key, before, value in _narrowed_or_whole(*difference))
+        said = "; ".join(_said(*found) for difference in differences for found in _narrowed_or_whole(*difference))
         raise RecipeError(
             f"{said}: ckpt_path: {ckpt_path} resumes a run that another value would make a different run; give the "
             "run's values, or start a new run (another output_dir, or --overwrite)",
         )  # no key: each is named from the recipe's top already (a module's key would be read from inside its block)
 
 
+# What a list or mapping here, or in the run, does not hold at a place the other one does.
+_ABSENT = object()
+
+
 def _narrowed(key: str, before: Any, now: Any) -> list[tuple[str, Any, Any]]:
     """(key, saved value, value here) of the items that differ, where a list or mapping changed in part
-    (``model.rewards[1].weight``): both whole values, cut to a line, may read the same."""
-    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
-        return [found for i, (old, new) in enumerate(zip(before, now)) if _typed(old) != _typed(new) for found in _narrowed(f"{key}[{i}]", old, new)]
+    (``model.rewards[1].weight``): both whole values, cut to a line, may read the same. A list that grew or shrank
+    keeps its alike items at both ends; those between are compared in pairs, and those left over are the ones added
+    here or removed (``_ABSENT`` on the other side), named by their place in the list that holds them."""
+    if isinstance(before, list) and isinstance(now, list):
+        head = 0
+        while head < min(len(before), len(now)) and _typed(before[head]) == _typed(now[head]):
+            head += 1
+        tail = 0
+        while tail < min(len(before), len(now)) - head and _typed(before[-1 - tail]) == _typed(now[-1 - tail]):
+            tail += 1
+        old, new = before[head:len(before) - tail], now[head:len(now) - tail]
+        pairs = [(old[i] if i < len(old) else _ABSENT, new[i] if i < len(new) else _ABSENT) for i in range(max(len(old), len(new)))]
+        return [found for i, (then, later) in enumerate(pairs) if _typed(then) != _typed(later) for found in _narrowed(f"{key}[{head + i}]", then, later)]
     if isinstance(before, dict) and isinstance(now, dict):
-        return [found for name in dict.fromkeys([*before, *now]) if _typed(before.get(name)) != _typed(now.get(name))
-                for found in _narrowed(f"{key}.{name}", before.get(name), now.get(name))]
+        return [found for name in dict.fromkeys([*before, *now]) if _typed(before.get(name, _ABSENT)) != _typed(now.get(name, _ABSENT))
+                for found in _narrowed(f"{key}.{name}", before.get(name, _ABSENT), now.get(name, _ABSENT))]
     return [(key, before, now)]
 
 
@@ -114,6 +127,36 @@ def _narrowed_or_whole(key: str, before: Any, now: Any) -> list[tuple[str, Any, 
     return _narrowed(key, before, now) or [(key, before, now)]  # items alike once typed: the whole values, as found
 
 
+def _said(key: str, before: Any, now: Any) -> str:
+    """One changed key, as the refusal names it: both values, or the one value of an item added or removed."""
+    if before is _ABSENT:
+        return f"{key}={_shown(now)} here, not in the run"
+    if now is _ABSENT:
+        return f"{key}={_shown(before)} in the run, not here"
+    shown_now, shown_before = _shown_apart(now, before)
+    return f"{key}={shown_now} here, {shown_before} in the run"
+
+
+def _shown_apart(one: Any, other: Any) -> tuple[str, str]:
+    """Two values shown as ``_shown`` shows each, where that reads differently; where both would be cut to the same
+    text, each is shown from the word some 20 to 40 characters before the first one where they differ, the common
+    start elided."""
+    texts = [_dumped(one), _dumped(other)]
+    shown = [_cut(text) for text in texts]
+    if shown[0] != shown[1]:
+        return shown[0], shown[1]
+    common = len(os.path.commonprefix(texts))
+    start = max(texts[0].rfind(" ", 0, common - 20) + 1, common - 40)  # both cut alike: at least 77 alike
+    return _cut("..." + texts[0][start:]), _cut("..." + texts[1][start:])
+
+
 def _shown(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+    return _cut(_dumped(value))
+
+
+def _dumped(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def _cut(text: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."

@@ -488,3 +488,23 @@ def test_a_list_changed_in_part_is_named_by_the_items_that_changed():
     rewards[1] = {**rewards[1], "weight": 0.7}
     with pytest.raises(RecipeError, match=r"^model\.rewards\[1\]\.weight=0\.7 here, 0\.5 in the run: ckpt_path: last\.ckpt resumes"):
         check_same_run(saved, yaml.safe_dump({"task": "grpo", "model": {"rewards": rewards}}), "last.ckpt")
+
+
+def test_a_list_that_grew_or_shrank_is_named_by_the_items_added_or_removed():
+    """A reward appended (or one removed) showed both whole lists, cut at 80 characters to the same text; and any two
+    long values alike in their first 80 characters read the same."""
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.same_run import check_same_run
+
+    math, fmt, mine = ({"function": name, "weight": 1.0, "kwargs": {}, "name": None} for name in ("math_answer", "format", "mine:reward"))
+    saved = yaml.safe_dump({"task": "grpo", "model": {"rewards": [math, fmt, mine]}})
+    added = yaml.safe_dump({"task": "grpo", "model": {"rewards": [math, fmt, mine, {**fmt, "name": "f2"}]}})
+    with pytest.raises(RecipeError) as refused:
+        check_same_run(saved, added, "last.ckpt")
+    assert str(refused.value).startswith(
+        "model.rewards[3]={function: format, kwargs: {}, name: f2, weight: 1.0} here, not in the run: ckpt_path: last.ckpt resumes")
+    with pytest.raises(RecipeError, match=r"^model\.rewards\[1\]=\{function: format, kwargs: \{\}, name: null, weight: 1\.0\} in the run, not here: "):
+        check_same_run(saved, yaml.safe_dump({"task": "grpo", "model": {"rewards": [math, mine]}}), "last.ckpt")
+    prompt = "You are a careful assistant. Think step by step, then give the final answer alone on the last line"
+    with pytest.raises(RecipeError, match=r"^model\.system_prompt=\.\.\.alone on the last line! here, \.\.\.alone on the last line\. in the run: "):
+        check_same_run(yaml.safe_dump({"model": {"system_prompt": prompt + "."}}), yaml.safe_dump({"model": {"system_prompt": prompt + "!"}}), "last.ckpt")
