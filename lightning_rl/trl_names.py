@@ -115,6 +115,9 @@ DIFFERENCES = (
      "counts as empty)", "refused in one line naming the row and turn",
      "trained: its end-of-turn token alone", "an empty reply in a dataset is far more often a lost answer than a "
      "lesson in saying nothing"),
+    ("An SFT row whose tool calls, or a tool's result, the chat template does not render (Phi-3's drops both)",
+     "refused in one line naming the row and turn", "trained without them: an empty reply where the model called a "
+     "tool, an answer without the result it read", "the row would teach what it does not show"),
     ("SFT learning-rate schedule", "`model.lr_schedule` defaults to `cosine`", "`lr_scheduler_type` defaults to "
      "`linear`", "set `model.lr_schedule: linear` for TRL's"),
     ("SFT AdamW betas", "`model.betas` defaults to (0.9, 0.95)", "`adam_beta1`, `adam_beta2` default to 0.9, 0.999",

@@ -771,3 +771,24 @@ def test_a_conversational_completion_is_masked_as_trl_masks_it_under_both_flags(
                               train_dataset=datasets.Dataset.from_list([row])).train_dataset
     assert example.input_ids == theirs["input_ids"]
     assert example.loss_mask[1:] == [label != -100 for label in theirs["labels"]][1:]  # the first is no label on either side
+
+
+def test_a_template_that_drops_tool_calls_or_results_is_refused_naming_the_turn(tiny_tokenizer, tmp_path):
+    """Phi-3's template renders neither an assistant turn's tool calls nor a tool's result: the row trained an empty
+    reply where the model called a tool, and an answer without the result it read (TRL trains it so, silently)."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    plain = ("{% for m in messages %}{% if m.role != 'tool' or keep_tools %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+             "{% for c in m.tool_calls or [] %}{% if keep_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endif %}{% endfor %}"
+             "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    turns = [{"role": "user", "content": "Weather in Paris?"}, call, {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    rows = [{"messages": turns}, {"prompt": turns[:1], "completion": turns[1:]}]
+    for keep, where, what in ((dict(keep_calls=False, keep_tools=True), ["messages[1]", "completion[0]"], "tool call 'get_weather'"),
+                              (dict(keep_calls=True, keep_tools=False), ["messages[2]", "completion[1]"], "tool result")):  # fmt: skip
+        tokenizer.chat_template = plain.replace("keep_calls", str(keep["keep_calls"])).replace("keep_tools", str(keep["keep_tools"]))
+        for row, turn in zip(rows, where):
+            with pytest.raises(DataError, match=rf"t.jsonl: line 1: `{re.escape(turn)}`: tokenizer plain's chat template does not render (the turn's|this) {what}"):
+                load_examples(write_jsonl(tmp_path / "t.jsonl", [row]), Renderer(tokenizer, "plain"), 512)
+    tokenizer.chat_template = plain.replace("keep_calls", "True").replace("keep_tools", "True")
+    examples, _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tokenizer, "plain"), 512)
+    assert len(examples) == 2

@@ -678,6 +678,8 @@ class Renderer:
                                  "(its placeholder tokens are not trained); keep it true for image rows")
             return self._image_example(row)
         context = _template_context(row)
+        if "messages" in row or isinstance(row.get("prompt"), list):
+            self._check_tools_rendered(row, context)
         if whole and ("messages" in row or isinstance(row["prompt"], list)):  # the conversation as TRL renders it
             self._require_template()
             ids = self._chat(row["messages"] if "messages" in row else row["prompt"] + row["completion"], context=context)
@@ -720,6 +722,27 @@ class Renderer:
             raise ValueError("no trained tokens after rendering")
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
+
+    def _check_tools_rendered(self, row: dict, context: dict) -> None:
+        """A template that does not render a turn's tool calls (Phi-3's), or a tool's result, would train the row
+        without them (an empty reply where the model called a tool, the answer without the result it read):
+        refused, naming the turn. Checked on the template's text, only for rows with tool calls or results."""
+        turns = [(f"messages[{k}]", m) for k, m in enumerate(row["messages"])] if "messages" in row else [
+            (f"{column}[{k}]", m) for column in ("prompt", "completion") for k, m in enumerate(row[column])]  # fmt: skip
+        if not any(message.get("tool_calls") or message["role"] == "tool" for _, message in turns):
+            return
+        self._require_template()
+        with rendering_row():
+            text = self.tokenizer.apply_chat_template([message for _, message in turns], tokenize=False, **context)
+        for where, message in turns:
+            calls = [call.get("function", call) for call in message.get("tool_calls") or ()]
+            if lost := next((c["name"] for c in calls if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] not in text), None):
+                raise ValueError(f"`{where}`: tokenizer {self.name}'s chat template does not render the turn's tool call "
+                                 f"{lost!r}, so the turn would be trained without it; give a template that renders tool calls")
+            result = message.get("content") if message["role"] == "tool" else None
+            if isinstance(result, str) and result.strip() and result.strip() not in text:
+                raise ValueError(f"`{where}`: tokenizer {self.name}'s chat template does not render this tool result, so the "
+                                 "replies after it would be trained without it; give a template that renders tool turns")
 
     def _ended(self, ids: list[int]) -> list[int]:
         """A text's ids with the end token after them, unless they end with it already (TRL's add_eos)."""
