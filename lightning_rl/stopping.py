@@ -70,13 +70,14 @@ def discard_on_stop() -> None:
     _discarded.discard = True
 
 
-def abandon_if_stopping(what: str) -> None:
+def abandon_if_stopping(what: str, awaited: bool = True) -> None:
     """Raise ``StepAbandoned`` if a stop signal came and this thread may give ``what`` up: the trainer's thread inside
-    a step it may abandon, or a thread that ``discard_on_stop``."""
+    a step it may abandon, or a thread that ``discard_on_stop``. ``awaited``: whether ``what`` has been waited on yet
+    (a signal that came earlier in the step is not blamed on it)."""
     if not _signalled:
         return
     if (_abandonable and threading.current_thread() is threading.main_thread()) or getattr(_discarded, "discard", False):
-        raise StepAbandoned(f"{what} had not returned")
+        raise StepAbandoned(f"{what} had not returned" if awaited else f"the signal came before {what} was awaited")
 
 
 def exit_on_stop_signals() -> None:
@@ -98,11 +99,13 @@ def wait_unless_stopping(done: Callable[[float], bool], timeout_s: float | None,
     """Calls ``done(seconds)`` (it waits up to ``seconds`` and says whether the awaited thing is done) until it is,
     ``timeout_s`` has passed (False) or the stop is requested (``StepAbandoned``, see ``abandon_if_stopping``)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    awaited = False
     while True:
-        abandon_if_stopping(what)
+        abandon_if_stopping(what, awaited)
         left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
         if done(max(left, 0.0)):
             return True
+        awaited = True
         if deadline is not None and time.monotonic() >= deadline:
             return False
 

@@ -120,6 +120,28 @@ def inside_a_step():
     stopping.signal_came(False)
 
 
+def test_a_step_given_up_names_what_it_waited_for_only_once_it_waited(inside_a_step):
+    """A signal that came earlier in the step (during generation, say) was blamed on the next wait it met: "reward
+    'math_answer' had not returned", of a reward that returns at once."""
+    import asyncio
+
+    from lightning_rl.rewards.scoring import _within
+
+    stopping.signal_came()
+    with pytest.raises(stopping.StepAbandoned) as before_tool:
+        stopping.wait_unless_stopping(lambda seconds: False, None, "a tool call")
+    with pytest.raises(stopping.StepAbandoned) as before_reward:
+        asyncio.run(_within(asyncio.sleep(0), None, "reward 'r'"))
+    assert (before_tool.value.why, before_reward.value.why) == ("the signal came before a tool call was awaited",
+                                                                 "the signal came before reward 'r' was awaited")  # fmt: skip
+    stopping.signal_came(False)
+    waits = iter([False, True])
+    came = lambda seconds: stopping.signal_came() or next(waits)  # noqa: E731  # the signal comes while it waits
+    with pytest.raises(stopping.StepAbandoned) as during:
+        stopping.wait_unless_stopping(came, None, "a tool call")
+    assert during.value.why == "a tool call had not returned"
+
+
 def test_a_step_given_up_while_its_stale_batch_is_sampled_again_leaves_a_resumable_queue(inside_a_step):
     """Batch 3 came back from a checkpoint too stale: the producer samples it again, and that sample never comes (a
     reward that does not return). A stop signal gives the wait up; the queue a checkpoint then takes, without waiting

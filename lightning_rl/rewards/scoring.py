@@ -340,13 +340,15 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
     task = asyncio.ensure_future(awaitable)
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
+    awaited = False
     try:
         while True:
-            abandon_if_stopping(what)
+            abandon_if_stopping(what, awaited)
             left = POLL_S if deadline is None else min(POLL_S, deadline - loop.time())
             if left <= 0:
                 raise TimeoutError
             done, _ = await asyncio.wait({task}, timeout=left)
+            awaited = True
             if done:
                 return task.result()
     finally:
