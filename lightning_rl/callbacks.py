@@ -394,16 +394,20 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
             self.kth_value = self.best_k_models[self.kth_best_model_path]
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        """Each save, once written, removes the run's periodic checkpoints beyond the ``keep_checkpoints`` kept, as
-        the folder holds them: those of a lowered limit, and those a kill left that the resumed run's record does not
-        name (a kill between a periodic save and the removal of the one it replaced; they stayed for good)."""
+        """Each save, once written, removes the run's periodic checkpoints of earlier steps beyond the
+        ``keep_checkpoints`` kept, as the folder holds them: those of a lowered limit, and those a kill left that the
+        resumed run's record does not name (a kill between a periodic save and the removal of the one it replaced;
+        they stayed for good). Never one of a later step (another run's, under a Trainer of one's own) nor the one
+        resumed from (as Lightning keeps it)."""
         super()._save_checkpoint(trainer, filepath)
-        if self.save_top_k < 0 or self.dirpath is None or not Path(self.dirpath).is_dir():
+        if self.save_top_k < 0 or self.dirpath is None or not Path(self.dirpath).is_dir() or "{step}" not in (self.filename or ""):
             return
-        periodic = re.compile(re.escape(self.filename or "").replace(re.escape("{step}"), r"step=\d+") + r"(-v\d+)?\.ckpt")
+        periodic = re.compile(re.escape(self.filename or "").replace(re.escape("{step}"), r"step=(\d+)") + r"(?:-v\d+)?\.ckpt")
         kept = {Path(path).name for path in self.best_k_models} | {Path(filepath).name}
+        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
         for path in sorted(Path(self.dirpath).iterdir()):
-            if periodic.fullmatch(path.name) and path.name not in kept:
+            name = periodic.fullmatch(path.name)
+            if name and int(name[1]) < trainer.global_step and path.name not in kept and path.resolve() != resumed:
                 self._remove_checkpoint(trainer, str(path))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -450,8 +450,8 @@ def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequ
     """Why vLLM cannot serve ``adapter`` (naming the module), or None: vLLM applies LoRA to the linear layers its
     model class lists, of rank up to its max_lora_rank, without a variant, bias or modules trained whole."""
     if adapter.rank > max_lora_rank:
-        return (f"lora.r {adapter.rank} is above the engine's max_lora_rank {max_lora_rank} (the rank vLLM serves for "
-                "model.engine.init_args.max_lora_rank: the first of its allowed ranks at or above it)")
+        return (f"lora.r {adapter.rank} is above the engine's max_lora_rank {max_lora_rank} (the rank vLLM serves: the "
+                "first of its allowed ranks at or above the one it was started with)")
     if adapter.modules_to_save:
         return f"vLLM cannot serve modules trained whole beside an adapter (modules_to_save: {adapter.modules_to_save[0]})"
     if adapter.unmergeable:
