@@ -206,18 +206,19 @@ def test_a_resume_with_fewer_checkpoints_kept_prunes_to_the_new_limit(tmp_path, 
     out = tmp_path / "run"
     code, errors, err = run(capsys, SFT, out, "--trainer.max_steps=4", "--checkpoint_every_n_steps=2", "--keep_checkpoints=3")
     assert code == 0 and errors == [], err[-3000:]
+    shutil.copy(out / "checkpoints" / "step=2.ckpt", tmp_path / "step=2.ckpt")
     code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=6", "--checkpoint_every_n_steps=1",
                             "--keep_checkpoints=1")
     assert code == 0 and errors == [], err[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=6.ckpt"]
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 6
-    # A periodic checkpoint a kill left behind, which the resumed run's record does not name (killed between the save
-    # of step 6 and the removal of step 5's), goes at the next save too; a file of the user's stays.
-    shutil.copy(out / "checkpoints" / "step=6.ckpt", out / "checkpoints" / "step=5.ckpt")
-    (out / "checkpoints" / "step=5.ckpt.bak").write_bytes(b"mine")
+    # A periodic checkpoint a kill left behind, which the resumed run's record does not name (killed between a save
+    # and the removal of the one it replaced), goes at the next save too; a file of the user's stays.
+    shutil.copy(tmp_path / "step=2.ckpt", out / "checkpoints" / "step=2.ckpt")
+    (out / "checkpoints" / "step=2.ckpt.bak").write_bytes(b"mine")
     code, errors, err = run(capsys, SFT, out, "--ckpt_path=last", "--trainer.max_steps=7", "--checkpoint_every_n_steps=1", "--keep_checkpoints=1")
     assert code == 0 and errors == [], err[-3000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=5.ckpt.bak", "step=7.ckpt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt.bak", "step=7.ckpt"]
 
 
 def test_a_checkpoint_past_max_steps_is_one_line_not_a_silent_finish(tmp_path, capsys):
