@@ -3,13 +3,20 @@
 Models often quote numbers (`"7"`). Where the schema asks for an integer, number or boolean and
 the value is a string that reads as one, it is converted; a string parameter keeps `"7"`.
 Everything else is left to the validator, so an argument that cannot be read fails validation
-with the validator's message.
+with the validator's message. A number is read as JSON writes one (`"1_000"`, `"nan"` and
+`"1e999"` are not numbers). An optional argument (`x: str | None`, which transformers' schema marks
+`nullable`, an OpenAPI word JSON Schema does not know) takes `null`, as the function does.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def _types(schema: dict[str, Any]) -> list[str]:
@@ -24,16 +31,10 @@ def _coerce_string(value: str, types: list[str]) -> Any:
     if "string" in types:
         return value
     text = value.strip()
-    if "integer" in types:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-    if "number" in types:
-        try:
-            return float(text)
-        except ValueError:
-            pass
+    if "integer" in types and _INTEGER.fullmatch(text):
+        return int(text)
+    if "number" in types and _NUMBER.fullmatch(text) and math.isfinite(float(text)):
+        return float(text)
     if "boolean" in types and text.lower() in ("true", "false"):
         return text.lower() == "true"
     if ("array" in types or "object" in types) and text[:1] in "[{":
@@ -59,10 +60,29 @@ def coerce(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
+def _nullable_as_json_schema(schema: Any) -> Any:
+    """``schema`` with each OpenAPI ``nullable: true`` written as JSON Schema says it: ``null`` among its types."""
+    if isinstance(schema, list):
+        return [_nullable_as_json_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _nullable_as_json_schema(value) for key, value in schema.items() if key != "nullable"}
+    if schema.get("nullable") is True:
+        if isinstance(out.get("type"), (str, list)):
+            out["type"] = list(dict.fromkeys([*([out["type"]] if isinstance(out["type"], str) else out["type"]), "null"]))
+        elif "enum" in out:
+            out["enum"] = [*out["enum"], None]
+        elif "anyOf" in out or "oneOf" in out:
+            key = "anyOf" if "anyOf" in out else "oneOf"
+            out[key] = [*out[key], {"type": "null"}]
+    return out
+
+
 def validated_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """Coerced arguments, or a ValueError listing every way they fail the schema."""
     import jsonschema  # here, not at the top: training without tools must not need it
 
+    schema = _nullable_as_json_schema(schema)
     coerced = coerce(arguments, schema)
     validator = jsonschema.validators.validator_for(schema)(schema)
     problems = sorted(validator.iter_errors(coerced), key=lambda e: list(e.absolute_path))
