@@ -20,7 +20,7 @@ import torch
 from lightning_rl.packing.tree import pack_sequences
 from lightning_rl.rollout.base import SamplingConfig
 from lightning_rl.rollout.hf import HFRolloutEngine
-from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_tool_calls
+from lightning_rl.tools import Tool, ToolCall, ToolExecutor, load_tool, parse_tool_calls, tool_reference
 from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
 from lightning_rl.errors import RecipeError
@@ -68,6 +68,8 @@ def test_invalid_schemas_and_paths_are_refused():
     # ... which load_tool takes as it is: a function without a usable docstring, its schema given.
     given = load_tool("test_tools:UNDOCUMENTED")
     assert given is UNDOCUMENTED and given.parameters["required"] == ["x"]
+    # A checkpoint records it by that name, which loads it again (its lambda's path named no tool).
+    assert tool_reference(UNDOCUMENTED) == "test_tools:UNDOCUMENTED" and tool_reference(label) == "test_tools:label"
     with pytest.raises(ValueError, match="no module 'no' in .*the installed packages"):
         load_tool("no.such:tool")
 

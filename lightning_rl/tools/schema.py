@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import pickle
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,11 +120,16 @@ def check_sendable(tool: Tool) -> Tool:
 
 
 def tool_reference(tool: str | Tool | Callable[..., Any]) -> str:
-    """A tool as plain data (a checkpoint's hyperparameters): its dotted path, or its function's."""
+    """A tool as plain data (a checkpoint's hyperparameters): its dotted path, or its function's. A ``Tool`` held by
+    an attribute of its function's module is named by it, which keeps its name and schema (its function's path
+    rebuilt another tool from the function's hints and docstring, or none); one built where no module holds it, by
+    its function's."""
     if isinstance(tool, str):
         return tool
     function = tool.function if isinstance(tool, Tool) else tool
-    return f"{function.__module__}:{function.__qualname__}"
+    module = sys.modules.get(function.__module__) if isinstance(tool, Tool) else None
+    held = next((name for name, value in vars(module).items() if value is tool), None) if module is not None else None
+    return f"{function.__module__}:{held or function.__qualname__}"
 
 
 def load_tool(path: str, parameters: Mapping[str, Any] | None = None) -> Tool:
