@@ -25,7 +25,7 @@ from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
 from lightning_rl.errors import RecipeError
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, distinct_tool_calls, tool_response_ids
-from support.tool_faults import flooding_calculator, hanging_calculator, slow, waits_then_adds
+from support.tool_faults import answers_in_blocks, flooding_calculator, hanging_calculator, slow, waits_then_adds
 from support.tool_model import train_tool_calling_model
 
 TESTS = Path(__file__).resolve().parent
@@ -149,6 +149,14 @@ def test_an_async_tool_is_awaited_and_its_result_is_what_the_model_reads():
     outcome = executor.run(parse_tool_calls('<tool_call>{"name": "waits_then_adds", "arguments": {"a": 2, "b": 3}}</tool_call>')[0])
     executor.close()
     assert (outcome.content, outcome.failure) == ("5", None)  # not "<coroutine object ...>"
+
+
+def test_a_result_of_text_blocks_is_read_as_their_text():
+    """TRL passes a list result to the template as content; its text blocks were read as the list's repr here."""
+    executor = ToolExecutor([Tool.from_function(answers_in_blocks)])
+    outcome = executor.run(parse_tool_calls('<tool_call>{"name": "answers_in_blocks", "arguments": {"city": "Paris"}}</tool_call>')[0])
+    executor.close()
+    assert (outcome.content, outcome.failure) == ("Paris: sunny", None)
 
 
 def test_a_call_that_cannot_be_read_stays_in_the_reply_text_not_in_its_tool_calls():

@@ -51,6 +51,14 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
+def _text(result: object) -> str:
+    """What the model reads of a tool's result: its text; content blocks of text alone (``[{"type": "text", "text":
+    ...}]``, as TRL passes a list through to the template) joined, as a conversation's text parts are."""
+    if isinstance(result, list) and result and all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in result):
+        return "".join(block["text"] for block in result)
+    return str(result)
+
+
 def serve(connection: Connection, max_chars: int) -> None:
     connection.send("ready")
     while True:
@@ -63,7 +71,7 @@ def serve(connection: Connection, max_chars: int) -> None:
             result = function(**arguments)
             if inspect.isawaitable(result):  # an `async def` tool (TRL runs those too): its result, not the coroutine
                 result = asyncio.run(_awaited(result))
-            reply = ("ok", truncate(str(result), max_chars))
+            reply = ("ok", truncate(_text(result), max_chars))
         except BaseException as error:  # SystemExit and KeyboardInterrupt too: the tool's failure, not ours
             reply = ("raised", truncate(f"{type(error).__name__}: {error}", max_chars))
         connection.send(reply)

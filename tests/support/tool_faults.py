@@ -127,3 +127,12 @@ async def waits_then_adds(a: int, b: int) -> int:
     """
     await asyncio.sleep(0.01)
     return a + b
+
+
+def answers_in_blocks(city: str) -> list[dict]:
+    """The weather in a city, as content blocks of text.
+
+    Args:
+        city: The city.
+    """
+    return [{"type": "text", "text": f"{city}: "}, {"type": "text", "text": "sunny"}]
