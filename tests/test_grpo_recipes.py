@@ -27,7 +27,7 @@ def test_tiny_grpo_recipe_trains_and_logs_a_rollout_table_to_wandb(tmp_path, mon
     tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/rollouts_*.table.json"))
     assert len(tables) == 2  # one per step
     table = json.loads(tables[0].read_text())
-    assert table["columns"][:6] == ["step", "batch", "prompt", "completion", "reward", "weight_version"]
+    assert table["columns"][:7] == ["step", "batch", "prompt", "completion", "reward", "advantage", "weight_version"]
     assert len(table["data"]) == 4 * 8  # prompts x G
     assert (tmp_path / "hf" / "config.json").exists()
 

@@ -84,7 +84,7 @@ class RolloutSettings:
                 f"{self.max_turns - 1} turn(s) after the first to fork; drop the extra entries or raise max_turns",
                 "samples_per_turn",
             )
-        tools = tuple(as_tool(tool) for tool in self.tools)
+        tools = tuple(_loaded(tool, f"tools[{i}]") for i, tool in enumerate(self.tools))
         validation.unique("tools", [tool.name for tool in tools])
         object.__setattr__(self, "loaded_tools", tools)
 
@@ -431,3 +431,13 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         logged_metrics={name: first.logged_metrics.get(name, []) + second.logged_metrics.get(name, [])
                         for name in {**first.logged_metrics, **second.logged_metrics}},
     )
+
+
+def _loaded(tool: Any, key: str) -> Tool:
+    """A recipe's tool, built; one that cannot be (not importable, no schema, not sendable) refused naming its key."""
+    try:
+        return as_tool(tool)
+    except UserError:
+        raise
+    except ValueError as error:
+        raise RecipeError(str(error), key) from None
