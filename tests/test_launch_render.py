@@ -206,6 +206,7 @@ def test_missing_partition_and_bad_time_fail_before_anything_is_written(tmp_path
     for limit in ("two days", "25:99:99", "1-00:60"):  # SLURM carried 99 minutes over into hours, silently
         with pytest.raises(LaunchError, match="is not a SLURM time"):
             render(view, time=limit)
+    assert "#SBATCH --time=UNLIMITED" in render(view, time="UNLIMITED")  # no limit, as sbatch takes it
 
 
 def launch(capsys, *args: str) -> tuple[int, str, list[str]]:

@@ -18,7 +18,8 @@ from lightning_rl.rollout.vllm_server import VLLMServerEngine
 from lightning_rl.rollout.vllm_server_process import VLLMServer
 
 # SLURM's own time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-SLURM_TIME = re.compile(r"^(\d+-)?\d+(:[0-5]\d){0,2}$")  # minutes and seconds below 60 (SLURM would carry them over)
+# Minutes and seconds below 60 (SLURM would carry them over); no limit as SLURM names it.
+SLURM_TIME = re.compile(r"^((\d+-)?\d+(:[0-5]\d){0,2}|(?i:unlimited|infinite))$")
 # What an `#SBATCH` value may hold unquoted.
 _PLAIN = re.compile(r"[\w@%+=:,./-]+")
 
