@@ -185,6 +185,8 @@ def check_source(key: str, source: DataSource) -> None:
     if not path.exists():
         hub = ("; a Hub dataset is not downloaded here: save one split of it with datasets' save_to_disk and give that folder"
                if re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) and not path.suffix else "")  # trl-lib/Capybara
+        if re.fullmatch(r"0?\.\d+", str(source)):  # TRL's eval split as a share of the training data
+            hub = "; a share of the training data is not split off here: give the held-out rows as a file of their own"
         raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}{hub}", key)
     if (problem := _source_problem(path, key)):
         raise DataError(f"{key}: {source}: {problem}", key)
