@@ -120,6 +120,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
                 "train/completions/min_terminated_length": min(ended, default=0), "train/completions/max_terminated_length": max(ended, default=0)}  # fmt: skip
     for rank in ranks:
         assert {key: rank["logged"][key] for key in expected} == pytest.approx(expected, rel=1e-5)
+        assert rank["summary_losses"] == [pytest.approx(rank["logged"]["train/loss"], rel=1e-6)]  # summary.json's: each rank's was its own
     assert any(g.abs().sum() > 0 for g in ranks[0]["grads"].values())
     for name, param in ((name, param) for name, param in module.named_parameters() if param.requires_grad):  # not the reference's
         torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")  # float32 sums in another order

@@ -452,7 +452,7 @@ class GRPOModule(PolicyModule):
         self.trained_batches.append({"index": index, "iteration": iteration, "weight_version": scored.weight_version})
         self.last_trained = scored
         self.reward_history.append(self._log_step(scored, stats, staleness, waited, train_seconds))
-        return {"loss": torch.tensor(stats.loss), "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}
+        return {"loss": torch.tensor(stats.loss), "reported_loss": self._any_rank(stats.loss) / self.trainer.world_size, "tokens": stats.unique_tokens, "flat_tokens": stats.flat_tokens}  # as train/loss
 
     def _any_rank(self, value: float) -> float:
         return float(self.trainer.strategy.reduce(torch.tensor(value, dtype=torch.float64, device=self.device), reduce_op="sum"))

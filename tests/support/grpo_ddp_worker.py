@@ -16,6 +16,7 @@ import torch
 from support.grpo import FAST, LENGTH_REWARD, GradientRecorder
 from support.distributed import leave_worker
 
+from lightning_rl.callbacks import RunSummary
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.strategies import FSDP2Strategy
@@ -26,10 +27,10 @@ def main(out: Path, options: str) -> None:
     settings = json.loads(options)
     strategy = FSDP2Strategy() if settings.pop("strategy", "ddp") == "fsdp2" else "ddp"
     module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_grad_norm": None, **settings})
-    recorder = GradientRecorder()
+    recorder, summary = GradientRecorder(), RunSummary(out, task="grpo")
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder, summary], use_distributed_sampler=False,
     )
     trainer.fit(module, PromptDataModule(batch_size=2))
     scored = module.last_trained
@@ -41,6 +42,7 @@ def main(out: Path, options: str) -> None:
             "reward_terms": scored.reward_terms,
             "prompts": [r["prompt"] for r in scored.records],
             "logged": {key: float(value) for key, value in trainer.logged_metrics.items()},
+            "summary_losses": summary.losses,
         },
         out / f"rank{trainer.global_rank}.pt",
     )
