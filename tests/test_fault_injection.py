@@ -215,8 +215,10 @@ def test_a_rank_one_batch_short_trains_what_one_process_does(tmp_path):
             "--trainer.max_steps=1", "--logger.kind=none", "--trainer.enable_progress_bar=false"]  # fmt: skip
     Recipe(args, ranks=1).run(tmp_path / "one")
     want = exported(tmp_path / "one")
+    counted = lambda out: {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k in ("tokens", "flat_tokens")}  # noqa: E731
     for strategy in ("ddp", "fsdp2"):
         Recipe([*args, "--trainer.devices=2", f"--trainer.strategy={strategy}"], ranks=2).run(tmp_path / strategy)
+        assert counted(tmp_path / strategy) == counted(tmp_path / "one")  # the empty batch's one token was counted
         got = exported(tmp_path / strategy)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")

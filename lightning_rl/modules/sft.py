@@ -153,12 +153,15 @@ class SFTModule(PolicyModule):
         logprobs, entropy, hits = self._logprobs(batch)
         # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
         loss_sum = -logprobs.sum()
-        counts = torch.tensor([logprobs.numel(), batch.num_unique_tokens, batch.num_flat_tokens], dtype=torch.float64, device=loss_sum.device)
+        # A rank's empty batch (one token, run so that every rank runs as many) trains and counts nothing: every
+        # example's row trains a token.
+        unique, flat = (batch.num_unique_tokens, batch.num_flat_tokens) if logprobs.numel() else (0, 0)
+        counts = torch.tensor([logprobs.numel(), unique, flat], dtype=torch.float64, device=loss_sum.device)
         sums = torch.stack([loss_sum.detach().double(), *counts, entropy.sum().double(), hits.sum().double()])
         self._step_totals = self._step_totals.to(loss_sum.device) + sums
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
-        return {"loss": loss_sum, "reported_loss": row_loss, "tokens": batch.num_unique_tokens, "flat_tokens": batch.num_flat_tokens}
+        return {"loss": loss_sum, "reported_loss": row_loss, "tokens": unique, "flat_tokens": flat}
 
     def on_validation_epoch_start(self) -> None:
         self._val_totals = torch.zeros(4, dtype=torch.float64)
