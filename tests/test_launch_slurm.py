@@ -10,6 +10,7 @@ Both jobs train the recipe as written: a tiny Muse Spark Open, LoRA, FSDP2 acros
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -182,4 +183,5 @@ def test_a_job_past_the_partitions_nodes_is_refused_before_it_waits_for_ever(clu
     assert code == 2 and not script.exists()
     assert f"error: --nodes 3: partition '{PARTITION}' has 2 nodes" in capsys.readouterr().err
     # The partition's time limit read as sinfo gives it: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]].
-    assert [slurm.slurm_minutes(t) for t in ("10", "10:30", "1:00:00", "2-00", "1-12:00", "1-00:00:30")] == [10, 10.5, 60, 2880, 2160, 1440.5]
+    assert [slurm.slurm_minutes(t) for t in ("10", "10:30", "1:00:00", "2-00", "1-12:00", "1-00:00:30", "infinite", "UNLIMITED")] == [
+        10, 10.5, 60, 2880, 2160, 1440.5, math.inf, math.inf]

@@ -792,3 +792,9 @@ def test_a_template_that_drops_tool_calls_or_results_is_refused_naming_the_turn(
     tokenizer.chat_template = plain.replace("keep_calls", "True").replace("keep_tools", "True")
     examples, _ = load_examples(write_jsonl(tmp_path / "t.jsonl", rows), Renderer(tokenizer, "plain"), 512)
     assert len(examples) == 2
+    # A result the template escapes (Llama 3's `tojson`) is rendered all the same.
+    tokenizer.chat_template = tokenizer.chat_template.replace("{{ m.content }}", "{{ m.content | tojson if m.role == 'tool' else m.content }}")
+    escaped = [{**row, **{key: [{**m, "content": '{"sky": "sunny"}\nsure'} if m["role"] == "tool" else m for m in row[key]]
+                          for key in ("messages", "completion") if key in row}} for row in rows]  # fmt: skip
+    examples, _ = load_examples(write_jsonl(tmp_path / "t.jsonl", escaped), Renderer(tokenizer, "plain"), 512)
+    assert len(examples) == 2 and '\\"sky\\"' in tokenizer.decode(examples[0].input_ids)

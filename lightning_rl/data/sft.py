@@ -728,23 +728,36 @@ class Renderer:
     def _check_tools_rendered(self, row: dict, context: dict) -> None:
         """A template that does not render a turn's tool calls (Phi-3's), or a tool's result, would train the row
         without them (an empty reply where the model called a tool, the answer without the result it read):
-        refused, naming the turn. Checked on the template's text, only for rows with tool calls or results."""
+        refused, naming the turn. Each call's name and each result is rendered as a marker of its own (a template
+        may escape a result, as Llama 3's ``tojson``), and every marker must be in the template's text; only rows
+        with tool calls or results are rendered so."""
         turns = [(f"messages[{k}]", m) for k, m in enumerate(row["messages"])] if "messages" in row else [
             (f"{column}[{k}]", m) for column in ("prompt", "completion") for k, m in enumerate(row[column])]  # fmt: skip
-        if not any(message.get("tool_calls") or message["role"] == "tool" for _, message in turns):
+        marked, checks = [], []
+        for k, (where, message) in enumerate(turns):
+            if message["role"] == "tool" and isinstance(message.get("content"), str) and message["content"].strip():
+                checks.append((f"toolresult{k}marker", where, "this tool result, so the replies after it would be trained "
+                               "without it; give a template that renders tool turns"))  # fmt: skip
+                message = {**message, "content": checks[-1][0]}
+            calls = []
+            for j, call in enumerate(message.get("tool_calls") or ()):
+                function = call.get("function", call) if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("name"), str):
+                    checks.append((f"toolcall{k}x{j}marker", where, f"the turn's tool call {function['name']!r}, so the turn "
+                                   "would be trained without it; give a template that renders tool calls"))  # fmt: skip
+                    renamed = {**function, "name": checks[-1][0]}
+                    call = {**call, "function": renamed} if "function" in call else renamed
+                calls.append(call)
+            marked.append({**message, "tool_calls": calls} if calls else message)
+        if not checks:
             return
         self._require_template()
-        with rendering_row():
-            text = self.tokenizer.apply_chat_template([message for _, message in turns], tokenize=False, **context)
-        for where, message in turns:
-            calls = [call.get("function", call) for call in message.get("tool_calls") or ()]
-            if lost := next((c["name"] for c in calls if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] not in text), None):
-                raise ValueError(f"`{where}`: tokenizer {self.name}'s chat template does not render the turn's tool call "
-                                 f"{lost!r}, so the turn would be trained without it; give a template that renders tool calls")
-            result = message.get("content") if message["role"] == "tool" else None
-            if isinstance(result, str) and result.strip() and result.strip() not in text:
-                raise ValueError(f"`{where}`: tokenizer {self.name}'s chat template does not render this tool result, so the "
-                                 "replies after it would be trained without it; give a template that renders tool turns")
+        try:
+            text = self.tokenizer.apply_chat_template(marked, tokenize=False, **context)
+        except Exception:  # noqa: BLE001  # the row's own rendering says what is wrong with it
+            return
+        if lost := next(((where, what) for marker, where, what in checks if marker not in text), None):
+            raise ValueError(f"`{lost[0]}`: tokenizer {self.name}'s chat template does not render {lost[1]}")
 
     def _ended(self, ids: list[int]) -> list[int]:
         """A text's ids with the end token after them, unless they end with it already (TRL's add_eos)."""

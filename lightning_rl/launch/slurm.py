@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import subprocess
 import sys
@@ -63,12 +64,15 @@ def _check_partition(partition: str, nodes: int, time: str) -> None:
     if nodes > total:
         raise LaunchError(f"--nodes {nodes}: partition {partition!r} has {total} node{'s' * (total != 1)}")
     limit = rows[0][0]
-    if SLURM_TIME.match(limit) and slurm_minutes(time) > slurm_minutes(limit):  # not "infinite"
+    if SLURM_TIME.match(limit) and slurm_minutes(time) > slurm_minutes(limit):
         raise LaunchError(f"--time {time}: partition {partition!r} allows a job at most {limit}")
 
 
 def slurm_minutes(text: str) -> float:
-    """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in minutes."""
+    """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in minutes; no limit
+    (``UNLIMITED``, ``INFINITE``, as sinfo says it) is infinitely many."""
+    if text.lower() in ("unlimited", "infinite"):
+        return math.inf
     days, _, rest = text.rpartition("-")
     parts = [int(part) for part in rest.split(":")]
     if days:
