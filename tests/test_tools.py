@@ -108,6 +108,12 @@ def test_an_optional_argument_takes_null_and_a_number_is_read_as_json_writes_one
     assert validated_arguments({"word": "a", "times": "2"}, schema) == {"word": "a", "times": 2}
     with pytest.raises(ValueError, match="word: None is not of type 'string'"):
         validated_arguments({"word": None}, schema)
+    # An optional choice (its enum takes null too), and an argument that is named `nullable` (no keyword there).
+    choice = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["x", "y"], "nullable": True},
+              "nullable": {"type": "boolean"}}, "required": ["nullable"]}  # fmt: skip
+    assert validated_arguments({"mode": None, "nullable": "true"}, choice) == {"mode": None, "nullable": True}
+    with pytest.raises(ValueError, match="nullable: 'maybe' is not of type 'boolean'"):
+        validated_arguments({"nullable": "maybe"}, choice)
     for text in ("1_000", "\u0663", "nan", "1e999"):
         assert coerce(text, {"type": "integer"}) == text and coerce(text, {"type": "number"}) == text
     assert coerce(" -12 ", {"type": "integer"}) == -12 and coerce("2.5e-3", {"type": "number"}) == 0.0025

@@ -95,6 +95,8 @@ MISTAKES = {
     "train_data a folder": (SFT, lambda t: [f"--data.train_data={t}"], "data.train_data: "),
     "train_data a Hub dataset": (SFT, lambda t: ["--data.train_data=trl-lib/no-such-data"], "data.train_data: no such file or folder: "
                                  "trl-lib/no-such-data (a relative path, read from the working directory {cwd}); a Hub dataset is not downloaded here"),
+    "val_data a share of the training data": (SFT, lambda t: ["--data.val_data=0.1"], "data.val_data: no such file or folder: 0.1 (a "
+                                              "relative path, read from the working directory {cwd}); a share of the training data is not split off here"),
     "GRPO eval_data without a reply to compare": (GRPO, lambda t: [f"--model.eval_data={data_file(t, 'h.jsonl', USER_LAST)}", "--model.eval_generations=2"],
                                                   "model.eval_data ({t}/h.jsonl) has no conversation ending in a reply"),
     "unknown model folder": (SFT, lambda t: [f"--model.model_name_or_path={t / 'no-model'}"], "model.model_name_or_path: no model folder"),

@@ -176,6 +176,8 @@ def check_source(key: str, source: DataSource) -> None:
         rows = isinstance(source, (list, tuple)) and all(isinstance(row, dict) for row in source)
         if isinstance(source, (bool, int, float, dict)) or (isinstance(source, (list, tuple)) and not rows) or not hasattr(source, "__iter__"):
             quote = f" (quote it, '{source}', for a file of that name)" if isinstance(source, (int, float)) and not isinstance(source, bool) else ""
+            if isinstance(source, float) and 0 < source < 1:  # TRL's eval split as a share of the training data
+                quote += "; a share of the training data is not split off here: give the held-out rows as a file of their own"
             raise DataError(
                 f"{key} must be one data file or folder (JSONL, JSON, Parquet or a saved dataset), got {type(source).__name__} "
                 f"{_shown(source)}{quote}; several files are one file or one saved dataset joined", key,

@@ -31,7 +31,7 @@ def _coerce_string(value: str, types: list[str]) -> Any:
     if "string" in types:
         return value
     text = value.strip()
-    if "integer" in types and _INTEGER.fullmatch(text):
+    if "integer" in types and _INTEGER.fullmatch(text) and len(text) <= 1000:  # Python reads at most 4300 digits
         return int(text)
     if "number" in types and _NUMBER.fullmatch(text) and math.isfinite(float(text)):
         return float(text)
@@ -60,21 +60,36 @@ def coerce(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
+# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas (a property named
+# ``nullable`` is no keyword); ``enum``, ``const`` and ``default`` hold values.
+_SCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+
+
 def _nullable_as_json_schema(schema: Any) -> Any:
-    """``schema`` with each OpenAPI ``nullable: true`` written as JSON Schema says it: ``null`` among its types."""
-    if isinstance(schema, list):
-        return [_nullable_as_json_schema(item) for item in schema]
+    """``schema`` with each OpenAPI ``nullable: true`` written as JSON Schema says it: ``null`` among its types and
+    its enum's values."""
     if not isinstance(schema, dict):
         return schema
-    out = {key: _nullable_as_json_schema(value) for key, value in schema.items() if key != "nullable"}
+    out = {key: value for key, value in schema.items() if key != "nullable"}
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = _nullable_as_json_schema(out[key])
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [_nullable_as_json_schema(item) for item in out[key]]
+    for key in _NAMED_SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _nullable_as_json_schema(item) for name, item in out[key].items()}
     if schema.get("nullable") is True:
         if isinstance(out.get("type"), (str, list)):
             out["type"] = list(dict.fromkeys([*([out["type"]] if isinstance(out["type"], str) else out["type"]), "null"]))
-        elif "enum" in out:
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
             out["enum"] = [*out["enum"], None]
-        elif "anyOf" in out or "oneOf" in out:
-            key = "anyOf" if "anyOf" in out else "oneOf"
-            out[key] = [*out[key], {"type": "null"}]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(out.get(key), list) and "type" not in out:
+                out[key] = [*out[key], {"type": "null"}]
     return out
 
 
