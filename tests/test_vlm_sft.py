@@ -139,6 +139,10 @@ def test_towers_that_do_not_go_with_the_fine_tuning_are_refused(tmp_path, capsys
     code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.towers=lora", "--model.lora.target_modules=[gate_proj]"])
     err = capsys.readouterr().err
     assert code == 2 and "error: model.towers: lora, but lora.target_modules names no module of the towers of " in err, err[-2000:]
+    # A name of the towers' alone, with the towers frozen (no adapters there): it adapted nothing, without a word.
+    code = cli.main(["run", VLM_SFT, *SHORT, f"--output_dir={tmp_path / 'out'}", "--model.lora.target_modules=[fc1, q_proj]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: model.lora.target_modules: 'fc1' names modules of " in err and "towers alone" in err, err[-2000:]
 
 
 def test_rows_in_the_layout_of_datasets_image_sets_train(tmp_path, capsys):

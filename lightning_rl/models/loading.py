@@ -118,6 +118,14 @@ def load_causal_lm(
                 param.requires_grad_(False)
         return model
     _check_lora_targets(model, lora.target_modules)
+    if towers == "frozen" and outside and lora.target_modules != "all-linear":
+        # peft's exclude_modules leaves the towers without adapters: a name matching there alone adapted nothing.
+        names = [name for name, _ in model.named_modules() if not re.match(outside, name)]
+        if only := next((t for t in lora.target_modules if not any(name == t or name.endswith(f".{t}") for name in names)), None):
+            raise RecipeError(
+                f"lora.target_modules: {only!r} names modules of {type(model).__name__}'s towers alone, which towers: frozen "
+                "leaves without adapters: set model.towers: lora to adapt them, or leave it out", "lora.target_modules",
+            )  # fmt: skip
     if towers == "lora" and outside and lora.target_modules != "all-linear":
         names = [name for name, _ in model.named_modules()]
         if not any(re.match(outside, name) and any(name == t or name.endswith(f".{t}") for t in lora.target_modules) for name in names):
