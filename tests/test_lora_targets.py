@@ -28,6 +28,8 @@ def test_the_output_head_and_a_container_module_are_refused_naming_the_key_and_t
     with pytest.raises(RecipeError, match=r"^lora.target_modules: peft cannot adapt Qwen3ForCausalLM as asked: Target module Qwen3MLP is "
                                           r"not supported \(name the modules to adapt: its linear layers down_proj, gate_proj, .*; or all-linear\)$"):
         load_causal_lm("tiny", lora=LoraSettings(r=2, target_modules=["mlp"]))
+    with pytest.raises(RecipeError, match=r"\(its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj; or all-linear\)$"):
+        load_causal_lm("tiny", lora=LoraSettings(r=2, target_modules=["qkv"]))  # the head, refused when named, is not offered
 
 
 def test_dropout_on_a_mixture_of_experts_expert_weights_is_refused_naming_lora_dropout():

@@ -166,9 +166,11 @@ def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module
 
 
 def _linear_leaves(model: torch.nn.Module) -> list[str]:
-    """The last names of ``model``'s linear layers, each once: what ``lora.target_modules`` can name."""
+    """The last names of ``model``'s linear layers, each once, but its output head's: what ``lora.target_modules``
+    can name."""
     linear = (torch.nn.Linear, Conv1D)  # GPT-2's projections are Conv1D layers, which peft adapts too
-    return sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear)})
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, linear) and module is not head})
 
 
 def _check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
