@@ -162,6 +162,10 @@ def _source_problem(path: Path, key: str | None = None) -> str | None:
     return None
 
 
+# TRL's eval split given as a share of the training data (a number, or a file name that reads as one).
+_SHARE_HINT = "; a share of the training data is not split off here: give the held-out rows as a file of their own"
+
+
 def check_source(key: str, source: DataSource) -> None:
     """A data file or folder that exists and is one ``read_rows`` reads, or a dataset or rows given from Python (checked
     before anything loads)."""
@@ -176,8 +180,8 @@ def check_source(key: str, source: DataSource) -> None:
         rows = isinstance(source, (list, tuple)) and all(isinstance(row, dict) for row in source)
         if isinstance(source, (bool, int, float, dict)) or (isinstance(source, (list, tuple)) and not rows) or not hasattr(source, "__iter__"):
             quote = f" (quote it, '{source}', for a file of that name)" if isinstance(source, (int, float)) and not isinstance(source, bool) else ""
-            if isinstance(source, float) and 0 < source < 1:  # TRL's eval split as a share of the training data
-                quote += "; a share of the training data is not split off here: give the held-out rows as a file of their own"
+            if isinstance(source, float) and 0 < source < 1:
+                quote += _SHARE_HINT
             raise DataError(
                 f"{key} must be one data file or folder (JSONL, JSON, Parquet or a saved dataset), got {type(source).__name__} "
                 f"{_shown(source)}{quote}; several files are one file or one saved dataset joined", key,
@@ -187,8 +191,8 @@ def check_source(key: str, source: DataSource) -> None:
     if not path.exists():
         hub = ("; a Hub dataset is not downloaded here: save one split of it with datasets' save_to_disk and give that folder"
                if re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) and not path.suffix else "")  # trl-lib/Capybara
-        if re.fullmatch(r"0?\.\d+", str(source)):  # TRL's eval split as a share of the training data
-            hub = "; a share of the training data is not split off here: give the held-out rows as a file of their own"
+        if re.fullmatch(r"0?\.\d+", str(source)):
+            hub = _SHARE_HINT
         raise DataError(f"{key}: no such file or folder: {source}{validation.resolved_against(path)}{hub}", key)
     if (problem := _source_problem(path, key)):
         raise DataError(f"{key}: {source}: {problem}", key)
