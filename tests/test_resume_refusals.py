@@ -509,3 +509,14 @@ def test_a_list_that_grew_or_shrank_is_named_by_the_items_added_or_removed():
     prompt = "You are a careful assistant. Think step by step, then give the final answer alone on the last line"
     with pytest.raises(RecipeError, match=r"^model\.system_prompt=\.\.\.alone on the last line! here, \.\.\.alone on the last line\. in the run: "):
         check_same_run(yaml.safe_dump({"model": {"system_prompt": prompt + "."}}), yaml.safe_dump({"model": {"system_prompt": prompt + "!"}}), "last.ckpt")
+
+
+def test_a_number_recorded_as_text_is_shown_as_the_number():
+    """The command line records ``--trainer.devices=2`` as the text '2'; the refusal quoted it so, beside a 1."""
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.same_run import check_same_run
+
+    with pytest.raises(RecipeError, match=r"^trainer\.devices=1 here, 2 in the run: ckpt_path: last\.ckpt resumes"):
+        check_same_run(yaml.safe_dump({"trainer": {"devices": "2"}}), yaml.safe_dump({"trainer": {"devices": 1}}), "last.ckpt")
+    with pytest.raises(RecipeError, match=r"^model\.system_prompt='yes' here, 'no' in the run: "):  # text stays text
+        check_same_run(yaml.safe_dump({"model": {"system_prompt": "no"}}), yaml.safe_dump({"model": {"system_prompt": "yes"}}), "last.ckpt")
