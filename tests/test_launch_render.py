@@ -313,6 +313,15 @@ def test_a_data_file_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: 
     assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err
 
 
+def test_a_model_folder_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: Path, capsys) -> None:
+    """As a data file: a model folder the recipe names and this machine lacks gets a note; a Hub id does not."""
+    for model, noted in ((str(tmp_path / "gone"), True), ("./gone", True), ("Qwen/Qwen3-0.6B", False), ("tiny", False)):
+        code = slurm.main(["slurm", str(recipe(tmp_path).path), "--nodes", "1", "--gpus-per-node", "1", "--partition", "p", "--dry-run",
+                           "--", f"--model.model_name_or_path={model}"])  # fmt: skip
+        assert code == 0
+        assert (f"note: model.model_name_or_path: {model} is not on this machine" in capsys.readouterr().err) == noted, model
+
+
 def test_another_launchers_name_is_one_line_naming_the_script_for_it(capsys) -> None:
     """`launch torchrun RECIPE.yaml` took "torchrun" for the recipe, and said --nodes was missing."""
     assert slurm.main(["torchrun", str(REPO / "recipes" / "tiny" / "sft.yaml"), "--nodes", "1", "--gpus-per-node", "1"]) == 2

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from lightning_rl import validation
 from lightning_rl.errors import UserError, report
+from lightning_rl.models.paths import EMBEDDED, HUB_ID
 from lightning_rl.launch.layout import Allocation
-from lightning_rl.launch.recipe_view import FlagParser, LaunchError, RecipeView, split_overrides
+from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView, split_overrides
 from lightning_rl.launch.render import SLURM_TIME, SlurmOptions, job_name, render_slurm_script, write_script
 
 
@@ -85,13 +86,17 @@ def slurm_minutes(text: str) -> float:
     return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
-def _note_missing_data(recipe: RecipeView) -> None:
-    """A data file the recipe names that this machine does not have: said before the queue wait, as a note (a node's
-    own disk may hold it), rather than found by the job once it starts."""
+def _note_missing_paths(recipe: RecipeView) -> None:
+    """A model folder or data file the recipe names that this machine does not have: said before the queue wait, as a
+    note (a node's own disk may hold it), rather than found by the job once it starts. A name that reads as a Hub id
+    (``Qwen/Qwen3-0.6B``, ``trl-lib/Capybara``) or an embedded model is fetched or built on the nodes."""
     keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.train_data", "data.path", "model.eval_data")
-    for key in keys:
-        value = recipe.get(key)
-        if isinstance(value, str) and Path(value).suffix.lower() in (".jsonl", ".json", ".parquet") and not Path(value).exists():
+    for key in (MODEL_KEY, *keys):
+        value = recipe.setting(MODEL_KEY) if key == MODEL_KEY else recipe.get(key)
+        if not isinstance(value, str) or value in EMBEDDED or Path(value).expanduser().exists():
+            continue
+        named = value.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(value) or bool(Path(value).suffix and key != MODEL_KEY)
+        if named:
             print(f"note: {key}: {value} is not on this machine; the job fails unless its nodes have it", file=sys.stderr)
 
 
@@ -128,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # The recipe as `lightning-rl run` will read it in the job: the same parser, the overrides applied.
         recipe = RecipeView.parse(args.recipe, overrides)
-        _note_missing_data(recipe)
+        _note_missing_paths(recipe)
         script = render_slurm_script(recipe, Allocation(args.nodes, args.gpus_per_node, args.inference_nodes), options)
         if args.dry_run:
             print(script, end="")

@@ -15,7 +15,7 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.toy.model import TINY_MOE_NAME, TINY_NAME, tiny_model_path, tiny_moe_path
 from lightning_rl.toy.vlm import TINY_VLM_NAME, tiny_vlm_path
 
-_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 EMBEDDED = (TINY_NAME, TINY_VLM_NAME, TINY_MOE_NAME)  # the models this package builds itself, by name
 
 
@@ -87,7 +87,7 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads
         if loads:
             _check_loadable(path, config, name_or_path, key)
         return
-    if path.exists() or not _HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
+    if path.exists() or not HUB_ID.fullmatch(name_or_path) or name_or_path.startswith("."):
         raise RecipeError(f"{key}: no model folder at {name_or_path}{validation.resolved_against(path)}", key)
     if problem := _hub_problem(name_or_path):
         raise RecipeError(f"{key}: {name_or_path} is neither a local folder nor {problem}", key)
