@@ -288,6 +288,8 @@ NO_EQUIVALENT = {
     "dataset_streaming": "rows are read whole",
     "ignore_bias_buffers": "not needed: no distributed wrapper syncs buffers",
 }
+# What a TRL name given to one of our keys means otherwise here, shown beside the key.
+MAPPED_NOTES = {"dataset_name": "a data file or one split's save_to_disk folder; a Hub dataset is not downloaded"}
 _TRL = re.compile(r"TRL: (.*?)\.?\s*$")
 
 
@@ -316,7 +318,8 @@ def annotations(documented: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 def mapping(task: str, name: str, found: dict[str, list[str]]) -> tuple[str, str]:
     """(our key or keys, why none) for one TRL field under ``task``."""
     if name in found:
-        return ", ".join(f"`{key}`" for key in dict.fromkeys(found[name])), ""
+        note = f" ({MAPPED_NOTES[name]})" if name in MAPPED_NOTES else ""
+        return ", ".join(f"`{key}`" for key in dict.fromkeys(found[name])) + note, ""
     for where in (task, "*"):
         if (where, name) in TRAINER:
             key, _, note = TRAINER[(where, name)].partition(" ")

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from support.packing_families import FAMILIES, FP32_INSIDE, FP32_INSIDE_LOGPROB_TOLERANCE, TOLERANCE, measure
+from support.packing_families import FAMILIES, TOLERANCE, measure, tolerance
 
 from lightning_rl.attention.tree_attention import PackingRefused
 
@@ -51,9 +51,7 @@ def test_family_is_exact_or_refused(family, dtype, backend):
         assert "\n" not in result["message"]
         return
     assert result["status"] in ("exact", "WRONG"), result  # never a crash
-    logprob_tol, grad_tol = TOLERANCE[dtype]
-    if family in FP32_INSIDE and dtype == torch.float64:
-        logprob_tol = FP32_INSIDE_LOGPROB_TOLERANCE
+    logprob_tol, grad_tol = tolerance(family, dtype)
     assert result["logprob_error"] <= logprob_tol, result
     assert result["grad_error"] <= grad_tol, result
 

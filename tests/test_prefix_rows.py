@@ -27,7 +27,7 @@ from support.grpo import LENGTH_REWARD, GradientRecorder, fit
 
 from lightning_rl.losses import GRPOLoss
 from support import packing_families
-from support.packing_families import FP32_INSIDE, FP32_INSIDE_LOGPROB_TOLERANCE, GRAD_FLOOR, TOLERANCE, reference_logprobs
+from support.packing_families import GRAD_FLOOR, TOLERANCE, reference_logprobs, tolerance
 
 MODELS = {name: tiny_models.build(name) for name in ("qwen3", "llama", "mistral_sliding")}  # windows of 3 reach into the prefix
 MODELS_FP64 = {name: copy.deepcopy(model).double() for name, model in MODELS.items()}
@@ -297,9 +297,7 @@ def test_a_row_refused_on_one_rank_is_raised_on_every_rank_in_its_words():
 @pytest.mark.parametrize("family", sorted(STYLES))
 def test_cross_row_in_fp64_is_exact_or_refused_on_each_attention_style(family, backend):
     model = packing_families.build(family, torch.float64)
-    lp_tol, grad_tol = TOLERANCE[torch.float64]
-    if family in FP32_INSIDE:
-        lp_tol = FP32_INSIDE_LOGPROB_TOLERANCE
+    lp_tol, grad_tol = tolerance(family, torch.float64)
     if STYLES[family] is None:  # rows of 6 tokens after the prefix: 3 rows, one a nested fork
         _check_against_each_alone(model, FORKS, 6, 6, backend, lp_tol, grad_tol)
         # Nested spans: each turn's prefix forwarded once after the prompt's, attending to its keys and values.

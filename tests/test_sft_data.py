@@ -798,3 +798,20 @@ def test_a_template_that_drops_tool_calls_or_results_is_refused_naming_the_turn(
                           for key in ("messages", "completion") if key in row}} for row in rows]  # fmt: skip
     examples, _ = load_examples(write_jsonl(tmp_path / "t.jsonl", escaped), Renderer(tokenizer, "plain"), 512)
     assert len(examples) == 2 and '\\"sky\\"' in tokenizer.decode(examples[0].input_ids)
+
+
+def test_a_reply_of_weight_zero_is_not_trained_with_or_without_generation_blocks(tiny_tokenizer, tmp_path):
+    """OpenAI's fine-tuning rows mark a reply not to learn with `weight: 0`; it was passed through and trained."""
+    row = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "3", "weight": 0},
+                        {"role": "user", "content": "again"}, {"role": "assistant", "content": "2", "weight": 1}]}  # fmt: skip
+    for renderer in (Renderer(tiny_tokenizer, "tiny"), _without_blocks(tiny_tokenizer, tiny_tokenizer.chat_template)):
+        (example,), _ = load_examples(write_jsonl(tmp_path / "w.jsonl", [row]), renderer, 512)
+        assert trained_text(renderer.tokenizer, example) == "2<|im_end|>", renderer.name
+    completion = {"prompt": row["messages"][:1], "completion": row["messages"][1:]}
+    (example,), _ = load_examples(write_jsonl(tmp_path / "c.jsonl", [completion]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert trained_text(tiny_tokenizer, example) == "2<|im_end|>"
+    bad = {"messages": [{"role": "user", "content": "1+1=", "weight": 0}, {"role": "assistant", "content": "2"}]}
+    with pytest.raises(DataError, match=r"line 1: .*`messages\[0\]`: `weight` is an assistant turn's 0 \(not trained\) or 1 \(trained\), got 0 on a user turn"):
+        load_examples(write_jsonl(tmp_path / "b.jsonl", [bad]), Renderer(tiny_tokenizer, "tiny"), 512)
+    with pytest.raises(DataError, match=r"line 1: .*`weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false"):
+        load_examples(write_jsonl(tmp_path / "w.jsonl", [row]), Renderer(tiny_tokenizer, "tiny", assistant_only_loss=False), 512)

@@ -399,6 +399,11 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             messages[k] = message = {**message, "tool_calls": calls}
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls)):
             raise ValueError(f"{where}: `tool_calls` must be a list of calls (objects)")
+        if "weight" in message:  # OpenAI's per-turn training flag: 0 leaves the reply out of the loss
+            weight = message["weight"]
+            if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
+                raise ValueError(f"{where}: `weight` is an assistant turn's 0 (not trained) or 1 (trained), got {weight!r}"
+                                 + ("" if role == "assistant" else f" on a {role} turn"))
         content = message.get("content")
         if role == "assistant" and message.get("tool_calls") and content in (None, ""):
             continue
@@ -571,6 +576,24 @@ class Renderer:
                 mask[ends[-1] + 1 : end] = [False] * (end - ends[-1] - 1)
         return mask
 
+    @staticmethod
+    def _without_unweighted_turns(messages: list[dict], mask: list[bool]) -> list[bool]:
+        """``mask`` (from {% generation %} blocks) without the replies of assistant turns of ``weight: 0``: the
+        blocks' runs are the assistant turns in order, one each; where they are not, the turns cannot be told apart
+        and such a row is refused."""
+        unweighted = [k for k, m in enumerate(messages) if m.get("weight") == 0]
+        if not unweighted:
+            return mask
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        runs = _runs(mask)
+        if len(runs) != len(turns):
+            raise ValueError(f"`messages[{unweighted[0]}]`: `weight: 0`, but the chat template's {{% generation %}} blocks mark "
+                             f"{len(runs)} replies for {len(turns)} assistant turns, so the turn's tokens cannot be told apart")
+        for k, (start, end) in zip(turns, runs):
+            if k in unweighted:
+                mask[start:end] = [False] * (end - start)
+        return mask
+
     def _image_example(self, row: dict) -> Example:
         """A row with images, rendered by the processor (its template must mark assistant turns with
         ``{% generation %}``, the only way to find them among expanded image tokens)."""
@@ -581,6 +604,7 @@ class Renderer:
             raise ValueError(f"the processor of {self.name} has a chat template without {{% generation %}} blocks, which rows with images need to find the assistant turns")
         messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
         ids, mask, inputs = self.images.render(messages, assistant_mask=True)
+        mask = self._without_unweighted_turns(messages, mask)
         if "prompt" in row:
             prompt, _, _ = self.images.render(row["prompt"])
             mask[: len(prompt)] = [False] * len(prompt)
@@ -610,7 +634,8 @@ class Renderer:
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **(context or {})
                 )
             ids = list(out["input_ids"])
-            mask = self._ending_at_turn_ends(ids, [bool(m) for m in out["assistant_masks"]])
+            mask = self._without_unweighted_turns(messages, [bool(m) for m in out["assistant_masks"]])
+            mask = self._ending_at_turn_ends(ids, mask)
             self._note_if_no_end(ids, mask, "the chat template's {% generation %} blocks leave out the end of turn, so no reply is "
                                  "trained to end; put the end-of-turn token inside the blocks")
             return ids, mask
@@ -620,7 +645,7 @@ class Renderer:
         ids = self._chat(messages, context=context)
         mask = [False] * len(ids)
         for k, message in enumerate(messages):
-            if message["role"] != "assistant" or k < first:
+            if message["role"] != "assistant" or k < first or message.get("weight") == 0:
                 continue
             if k == 0:  # nothing before it to render: where the template puts its header cannot be told from its text
                 raise ValueError(f"`messages[0]`: a conversation that opens with an assistant turn: tokenizer {self.name}'s chat "
@@ -688,6 +713,10 @@ class Renderer:
         context = _template_context(row)
         if "messages" in row or isinstance(row.get("prompt"), list):
             self._check_tools_rendered(row, context)
+            turns = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+            if not assistant and (k := next((k for k, m in enumerate(turns) if m.get("weight") == 0), None)) is not None:
+                raise ValueError(f"turn {k}: `weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false "
+                                 "(replies not told apart from the rest) cannot; set it true, or drop the key")
         if whole and ("messages" in row or isinstance(row["prompt"], list)):  # the conversation as TRL renders it
             self._require_template()
             ids = self._chat(row["messages"] if "messages" in row else row["prompt"] + row["completion"], context=context)
