@@ -78,6 +78,13 @@ def data_file(tmp_path: Path, name: str, content: bytes) -> str:
     return str(tmp_path / name)
 
 
+def adapter_folder(tmp_path: Path) -> str:
+    """A folder as a run's ``model.export: adapter`` writes it: peft's adapter files, no config.json."""
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-0.6B", "peft_type": "LORA"}))
+    return str(tmp_path / "adapter")
+
+
 GOOD = json.dumps(GOOD_ROW).encode() + b"\n"
 USER_LAST = json.dumps({"messages": [*GOOD_ROW["messages"], {"role": "user", "content": "thanks"}]}).encode() + b"\n"
 EMPTY_TURN = json.dumps({"messages": [GOOD_ROW["messages"][0], {"role": "assistant", "content": ""}]}).encode() + b"\n"
@@ -104,6 +111,8 @@ MISTAKES = {
                                         "model.model_name_or_path: {t}/step=3.ckpt is a training checkpoint, not a model folder: resume"),
     "a sharded checkpoint given as the model": (SFT, lambda t: [f"--model.model_name_or_path={sharded_checkpoint(t)}"],
                                                 "model.model_name_or_path: {t}/last.ckpt is a training checkpoint, not a model folder"),
+    "a LoRA adapter given as the model": (SFT, lambda t: [f"--model.model_name_or_path={adapter_folder(t)}"],
+                                          "model.model_name_or_path: {t}/adapter is a LoRA adapter of Qwen/Qwen3-0.6B, not a model folder: start from"),
     "unknown hub id": (SFT, lambda t: ["--model.model_name_or_path=nobody-at-all/no-such-model"], "model.model_name_or_path: nobody-at-all/no-such-model is neither"),
     "learning_rate NaN": (lambda t: recipe_with(t, SFT, learning_rate=float("nan")), lambda t: [], "model.learning_rate must be a finite number > 0, got nan"),
     "learning_rate negative": (SFT, lambda t: ["--model.learning_rate=-1e-3"], "model.learning_rate must be > 0, got -0.001"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from typing import Any
@@ -76,6 +77,13 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads
         raise RecipeError(f"{key}: {name_or_path} is a training checkpoint, not a model folder: resume the run from it with "
                           "ckpt_path, or start from the model the run wrote (its hf/ folder)", key)
     if path.is_dir():
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():  # a run's `export: adapter`
+            try:
+                base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            except (ValueError, AttributeError):
+                base = None
+            raise RecipeError(f"{key}: {name_or_path} is a LoRA adapter{f' of {base}' if base else ''}, not a model folder: start "
+                              "from a merged export (model.export: merged), or from its base", key)
         if not (path / "config.json").is_file():
             raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
         from transformers import AutoConfig
