@@ -74,8 +74,8 @@ class StepProgressBar(TQDMProgressBar):
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Without a terminal, a line of each validation's figures at the step it ran after: the step lines show the
-        latest validation's, which the last step's line, printed before that step's validation, did not have yet."""
+        """Without a terminal, a line of each validation's figures at the step it ran after (the step lines leave them
+        out: carried over to later steps' lines, they read as those steps' own)."""
         super().on_validation_end(trainer, pl_module)
         shown = {name: value for name, value in self.figures(trainer).items() if name.startswith("val_")}
         if not self.terminal and not super().is_disabled and not trainer.sanity_checking and shown:
@@ -87,7 +87,7 @@ class StepProgressBar(TQDMProgressBar):
         if super().is_disabled or step == self._printed_step or not (last or step % max(trainer.log_every_n_steps, 1) == 0):
             return
         self._printed_step = step
-        shown = "  ".join(f"{name} {_number(value)}" for name, value in self.figures(trainer).items())
+        shown = "  ".join(f"{name} {_number(value)}" for name, value in self.figures(trainer).items() if not name.startswith("val_"))
         print(f"step {step}/{total if total is not None else '?'}  {shown}".rstrip(), flush=True)
 
     def figures(self, trainer: Trainer) -> dict[str, float]:

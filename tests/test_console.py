@@ -51,9 +51,12 @@ def test_without_a_terminal_progress_is_a_plain_line_every_few_steps(tmp_path, t
 def test_without_a_terminal_each_validation_says_its_figures_at_its_step(tmp_path, tiny_path, capsys):
     """The last step's line is printed before that step's validation: the validation's own line gives its loss."""
     trainer = _fit_sft(tmp_path, StepProgressBar(terminal=False), limit_val_batches=1, log_every_n_steps=2)
-    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("validation at step ")]
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines() if line.startswith("validation at step ")]
     assert len(lines) >= 2 and [int(line[3]) for line in lines] == sorted({int(line[3]) for line in lines}), lines
     assert lines[-1][3:6] == ["5", "val_loss", f"{float(trainer.callback_metrics['val/loss']):.4g}"], lines
+    # A step's line does not carry an earlier validation's loss over, as if that step had been validated.
+    assert not [line for line in out.splitlines() if line.startswith("step ") and "val_" in line], out
 
 
 def test_lightning_tips_are_dropped(caplog):
