@@ -45,6 +45,7 @@ def _data(tmp_path: Path, bad: dict) -> str:
 
 BAD_ROWS = {
     "missing image": (VLM_SFT, _row("nowhere.png"), "line 3: image nowhere.png: no such file"),
+    "a folder as the image": (VLM_SFT, _row("."), "line 3: image .: a folder, not an image file"),
     "corrupt image": (VLM_SFT, _row("broken.png"), "line 3: image broken.png cannot be read as an image"),
     "image in an assistant turn": (VLM_SFT, _row("good.png", where="assistant"), "line 3: `messages[1]`: an image in an assistant turn"),
     "more placeholders than images": (VLM_SFT, _row("good.png", text="<image> and this?"), "line 3: The total number of <image> tokens in the prompts should be the same as the number of images"),

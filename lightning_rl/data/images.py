@@ -124,7 +124,8 @@ def _image_data(image: Any, base: Path | None) -> tuple[Any, str]:
             raw = _base64(image)  # base64 image data without a data: prefix, which transformers' load_image takes too
             if raw is not None:
                 return io.BytesIO(raw), f"image {image[:60]}... (base64)"
-            raise ValueError(f"image {image}: no such file ({path})")
+            raise ValueError(f"image {image}: " + (f"a folder, not an image file ({path})" if path.is_dir() else
+                                                   f"not a regular file ({path})" if path.exists() else f"no such file ({path})"))
         return path, f"image {image}"
     raise ValueError(f"an image part must hold a path, a URL or bytes, got {type(image).__name__}")
 
