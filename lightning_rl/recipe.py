@@ -583,8 +583,6 @@ class RecipeCLI(LightningCLI):
         strategy, accelerator = config["trainer"].get("strategy"), config["trainer"].get("accelerator")
         if isinstance(strategy, str) and (cls := _strategy_class(strategy)) is not None:  # a class named alone: built
             config["trainer"]["strategy"] = strategy = _built_strategy(cls, strategy, accelerator)  # with its defaults
-        if isinstance(strategy, str):
-            _check_strategy_name(strategy)
         if isinstance(strategy, str) or accelerator == "tpu":  # refuse what this machine cannot run before Lightning starts on it
             check_strategy_request(strategy if isinstance(strategy, str) else "auto", accelerator if isinstance(accelerator, str) else None)
         output_dir = Path(config["output_dir"])
@@ -637,19 +635,6 @@ def _strategy_class(name: str) -> type | None:
         except Exception:
             return None
     return found if isinstance(found, type) and issubclass(found, Strategy) else None
-
-
-def _check_strategy_name(name: str) -> None:
-    """A strategy name neither registered nor a Strategy class: refused naming the nearest registered names and
-    ours (Lightning's refusal lists a dozen of its own, none of lightning-rl's)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if name == "auto" or name in StrategyRegistry:
-        return
-    near = difflib.get_close_matches(name, list(StrategyRegistry), n=1, cutoff=0.6)
-    ours = ", ".join(key for key, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_rl."))
-    raise RecipeError(f"trainer.strategy={name}: no strategy of that name" + (f"; did you mean {near[0]}?" if near else "")
-                      + f" (lightning-rl's: {ours}; Lightning's, e.g. auto, ddp, fsdp; or a Strategy class)", "trainer.strategy")
 
 
 def _built_strategy(cls: type, name: str, accelerator: Any) -> Any:
