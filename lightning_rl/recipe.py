@@ -262,6 +262,8 @@ def check_trainer(trainer: Any, task: str | None = None, sized_only: bool = Fals
     if trainer.get("gradient_clip_val") is not None:
         validation.finite_non_negative("trainer.gradient_clip_val", trainer["gradient_clip_val"])
     _check_devices(trainer.get("devices"), trainer.get("accelerator"))
+    if isinstance(trainer.get("strategy"), str):  # Lightning refuses an unknown name only as it builds the Trainer
+        resolve_strategy(trainer["strategy"])
     interval = trainer.get("val_check_interval")  # Lightning divides by both, or refuses them only once fitting
     if interval is not None and (isinstance(interval, bool) or not (isinstance(interval, int) and interval >= 1 or isinstance(interval, float) and 0 < interval <= 1)):
         raise RecipeError(f"trainer.val_check_interval must be null, a number of training batches >= 1 or a fraction of an "
@@ -635,6 +637,25 @@ def _strategy_class(name: str) -> type | None:
         except Exception:
             return None
     return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
+def resolve_strategy(strategy: Any) -> type | None:
+    """The Strategy class a ``trainer.strategy`` value names, as the run resolves it: a registered name (in any case, as
+    Lightning reads it), a class by its name or dotted path, or ``{class_path: ...}``; None for ``auto`` (Lightning
+    chooses at the run). A name that is none of these is refused, with the nearest registered name where one is close."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    name = strategy.get("class_path") if isinstance(strategy, dict) else strategy
+    if not isinstance(name, str) or name.lower() == "auto":
+        return None
+    if name.lower() in StrategyRegistry:
+        return StrategyRegistry[name.lower()]["strategy"]
+    found = _strategy_class(name)
+    if found is None:
+        guess = difflib.get_close_matches(name.lower(), list(StrategyRegistry), n=1, cutoff=0.6)
+        hint = f"did you mean '{guess[0]}'?" if guess else "give a registered name (ddp, fsdp2, cpu_static, ...; `lightning-rl env` lists ours)"
+        raise RecipeError(f"trainer.strategy={name} is neither a registered strategy name nor a Strategy class: {hint}", "trainer.strategy")
+    return found
 
 
 def _built_strategy(cls: type, name: str, accelerator: Any) -> Any:

@@ -287,6 +287,7 @@ def test_a_strategy_named_by_its_class_is_built_and_an_unknown_one_blamed_on_its
              "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
     assert cli.main(["run", str(recipe), *short]) == 0, capsys.readouterr().err[-2000:]
     line = error_line(capsys, ["run", str(recipe), *short, "--trainer.strategy=NoSuchStrategy", "--overwrite"])
-    assert line.startswith("error: trainer.strategy=NoSuchStrategy: You selected an invalid strategy name")
+    assert line == "error: trainer.strategy=NoSuchStrategy is neither a registered strategy name nor a Strategy class: give a " \
+                   "registered name (ddp, fsdp2, cpu_static, ...; `lightning-rl env` lists ours)"
     line = error_line(capsys, ["run", str(recipe), *short, "--trainer.strategy=Strategy", "--overwrite"])
     assert line.startswith("error: trainer.strategy=Strategy is an abstract class: name a strategy that runs")

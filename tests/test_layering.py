@@ -40,7 +40,7 @@ ALLOWED = {
     "recipe": {"callbacks", "checkpoints", "console", "dotted", "errors", "models", "rollout", "run_folder", "same_run", "strategies", "toy",
                "trl_names", "validation"},  # toy: the embedded data file, a stand-in for launch's checks of data values
     "launch": {"models", "rollout", "recipe", "errors", "strategies", "validation"},
-    "planner": {"launch", "errors", "models", "validation"},
+    "planner": {"launch", "device_policy", "errors", "models", "validation"},
     "env_report": {"strategies"},
     "recipe_reference": {"recipe", "dotted", "rollout"},
     "trl_names": set(),

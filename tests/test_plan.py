@@ -151,6 +151,30 @@ def test_a_strategy_the_plan_does_not_model_is_refused(tmp_path: Path, capsys) -
     assert "FSDP all-gather buffers" in capsys.readouterr().out
 
 
+def test_a_static_shape_strategy_is_planned_at_the_padded_row_and_an_unknown_name_refused(tmp_path: Path, capsys) -> None:
+    """Rows padded to a multiple of 128 under a static-shape strategy (or of any integer given) were planned at
+    data.max_tokens; a misspelt strategy was planned as auto, and XLA on several devices was told to use fsdp2."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 200}\n")
+    args = [str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--"]
+    for overrides, row in ((["--trainer.strategy=xla_static"], 256), (["--trainer.strategy=cpu_static"], 256),
+                           (["--data.pad_to_multiple_of=64"], 256), ([], 200)):  # fmt: skip
+        assert plan.main([*args, *overrides]) == 0
+        out = capsys.readouterr().out
+        assert f"1 GPUs x {row} tokens x 1 accumulation = {row}" in out and f"2 layers x {row} tokens" in out
+        assert ("200 tokens planned as 256" in out) == (row == 256)
+        assert ("runs attention dense (docs/neuron.md)" in out) == ("static" in " ".join(overrides))
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("task: grpo\nmodel: {model_name_or_path: tiny, max_tokens_per_row: 300}\ntrainer: {max_steps: 2, strategy: neuron}\n")
+    assert plan.main([str(grpo), *args[1:]]) == 0
+    assert "1 GPUs x 384 tokens" in capsys.readouterr().out  # GRPO pads the rows it packs as auto does
+    assert plan.main([*args, "--trainer.strategy=cpu_statc"]) == 2
+    assert capsys.readouterr().err == ("error: trainer.strategy=cpu_statc is neither a registered strategy name nor a Strategy "
+                                       "class: did you mean 'cpu_static'?\n")
+    assert plan.main([*args[:4], "8", *args[5:], "--trainer.strategy=xla_static"]) == 2
+    assert "`trainer.strategy: xla_static`: an XLA/Neuron layout on several devices is not planned" in capsys.readouterr().err
+
+
 def test_the_planner_takes_exactly_the_precisions_run_takes(tmp_path: Path, capsys) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256}\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_rl.errors import RecipeError
-from lightning_rl.recipe import parse, task_classes
+from lightning_rl.recipe import parse, resolve_strategy, task_classes
 
 
 class LaunchError(RecipeError):
@@ -83,6 +83,11 @@ class RecipeView:
         model_class, data_class = task_classes(self.task)
         parameter = inspect.signature({"model": model_class, "data": data_class}[section]).parameters.get(name)
         return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+    @property
+    def strategy_class(self) -> type | None:
+        """The Strategy class ``trainer.strategy`` names, as ``run`` resolves it; None for ``auto`` (Lightning's choice)."""
+        return resolve_strategy(self.get("trainer.strategy"))
 
     @property
     def model_id(self) -> str:

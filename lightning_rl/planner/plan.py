@@ -17,6 +17,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from lightning_rl.planner.memory_plan import GIB, Hardware, Term, Training, format_plan, plan_memory
 from lightning_rl.planner.model_census import count_model
 from lightning_rl import validation
+from lightning_rl.device_policy import resolve_pad_to_multiple_of
 from lightning_rl.errors import UserError, report
 from lightning_rl.launch.layout import FILL_FROM_ALLOCATION
 from lightning_rl.launch.recipe_view import MODEL_KEY, FlagParser, LaunchError, RecipeView, split_overrides
@@ -103,12 +104,13 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
     if not isinstance(tokens, int) or tokens < 1:
         raise LaunchError(f"{recipe.path}: `{row_key}` is missing or not a positive integer; pass --tokens-per-micro-batch")
     _check_strategy(recipe, args.nodes * args.gpus_per_node)
+    padded, notes = _padded_row(recipe, tokens)
     lora = recipe.get("model.lora")
     checkpointing = bool(recipe.get("trainer.strategy.activation_checkpointing") or recipe.get("model.gradient_checkpointing"))
     return Training(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        tokens_per_micro_batch=tokens,
+        tokens_per_micro_batch=padded,
         accumulate_grad_batches=int(recipe.get("trainer.accumulate_grad_batches", 1)),
         lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
         param_bytes=param_bytes,
@@ -120,7 +122,26 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         sharded=_shards(recipe),
         expert_parallel=_expert_parallel(recipe, args.expert_parallel),
         logits_chunk=int(recipe.setting("model.chunk_size")),
+        notes=notes,
     )
+
+
+def _padded_row(recipe: RecipeView, tokens: int) -> tuple[int, tuple[str, ...]]:
+    """The row length the run forwards: ``tokens`` padded as the data pads each row (``data.pad_to_multiple_of``; ``auto``
+    is 128 under a static-shape strategy, nothing elsewhere; GRPO pads the rows it packs as ``auto`` does), and what
+    the plan says of it. Under a static-shape strategy attention runs dense, its scores growing with the square of the
+    row's length, which the plan does not count."""
+    device = _static_device(recipe)
+    key, asked = ("data.pad_to_multiple_of", recipe.setting("data.pad_to_multiple_of")) if recipe.task == "sft" else ("GRPO's rows", "auto")
+    multiple = resolve_pad_to_multiple_of(asked, device or "cuda") or 1  # the plan's GPUs under any other strategy
+    padded = -(-tokens // multiple) * multiple
+    notes = []
+    if padded != tokens:
+        notes.append(f"rows padded to a multiple of {multiple} ({key}: {asked}): {tokens} tokens planned as {padded}")
+    if device is not None:
+        notes.append(f"`trainer.strategy: {_strategy_name(recipe)}` runs attention dense (docs/neuron.md): its scores, growing with the "
+                     f"square of the {padded}-token row, are not modelled")
+    return padded, tuple(notes)
 
 
 VLLM_DEFAULT_SHARE = 0.3  # VLLMEngine's gpu_memory_utilization by default (tests/test_plan.py holds them equal)
@@ -198,6 +219,13 @@ def _strategy_name(recipe: RecipeView) -> str:
     return strategy if isinstance(strategy, str) else str(strategy.get("class_path", "")) if isinstance(strategy, dict) else type(strategy).__name__
 
 
+def _static_device(recipe: RecipeView) -> str | None:
+    """The device type of a static-shape strategy (``xla_static``, ``neuron``, ``cpu_static``: it pads every row and
+    compiles once per shape), None for any other."""
+    strategy = recipe.strategy_class
+    return strategy.static_shape_device_type if getattr(strategy, "requires_static_shapes", False) else None
+
+
 def _shards(recipe: RecipeView) -> bool:
     """Whether the recipe's strategy is FSDP2, which shards the weights (and gathers them to compute)."""
     name = _strategy_name(recipe)
@@ -206,8 +234,12 @@ def _shards(recipe: RecipeView) -> bool:
 
 def _check_strategy(recipe: RecipeView, world_size: int) -> None:
     """The plan is FSDP2's (weights, gradients and optimizer states sharded over the GPUs, each decoder layer gathered
-    in its turn and freed after forward): on several GPUs another strategy, or layers kept gathered, is refused."""
+    in its turn and freed after forward): on several GPUs another strategy (a static-shape one's XLA layout among them),
+    or layers kept gathered, is refused."""
     name = _strategy_name(recipe)
+    if world_size > 1 and _static_device(recipe) is not None:
+        raise LaunchError(f"{recipe.path}: `trainer.strategy: {name}`: an XLA/Neuron layout on several devices is not planned (the plan "
+                          "models FSDP2 on GPUs): plan one device, --nodes 1 --gpus-per-node 1")
     if world_size > 1 and not _shards(recipe):
         raise LaunchError(f"{recipe.path}: `trainer.strategy: {name}`: the plan models FSDP2 (weights, gradients and optimizer states "
                           "sharded over the GPUs); another strategy on several GPUs (Lightning's auto picks DDP, which keeps "
@@ -278,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvlink_gbps=args.nvlink_gbps,
         reserved_gb=args.reserved_gb,
     )
-    training = dataclasses.replace(training, notes=_layout_notes(recipe, args))
+    training = dataclasses.replace(training, notes=training.notes + _layout_notes(recipe, args))
     if recipe.task == "grpo":
         training = _grpo_beside(recipe, training, census.total_params, census.root_params, config_bytes, args.gpu_memory_gb)
     plan = plan_memory(census, training, hardware)
