@@ -157,8 +157,8 @@ def _shown(value: Any) -> str:
 def _dumped(value: Any) -> str:
     """A value as YAML writes it; a number recorded as text (``'2'``, as the command line gives it) as the number,
     as the comparison reads it."""
-    if isinstance(value, str) and type(typed := _typed(value)) in (int, float):
-        value = typed
+    if isinstance(value, str) and re.fullmatch(r"-?(0|[1-9]\d*)(\.\d+)?", value):  # not YAML 1.1's octal or 1:30
+        value = _typed(value)
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 

@@ -311,6 +311,10 @@ def test_a_data_file_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: 
                        "--partition", "p", "--dry-run", "--", f"--data.train_data={tmp_path / 'gone.jsonl'}"])  # fmt: skip
     assert code == 0
     assert f"note: data.train_data: {tmp_path / 'gone.jsonl'} is not on this machine" in capsys.readouterr().err
+    # A Hub dataset's name is no file the job reads either (data is read from files alone).
+    code = slurm.main(["slurm", str(recipe(tmp_path).path), "--nodes", "1", "--gpus-per-node", "1", "--partition", "p", "--dry-run",
+                       "--", "--data.train_data=trl-lib/Capybara"])  # fmt: skip
+    assert code == 0 and "note: data.train_data: trl-lib/Capybara is not on this machine" in capsys.readouterr().err
 
 
 def test_a_model_folder_this_machine_lacks_is_said_before_the_queue_wait(tmp_path: Path, capsys) -> None:

@@ -518,5 +518,7 @@ def test_a_number_recorded_as_text_is_shown_as_the_number():
 
     with pytest.raises(RecipeError, match=r"^trainer\.devices=1 here, 2 in the run: ckpt_path: last\.ckpt resumes"):
         check_same_run(yaml.safe_dump({"trainer": {"devices": "2"}}), yaml.safe_dump({"trainer": {"devices": 1}}), "last.ckpt")
+    with pytest.raises(RecipeError, match=r"^model\.system_prompt='011' here, '010' in the run: "):  # not YAML 1.1's octal 9 and 8
+        check_same_run(yaml.safe_dump({"model": {"system_prompt": "010"}}), yaml.safe_dump({"model": {"system_prompt": "011"}}), "last.ckpt")
     with pytest.raises(RecipeError, match=r"^model\.system_prompt='yes' here, 'no' in the run: "):  # text stays text
         check_same_run(yaml.safe_dump({"model": {"system_prompt": "no"}}), yaml.safe_dump({"model": {"system_prompt": "yes"}}), "last.ckpt")

@@ -813,5 +813,15 @@ def test_a_reply_of_weight_zero_is_not_trained_with_or_without_generation_blocks
     bad = {"messages": [{"role": "user", "content": "1+1=", "weight": 0}, {"role": "assistant", "content": "2"}]}
     with pytest.raises(DataError, match=r"line 1: .*`messages\[0\]`: `weight` is an assistant turn's 0 \(not trained\) or 1 \(trained\), got 0 on a user turn"):
         load_examples(write_jsonl(tmp_path / "b.jsonl", [bad]), Renderer(tiny_tokenizer, "tiny"), 512)
-    with pytest.raises(DataError, match=r"line 1: .*`weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false"):
+    with pytest.raises(DataError, match=r"line 1: .*`messages\[1\]`: `weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false"):
         load_examples(write_jsonl(tmp_path / "w.jsonl", [row]), Renderer(tiny_tokenizer, "tiny", assistant_only_loss=False), 512)
+    # A table fills the turns without a weight with null (Parquet, save_to_disk): no weight, as in the JSONL row.
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([row]).to_parquet(tmp_path / "w.parquet")
+    (example,), (case,) = load_examples(str(tmp_path / "w.parquet"), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert trained_text(tiny_tokenizer, example) == "2<|im_end|>" and case.reference == "2"
+    # A last reply not to learn is no held-out reference.
+    last_unweighted = {"messages": [row["messages"][0], {"role": "assistant", "content": "2"}, row["messages"][2],
+                                    {"role": "assistant", "content": "3", "weight": 0}]}  # fmt: skip
+    _, cases = load_examples(write_jsonl(tmp_path / "l.jsonl", [last_unweighted, GOOD]), Renderer(tiny_tokenizer, "tiny"), 512)
+    assert len(cases) == 1

@@ -112,7 +112,7 @@ MISTAKES = {
     "a sharded checkpoint given as the model": (SFT, lambda t: [f"--model.model_name_or_path={sharded_checkpoint(t)}"],
                                                 "model.model_name_or_path: {t}/last.ckpt is a training checkpoint, not a model folder"),
     "a LoRA adapter given as the model": (SFT, lambda t: [f"--model.model_name_or_path={adapter_folder(t)}"],
-                                          "model.model_name_or_path: {t}/adapter is a LoRA adapter of Qwen/Qwen3-0.6B, not a model folder: start from"),
+                                          "model.model_name_or_path: {t}/adapter is a PEFT adapter of Qwen/Qwen3-0.6B, not a model folder: start from"),
     "unknown hub id": (SFT, lambda t: ["--model.model_name_or_path=nobody-at-all/no-such-model"], "model.model_name_or_path: nobody-at-all/no-such-model is neither"),
     "learning_rate NaN": (lambda t: recipe_with(t, SFT, learning_rate=float("nan")), lambda t: [], "model.learning_rate must be a finite number > 0, got nan"),
     "learning_rate negative": (SFT, lambda t: ["--model.learning_rate=-1e-3"], "model.learning_rate must be > 0, got -0.001"),

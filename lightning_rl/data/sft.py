@@ -399,8 +399,10 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             messages[k] = message = {**message, "tool_calls": calls}
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls)):
             raise ValueError(f"{where}: `tool_calls` must be a list of calls (objects)")
-        if "weight" in message:  # OpenAI's per-turn training flag: 0 leaves the reply out of the loss
-            weight = message["weight"]
+        weight = message.get("weight")
+        if weight is None or (isinstance(weight, float) and math.isnan(weight)):  # none, as a table fills a turn without it
+            messages[k] = message = {key: value for key, value in message.items() if key != "weight"}
+        else:  # OpenAI's per-turn training flag: 0 leaves the reply out of the loss
             if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
                 raise ValueError(f"{where}: `weight` is an assistant turn's 0 (not trained) or 1 (trained), got {weight!r}"
                                  + ("" if role == "assistant" else f" on a {role} turn"))
@@ -713,9 +715,13 @@ class Renderer:
         context = _template_context(row)
         if "messages" in row or isinstance(row.get("prompt"), list):
             self._check_tools_rendered(row, context)
-            turns = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
-            if not assistant and (k := next((k for k, m in enumerate(turns) if m.get("weight") == 0), None)) is not None:
-                raise ValueError(f"turn {k}: `weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false "
+            # Turns whose tokens are trained where replies are not told apart (the completion's alone, under
+            # completion_only_loss): a reply of weight 0 among them cannot be left out.
+            turns = ([(f"messages[{k}]", m) for k, m in enumerate(row["messages"])] if "messages" in row else
+                     [(f"{column}[{k}]", m) for column in (("completion",) if self.completion_only_loss else ("prompt", "completion"))
+                      for k, m in enumerate(row[column])])  # fmt: skip
+            if not assistant and (where := next((where for where, m in turns if m.get("weight") == 0), None)):
+                raise ValueError(f"`{where}`: `weight: 0` leaves a reply out of the loss, which data.assistant_only_loss: false "
                                  "(replies not told apart from the rest) cannot; set it true, or drop the key")
         if whole and ("messages" in row or isinstance(row["prompt"], list)):  # the conversation as TRL renders it
             self._require_template()
@@ -756,7 +762,9 @@ class Renderer:
         if whole:
             mask = [False] + [True] * (len(ids) - 1)
         if not any(mask[1:]):
-            raise ValueError("no trained tokens after rendering")
+            unweighted = any(m.get("weight") == 0 for m in row.get("messages") or [*row.get("prompt", []), *row.get("completion", [])]
+                             if isinstance(m, dict))  # fmt: skip
+            raise ValueError("no trained tokens after rendering" + (" (every reply it would train has weight: 0)" if unweighted else ""))
         check_no_image_tokens(ids, self.image_token_id, self.tokenizer)
         return Example(ids, mask)
 
@@ -835,14 +843,14 @@ class Renderer:
         return self.tokenizer.decode(reply[:end], skip_special_tokens=True)
 
     def generation_case(self, row: dict) -> GenerationCase | None:
-        """The prompt up to the final assistant turn and that turn's text; None if it has tool calls, or asks nothing
-        (a plain `text` row)."""
+        """The prompt up to the final assistant turn and that turn's text; None if it has tool calls, is a reply not
+        to learn (``weight: 0``), or asks nothing (a plain `text` row)."""
         if "text" in row:
             return None
         if "messages" in row or isinstance(row["prompt"], list):
             messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
             last = messages[-1]
-            if last["role"] != "assistant" or last.get("tool_calls") or len(messages) == 1:  # nothing asked: no case
+            if last["role"] != "assistant" or last.get("tool_calls") or last.get("weight") == 0 or len(messages) == 1:  # no case
                 return None
             if row_has_images(row) and self.images is not None:
                 ids, _, inputs = self.images.render(messages[:-1], add_generation_prompt=True)

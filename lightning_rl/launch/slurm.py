@@ -88,15 +88,16 @@ def slurm_minutes(text: str) -> float:
 
 def _note_missing_paths(recipe: RecipeView) -> None:
     """A model folder or data file the recipe names that this machine does not have: said before the queue wait, as a
-    note (a node's own disk may hold it), rather than found by the job once it starts. A name that reads as a Hub id
-    (``Qwen/Qwen3-0.6B``, ``trl-lib/Capybara``) or an embedded model is fetched or built on the nodes."""
+    note (a node's own disk may hold it), rather than found by the job once it starts. A model name that reads as a Hub
+    id (``Qwen/Qwen3-0.6B``) is fetched on the nodes, and a bare word is an embedded model or task (``tiny``, ``toy``);
+    data is read from files alone, so any other data path is noted (``trl-lib/Capybara`` too)."""
     keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.train_data", "data.path", "model.eval_data")
     for key in (MODEL_KEY, *keys):
         value = recipe.setting(MODEL_KEY) if key == MODEL_KEY else recipe.get(key)
         if not isinstance(value, str) or value in EMBEDDED or Path(value).expanduser().exists():
             continue
-        named = value.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(value) or bool(Path(value).suffix and key != MODEL_KEY)
-        if named:
+        local = value.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(value)
+        if local or (key != MODEL_KEY and ("/" in value or Path(value).suffix)):
             print(f"note: {key}: {value} is not on this machine; the job fails unless its nodes have it", file=sys.stderr)
 
 

@@ -82,7 +82,7 @@ def check_model_source(name_or_path: str, key: str = "model_name_or_path", loads
                 base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
             except (ValueError, AttributeError):
                 base = None
-            raise RecipeError(f"{key}: {name_or_path} is a LoRA adapter{f' of {base}' if base else ''}, not a model folder: start "
+            raise RecipeError(f"{key}: {name_or_path} is a PEFT adapter{f' of {base}' if base else ''}, not a model folder: start "
                               "from a merged export (model.export: merged), or from its base", key)
         if not (path / "config.json").is_file():
             raise RecipeError(f"{key}: {name_or_path} is a folder without config.json, not a model folder", key)
