@@ -228,8 +228,8 @@ def _static_device(recipe: RecipeView) -> str | None:
 
 def _shards(recipe: RecipeView) -> bool:
     """Whether the recipe's strategy is FSDP2, which shards the weights (and gathers them to compute)."""
-    name = _strategy_name(recipe)
-    return name in ("fsdp2", "fsdp2_rocm") or name.endswith("FSDP2Strategy")
+    strategy = recipe.strategy_class  # as the run resolves it: FSDP2 in any case, by name, class or class path
+    return strategy is not None and any(cls.__name__ == "FSDP2Strategy" for cls in strategy.__mro__)
 
 
 def _check_strategy(recipe: RecipeView, world_size: int) -> None:
