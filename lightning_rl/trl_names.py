@@ -53,8 +53,8 @@ TRAINER = {
 DEFAULTS = {
     ("*", "seed"): "any fixed seed does; set 42 for TRL's",
     ("*", "logging_steps"): "Lightning's default, every 50 steps; set 10 for TRL's",
-    ("*", "num_train_epochs"): "a run is bounded by `trainer.max_steps` (or `trainer.max_epochs` where given); with "
-    "neither, Lightning's 1000 epochs",
+    ("*", "num_train_epochs"): "a run is bounded by `trainer.max_steps` (or `trainer.max_epochs` where given); given "
+    "both, it stops at whichever comes first (TRL's max_steps overrides the epochs); with neither, Lightning's 1000 epochs",
     ("sft", "max_grad_norm"): "Lightning clips nothing unless asked; set 1.0 for TRL's clipping (GRPO's "
     "`model.max_grad_norm` is 1.0)",
     ("sft", "eval_strategy"): "validation runs once an epoch wherever `data.val_data` is given; no held-out file, no "
