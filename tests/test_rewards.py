@@ -220,6 +220,9 @@ def test_infinite_scores_are_failures_of_their_samples_and_never_reach_the_advan
     assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
     with pytest.raises(RewardFailedError, match="reward 'non_finite' returned inf for sample 0"):
         RewardScorer([RewardSpec(non_finite)], on_error="raise").score(["p"], ["inf"], {})
+    # An integer past float's range is that infinity, said as such (it was an OverflowError read as a raise).
+    huge = RewardScorer([RewardSpec(lambda completions, **_: [-(10**400) if c == "a" else 1 for c in completions])]).score(["p"] * 2, ["a", "b"], {})
+    assert [(e.sample, e.error, e.kind) for e in huge.errors] == [(0, "returned -inf", "non_finite")]
 
 
 def exact(completions, answer):

@@ -275,7 +275,7 @@ class _Reward:
         except TimeoutError:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
         # None, or NaN (TRL reads None as NaN, and a NaN as a sample the function does not apply to): left out.
-        values = [math.nan if v is None else float(v) for v in _scores_of(result, len(batch), what)]
+        values = [math.nan if v is None else _as_float(v) for v in _scores_of(result, len(batch), what)]
         return torch.tensor(values, dtype=torch.float32), torch.tensor([not math.isnan(v) for v in values])
 
     async def _plain(self, arguments: dict[str, Any], timeout_s: float | None, what: str) -> Any:
@@ -314,6 +314,15 @@ class RewardContractError(UserError, ValueError):
     retry sample by sample would hide (one score for one sample is the right count), so the run stops on it."""
 
     key = "rewards"
+
+
+def _as_float(score: Any) -> float:
+    """A score as a float; an integer past float's range as the infinity it rounds to (a non-finite score, said as
+    such), not an OverflowError read as the function having raised."""
+    try:
+        return float(score)
+    except OverflowError:
+        return math.inf if score > 0 else -math.inf
 
 
 def _scores_of(result: Any, n: int, what: str) -> list[Any]:
