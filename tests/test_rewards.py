@@ -38,6 +38,30 @@ def test_math_answer_reads_boxed_tags_or_the_last_number():
     assert math_answer(separated, ["1234", "234", 1000, -12345.5, 3, "1,234"]) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
+
+MATH_ANSWERS = [  # (completion, answer, score): each once scored the other way (or, for the empty answer, at all)
+    (r"My answer is \boxed{\frac{1}{3}}", "3", 0.0),  # nested braces: the whole box, not its last bare number
+    (r"\boxed{\sqrt{2}}", "2", 0.0), (r"\boxed{2^{10}}", "10", 0.0), (r"\fbox{\dfrac{3}{4}}", "4", 0.0),
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{3}", 1.0), (r"\boxed{1/2}", "1/2", 1.0), (r"\boxed{0.5}", "1/2", 1.0),
+    (r"\boxed{-\tfrac{1}{2}}", "$-0.5$", 1.0), (r"\boxed{\left( 3, 4 \right)}", "( 3, 4 )", 1.0),
+    ("999999", 1000000, 0.0), ("0.3", 0.1 + 0.2, 0.0),  # exact: 0.30000000000000004 is not 0.3
+    ("\u22123", "-3", 1.0), ("1e3", "3", 0.0), (".5", "5", 0.0), ("Pages 10-15", "-15", 0.0), ("10^6", "6", 0.0),
+    ("1,00", "0", 0.0), (r"\boxed{x=3}", "3", 1.0), (r"\boxed{12 \text{cm}}", "12", 1.0), (r"\boxed{\$18}", "18", 1.0),
+    (r"\boxed{50\%}", "50", 1.0), (r"\boxed{1{,}000}", "1000", 1.0), ("<answer>The final answer is 42</answer>", "42", 1.0),
+    (r"\boxed{(3,4)}", "4", 0.0), ("", "", None), ("nan", float("nan"), None), ("True", True, 1.0), ("1", True, 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer", "score"), MATH_ANSWERS)
+def test_math_answer_reads_latex_fractions_and_units_exactly(completion, answer, score):
+    assert math_answer([completion], [answer]) == [score]
+
+
+def test_math_answer_reads_unclosed_answer_tags_in_linear_time():
+    started = time.perf_counter()
+    assert math_answer(["<answer>" * 10_000 + r"\boxed{" * 10_000], ["1"]) == [0.0]  # was minutes
+    assert time.perf_counter() - started < 2
+
 def test_format_and_tool_call_validity():
     assert format_match(["<answer>1</answer>", "x <answer>1</answer>"]) == [1.0, 0.0]
     assert format_match(["12", "a1"], pattern=r"\d+$") == [1.0, 0.0]

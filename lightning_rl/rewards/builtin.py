@@ -12,49 +12,119 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 from lightning_rl.rewards.model import RewardModel
 
-# A number, thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234").
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
-_SEPARATED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# An unsigned decimal: thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234"),
+# `.5`, `1e3`. No leading zeros: neither the `1` nor the `00` of `1,00` (a decimal comma's) is a number.
+_DECIMAL = r"(?:(?:[1-9]\d{0,2}(?:,\d{3})++|0|[1-9]\d*)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3})?"
+# A number: a decimal, `a/b` or `\frac{a}{b}`, signed by `-` or `−` where no letter or digit comes right before it
+# (`10-15` holds 10 and 15). Not next to a letter, a LaTeX command or brace, `/` or `^`, so `2x`, `\sqrt{2}`, `3/4/2020`
+# and a power (`10^6`, `2^{10}`) hold none; a comma may follow (`1,2,3` is a list), and so may `%` (`50%` reads 50).
+_NUMBER = re.compile(
+    rf"(?<![\w.^{{\\/])([-−]?)(?:\\frac\{{([-−]?{_DECIMAL})\}}\{{([-−]?{_DECIMAL})\}}|({_DECIMAL})(?:/({_DECIMAL}))?)"
+    r"(?![\w\\^{}/]|\.\d|,0\d)"
+)
+_BRACES = re.compile(r"\\(?:boxed|fbox)\{|[{}]")
+# Text written differently that means the same: LaTeX's spacing, \left and \right, \text{...}, `{,}`, dollar signs.
+_NORMALISE = (
+    (re.compile(r"\\(?:text\w*|mathrm|mbox)\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),
+    (re.compile(r"\\[,!;:]|\\(?:left|right)(?![a-zA-Z])|\\?\$"), ""),
+    (re.compile(r"\{,\}"), ","),
+    (re.compile(r"\\%"), "%"),
+    (re.compile(r"\\ |\s+"), " "),
+)
+_ASSIGNMENT = re.compile(r"[a-zA-Z]\s*=\s*")  # `x = 3`: the answer is 3
+
+
+def _normalised(text: str) -> str:
+    """A text as it is compared: `_NORMALISE`d, stripped, and without a leading single-variable assignment."""
+    for pattern, replacement in _NORMALISE:
+        text = pattern.sub(replacement, text)
+    text = text.strip()
+    return text[assigned.end():] if (assigned := _ASSIGNMENT.match(text)) else text
+
+
+def _boxed(completion: str) -> str | None:
+    """The inside of the last `\\boxed{...}` or `\\fbox{...}` whose braces close, read in one pass over the braces."""
+    opened: list[int | None] = []  # where each open brace's box starts, None for a brace of no box
+    last = None
+    for brace in _BRACES.finditer(completion):
+        if brace.group() != "}":
+            opened.append(None if brace.group() == "{" else brace.end())
+        elif opened and (start := opened.pop()) is not None and (last is None or start > last[0]):
+            last = (start, brace.start())
+    return None if last is None else completion[last[0] : last[1]]
+
+
+def _enclosed(completion: str) -> str | None:
+    """The inside of the last box, else of the last closed `<answer>...</answer>` pair; None where there is neither."""
+    if (boxed := _boxed(completion)) is not None:
+        return boxed.strip()
+    close = completion.rfind("</answer>")
+    open_ = completion.rfind("<answer>", 0, max(close, 0))
+    return completion[open_ + len("<answer>") : close].strip() if close >= 0 and open_ >= 0 else None
 
 
 def extract_answer(completion: str) -> str | None:
     """The answer a completion gives: inside `\\boxed{}`, else `<answer>` tags, else the last number."""
-    for pattern in (_BOXED, _ANSWER_TAG):
-        found = pattern.findall(completion)
-        if found:
-            return found[-1].strip()
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1] if numbers else None
+    if (enclosed := _enclosed(completion)) is not None:
+        return enclosed
+    numbers = list(_NUMBER.finditer(_normalised(completion)))
+    return numbers[-1].group() if numbers else None
 
 
-def _number(text: Any) -> float | None:
-    """The value of a number (``1,234`` read as 1234), None for anything else."""
-    if isinstance(text, str) and _SEPARATED.fullmatch(text.strip()):
-        text = text.replace(",", "")
+def _exact(number: re.Match) -> Fraction | None:
+    """A number's value as an exact fraction (parsed from its text, so `0.1` is 1/10); None for `a/0` and for a
+    number longer than Python reads (4300 digits)."""
+    parts = (number[2] or number[4], number[3] or number[5] or "1")
+    top, bottom = (part.replace("−", "-").replace(",", "") for part in parts)
     try:
-        return float(text)
-    except (TypeError, ValueError):
+        return (-1 if number[1] else 1) * Fraction(top) / Fraction(bottom)
+    except (ValueError, ZeroDivisionError):
         return None
 
 
-def _matches(completion: str, expected: Any) -> bool:
-    if (wanted := _number(expected)) is None:  # a textual answer ("1 7 0 4") must be the whole reply
-        return " ".join(completion.split()) == " ".join(str(expected).split())
-    given = _number(extract_answer(completion))
-    return given is not None and math.isclose(given, wanted, rel_tol=1e-6, abs_tol=1e-9)
+def _value(text: str) -> Fraction | str:
+    """The number a text holds where, normalised, it holds exactly one and no other LaTeX command (`12 cm`, `\\$18`,
+    `x = 3`, `The final answer is 42`), else its normalised text."""
+    text = _normalised(text)
+    numbers = list(_NUMBER.finditer(text))
+    if len(numbers) == 1 and "\\" not in _NUMBER.sub("", text) and (value := _exact(numbers[0])) is not None:
+        return value
+    return text
+
+
+def _gold(answer: Any) -> Fraction | str | None:
+    """The value of a row's answer; None for a missing one (null, NaN, empty). A bool is its text (`True`)."""
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+        return None
+    value = _value(str(answer))
+    return None if value == "" else value
+
+
+def _matches(completion: str, gold: Fraction | str) -> bool:
+    if (given := _enclosed(completion)) is None and isinstance(gold, str):
+        return _normalised(completion) == gold  # a textual answer ("1 7 0 4") must be the whole reply
+    given = extract_answer(completion) if given is None else given
+    return given is not None and _value(given) == gold
 
 
 def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float | None]:
-    """1.0 where the completion's answer equals the `answer` column: numerically for a numeric
-    answer, as the whole (whitespace-normalised) reply otherwise. None (no score) where the row's answer is null
-    (a Parquet file's missing value): a reply is not checked against the text "None"."""
-    return [None if a is None else 1.0 if _matches(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+    """1.0 where the completion's answer equals the `answer` column, else 0.0. The completion's answer is the inside
+    of its last `\\boxed{}` (or `\\fbox{}`, braces balanced), else of its last `<answer>...</answer>`, else its last
+    number. Where a side holds exactly one number (words, units, `$` or `%` around it, no other LaTeX command), the
+    numbers are compared exactly: `1,234`, `0.5`, `.5`, `1e3`, `1/2` and `\\frac{1}{2}` (`\\dfrac`, `\\tfrac`) with
+    their signs; `50%` reads 50 and a power (`10^6`) is no number. Otherwise the texts are compared, normalised
+    (LaTeX spacing, `\\left`/`\\right`, `\\text{}`, `{,}`, `$`, a leading `x =`, whitespace); a textual answer with no
+    boxed or tagged answer must be the whole reply. None (no score) where the row's answer is null, NaN or empty (a
+    Parquet file's or pandas' missing value): a reply is not checked against the text "None". A bool answer is its
+    text (`True`)."""
+    golds = [_gold(a) for a in answer]
+    return [None if g is None else 1.0 if _matches(c, g) else 0.0 for c, g in zip(completions, golds, strict=True)]
 
 
 def format_match(completions: Sequence[str], pattern: str = r"<answer>.*?</answer>") -> list[float]:
