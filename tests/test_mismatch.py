@@ -292,3 +292,19 @@ def test_a_step_that_trains_no_token_logs_each_mismatch_figure_as_0():
     figures = MismatchStats(corrects=True).metrics(lambda tensor, reduce_op: tensor, torch.device("cpu"), staleness=0, alarm_kl=1e-2)
     assert figures == {f"mismatch/{name}": 0.0 for name in ("ratio_mean", "ratio_min", "ratio_max", "corrected_fraction", "logp_diff_mean",
                                                            "logp_diff_max", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "kl")} | {"offpolicy/kl": 0.0}  # fmt: skip
+
+
+def test_a_routers_noise_in_training_is_named_as_dropout_is():
+    """Mixtral multiplies its router's input by noise in training (router_jitter_noise): the trainer's forward drew it,
+    the engine's did not, and the alarm blamed the sync with replay on."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_rl.modules.mismatch import unreplayed
+
+    def mixtral(noise: float) -> MixtralForCausalLM:
+        return MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, router_jitter_noise=noise))  # fmt: skip
+
+    sampling = GRPOModule().sampling
+    assert unreplayed(sampling, mixtral(0.5)) == "the router's noise (the model's router_jitter_noise=0.5), which the trainer's forward applies and the engine's does not"
+    assert unreplayed(sampling, mixtral(0.0)) is None

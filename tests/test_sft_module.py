@@ -469,3 +469,18 @@ def test_a_checkpoint_of_the_earlier_epoch_rule_past_its_first_epoch_is_refused(
         data.load_state_dict({**old, "epoch": 2, "batches_taken": 1})
     data.load_state_dict({**old, "epoch": 0, "batches_taken": 1})
     data.load_state_dict({**state, "epoch": 2, "batches_taken": 1})  # this version's own
+
+
+def test_a_config_asking_for_the_routers_auxiliary_loss_is_told_it_is_not_added(tmp_path, capsys):
+    """A mixture of experts whose config asks for the load-balancing loss (output_router_logits) trained without it,
+    without a word; the model's own forward with labels adds it, as TRL does."""
+    import shutil
+
+    from lightning_rl.toy.model import tiny_moe_path
+
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_moe_path(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True, "router_aux_loss_coef": 0.5}))
+    fit(tmp_path, SFTModule(model_name_or_path=str(folder)), max_steps=1)
+    assert f"note: {folder}'s config asks for its router's auxiliary loss (output_router_logits: true, router_aux_loss_coef 0.5)" in capsys.readouterr().err

@@ -87,13 +87,21 @@ def replay_routes(setting: RouterReplaySetting, policy: nn.Module, engine: Rollo
 def unreplayed(sampling: Any, policy: nn.Module | None = None) -> str | None:
     """What the engine's sampling and the trainer's scoring do not share, named by its key: the repetition penalty
     (the engine applies it, the trainer does not replay it), or dropout (the trainer's forward in training applies
-    it, the engine's does not: a LoRA's, or the model's own)."""
+    it, the engine's does not: a LoRA's, or the model's own), or likewise a router's noise in training (Mixtral's
+    and MiniMax's ``router_jitter_noise``, PhiMoE's ``input_jitter_noise`` and its sparsemixer's sampled routing)."""
     if sampling.repetition_penalty != 1.0:
         return f"model.sampling.repetition_penalty={sampling.repetition_penalty:g}, which the engine applies and the trainer does not replay"
     for name, module in (policy.named_modules() if policy is not None else ()):
         if isinstance(module, nn.Dropout) and module.p > 0:
             what = "model.lora.dropout" if "lora_dropout" in name else f"the model's own dropout ({name})"
             return f"{what}={module.p:g}, {_DROPOUT}"
+    config = getattr(policy, "config", None)
+    for sub in (config, config.get_text_config()) if config is not None else ():
+        for key in ("router_jitter_noise", "input_jitter_noise"):
+            if isinstance(noise := getattr(sub, key, None), (int, float)) and noise > 0:
+                return f"the router's noise (the model's {key}={noise:g}), {_DROPOUT}"
+        if getattr(sub, "model_type", None) == "phimoe":
+            return f"PhiMoE's sparsemixer, which samples its routing weights in training, {_DROPOUT}"
     return None
 
 

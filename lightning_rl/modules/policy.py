@@ -173,6 +173,11 @@ class PolicyModule(LightningModule):
             print(f"note: trainer.precision {self.trainer.precision} steps 16-bit weights with no float32 copy: an update "
                   f"smaller than half a 16-bit step of a weight is lost, and at learning_rate {hp.learning_rate:g} most "
                   "are (bf16 keeps 8 bits); bf16-mixed keeps float32 weights", file=sys.stderr)
+        text = self.policy.config.get_text_config()
+        if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0) and self.global_rank == 0:
+            print(f"note: {hp.model_name_or_path}'s config asks for its router's auxiliary loss (output_router_logits: true, "
+                  f"router_aux_loss_coef {text.router_aux_loss_coef:g}), which is not added here: the loss is the tokens' "
+                  "alone (TRL adds it)", file=sys.stderr)
         return adamw_with_schedule(
             self.parameter_groups(), self.trainer, learning_rate=hp.learning_rate,
             weight_decay=hp.weight_decay, betas=hp.get("betas"), lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
