@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import urllib.parse
+import uuid
 import warnings
 from collections import abc
 from dataclasses import dataclass
@@ -63,13 +64,13 @@ class LoggerSettings:
 
     Args:
         kind: ``csv`` (OUTPUT_DIR/csv), ``wandb`` or ``none``. TRL: `report_to`.
-        project: the W&B project. Read by ``wandb`` only.
-        name: the W&B run name (default: the output folder's name). Read by ``wandb`` only.
-        offline: force W&B offline (None: offline when no credentials are configured).
+        project: the W&B project (default: ``WANDB_PROJECT``, else ``lightning-rl``). Read by ``wandb`` only.
+        name: the W&B run name (default: ``WANDB_NAME``, else the output folder's name). Read by ``wandb`` only.
+        offline: force W&B offline (None: offline when no credentials are configured). ``WANDB_MODE=disabled`` logs nothing.
     """
 
     kind: Literal["csv", "wandb", "none"] = "csv"
-    project: str = "lightning-rl"
+    project: str | None = None
     name: str | None = None
     offline: bool | None = None
 
@@ -317,18 +318,46 @@ def check_logger(settings: LoggerSettings) -> None:
 
 
 def build_logger(settings: LoggerSettings, output_dir: Path) -> Logger | bool:
+    """The run's logger. W&B's project and run name come from the recipe, else from ``WANDB_PROJECT`` and
+    ``WANDB_NAME`` as wandb reads them, else ``lightning-rl`` and the output folder's name. ``WANDB_MODE=disabled``
+    means no W&B logger at all (an offline one would still write its folder)."""
     if settings.kind == "none":
         return False
     if settings.kind == "csv":
         return CSVLogger(save_dir=output_dir, name="csv")
     check_logger(settings)
-    offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") == "offline" or not has_wandb_credentials())
+    if os.environ.get("WANDB_MODE") == "disabled":
+        print("W&B: WANDB_MODE=disabled: this run logs nothing to W&B (unset WANDB_MODE to log)", file=sys.stderr)
+        return False
+    offline = settings.offline if settings.offline is not None else (os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_wandb_credentials())
+    run_id = None  # wandb's own: WANDB_RUN_ID where set
     if offline:
         print(f"W&B: logging offline to {output_dir}/wandb; upload later with `wandb sync {output_dir}/wandb/offline-run-*`", file=sys.stderr)
         if os.environ.get("WANDB_RUN_ID"):
             print(f"W&B: WANDB_RUN_ID={os.environ['WANDB_RUN_ID']} cannot resume an offline run: this one logs a history of its own "
                   "(log in to resume it online)", file=sys.stderr)
-    return WandbLogger(project=settings.project, name=settings.name or output_dir.name, save_dir=str(output_dir), offline=offline)
+            run_id = uuid.uuid4().hex[:8]  # a new id: the user's would be a second offline folder under it
+    return RecipeWandbLogger(project=settings.project or os.environ.get("WANDB_PROJECT") or "lightning-rl",
+                             name=settings.name or os.environ.get("WANDB_NAME") or output_dir.name, save_dir=str(output_dir),
+                             offline=offline, id=run_id)
+
+
+class RecipeWandbLogger(WandbLogger):
+    """Lightning's W&B logger, whose start (``wandb.init``, at the logger's first use as training starts) fails as one
+    ``RecipeError``: a W&B server it cannot reach, or a run folder it cannot write. ``lightning-rl run`` then takes
+    back what the run wrote, as for any run refused before its first step, so the corrected rerun starts there."""
+
+    @property
+    def experiment(self) -> Any:
+        import wandb
+
+        try:
+            return super().experiment
+        except wandb.errors.CommError as error:
+            raise RecipeError(f"logger.offline: W&B could not start the run online ({' '.join(str(error).split())}); log offline "
+                              "with logger.offline: true (or WANDB_MODE=offline) and `wandb sync` later", "logger.offline") from None
+        except OSError as error:
+            raise RecipeError(f"output_dir: W&B cannot write its run folder in {self.save_dir}/wandb ({error})", "output_dir") from None
 
 
 def recipe_text(parser: Any, config: Any) -> str:

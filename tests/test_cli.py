@@ -15,6 +15,7 @@ from support.paths import REPO
 from support.run_outputs import not_known_as_the_runs
 from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import ForeignCheckpointError, StagedCheckpointIO
+from lightning_rl.errors import RecipeError
 from lightning_rl.recipe import parse
 
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sft.yaml"
@@ -211,10 +212,57 @@ def test_wandb_online_without_credentials_is_one_line_before_anything_is_written
     monkeypatch.setenv("WANDB_MODE", "disabled")
     check_logger(LoggerSettings(kind="wandb", offline=False))
     monkeypatch.delenv("WANDB_MODE")
-    # Offline, a WANDB_RUN_ID set to resume an earlier run cannot: said, not left to lose the first history on sync.
+    # Offline, a WANDB_RUN_ID set to resume an earlier run cannot: said, and the run logs under an id of its own (a
+    # second offline folder under the same id lost one history on sync); the user's environment stays as it was.
     monkeypatch.setenv("WANDB_RUN_ID", "abc123")
-    build_logger(LoggerSettings(kind="wandb", offline=True), out)
+    logger = build_logger(LoggerSettings(kind="wandb", offline=True), out)
     assert "WANDB_RUN_ID=abc123 cannot resume an offline run" in capsys.readouterr().err
+    assert logger._wandb_init["id"] not in (None, "abc123") and os.environ["WANDB_RUN_ID"] == "abc123"
+    monkeypatch.delenv("WANDB_RUN_ID")
+    # WANDB_PROJECT and WANDB_NAME are read where the recipe leaves logger.project and logger.name unset, as wandb does.
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.setenv("WANDB_NAME", "env-run")
+    logger = build_logger(LoggerSettings(kind="wandb", offline=True), out)
+    assert (logger._wandb_init["project"], logger._wandb_init["name"]) == ("from-env", "env-run")
+    logger = build_logger(LoggerSettings(kind="wandb", project="mine", name="this-run", offline=True), out)
+    assert (logger._wandb_init["project"], logger._wandb_init["name"]) == ("mine", "this-run")
+    # WANDB_MODE=disabled logs nothing, said in one line (an offline run wrote its folder all the same).
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    capsys.readouterr()
+    assert build_logger(LoggerSettings(kind="wandb", offline=True), out) is False
+    assert capsys.readouterr().err.count("WANDB_MODE=disabled") == 1
+
+
+def test_wandb_that_cannot_start_is_one_line_and_leaves_no_run(tmp_path, capsys, monkeypatch):
+    """A W&B server out of reach (credentials set) was wandb's 60-line traceback at train start, and left recipe.yaml
+    and wandb/ behind, so the same command run again was refused as a run already there. A W&B folder it cannot
+    write is one line too, naming the folder."""
+    import wandb
+
+    from lightning_rl.recipe import LoggerSettings, build_logger
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError('Post "http://127.0.0.1:9/graphql": connect: connection refused')
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    monkeypatch.setenv("WANDB_API_KEY", "local-" + "0" * 40)
+    for name in ("WANDB_MODE", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    argv = ["run", str(TINY_RECIPE), f"--output_dir={out}", "--logger.kind=wandb", "--trainer.max_steps=1", "--data.val_data=null",
+            "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null", "--model.eval_generations=0"]  # fmt: skip
+    line = error_line(capsys, argv)
+    assert line.startswith("error: logger.offline: W&B could not start the run online (Post "), line
+    assert line.endswith("log offline with logger.offline: true (or WANDB_MODE=offline) and `wandb sync` later"), line
+    assert not out.exists()  # the rerun is not refused
+
+    def unwritable(**kwargs):
+        raise PermissionError(f"{out}/wandb/offline-run-x/logs is not writable")
+
+    monkeypatch.setattr(wandb, "init", unwritable)
+    with pytest.raises(RecipeError) as refused:
+        build_logger(LoggerSettings(kind="wandb", offline=True), out).experiment
+    assert str(refused.value) == f"output_dir: W&B cannot write its run folder in {out}/wandb ({out}/wandb/offline-run-x/logs is not writable)"
 
 
 def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_checkpoint(tmp_path):
