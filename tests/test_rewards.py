@@ -44,10 +44,13 @@ MATH_ANSWERS = [  # (completion, answer, score): each once scored the other way 
     (r"\boxed{\sqrt{2}}", "2", 0.0), (r"\boxed{2^{10}}", "10", 0.0), (r"\fbox{\dfrac{3}{4}}", "4", 0.0),
     (r"\boxed{\frac{1}{3}}", r"\frac{1}{3}", 1.0), (r"\boxed{1/2}", "1/2", 1.0), (r"\boxed{0.5}", "1/2", 1.0),
     (r"\boxed{-\tfrac{1}{2}}", "$-0.5$", 1.0), (r"\boxed{\left( 3, 4 \right)}", "( 3, 4 )", 1.0),
-    ("999999", 1000000, 0.0), ("0.3", 0.1 + 0.2, 0.0),  # exact: 0.30000000000000004 is not 0.3
+    ("999999", 1000000, 0.0), ("1000001", 1e6, 0.0), ("0.3333333", 1 / 3, 1.0),  # whole numbers exact; a float gold to 1e-6
     ("\u22123", "-3", 1.0), ("1e3", "3", 0.0), (".5", "5", 0.0), ("Pages 10-15", "-15", 0.0), ("10^6", "6", 0.0),
-    ("1,00", "0", 0.0), (r"\boxed{x=3}", "3", 1.0), (r"\boxed{12 \text{cm}}", "12", 1.0), (r"\boxed{\$18}", "18", 1.0),
+    ("05", "5", 1.0), (r"\boxed{x=3}", "3", 1.0), (r"\boxed{12 \text{cm}}", "12", 1.0), (r"\boxed{\$18}", "18", 1.0),
     (r"\boxed{50\%}", "50", 1.0), (r"\boxed{1{,}000}", "1000", 1.0), ("<answer>The final answer is 42</answer>", "42", 1.0),
+    (r"\boxed{10}", "x^2+7x+10", 0.0), (r"\boxed{1}", "n-1", 0.0), (r"\boxed{3}", "3!", 0.0), (r"\boxed{x+10}", "10", 0.0),
+    (r"\boxed{2}", r"\text{Option } 2", 0.0), ("He walked 12km", "12", 1.0), ("答案是18", 18, 1.0), (r"So \(x = 18\).", 18, 1.0),
+    ("The answer is __18__", "18", 1.0), (r"The answer is \(\frac{1}{2}\)", "0.5", 0.0),  # its last number is 2
     (r"\boxed{(3,4)}", "4", 0.0), ("", "", None), ("nan", float("nan"), None), ("True", True, 1.0), ("1", True, 0.0),
 ]
 

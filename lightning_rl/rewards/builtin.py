@@ -17,25 +17,28 @@ from typing import Any
 
 from lightning_rl.rewards.model import RewardModel
 
-# An unsigned decimal: thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234"),
-# `.5`, `1e3`. No leading zeros: neither the `1` nor the `00` of `1,00` (a decimal comma's) is a number.
-_DECIMAL = r"(?:(?:[1-9]\d{0,2}(?:,\d{3})++|0|[1-9]\d*)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3})?"
-# A number: a decimal, `a/b` or `\frac{a}{b}`, signed by `-` or `−` where no letter or digit comes right before it
-# (`10-15` holds 10 and 15). Not next to a letter, a LaTeX command or brace, `/` or `^`, so `2x`, `\sqrt{2}`, `3/4/2020`
-# and a power (`10^6`, `2^{10}`) hold none; a comma may follow (`1,2,3` is a list), and so may `%` (`50%` reads 50).
-_NUMBER = re.compile(
-    rf"(?<![\w.^{{\\/])([-−]?)(?:\\frac\{{([-−]?{_DECIMAL})\}}\{{([-−]?{_DECIMAL})\}}|({_DECIMAL})(?:/({_DECIMAL}))?)"
-    r"(?![\w\\^{}/]|\.\d|,0\d)"
+# A number: thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234"), a decimal, a
+# power of ten (`1e3`), `.5`. Its minus is a sign only where no letter or digit comes right before it (`10-15` holds
+# 10 and 15), and an exponent (`10^6`, `2^{10}`) is no number of its own. Letters may touch it: `12km`, `答案是18`.
+_DECIMAL = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3}(?!\d))?"
+_NUMBER = re.compile(rf"(?:(?<![\w.])-)?(?<![\d.^{{])(?<!\^\{{)(?:{_DECIMAL})")
+# A whole answer that is one number: a decimal or fraction (`a/b`, `\frac{a}{b}`), signed, and at most `%` or words
+# after it (`12 cm`, `18 dollars`, `18元`): not an expression around a number (`x+10`, `n-1`, `3!`, `Option 2`).
+_ONE_NUMBER = re.compile(
+    rf"(-?)(?:\\frac\{{(-?{_DECIMAL})\}}\{{(-?{_DECIMAL})\}}|({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?)\s*(?:%|[^\W\d_]+(?:\s+[^\W\d_]+)*)?\.?"
 )
 _BRACES = re.compile(r"\\(?:boxed|fbox)\{|[{}]")
-# Text written differently that means the same: LaTeX's spacing, \left and \right, \text{...}, `{,}`, dollar signs.
+# Text written differently that means the same: LaTeX's spacing, \left and \right, \text{...}, `{,}`, dollar signs,
+# inline-math delimiters, the unicode minus, a leading "the final answer is".
 _NORMALISE = (
     (re.compile(r"\\(?:text\w*|mathrm|mbox)\{([^{}]*)\}"), r"\1"),
     (re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),
-    (re.compile(r"\\[,!;:]|\\(?:left|right)(?![a-zA-Z])|\\?\$"), ""),
+    (re.compile(r"\\[,!;:()\[\]]|\\(?:left|right)(?![a-zA-Z])|\\?\$"), ""),
     (re.compile(r"\{,\}"), ","),
     (re.compile(r"\\%"), "%"),
+    (re.compile("\u2212"), "-"),
     (re.compile(r"\\ |\s+"), " "),
+    (re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.IGNORECASE), ""),
 )
 _ASSIGNMENT = re.compile(r"[a-zA-Z]\s*=\s*")  # `x = 3`: the answer is 3
 
@@ -45,7 +48,7 @@ def _normalised(text: str) -> str:
     for pattern, replacement in _NORMALISE:
         text = pattern.sub(replacement, text)
     text = text.strip()
-    return text[assigned.end():] if (assigned := _ASSIGNMENT.match(text)) else text
+    return text[assigned.end():].strip() if (assigned := _ASSIGNMENT.match(text)) else text
 
 
 def _boxed(completion: str) -> str | None:
@@ -73,58 +76,62 @@ def extract_answer(completion: str) -> str | None:
     """The answer a completion gives: inside `\\boxed{}`, else `<answer>` tags, else the last number."""
     if (enclosed := _enclosed(completion)) is not None:
         return enclosed
-    numbers = list(_NUMBER.finditer(_normalised(completion)))
-    return numbers[-1].group() if numbers else None
+    numbers = _NUMBER.findall(completion.replace("\u2212", "-"))
+    return numbers[-1] if numbers else None
 
 
-def _exact(number: re.Match) -> Fraction | None:
-    """A number's value as an exact fraction (parsed from its text, so `0.1` is 1/10); None for `a/0` and for a
-    number longer than Python reads (4300 digits)."""
-    parts = (number[2] or number[4], number[3] or number[5] or "1")
-    top, bottom = (part.replace("−", "-").replace(",", "") for part in parts)
+def _value(text: str) -> Fraction | str | None:
+    """The number a whole answer is (`_ONE_NUMBER`, read exactly: `0.1` is 1/10), else its normalised text; None for
+    `a/0` or a number longer than Python reads (4300 digits)."""
+    text = _normalised(text)
+    if not (found := _ONE_NUMBER.fullmatch(text)):
+        return text
+    sign, *parts = found.groups()
+    top, bottom = (part.replace(",", "") for part in (parts[0] or parts[2], parts[1] or parts[3] or "1"))
     try:
-        return (-1 if number[1] else 1) * Fraction(top) / Fraction(bottom)
+        return (-1 if sign else 1) * Fraction(top) / Fraction(bottom)
     except (ValueError, ZeroDivisionError):
         return None
 
 
-def _value(text: str) -> Fraction | str:
-    """The number a text holds where, normalised, it holds exactly one and no other LaTeX command (`12 cm`, `\\$18`,
-    `x = 3`, `The final answer is 42`), else its normalised text."""
-    text = _normalised(text)
-    numbers = list(_NUMBER.finditer(text))
-    if len(numbers) == 1 and "\\" not in _NUMBER.sub("", text) and (value := _exact(numbers[0])) is not None:
-        return value
-    return text
-
-
-def _gold(answer: Any) -> Fraction | str | None:
-    """The value of a row's answer; None for a missing one (null, NaN, empty). A bool is its text (`True`)."""
+def _gold(answer: Any) -> tuple[Fraction | str, bool] | None:
+    """A row's answer as compared, and whether it was a float (a computed value, matched to 1e-6); None for a missing
+    one (null, NaN, empty). A bool is its text (`True`)."""
     if answer is None or (isinstance(answer, float) and math.isnan(answer)):
         return None
+    if isinstance(answer, float) and math.isfinite(answer):
+        return Fraction(answer), True
     value = _value(str(answer))
-    return None if value == "" else value
+    return None if value in ("", None) else (value, False)
 
 
-def _matches(completion: str, gold: Fraction | str) -> bool:
+def _equal(given: Fraction | str | None, gold: Fraction | str, approximate: bool) -> bool:
+    if isinstance(given, Fraction) and isinstance(gold, Fraction):
+        if approximate and not (given.denominator == gold.denominator == 1):  # whole numbers exactly: 999999 is not 1e6
+            return math.isclose(given, gold, rel_tol=1e-6, abs_tol=1e-9)
+        return given == gold
+    return given == gold
+
+
+def _matches(completion: str, gold: Fraction | str, approximate: bool) -> bool:
     if (given := _enclosed(completion)) is None and isinstance(gold, str):
         return _normalised(completion) == gold  # a textual answer ("1 7 0 4") must be the whole reply
     given = extract_answer(completion) if given is None else given
-    return given is not None and _value(given) == gold
+    return given is not None and _equal(_value(given), gold, approximate)
 
 
 def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float | None]:
     """1.0 where the completion's answer equals the `answer` column, else 0.0. The completion's answer is the inside
     of its last `\\boxed{}` (or `\\fbox{}`, braces balanced), else of its last `<answer>...</answer>`, else its last
-    number. Where a side holds exactly one number (words, units, `$` or `%` around it, no other LaTeX command), the
-    numbers are compared exactly: `1,234`, `0.5`, `.5`, `1e3`, `1/2` and `\\frac{1}{2}` (`\\dfrac`, `\\tfrac`) with
-    their signs; `50%` reads 50 and a power (`10^6`) is no number. Otherwise the texts are compared, normalised
-    (LaTeX spacing, `\\left`/`\\right`, `\\text{}`, `{,}`, `$`, a leading `x =`, whitespace); a textual answer with no
-    boxed or tagged answer must be the whole reply. None (no score) where the row's answer is null, NaN or empty (a
-    Parquet file's or pandas' missing value): a reply is not checked against the text "None". A bool answer is its
-    text (`True`)."""
+    number. An answer that is one number (`1,234`, `0.5`, `.5`, `1e3`, `1/2`, `\\frac{1}{2}`, signed, with `%` or
+    words after it: `12 cm`) is compared as that number, exactly (a float answer, a computed value, to 1e-6, whole
+    numbers exactly); any other (`x+10`, `\\sqrt{2}`, `(3, 4)`) as its text, normalised (LaTeX spacing,
+    `\\left`/`\\right`, `\\text{}`, `{,}`, `$`, a leading `x =` or "the final answer is", whitespace); a textual
+    answer with no boxed or tagged answer must be the whole reply. None (no score) where the row's answer is null, NaN
+    or empty (a Parquet file's or pandas' missing value): a reply is not checked against the text "None". A bool
+    answer is its text (`True`)."""
     golds = [_gold(a) for a in answer]
-    return [None if g is None else 1.0 if _matches(c, g) else 0.0 for c, g in zip(completions, golds, strict=True)]
+    return [None if g is None else 1.0 if _matches(c, *g) else 0.0 for c, g in zip(completions, golds, strict=True)]
 
 
 def format_match(completions: Sequence[str], pattern: str = r"<answer>.*?</answer>") -> list[float]:
