@@ -353,7 +353,7 @@ class RecipeWandbLogger(WandbLogger):
 
         try:
             return super().experiment
-        except wandb.errors.CommError as error:
+        except (wandb.errors.CommError, ConnectionError, TimeoutError) as error:
             raise RecipeError(f"logger.offline: W&B could not start the run online ({' '.join(str(error).split())}); log offline "
                               "with logger.offline: true (or WANDB_MODE=offline) and `wandb sync` later", "logger.offline") from None
         except OSError as error:

@@ -46,11 +46,14 @@ MATH_ANSWERS = [  # (completion, answer, score): each once scored the other way 
     (r"\boxed{-\tfrac{1}{2}}", "$-0.5$", 1.0), (r"\boxed{\left( 3, 4 \right)}", "( 3, 4 )", 1.0),
     ("999999", 1000000, 0.0), ("1000001", 1e6, 0.0), ("0.3333333", 1 / 3, 1.0),  # whole numbers exact; a float gold to 1e-6
     ("\u22123", "-3", 1.0), ("1e3", "3", 0.0), (".5", "5", 0.0), ("Pages 10-15", "-15", 0.0), ("10^6", "6", 0.0),
-    ("05", "5", 1.0), (r"\boxed{x=3}", "3", 1.0), (r"\boxed{12 \text{cm}}", "12", 1.0), (r"\boxed{\$18}", "18", 1.0),
+    ("05", "5", 1.0), (r"\boxed{x=3}", "3", 1.0), (r"\boxed{12 \text{cm}}", "12", 0.0), (r"\boxed{5 million}", "5", 0.0), (r"\boxed{2x}", "2", 0.0), (r"\boxed{\$18}", "18", 1.0),
     (r"\boxed{50\%}", "50", 1.0), (r"\boxed{1{,}000}", "1000", 1.0), ("<answer>The final answer is 42</answer>", "42", 1.0),
     (r"\boxed{10}", "x^2+7x+10", 0.0), (r"\boxed{1}", "n-1", 0.0), (r"\boxed{3}", "3!", 0.0), (r"\boxed{x+10}", "10", 0.0),
     (r"\boxed{2}", r"\text{Option } 2", 0.0), ("He walked 12km", "12", 1.0), ("答案是18", 18, 1.0), (r"So \(x = 18\).", 18, 1.0),
-    ("The answer is __18__", "18", 1.0), (r"The answer is \(\frac{1}{2}\)", "0.5", 0.0),  # its last number is 2
+    ("The answer is __18__", "18", 1.0), (r"The answer is \(\frac{1}{2}\)", "0.5", 1.0),
+    ("The answer is 3/4", "4", 0.0), (r"\boxed{72}", "She sold 48 + 24 = 72 clips. #### 72", 1.0), (r"\boxed{90^{\circ}}", "90", 1.0),
+    (r"\boxed{\mathbf{72}}", "72", 1.0), (r"\boxed{(3, 4)}", "(3,4)", 1.0), (r"\boxed{72} \boxed{}", "72", 1.0),
+    ("<think>maybe \\boxed{5}</think> The answer is 7", "7", 1.0),  # a box among the thoughts is no answer
     (r"\boxed{(3,4)}", "4", 0.0), ("", "", None), ("nan", float("nan"), None), ("True", True, 1.0), ("1", True, 0.0),
 ]
 

@@ -18,26 +18,29 @@ from typing import Any
 from lightning_rl.rewards.model import RewardModel
 
 # A number: thousands separated by commas or not (GSM8K's answers above 999 are often written "1,234"), a decimal, a
-# power of ten (`1e3`), `.5`. Its minus is a sign only where no letter or digit comes right before it (`10-15` holds
-# 10 and 15), and an exponent (`10^6`, `2^{10}`) is no number of its own. Letters may touch it: `12km`, `答案是18`.
+# power of ten (`1e3`), `.5`; a fraction `a/b` or `\frac{a}{b}` is one. Its minus is a sign only where no letter or
+# digit comes right before it (`10-15` holds 10 and 15), and an exponent (`10^6`, `2^{10}`) or a number after `/` is
+# no number of its own. Letters may touch it: `12km`, `答案是18`.
 _DECIMAL = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3}(?!\d))?"
-_NUMBER = re.compile(rf"(?:(?<![\w.])-)?(?<![\d.^{{])(?<!\^\{{)(?:{_DECIMAL})")
-# A whole answer that is one number: a decimal or fraction (`a/b`, `\frac{a}{b}`), signed, and at most `%` or words
-# after it (`12 cm`, `18 dollars`, `18元`): not an expression around a number (`x+10`, `n-1`, `3!`, `Option 2`).
-_ONE_NUMBER = re.compile(
-    rf"(-?)(?:\\frac\{{(-?{_DECIMAL})\}}\{{(-?{_DECIMAL})\}}|({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?)\s*(?:%|[^\W\d_]+(?:\s+[^\W\d_]+)*)?\.?"
-)
+_FRACTION = rf"\\frac\{{(-?{_DECIMAL})\}}\{{(-?{_DECIMAL})\}}|({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?"
+_NUMBER = re.compile(rf"(?:(?<![\w.])-)?(?<![\d.^/])(?<!\^\{{)(?:{_FRACTION})")
+# A whole answer that is one number: a decimal or fraction, signed, `%` at most after it; not a number among words
+# or an expression (`5 million`, `2x`, `x+10`, `n-1`, `3!`, `Option 2`).
+_ONE_NUMBER = re.compile(rf"(-?)(?:{_FRACTION})\s*%?\.?")
 _BRACES = re.compile(r"\\(?:boxed|fbox)\{|[{}]")
 # Text written differently that means the same: LaTeX's spacing, \left and \right, \text{...}, `{,}`, dollar signs,
 # inline-math delimiters, the unicode minus, a leading "the final answer is".
 _NORMALISE = (
-    (re.compile(r"\\(?:text\w*|mathrm|mbox)\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\(?:text\w*|math\w+|mbox|displaystyle)\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\^\s*\{?\\circ\}?|°"), ""),
     (re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),
     (re.compile(r"\\[,!;:()\[\]]|\\(?:left|right)(?![a-zA-Z])|\\?\$"), ""),
     (re.compile(r"\{,\}"), ","),
     (re.compile(r"\\%"), "%"),
     (re.compile("\u2212"), "-"),
     (re.compile(r"\\ |\s+"), " "),
+    (re.compile(r" ?, ?"), ","),
+    (re.compile(r"^\s*\{([^{}]*)\}\s*$"), r"\1"),
     (re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.IGNORECASE), ""),
 )
 _ASSIGNMENT = re.compile(r"[a-zA-Z]\s*=\s*")  # `x = 3`: the answer is 3
@@ -52,13 +55,14 @@ def _normalised(text: str) -> str:
 
 
 def _boxed(completion: str) -> str | None:
-    """The inside of the last `\\boxed{...}` or `\\fbox{...}` whose braces close, read in one pass over the braces."""
+    """The inside of the last `\\boxed{...}` or `\\fbox{...}` whose braces close and which holds something, read in
+    one pass over the braces."""
     opened: list[int | None] = []  # where each open brace's box starts, None for a brace of no box
     last = None
     for brace in _BRACES.finditer(completion):
         if brace.group() != "}":
             opened.append(None if brace.group() == "{" else brace.end())
-        elif opened and (start := opened.pop()) is not None and (last is None or start > last[0]):
+        elif opened and (start := opened.pop()) is not None and (last is None or start > last[0]) and completion[start:brace.start()].strip():
             last = (start, brace.start())
     return None if last is None else completion[last[0] : last[1]]
 
@@ -72,12 +76,20 @@ def _enclosed(completion: str) -> str | None:
     return completion[open_ + len("<answer>") : close].strip() if close >= 0 and open_ >= 0 else None
 
 
+def _replied(completion: str) -> str:
+    """What a completion says after its reasoning: the text after its last `</think>` (a box among the thoughts is
+    no answer), or all of it."""
+    return completion.rpartition("</think>")[2]
+
+
 def extract_answer(completion: str) -> str | None:
-    """The answer a completion gives: inside `\\boxed{}`, else `<answer>` tags, else the last number."""
+    """The answer a completion gives after its reasoning: inside `\\boxed{}`, else `<answer>` tags, else the last
+    number."""
+    completion = _replied(completion)
     if (enclosed := _enclosed(completion)) is not None:
         return enclosed
-    numbers = _NUMBER.findall(completion.replace("\u2212", "-"))
-    return numbers[-1] if numbers else None
+    numbers = list(_NUMBER.finditer(completion.replace("\u2212", "-")))
+    return numbers[-1].group() if numbers else None
 
 
 def _value(text: str) -> Fraction | str | None:
@@ -101,7 +113,8 @@ def _gold(answer: Any) -> tuple[Fraction | str, bool] | None:
         return None
     if isinstance(answer, float) and math.isfinite(answer):
         return Fraction(answer), True
-    value = _value(str(answer))
+    answer = str(answer).rpartition("####")[2]  # GSM8K's answer column: the worked solution, then "#### 72"
+    value = _value(answer)
     return None if value in ("", None) else (value, False)
 
 
@@ -114,6 +127,7 @@ def _equal(given: Fraction | str | None, gold: Fraction | str, approximate: bool
 
 
 def _matches(completion: str, gold: Fraction | str, approximate: bool) -> bool:
+    completion = _replied(completion)
     if (given := _enclosed(completion)) is None and isinstance(gold, str):
         return _normalised(completion) == gold  # a textual answer ("1 7 0 4") must be the whole reply
     given = extract_answer(completion) if given is None else given
@@ -123,10 +137,12 @@ def _matches(completion: str, gold: Fraction | str, approximate: bool) -> bool:
 def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float | None]:
     """1.0 where the completion's answer equals the `answer` column, else 0.0. The completion's answer is the inside
     of its last `\\boxed{}` (or `\\fbox{}`, braces balanced), else of its last `<answer>...</answer>`, else its last
-    number. An answer that is one number (`1,234`, `0.5`, `.5`, `1e3`, `1/2`, `\\frac{1}{2}`, signed, with `%` or
-    words after it: `12 cm`) is compared as that number, exactly (a float answer, a computed value, to 1e-6, whole
-    numbers exactly); any other (`x+10`, `\\sqrt{2}`, `(3, 4)`) as its text, normalised (LaTeX spacing,
-    `\\left`/`\\right`, `\\text{}`, `{,}`, `$`, a leading `x =` or "the final answer is", whitespace); a textual
+    number, read after its last `</think>`. An answer that is one number (`1,234`, `0.5`, `.5`, `1e3`, `1/2`,
+    `\\frac{1}{2}`, signed, `%` at most after it) is compared as that number, exactly (a float answer, a computed
+    value, to 1e-6, whole numbers exactly); any other (`5 million`, `2x`, `x+10`, `\\sqrt{2}`, `(3, 4)`) as its text,
+    normalised (LaTeX spacing, `\\left`/`\\right`, `\\text{}` and `\\mathbf{}`, degrees, `{,}`, `$`, spaces by
+    commas, a leading `x =` or "the final answer is", whitespace); the answer column's text after a `####` (GSM8K's);
+    a textual
     answer with no boxed or tagged answer must be the whole reply. None (no score) where the row's answer is null, NaN
     or empty (a Parquet file's or pandas' missing value): a reply is not checked against the text "None". A bool
     answer is its text (`True`)."""
