@@ -924,6 +924,8 @@ def _one_line(error: BaseException) -> str:
     said = _said(error)
     if re.fullmatch(r"model\.warmup_steps must be an integer, got 0?\.\d+", said):  # TRL's warmup_ratio, as a count
         said += " (a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"
+    if re.fullmatch(r"model\.sampling\.(min_p|top_k) must be (a number|an integer), got None", said):  # TRL's None
+        said += " (0 is off, as TRL's None)"
     if re.search(r"got \{[^}]*\w:[^\s/}]", said):
         said += " (YAML reads {key:value} as one key, 'key:value': write {key: value}, a space after each colon)"
     return said

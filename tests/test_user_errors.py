@@ -178,6 +178,7 @@ MISTAKES = {
                                                  "epoch of 5, counted across epochs) inside an optimizer step of trainer.accumulate_grad_batches=2 "
                                                  "(its figures would be logged a step late, beside the next step's): give a multiple of an epoch's 5 batches"),
     "validation batches of a GRPO run": (GRPO, lambda t: ["--trainer.limit_val_batches=5"], "trainer.limit_val_batches=5 is not taken by GRPO: it runs no validation batches"),
+    "TRL's min_p None": (GRPO, lambda t: ["--model.sampling.min_p=null"], "command line: model.sampling.min_p must be a number, got None (0 is off, as TRL's None)"),
     "a warmup given as a share": (SFT, lambda t: ["--model.warmup_steps=0.1"], "command line: model.warmup_steps must be an integer, got 0.1 "
                                   "(a share of the run, TRL's warmup_ratio, is given as its steps: the ratio x trainer.max_steps)"),
     "SFT's clipping asked of GRPO's key": (SFT, lambda t: ["--model.max_grad_norm=1"], "command line: unknown key 'model.max_grad_norm' (a GRPO "
