@@ -92,8 +92,7 @@ def _note_missing_paths(recipe: RecipeView) -> None:
     id (``Qwen/Qwen3-0.6B``) is fetched on the nodes, and a bare word is an embedded model or task (``tiny``, ``toy``);
     data is read from files alone, so any other data path is noted (``trl-lib/Capybara`` too)."""
     keys = ("data.train_data", "data.val_data") if recipe.task == "sft" else ("data.train_data", "data.path", "model.eval_data")
-    for key in (MODEL_KEY, *keys):
-        value = recipe.setting(MODEL_KEY) if key == MODEL_KEY else recipe.get(key)
+    for key, value in ((MODEL_KEY, recipe.model_id), *((key, recipe.get(key)) for key in keys)):
         if not isinstance(value, str) or value in EMBEDDED or Path(value).expanduser().exists():
             continue
         local = value.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(value)

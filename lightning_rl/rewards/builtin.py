@@ -82,14 +82,17 @@ def _replied(completion: str) -> str:
     return completion.rpartition("</think>")[2]
 
 
+def _last_number(text: str) -> str | None:
+    numbers = list(_NUMBER.finditer(text.replace("\u2212", "-")))
+    return numbers[-1].group() if numbers else None
+
+
 def extract_answer(completion: str) -> str | None:
     """The answer a completion gives after its reasoning: inside `\\boxed{}`, else `<answer>` tags, else the last
     number."""
     completion = _replied(completion)
-    if (enclosed := _enclosed(completion)) is not None:
-        return enclosed
-    numbers = list(_NUMBER.finditer(completion.replace("\u2212", "-")))
-    return numbers[-1].group() if numbers else None
+    enclosed = _enclosed(completion)
+    return enclosed if enclosed is not None else _last_number(completion)
 
 
 def _value(text: str) -> Fraction | str | None:
@@ -119,18 +122,17 @@ def _gold(answer: Any) -> tuple[Fraction | str, bool] | None:
 
 
 def _equal(given: Fraction | str | None, gold: Fraction | str, approximate: bool) -> bool:
-    if isinstance(given, Fraction) and isinstance(gold, Fraction):
-        if approximate and not (given.denominator == gold.denominator == 1):  # whole numbers exactly: 999999 is not 1e6
-            return math.isclose(given, gold, rel_tol=1e-6, abs_tol=1e-9)
-        return given == gold
+    if approximate and isinstance(given, Fraction) and isinstance(gold, Fraction) and not given.denominator == gold.denominator == 1:
+        return math.isclose(given, gold, rel_tol=1e-6, abs_tol=1e-9)  # whole numbers exactly: 999999 is not 1e6
     return given == gold
 
 
 def _matches(completion: str, gold: Fraction | str, approximate: bool) -> bool:
     completion = _replied(completion)
-    if (given := _enclosed(completion)) is None and isinstance(gold, str):
-        return _normalised(completion) == gold  # a textual answer ("1 7 0 4") must be the whole reply
-    given = extract_answer(completion) if given is None else given
+    if (given := _enclosed(completion)) is None:
+        if isinstance(gold, str):
+            return _normalised(completion) == gold  # a textual answer ("1 7 0 4") must be the whole reply
+        given = _last_number(completion)
     return given is not None and _equal(_value(given), gold, approximate)
 
 
@@ -142,10 +144,9 @@ def math_answer(completions: Sequence[str], answer: Sequence[Any]) -> list[float
     value, to 1e-6, whole numbers exactly); any other (`5 million`, `2x`, `x+10`, `\\sqrt{2}`, `(3, 4)`) as its text,
     normalised (LaTeX spacing, `\\left`/`\\right`, `\\text{}` and `\\mathbf{}`, degrees, `{,}`, `$`, spaces by
     commas, a leading `x =` or "the final answer is", whitespace); the answer column's text after a `####` (GSM8K's);
-    a textual
-    answer with no boxed or tagged answer must be the whole reply. None (no score) where the row's answer is null, NaN
-    or empty (a Parquet file's or pandas' missing value): a reply is not checked against the text "None". A bool
-    answer is its text (`True`)."""
+    a textual answer with no boxed or tagged answer must be the whole reply. None (no score) where the row's answer
+    is null, NaN or empty (a Parquet file's or pandas' missing value): a reply is not checked against the text "None".
+    A bool answer is its text (`True`)."""
     golds = [_gold(a) for a in answer]
     return [None if g is None else 1.0 if _matches(c, *g) else 0.0 for c, g in zip(completions, golds, strict=True)]
 
