@@ -203,6 +203,29 @@ def test_a_delta_sync_sends_only_what_changed_and_keeps_the_engine_on_the_traine
     assert sync.sync(policy, engine, 4).num_bytes == 0 and engine.weight_version == 4
 
 
+def test_a_delta_sends_a_tensors_changed_elements_alone_where_few_changed() -> None:
+    # bf16 weights moved by a step smaller than most values' spacing: few of them change, and only those travel.
+    policy, engine = base(seed=1).to(torch.bfloat16), HFRolloutEngine(base().to(torch.bfloat16))
+    sync = PolicySync("delta")
+    sync.sync(policy, engine, 0)
+    with torch.no_grad():
+        policy.model.layers[0].mlp.up_proj.weight.add_(1e-6)  # rounds back to the same bf16 value almost everywhere
+        policy.model.layers[0].mlp.up_proj.weight[3, :5] = 0.25  # and five values that certainly changed
+        policy.model.layers[1].self_attn.o_proj.weight.add_(1.0)  # every value changed: sent whole
+    changed = int((sync.delta.copies["model.layers.0.mlp.up_proj.weight"].view(torch.int16)
+                   != policy.model.layers[0].mlp.up_proj.weight.view(torch.int16)).sum())
+    report = sync.sync(policy, engine, 1)
+    whole = policy.model.layers[1].self_attn.o_proj.weight
+    assert report.mode == "delta" and sorted(report.names) == ["model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
+    assert 5 <= changed < 200 and report.num_bytes == changed * (2 + 4) + whole.numel() * 2  # bf16 values, int32 indices
+    assert held_equals_trainer(engine, policy) and (logprobs(engine.model) - logprobs(policy)).abs().max() == 0
+    # An element changed inside the engine is not covered by the changes: the digest of the whole tensor sees it.
+    with torch.no_grad():
+        engine.model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+        policy.model.layers[0].mlp.up_proj.weight[5, 0] = -1.0
+    assert sync.sync(policy, engine, 2).mode == "full" and held_equals_trainer(engine, policy)
+
+
 def test_a_delta_sync_falls_back_to_full_after_a_restart_a_resume_and_a_failed_check(monkeypatch, caplog) -> None:
     policy, engine = base(seed=1), HFRolloutEngine(base())
     sync = PolicySync("delta")

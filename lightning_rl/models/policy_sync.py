@@ -11,7 +11,11 @@
   only when it equals, bit for bit, the copy of it last sent, kept in host memory (one more copy of the model: why
   it is asked for, not the default). A full sync is sent instead on the first sync (and so after a resume), when the
   engine does not hold the version last sent (it restarted, or another sync reached it), and after a failed push or
-  verification. With a LoRA, the merged weights are compared.
+  verification. With a LoRA, the merged weights are compared. Of a changed tensor only its changed elements are
+  sent (flat indices and values, `SparseChange`) where they take at most half its bytes and the engine writes them:
+  the vLLM server over gloo (its worker keeps a copy of each tensor it was sent, one more copy of the model on the
+  engine's host) and the transformers engine; a bf16 step at a small learning rate changes about 1% of the values.
+  The in-process vLLM engine is handed whole tensors (nothing travels).
 - ``auto``: ``adapter`` with a LoRA where the engine serves it, else ``merged``; ``full`` without a LoRA.
 """
 
@@ -31,8 +35,8 @@ from torch import Tensor, nn
 
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.weights import (
-    AdapterReceiver, AdapterSpec, DeltaReceiver, SentDigests, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors,
-    held_problems, iter_adapter_weights, iter_full_weights, merge_refusal, push_stream,
+    AdapterReceiver, AdapterSpec, DeltaReceiver, SentDigests, SparseChange, SyncReport, WeightMismatchError, WeightReceiver, adapter_spec, cast_lora_tensors,
+    as_words, held_problems, iter_adapter_weights, iter_full_weights, merge_refusal, push_stream,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +101,10 @@ class DeltaTracker:
     """The copy of each tensor last sent, in host memory, and the engine version it went out as.
 
     ``changed`` filters a full stream down to what differs from that copy (bitwise: -0.0 and +0.0 differ, and so
-    do two NaNs of other bits), plus the other members of a written group any member of which is sent.
+    do two NaNs of other bits), plus the other members of a written group any member of which is sent. Given a
+    ``changes`` dict (for an engine that takes them), it also fills it, before each tensor is yielded, with the
+    `SparseChange` of each sent tensor whose changed elements take at most half its bytes (none, for a member
+    sent only with its group): the engine is sent those elements alone.
     """
 
     def __init__(self) -> None:
@@ -107,20 +114,30 @@ class DeltaTracker:
     def holds(self, engine: DeltaReceiver) -> bool:
         return self.version is not None and engine.weight_version == self.version
 
-    def changed(self, stream: Iterator[tuple[str, Tensor]], groups: Mapping[str, str]) -> Iterator[tuple[str, Tensor]]:
+    def changed(self, stream: Iterator[tuple[str, Tensor]], groups: Mapping[str, str],
+                changes: dict[str, SparseChange] | None = None) -> Iterator[tuple[str, Tensor]]:
         skipped: dict[str, list[str]] = {}  # per group, the names held back so far because they had not changed
         sent_groups: set[str] = set()
         for name, tensor in stream:
             group = groups.get(name, name)
             kept = self.copies.get(name)
-            if kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype and _same_bits(kept, tensor):
+            same = kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype
+            if same and _same_bits(kept, tensor):
                 if group in sent_groups:
+                    if changes is not None:
+                        changes[name] = SparseChange.between(kept, tensor)
                     yield name, tensor
                 else:
                     skipped.setdefault(group, []).append(name)
                 continue
+            if same and changes is not None:
+                change = SparseChange.between(kept, tensor)
+                if change is not None:
+                    changes[name] = change
             self.copies[name] = tensor.detach().to("cpu", copy=True)
             for earlier in skipped.pop(group, ()):
+                if changes is not None:
+                    changes[earlier] = SparseChange.between(self.copies[earlier], self.copies[earlier])
                 yield earlier, self.copies[earlier]  # bitwise what the trainer holds now: it did not change
             sent_groups.add(group)
             yield name, tensor
@@ -132,12 +149,8 @@ class DeltaTracker:
             yield name, tensor
 
 
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _same_bits(kept: Tensor, tensor: Tensor) -> bool:
-    word = _WORDS[kept.element_size()]
-    return torch.equal(kept.reshape(-1).view(word), tensor.detach().to(kept.device).reshape(-1).view(word))
+    return torch.equal(as_words(kept), as_words(tensor.detach().to(kept.device)))
 
 
 class PolicySync:
@@ -223,11 +236,15 @@ class PolicySync:
             push = None if engine is None else (lambda named: engine.push_weights(named, version))
             return push_stream(stream, push, SyncReport(version, self.mode))
         tracker, full = self.delta, None
+        sparse = _takes_sparse_deltas(engine)  # asked before every push: from the first on, it keeps what deltas need
         if tracker.holds(engine):
             tracker.version = None  # set again once the engine has taken (and verified) the push
+            changes: dict[str, SparseChange] | None = {} if sparse else None
+            push = (lambda named: engine.push_changed(named, version)) if changes is None else (
+                lambda named: engine.push_changed(named, version, changes))
             try:
-                report = push_stream(tracker.changed(stream, engine.write_groups()),
-                                     lambda named: engine.push_changed(named, version), SyncReport(version, "delta"))
+                report = push_stream(tracker.changed(stream, engine.write_groups(), changes), push, SyncReport(version, "delta"))
+                report.num_bytes -= sum(change.dense_bytes - change.nbytes for change in (changes or {}).values())
                 tracker.version = version
                 return report
             except WeightMismatchError as error:
@@ -242,6 +259,14 @@ class PolicySync:
         report = push_stream(full, lambda named: engine.push_weights(named, version), SyncReport(version, "full"))
         tracker.version = version
         return report
+
+
+def _takes_sparse_deltas(engine: DeltaReceiver) -> bool:
+    """Whether ``engine`` takes a delta's changed elements alone (`SparseChange`); asked before every push of a delta
+    sync, the first (full) one included, so that it keeps from then on what it needs to write them (the server's
+    worker: a copy of each tensor it is sent)."""
+    take = getattr(engine, "take_sparse_deltas", None)
+    return bool(take()) if take is not None else False
 
 
 def _on_any_rank(flag: bool) -> bool:

@@ -126,7 +126,45 @@ class DeltaReceiver(Protocol):
         """Tensor name -> the group it is written with: tensors of one group travel together (a fused module)."""
 
     def push_changed(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> float | None:
-        """Write these tensors in place as ``version``; every tensor not sent keeps the value it holds."""
+        """Write these tensors in place as ``version``; every tensor not sent keeps the value it holds. An engine
+        with a ``take_sparse_deltas`` method that returns True takes a third argument, ``changes``: name ->
+        `SparseChange`, the elements of that tensor that changed since the last push (the rest of it is not sent)."""
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(tensor: Tensor) -> Tensor:
+    """A tensor's elements as integers of the same width, flat: equal words are equal bits (-0.0 is not 0.0)."""
+    return tensor.detach().reshape(-1).view(_WORDS[tensor.element_size()])
+
+
+@dataclass(frozen=True)
+class SparseChange:
+    """The elements of one tensor that changed since the copy the engine holds: their flat ``index`` (int32 where
+    the tensor has fewer than 2**31 elements) and their new ``values``, bit for bit; the others are the held copy's."""
+
+    index: Tensor
+    values: Tensor
+    dense_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.numel() * self.index.element_size() + self.values.numel() * self.values.element_size()
+
+    @classmethod
+    def between(cls, held: Tensor, new: Tensor) -> SparseChange | None:
+        """The change from ``held`` to ``new`` (same shape and dtype), or None where it would take more than half
+        the bytes of ``new`` itself."""
+        new = new.detach().to(held.device)
+        dense = new.numel() * new.element_size()
+        new_words = as_words(new)
+        index = (as_words(held) != new_words).nonzero().reshape(-1)
+        width = new.element_size() + (4 if new.numel() < 2**31 else 8)
+        if index.numel() * width > dense // 2:
+            return None
+        index = index.to(torch.int32) if new.numel() < 2**31 else index
+        return cls(index, new.detach().reshape(-1)[index.long()].clone(), dense)
 
 
 @dataclass

@@ -9,7 +9,7 @@ environment without vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,24 +26,29 @@ class WeightTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class ChunkManifest:
-    """What the receiving side must allocate before the bytes of one chunk arrive."""
+    """What the receiving side must allocate before the bytes of one chunk arrive. ``keep``: the receiver keeps a
+    copy of every tensor of the push (the copies later changes are written into: `decode_changes`); ``reset``: the
+    chunk starts a push of every tensor, and the copies kept before it are dropped."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    keep: bool = False
+    reset: bool = False
 
     @classmethod
-    def of(cls, chunk: list[tuple[str, torch.Tensor]]) -> ChunkManifest:
+    def of(cls, chunk: list[tuple[str, torch.Tensor]], keep: bool = False, reset: bool = False) -> ChunkManifest:
         return cls(
             names=[name for name, _ in chunk],
             dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in chunk],
             shapes=[list(t.shape) for _, t in chunk],
+            keep=keep, reset=reset,
         )
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ChunkManifest:
         manifest = cls(names=list(fields["names"]), dtype_names=list(fields["dtype_names"]),
-                       shapes=[list(s) for s in fields["shapes"]])
+                       shapes=[list(s) for s in fields["shapes"]], keep=bool(fields.get("keep")), reset=bool(fields.get("reset")))
         if not len(manifest.names) == len(manifest.dtype_names) == len(manifest.shapes):
             raise ValueError(
                 f"chunk manifest: {len(manifest.names)} names, {len(manifest.dtype_names)} dtypes, "
@@ -52,7 +57,52 @@ class ChunkManifest:
         return manifest
 
     def to_dict(self) -> dict[str, Any]:
-        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes, "keep": self.keep, "reset": self.reset}
+
+
+CHANGED_INDEX, CHANGED_VALUES = "#changed.index", "#changed.values"  # never in a parameter's name
+
+
+def encode_changes(named_tensors: Iterable[tuple[str, torch.Tensor]], changes: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, each tensor named in ``changes`` (read as each tensor passes) replaced by its changed elements
+    (``.index``, flat, and ``.values``), sent as two tensors the receiver's `decode_changes` writes into its copy."""
+    for name, tensor in named_tensors:
+        change = changes.get(name)
+        if change is not None:
+            yield name + CHANGED_INDEX, change.index
+            yield name + CHANGED_VALUES, change.values
+        else:
+            yield name, tensor
+
+
+def decode_changes(received: list[tuple[str, torch.Tensor]], kept: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """`encode_changes` undone: each tensor sent as its changed elements, written into a copy of the one ``kept``."""
+    decoded: list[tuple[str, torch.Tensor]] = []
+    pending: tuple[str, torch.Tensor] | None = None
+    for name, tensor in received:
+        if name.endswith(CHANGED_INDEX):
+            pending = (name.removesuffix(CHANGED_INDEX), tensor)
+            continue
+        if not name.endswith(CHANGED_VALUES):
+            decoded.append((name, tensor))
+            continue
+        base, index = pending if pending is not None else (None, None)
+        pending = None
+        held = kept.get(base) if base == name.removesuffix(CHANGED_VALUES) else None
+        if held is None:
+            raise WeightTransferError(f"'{name.removesuffix(CHANGED_VALUES)}': its changed elements arrived, and this "
+                                      "worker keeps no copy of it to write them into (it was restarted, or the push "
+                                      "before was not kept): push every weight again")
+        if tensor.dtype != held.dtype or index.numel() != tensor.numel() or (
+                index.numel() and not 0 <= int(index.min()) <= int(index.max()) < held.numel()):
+            raise WeightTransferError(f"'{base}': a change of {index.numel()} elements ({tensor.dtype}) does not fit the "
+                                      f"copy kept ({held.dtype}, {held.numel()} elements)")
+        written = held.reshape(-1).clone()
+        written[index.long()] = tensor
+        decoded.append((base, written.reshape(held.shape)))
+    if pending is not None:
+        raise WeightTransferError(f"'{pending[0]}': its changed elements' indices arrived without their values")
+    return decoded
 
 
 def host_store(address: str, world_size: int, timeout: timedelta) -> dist.TCPStore:

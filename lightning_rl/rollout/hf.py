@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from transformers import (
 
 from lightning_rl.models.loading import generation_config_set_aside
 from lightning_rl.models.multimodal import image_token_types
-from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, tensor_digest, verify_held
+from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, SparseChange, tensor_digest, verify_held
 from lightning_rl.models.routing import RouteRecorder, record_routes
 from lightning_rl.models.structure import auto_model_class
 from lightning_rl.packing.images import stack_images
@@ -183,21 +183,27 @@ class HFRolloutEngine(RolloutEngine):
         was held off."""
         return self._push(named_tensors, version, earlier=None)
 
-    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     changes: Mapping[str, SparseChange] | None = None) -> float:
         """`push_weights` of only the tensors that changed: every other tensor must still hold what the last verified
-        push left in it."""
-        return self._push(named_tensors, version, earlier=self._verified)
+        push left in it. Of a tensor in ``changes``, only its changed elements are written."""
+        return self._push(named_tensors, version, earlier=self._verified, changes={} if changes is None else changes)
+
+    def take_sparse_deltas(self) -> bool:
+        return True  # this engine's own copy holds what the last push wrote: the changed elements are written into it
 
     def write_groups(self) -> dict[str, str]:
         return {}  # each tensor is copied on its own
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None) -> float:
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None,
+              changes: Mapping[str, SparseChange] | None = None) -> float:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         sent = SentDigests(named_tensors, lambda name: getattr(params.get(name), "dtype", None))
         self._verified = None  # until this push is verified
         with self._lock, torch.no_grad():
             paused = time.perf_counter()
-            self._load(sent if self.verify_weights else named_tensors, params)
+            stream = sent if self.verify_weights else named_tensors
+            self._load(stream if changes is None else self._write_changes(stream, params, changes), params)
             if self.verify_weights:
                 held = _digests(params)
                 verify_held(sent, held, self.model.get_expanded_tied_weights_keys(all_submodels=True), version, earlier)
@@ -255,6 +261,17 @@ class HFRolloutEngine(RolloutEngine):
                 raise KeyError(f"push_weights: the engine's model has no tensor named {name!r}")
             target.copy_(tensor.detach().to(target.device, target.dtype))
             del tensor  # let the stream free each gathered tensor before gathering the next
+
+    @staticmethod
+    def _write_changes(named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor],
+                       changes: Mapping[str, SparseChange]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream less the tensors in ``changes`` (read as each passes), whose changed elements are written here."""
+        for name, tensor in named_tensors:
+            change, target = changes.get(name), params.get(name)
+            if change is None or target is None or not target.is_contiguous() or target.shape != tensor.shape:
+                yield name, tensor
+                continue
+            target.view(-1)[change.index.to(target.device, torch.long)] = change.values.to(target.device, target.dtype)
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

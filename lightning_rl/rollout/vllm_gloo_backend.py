@@ -58,6 +58,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     staged: bool = False
+    keep: bool = False
+    reset: bool = False
 
 
 def worker_layout(model_config: Any) -> CheckpointLayout:
@@ -89,6 +91,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._staged: list[tuple[str, torch.Tensor]] = []  # received while the engine generates (`stage`)
         self._staging: threading.Thread | None = None
         self._staging_error: BaseException | None = None
+        self.kept: dict[str, torch.Tensor] = {}  # each tensor as last sent, while pushes ask for it (`_received`)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         timeout = timedelta(seconds=init_info.timeout_s)
@@ -112,7 +115,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             if update_info.staged:
                 received = self.take_staged()
             else:  # the whole chunk is received before anything is checked, so the stream stays in step on a refusal
-                received = gloo_transport.receive_chunk(self.group, gloo_transport.ChunkManifest.from_dict(vars(update_info)))
+                manifest = gloo_transport.ChunkManifest.from_dict(vars(update_info))
+                received = self._received(gloo_transport.receive_chunk(self.group, manifest), manifest)
             self.model.load_weights(list(self.layout.checked_with_ties(received, self.loaded, held_aliases=self.aliases)))
         except Exception:
             # Modules that got nothing yet take their old weights back, so the server goes on serving.
@@ -131,12 +135,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         def receive() -> None:
             try:
-                self._staged.extend(gloo_transport.receive_chunk(self.group, manifest))
+                self._staged.extend(self._received(gloo_transport.receive_chunk(self.group, manifest), manifest))
             except BaseException as error:  # raised again by the next call from the trainer
                 self._staging_error = error
 
         self._staging = threading.Thread(target=receive, name="lightning-rl-stage", daemon=True)
         self._staging.start()
+
+    def _received(self, received: list[tuple[str, torch.Tensor]], manifest: gloo_transport.ChunkManifest) -> list[tuple[str, torch.Tensor]]:
+        """A chunk's tensors, those sent as their changed elements written into the copies kept; kept in turn where
+        the push asks (a delta sync's: one more copy of the model in this host's memory), else the copies dropped."""
+        if manifest.reset or not manifest.keep:
+            self.kept = {}
+        decoded = gloo_transport.decode_changes(received, self.kept)
+        if manifest.keep:
+            self.kept.update((name, tensor.clone()) for name, tensor in decoded)  # a loader may write into what it reads
+        return decoded
 
     def take_staged(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor staged since the last take, once the last chunk is in."""

@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import torch
 
 from lightning_rl.errors import RecipeError, UserError
-from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, verify_held
+from lightning_rl.models.weights import AdapterSpec, HeldWeights, SentDigests, SparseChange, verify_held
 from lightning_rl.rollout import gloo_transport
 from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, ImagesArg, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig, check_dtype, check_expanded, check_request
 from lightning_rl.rollout.vllm_engine import VLLM_DTYPES, sampling_params_of, served_lora_rank, support_of, verify_adapter, vllm_adapter_refusal
@@ -317,6 +317,7 @@ class VLLMServerEngine(RolloutEngine):
         self._kept: dict[str, torch.Tensor] | None = None  # the weights last pushed (and changed since), to re-sync a restart
         self._kept_adapter: tuple[dict[str, torch.Tensor], AdapterSpec] | None = None  # likewise, the adapter
         self._verified: dict[str, int] | None = None  # digests the last verified push left, by name (push_changed)
+        self._keep_sent = False  # the worker keeps a copy of each tensor pushed, for deltas' changed elements
         self._adapter_loaded = False  # generation names the adapter once one is loaded
         self._info: dict[str, Any] | None = None  # the worker's `lightning_rl_model_info`
         self._context: int | None = None  # the server's max_model_len, read once
@@ -473,11 +474,18 @@ class VLLMServerEngine(RolloutEngine):
         """
         return self._push(named_tensors, version, changed=False)
 
-    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+    def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     changes: Mapping[str, SparseChange] | None = None) -> float:
         """`push_weights` of only the changed tensors (whole `write_groups`): vLLM's layerwise reload rebuilds the
         modules that get tensors and leaves the others as they are, and every tensor not sent must still hold what
-        the last verified push left in it."""
-        return self._push(named_tensors, version, changed=True)
+        the last verified push left in it. Of a tensor in ``changes`` only its changed elements travel (over gloo),
+        written by the worker into its copy of what it was sent last."""
+        return self._push(named_tensors, version, changed=True, changes={} if changes is None else changes)
+
+    def take_sparse_deltas(self) -> bool:
+        """Over gloo: yes, and from now on the server's worker keeps a copy of each tensor pushed (its host's memory)."""
+        self._keep_sent = self._keep_sent or self.transport == "gloo"
+        return self._keep_sent
 
     def write_groups(self) -> dict[str, str]:
         """`vllm_held.write_groups` of the server's model: fused parts and a layer's experts travel together."""
@@ -488,20 +496,23 @@ class VLLMServerEngine(RolloutEngine):
         names = CheckpointLayout(AutoConfig.from_pretrained(self._model_source())).shapes
         return write_groups(self._model_info()["packed"], names)
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, changed: bool) -> float:
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, changed: bool,
+              changes: Mapping[str, SparseChange] | None = None) -> float:
         with self._lock:
             if self.engine_max_restarts:  # kept whole: a restart mid-push sends them again, and so does a later one
                 named_tensors = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
             earlier = self._verified if changed else None
             self._adapter_loaded, self._kept_adapter = False, None  # full weights: no adapter pushed before them applies
-            paused = self._healing(lambda: self._push_verified(named_tensors, version, earlier))
+            paused = self._healing(lambda: self._push_verified(named_tensors, version, earlier, changes))
             self._version = version
             if self.engine_max_restarts:  # a delta on top of the weights kept: together, all the server holds
                 self._kept = {**(self._kept or {}), **dict(named_tensors)} if changed else dict(named_tensors)
             return paused
 
     def _push_verified(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                       earlier: dict[str, int] | None = None) -> float:
+                       earlier: dict[str, int] | None = None, changes: Mapping[str, SparseChange] | None = None) -> float:
+        """Push, then (with `verify_weights`) prove the worker holds what was sent; ``changes``: a delta's (None: every
+        weight is sent)."""
         if self.verify_weights and self._held_dtypes is None:  # before the push: mid-update the server has no weights
             self._held_dtypes = {n: getattr(torch, dtype) for n, (dtype, _) in self._held()["tensors"].items()}
         sent = SentDigests(named_tensors, self._held_dtypes.get) if self.verify_weights else None
@@ -509,7 +520,7 @@ class VLLMServerEngine(RolloutEngine):
         if self.transport == "nccl":
             paused = self._push_nccl(sent or named_tensors, version)
         else:
-            paused = self._push_gloo(sent or named_tensors, version)
+            paused = self._push_gloo(sent or named_tensors, version, changes)
         if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
             held = self._held()
             digests = {name: digest for name, (_, digest) in held["tensors"].items()}
@@ -662,12 +673,14 @@ class VLLMServerEngine(RolloutEngine):
                                   "reads whole tensors from one (tensor_parallel_size 1), or set verify_weights: false")
         return workers[0]
 
-    def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+    def _push_gloo(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                   changes: Mapping[str, SparseChange] | None = None) -> float:
         group = self._group or self._open_group()
+        chunks = self._chunks(named_tensors, changes)
         try:
             if self.stage_weights:  # received on the server while it generates; the pause only loads them
-                for chunk in gloo_transport.chunks(named_tensors, self.chunk_bytes):
-                    self._rpc("lightning_rl_stage", update_info=gloo_transport.ChunkManifest.of(chunk).to_dict())
+                for chunk, manifest in chunks:
+                    self._rpc("lightning_rl_stage", update_info=manifest)
                     gloo_transport.send_chunk(group, chunk)
             started = time.perf_counter()
             self._post(f"pause?mode={self.pause}")
@@ -675,8 +688,7 @@ class VLLMServerEngine(RolloutEngine):
                 self._post("start_weight_update")
                 if self.stage_weights:
                     self._post("update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": [], "staged": True}})
-                for chunk in () if self.stage_weights else gloo_transport.chunks(named_tensors, self.chunk_bytes):
-                    manifest = gloo_transport.ChunkManifest.of(chunk).to_dict()
+                for chunk, manifest in () if self.stage_weights else chunks:
                     self._while_posting("update_weights", {"update_info": manifest},
                                         lambda: gloo_transport.send_chunk(group, chunk))
                 self._post("finish_weight_update", {"weight_version": str(version)})
@@ -686,6 +698,14 @@ class VLLMServerEngine(RolloutEngine):
             self._group = None  # a broken collective: the next push opens a fresh group
             raise
         return time.perf_counter() - started
+
+    def _chunks(self, named_tensors: Iterable[tuple[str, torch.Tensor]], changes: Mapping[str, SparseChange] | None
+                ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]]:
+        """The push's chunks and their manifests: a delta's changed elements in place of their tensors (``changes``;
+        None: every weight is sent, and the copies the worker kept before are dropped)."""
+        stream = gloo_transport.encode_changes(named_tensors, {} if changes is None else changes)
+        for count, chunk in enumerate(gloo_transport.chunks(stream, self.chunk_bytes)):
+            yield chunk, gloo_transport.ChunkManifest.of(chunk, keep=self._keep_sent, reset=changes is None and count == 0).to_dict()
 
     def _push_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         sender = self._nccl or self._open_nccl()

@@ -63,3 +63,29 @@ def test_a_receiver_that_stops_listening_gives_an_error_naming_the_tensor():
 def test_a_manifest_with_mismatched_fields_is_refused():
     with pytest.raises(ValueError, match="2 names, 1 dtypes, 2 shapes"):
         ChunkManifest.from_dict({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1], [2]]})
+
+
+def test_a_tensors_changed_elements_travel_alone_and_are_written_into_the_copy_kept():
+    from lightning_rl.models.weights import SparseChange
+
+    trainer, worker = connected_pair()
+    held = {"w": torch.randn(6, 4).to(torch.bfloat16), "b": torch.randn(3)}
+    new = held["w"].clone()
+    new[1, 2], new[5, 0] = 7.0, -0.0 if new[5, 0] == 0 else new[5, 0] * -1  # a sign flip is a change of bits too
+    changes = {"w": SparseChange.between(held["w"], new)}
+    stream = list(gloo_transport.encode_changes([("w", new), ("b", held["b"] + 1)], changes))
+    assert [name for name, _ in stream] == ["w#changed.index", "w#changed.values", "b"] and stream[0][1].numel() == 2
+    manifest = ChunkManifest.from_dict(ChunkManifest.of(stream, keep=True).to_dict())
+    assert manifest.keep and not manifest.reset
+    received: list[tuple[str, torch.Tensor]] = []
+    receiving = threading.Thread(target=lambda: received.extend(gloo_transport.receive_chunk(worker, manifest)))
+    receiving.start()
+    gloo_transport.send_chunk(trainer, stream)
+    receiving.join()
+    decoded = dict(gloo_transport.decode_changes(received, held))
+    assert decoded["w"].view(torch.int16).equal(new.view(torch.int16)) and decoded["b"].equal(held["b"] + 1)
+    assert held["w"].view(torch.int16).ne(new.view(torch.int16)).sum() == 2  # the copy kept is written into a clone
+    with pytest.raises(WeightTransferError, match="'w': its changed elements arrived, and this worker keeps no copy"):
+        gloo_transport.decode_changes(received, {})
+    with pytest.raises(WeightTransferError, match="does not fit the copy kept"):
+        gloo_transport.decode_changes(received, {"w": torch.zeros(2, dtype=torch.bfloat16)})

@@ -70,6 +70,30 @@ def test_a_delta_without_the_fused_parts_is_caught_and_the_next_sync_is_full(eng
     assert max_logprob_error(trainer, engine.generate(PROMPTS, n=1, sampling=sampling(7)).rollouts) < LOGPROB_ATOL
 
 
+def test_a_few_changed_elements_travel_alone_and_a_restarted_server_writes_them_exactly(engine, tiny_model_dir):
+    trainer = load_trainer_model(tiny_model_dir)
+    sync = PolicySync("delta")
+    assert sync.sync(trainer, engine, 20).mode == "full"
+    down = dict(trainer.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    for version, (row, columns) in zip((21, 22), ((2, slice(0, 3)), (5, slice(7, 10)))):
+        with torch.no_grad():
+            down[row, columns] += 0.5
+        report = sync.sync(trainer, engine, version)
+        # Three float32 values and their int32 indices, of a tensor of 8 KiB; the worker writes them into its copy.
+        assert report.mode == "delta" and report.names == ["model.layers.0.mlp.down_proj.weight"] and report.num_bytes == 3 * 8
+        assert max_logprob_error(trainer, engine.generate(PROMPTS, n=1, sampling=sampling(version)).rollouts) < LOGPROB_ATOL
+        if version == 21:  # the restarted server is sent every weight kept, and keeps copies of them again
+            restarts = engine.restarts
+            engine.server.process.kill()
+            engine.server.process.wait()
+            engine.generate(PROMPTS, n=1, sampling=sampling(30))
+            assert engine.restarts == restarts + 1
+    with torch.no_grad():
+        down.mul_(1.5)  # every value changed: sent whole
+    assert sync.sync(trainer, engine, 23).num_bytes == down.numel() * 4
+    assert max_logprob_error(trainer, engine.generate(PROMPTS, n=1, sampling=sampling(31)).rollouts) < LOGPROB_ATOL
+
+
 def test_an_adapter_sync_gives_the_trainers_logprobs_and_a_merged_syncs(engine, tiny_model_dir):
     policy = lora_trainer(tiny_model_dir, seed=5)
     base = load_trainer_model(tiny_model_dir)
