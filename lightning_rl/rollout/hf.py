@@ -184,7 +184,7 @@ class HFRolloutEngine(RolloutEngine):
         return self._push(named_tensors, version, earlier=None)
 
     def push_changed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     changes: Mapping[str, SparseChange] | None = None) -> float:
+                     changes: dict[str, SparseChange] | None = None) -> float:
         """`push_weights` of only the tensors that changed: every other tensor must still hold what the last verified
         push left in it. Of a tensor in ``changes``, only its changed elements are written."""
         return self._push(named_tensors, version, earlier=self._verified, changes={} if changes is None else changes)
@@ -196,7 +196,7 @@ class HFRolloutEngine(RolloutEngine):
         return {}  # each tensor is copied on its own
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, earlier: dict[str, int] | None,
-              changes: Mapping[str, SparseChange] | None = None) -> float:
+              changes: dict[str, SparseChange] | None = None) -> float:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         sent = SentDigests(named_tensors, lambda name: getattr(params.get(name), "dtype", None))
         self._verified = None  # until this push is verified
@@ -264,11 +264,14 @@ class HFRolloutEngine(RolloutEngine):
 
     @staticmethod
     def _write_changes(named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor],
-                       changes: Mapping[str, SparseChange]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream less the tensors in ``changes`` (read as each passes), whose changed elements are written here."""
+                       changes: dict[str, SparseChange]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream less the tensors in ``changes`` (read as each passes), whose changed elements are written here
+        (one this engine holds otherwise is written whole, and taken out of ``changes``)."""
         for name, tensor in named_tensors:
             change, target = changes.get(name), params.get(name)
             if change is None or target is None or not target.is_contiguous() or target.shape != tensor.shape:
+                if change is not None:
+                    del changes[name]  # written whole: what the sync counts as sent
                 yield name, tensor
                 continue
             target.view(-1)[change.index.to(target.device, torch.long)] = change.values.to(target.device, target.dtype)

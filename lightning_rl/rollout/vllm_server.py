@@ -520,7 +520,8 @@ class VLLMServerEngine(RolloutEngine):
         if self.transport == "nccl":
             paused = self._push_nccl(sent or named_tensors, version)
         else:
-            paused = self._push_gloo(sent or named_tensors, version, changes)
+            stream = sent or named_tensors
+            paused = self._push_gloo(stream, version) if changes is None else self._push_gloo(stream, version, changes)
         if sent is not None:  # one check for both transports: what the server's worker holds once the push is in
             held = self._held()
             digests = {name: digest for name, (_, digest) in held["tensors"].items()}

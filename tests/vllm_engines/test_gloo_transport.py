@@ -52,6 +52,11 @@ def test_chunks_bound_what_is_held_at_once():
     sizes = [[name for name, _ in chunk] for chunk in gloo_transport.chunks(iter(tensors), chunk_bytes=3000)]
     assert sizes == [["t0", "t1", "t2"], ["t3", "t4", "t5"], ["t6", "t7", "t8"], ["t9"]]
     assert [len(c) for c in gloo_transport.chunks(iter(tensors), chunk_bytes=1)] == [1] * 10
+    # A tensor's changed elements are decoded within one chunk: their indices never end a chunk without their values.
+    index, values = torch.arange(300, dtype=torch.int32), torch.zeros(300)
+    changed = [("a#changed.index", index), ("a#changed.values", values), ("b#changed.index", index), ("b#changed.values", values)]
+    assert [[n for n, _ in c] for c in gloo_transport.chunks(iter(changed), chunk_bytes=1)] == [
+        ["a#changed.index", "a#changed.values"], ["b#changed.index", "b#changed.values"]]
 
 
 def test_a_receiver_that_stops_listening_gives_an_error_naming_the_tensor():
