@@ -25,7 +25,7 @@ from lightning_rl.tools.arguments import coerce, validated_arguments
 from lightning_rl.tools.builtin import calculator
 from lightning_rl.errors import RecipeError
 from lightning_rl.rollout.conversation import ToolConversation, check_tool_call_format, distinct_tool_calls, tool_response_ids
-from support.tool_faults import answers_in_blocks, flooding_calculator, hanging_calculator, slow, waits_then_adds
+from support.tool_faults import answers_in_blocks, flooding_calculator, hanging_calculator, lists_a_folder, slow, waits_then_adds
 from support.tool_model import train_tool_calling_model
 
 TESTS = Path(__file__).resolve().parent
@@ -65,6 +65,17 @@ def test_invalid_schemas_and_paths_are_refused():
         Tool.from_function(label, parameters={"type": "string"})
     with pytest.raises(ValueError, match=r"cannot derive a JSON schema .*or point model.tools at a Tool.from_function\(fn, parameters=...\)"):
         Tool.from_function(lambda x: x)
+    # A schema no call could satisfy: an argument the function cannot take by name, or a parameter never given.
+    number = {"type": "object", "properties": {"args": {"type": "integer"}}, "required": ["args"]}
+    with pytest.raises(ValueError, match=r"tool 'total': its schema's argument 'args' can never be passed: \*args takes positions"):
+        Tool.from_function(lambda *args: sum(args), number, name="total")
+    with pytest.raises(ValueError, match="'args' can never be passed: args comes before /"):
+        Tool.from_function(lambda args, /: args, number, name="total")
+    with pytest.raises(ValueError, match="'args' can never be passed: the function has no parameter 'args'"):
+        Tool.from_function(lambda x: x, number, name="total")
+    with pytest.raises(ValueError, match="the function's parameter 'y' has no default and the schema never gives it"):
+        Tool.from_function(lambda args, y: args, number, name="total")
+    assert Tool.from_function(lambda **kwargs: kwargs, number, name="total").parameters == number
     # ... which load_tool takes as it is: a function without a usable docstring, its schema given.
     given = load_tool("test_tools:UNDOCUMENTED")
     assert given is UNDOCUMENTED and given.parameters["required"] == ["x"]
@@ -163,6 +174,15 @@ def test_a_result_of_text_blocks_is_read_as_their_text():
     outcome = executor.run(parse_tool_calls('<tool_call>{"name": "answers_in_blocks", "arguments": {"city": "Paris"}}</tool_call>')[0])
     executor.close()
     assert (outcome.content, outcome.failure) == ("Paris: sunny", None)
+
+
+def test_a_result_with_bytes_that_are_not_utf8_reaches_the_tokenizer_as_text(tiny_tokenizer):
+    executor = ToolExecutor([Tool.from_function(lists_a_folder)])
+    outcome = executor.run(parse_tool_calls('<tool_call>{"name": "lists_a_folder", "arguments": {"path": "."}}</tool_call>')[0])
+    executor.close()
+    assert (outcome.content, outcome.failure) == ("report-?.txt", None)
+    ids = tool_response_ids(tiny_tokenizer, [{"role": "tool", "name": "lists_a_folder", "content": outcome.content}])
+    assert "report-?.txt" in tiny_tokenizer.decode(ids)
 
 
 def test_a_call_that_cannot_be_read_stays_in_the_reply_text_not_in_its_tool_calls():

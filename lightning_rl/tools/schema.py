@@ -69,6 +69,33 @@ class Tool:
             raise ValueError(f"tool {self.name!r}: invalid JSON Schema at {location}: {error.message}") from None
         if self.parameters.get("type") != "object":
             raise ValueError(f"tool {self.name!r}: the parameters schema must have type 'object'")
+        self.check_callable()
+
+    def check_callable(self) -> None:
+        """Raise a ValueError naming the tool where no call its schema allows could succeed: an argument the function
+        cannot take by name (``*args``, before ``/``, or not among its parameters without ``**kwargs``), or a
+        parameter without a default that the schema never gives (the function is called with keywords alone)."""
+        try:
+            signature = inspect.signature(self.function)
+        except (TypeError, ValueError):  # a builtin without a signature: its calls say what is wrong
+            return
+        params = list(signature.parameters.values())
+        by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        properties = self.parameters.get("properties") or {}
+        for name in properties:
+            if name not in by_name and not takes_any:
+                kind = next((p.kind for p in params if p.name == name), None)
+                how = {inspect.Parameter.VAR_POSITIONAL: f"*{name} takes positions, and a tool is called by name",
+                       inspect.Parameter.POSITIONAL_ONLY: f"{name} comes before / (positional only), and a tool is called by name"}.get(
+                           kind, f"the function has no parameter {name!r}")
+                raise ValueError(f"tool {self.name!r}: its schema's argument {name!r} can never be passed: {how}; give "
+                                 "the function a named parameter for it")
+        missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                                                   p.KEYWORD_ONLY) and p.name not in properties]
+        if missing:
+            raise ValueError(f"tool {self.name!r}: the function's parameter {missing[0]!r} has no default and the schema "
+                             "never gives it, so every call would fail; add it to the schema or give it a default")
 
     def chat_template_spec(self) -> dict[str, Any]:
         """The tool as chat templates expect it in `apply_chat_template(tools=...)`."""

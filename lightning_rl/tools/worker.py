@@ -59,6 +59,11 @@ def _text(result: object) -> str:
     return str(result)
 
 
+def _unicode(text: str) -> str:
+    """``text`` as a tokenizer takes it: a lone surrogate (bytes ``os.fsdecode`` could not read) becomes ``?``."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def serve(connection: Connection, max_chars: int) -> None:
     connection.send("ready")
     while True:
@@ -71,9 +76,9 @@ def serve(connection: Connection, max_chars: int) -> None:
             result = function(**arguments)
             if inspect.isawaitable(result):  # an `async def` tool (TRL runs those too): its result, not the coroutine
                 result = asyncio.run(_awaited(result))
-            reply = ("ok", truncate(_text(result), max_chars))
+            reply = ("ok", truncate(_unicode(_text(result)), max_chars))
         except BaseException as error:  # SystemExit and KeyboardInterrupt too: the tool's failure, not ours
-            reply = ("raised", truncate(f"{type(error).__name__}: {error}", max_chars))
+            reply = ("raised", truncate(_unicode(f"{type(error).__name__}: {error}"), max_chars))
         connection.send(reply)
 
 

@@ -136,3 +136,12 @@ def answers_in_blocks(city: str) -> list[dict]:
         city: The city.
     """
     return [{"type": "text", "text": f"{city}: "}, {"type": "text", "text": "sunny"}]
+
+
+def lists_a_folder(path: str) -> str:
+    """A folder's listing, its file names read as `os.fsdecode` reads bytes that are not UTF-8 (a lone surrogate).
+
+    Args:
+        path: The folder.
+    """
+    return os.fsdecode(b"report-\xff.txt") if path else ""
