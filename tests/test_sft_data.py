@@ -100,6 +100,27 @@ def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_
     assert any(load_examples(opening, Renderer(tiny_tokenizer, "tiny"), 512)[0][0].loss_mask)  # located by the blocks
 
 
+def test_a_reply_whose_first_characters_join_the_assistant_header_into_one_token_is_refused(tiny_path, tmp_path):
+    """Qwen's tokenizers hold "\n\n" as one token: the header's newline and a reply opening with one become it, so the
+    reply would be trained after tokens the model is never asked with (its prompt ends in the header's "\n")."""
+    joining = AutoTokenizer.from_pretrained(tiny_path)
+    joining.chat_template = joining.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    joining.add_tokens(["\n\n"])
+    user = {"role": "user", "content": "2+3="}
+    rows = [{"messages": [user, {"role": "assistant", "content": "\n5"}]},
+            {"prompt": [user], "completion": [{"role": "assistant", "content": "\n5"}]}]
+    for line, row in enumerate(rows, 1):
+        path = write_jsonl(tmp_path / f"r{line}.jsonl", [row])
+        with pytest.raises(DataError, match=rf"r{line}.jsonl: line 1: .* opens with '.*', which the tokenizer joins with the end of the "
+                                            "template's assistant header .* remove the reply's leading whitespace$"):
+            load_examples(path, Renderer(joining, "joining"), 512)
+    # The same reply without its newline, and on a tokenizer that keeps newlines apart, trains as the model is asked.
+    stripped = [{"messages": [user, {"role": "assistant", "content": "5"}]}]
+    (example,), (case,) = load_examples(write_jsonl(tmp_path / "s.jsonl", stripped), Renderer(joining, "joining"), 512)
+    assert example.input_ids[: len(case.prompt_ids)] == case.prompt_ids and trained_text(joining, example) == "5<|im_end|>"
+    assert any(load_examples(path, Renderer(AutoTokenizer.from_pretrained(tiny_path), "tiny"), 512)[0][0].loss_mask)
+
+
 @pytest.mark.parametrize("named_by", ["generation config", "chat template alone"])
 def test_a_separator_after_a_reply_end_that_is_not_eos_is_not_trained(tiny_path, tiny_tokenizer, tmp_path, named_by):
     """Gemma ends a reply with ``<end_of_turn>`` (its generation config's end, not the tokenizer's ``<eos>``) and its

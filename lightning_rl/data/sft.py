@@ -661,6 +661,7 @@ class Renderer:
                 # part, as TRL trains it, provided the conversation before the turn renders the same.
                 earlier = self._chat(messages[:k], context=context)
                 start = common_prefix(before, through)
+                self._refuse_joined_header(before, through, start, f"turn {k}'s reply")
                 if through[: len(earlier)] != earlier or start < len(earlier):
                     raise ValueError(f"tokenizer {self.name}: the chat template renders the conversation before turn {k} otherwise "
                                      "once the turn follows, so assistant tokens cannot be located (add {% generation %} blocks to the template)")
@@ -678,6 +679,18 @@ class Renderer:
         self._note_if_no_end(ids, mask, "the chat template renders no end-of-turn token after a conversation's last reply, so "
                              "that reply is not trained to end; give it a template that does, or one with {% generation %} blocks")
         return ids, mask
+
+    def _refuse_joined_header(self, asked: list[int], rendered: list[int], start: int, what: str) -> None:
+        """Refuse a reply whose first characters the tokenizer joins with the end of the generation prompt (``asked``,
+        whose tokens part from ``rendered``'s at ``start``) into one token: Qwen's ``\n\n`` of the header's newline
+        and a reply opening with one. Its text follows the prompt, but in tokens the model is never asked with (the
+        prompt's last token is not there): trained, it would learn a context inference never gives."""
+        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+        tail, after = text(asked[start:]), text(rendered[start:])
+        if tail and after.startswith(tail):
+            raise ValueError(f"tokenizer {self.name}: {what} opens with {after[len(tail):][:20]!r}, which the tokenizer joins with "
+                             f"the end of the template's assistant header ({tail!r}) into one token, so it would be trained "
+                             "after other tokens than the prompt the model is asked with; remove the reply's leading whitespace")
 
     def _next_turn_opener(self, messages: list[dict], rendered: list[int], context: dict | None) -> int | None:
         """The token a next user turn would open with after ``messages`` (``rendered``), where it is one of the model's
@@ -754,6 +767,8 @@ class Renderer:
             cut = len(said) if ids[: len(said)] == said else None
             if asked:
                 with_prompt = self._chat(row["prompt"], add_generation_prompt=True, context=context)
+                if ids[: len(with_prompt)] != with_prompt:
+                    self._refuse_joined_header(with_prompt, ids, common_prefix(with_prompt, ids), "the completion")
                 cut = len(with_prompt) if ids[: len(with_prompt)] == with_prompt else None if cut is None else max(cut, common_prefix(with_prompt, ids))
             if cut is None:
                 raise ValueError(f"tokenizer {self.name}: the rendered prompt is not a prefix of the rendered conversation")
