@@ -76,6 +76,13 @@ def test_invalid_schemas_and_paths_are_refused():
     with pytest.raises(ValueError, match="the function's parameter 'y' has no default and the schema never gives it"):
         Tool.from_function(lambda args, y: args, number, name="total")
     assert Tool.from_function(lambda **kwargs: kwargs, number, name="total").parameters == number
+    # Schemas a call can satisfy are taken: an optional argument the function lacks (that call alone fails), and
+    # arguments given beyond the schema's own properties.
+    optional = {"type": "object", "properties": {"args": {"type": "integer"}, "verbose": {"type": "boolean"}}, "required": ["args"]}
+    assert Tool.from_function(lambda args: args, optional, name="total").parameters == optional
+    for given in ({"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}},
+                  {"type": "object", "allOf": [number]}, {"type": "object", "properties": {}, "$ref": "#/$defs/n", "$defs": {"n": number}}):
+        assert Tool.from_function(lambda args: args, given, name="total").parameters == given
     # ... which load_tool takes as it is: a function without a usable docstring, its schema given.
     given = load_tool("test_tools:UNDOCUMENTED")
     assert given is UNDOCUMENTED and given.parameters["required"] == ["x"]

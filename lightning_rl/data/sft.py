@@ -687,13 +687,18 @@ class Renderer:
         prompt's last token is not there): trained, it would learn a context inference never gives."""
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
         tail, after = text(asked[start:]), text(rendered[start:])
-        if tail and after.startswith(tail):
-            reply = after[len(tail):]
-            fix = ("remove the reply's leading whitespace" if reply[:1].isspace() else
-                   "use a template whose assistant header ends where a token ends (no space after it)")
-            raise ValueError(f"tokenizer {self.name}: {what} opens with {reply[:20]!r}, which the tokenizer joins with the end "
-                             f"of the template's assistant header ({tail!r}) into one token, so it would be trained after other "
-                             f"tokens than the prompt the model is asked with; {fix}")
+        if not (tail and after.startswith(tail)):
+            return
+        reply = after[len(tail):]
+        if len(text(rendered[start : start + 1])) <= len(tail):  # the header's end cut otherwise, not joined to the reply
+            raise ValueError(f"tokenizer {self.name}: the template's assistant header ends in {tail!r}, which the tokenizer cuts "
+                             f"into other tokens once {what} follows, so it would be trained after other tokens than the "
+                             "prompt the model is asked with; use a template whose assistant header ends where a token ends")
+        fix = ("remove the reply's leading whitespace" if reply[:1].isspace() else
+               "use a template whose assistant header ends where a token ends (no space after it)")
+        raise ValueError(f"tokenizer {self.name}: {what} opens with {reply[:20]!r}, which the tokenizer joins with the end "
+                         f"of the template's assistant header ({tail!r}) into one token, so it would be trained after other "
+                         f"tokens than the prompt the model is asked with; {fix}")
 
     def _next_turn_opener(self, messages: list[dict], rendered: list[int], context: dict | None) -> int | None:
         """The token a next user turn would open with after ``messages`` (``rendered``), where it is one of the model's

@@ -20,6 +20,9 @@ from transformers.utils import get_json_schema
 from lightning_rl.dotted import load_object
 
 
+_OPEN = {"$ref", "allOf", "anyOf", "oneOf", "if", "additionalProperties", "patternProperties", "dependentSchemas"}
+
+
 @dataclass(frozen=True)
 class Tool:
     """A callable tool. `parameters` is the JSON Schema of its keyword arguments."""
@@ -72,9 +75,10 @@ class Tool:
         self.check_callable()
 
     def check_callable(self) -> None:
-        """Raise a ValueError naming the tool where no call its schema allows could succeed: an argument the function
-        cannot take by name (``*args``, before ``/``, or not among its parameters without ``**kwargs``), or a
-        parameter without a default that the schema never gives (the function is called with keywords alone)."""
+        """Raise a ValueError naming the tool where no call its schema allows could succeed: a required argument the
+        function cannot take by name (``*args``, before ``/``, or not among its parameters without ``**kwargs``), or
+        a parameter without a default that a plain schema (its ``properties`` alone) never gives (the function is
+        called with keywords alone)."""
         try:
             signature = inspect.signature(self.function)
         except (TypeError, ValueError):  # a builtin without a signature: its calls say what is wrong
@@ -83,7 +87,7 @@ class Tool:
         by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
         properties = self.parameters.get("properties") or {}
-        for name in properties:
+        for name in self.parameters.get("required") or ():
             if name not in by_name and not takes_any:
                 kind = next((p.kind for p in params if p.name == name), None)
                 how = {inspect.Parameter.VAR_POSITIONAL: f"*{name} takes positions, and a tool is called by name",
@@ -91,6 +95,8 @@ class Tool:
                            kind, f"the function has no parameter {name!r}")
                 raise ValueError(f"tool {self.name!r}: its schema's argument {name!r} can never be passed: {how}; give "
                                  "the function a named parameter for it")
+        if _OPEN.intersection(self.parameters) or "properties" not in self.parameters:
+            return  # arguments the schema gives beyond its own properties: what a call may pass is not read here
         missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
                                                                                    p.KEYWORD_ONLY) and p.name not in properties]
         if missing:
