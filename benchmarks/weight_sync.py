@@ -365,8 +365,8 @@ def measure_server(steps: int, learning_rate: float, folder: str | None = None, 
             torch.manual_seed(0)
             policy = model() if mode in ("full", "delta") else get_peft_model(model(), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
             entries[mode] = _synced_steps(policy, engine, PolicySync(mode), steps, learning_rate, tokens=tokens)
-            if mode == "merged":
-                PolicySync("full").sync(model(), engine, 0)  # the base again under the adapter
+            if mode != "adapter":
+                PolicySync("full").sync(model(), engine, 0)  # the base again: an adapter is sent onto it alone
             del policy
     finally:
         engine.close()
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         with qwen3_0_6b_folder() as folder:  # where the transfer, not the HTTP calls, makes most of a sync's time
             server_0_6b = measure_server(1, args.learning_rate, folder, "bfloat16", ("full", "adapter"), tokens=4)
             # A delta at a learning rate typical of RL on a real model: a changed tensor's changed elements travel alone.
-            server_0_6b_delta = measure_server(2, SMALL_LR, folder, "bfloat16", ("full", "delta"), tokens=4)
+            server_0_6b_delta = measure_server(1, SMALL_LR, folder, "bfloat16", ("full", "delta"), tokens=4)
         measured = {"server": measure_server(3, args.learning_rate), "server_qwen3_0_6b": server_0_6b,
                     f"server_qwen3_0_6b_lr_{SMALL_LR:g}": server_0_6b_delta,
                     "qwen3_0_6b_vllm": measure_0_6b_vllm(args.learning_rate)}
