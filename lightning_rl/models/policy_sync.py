@@ -126,7 +126,7 @@ class DeltaTracker:
             if same and torch.equal(as_words(kept), as_words(host)):
                 if group in sent_groups:
                     if changes is not None:
-                        changes[name] = SparseChange.between(kept, host)
+                        changes[name] = SparseChange.none(host)
                     yield name, tensor
                 else:
                     skipped.setdefault(group, []).append(name)
@@ -138,7 +138,7 @@ class DeltaTracker:
                     changes[name] = change
             for earlier in skipped.pop(group, ()):
                 if changes is not None:
-                    changes[earlier] = SparseChange.between(self.copies[earlier], self.copies[earlier])
+                    changes[earlier] = SparseChange.none(self.copies[earlier])
                 yield earlier, self.copies[earlier]  # bitwise what the trainer holds now: it did not change
             sent_groups.add(group)
             yield name, tensor

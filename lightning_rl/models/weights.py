@@ -153,6 +153,12 @@ class SparseChange:
         return self.index.numel() * self.index.element_size() + self.values.numel() * self.values.element_size()
 
     @classmethod
+    def none(cls, tensor: Tensor) -> SparseChange:
+        """No element of ``tensor`` changed: nothing of it travels."""
+        index = torch.empty(0, dtype=torch.int32 if tensor.numel() < 2**31 else torch.int64)
+        return cls(index, tensor.new_empty(0, device="cpu"), tensor.numel() * tensor.element_size())
+
+    @classmethod
     def between(cls, held: Tensor, new: Tensor) -> SparseChange | None:
         """The change from ``held`` to ``new`` (same shape and dtype), or None where it would take more than half
         the bytes of ``new`` itself."""
