@@ -100,11 +100,14 @@ def test_template_without_generation_blocks_gives_the_same_mask(tiny_path, tiny_
     assert any(load_examples(opening, Renderer(tiny_tokenizer, "tiny"), 512)[0][0].loss_mask)  # located by the blocks
 
 
-def test_a_reply_whose_first_characters_join_the_assistant_header_into_one_token_is_refused(tiny_path, tmp_path):
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_reply_whose_first_characters_join_the_assistant_header_into_one_token_is_refused(tiny_path, tmp_path, blocks):
     """Qwen's tokenizers hold "\n\n" as one token: the header's newline and a reply opening with one become it, so the
-    reply would be trained after tokens the model is never asked with (its prompt ends in the header's "\n")."""
+    reply would be trained after tokens the model is never asked with (its prompt ends in the header's "\n"). A
+    template's {% generation %} blocks mark the joined token as the reply's all the same."""
     joining = AutoTokenizer.from_pretrained(tiny_path)
-    joining.chat_template = joining.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    if not blocks:
+        joining.chat_template = joining.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     joining.add_tokens(["\n\n"])
     user = {"role": "user", "content": "2+3="}
     rows = [{"messages": [user, {"role": "assistant", "content": "\n5"}]},

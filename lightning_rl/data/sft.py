@@ -640,6 +640,11 @@ class Renderer:
             mask = self._ending_at_turn_ends(ids, mask)
             self._note_if_no_end(ids, mask, "the chat template's {% generation %} blocks leave out the end of turn, so no reply is "
                                  "trained to end; put the end-of-turn token inside the blocks")
+            for k, message in enumerate(messages):  # each trained turn opens where the model is asked to reply
+                if message["role"] == "assistant" and k >= max(first, 1) and message.get("weight") != 0:
+                    before = self._chat(messages[:k], add_generation_prompt=True, context=context)
+                    if ids[: len(before)] != before:
+                        self._refuse_joined_header(before, ids, common_prefix(before, ids), f"turn {k}'s reply")
             return ids, mask
         # Templates without {% generation %} blocks: find each assistant turn by rendering the conversation up to it.
         # That rendering must agree with the full one through the turn's end-of-turn token; after it, only what a
