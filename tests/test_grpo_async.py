@@ -103,6 +103,18 @@ def test_a_failure_reading_the_engines_version_reaches_the_trainer(concurrent):
     producer.close()
 
 
+def test_producer_never_samples_a_batch_past_the_runs_last_step():
+    """A run of two batches samples and scores two: a batch no step trains would still call the reward functions (a
+    paid API, a sandbox) and print its dynamic-sampling lines. The bound alone would let it run three ahead."""
+    produced = []
+    producer = RolloutProducer(lambda i: produced.append(i) or _batch(i, 10), lambda: 10, max_staleness=3, end_index=2)
+    producer.start()
+    assert [producer.take(i).index for i in range(2)] == [0, 1]
+    time.sleep(0.1)  # time the producer would take to start a third
+    assert not producer._may_start() and produced == [0, 1]
+    producer.close()
+
+
 def test_queue_state_round_trips_and_resumes_after_the_queued_batches():
     producer = RolloutProducer(lambda i: _batch(i, i), lambda: 10, max_staleness=1)
     producer.start()

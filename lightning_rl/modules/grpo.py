@@ -343,8 +343,8 @@ class GRPOModule(PolicyModule):
         if not self.asynchronous.async_mode:
             return
         first = index + (1 if iteration else 0)  # resumed inside a batch: that one came back with the checkpoint
-        self.producer = RolloutProducer(self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness,
-                                        start_index=first, concurrent=self.engine.concurrent_batches, interrupt=self.engine.interrupt)
+        self.producer = RolloutProducer(self.collector.collect, lambda: self.engine.weight_version, self.asynchronous.max_staleness, start_index=first,
+                                        concurrent=self.engine.concurrent_batches, interrupt=self.engine.interrupt, end_index=-(-self.trainer.max_steps // self.hparams.num_iterations))
         if self._restored_queue is not None:
             self.producer.load_state_dict(self._restored_queue, next_step=first)
         share_cores_with_rollouts(self.engine, self.trainer, self.asynchronous.max_staleness)  # the rollout thread computes beside this one

@@ -99,7 +99,8 @@ class RolloutProducer:
     `current_version()` is the version of the weights generation uses now. `take(index)` blocks
     until that batch is ready; a failure on a producer thread is raised there (a `UserError` as it is).
     ``interrupt()`` cuts the generation in flight when a stopping run saves (`RolloutEngine.interrupt`); a batch
-    saved cut is produced as ``produce(index, rollouts)``.
+    saved cut is produced as ``produce(index, rollouts)``. ``end_index``: the first batch the run never trains (its
+    last step's is the one before), which is never produced: no sampling or reward call for a step that never comes.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class RolloutProducer:
         start_index: int = 0,
         concurrent: bool = False,
         interrupt: Callable[[], bool] | None = None,
+        end_index: int | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -118,7 +120,7 @@ class RolloutProducer:
         self.max_staleness = max_staleness
         self.concurrent = concurrent
         self._ready: dict[int, ScoredBatch] = {}
-        self._next_index = start_index
+        self._next_index, self.end_index = start_index, end_index
         self._error: BaseException | None = None
         self._stopping = False
         self._generating: set[int] = set()  # the batches being produced now
@@ -139,7 +141,8 @@ class RolloutProducer:
     def _may_generate(self, index: int) -> bool:
         # The queue bound only matters if versions run ahead of the steps (they never should).
         queue_has_room = len(self._ready) + len(self._generating) <= self.max_staleness
-        return queue_has_room and self._current_version() >= index - self.max_staleness
+        trained = self.end_index is None or index < self.end_index
+        return queue_has_room and trained and self._current_version() >= index - self.max_staleness
 
     def _resumed_partial(self) -> int | None:
         """The first batch still to produce below the next index (after a resume, or given up for a stop that was then
