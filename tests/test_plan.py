@@ -162,7 +162,7 @@ def test_a_static_shape_strategy_is_planned_at_the_padded_row_and_an_unknown_nam
                            (["--data.pad_to_multiple_of=64"], 256), ([], 200)):  # fmt: skip
         assert plan.main([*args, *overrides]) == 0
         out = capsys.readouterr().out
-        assert f"1 GPUs x {row} tokens x 1 accumulation = {row}" in out and f"2 layers x {row} tokens" in out
+        assert f"1 GPUs x {row} tokens x 1 accumulation = {row}" in out and f"2 layers' {row} tokens" in out
         assert ("200 tokens planned as 256" in out) == (row == 256)
         assert ("runs attention dense (docs/neuron.md)" in out) == ("static" in " ".join(overrides))
     grpo = tmp_path / "grpo.yaml"
@@ -301,11 +301,70 @@ def test_tokens_travel_to_the_experts_at_the_width_fed_to_them(muse_census) -> N
     qwen = count_model(_tiny("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8))
     layer_types = ["sliding_attention", "full_attention"]  # gpt-oss stores its experts (experts, in, out)
     gpt_oss = count_model(_tiny("gpt_oss", intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=layer_types))
-    assert qwen.routed_width == gpt_oss.routed_width == 32
+    # Llama 4 stores gate_up_proj (experts, hidden, 2 x intermediate): its tokens were counted 16 wide, not 32.
+    llama4 = count_model(_tiny("llama4_text", intermediate_size=8, num_local_experts=4, num_experts_per_tok=1, head_dim=8))
+    assert qwen.routed_width == gpt_oss.routed_width == llama4.routed_width == 32
     assert muse_census.routed_width == 4096  # its pre_expert_proj takes the 8192-wide hidden state to the experts' 4096
     training = Training(nodes=1, gpus_per_node=2, tokens_per_micro_batch=64, expert_parallel=2)
     buffers = next(t for t in plan_memory(qwen, training, Hardware(gpu_memory_gb=80)).terms if t.name == "expert all-to-all buffers")
     assert buffers.formula == "send+recv x 64 tokens x top-2 x 32 x 2 B"
+
+
+def test_experts_are_read_from_a_sub_config_and_from_weights_that_fold_them_into_their_rows() -> None:
+    """DBRX keeps its expert counts in ffn_config and each layer's experts in (experts * ffn_hidden_size, d_model)
+    weights: it was counted 1 of 1 experts, every parameter active, and expert parallelism refused."""
+    from transformers import CONFIG_MAPPING
+
+    # transformers' DbrxAttention reads a rope_theta its attention config does not set by itself.
+    dbrx = CONFIG_MAPPING["dbrx"](d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=64, attn_config=dict(kv_n_heads=2, rope_theta=1e4),
+                                  ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))  # fmt: skip
+    census = count_model(dbrx)
+    experts = 2 * 3 * 4 * 16 * 32  # two layers' w1, v1 and w2, (4 x 16, 32) each
+    assert (census.num_experts, census.experts_per_token, census.expert_params) == (4, 2, experts)
+    assert all(unit.expert_params == experts // 2 for unit in census.units)
+    # Embeddings and final norm are not passed through; half of the experts (top-2 of 4) are.
+    assert census.active_params == census.total_params - 64 * 32 - 32 - experts // 2
+    # Wqkv 32+64, out_proj 32+32, router 32+4, two norms 32 each, and top-2 of w1, v1, w2 at 16+32 each.
+    assert census.activation_elements_per_token_layer == 260 + 2 * 3 * (16 + 32)
+    assert census.routed_width == 32
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("zamba", dict(num_hidden_layers=5, attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=4, mamba_d_state=4)),
+    ("zamba2", dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4, mamba_d_state=4, n_mamba_heads=8)),
+])  # fmt: skip
+def test_a_block_several_units_hold_is_counted_once_in_the_model_and_gathered_with_each(model_type: str, extra: dict) -> None:
+    """Zamba's shared transformer block is inside every hybrid layer: the root unit came out negative."""
+    from lightning_rl.planner.model_census import build_on_meta
+
+    config = _tiny(model_type, **extra)
+    census = count_model(config)
+    assert census.root_params == 64 * 32 + 32  # the embeddings (tied to the LM head) and the final norm
+    assert census.total_params == census.root_params + census.unit_params
+    # FSDP2 manages a shared parameter in each unit that holds it, so each hybrid unit gathers the block.
+    first, *others = [layer for layer in build_on_meta(config).model.layers if hasattr(layer, "mamba_decoder") or hasattr(layer, "shared_transf")]
+    shared = sum(p.numel() for p in first.parameters() if any(p is q for q in others[0].parameters()))
+    assert shared > 0 and sum(unit.params for unit in census.units) == census.unit_params + len(others) * shared
+
+
+@pytest.mark.parametrize("model_type,mixed,moe,extra", [
+    ("deepseek_v3", dict(first_k_dense_replace=1), dict(first_k_dense_replace=0),
+     dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+          qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)),
+    ("llama4_text", dict(interleave_moe_layer_step=2), dict(interleave_moe_layer_step=1),
+     dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, intermediate_size_mlp=24, head_dim=8)),
+])  # fmt: skip
+def test_a_moe_whose_first_layers_are_dense_is_counted_layer_by_layer(model_type: str, mixed: dict, moe: dict, extra: dict) -> None:
+    """A dense first layer (DeepSeek-V3's first_k_dense_replace, Llama 4's interleaved MoE layers) stood for every
+    layer's activations, which its MoE layers outgrow."""
+    census = count_model(_tiny(model_type, **mixed, **extra))
+    all_moe = count_model(_tiny(model_type, **moe, **extra))
+    dense_layer = census.activation_elements_per_token - all_moe.activation_elements_per_token_layer
+    assert census.activation_elements_per_token_layer == all_moe.activation_elements_per_token_layer > dense_layer > 0
+    assert all_moe.activation_elements_per_token == 2 * all_moe.activation_elements_per_token_layer
+    training = Training(nodes=1, gpus_per_node=1, tokens_per_micro_batch=64, activation_checkpointing=False)
+    kept = next(t for t in plan_memory(census, training, Hardware(gpu_memory_gb=80)).terms if t.name.startswith("activations"))
+    assert kept.bytes == 64 * census.activation_elements_per_token * 2 and kept.formula == f"2 layers' 64 tokens x {census.activation_elements_per_token} x 2 B"
 
 
 def test_an_lm_head_chunk_holds_at_most_the_rows_tokens() -> None:

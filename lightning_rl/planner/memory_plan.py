@@ -180,19 +180,20 @@ def plan_memory(census: ModelCensus, training: Training, hardware: Hardware) -> 
 
 
 def _activations(plan: Plan) -> Term:
-    """The activations kept for backward. Checkpointing keeps each layer's input and recomputes one layer at a time;
+    """The activations kept for backward. Without checkpointing every layer's are kept (their sum: a MoE's first dense
+    layers keep less than its MoE layers); checkpointing keeps each layer's input and recomputes one layer at a time;
     offloading moves what is kept to host memory as it is saved, so the device holds one layer's working set (the
-    layer running forward, or the one whose backward has brought its tensors back)."""
+    layer running forward, or the one whose backward has brought its tensors back), counted at the largest layer's."""
     census, training = plan.census, plan.training
     tokens, c, layers = training.tokens_per_micro_batch, training.compute_bytes, census.decoder_layers
     per_layer = census.activation_elements_per_token_layer * tokens * c
     layer_inputs = layers * tokens * census.hidden_size * c
-    plan.activations_without_checkpointing = layers * per_layer
+    plan.activations_without_checkpointing = census.activation_elements_per_token * tokens * c
     plan.activations_with_checkpointing = layer_inputs + per_layer
     if training.activation_checkpointing:
         kept, what = layer_inputs, f"{layers} layer inputs x {tokens} tokens x {census.hidden_size} x {c} B"
     else:
-        kept, what = plan.activations_without_checkpointing, f"{layers} layers x {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B"
+        kept, what = plan.activations_without_checkpointing, f"{layers} layers' {tokens} tokens x {census.activation_elements_per_token} x {c} B"
     working = f"one layer's {tokens} tokens x {census.activation_elements_per_token_layer} x {c} B"
     name = "activations (checkpointed" if training.activation_checkpointing else "activations (no checkpointing"
     if training.offload_activations:
