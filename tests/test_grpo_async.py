@@ -9,7 +9,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from support.grpo import FAST, LENGTH_REWARD, TrainedRollouts, fit
+from support.grpo import FAST, LENGTH_REWARD, SaveWithBatchesAhead, TrainedRollouts, fit
 from transformers import AutoModelForCausalLM
 
 from lightning_rl.data.prompts import PromptDataModule
@@ -166,15 +166,14 @@ def test_staleness_one_overlaps_and_never_trains_older_rollouts():
 
 def test_resume_trains_the_checkpointed_queue_without_losing_or_repeating_prompts(tmp_path):
     first = TrainedRollouts()
-    module, trainer = fit(2, [first], async_mode=True, max_staleness=1)
     checkpoint = tmp_path / "step2.ckpt"
-    trainer.save_checkpoint(checkpoint)
+    fit(3, [first, SaveWithBatchesAhead(checkpoint, 2, {2})], async_mode=True, max_staleness=1)
     queued = torch.load(checkpoint, weights_only=True)["grpo"]["per_rank"][0]["rollout_queue"]["ready"]  # plain data only
     assert queued and queued[0]["index"] == 2  # generated ahead, before the save
 
     second = TrainedRollouts()
     resumed, _ = fit(4, [second], async_mode=True, max_staleness=1, ckpt_path=str(checkpoint))
-    batches = first.batches + second.batches
+    batches = first.batches[:2] + second.batches
     assert [b["index"] for b in batches] == [0, 1, 2, 3]
     datamodule = PromptDataModule(batch_size=2)
     assert [b["prompts"] for b in batches] == [[r["prompt"] for r in datamodule.prompt_batch(i)] for i in range(4)]

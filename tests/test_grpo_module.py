@@ -324,6 +324,21 @@ def test_dynamic_sampling_trains_only_groups_with_signal_and_fills_the_batch(asy
     assert [b["prompts"] for b in again.batches] == [b["prompts"] for b in trained.batches]
 
 
+@pytest.mark.parametrize("prompts", [10, 5])
+def test_dynamic_sampling_draws_new_prompts_round_after_round(tmp_path, prompts):
+    """Each round's extra prompts are none of the step's and none an earlier round drew, while the data has others
+    (10 prompts: 4 in the step, 6 others for three rounds of 2); then they are drawn again (5 prompts: 1 other)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(prompts)))
+    data = PromptDataModule(str(path), batch_size=4)
+    step = [r["prompt"] for r in data.prompt_batch(1)]
+    rounds = [[r["prompt"] for r in data.extra_prompts(1, drawn, 2)] for drawn in (0, 2, 4)]
+    drawn = [p for r in rounds for p in r]
+    others = prompts - 4
+    assert not set(drawn[:others]) & set(step) and len(set(drawn[:others])) == len(drawn[:others]) == min(others, 6)
+    assert rounds == [[r["prompt"] for r in data.extra_prompts(1, drawn, 2)] for drawn in (0, 2, 4)]  # a resume draws the same
+
+
 def test_dynamic_sampling_says_when_its_bound_is_hit(caplog):
     with caplog.at_level(logging.WARNING):
         module, trainer = fit(1, batch_size=2, rewards=[RewardSpec("test_grpo_module:always_one")],

@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from support.grpo import TrainedRollouts, fit
+from support.grpo import SaveWithBatchesAhead, TrainedRollouts, fit
 
 from lightning_rl.data.prompts import PromptDataModule
 
@@ -28,9 +28,8 @@ class RegeneratedCounts(L.Callback):
 
 def test_a_queue_too_stale_for_the_resumed_bound_is_sampled_again_and_counted(tmp_path):
     first = TrainedRollouts()
-    _, trainer = fit(2, [first], async_mode=True, max_staleness=1)
     checkpoint = tmp_path / "step2.ckpt"
-    trainer.save_checkpoint(checkpoint)
+    fit(4, [first, SaveWithBatchesAhead(checkpoint, 2, {2, 3})], async_mode=True, max_staleness=1)
     queued = torch.load(checkpoint, weights_only=True)["grpo"]["per_rank"][0]["rollout_queue"]["ready"]
     versions = {b["index"]: min(r["weight_version"] for r in b["rollouts"]) for b in queued}
     # The queue holds what version 2 allows at max_staleness 1; batch 3 could only start once version 2 was there.
@@ -40,7 +39,7 @@ def test_a_queue_too_stale_for_the_resumed_bound_is_sampled_again_and_counted(tm
 
     second, counts = TrainedRollouts(), RegeneratedCounts()
     resumed, _ = fit(5, [second, counts], async_mode=True, max_staleness=0, ckpt_path=str(checkpoint))
-    batches = first.batches + second.batches
+    batches = first.batches[:2] + second.batches
     assert Counter(b["index"] for b in batches) == Counter(range(5))  # nothing lost, nothing repeated
     assert [b["index"] for b in resumed.trained_batches] == [0, 1, 2, 3, 4]
     datamodule = PromptDataModule(batch_size=2)

@@ -45,8 +45,9 @@ class PromptSource(Protocol):
     def prompt_batch(self, index: int) -> list[dict[str, Any]]:
         """This rank's prompt records of step ``index``."""
 
-    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
-        """``count`` more records for step ``index``, dynamic sampling's round ``round`` (from 1), reproducibly."""
+    def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
+        """``count`` more records for step ``index``'s dynamic sampling, after the ``drawn`` its earlier rounds took,
+        reproducibly: new prompts, not the step's own nor an earlier round's, while the data has others."""
 
     def location(self, record: dict[str, Any]) -> str:
         """Where a record is in the data (``FILE: line N``), for error lines."""
@@ -237,13 +238,27 @@ class PromptDataModule(L.LightningDataModule):
             picked.append(self.records[self._epoch_order(epoch)[offset]])
         return picked
 
-    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
-        """``count`` more records for step `index` (dynamic sampling's round ``round``, from 1): drawn without
-        replacement by a generator seeded by the step, the round and this rank, so a resumed run draws the same."""
+    def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
+        """``count`` more records for step `index`'s dynamic sampling, after the ``drawn`` its earlier rounds took:
+        places ``drawn`` on of one order of the prompts that are not the step's (on any rank), drawn by a generator
+        seeded by the step and this rank, so no round draws a prompt of the step or of an earlier round until the
+        data has no other left, and a resumed run draws the same."""
         self.setup()
-        rank, _ = self._rank_and_world
-        rng = random.Random(((self.seed * 100_003 + index) * 1_009 + round) * 65_537 + rank)
-        return [self.records[i] for i in rng.sample(range(len(self.records)), min(count, len(self.records)))]
+        rank, world = self._rank_and_world
+        n, first = len(self.records), index * self.batch_size * world
+        steps = {self._epoch_order(p // n)[p % n] for p in range(first, first + self.batch_size * world)}
+        excluded = steps if len(steps) < n else set()  # a step holding every prompt: its own are drawn again
+        rng = random.Random((self.seed * 100_003 + index) * 65_537 + rank)
+        order: list[int] = []
+        seen: set[int] = set()
+        while len(order) < drawn + count:
+            if len(seen) == n - len(excluded):  # every other prompt drawn: another pass over them
+                seen = set()
+            i = rng.randrange(n)
+            if i not in excluded and i not in seen:
+                seen.add(i)
+                order.append(i)
+        return [self.records[i] for i in order[drawn:]]
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:

@@ -192,7 +192,7 @@ class RolloutCollector:
         kept = groups_with_signal(scored)
         rounds = 1
         while len(kept.records) < wanted and rounds < self.settings.dynamic_sampling_max_rounds:
-            extra_records = self.prompts.extra_prompts(index, rounds, wanted - len(kept.records))
+            extra_records = self.prompts.extra_prompts(index, sampled - wanted, wanted - len(kept.records))
             extra = self.sample_and_score(index, first_round + rounds, extra_records)
             sampled += len(extra_records)
             kept = merged(kept, groups_with_signal(extra))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -69,6 +70,21 @@ class TrainedRollouts(L.Callback):
                 "completions": [r.completion_ids for r in last.rollouts],
             }
         )
+
+
+class SaveWithBatchesAhead(L.Callback):
+    """Saves a checkpoint after optimizer step ``step`` of a longer asynchronous run, once the batches ``ahead`` are
+    generated and queued (as a stop at that step would find them)."""
+
+    def __init__(self, path: Any, step: int, ahead: set[int]) -> None:
+        self.path, self.step, self.ahead = path, step, ahead
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            deadline = time.monotonic() + 60
+            while not self.ahead <= set(pl_module.producer._ready) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            trainer.save_checkpoint(self.path)
 
 
 def trainer(max_steps: int, callbacks: list[L.Callback] | None = None, **kwargs: Any) -> L.Trainer:

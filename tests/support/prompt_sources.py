@@ -6,7 +6,8 @@ from typing import Any
 
 
 class PromptList:
-    """A `PromptSource` over lists of records: the step's, then one list per dynamic-sampling round."""
+    """A `PromptSource` over lists of records: the step's, then those dynamic sampling's rounds draw, one after another
+    (given as one list per round)."""
 
     path = "prompts.jsonl"
     image_folder = None
@@ -17,8 +18,8 @@ class PromptList:
     def prompt_batch(self, index: int) -> list[dict[str, Any]]:
         return self.records
 
-    def extra_prompts(self, index: int, round: int, count: int) -> list[dict[str, Any]]:
-        return self.rounds[round - 1][:count]
+    def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
+        return [r for records in self.rounds for r in records][drawn : drawn + count]
 
     def location(self, record: dict[str, Any]) -> str:
         return f"prompts.jsonl: line {self.records.index(record) + 1}"
