@@ -140,6 +140,22 @@ def test_sharding_refuses_parameters_it_could_not_reduce() -> None:
         FSDP2Strategy().shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
+def test_sharding_refuses_a_block_shared_across_layers() -> None:
+    """A block a model reuses in several layers (Zamba's shared transformer) is a parameter two units own: the second
+    fully_shard found it a DTensor already, and the forward failed on tensors and DTensors mixed."""
+    from lightning_rl.errors import RecipeError
+
+    class Policy(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_models()[0]
+            self.model.model.layers[2].mlp = self.model.model.layers[0].mlp
+
+    with pytest.raises(RecipeError, match=r"^trainer.strategy: LlamaForCausalLM uses parameter 'mlp.gate_proj.weight' in its layers 0 "
+                                          r"and 2 \(a block shared across layers\), which FSDP2 cannot shard layer by layer: "):
+        FSDP2Strategy().shard(Policy())
+
+
 def test_layer_classes_that_name_no_module_and_a_data_parallel_size_not_the_worlds_are_one_line() -> None:
     """A misspelt layer class left every layer unsharded (the model one unit, gathered whole) without a word; a
     data_parallel_size other than the world's was Lightning's traceback on every rank."""

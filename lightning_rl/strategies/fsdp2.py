@@ -59,6 +59,20 @@ def _uncovered_parameters(module: nn.Module, covered: Iterable[nn.Module]) -> li
     return [name for name, p in module.named_parameters() if id(p) not in inside]
 
 
+def _shared_between_layers(layers: list[nn.Module]) -> tuple[str, int, int] | None:
+    """A parameter two shard units own, where one exists: (its name in the first, and the two units' places). A unit
+    owns its parameters but those of a unit inside it; a block a model reuses in several layers (Zamba's shared
+    transformer) is owned by each, which ``fully_shard`` cannot take (the second unit finds it a DTensor already)."""
+    units = {id(layer) for layer in layers}
+    owner: dict[int, int] = {}
+    for place, layer in enumerate(layers):
+        inner = {id(p) for sub in layer.modules() if sub is not layer and id(sub) in units for p in sub.parameters()}
+        for name, param in layer.named_parameters():
+            if id(param) not in inner and owner.setdefault(id(param), place) != place:
+                return name, owner[id(param)], place
+    return None
+
+
 # How torch's distributed checkpoint reader says that a checkpoint holds other tensors than the model.
 _FOREIGN_CHECKPOINT = ("Missing key in checkpoint state_dict", "Size mismatch between saved", "Missing key:")
 
@@ -156,6 +170,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"{type(self).__name__}: parameter '{stray[0]}' lies outside every transformers model, so it would "
                 "not be sharded or reduced; move it into a model, or shard it yourself in configure_model()"
             )
+        for root in roots:
+            if shared := _shared_between_layers(find_decoder_layers(root, self.layer_classes)):
+                raise RecipeError(f"trainer.strategy: {type(root).__name__} uses parameter '{shared[0]}' in its layers {shared[1]} "
+                                  f"and {shared[2]} (a block shared across layers), which FSDP2 cannot shard layer by layer: "
+                                  "train it with one process, or ddp", "trainer.strategy")
         kwargs: dict[str, Any] = {
             "mesh": self.device_mesh["data_parallel"],
             "mp_policy": self.mp_policy,
