@@ -138,6 +138,18 @@ def test_a_prefix_across_rows_is_refused_under_data_parallelism(tmp_path, tiny_p
     assert "data parallelism (FSDP2, DDP) would not reduce its gradients; set model.prefix_across_rows: never" in done.stderr, done.stderr[-3000:]
 
 
+def test_a_reward_failing_on_every_sample_of_one_rank_only_trains_on(tmp_path, tiny_path):
+    """A step spans every rank: a reward that fails on all of one rank's samples and scores the other's is no stop
+    (reward_all_failed). Judged per rank, it stopped the run where one process, on the same samples, trained on."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    options = {"rewards": [{"function": "support.grpo:text_length"}, {"function": "support.grpo:fails_on_rank_zero"}]}
+    done = subprocess.run([sys.executable, str(HERE / "support" / "grpo_ddp_worker.py"), str(tmp_path), json.dumps(options)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [rank["logged"]["train/reward/fails_on_rank_zero/errors"] for rank in ranks] == [8.0, 8.0]  # rank 0's 8 of the 16
+
+
 def test_two_ranks_stopped_inside_a_batch_resume_each_its_own_rollouts(tmp_path, tiny_path):
     """Each rank trains its own prompts: a checkpoint taken between the num_iterations passes of a batch keeps every
     rank's batch and old log-probs. It kept rank 0's, which every rank then trained on; the resume now equals the

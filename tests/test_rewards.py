@@ -321,11 +321,17 @@ def test_a_function_gets_only_the_arguments_it_names():
     assert scores.errors == []
 
 
+def stop_if_failed_on_all(scorer, scores, step, reduce=lambda tensor, reduce_op: tensor):
+    """The trainer's check of a step scored in one batch (`GRPOModule.training_step`); ``reduce``: the sum over ranks."""
+    scorer.stop_if_failed_on_all(scores.failed_samples(), scores.first_failures(), len(scores.total), step, reduce)
+
+
 def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
     # A user's regex that does not compile fails on every sample: no silent run of zeros.
     scorer = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})])
+    scores = scorer.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]}, step=3)
     with pytest.raises(RewardFailedError) as caught:
-        scorer.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]}, step=3)
+        stop_if_failed_on_all(scorer, scores, 3)
     assert str(caught.value) == (
         "step 3: reward 'matches' failed on all 2 samples, first: error: missing ), unterminated subpattern at "
         "position 0 (reward_all_failed: zero would train on with 0 instead)"
@@ -334,12 +340,30 @@ def test_a_reward_failing_on_every_sample_stops_the_step_naming_it():
     assert scorer.stopped_by == {"reward": "matches", "step": 3, "error": caught.value.first_error}
     inf_everywhere = RewardScorer([RewardSpec(non_finite)])
     with pytest.raises(RewardFailedError, match="reward 'non_finite' failed on all 1 samples, first: returned inf"):
-        inf_everywhere.score(["p"], ["inf"], {})
+        stop_if_failed_on_all(inf_everywhere, inf_everywhere.score(["p"], ["inf"], {}), 1)
     lenient = RewardScorer([RewardSpec("math_answer"), RewardSpec(matches, kwargs={"pattern": "("})], all_failed="zero")
     scores = lenient.score(["p", "q"], ["4", "x"], {"answer": ["4", "5"]})
     assert scores.total.tolist() == [1.0, 0.0] and scores.failure_counts()["matches"] == {"raised": 2, "non_finite": 0, "timeout": 0}
+    stop_if_failed_on_all(lenient, scores, 1)  # trains on
     # Failing on some samples only is not a stop.
-    assert RewardScorer([RewardSpec(picky)]).score(["a", "b"], ["boom", "ok"], {}).total.tolist() == [0.0, 1.0]
+    some = RewardScorer([RewardSpec(picky)])
+    scores = some.score(["a", "b"], ["boom", "ok"], {})
+    stop_if_failed_on_all(some, scores, 1)
+    assert scores.total.tolist() == [0.0, 1.0] and some.stopped_by is None
+
+
+def test_a_reward_failing_on_every_sample_of_one_rank_only_is_no_stop():
+    """A step spans every rank: the counts are summed over the ranks before the check. Each rank stopped on its own
+    samples, so a run on two ranks stopped where one process, scoring the same samples, trained on."""
+    scorer = RewardScorer([RewardSpec(picky)])
+    scores = scorer.score(["p"] * 2, ["boom", "boom"], {}, step=1)
+    other_rank = torch.tensor([1.0, 2.0])  # what the other rank sends: picky failed on 1 of its 2 samples
+    stop_if_failed_on_all(scorer, scores, 1, lambda tensor, reduce_op: tensor + other_rank)
+    assert scorer.stopped_by is None
+    all_failed = torch.tensor([2.0, 2.0])  # ... on both of its samples: every rank stops, said once
+    with pytest.raises(RewardFailedError, match=r"^step 1: reward 'picky' failed on all 4 samples, first: RuntimeError: cannot score boom \(") as caught:
+        stop_if_failed_on_all(scorer, scores, 1, lambda tensor, reduce_op: tensor + all_failed)
+    assert caught.value.on_every_rank and scorer.stopped_by == {"reward": "picky", "step": 1, "error": "RuntimeError: cannot score boom"}
 
 
 def test_a_reward_module_that_does_not_parse_is_one_line(tmp_path, monkeypatch):
@@ -399,8 +423,9 @@ def test_a_reward_that_never_returns_fails_its_samples_within_the_limit_and_the_
     assert scores.per_function["text_length"].tolist() == pytest.approx([0.1, 0.5, 0.2])  # the others still score
     assert {e.error for e in scores.errors} == {"did not return within 1s (reward_timeout_s)"}
     # The next step is not held up by the abandoned call, and the default stops the run naming the reward.
+    stopping = RewardScorer([stuck], timeout_s=1.0)
     with pytest.raises(RewardFailedError, match=r"step 4: reward 'stuck' failed on all 2 samples, first: did not return within 1s"):
-        RewardScorer([stuck], timeout_s=1.0).score(["p"] * 2, ["stuck", "a"], {}, step=4)
+        stop_if_failed_on_all(stopping, stopping.score(["p"] * 2, ["stuck", "a"], {}, step=4), 4)
     with pytest.raises(ValueError, match="reward_timeout_s must be a finite number > 0 or null, got 0"):
         RewardScorer([stuck], timeout_s=0)
 

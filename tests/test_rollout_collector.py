@@ -97,10 +97,12 @@ def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tok
     plain = collector(tiny_tokenizer, numbered, PromptList([a, b]), "last_digit_unless_tied")
     scored = plain.collect(4)
     assert scored.records == [a, b] and scored.rewards == [0.0, 0.0, 1.0, 2.0] and len(plain.engine.requests) == 1
-    # Rounds that never find signal: the first round's batch is trained (its advantages are all 0), counted as filtered.
+    # Rounds that never find signal: the first round's batch is trained (its advantages are all 0), counted as filtered,
+    # with the samples of every round counted (a reward failing on all of them is judged over those).
     none = collector(tiny_tokenizer, numbered, PromptList([a], [c]), "last_digit_unless_tied", dynamic_sampling=True, dynamic_sampling_max_rounds=2)
     scored = none.collect(0)
     assert scored.records == [a] and (scored.sampling_rounds, scored.sampled_groups, scored.filtered_groups) == (2, 2, 2)
+    assert len(scored.rollouts) == 2 and scored.sampled_rollouts == 4
 
 
 def test_completions_cut_at_max_new_tokens_and_prompts_that_leave_no_room(tiny_tokenizer):

@@ -389,8 +389,8 @@ class GRPOModule(PolicyModule):
             fetch = functools.partial(self.producer.take if self.producer is not None else self.collector.collect, index)
             self._batch = fetched_on_every_rank(fetch, self._any_rank, self.producer and self.producer.give_back)
             self._old_logprobs = self._ref_logprobs = self._mismatch = None
-        scored = self._batch
-        self.current_batch = scored
+            self.scorer.stop_if_failed_on_all(self._batch.reward_failures, self._batch.first_reward_failures, self._batch.sampled_rollouts, index + 1, self.trainer.strategy.reduce, self.device)
+        scored = self.current_batch = self._batch
         waited = time.perf_counter() - started
         staleness = index - scored.weight_version  # within max_staleness: the producer samples a staler batch again
 

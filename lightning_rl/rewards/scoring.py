@@ -463,6 +463,17 @@ class Scores:
             counts.setdefault(error.function, dict(kinds))[error.kind] += 1
         return counts
 
+    def failed_samples(self) -> dict[str, int]:
+        """Per function, how many samples it failed on, whatever the kind."""
+        return {name: sum(kinds.values()) for name, kinds in self.failure_counts().items()}
+
+    def first_failures(self) -> dict[str, str]:
+        """Per function that failed on a sample, its first failure's text."""
+        first: dict[str, str] = {}
+        for error in self.errors:
+            first.setdefault(error.function, error.error)
+        return first
+
 
 _STEP: contextvars.ContextVar[str] = contextvars.ContextVar("reward_step", default="")  # "step N: ", for warnings
 
@@ -474,7 +485,8 @@ class RewardScorer:
     sample by sample, so that only the failing samples score 0; an infinite score is a failure of that sample (a NaN
     is a sample the function does not apply to, as None is). With `on_error="raise"` the
     first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
-    sample raises `RewardFailedError` naming it, the step and its first error. A call that runs past
+    sample of a step, on every rank, raises `RewardFailedError` naming it, the step and its first error
+    (`stop_if_failed_on_all`, called by the trainer once the step's batches are scored). A call that runs past
     `timeout_s` (None: no limit) fails every sample it was given, without a retry sample by sample.
     """
 
@@ -550,17 +562,32 @@ class RewardScorer:
             raise RewardFailedError(f"{where}{error}", error.reward, step, error.first_error) from error.__cause__
         finally:
             _STEP.reset(said)
-        if self.all_failed == "stop" and completions:
-            for name, counts in scores.failure_counts().items():
-                if sum(counts.values()) == len(completions):
-                    first = next(e for e in scores.errors if e.function == name)
-                    self.stopped_by = {"reward": name, "step": step, "error": first.error}
-                    raise RewardFailedError(
-                        f"{where}reward {name!r} failed on all {len(completions)} samples, first: {first.error} "
-                        "(reward_all_failed: zero would train on with 0 instead)",
-                        name, step, first.error,
-                    )
         return scores
+
+    def stop_if_failed_on_all(
+        self, failures: Mapping[str, int], first_failures: Mapping[str, str], samples: int, step: int,
+        reduce: Callable[..., torch.Tensor] = lambda tensor, reduce_op: tensor, device: torch.device | str = "cpu",
+    ) -> None:
+        """With ``all_failed="stop"``, a `RewardFailedError` when a function failed on every sample of step `step`.
+
+        ``failures`` (per function) and ``samples`` are this rank's counts over every sample the step scored (every
+        round of dynamic sampling); ``reduce`` (the strategy's, on ``device``) sums them over the ranks in one call, in
+        this scorer's function order, since a step spans every rank: one rank's samples all failing while another's
+        scored is no stop, and the ranks stop together or not at all. The message names this rank's first failure
+        (``first_failures``)."""
+        if self.all_failed != "stop":
+            return
+        names = list(self.rewards)
+        counts = torch.tensor([*(failures.get(name, 0) for name in names), samples], dtype=torch.float64, device=device)
+        *failed, total = (int(n) for n in reduce(counts, reduce_op="sum").tolist())
+        for name, n in zip(names, failed, strict=True):
+            if total and n == total:
+                first = first_failures.get(name, "on another rank")
+                self.stopped_by = {"reward": name, "step": step, "error": first}
+                stop = RewardFailedError(f"step {step}: reward {name!r} failed on all {total} samples, first: {first} "
+                                         "(reward_all_failed: zero would train on with 0 instead)", name, step, first)
+                stop.on_every_rank = True  # every rank raises it: the first process says it
+                raise stop
 
     async def _score(self, batch: RewardBatch, state: TrainerState) -> Scores:
         errors: list[RewardError] = []

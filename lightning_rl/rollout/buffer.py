@@ -59,6 +59,10 @@ class ScoredBatch:
     sampling_rounds: int = 1  # dynamic sampling: how many rounds of prompts this batch took,
     sampled_groups: int = 0  # ... how many groups they sampled,
     filtered_groups: int = 0  # ... and how many of those it dropped for tied rewards
+    # Per reward function, how many of the `sampled_rollouts` it failed on, and its first failure's text: whether one
+    # failed on every sample of the step is judged on these, summed over the ranks (`RewardScorer.stop_if_failed_on_all`).
+    reward_failures: dict[str, int] = field(default_factory=dict)
+    first_reward_failures: dict[str, str] = field(default_factory=dict)
     # Rollouts left out for infrastructure failures, by reason (`Rollout.infra_failure`), and groups left out with
     # fewer than two valid samples (`rollout/collector.py:without_infra_failures`).
     excluded_rollouts: dict[str, int] = field(default_factory=dict)

@@ -204,8 +204,9 @@ class RolloutCollector:
                 "training on those" if kept.records else "the step trains the first round's groups, whose advantages are all 0",
             )
         filtered = sampled - len(kept.records) - kept.excluded_groups  # the rest left for infrastructure failures
-        if not kept.records:  # nothing carries signal: the first round's batch, whose advantages are all 0
-            kept = dataclasses.replace(scored, excluded_rollouts=kept.excluded_rollouts, excluded_groups=kept.excluded_groups)
+        if not kept.records:  # nothing carries signal: the first round's samples, whose advantages are all 0, with every round's counts
+            kept = dataclasses.replace(kept, records=scored.records, rollouts=scored.rollouts, rewards=scored.rewards, reward_terms=scored.reward_terms,
+                                       reward_errors=scored.reward_errors, logged_columns=scored.logged_columns)
         kept.sampling_rounds, kept.sampled_groups, kept.filtered_groups = rounds, sampled, filtered
         return kept
 
@@ -264,6 +265,8 @@ class RolloutCollector:
             tool_calls=len(calls),
             tool_failures=dict(failures),
             sampled_rollouts=len(rollouts),
+            reward_failures=scores.failed_samples(),
+            first_reward_failures=scores.first_failures(),
         ))
 
     def _generate(self, index: int, round: int, records: list[dict[str, Any]], prompts: list[list[int]],
@@ -423,6 +426,8 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         tool_calls=first.tool_calls + second.tool_calls,
         tool_failures=dict(failures),
         sampled_rollouts=first.sampled_rollouts + second.sampled_rollouts,
+        reward_failures=dict(Counter(first.reward_failures) + Counter(second.reward_failures)),
+        first_reward_failures={**second.first_reward_failures, **first.first_reward_failures},
         excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
         excluded_groups=first.excluded_groups + second.excluded_groups,
         logged_columns={name: first.logged_columns.get(name, [None] * len(first.rollouts))

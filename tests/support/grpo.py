@@ -40,6 +40,13 @@ def length_or_none(completions: list[str], log_metric: Any, **_: Any) -> list[fl
     return [None if len(c) % 2 else float(len(c)) for c in completions]
 
 
+def fails_on_rank_zero(completions: list[str], trainer_state: Any, **_: Any) -> list[float]:
+    """The length, but raising on every sample of the first rank (a rank whose prompts the function cannot score)."""
+    if trainer_state.is_world_process_zero:
+        raise ValueError("cannot score rank 0's samples")
+    return [len(c) / 10 for c in completions]
+
+
 LENGTH_REWARD = [RewardSpec("support.grpo:text_length")]
 
 
