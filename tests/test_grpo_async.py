@@ -113,6 +113,15 @@ def test_producer_never_samples_a_batch_past_the_runs_last_step():
     time.sleep(0.1)  # time the producer would take to start a third
     assert not producer._may_start() and produced == [0, 1]
     producer.close()
+    # A resume that lowered max_steps: batches saved past its last step are neither trained nor finished.
+    cut = {"index": 2, "rollouts": [vars(r) for r in _batch(2, 1).rollouts]}
+    resumed = RolloutProducer(lambda i: produced.append(i) or _batch(i, 10), lambda: 10, max_staleness=3, end_index=2)
+    resumed.load_state_dict({"ready": [_batch(1, 0).state(), _batch(3, 1).state()], "partial": [cut]}, next_step=1)
+    resumed.start()
+    assert resumed.take(1).weight_version == 0  # the saved one
+    time.sleep(0.1)
+    assert not resumed._may_start() and produced == [0, 1] and list(resumed._ready) == [] and not resumed._partial
+    resumed.close()
 
 
 def test_queue_state_round_trips_and_resumes_after_the_queued_batches():

@@ -327,6 +327,9 @@ def test_experts_are_read_from_a_sub_config_and_from_weights_that_fold_them_into
     # Wqkv 32+64, out_proj 32+32, router 32+4, two norms 32 each, and top-2 of w1, v1, w2 at 16+32 each.
     assert census.activation_elements_per_token_layer == 260 + 2 * 3 * (16 + 32)
     assert census.routed_width == 32
+    # Aria names its top-k moe_topk, which its config maps to no common name.
+    aria = count_model(_tiny("aria_text", moe_num_experts=4, moe_topk=2, moe_intermediate_size=16, head_dim=8))
+    assert (aria.num_experts, aria.experts_per_token) == (4, 2)
 
 
 @pytest.mark.parametrize("model_type,extra", [

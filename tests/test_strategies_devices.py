@@ -151,8 +151,8 @@ def test_sharding_refuses_a_block_shared_across_layers() -> None:
             self.model = tiny_models()[0]
             self.model.model.layers[2].mlp = self.model.model.layers[0].mlp
 
-    with pytest.raises(RecipeError, match=r"^trainer.strategy: LlamaForCausalLM uses parameter 'mlp.gate_proj.weight' in its layers 0 "
-                                          r"and 2 \(a block shared across layers\), which FSDP2 cannot shard layer by layer: "):
+    with pytest.raises(RecipeError, match=r"^trainer.strategy: LlamaForCausalLM uses parameter 'mlp.gate_proj.weight' in both model.layers.0 "
+                                          r"and model.layers.2 \(a block shared across layers\), which FSDP2 cannot shard layer by layer: "):
         FSDP2Strategy().shard(Policy())
 
 

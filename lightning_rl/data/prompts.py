@@ -261,11 +261,12 @@ class PromptDataModule(L.LightningDataModule):
         return [self.records[i] for i in order[drawn:]]
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
+        orders = self._orders  # read once: another producer thread may replace it meanwhile
+        if epoch not in orders:
             order = list(range(len(self.records)))
             random.Random(self.seed * 100_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}  # only the current pass is kept
-        return self._orders[epoch]
+            orders = self._orders = {epoch: order}  # only the current pass is kept
+        return orders[epoch]
 
     def train_dataloader(self) -> DataLoader:
         # Its own generator: an iterator draws a base seed, which from the global generator would move dropout's.

@@ -19,7 +19,7 @@ from lightning_rl.models.loading import _check_lora_targets, outside_text_model,
 from lightning_rl.models.structure import auto_model_class
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "moe_topk")  # the last: Aria's, which maps none
 # A module of the experts together (DBRX's experts.mlp), not one expert of a list of them (experts.0).
 _EXPERTS_MODULE = re.compile(r"(^|\.)experts(\.[^.\d][^.]*)+$")
 

@@ -296,12 +296,14 @@ class RolloutProducer:
 
     def load_state_dict(self, state: dict[str, Any], next_step: int) -> None:
         """Restore before `start()`; `next_step` is the first batch index still to train. A batch between the saved
-        ones that was in the making when the run stopped is sampled again, before the next one."""
+        ones that was in the making when the run stopped is sampled again, before the next one. A batch saved past
+        ``end_index`` (a resume that lowered max_steps) is left: no step trains it."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before start()")
+        trained = lambda index: next_step <= index < (self.end_index if self.end_index is not None else index + 1)  # noqa: E731
         ready = [ScoredBatch.from_state(s) for s in state.get("ready", [])]
-        self._ready = {b.index: b for b in ready if b.index >= next_step}
-        self._partial = {p["index"]: [Rollout(**r) for r in p["rollouts"]] for p in state.get("partial", []) if p["index"] >= next_step}
+        self._ready = {b.index: b for b in ready if trained(b.index)}
+        self._partial = {p["index"]: [Rollout(**r) for r in p["rollouts"]] for p in state.get("partial", []) if trained(p["index"])}
         self._ready = {i: batch for i, batch in self._ready.items() if i not in self._partial}
         saved = self._ready.keys() | self._partial.keys()
         self._next_index = max(saved, default=next_step - 1) + 1

@@ -171,9 +171,12 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "not be sharded or reduced; move it into a model, or shard it yourself in configure_model()"
             )
         for root in roots:
-            if shared := _shared_between_layers(find_decoder_layers(root, self.layer_classes)):
-                raise RecipeError(f"trainer.strategy: {type(root).__name__} uses parameter '{shared[0]}' in its layers {shared[1]} "
-                                  f"and {shared[2]} (a block shared across layers), which FSDP2 cannot shard layer by layer: "
+            layers = find_decoder_layers(root, self.layer_classes)
+            if shared := _shared_between_layers(layers):
+                names = {id(sub): name for name, sub in root.named_modules()}
+                first, second = (names.get(id(layers[place]), str(place)) for place in shared[1:])
+                raise RecipeError(f"trainer.strategy: {type(root).__name__} uses parameter '{shared[0]}' in both {first} and "
+                                  f"{second} (a block shared across layers), which FSDP2 cannot shard layer by layer: "
                                   "train it with one process, or ddp", "trainer.strategy")
         kwargs: dict[str, Any] = {
             "mesh": self.device_mesh["data_parallel"],
