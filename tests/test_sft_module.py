@@ -400,6 +400,28 @@ def test_each_validate_logs_the_exact_match_and_prompt_data_is_refused_in_one_li
         Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1).fit(SFTModule(), datamodule=PromptDataModule(batch_size=2))
 
 
+def test_held_out_generations_past_the_models_context_are_refused_and_fewer_cases_than_asked_said(tmp_path, capsys):
+    """SFT decoded a held-out prompt past the model's 1024 positions and counted its score, where GRPO refused it; an
+    eval_generations beyond the held-out set was cut to it without a word."""
+    from lightning_rl.errors import DataError
+
+    turn = lambda question: [{"role": "user", "content": question}, {"role": "assistant", "content": "2"}]  # noqa: E731
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"messages": turn(q)}) + "\n" for q in ("1+1=", "1+" * 700 + "1=")))
+
+    def validate(n: int, max_new_tokens: int = 4):
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+        return trainer.validate(SFTModule(eval_generations=n, max_new_tokens=max_new_tokens), datamodule=SFTDataModule(TOY_TRAIN, str(held), max_tokens=4096))
+
+    with pytest.raises(DataError, match=r"held.jsonl: line 2: the held-out prompt is \d+ tokens; with max_new_tokens=4 it does not fit "
+                                        r"the model's context of 1024 tokens: shorten it or lower max_new_tokens$"):
+        validate(2)
+    held.write_text(json.dumps({"messages": turn("1+1=")}) + "\n")
+    (results,) = validate(3)
+    assert "val/exact_match" in results
+    assert "note: eval_generations=3, but data.val_data has 1 held-out conversations ending in a reply" in capsys.readouterr().err
+
+
 def test_a_resume_under_a_trainer_of_ones_own_that_would_cut_other_batches_is_refused(tmp_path):
     """The data's position is a count of batches: under another max_tokens (or packing, shuffle, seed) it pointed at
     other rows, and the resumed run trained on silently. The command named the changed recipe key; a Trainer of one's

@@ -40,11 +40,17 @@ def heldout_cases(
         raise RecipeError(f"eval_data ({source}) has no conversation ending in a reply: the held-out evaluation "
                           "(eval_generations) decodes the prompts of those and compares the replies", "eval_data")
     cases = cases[:count]
+    check_cases_fit(cases, context, max_new_tokens, "eval_max_new_tokens")
+    return cases
+
+
+def check_cases_fit(cases: list[GenerationCase], context: int | None, max_new_tokens: int, key: str) -> None:
+    """Refuse, naming its row, a held-out prompt that leaves no room for ``max_new_tokens`` (recipe key ``key``) in
+    the model's ``context`` (None: no limit known): its greedy reply would be decoded past the model's positions."""
     for case in cases if context is not None else ():
         if len(case.prompt_ids) + max_new_tokens > context:
-            raise DataError(f"{case.where}: the held-out prompt is {len(case.prompt_ids)} tokens; with eval_max_new_tokens="
-                            f"{max_new_tokens} it does not fit the model's context of {context} tokens: shorten it or lower eval_max_new_tokens")
-    return cases
+            raise DataError(f"{case.where}: the held-out prompt is {len(case.prompt_ids)} tokens; with {key}={max_new_tokens} "
+                            f"it does not fit the model's context of {context} tokens: shorten it or lower {key}")
 
 
 def exact_match(

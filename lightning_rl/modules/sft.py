@@ -10,19 +10,21 @@ accumulation and clipping are the Trainer's business.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from lightning_rl import validation
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.sft import GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
-from lightning_rl.models.paths import check_model_source
-from lightning_rl.modules.evaluation import HELDOUT_METRIC, exact_match, log_heldout
+from lightning_rl.models.paths import check_model_source, model_context, resolve_model_path
+from lightning_rl.modules.evaluation import HELDOUT_METRIC, check_cases_fit, exact_match, log_heldout
 from lightning_rl.modules.optim import LrSchedule, check_schedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
@@ -117,10 +119,17 @@ class SFTModule(PolicyModule):
         # The datamodule is set up by now: generations asked of held-out data that has none are refused before a
         # model loads.
         n = self.hparams.eval_generations
-        if n and not getattr(self.trainer.datamodule, "generation_cases", None):
+        cases = getattr(self.trainer.datamodule, "generation_cases", None)
+        if n and not cases:
             given = getattr(self.trainer.datamodule, "val_data", None)
             why = "data.val_data is not set" if given is None else f"data.val_data ({given}) has no conversation ending in a reply"
             raise RecipeError(f"eval_generations={n} needs held-out conversations to decode, but {why}", "eval_generations")
+        if n:
+            if n > len(cases) and self.trainer.is_global_zero:
+                print(f"note: eval_generations={n}, but data.val_data has {len(cases)} held-out conversations ending in a reply: "
+                      "all of them are decoded", file=sys.stderr)
+            config = AutoConfig.from_pretrained(resolve_model_path(self.hparams.model_name_or_path))
+            check_cases_fit(cases[:n], model_context(config), self.hparams.max_new_tokens, "max_new_tokens")
 
     def configure_model(self) -> None:
         if self.policy is None:
