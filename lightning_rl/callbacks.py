@@ -528,7 +528,9 @@ class RequeueOnSignal(Callback):
         signal_came()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        environment = getattr(trainer.strategy, "cluster_environment", None)
+        # The connector's, as Lightning's own signal handling reads it: a one-device strategy holds none of its own, and
+        # a one-rank SLURM job was not requeued on the signal (it ended FAILED at its time limit).
+        environment = getattr(trainer.strategy, "cluster_environment", None) or trainer._accelerator_connector.cluster_environment
         self._slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
             self.requeue_signal = environment.requeue_signal

@@ -325,3 +325,23 @@ def test_a_wait_that_may_not_give_up_still_ends_when_a_stop_leaves_its_batch_to_
     finally:
         stopping.signal_came(False)
         producer.close()
+
+
+def test_a_one_device_slurm_job_is_requeued_on_the_signal(tmp_path, monkeypatch, capsys):
+    """A one-device strategy holds no cluster environment of its own: a one-rank SLURM job (one GPU, or a GRPO trainer
+    node beside its vLLM server node) was never requeued on SIGUSR1 and ended FAILED at its time limit. SLURM's
+    environment as a job step sees it, read by Lightning's own detection."""
+    import lightning as L
+
+    from lightning_rl.callbacks import RequeueOnSignal
+
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "grpo", "SLURM_NODELIST": "n1",
+                        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    requeue = RequeueOnSignal(tmp_path)
+    try:
+        requeue.setup(trainer, L.LightningModule(), "fit")
+    finally:
+        requeue.restore()
+    assert requeue._slurm_requeue and "SLURM auto-requeueing enabled: SIGUSR1 requeues the job" in capsys.readouterr().out
