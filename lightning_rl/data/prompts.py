@@ -232,11 +232,12 @@ class PromptDataModule(L.LightningDataModule):
         rank, world = self._rank_and_world
         per_step = self.batch_size * world
         first = index * per_step + rank * self.batch_size
-        picked = []
-        for position in range(first, first + self.batch_size):
-            epoch, offset = divmod(position, len(self.records))
-            picked.append(self.records[self._epoch_order(epoch)[offset]])
-        return picked
+        return [self.records[self._record_at(position)] for position in range(first, first + self.batch_size)]
+
+    def _record_at(self, position: int) -> int:
+        """The record at ``position`` of the passes over the prompts, one shuffled order per pass."""
+        epoch, offset = divmod(position, len(self.records))
+        return self._epoch_order(epoch)[offset]
 
     def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
         """``count`` more records for step `index`'s dynamic sampling, after the ``drawn`` its earlier rounds took:
@@ -246,7 +247,7 @@ class PromptDataModule(L.LightningDataModule):
         self.setup()
         rank, world = self._rank_and_world
         n, first = len(self.records), index * self.batch_size * world
-        steps = {self._epoch_order(p // n)[p % n] for p in range(first, first + self.batch_size * world)}
+        steps = {self._record_at(p) for p in range(first, first + self.batch_size * world)}
         excluded = steps if len(steps) < n else set()  # a step holding every prompt: its own are drawn again
         rng = random.Random((self.seed * 100_003 + index) * 65_537 + rank)
         order: list[int] = []

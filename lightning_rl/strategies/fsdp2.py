@@ -174,7 +174,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             layers = find_decoder_layers(root, self.layer_classes)
             if shared := _shared_between_layers(layers):
                 names = {id(sub): name for name, sub in root.named_modules()}
-                first, second = (names.get(id(layers[place]), str(place)) for place in shared[1:])
+                first, second = (names[id(layers[place])] for place in shared[1:])
                 raise RecipeError(f"trainer.strategy: {type(root).__name__} uses parameter '{shared[0]}' in both {first} and "
                                   f"{second} (a block shared across layers), which FSDP2 cannot shard layer by layer: "
                                   "train it with one process, or ddp", "trainer.strategy")
