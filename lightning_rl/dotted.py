@@ -38,6 +38,10 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
     if path in aliases:
         return aliases[path]
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    file, _, name = path.partition(":")
+    if file.endswith(".py"):  # a file's name where its module's goes
+        module = file.removesuffix(".py").replace("/", ".").strip(".")
+        raise ValueError(f"{what} {path!r} names a file; name its module, without .py: {module}:{name or 'NAME'}")
     if "/" in path and ":" not in path:  # a hub id or a folder (TRL takes a reward model's there)
         raise ValueError(f"{what} {path!r} is a path, not a dotted path (pkg.module:name); a reward model is "
                          f"`function: reward_model` with `kwargs: {{path: {path}}}`" if what == "reward function" else
@@ -59,8 +63,21 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
     except Exception as error:  # the module's own code failed as it ran (a missing environment variable, ...)
         raise ValueError(f"{what} {path!r}: importing {module_name!r} raised {type(error).__name__}: {error}") from None
     if not hasattr(module, attr):
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}{_hidden(module)}")
     return getattr(module, attr)
+
+
+def _hidden(module: Any) -> str:
+    """Why a module of the recipe's may not be the one imported: an installed module of its name comes first (the
+    import path puts the recipe's folders last), and a file beside the recipe named so is never read."""
+    origin = getattr(module, "__file__", None)
+    top = module.__name__.partition(".")[0]
+    for folder, what in IMPORT_FOLDERS.items():
+        mine = [Path(folder, f"{top}.py"), Path(folder, top, "__init__.py")]
+        if any(f.is_file() for f in mine) and (origin is None or not Path(origin).resolve().is_relative_to(folder)):
+            return (f" ({top} in {what} {folder} is hidden by the module of that name imported from "
+                    f"{origin or 'the built-in modules'}, which comes first: rename your file)")
+    return ""
 
 
 def _searched() -> str:

@@ -11,6 +11,7 @@ import math
 import json
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -190,6 +191,23 @@ def test_bad_reward_specs_are_refused_by_name():
     with pytest.raises(RecipeError, match=r"names must be unique: 'math_answer' names rewards\[0\] too") as twice:
         RewardScorer([RewardSpec("math_answer"), RewardSpec("format"), RewardSpec("math_answer")])
     assert twice.value.within("model").line().startswith("model.rewards[2].name: reward function names must be unique")
+
+
+def test_a_file_name_or_a_file_hidden_by_an_installed_module_is_said(tmp_path, monkeypatch):
+    from lightning_rl.dotted import set_import_folders
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    (tmp_path / "code.py").write_text("def probe(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    set_import_folders({tmp_path: "the recipe's folder"})
+    try:
+        with pytest.raises(ValueError, match=rf"module 'code' has no 'probe' \(code in the recipe's folder {re.escape(str(tmp_path))} is hidden by the module of that name imported from .*code.py, which comes first: rename your file\)$"):
+            RewardScorer([RewardSpec("code:probe")])
+        with pytest.raises(ValueError, match=r"'rewards/mine.py:probe' names a file; name its module, without .py: rewards.mine:probe$"):
+            RewardScorer([RewardSpec("rewards/mine.py:probe")])
+        with pytest.raises(ValueError, match=r"'json:nothing': module 'json' has no 'nothing'$"):  # nothing of the recipe's hidden
+            RewardScorer([RewardSpec("json:nothing")])
+    finally:
+        set_import_folders({})
 
 
 class Judge:
