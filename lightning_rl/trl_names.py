@@ -179,9 +179,10 @@ DIFFERENCES = (
     ("`warmup_steps` below 1", "refused: it counts optimizer steps", "a fraction of the run's steps", "one meaning "
      "per key: give the fraction times `trainer.max_steps`"),
     ("What a reward model (`reward_model`) reads for a string prompt", "the prompt as the policy's user turn and the "
-     "completion as the reply, rendered by the reward model's own chat template (without one, the turns' text joined by "
-     "newlines)", "the prompt and the completion as written, joined with nothing", "a chat reward model scores a "
-     "conversation as it was trained to read one; a conversational prompt is rendered alike by both"),
+     "completion as the reply, rendered by the reward model's own chat template (without one, as TRL: the prompt and the "
+     "completion as written, joined with nothing)", "the prompt and the completion as written, joined with nothing",
+     "a chat reward model scores a conversation as it was trained to read one; a conversational prompt is rendered alike "
+     "by both (without a template, refused by both)"),
     ("Held-out exact match of a chat row", "compared with the final reply as the template renders it for training (Qwen3's "
      "empty `<think></think>` included), up to its end of turn", "no such metric",
      "a greedy reply writes what it was trained to write; the message's content alone would never match"),

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from support.grpo import LENGTH_REWARD, fit
+from lightning_rl.errors import RecipeError
 from lightning_rl.rewards import RewardScorer, RewardSpec
 from lightning_rl.rewards.model import RewardModel
 
@@ -140,3 +141,47 @@ def test_a_text_past_the_reward_models_positions_is_cut_from_the_left(tiny_path,
     with torch.no_grad():
         want = reward.model(input_ids=torch.tensor([ids[-64:]])).logits[0, 0]
     assert score == pytest.approx(float(want), abs=1e-5)
+
+
+def test_a_folder_that_is_not_a_one_label_classifier_or_cannot_pad_is_refused_before_training(reward_model_path, tiny_path, tmp_path):
+    """A causal LM's folder loaded as a classifier whose score head was newly initialized (random), a tokenizer that
+    cannot pad a batch and a max_length that is no length failed at the first step, or trained on a random score."""
+    from transformers import AutoModelForCausalLM
+
+    causal = tmp_path / "causal-lm"  # a causal LM's export, num_labels set to 1: its folder has no score head
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_path, num_labels=1)).save_pretrained(causal)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(causal)
+    with pytest.raises(ValueError, match=rf"reward model {causal}: it is not a sequence-classification checkpoint \(its config's architectures: Qwen3ForCausalLM\)"):
+        RewardModel(str(causal))
+    saved = json.loads((causal / "config.json").read_text())
+    (causal / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "architectures"}))  # the config says nothing
+    with pytest.raises(ValueError, match=rf"reward model {causal}: its checkpoint lacks score.weight \(1 weights\), which would be newly initialized"):
+        RewardModel(str(causal))
+    for bad in (0, -1, 8.0, "512"):
+        with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*max_length must be an integer >= 1 or null"):
+            RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "max_length": bad})])
+    unpadded = tmp_path / "no-pad-no-eos"
+    AutoModelForSequenceClassification.from_pretrained(reward_model_path).save_pretrained(unpadded)
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    tokenizer.pad_token = tokenizer.eos_token = None
+    tokenizer.save_pretrained(unpadded)
+    with pytest.raises(ValueError, match=rf"reward model {unpadded}: its tokenizer has neither a pad token nor an eos token"):
+        RewardModel(str(unpadded))
+
+
+def test_without_a_chat_template_a_string_prompt_is_read_as_trl_reads_it_and_a_conversation_stops_the_run(reward_model_path, tmp_path):
+    """Without a chat template the turns' contents were joined by newlines, a system prompt's too: TRL reads a string
+    prompt as written followed by the completion, and cannot render a conversational one (it raises)."""
+    AutoModelForSequenceClassification.from_pretrained(reward_model_path).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    reward = RewardModel(str(tmp_path))
+    as_rendered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2 ="}]  # a string prompt's
+    assert reward.texts([as_rendered], [" 4"]) == ["2+2 = 4"]
+    scorer = RewardScorer([RewardSpec("reward_model", kwargs={"path": str(tmp_path)})])
+    scores = scorer.score(["p", "p"], [" 4", " 5"], {"prompt_messages": [as_rendered] * 2})
+    assert scores.errors == [] and scores.per_function["reward_model"].tolist() == pytest.approx(reward([as_rendered] * 2, [" 4", " 5"]))
+    with pytest.raises(RecipeError, match=rf"^reward model {tmp_path}: its tokenizer has no chat template to render a conversational prompt"):
+        scorer.score(["p", "p"], ["4", "5"], {"prompt_messages": [PROMPTS[0]] * 2}, chat_prompts=[PROMPTS[0]] * 2,
+                     chat_completions=[[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]])  # fmt: skip

@@ -13,7 +13,9 @@ that do not work (they are called once on an empty batch, which compiles a regul
 
 A NaN is read as None, as TRL reads it. While training, a function that raises or returns an infinite score costs
 only the samples it failed on (they score 0, are logged and counted); one that returns something else than a number (or None) per completion
-stops the run at once (`RewardContractError`); one that fails on every sample of a step stops the run
+stops the run at once (`RewardContractError`), as one that raises a `UserError` does (a mistake in the recipe, the
+same for every sample: a reward model without a chat template given conversational prompts); one that fails on every
+sample of a step stops the run
 (`all_failed="stop"`), since training on all-zero rewards would silently train on nothing. A call that runs
 past `timeout_s` fails the samples it was given (kind ``timeout``): a plain function runs on a daemon thread of
 its own, left behind when it does not return (exiting never waits on it), a coroutine is cancelled. A plain function
@@ -483,7 +485,8 @@ class RewardScorer:
 
     A function that raises on the batch is retried a prompt's completions at a time, and where that fails too,
     sample by sample, so that only the failing samples score 0; an infinite score is a failure of that sample (a NaN
-    is a sample the function does not apply to, as None is). With `on_error="raise"` the
+    is a sample the function does not apply to, as None is). A `UserError` it raises is the recipe's mistake, not a
+    sample's: it stops the run, without a retry. With `on_error="raise"` the
     first failure propagates instead; with `all_failed="stop"` (default) a function that failed on every
     sample of a step, on every rank, raises `RewardFailedError` naming it, the step and its first error
     (`stop_if_failed_on_all`, called by the trainer once the step's batches are scored). A call that runs past
@@ -629,7 +632,7 @@ class RewardScorer:
         n = len(batch)
         try:
             values, applies = await reward(batch, shared(list(range(n))), self.timeout_s, one_at_a_time)
-        except (StepAbandoned, RewardContractError):
+        except (StepAbandoned, UserError):
             raise
         except RewardTimeout as error:
             if self.on_error == "raise":
@@ -650,7 +653,7 @@ class RewardScorer:
             for group in groups if len(groups) > 1 else []:
                 try:
                     values[group], applies[group] = await reward(batch.part(group), shared(group), self.timeout_s, one_at_a_time)
-                except (StepAbandoned, RewardContractError):
+                except (StepAbandoned, UserError):
                     raise
                 except RewardTimeout as error:  # a retry per sample could cost the limit once per sample
                     for i in group:
@@ -668,7 +671,7 @@ class RewardScorer:
                     try:
                         one, one_applies = await reward(batch.part([i]), shared([i]), self.timeout_s, one_at_a_time)
                         values[i], applies[i] = one[0], one_applies[0]
-                    except (StepAbandoned, RewardContractError):
+                    except (StepAbandoned, UserError):
                         raise
                     except RewardTimeout as error:
                         self._failed(errors, reward.name, i, batch, str(error), "timeout")
