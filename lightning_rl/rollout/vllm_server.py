@@ -173,7 +173,9 @@ class VLLMServerEngine(RolloutEngine):
     Args:
         url: a running server to use (started with the flags `VLLMServer` passes); None: start one here.
         server_options: the options of the server started here (`VLLMServer`): ``dtype`` (``auto`` turns a float32
-            model into bfloat16 on vLLM's CPU build), ``max_model_len``, ``kv_cache_memory_bytes``, ``enforce_eager``,
+            model into bfloat16 on vLLM's CPU build), ``max_model_len``, ``kv_cache_memory_bytes``,
+            ``gpu_memory_utilization`` (None: vLLM's default on a GPU, 0.3 of the host's memory on a CPU, which the
+            trainer shares), ``enforce_eager``,
             ``whole_prefills`` (chunked prefill off; the default on a CPU, which needs it), ``extra_args`` (more
             ``vllm serve`` flags), ``env``, ``log_path``, ``host``, ``port``, ``python`` (the interpreter of an
             environment with vLLM).

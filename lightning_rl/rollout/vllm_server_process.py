@@ -137,8 +137,11 @@ def engine_flags_refusal(extra_args: Sequence[str], taken: Sequence[str] = ENGIN
     given = {arg.split("=", 1)[0] for arg in extra_args if isinstance(arg, str) and arg.startswith("--")}
     if clash := sorted(given & {flag for flag in taken if flag.startswith("--")}):
         return (f"extra_args {', '.join(clash)}: the engine starts the server with its own (model, dtype, max_model_len, "
-                "kv_cache_memory_bytes, enforce_eager are server_options keys; the log-probs and transfer flags are fixed)")
+                "kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager are server_options keys; the log-probs and transfer flags are fixed)")
     return None
+
+
+CPU_MEMORY_SHARE = 0.3  # a server on a CPU takes this share of the host's memory unless told (as `VLLMEngine`'s default)
 
 
 class VLLMServer:
@@ -152,7 +155,9 @@ class VLLMServer:
     one, to a file of its own in a temporary folder, removed by `stop`), whose
     last lines an error names (`log_tail`); a `restart` appends to it. `whole_prefills`: start it with chunked
     prefill off, as a CPU needs (None: when vLLM runs on this machine's CPU, `vllm_on_cpu`; a launcher that writes
-    the command for another machine says which).
+    the command for another machine says which). `gpu_memory_utilization`: the share of the device's memory the
+    server takes (on a CPU, of the host's); None: vLLM's default on a GPU, and `CPU_MEMORY_SHARE` on a CPU (where
+    whole prefills are the default), whose memory the trainer shares; `kv_cache_memory_bytes` sizes the KV cache instead.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class VLLMServer:
         seed: int = 0,
         transport: str = "gloo",
         kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
         enforce_eager: bool = False,
         max_lora_rank: int | None = None,
         extra_args: Sequence[str] = (),
@@ -193,12 +199,21 @@ class VLLMServer:
         # Importing this class in the server's workers registers the gloo backend there, and gives them the method
         # that reads their weights back for verification (over either transport).
         self.command += ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker"]
-        if vllm_on_cpu() if whole_prefills is None else whole_prefills:
+        on_cpu = vllm_on_cpu() if whole_prefills is None else whole_prefills
+        if on_cpu:
             self.command.append("--no-enable-chunked-prefill")  # see `vllm_on_cpu`
         if max_model_len is not None:
             self.command += ["--max-model-len", str(max_model_len)]
         if kv_cache_memory_bytes is not None:
             self.command += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
+        elif gpu_memory_utilization is None and on_cpu and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {
+            arg.split("=", 1)[0] for arg in extra_args if isinstance(arg, str)
+        }:
+            # vLLM's own default takes 92% of the host's memory on a CPU, which the trainer shares: the server then
+            # refuses to start (less memory free than it would take). The in-process engine's default share instead.
+            gpu_memory_utilization = CPU_MEMORY_SHARE
+        if gpu_memory_utilization is not None:
+            self.command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if enforce_eager:
             self.command.append("--enforce-eager")
         lora_env = {}
