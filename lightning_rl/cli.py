@@ -53,6 +53,10 @@ The keys a run takes depend on its task; each task's keys, with their types, def
   lightning-rl run RECIPE.yaml --help        (the recipe's task)
 All of them, in one table: docs/recipe_reference.md. Reward and tool modules are imported from the recipe's
 folder and the working directory too."""
+COMMANDS_HELP = """  run      train a recipe (SFT or GRPO): lightning-rl run --help
+  env      what this machine can run (devices, strategies, versions)
+  launch   render and submit a SLURM job for a recipe: lightning-rl launch slurm --help
+  plan     per-GPU memory and step time of a recipe before you spend: lightning-rl plan --help"""
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + 15  # the shell's code for a process ended by SIGTERM
 LOCK_FILE = ".lock"
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     command_line = argv is None  # the `lightning-rl` command's own process, not a caller's
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(f"{USAGE}\n\n{COMMANDS_HELP}" if argv else USAGE)
         return 0 if argv else EXIT_USAGE
     try:
         return _command(argv[0], argv[1:])

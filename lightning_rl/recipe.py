@@ -147,6 +147,9 @@ def read_task(recipe: Path | None, overrides: list[str]) -> str:
 def _read_recipe_file(recipe: Path) -> Any:
     """A recipe file's content, refused in one line where it is not a recipe: missing, not YAML, not a mapping, a
     block given a value, a key written twice, a shell variable."""
+    if recipe.is_dir():
+        found = sorted(p.name for p in recipe.glob("*.y*ml"))[:5]
+        raise RecipeError(f"{recipe}: a folder, not a recipe file" + (f" (it holds {', '.join(found)})" if found else ""))
     if not recipe.is_file():
         raise RecipeError(f"{recipe}: no such recipe file")
     try:

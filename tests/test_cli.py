@@ -74,6 +74,8 @@ def test_recipe_mistake_is_one_clear_line(case, tmp_path, capsys):
 def test_command_line_override_typo_and_missing_recipe(tmp_path, capsys):
     assert "unknown key 'trainer.max_stpes'" in error_line(capsys, ["run", str(recipe_with(tmp_path, lambda c: None)), "--trainer.max_stpes=2"])
     assert error_line(capsys, ["run", str(tmp_path / "nope.yaml")]) == f"error: {tmp_path / 'nope.yaml'}: no such recipe file"
+    (tmp_path / "recipes").mkdir(), (tmp_path / "recipes" / "sft.yaml").write_text("task: sft\n")
+    assert error_line(capsys, ["run", str(tmp_path / "recipes")]) == f"error: {tmp_path / 'recipes'}: a folder, not a recipe file (it holds sft.yaml)"
     no_task = tmp_path / "no_task.yaml"
     no_task.write_text("model: {}\n")
     assert "missing key 'task'" in error_line(capsys, ["run", str(no_task)])

@@ -48,6 +48,9 @@ def test_help_lists_each_tasks_keys_with_type_default_and_doc(capsys):
         assert "--model.learning_rate LEARNING_RATE AdamW" in out and "(type: float, default:" in out
     assert cli.main(["run", "--help"]) == 0  # no task yet: how to ask for each task's keys
     assert "lightning-rl run --task=grpo --help" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0  # each command, and where its own help is
+    out = capsys.readouterr().out
+    assert all(f"\n  {command} " in out for command in cli.SUBCOMMANDS) and "lightning-rl run --help" in out
 
 
 def test_a_run_needs_no_recipe_file(tmp_path, capsys):

@@ -56,9 +56,18 @@ def test_neuron_and_xla_without_runtime_are_refused_before_training() -> None:
         check_strategy_request("neuron", inventory=NEURONX)
     assert "use 'xla_static'" in one_line(error)
     # Lightning's own XLA names and its TPU accelerator were Lightning's ModuleNotFoundError (or TypeError) traceback.
-    for strategy, accelerator in (("xla", None), ("single_xla", None), ("auto", "tpu")):
-        with pytest.raises(StrategyUnavailableError, match=r"needs torch_xla, and torch_xla is not installed .*'xla_static' pads rows"):
+    for strategy, accelerator, key in (("xla", None, "strategy"), ("single_xla", None, "strategy"), ("auto", "tpu", "accelerator")):
+        with pytest.raises(StrategyUnavailableError, match=r"needs torch_xla, and torch_xla is not installed .*'xla_static' pads rows") as error:
             check_strategy_request(strategy, accelerator, inventory=CPU)
+        assert error.value.key == f"trainer.{key}"  # the key the recipe set
+
+
+def test_a_strategy_that_pickles_the_trainer_into_its_processes_is_refused() -> None:
+    # ddp_spawn failed deep in Lightning's launcher (a local stop-signal handler cannot be pickled); ddp_fork works.
+    for strategy in ("ddp_spawn", "ddp_spawn_find_unused_parameters_true"):
+        with pytest.raises(StrategyUnavailableError, match=rf"^strategy '{strategy}' starts its processes by pickling the running trainer.*use 'ddp'"):
+            check_strategy_request(strategy, "cpu", inventory=CPU)
+    check_strategy_request("ddp_fork", "cpu", inventory=CPU)
 
 
 def test_rocm_options_on_cuda_or_cpu_are_refused() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_rl.strategies.devices import DeviceInventory, detect_devices
 from lightning_rl.strategies.errors import StrategyUnavailableError
 from lightning_rl.strategies.rocm import rocm_unavailable_reason
@@ -72,10 +74,18 @@ def check_strategy_request(
                 "use strategy 'fsdp2' (FSDP2, runs on CPU with gloo and on GPUs)"
             )
         return
+    registered = StrategyRegistry[strategy] if strategy in StrategyRegistry else {}  # (its `get` builds the strategy)
+    if registered.get("init_params", {}).get("start_method") == "spawn":
+        raise StrategyUnavailableError(
+            f"strategy '{strategy}' starts its processes by pickling the running trainer, which holds what cannot be "
+            "pickled (the run's stop-signal handlers); use 'ddp' (each process starts the command afresh) or 'fsdp2'"
+        )
     if (strategy in LIGHTNING_XLA_NAMES or accelerator == "tpu") and (reason := xla_unavailable_reason(inventory)):
-        said = f"accelerator '{accelerator}'" if accelerator == "tpu" else f"strategy '{strategy}'"
+        asked = strategy not in LIGHTNING_XLA_NAMES  # the accelerator asked for it, not the strategy
+        said = f"accelerator '{accelerator}'" if asked else f"strategy '{strategy}'"
         raise StrategyUnavailableError(f"{said} needs torch_xla, and {reason}; where it runs, strategy 'xla_static' pads "
-                                       "rows to static shapes (Lightning's XLA setup compiles a graph per row length)")
+                                       "rows to static shapes (Lightning's XLA setup compiles a graph per row length)",
+                                       "trainer.accelerator" if asked else "trainer.strategy")
     status = {s.name: s for s in strategy_statuses(inventory)}.get(strategy)
     if status is not None and not status.usable:
         instead = "'fsdp2' (CPU or GPU), or 'cpu_static' to rehearse static shapes on a CPU"
