@@ -360,6 +360,7 @@ def test_a_full_disk_while_exporting_is_one_line_and_keeps_the_earlier_export(tm
         assert errors[0].endswith("; the partial folder hf.tmp was removed, the earlier hf/ is kept")
         assert {path.name: path.read_bytes() for path in (out / "hf").iterdir()} == earlier and not (out / "hf.tmp").exists()
         assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 2  # the run's last step is saved all the same
+        assert json.loads((out / "summary.json").read_text())["steps"] == 1  # the finished part's: this one did not finish
 
 
 def folder_bytes(folder: Path) -> int:
