@@ -275,6 +275,8 @@ def test_the_reference_moves_towards_the_policy_every_n_steps():
     assert any(not torch.equal(reference[4][n], policy[0][n]) for n in want)
     with pytest.raises(ValueError, match="ref_sync_every: loss.beta is 0"):
         GRPOModule(ref_sync_every=2)
+    with pytest.raises(ValueError, match=r"ref_sync_every: with lora the reference is the frozen base model \(the policy's weights without its adapters, held as a copy"):
+        GRPOModule(ref_sync_every=2, loss={"beta": 0.1}, lora={"r": 4})
 
 
 def test_every_pass_over_a_batch_takes_the_kl_against_the_reference_of_its_first_pass(monkeypatch):
