@@ -60,7 +60,7 @@ class RunSummary(Callback):
     def __init__(self, output_dir: str | Path, task: str, window: int = 10) -> None:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / "summary.json"
-        self.written: dict[str, Any] | None = None  # the summary of a fit that finished
+        self.finished: dict[str, Any] | None = None  # the summary of a fit whose training finished, written once it ends
         self.task = task
         self.window = window
         self.losses: list[float] = []  # one per optimizer step (per micro-batch for a module without ``step_loss``)
@@ -168,14 +168,15 @@ class RunSummary(Callback):
             if isinstance(value, float) and not math.isfinite(value):
                 summary[key] = None
         if trainer.is_global_zero:
-            write_json_atomic(self.path, summary)
-            self.written = summary
+            self.finished = summary
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Lightning calls teardown after every callback's on_fit_end, so the export is written by now.
-        if self.written is not None:
-            print(closing_line(self.written, self.path, self.output_dir / "hf"), flush=True)
-            self.written = None
+        # Lightning calls teardown after every callback's on_fit_end, and not when one of them raised: the export is
+        # written by now, and a run whose export failed has not finished, so it leaves no summary.json.
+        if self.finished is not None:
+            write_json_atomic(self.path, self.finished)
+            print(closing_line(self.finished, self.path, self.output_dir / "hf"), flush=True)
+            self.finished = None
 
 
 def closing_line(summary: dict[str, Any], summary_path: Path, hf: Path) -> str:

@@ -627,8 +627,8 @@ class RecipeCLI(LightningCLI):
         if config["trainer"].get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
         callbacks += [
-            ExportHuggingFace(output_dir),  # before the summary: a run whose export failed has not finished
-            RunSummary(output_dir, task=config["task"]),
+            RunSummary(output_dir, task=config["task"]),  # its figures before the export (which merges LoRA in place)
+            ExportHuggingFace(output_dir),
             self.requeue,  # the modules bring StopOnNonFinite, ScheduleOnResume and ValidationOnResume themselves
             *([LoggerAfterSetup(logger, leaves(yaml.safe_load(recipe_text(self.parser, self.config))))] if logger else []),
             PeriodicAndFinalCheckpoint(
