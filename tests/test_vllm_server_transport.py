@@ -55,8 +55,8 @@ def test_a_running_servers_backend_decides_auto_and_must_match_a_choice():
             resolve_transport("auto", server_backend="nccl")
 
 
-def server_command(transport: str, whole_prefills: bool = False) -> list[str]:
-    return VLLMServer("some/model", port=8123, python="python", seed=3, transport=transport, whole_prefills=whole_prefills).command
+def server_command(transport: str, on_cpu: bool = False) -> list[str]:
+    return VLLMServer("some/model", port=8123, python="python", seed=3, transport=transport, on_cpu=on_cpu).command
 
 
 COMMON = [
@@ -79,7 +79,7 @@ def test_a_gloo_server_loads_our_backend_through_the_worker_extension():
 def test_a_cpu_server_prefills_each_prompt_in_one_step():
     # vLLM's CPU build dies when it splits a seeded request's prefill; by default the machine running vLLM decides.
     # It takes a share of the host's memory the trainer beside it leaves free: vLLM's own default (92%) never starts.
-    assert server_command("gloo", whole_prefills=True) == [*COMMON, "--weight-transfer-config", '{"backend": "gloo"}', *EXTENSION,
+    assert server_command("gloo", on_cpu=True) == [*COMMON, "--weight-transfer-config", '{"backend": "gloo"}', *EXTENSION,
                                                           "--no-enable-chunked-prefill", "--gpu-memory-utilization", "0.3"]  # fmt: skip
     default = VLLMServer("some/model", python="python", transport="gloo").command
     assert ("--no-enable-chunked-prefill" in default) is vllm_on_cpu() and ("--gpu-memory-utilization" in default) is vllm_on_cpu()
@@ -87,12 +87,15 @@ def test_a_cpu_server_prefills_each_prompt_in_one_step():
 
 def test_a_cpu_servers_memory_is_the_recipes_where_it_gives_it():
     def memory_flags(**options):
-        command = VLLMServer("some/model", python="python", whole_prefills=True, **options).command
+        command = VLLMServer("some/model", python="python", on_cpu=True, **options).command
         return [arg for i, arg in enumerate(command) if "memory" in arg or (i and "memory" in command[i - 1])]
 
     assert memory_flags(kv_cache_memory_bytes=2**20) == ["--kv-cache-memory-bytes", "1048576"]
     assert memory_flags(gpu_memory_utilization=0.5) == ["--gpu-memory-utilization", "0.5"]
     assert memory_flags(extra_args=["--gpu-memory-utilization=0.6"]) == ["--gpu-memory-utilization=0.6"]
+    # Chunked prefill turned off on a GPU leaves the GPU's share to vLLM.
+    gpu = VLLMServer("some/model", python="python", on_cpu=False, whole_prefills=True).command
+    assert "--no-enable-chunked-prefill" in gpu and "--gpu-memory-utilization" not in gpu
     with pytest.raises(ValueError, match="extra_args --gpu-memory-utilization: the engine starts the server with its own"):
         VLLMServer("some/model", python="python", gpu_memory_utilization=0.5, extra_args=["--gpu-memory-utilization", "0.6"])
 

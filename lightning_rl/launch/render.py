@@ -113,7 +113,7 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
             f"VLLMServerEngine (class_path), got {spec.engine_class.__name__}"
         )
     server_options = dict(spec.init_args.get("server_options") or {})
-    for local_only in ("env", "log_path", "port", "host", "whole_prefills"):
+    for local_only in ("env", "log_path", "port", "host", "whole_prefills", "on_cpu"):
         server_options.pop(local_only, None)
     server_options.setdefault("python", "python")
     extra = list(server_options.pop("extra_args", ())) + ["--tensor-parallel-size", str(layout.devices_per_node)]
@@ -127,7 +127,7 @@ def _server_command(recipe: RecipeView, layout: TrainerLayout, options: SlurmOpt
     try:
         server = VLLMServer(
             model, host="0.0.0.0", port=options.vllm_port, transport=transport, extra_args=extra,
-            whole_prefills=not layout.uses_gpus, **server_options,  # decided by the server node's devices, not this one's
+            on_cpu=not layout.uses_gpus, **server_options,  # decided by the server node's devices, not this one's
         )
     except (TypeError, ValueError) as err:
         raise LaunchError(f"{recipe.path}: `model.engine.init_args.server_options`: {err}") from None

@@ -176,7 +176,8 @@ class VLLMServerEngine(RolloutEngine):
             model into bfloat16 on vLLM's CPU build), ``max_model_len``, ``kv_cache_memory_bytes``,
             ``gpu_memory_utilization`` (None: vLLM's default on a GPU, 0.3 of the host's memory on a CPU, which the
             trainer shares), ``enforce_eager``,
-            ``whole_prefills`` (chunked prefill off; the default on a CPU, which needs it), ``extra_args`` (more
+            ``whole_prefills`` (chunked prefill off; the default on a CPU, which needs it), ``on_cpu`` (whether the
+            server runs on a CPU, which sets those two defaults; None: this machine's vLLM says), ``extra_args`` (more
             ``vllm serve`` flags), ``env``, ``log_path``, ``host``, ``port``, ``python`` (the interpreter of an
             environment with vLLM).
         transfer_address: this (trainer) machine's address as the server reaches it, for the weight transfer.

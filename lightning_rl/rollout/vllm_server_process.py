@@ -153,11 +153,12 @@ class VLLMServer:
     weight-transfer backend: "gloo" (`vllm_gloo_backend`) or "nccl" (vLLM's built-in backend, GPUs only).
     `max_lora_rank` turns on LoRA serving (one adapter, loaded at runtime). Its output goes to `log_path` (without
     one, to a file of its own in a temporary folder, removed by `stop`), whose
-    last lines an error names (`log_tail`); a `restart` appends to it. `whole_prefills`: start it with chunked
-    prefill off, as a CPU needs (None: when vLLM runs on this machine's CPU, `vllm_on_cpu`; a launcher that writes
-    the command for another machine says which). `gpu_memory_utilization`: the share of the device's memory the
-    server takes (on a CPU, of the host's); None: vLLM's default on a GPU, and `CPU_MEMORY_SHARE` on a CPU (where
-    whole prefills are the default), whose memory the trainer shares; `kv_cache_memory_bytes` sizes the KV cache instead.
+    last lines an error names (`log_tail`); a `restart` appends to it. `on_cpu`: whether the server runs on a CPU
+    (None: when vLLM runs on this machine's CPU, `vllm_on_cpu`; a launcher that writes the command for another
+    machine says which). `whole_prefills`: start it with chunked prefill off, as a CPU needs (None: on a CPU).
+    `gpu_memory_utilization`: the share of the device's memory the server takes (on a CPU, of the host's); None:
+    vLLM's default on a GPU, and `CPU_MEMORY_SHARE` on a CPU, whose memory the trainer shares;
+    `kv_cache_memory_bytes` sizes the KV cache instead.
     """
 
     def __init__(
@@ -179,6 +180,7 @@ class VLLMServer:
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike | None = None,
         whole_prefills: bool | None = None,
+        on_cpu: bool | None = None,
     ) -> None:
         if transport not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"transport must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {transport!r}")
@@ -199,8 +201,8 @@ class VLLMServer:
         # Importing this class in the server's workers registers the gloo backend there, and gives them the method
         # that reads their weights back for verification (over either transport).
         self.command += ["--worker-extension-cls", "lightning_rl.rollout.vllm_gloo_backend.WeightSyncWorker"]
-        on_cpu = vllm_on_cpu() if whole_prefills is None else whole_prefills
-        if on_cpu:
+        on_cpu = vllm_on_cpu() if on_cpu is None else on_cpu
+        if on_cpu if whole_prefills is None else whole_prefills:
             self.command.append("--no-enable-chunked-prefill")  # see `vllm_on_cpu`
         if max_model_len is not None:
             self.command += ["--max-model-len", str(max_model_len)]
