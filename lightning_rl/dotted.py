@@ -39,7 +39,7 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
         return aliases[path]
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     file, _, name = path.partition(":")
-    if file.endswith(".py"):  # a file's name where its module's goes
+    if file.endswith(".py") and any(Path(folder, file).is_file() for folder in [*IMPORT_FOLDERS, "."]):  # a file's name where its module's goes
         module = file.removesuffix(".py").replace("/", ".").strip(".")
         raise ValueError(f"{what} {path!r} names a file; name its module, without .py: {module}:{name or 'NAME'}")
     if "/" in path and ":" not in path:  # a hub id or a folder (TRL takes a reward model's there)
@@ -70,11 +70,12 @@ def load_object(path: str, what: str, aliases: Mapping[str, Any] | None = None) 
 def _hidden(module: Any) -> str:
     """Why a module of the recipe's may not be the one imported: an installed module of its name comes first (the
     import path puts the recipe's folders last), and a file beside the recipe named so is never read."""
-    origin = getattr(module, "__file__", None)
     top = module.__name__.partition(".")[0]
+    origin = getattr(sys.modules.get(top, module), "__file__", None)
+    imported = Path(origin).resolve() if origin else None
     for folder, what in IMPORT_FOLDERS.items():
-        mine = [Path(folder, f"{top}.py"), Path(folder, top, "__init__.py")]
-        if any(f.is_file() for f in mine) and (origin is None or not Path(origin).resolve().is_relative_to(folder)):
+        mine = [f.resolve() for f in (Path(folder, f"{top}.py"), Path(folder, top, "__init__.py")) if f.is_file()]
+        if mine and imported not in mine:
             return (f" ({top} in {what} {folder} is hidden by the module of that name imported from "
                     f"{origin or 'the built-in modules'}, which comes first: rename your file)")
     return ""

@@ -198,6 +198,7 @@ def test_a_file_name_or_a_file_hidden_by_an_installed_module_is_said(tmp_path, m
 
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
     (tmp_path / "code.py").write_text("def probe(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "rewards").mkdir(), (tmp_path / "rewards" / "mine.py").write_text((tmp_path / "code.py").read_text())
     set_import_folders({tmp_path: "the recipe's folder"})
     try:
         with pytest.raises(ValueError, match=rf"module 'code' has no 'probe' \(code in the recipe's folder {re.escape(str(tmp_path))} is hidden by the module of that name imported from .*code.py, which comes first: rename your file\)$"):
@@ -206,6 +207,8 @@ def test_a_file_name_or_a_file_hidden_by_an_installed_module_is_said(tmp_path, m
             RewardScorer([RewardSpec("rewards/mine.py:probe")])
         with pytest.raises(ValueError, match=r"'json:nothing': module 'json' has no 'nothing'$"):  # nothing of the recipe's hidden
             RewardScorer([RewardSpec("json:nothing")])
+        with pytest.raises(ValueError, match=r"'email.py:probe': no module 'email.py'"):  # a dotted path ending in py, no file
+            RewardScorer([RewardSpec("email.py:probe")])
     finally:
         set_import_folders({})
 
