@@ -4,7 +4,7 @@ Every checkpoint, a single file or a sharded folder, is written as ``NAME.stagin
 complete, so a kill at any moment leaves the previous ``NAME`` (or none) plus a staging leftover, which the next run
 removes (``clean_staging``; a staged folder it promotes if it is complete). A folder gets ``manifest.json`` last: its
 global step and the size of every file in it. A checkpoint is complete when its manifest matches its files or, for a
-single file, when ``torch.load(weights_only=True)`` reads it.
+single file, when ``torch.load(weights_only=True)`` reads it and it holds what Lightning resumes from (``RESUME_KEYS``).
 
 No code runs from a checkpoint: nothing on disk is unpickled beyond what ``torch.load(weights_only=True)`` admits.
 A file it refuses is not a checkpoint of this run (``ForeignFileError``), never read another way; a sharded folder's
@@ -38,6 +38,8 @@ from typing_extensions import override
 from lightning_rl.disk_space import no_room, space_error, tensor_bytes
 from lightning_rl.errors import UserError
 
+# What Lightning reads of a single-file checkpoint to resume a run from it: what every checkpoint of a run holds.
+RESUME_KEYS = ("pytorch-lightning_version", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops")
 STAGING = ".staging"  # being written
 TRASH = ".trash"  # being replaced or removed
 MANIFEST = "manifest.json"
@@ -54,6 +56,13 @@ class NotACheckpointError(IncompleteCheckpointError):
     ``torch.save`` file (a recipe, a log): no write of a checkpoint ever began there."""
 
     what = "not a checkpoint"
+
+
+class NotALightningCheckpointError(IncompleteCheckpointError):
+    """A ``torch.save`` file without every key of ``RESUME_KEYS`` (saved with weights only, or by hand): Lightning
+    would fail on it with a KeyError, after the run had started."""
+
+    what = "not a Lightning checkpoint"
 
 
 class ForeignFileError(IncompleteCheckpointError):
@@ -259,9 +268,10 @@ def saved_value(path: str | os.PathLike, key: str) -> Any:
 
 
 def checkpoint_step(path: Path, intact: bool = False) -> int:
-    """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete,
-    ``ForeignFileError`` when the safe readers refuse it (it is never read another way). ``intact``: every record's
-    checksum read too (`check_records`), for the one a run resumes from."""
+    """The global step of a complete checkpoint; ``IncompleteCheckpointError`` saying why when it is not complete (a
+    single file: without every key of ``RESUME_KEYS``, ``NotALightningCheckpointError``), ``ForeignFileError`` when
+    the safe readers refuse it (it is never read another way). ``intact``: every record's checksum read too
+    (`check_records`), for the one a run resumes from."""
     if path.is_dir():
         manifest = path / MANIFEST
         if not manifest.is_file():
@@ -291,8 +301,8 @@ def checkpoint_step(path: Path, intact: bool = False) -> int:
         raise
     except Exception as error:  # a truncated zip, an empty file, anything torch cannot read
         raise IncompleteCheckpointError(f"unreadable ({_first_line(error)})") from None
-    if not isinstance(checkpoint, dict) or "global_step" not in checkpoint:
-        raise IncompleteCheckpointError("not a Lightning checkpoint (no global_step)")
+    if lacking := [key for key in RESUME_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]:
+        raise NotALightningCheckpointError(f"it lacks {', '.join(lacking)}, which a resume reads: saved with weights only, or by hand")
     if intact:
         check_records(path)
     return int(checkpoint["global_step"])

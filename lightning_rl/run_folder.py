@@ -17,6 +17,7 @@ RECIPE = "recipe.yaml"
 MARKER = "# lightning-rl run: this folder holds the run of the recipe below (--overwrite removes only its files)"
 HF = "hf"
 HF_LISTING = ".hf-files"  # the files of hf/ the run's export wrote, one relative path a line
+SUMMARY = "summary.json"
 
 _CHECKPOINT = r"(?:\.staging|\.trash)?"  # a checkpoint being written, or being replaced (lightning_rl/checkpoints.py)
 # Per folder of the run (relative to output_dir), the names the run gives what it writes there; a match is removed
@@ -42,6 +43,12 @@ def is_run_folder(output_dir: Path) -> bool:
             return f.readline().rstrip("\n") == MARKER
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def run_end(output_dir: Path) -> list[str]:
+    """What ``output_dir`` holds of a run's end (``summary.json``, ``hf/``), which a run writes once it has trained and
+    never before: a run killed before its first checkpoint leaves neither, one that trained to its end both."""
+    return [name for name in (SUMMARY, HF) if (output_dir / name).exists()]
 
 
 def marked(recipe_text: str) -> str:

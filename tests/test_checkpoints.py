@@ -12,15 +12,20 @@ import time
 import pytest
 import torch
 
-from lightning_rl import cli
+from lightning_rl import cli, run_folder
 from lightning_rl.checkpoints import (
-    ForeignCheckpointError, IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, commit, newest_complete, remove,
-    staging_path, write_manifest,
+    RESUME_KEYS, ForeignCheckpointError, IncompleteCheckpointError, StagedCheckpointIO, checkpoint_step, clean_staging, commit,
+    newest_complete, remove, staging_path, write_manifest,
 )  # fmt: skip
 
 
+def resumable(step: int, **parts) -> dict:
+    """A single-file checkpoint's contents: every key a resume reads (``RESUME_KEYS``), ``parts`` over them."""
+    return {**dict.fromkeys(RESUME_KEYS, {}), "global_step": step, **parts}
+
+
 def single(path, step: int) -> None:
-    StagedCheckpointIO().save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((4,), float(step))}}, path)
+    StagedCheckpointIO().save_checkpoint(resumable(step, state_dict={"w": torch.full((4,), float(step))}), path)
 
 
 def sharded(path, step: int, shards: int = 2) -> None:
@@ -80,7 +85,7 @@ def test_a_single_file_damaged_inside_a_tensor_is_incomplete(tmp_path):
     """The tensors are mapped, not read, when the step is found: damage inside one (its zip record intact) was taken
     for a complete checkpoint, and the restore then failed deep in torch's reader. Each record's checksum tells."""
     path = tmp_path / "step=3.ckpt"
-    StagedCheckpointIO().save_checkpoint({"global_step": 3, "state_dict": {"w": torch.arange(4096.0)}}, path)
+    StagedCheckpointIO().save_checkpoint(resumable(3, state_dict={"w": torch.arange(4096.0)}), path)
     data = bytearray(path.read_bytes())
     at = bytes(data).index(torch.arange(4096.0).numpy().tobytes()[:64])  # the tensor's bytes in the archive
     data[at + 100 : at + 200] = b"x" * 100
@@ -118,6 +123,26 @@ def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):
     found, passed_over = newest_complete(tmp_path)
     assert found.path.name == "last-v1.ckpt"
     assert [(p.name, what, reason.split(" (")[0]) for p, what, reason in passed_over] == [("step=9.ckpt", "incomplete", "unreadable")]
+
+
+def test_a_file_without_what_lightning_resumes_from_is_passed_over_and_refused_by_name(tmp_path, capsys):
+    """A torch.save file with a global_step alone was taken for the newest checkpoint, and the run died in Lightning's
+    KeyError ('pytorch-lightning_version'); a weights-only one was refused only once the run had set up."""
+    single(tmp_path / "checkpoints" / "step=3.ckpt", 3)
+    foreign = tmp_path / "checkpoints" / "step=100.ckpt"
+    torch.save({"global_step": 100}, foreign)
+    assert cli.resume_path(tmp_path, "last") == str(tmp_path / "checkpoints" / "step=3.ckpt")
+    assert capsys.readouterr().err.strip() == (
+        "resume: step 3 from checkpoints/step=3.ckpt, the newest complete checkpoint; passed over checkpoints/step=100.ckpt: "
+        "not a Lightning checkpoint, it lacks pytorch-lightning_version, state_dict, optimizer_states, lr_schedulers, loops, "
+        "which a resume reads: saved with weights only, or by hand"
+    )  # fmt: skip
+    with pytest.raises(ForeignCheckpointError, match=re.escape(f"ckpt_path: {foreign} is not a Lightning checkpoint (it lacks pytorch-lightning_version, ")):
+        cli.resume_path(tmp_path / "other", str(foreign))
+    weights_only = {key: value for key, value in resumable(4).items() if key not in ("optimizer_states", "lr_schedulers")}
+    torch.save(weights_only, foreign)
+    with pytest.raises(ForeignCheckpointError, match=r"is not a Lightning checkpoint \(it lacks optimizer_states, lr_schedulers, which"):
+        cli.resume_path(tmp_path / "other", str(foreign))
 
 
 def test_a_kill_in_the_first_last_ckpt_write_resumes_from_the_complete_step_checkpoint(tmp_path, capsys):
@@ -164,6 +189,14 @@ def test_resume_names_what_it_cannot_use(tmp_path, capsys):
     assert cli.resume_path(tmp_path, None) is None
     assert cli.resume_path(tmp_path, "last") is None  # a first run under `--ckpt_path=last` (SLURM) starts fresh
     assert capsys.readouterr().err.strip() == f"resume: no complete checkpoint in {tmp_path}, starting from step 0"
+    (tmp_path / "recipe.yaml").write_text(run_folder.marked("task: sft\n"))  # its first start, killed before a checkpoint
+    assert cli.resume_path(tmp_path, "last") is None and "starting from step 0" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text("{}")  # a run that ended, its checkpoints removed since: not trained over
+    with pytest.raises(ForeignCheckpointError, match=re.escape(f"ckpt_path: last: no complete checkpoint in {tmp_path}, so the run there cannot "
+                                                               "be resumed, and starting again from step 0 would train over it; start it over "
+                                                               "with --overwrite in place of --ckpt_path, or give another output_dir")):
+        cli.resume_path(tmp_path, "last")
+    (tmp_path / "summary.json").unlink()
     broken = tmp_path / "checkpoints" / "last.ckpt"
     broken.parent.mkdir()
     broken.write_bytes(b"")
@@ -209,7 +242,7 @@ def test_the_stock_writers_are_replaced_by_staged_ones_and_a_chosen_one_is_kept(
 
     path = tmp_path / "checkpoints" / "last.ckpt"
     weight = torch.arange(4.0, requires_grad=True)
-    xla.save_checkpoint({"global_step": 2, "state_dict": {"w": weight}}, path)
+    xla.save_checkpoint(resumable(2, state_dict={"w": weight}), path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"] and checkpoint_step(path) == 2
     assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], weight.detach())
     xla.remove_checkpoint(path)

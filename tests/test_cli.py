@@ -14,7 +14,7 @@ import yaml
 from support.paths import REPO
 from support.run_outputs import not_known_as_the_runs
 from lightning_rl import cli, run_folder
-from lightning_rl.checkpoints import ForeignCheckpointError, StagedCheckpointIO
+from lightning_rl.checkpoints import RESUME_KEYS, ForeignCheckpointError, StagedCheckpointIO
 from lightning_rl.errors import RecipeError
 from lightning_rl.recipe import parse
 
@@ -271,10 +271,10 @@ def test_resume_last_takes_the_highest_complete_step_of_last_and_the_requeue_che
     assert cli.resume_path(tmp_path, "last") is None  # nothing saved yet: it starts fresh and says so
     assert cli.resume_path(tmp_path, None) is None
     last = tmp_path / "checkpoints" / "last.ckpt"
-    StagedCheckpointIO().save_checkpoint({"global_step": 4}, last)
+    StagedCheckpointIO().save_checkpoint({**dict.fromkeys(RESUME_KEYS, {}), "global_step": 4}, last)
     assert cli.resume_path(tmp_path, "last") == str(last)
     hpc = tmp_path / "hpc_ckpt_5.ckpt"  # written by RequeueOnSignal on SIGTERM or SIGUSR1, after last.ckpt
-    StagedCheckpointIO().save_checkpoint({"global_step": 5}, hpc)
+    StagedCheckpointIO().save_checkpoint({**dict.fromkeys(RESUME_KEYS, {}), "global_step": 5}, hpc)
     assert cli.resume_path(tmp_path, "last") == str(hpc)
     os.utime(hpc, ns=(1, 1))  # the higher step wins, not the newer file
     assert cli.resume_path(tmp_path, "last") == str(hpc)

@@ -126,7 +126,8 @@ def test_a_crafted_checkpoint_planted_in_a_run_folder_is_named_and_runs_nothing(
     assert code == 2 and errors == [
         f"error: ckpt_path: last: no complete checkpoint in {run_folder}, so the run there cannot be resumed, and "
         f"starting again from step 0 would train over it; passed over {planted}: not a checkpoint of this run, it holds "
-        "io.open, which torch.load(weights_only=True) refuses"
+        "io.open, which torch.load(weights_only=True) refuses; start it over with --overwrite in place of --ckpt_path, or give "
+        "another output_dir"
     ]
     assert not marker.exists()
 

@@ -161,8 +161,8 @@ def test_a_checkpoint_without_optimizer_state_or_weights_is_one_line_and_writes_
         torch.save({name: value for name, value in saved.items() if name != key}, stripped)
         out = tmp_path / f"from_{key}"
         code, errors, _ = run(capsys, SFT, out, f"--ckpt_path={stripped}", "--trainer.max_steps=2", "--logger.kind=csv")
-        assert code == 2 and errors == [f"error: ckpt_path: {stripped} holds no {key}, so it cannot resume a run (saved with "
-                                        "weights only, or by hand): resume from a checkpoint a run wrote"]  # fmt: skip
+        assert code == 2 and errors == [f"error: ckpt_path: {stripped} is not a Lightning checkpoint (it lacks {key}, which a "
+                                        "resume reads: saved with weights only, or by hand)"]  # fmt: skip
         assert not out.exists()
 
 

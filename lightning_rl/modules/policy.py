@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.callbacks import ScheduleOnResume, StopOnNonFinite, ValidationOnResume
-from lightning_rl.checkpoints import ForeignCheckpointError, check_weights_fit, every_ranks, this_ranks
+from lightning_rl.checkpoints import RESUME_KEYS, ForeignCheckpointError, check_weights_fit, every_ranks, this_ranks
 from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
@@ -226,9 +226,9 @@ class PolicyModule(LightningModule):
             self.check_writer(checkpoint, "the checkpoint")
             return
         path = self.trainer.ckpt_path
-        lacking = [key for key in ("state_dict", "optimizer_states", "loops") if key not in checkpoint]
+        lacking = [key for key in RESUME_KEYS if key not in checkpoint]  # `run` refused such a file before the fit
         if isinstance(self.trainer.strategy, ModelParallelStrategy):  # it loaded a file's weights and optimizer already
-            lacking = [key for key in lacking if key == "loops"]
+            lacking = [key for key in lacking if key not in ("state_dict", "optimizer_states")]
         if lacking and path is not None and Path(path).is_file():  # a sharded one's parts are read by its strategy
             raise ForeignCheckpointError(f"ckpt_path: {path} holds no {lacking[0]}, so it cannot resume a run (saved with weights only, "
                                          "or by hand): resume from a checkpoint a run wrote")
