@@ -98,6 +98,7 @@ class RunSummary(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self.finished = None  # an earlier fit of this trainer whose end failed (its teardown never came) says nothing
         self._step_tokens, self._step_seconds = 0, 0.0
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)

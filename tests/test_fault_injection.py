@@ -185,7 +185,8 @@ class SignalAfterTheLastStep(Callback):
 
 
 class SignalAtTheEnd(Callback):
-    """Sends this process SIGTERM as the run tears down, after its closing line (a scheduler's late signal)."""
+    """Sends this process SIGTERM as the run tears down, before its summary and closing line are written (a
+    scheduler's late signal)."""
 
     def teardown(self, trainer, pl_module, stage) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -200,6 +201,7 @@ def test_a_signal_after_the_last_step_lets_the_export_finish_and_the_run_end_fin
     assert run_tiny_sft_in_process(out, sender, "--trainer.max_steps=3") == 0
     assert "SIGTERM arrived after the last step: the final checkpoint and hf/ were written whole" in capsys.readouterr().err
     assert checkpoint_step(out / "checkpoints" / "last.ckpt") == 3 and leftovers(out) == []
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3  # the run's end is said all the same
     AutoModelForCausalLM.from_pretrained(out / "hf")  # the export is complete
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
