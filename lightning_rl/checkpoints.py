@@ -396,6 +396,8 @@ def newest_complete(output_dir: Path, intact: bool = True) -> tuple[Checkpoint |
     unusable: list[tuple[int, Path, str, str]] = []
     for folder in checkpoint_folders(output_dir):
         for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else ():
+            if path.name.startswith("."):  # never a checkpoint of this run: an earlier run's, set aside by --overwrite
+                continue  # until this one's first step (run_folder.PREFIX), or a hidden file
             mtime = path.stat().st_mtime_ns
             try:
                 complete.append((checkpoint_step(path), mtime, path))

@@ -125,6 +125,17 @@ def test_last_is_the_highest_complete_step_whatever_the_name(tmp_path):
     assert [(p.name, what, reason.split(" (")[0]) for p, what, reason in passed_over] == [("step=9.ckpt", "incomplete", "unreadable")]
 
 
+def test_the_run_an_overwrite_set_aside_is_not_resumed_by_last(tmp_path, capsys):
+    """--overwrite renames the earlier run's files in place until its own first step; a kill before that step and a
+    requeue with --ckpt_path=last resumed the earlier run's set-aside checkpoint as the newest."""
+    (tmp_path / run_folder.RECIPE).write_text(run_folder.marked("task: sft\n"))
+    single(tmp_path / "checkpoints" / "last.ckpt", 5)
+    run_folder.set_aside_run_files(tmp_path)
+    assert (tmp_path / "checkpoints" / f"{run_folder.PREFIX}last.ckpt").is_file()
+    assert cli.resume_path(tmp_path, "last") is None
+    assert capsys.readouterr().err.strip() == f"resume: no complete checkpoint in {tmp_path}, starting from step 0"
+
+
 def test_a_file_without_what_lightning_resumes_from_is_passed_over_and_refused_by_name(tmp_path, capsys):
     """A torch.save file with a global_step alone was taken for the newest checkpoint, and the run died in Lightning's
     KeyError ('pytorch-lightning_version'); a weights-only one was refused only once the run had set up."""
