@@ -47,8 +47,9 @@ def is_run_folder(output_dir: Path) -> bool:
 
 def run_end(output_dir: Path) -> list[str]:
     """What ``output_dir`` holds of a run's end (``summary.json``, ``hf/``), which a run writes once it has trained and
-    never before: a run killed before its first checkpoint leaves neither, one that trained to its end both."""
-    return [name for name in (SUMMARY, HF) if (output_dir / name).exists()]
+    never before: a run killed before its first checkpoint leaves neither, one that trained to its end both (an
+    earlier run's, set aside by ``--overwrite``, is not this run's)."""
+    return [name for name, there in ((SUMMARY, (output_dir / SUMMARY).exists()), (HF, bool(_exported(output_dir)))) if there]
 
 
 def marked(recipe_text: str) -> str:
@@ -80,11 +81,12 @@ def record_export(output_dir: Path) -> None:
 
 
 def not_exported(output_dir: Path) -> list[str]:
-    """The files in ``hf/`` that the run's export did not write."""
+    """The files in ``hf/`` that the run's export did not write (nor an earlier run's, set aside in place)."""
     folder = output_dir / HF
     if not folder.is_dir():
         return []
-    exported = set(_exported(output_dir))
+    exported = set(_exported(output_dir))  # and the earlier run's, set aside by --overwrite until the new one's first step
+    exported |= {str(_aside(path).relative_to(folder)) for path in _set_aside(output_dir) if folder in path.parents}
     return [f"{HF}/{name}" for name in _files(folder) if name not in exported]
 
 

@@ -130,9 +130,15 @@ def test_the_run_an_overwrite_set_aside_is_not_resumed_by_last(tmp_path, capsys)
     requeue with --ckpt_path=last resumed the earlier run's set-aside checkpoint as the newest."""
     (tmp_path / run_folder.RECIPE).write_text(run_folder.marked("task: sft\n"))
     single(tmp_path / "checkpoints" / "last.ckpt", 5)
+    (tmp_path / "hf").mkdir(), (tmp_path / "hf" / "model.safetensors").write_bytes(b"weights")
+    run_folder.record_export(tmp_path)
+    (tmp_path / run_folder.SUMMARY).write_text("{}")
     run_folder.set_aside_run_files(tmp_path)
+    (tmp_path / run_folder.RECIPE).write_text(run_folder.marked("task: sft\n"))  # the new run's, as it starts
     assert (tmp_path / "checkpoints" / f"{run_folder.PREFIX}last.ckpt").is_file()
-    assert cli.resume_path(tmp_path, "last") is None
+    assert (tmp_path / "hf" / f"{run_folder.PREFIX}model.safetensors").is_file()
+    cli.check_run_folder(tmp_path, resuming=True, overwrite=False)  # its set-aside export is no stranger's file in hf/
+    assert cli.resume_path(tmp_path, "last") is None  # the overwrite goes on: its first step removes what was set aside
     assert capsys.readouterr().err.strip() == f"resume: no complete checkpoint in {tmp_path}, starting from step 0"
 
 
