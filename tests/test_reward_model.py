@@ -54,6 +54,8 @@ def test_a_reward_model_is_a_recipe_reward_and_its_mistakes_are_one_line(reward_
     assert scores.errors == [] and scores.per_function["reward_model"][0] != scores.per_function["reward_model"][1]
     with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*batch_size must be an integer >= 1"):
         RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batch_size": 0})])
+    with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1, got True"):  # a bool is no count
+        RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batch_size": True})])
     with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*unexpected keyword argument 'batchsize'"):
         RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "batchsize": 2})])
     # A conversational prompt's completion with a tool call and its result: the reward model reads the whole exchange
@@ -157,7 +159,7 @@ def test_a_folder_that_is_not_a_one_label_classifier_or_cannot_pad_is_refused_be
     (causal / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "architectures"}))  # the config says nothing
     with pytest.raises(ValueError, match=rf"reward model {causal}: its checkpoint lacks score.weight \(1 weights\), which would be newly initialized"):
         RewardModel(str(causal))
-    for bad in (0, -1, 8.0, "512"):
+    for bad in (0, -1, 8.0, "512", True):
         with pytest.raises(ValueError, match=r"reward 'reward_model': cannot be built from kwargs .*max_length must be an integer >= 1 or null"):
             RewardScorer([RewardSpec("reward_model", kwargs={"path": str(reward_model_path), "max_length": bad})])
     unpadded = tmp_path / "no-pad-no-eos"

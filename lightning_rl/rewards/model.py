@@ -39,9 +39,9 @@ class RewardModel:
     """
 
     def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
             raise ValueError(f"max_length must be an integer >= 1 or null, got {max_length!r}")
         self.path = path
         folder = resolve_model_path(path, key="path")
