@@ -67,19 +67,20 @@ def failed_calls(completions: list[str], tool_calls: list[list[dict]], **_: Any)
 
 
 def collector(tokenizer: Any, script: Any, prompts: PromptList, reward: str, max_new_tokens: int = 16,
-              model_context: int | None = None, rank: int = 0, **settings: Any) -> RolloutCollector:
+              model_context: int | None = None, rank: int = 0, steps_per_batch: int = 1, **settings: Any) -> RolloutCollector:
     settings = RolloutSettings(**{"num_generations": 2, **settings})
     scorer = RewardScorer([RewardSpec(f"test_rollout_collector:{reward}")])
     renderer = PromptRenderer(tokenizer, tools=settings.tool_specs)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0)
-    return RolloutCollector(ScriptedEngine(tokenizer, script), prompts, renderer, scorer, sampling, settings, model_context, rank=rank)
+    return RolloutCollector(ScriptedEngine(tokenizer, script), prompts, renderer, scorer, sampling, settings, model_context,
+                            steps_per_batch=steps_per_batch, rank=rank)
 
 
 def numbered(prompt: str) -> list[str]:
     return ["answer 1", "answer 2"]
 
 
-def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tokenizer):
+def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tokenizer, caplog):
     a, b = {"prompt": "a?", "tied": True}, {"prompt": "b?", "tied": False}
     c, d = {"prompt": "c?", "tied": True}, {"prompt": "d?", "tied": False}
     prompts = PromptList([a, b], [c], [d])
@@ -103,6 +104,12 @@ def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tok
     scored = none.collect(0)
     assert scored.records == [a] and (scored.sampling_rounds, scored.sampled_groups, scored.filtered_groups) == (2, 2, 2)
     assert len(scored.rollouts) == 2 and scored.sampled_rollouts == 4
+    # Its line names the step that first trains the batch: batch 1 at num_iterations 2 is step 3.
+    later = collector(tiny_tokenizer, numbered, PromptList([c], [a]), "last_digit_unless_tied", steps_per_batch=2,
+                      dynamic_sampling=True, dynamic_sampling_max_rounds=2)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        later.collect(1)
+    assert "step 3: dynamic sampling found 0 of 1 groups with differing rewards after 2 rounds" in caplog.text
 
 
 def test_completions_cut_at_max_new_tokens_and_prompts_that_leave_no_room(tiny_tokenizer):

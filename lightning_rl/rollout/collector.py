@@ -154,6 +154,10 @@ class RolloutCollector:
         if self.executor is not None:
             self.executor.close()
 
+    def step_of(self, index: int) -> int:
+        """The optimizer step (from 1) that first trains batch ``index``: what its lines and errors name."""
+        return index * self.steps_per_batch + 1
+
     def collect(self, index: int, partial: list[Rollout] | None = None) -> ScoredBatch:
         """Rollouts of prompt batch `index` with their rewards; ``partial``: its samples as a stopped run left them
         (`BatchInterrupted`), the cut ones to sample on to the end.
@@ -175,10 +179,10 @@ class RolloutCollector:
             if attempt + 1 < ALL_EXCLUDED_ATTEMPTS:
                 log.warning(
                     "step %d: every rollout failed for infrastructure reasons (%s); sampling the step again (attempt %d "
-                    "of %d)", index + 1, _reasons(excluded), attempt + 2, ALL_EXCLUDED_ATTEMPTS,
+                    "of %d)", self.step_of(index), _reasons(excluded), attempt + 2, ALL_EXCLUDED_ATTEMPTS,
                 )
         raise InfraFailureError(
-            f"step {index + 1}: every rollout failed for infrastructure reasons in {ALL_EXCLUDED_ATTEMPTS} attempts in a "
+            f"step {self.step_of(index)}: every rollout failed for infrastructure reasons in {ALL_EXCLUDED_ATTEMPTS} attempts in a "
             f"row ({_reasons(excluded)}): see the engine's log, the tools' workers, reward_timeout_s"
         )
 
@@ -200,7 +204,7 @@ class RolloutCollector:
         if len(kept.records) < wanted:
             log.warning(
                 "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
-                "(dynamic_sampling_max_rounds); %s", index + 1, len(kept.records), wanted, rounds,
+                "(dynamic_sampling_max_rounds); %s", self.step_of(index), len(kept.records), wanted, rounds,
                 "training on those" if kept.records else "the step trains the first round's groups, whose advantages are all 0",
             )
         filtered = sampled - len(kept.records) - kept.excluded_groups  # the rest left for infrastructure failures
@@ -218,7 +222,7 @@ class RolloutCollector:
         engine_images = [_engine_images(r) for r in rendered] if any(r.pictures for r in rendered) else None
         if partial is not None and sorted({(r.group_id, tuple(r.prompt_ids)) for r in partial}) != list(enumerate(map(tuple, prompts))):
             log.warning("step %d: the saved partial completions were sampled from other prompts than this run renders (its "
-                        "data or chat template changed): sampling the step anew", index + 1)
+                        "data or chat template changed): sampling the step anew", self.step_of(index))
             partial = None
         # A stopping run keeps what it sampled, to finish (and score) after the resume, where it can take it up again:
         # single-turn text prompts, in the step's first round (a later round's would need the earlier rounds' too).
@@ -239,7 +243,7 @@ class RolloutCollector:
         try:
             scores = self.scorer.score(
                 [self.renderer.tokenizer.decode(r.prompt_ids) for r in rollouts], [self.reply_text(r) for r in rollouts],  # as read
-                self._columns(records, rendered, rollouts), step=index + 1,
+                self._columns(records, rendered, rollouts), step=self.step_of(index),
                 chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
                 chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
                 trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
