@@ -111,7 +111,7 @@ class RolloutCollector:
         settings: generations per prompt, tools and turns, dynamic sampling, the seed.
         model_context: the model's context in tokens (`model_context`); ``max_context_tokens`` may only narrow it.
         max_steps, steps_per_batch: the run's optimizer steps and those taken on each batch (``num_iterations``),
-            for the reward functions' ``trainer_state``.
+            for the reward functions' ``trainer_state`` and the step its lines name (`step_of`).
         rank: the trainer's rank, which each request's seed holds: ranks sample independently of each other.
     """
 
