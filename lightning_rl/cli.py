@@ -150,7 +150,7 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
     ``last`` is the newest complete checkpoint of the run, whatever its name, and one line says which it is, with
     what was passed over (incomplete checkpoints, files that are not checkpoints of a run) or cleaned up (what a killed
     write left). A folder with none complete starts from step 0 only if it holds no checkpoint and no run's end
-    (``run_folder.run_end``: a new folder, or one whose run was killed before its first checkpoint): one whose
+    (``run_folder.run_ended``: a new folder, or one whose run was killed before its first checkpoint): one whose
     checkpoints are all broken, or whose run ended and kept none, is refused, not trained over. A checkpoint named
     outright must be complete. Only the ``first`` process, which holds the run folder's lock, cleans up and speaks;
     every process refuses alike.
@@ -183,7 +183,7 @@ def resume_path(output_dir: Path, ckpt_path: str | None, first: bool = True) -> 
     found, passed_over = newest_complete(output_dir)
     notes = [f"passed over {path.relative_to(output_dir)}: {what}, {reason}" for path, what, reason in passed_over] + cleaned
     said = "".join(f"; {note}" for note in notes)
-    if found is None and (passed_over or run_folder.run_end(output_dir)):
+    if found is None and (passed_over or run_folder.run_ended(output_dir)):
         raise ForeignCheckpointError(
             f"ckpt_path: last: no complete checkpoint in {output_dir}, so the run there cannot be resumed, and starting "
             f"again from step 0 would train over it{said}; start it over with --overwrite in place of --ckpt_path, or give "

@@ -45,11 +45,11 @@ def is_run_folder(output_dir: Path) -> bool:
         return False
 
 
-def run_end(output_dir: Path) -> list[str]:
-    """What ``output_dir`` holds of a run's end (``summary.json``, ``hf/``), which a run writes once it has trained and
-    never before: a run killed before its first checkpoint leaves neither, one that trained to its end both (an
-    earlier run's, set aside by ``--overwrite``, is not this run's)."""
-    return [name for name, there in ((SUMMARY, (output_dir / SUMMARY).exists()), (HF, bool(_exported(output_dir)))) if there]
+def run_ended(output_dir: Path) -> bool:
+    """Whether ``output_dir`` holds a run's end (``summary.json``, or ``hf/`` as its export wrote it), which a run
+    writes once it has trained and never before: a run killed before its first checkpoint leaves neither, one that
+    trained to its end both (an earlier run's, set aside by ``--overwrite``, is not this run's)."""
+    return (output_dir / SUMMARY).exists() or bool(_exported(output_dir))
 
 
 def marked(recipe_text: str) -> str:

@@ -246,7 +246,7 @@ class RolloutCollector:
                 self._columns(records, rendered, rollouts), step=self.step_of(index),
                 chat_prompts=[copy.deepcopy(rendered[r.group_id].for_rewards) for r in rollouts] if conversational else None,
                 chat_completions=[self.reply_messages(r) for r in rollouts] if conversational else None,
-                trainer_state=TrainerState(index * self.steps_per_batch, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
+                trainer_state=TrainerState(self.step_of(index) - 1, self.max_steps, self.prompts.epoch_of(index), self.rank == 0,
                                            int(os.environ.get("LOCAL_RANK", self.rank)) == 0),
             )
         except StepAbandoned as stopped:  # stopped while its rewards were computed: the samples are whole, scored after the resume

@@ -134,11 +134,15 @@ ENGINE_FLAGS = ("--model", "--host", "--port", "--dtype", "--seed", "--logprobs-
 def engine_flags_refusal(extra_args: Sequence[str], taken: Sequence[str] = ENGINE_FLAGS) -> str | None:
     """Why ``extra_args`` would override a flag the server is started with (``taken``), or None: vLLM takes the last
     of a repeated flag, so ``--logprobs-mode raw_logprobs`` there would report log-probs of another distribution."""
-    given = {arg.split("=", 1)[0] for arg in extra_args if isinstance(arg, str) and arg.startswith("--")}
-    if clash := sorted(given & {flag for flag in taken if flag.startswith("--")}):
+    if clash := sorted(_flags(extra_args) & _flags(taken)):
         return (f"extra_args {', '.join(clash)}: the engine starts the server with its own (model, dtype, max_model_len, "
                 "kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager are server_options keys; the log-probs and transfer flags are fixed)")
     return None
+
+
+def _flags(args: Sequence[str]) -> set[str]:
+    """The flags ``args`` gives (``--flag`` of ``--flag value`` and ``--flag=value``)."""
+    return {arg.split("=", 1)[0] for arg in args if isinstance(arg, str) and arg.startswith("--")}
 
 
 CPU_MEMORY_SHARE = 0.3  # a server on a CPU takes this share of the host's memory unless told (as `VLLMEngine`'s default)
@@ -208,9 +212,7 @@ class VLLMServer:
             self.command += ["--max-model-len", str(max_model_len)]
         if kv_cache_memory_bytes is not None:
             self.command += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
-        elif gpu_memory_utilization is None and on_cpu and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {
-            arg.split("=", 1)[0] for arg in extra_args if isinstance(arg, str)
-        }:
+        elif gpu_memory_utilization is None and on_cpu and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & _flags(extra_args):
             # vLLM's own default takes 92% of the host's memory on a CPU, which the trainer shares: the server then
             # refuses to start (less memory free than it would take). The in-process engine's default share instead.
             gpu_memory_utilization = CPU_MEMORY_SHARE
