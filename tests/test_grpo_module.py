@@ -275,7 +275,7 @@ def test_the_reference_moves_towards_the_policy_every_n_steps():
     assert any(not torch.equal(reference[4][n], policy[0][n]) for n in want)
     with pytest.raises(ValueError, match="ref_sync_every: loss.beta is 0"):
         GRPOModule(ref_sync_every=2)
-    with pytest.raises(ValueError, match=r"ref_sync_every: with lora the reference is the frozen base model \(the policy's weights without its adapters, held as a copy"):
+    with pytest.raises(ValueError, match=r"ref_sync_every: with lora the reference is the frozen base model, read as the policy with its adapters off"):
         GRPOModule(ref_sync_every=2, loss={"beta": 0.1}, lora={"r": 4})
 
 

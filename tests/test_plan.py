@@ -238,6 +238,8 @@ def test_a_grpo_plan_counts_what_shares_the_trainers_gpu(tmp_path: Path, capsys)
     assert code == 1 and "DOES NOT FIT" in out
     assert shared["colocated vLLM engine (model.engine)"] == pytest.approx(0.9 * 80, abs=0.01)
     assert "reference model (model.loss.beta != 0)" in shared and shared["total"] >= alone["total"] + 71.99
+    code, _, out = planned("--model.loss.beta=0.1", "--model.lora.r=8")
+    assert code == 0 and "reference model" not in out  # LoRA's reference is the policy's base: its adapters off
 
 
 def test_each_term_is_counted_in_the_dtype_the_run_holds_it_in(tmp_path: Path, capsys) -> None:

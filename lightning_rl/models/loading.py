@@ -148,6 +148,20 @@ def load_causal_lm(
     return model
 
 
+@contextlib.contextmanager
+def base_model(model: PeftModel) -> Iterator[PeftModel]:
+    """``model`` as the base it was adapted from: its LoRA adapters off and in eval mode (no dropout), as a frozen
+    copy of the base loaded beside it would run, without that copy's memory. Each module's mode is restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with model.disable_adapter():
+            yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def with_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """peft's model with LoRA adapters on ``model``; a module peft refuses to adapt (a Mamba mixer's ``out_proj``) is
     one line naming ``lora.target_modules``."""

@@ -14,6 +14,7 @@ ahead on a background thread (`RolloutProducer`), never more than `max_staleness
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -39,6 +40,7 @@ from lightning_rl.models.paths import check_model_source, model_context, resolve
 from lightning_rl.checkpoints import every_ranks, this_ranks
 from lightning_rl.modules.optim import LrSchedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
+from lightning_rl.modules.reference import drop_base_copy, reference_model, refresh_reference
 from lightning_rl.modules.threads import share_cores_with_rollouts
 from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
@@ -92,7 +94,8 @@ class GRPOModule(PolicyModule):
             support may be). With a filter on, the trainer scores each token over the support it was sampled from.
         system_prompt: prepended to string prompts (one written as chat messages keeps its own turns, a system one or none).
         loss: the ``loss:`` group, every field of `GRPOLoss` (loss type, clipping, KL, the engine-vs-trainer
-            correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference.
+            correction, entropy options, each with its TRL name); ``beta > 0`` keeps a frozen reference (with LoRA, the
+            policy with its adapters off).
         scale_rewards: ``group`` divides group-centred rewards by the group's std (``std``: its earlier name),
             ``batch`` by the std of every reward of the step (all ranks), ``none`` does not. TRL: `scale_rewards`.
         reward_aggregation: ``sum_then_normalize`` (the weighted sum of the rewards is normalised) or
@@ -312,7 +315,7 @@ class GRPOModule(PolicyModule):
         suppressed = tuple(sorted({*multimodal_token_ids(self.policy.config), *processor_token_ids(self.processor, self.tokenizer)}))
         stops = tuple(end_of_turn_ids(getattr(self.policy, "generation_config", None), self.tokenizer))  # a reply ends at its turn's end
         self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=suppressed, stop_token_ids=stops)
-        if self.loss.beta != 0.0:
+        if self.loss.beta != 0.0 and self.lora is None:  # with LoRA the reference is the policy's base: its adapters off
             self.reference = load_causal_lm(path, defer_weights=self.loads_sharded()).eval().requires_grad_(False)
         lm_head_of(self.policy)  # a clear error now for heads the chunked log-probs cannot read
 
@@ -408,10 +411,11 @@ class GRPOModule(PolicyModule):
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
                                      recompute=self.hparams.gradient_checkpointing)
         # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).
-        for name, model in (("_old_logprobs", self.policy if self.hparams.old_logprobs == "trainer" else None), ("_ref_logprobs", self.reference)):
-            if self.hparams.num_iterations > 1 and model is not None and getattr(self, name) is None:
-                with torch.no_grad():
-                    setattr(self, name, [self.policy_logprobs(model, packed)[0].cpu() for packed in packed_rows])
+        for name, wanted, model in (("_old_logprobs", self.hparams.old_logprobs == "trainer", contextlib.nullcontext(self.policy)),
+                                    ("_ref_logprobs", self.loss.beta != 0.0, reference_model(self.policy, self.reference))):
+            if self.hparams.num_iterations > 1 and wanted and getattr(self, name) is None:
+                with torch.no_grad(), model as taken:
+                    setattr(self, name, [self.policy_logprobs(taken, packed)[0].cpu() for packed in packed_rows])
         threshold = draws = None  # draws: the random state each row's threshold forward began with (its dropout masks)
         if self.loss.top_entropy_quantile < 1:
             threshold, counts, draws = step_entropy_threshold(lambda row: self.policy_logprobs(self.policy, row, with_entropy=True)[1], packed_rows,
@@ -443,7 +447,7 @@ class GRPOModule(PolicyModule):
             total, tokens = self.trainer.strategy.reduce(bonus, reduce_op="sum").tolist()
             self.entropy_control.update(self.loss, total / max(tokens, 1.0))
         if self.hparams.ref_sync_every is not None and (step + 1) % self.hparams.ref_sync_every == 0:
-            self._refresh_reference()
+            refresh_reference(self.reference, self.policy, self.hparams.ref_mixup_alpha)
         if iteration == self.hparams.num_iterations - 1:
             self._push_weights(version=index + 1)
             self._batch = self._old_logprobs = self._ref_logprobs = None
@@ -495,9 +499,9 @@ class GRPOModule(PolicyModule):
             self.policy, packed, with_entropy=True, entropy_grad=loss.entropy_coef != 0, route_agreement=mismatch.routes if mismatch else None,
         )
         engine_logprobs = packed.token_values["engine_logprobs"]
-        if self.reference is not None and ref_logprobs is None:
-            with torch.no_grad():
-                ref_logprobs, _ = self.policy_logprobs(self.reference, packed)
+        if self.loss.beta != 0.0 and ref_logprobs is None:
+            with torch.no_grad(), reference_model(self.policy, self.reference) as reference:
+                ref_logprobs, _ = self.policy_logprobs(reference, packed)
         old = old_logprobs if old_logprobs is not None else logprobs.detach() if self.hparams.old_logprobs == "trainer" else engine_logprobs
         terms = loss.token_loss(
             logprobs, old, packed.seq_values["advantage"][packed.loss_seq].to(logprobs),
@@ -525,16 +529,6 @@ class GRPOModule(PolicyModule):
             images = [r.metadata.get("images", []) for r in rollouts]
             return pack_with_images([r.sequence for r in rollouts], images, self.image_token_id, [r.loss_mask for r in rollouts], position_rule=rule, **options)
         return pack_sequences([r.sequence for r in rollouts], [r.loss_mask for r in rollouts], **options)
-
-    @torch.no_grad()
-    def _refresh_reference(self) -> None:
-        """TR-DPO: the reference moves ``ref_mixup_alpha`` of the way to the policy (shard by shard under FSDP2,
-        where both are sharded alike)."""
-        alpha, policy = self.hparams.ref_mixup_alpha, dict(self.policy.named_parameters())
-        for unit in self.reference.modules():  # FSDP2 units of a model without a backward stay gathered after forward
-            getattr(unit, "reshard", lambda: None)()
-        for name, ref in self.reference.named_parameters():
-            ref.lerp_(policy[name].to(ref.dtype), alpha)
 
     def _advantages(self, scored: ScoredBatch) -> torch.Tensor:
         """Each rollout's advantage; the statistics that span the step are summed over every rank."""
@@ -628,6 +622,8 @@ class GRPOModule(PolicyModule):
         })
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora is not None:
+            drop_base_copy(checkpoint)
         super().on_load_checkpoint(checkpoint)
         if self._trainer is None:  # load_from_checkpoint: the weights alone
             return

@@ -144,9 +144,8 @@ def check_combinations(
             raise RecipeError("ref_sync_every: loss.beta is 0, so there is no reference model to refresh", "ref_sync_every")
         if lora is not None:
             raise RecipeError(
-                "ref_sync_every: with lora the reference is the frozen base model (the policy's weights without "
-                "its adapters, held as a copy of its own), which a refresh would replace with the merged policy; "
-                "leave ref_sync_every unset", "ref_sync_every",
+                "ref_sync_every: with lora the reference is the frozen base model, read as the policy with its "
+                "adapters off, which a refresh cannot move towards the policy; leave ref_sync_every unset", "ref_sync_every",
             )
 
 

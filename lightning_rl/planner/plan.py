@@ -149,10 +149,11 @@ VLLM_DEFAULT_SHARE = 0.3  # VLLMEngine's gpu_memory_utilization by default (test
 
 def _grpo_beside(recipe: RecipeView, training: Training, total_params: int, root_params: int, config_bytes: int, gpu_memory_gb: float) -> Training:
     """A GRPO plan with what shares the trainer's GPUs: the reference model (``model.loss.beta`` != 0: a frozen copy,
-    sharded as the policy is) and an engine in the trainer's process (``vllm``: its share of the GPU, or its weights
+    sharded as the policy is; none with LoRA) and an engine in the trainer's process (``vllm``: its share of the GPU, or its weights
     and KV cache where ``kv_cache_memory_bytes`` is set), and what the plan does not model."""
     beside = []
-    if recipe.get("model.loss.beta", 0.0) not in (0, 0.0, None):
+    # With LoRA the reference is the policy's base, its adapters off: no copy of its own.
+    if recipe.get("model.loss.beta", 0.0) not in (0, 0.0, None) and training.lora_rank is None:
         # Sharded as the policy; its root (embeddings, head) runs forwards only, so it stays gathered after them.
         size = total_params * training.param_bytes / training.world_size + (root_params * training.gathered_bytes if training.world_size > 1 else 0)
         beside.append(Term("reference model (model.loss.beta != 0)", size, f"{_plain_count(total_params)} x {training.param_bytes} B / {training.world_size} GPUs"
