@@ -361,6 +361,18 @@ def test_an_adapter_that_trains_biases_is_not_one_vllm_serves(bias) -> None:
     assert vllm_adapter_refusal(plain, 8, targets, "Qwen3ForCausalLM") is None
 
 
+@pytest.mark.parametrize("pattern", [{"rank_pattern": {"q_proj": 2}}, {"alpha_pattern": {"v_proj": 5}}])
+def test_an_adapter_with_per_module_ranks_or_alphas_is_not_sent_alone(pattern) -> None:
+    """The engine reads its held A and B back at the config's one rank and scaling: a module of its own rank or
+    alpha failed that check though vLLM served it right. Refused, so `auto` syncs it merged."""
+    from lightning_rl.rollout.vllm_engine import vllm_adapter_refusal
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    spec = adapter_spec(get_peft_model(base(), LoraConfig(r=4, target_modules=targets, **pattern)))
+    key = next(iter(pattern))
+    assert vllm_adapter_refusal(spec, 8, targets, "Qwen3ForCausalLM").startswith(f"an adapter with per-module ranks or alphas ({key}: ")
+
+
 def test_an_adapter_on_an_embedding_is_refused_without_listing_the_embedding_as_served() -> None:
     """vLLM lists ``embed_tokens`` among its LoRA targets, and the refusal of an adapter on it read "serves LoRA on
     ..., embed_tokens, ... not on model.embed_tokens"."""

@@ -452,6 +452,9 @@ def vllm_adapter_refusal(adapter: AdapterSpec, max_lora_rank: int, targets: Sequ
     if adapter.rank > max_lora_rank:
         return (f"lora.r {adapter.rank} is above the engine's max_lora_rank {max_lora_rank} (the rank vLLM serves: the "
                 "first of its allowed ranks at or above the one it was started with)")
+    if pattern := next((key for key in ("rank_pattern", "alpha_pattern") if adapter.config.get(key)), None):
+        # vLLM serves them, but its held A and B are read back (verify_adapter) at the config's one rank and scaling
+        return f"an adapter with per-module ranks or alphas ({pattern}: {adapter.config[pattern]}) is not sent alone: its load cannot be verified"
     if adapter.modules_to_save:
         return f"vLLM cannot serve modules trained whole beside an adapter (modules_to_save: {adapter.modules_to_save[0]})"
     if adapter.unmergeable:
