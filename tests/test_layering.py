@@ -142,6 +142,41 @@ def test_the_rollout_side_knows_no_lightning_module_or_trainer():
     assert rollout_side_problems(sorted(PACKAGE.rglob("*.py"))) == []
 
 
+# Imports every module named with Lightning blocked; prints those that fail, and why (one needing vLLM, an optional
+# dependency, is skipped where vLLM is not installed).
+_IMPORT_WITHOUT_LIGHTNING = """
+import importlib, json, sys
+sys.modules.update(dict.fromkeys(["lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"]))
+failed = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("vllm"):
+            failed[name] = str(error)
+print(json.dumps(failed))
+"""
+
+
+def modules_needing_lightning(names: list[str]) -> dict[str, str]:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_LIGHTNING, *names], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_rollout_side_imports_without_lightning():
+    """The rule above reads each file's own imports; this imports every module of ``rollout/`` with Lightning
+    blocked, so one that reaches Lightning through another part (a datamodule beside the renderer it needs) fails
+    too. The control: the prompts' datamodule, a LightningDataModule, does not import so."""
+    names = [f"lightning_rl.{'.'.join(p.relative_to(PACKAGE).with_suffix('').parts)}" for p in sorted((PACKAGE / "rollout").rglob("*.py"))]
+    assert len(names) > 10 and modules_needing_lightning(names) == {}
+    assert list(modules_needing_lightning(["lightning_rl.data.prompts"])) == ["lightning_rl.data.prompts"]
+
+
 def test_the_grpo_module_keeps_to_the_training_side():
     """``modules/grpo.py`` holds the training side only (advantages, rows, loss, step, push, logging, state): what
     grows past 650 lines belongs to a part of its own."""

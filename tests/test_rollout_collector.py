@@ -110,6 +110,25 @@ def test_dynamic_sampling_replaces_groups_without_signal_round_by_round(tiny_tok
     with caplog.at_level("WARNING"):
         later.collect(1)
     assert "step 3: dynamic sampling found 0 of 1 groups with differing rewards after 2 rounds" in caplog.text
+    # A source with no other prompts left ends the rounds there (an empty round crashed deep in the scorer).
+    dry = collector(tiny_tokenizer, numbered, PromptList([a], [c]), "last_digit_unless_tied", dynamic_sampling=True, dynamic_sampling_max_rounds=4)
+    with caplog.at_level("WARNING"):
+        scored = dry.collect(0)
+    assert (scored.sampling_rounds, scored.sampled_groups, len(dry.engine.requests)) == (2, 2, 2)
+    assert "found 0 of 1 groups with differing rewards after 2 rounds (the prompt source has no more prompts)" in caplog.text
+    empty = RewardScorer([RewardSpec("test_rollout_collector:starts_with_digit")]).score([], [], {})
+    assert empty.total.shape == (0,) and empty.errors == []
+
+
+def test_a_datamodule_not_yet_set_up_has_its_prompts_checked_when_the_collector_is_built(tiny_tokenizer, tmp_path):
+    """The check of every prompt against the context read no records from a datamodule before its setup, so a
+    prompt too long was refused only at the step that drew it."""
+    from lightning_rl.data.prompts import PromptDataModule
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ["a?", "b?", "a question " * 40]))
+    with pytest.raises(DataError, match=r"prompts.jsonl: line 3: the prompt is \d+ tokens"):
+        collector(tiny_tokenizer, numbered, PromptDataModule(str(data), batch_size=1), "starts_with_digit", max_new_tokens=3, model_context=64)
 
 
 def test_completions_cut_at_max_new_tokens_and_prompts_that_leave_no_room(tiny_tokenizer):

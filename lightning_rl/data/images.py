@@ -270,3 +270,11 @@ class ImageRenderer:
         tokenizer = self.processor.tokenizer
         starts_with_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
         return list(tokenizer(text, add_special_tokens=not starts_with_bos)["input_ids"])
+
+
+def check_no_image_tokens(ids: list[int], image_token_id: int | None, tokenizer: Any) -> None:
+    """A row without images must not hold the model's image placeholder (typed as text, the tokenizer makes it one):
+    the model would look for an image that is not there."""
+    if image_token_id is not None and image_token_id in ids:
+        token = tokenizer.convert_ids_to_tokens(image_token_id)
+        raise ValueError(f"the text holds the model's image placeholder {token!r}, but the row gives no image (give the image as a part, or remove it from the text)")

@@ -42,7 +42,8 @@ from lightning_rl.models.multimodal import load_processor, position_rule
 from lightning_rl.models.paths import learned_positions, resolve_model_path
 from lightning_rl.toy.shapes import toy_source
 from lightning_rl.data.images import (
-    ImageRenderer, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images, with_image_column,
+    ImageRenderer, check_no_image_tokens, image_key, image_source, images_of, keyed_image_ids, load_images, row_has_images,
+    with_image_column,
 )
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.workers import WorkerLoader
@@ -533,14 +534,6 @@ def _template_context(row: dict) -> dict[str, Any]:
     """What the chat template renders a row's messages with besides them: its ``tools`` and its own
     ``chat_template_kwargs`` (TRL's per-row column: variables the template reads, such as ``enable_thinking``)."""
     return {"tools": row.get("tools"), **row.get("chat_template_kwargs", {})}
-
-
-def check_no_image_tokens(ids: list[int], image_token_id: int | None, tokenizer: Any) -> None:
-    """A row without images must not hold the model's image placeholder (typed as text, the tokenizer makes it one):
-    the model would look for an image that is not there."""
-    if image_token_id is not None and image_token_id in ids:
-        token = tokenizer.convert_ids_to_tokens(image_token_id)
-        raise ValueError(f"the text holds the model's image placeholder {token!r}, but the row gives no image (give the image as a part, or remove it from the text)")
 
 
 def _runs(mask: list[bool]) -> list[tuple[int, int]]:

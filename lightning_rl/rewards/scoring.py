@@ -278,7 +278,7 @@ class _Reward:
             raise RewardTimeout(f"did not return within {timeout_s:g}s (reward_timeout_s)") from None
         # None, or NaN (TRL reads None as NaN, and a NaN as a sample the function does not apply to): left out.
         values = [math.nan if v is None else _as_float(v) for v in _scores_of(result, len(batch), what)]
-        return torch.tensor(values, dtype=torch.float32), torch.tensor([not math.isnan(v) for v in values])
+        return torch.tensor(values, dtype=torch.float32), torch.tensor([not math.isnan(v) for v in values], dtype=torch.bool)
 
     async def _plain(self, arguments: dict[str, Any], timeout_s: float | None, what: str) -> Any:
         """A plain function's result: called on a thread of its own, which ``timeout_s`` can leave behind; on the main

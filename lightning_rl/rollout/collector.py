@@ -21,9 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_rl import validation
-from lightning_rl.data.prompts import PromptRenderer, PromptSource, RenderedPrompt
-from lightning_rl.data.sft import DataError
-from lightning_rl.errors import RecipeError, UserError
+from lightning_rl.data.rendering import PromptRenderer, PromptSource, RenderedPrompt
+from lightning_rl.errors import DataError, RecipeError, UserError
 from lightning_rl.rewards import NO_REWARD_COLUMNS, RewardScorer, TrainerState
 from lightning_rl.rollout.base import INTERRUPTED, GenerationInterrupted, PromptImages, Rollout, RolloutBatch, RolloutEngine, SamplingConfig
 from lightning_rl.rollout.buffer import BatchInterrupted, ScoredBatch
@@ -194,9 +193,12 @@ class RolloutCollector:
             return scored
         wanted = sampled = len(records)
         kept = groups_with_signal(scored)
-        rounds = 1
+        rounds, limit = 1, "dynamic_sampling_max_rounds"
         while len(kept.records) < wanted and rounds < self.settings.dynamic_sampling_max_rounds:
             extra_records = self.prompts.extra_prompts(index, sampled - wanted, wanted - len(kept.records))
+            if not extra_records:  # a source with no other prompts left to draw
+                limit = "the prompt source has no more prompts"
+                break
             extra = self.sample_and_score(index, first_round + rounds, extra_records)
             sampled += len(extra_records)
             kept = merged(kept, groups_with_signal(extra))
@@ -204,7 +206,7 @@ class RolloutCollector:
         if len(kept.records) < wanted:
             log.warning(
                 "step %d: dynamic sampling found %d of %d groups with differing rewards after %d rounds "
-                "(dynamic_sampling_max_rounds); %s", self.step_of(index), len(kept.records), wanted, rounds,
+                "(%s); %s", self.step_of(index), len(kept.records), wanted, rounds, limit,
                 "training on those" if kept.records else "the step trains the first round's groups, whose advantages are all 0",
             )
         filtered = sampled - len(kept.records) - kept.excluded_groups  # the rest left for infrastructure failures
