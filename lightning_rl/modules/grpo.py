@@ -133,9 +133,9 @@ class GRPOModule(PolicyModule):
         attention_backend: tree attention kernel (``auto``: FlexAttention on CUDA, shape-only on XLA/Neuron,
             fused SDPA blocks elsewhere; or ``blocks``, ``flex``, ``varlen`` (CUDA), ``dense``).
         compile: ``torch.compile`` each decoder layer of the policy (the tree attention inside stays eager).
-        gradient_checkpointing, offload_activations: recompute each decoder layer in backward (and a prefix shared
-            across rows: its forward keeps only its keys and values while the rows run); keep saved activations in
-            host memory until backward. TRL: `gradient_checkpointing`, `activation_offloading`.
+        gradient_checkpointing: recompute each decoder layer in backward (and a prefix shared across rows: its
+            forward keeps only its keys and values while the rows run). TRL: `gradient_checkpointing`.
+        offload_activations: keep the activations a forward saves in host memory until backward. TRL: `activation_offloading`.
         towers: an image-text model's vision (and audio) towers and projectors: ``frozen`` (default), ``train`` (in
             full), or ``lora`` (adapters there too, with ``lora``).
         verify_packing, verify_packing_every: check a step's first packed row against its sequences run one by
