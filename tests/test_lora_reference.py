@@ -78,3 +78,34 @@ def test_base_model_turns_the_adapters_and_dropout_off_and_restores_each_modules
             assert not any(m.training for m in taken.modules())
             torch.testing.assert_close(taken(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
     assert [m.training for m in policy.modules()] == [m is not policy.base_model.model.lm_head for m in policy.modules()]
+
+
+def test_a_prefix_shared_across_rows_is_forwarded_apart_for_the_base_and_the_adapted_policy():
+    """Rows of a group share its prompt's keys and values, kept per model forward: the packing check (eval mode,
+    no gradients, adapters on) and the reference (the same, adapters off) read one entry, and whichever ran second
+    attended to the other's prefix (a KL of neither model, or a false packing refusal)."""
+    from lightning_rl.ops.packed_forward import packed_logprobs, verify_row
+    from lightning_rl.ops.prefix_rows import share_prefixes
+    from lightning_rl.packing import pack_sequences
+
+    policy = load_causal_lm(resolve_model_path("tiny"), lora=LoraSettings(r=4, alpha=8))
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a trained adapter
+    policy.train()
+    sequences = [list(range(3, 12)) + [20 + k, 30 + k] for k in range(4)]
+    masks = [[t >= 9 for t in range(len(s))] for s in sequences]
+
+    def rows():
+        return share_prefixes([pack_sequences(sequences[:2], masks[:2]), pack_sequences(sequences[2:], masks[2:])], [(0, 8), (0, 8)])
+
+    def reference(row):
+        with torch.no_grad(), base_model(policy) as base:
+            return packed_logprobs(base, row)
+
+    alone, shared = reference(rows()[0]), rows()
+    verify_row(policy, shared[0])  # the packing check first, as a step runs it
+    torch.testing.assert_close(reference(shared[0]), alone, rtol=0, atol=1e-6)
+    first = rows()
+    reference(first[0])  # the reference first, as num_iterations > 1 takes it
+    assert verify_row(policy, first[0])[0] < 1e-5

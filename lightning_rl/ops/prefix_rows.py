@@ -122,7 +122,9 @@ class SharedPrefix:
         """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
         and appends (module id, key, value) per attention call to ``capture``."""
         grad = torch.is_grad_enabled() or getattr(_FOR_BACKWARD, "active", False)
-        key = (id(model), grad, model.training)
+        # A model forwarded another way is another entry: with gradients or not, in train or eval mode, and with its
+        # LoRA adapters on or off (LoRA's reference is the policy with them off).
+        key = (id(model), grad, model.training, _adapters_off(model))
         if key not in self._captures:
             recompute = grad and self.recompute
             rng = _RandomState(self.batch.input_ids) if recompute else None
@@ -293,6 +295,11 @@ def finish_prefix(row: PackedBatch) -> None:
     through its parent's after the parent's own last row)."""
     if isinstance(row, PrefixedRow):
         row.prefix.finish_row()
+
+
+def _adapters_off(model: nn.Module) -> bool:
+    """Whether a peft model runs as its base (``disable_adapter``): its adapted layers say so."""
+    return any(getattr(module, "disable_adapters", False) is True for module in model.modules())
 
 
 def _trained_on_several_processes(model: nn.Module) -> bool:
