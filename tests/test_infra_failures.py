@@ -238,3 +238,5 @@ def test_a_grpo_run_leaves_timed_out_samples_out_of_the_advantages_and_logs_the_
         rows = [row for row in csv.DictReader(f) if row.get("train/rollouts/excluded")]
     assert [(float(r["train/rollouts/excluded"]), float(r["train/groups/excluded"]), float(r["train/rollouts/excluded/reward_timeout"]))
             for r in rows] == [(4.0, 1.0, 4.0)] * 2  # fmt: skip
+    # The reward's own count of the samples its timeouts failed: those left out (it read 0, counted over the rest).
+    assert [float(r["train/reward/slow_on_some/timeouts"]) for r in rows] == [4.0, 4.0]

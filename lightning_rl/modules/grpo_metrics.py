@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -148,14 +147,15 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         # summary (W&B's) as its last value.
         **{f"rollouts/excluded/{reason}": float(scored.excluded_rollouts.get(reason, 0)) for reason in get_args(InfraFailure)},
     }
-    failed = Counter((e["function"], e.get("kind", "raised")) for e in scored.reward_errors)
+    # Every sample the step's sampling scored, as tool failures are counted: one a timeout failed was left out.
+    failed = scored.reward_failure_kinds
     for name, values in scored.reward_terms.items():
         terms = torch.tensor(values)
         metrics[f"reward/{name}/mean"] = terms.nanmean()  # over the samples it applied to (did not return None)
         metrics[f"reward/{name}/std"] = _nanstd(terms)
-        metrics[f"reward/{name}/errors"] = float(failed[name, "raised"])  # samples scored 0 because it raised
-        metrics[f"reward/{name}/non_finite"] = float(failed[name, "non_finite"])  # ... or returned +-inf
-        metrics[f"reward/{name}/timeouts"] = float(failed[name, "timeout"])  # ... or ran past reward_timeout_s
+        metrics[f"reward/{name}/errors"] = float(failed.get(f"{name}/raised", 0))  # samples scored 0 because it raised
+        metrics[f"reward/{name}/non_finite"] = float(failed.get(f"{name}/non_finite", 0))  # ... or returned +-inf
+        metrics[f"reward/{name}/timeouts"] = float(failed.get(f"{name}/timeout", 0))  # ... or ran past reward_timeout_s (left out)
     for name, values in scored.logged_metrics.items():  # a reward function's log_metric, averaged over the step
         metrics[f"reward_metric/{name}"] = sum(values) / len(values)
     if with_tools:

@@ -638,8 +638,7 @@ class RewardScorer:
             if self.on_error == "raise":
                 raise _raised(reward.name, f"{error}") from None
             values, applies = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
-            for i in range(n):  # a retry per sample could cost the limit once per sample
-                self._failed(errors, reward.name, i, batch, str(error), "timeout")
+            self._timed_out(errors, reward.name, list(range(n)), batch, str(error))  # a retry per sample could cost the limit once per sample
         except (Exception, SystemExit) as error:
             if self.on_error == "raise":
                 raise _raised(reward.name, f"raised {type(error).__name__}: {error}{_where_raised(error)}") from error
@@ -656,8 +655,7 @@ class RewardScorer:
                 except (StepAbandoned, UserError):
                     raise
                 except RewardTimeout as error:  # a retry per sample could cost the limit once per sample
-                    for i in group:
-                        self._failed(errors, reward.name, i, batch, str(error), "timeout")
+                    self._timed_out(errors, reward.name, group, batch, str(error))
                 except (Exception, SystemExit) as error:
                     if len(group) > 1:
                         alone.append(group)
@@ -684,6 +682,14 @@ class RewardScorer:
             self._failed(errors, reward.name, i, batch, message, "non_finite")
             values[i] = 0.0
         return values
+
+    def _timed_out(self, errors: list[RewardError], name: str, samples: list[int], batch: RewardBatch, message: str) -> None:
+        """A call that timed out fails every sample it was given: one line for them all."""
+        if len(samples) == 1:
+            return self._failed(errors, name, samples[0], batch, message, "timeout")
+        log.warning("%sreward %r failed on the %d samples of one call (%d to %d of %d): %s", _STEP.get(), name, len(samples),
+                    samples[0], samples[-1], len(batch), message)
+        errors.extend(RewardError(name, i, batch.prompts[i], batch.completions[i], message, "timeout") for i in samples)
 
     def _failed(
         self, errors: list[RewardError], name: str, i: int, batch: RewardBatch, message: str,

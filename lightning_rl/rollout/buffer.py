@@ -63,6 +63,9 @@ class ScoredBatch:
     # failed on every sample of the step is judged on these, summed over the ranks (`RewardScorer.stop_if_failed_on_all`).
     reward_failures: dict[str, int] = field(default_factory=dict)
     first_reward_failures: dict[str, str] = field(default_factory=dict)
+    # ... and by kind (``NAME/raised``, ``NAME/non_finite``, ``NAME/timeout``), over every attempt at the batch: what
+    # its step logs. A sample a timeout failed is left out of the batch, so its rollouts' own errors cannot count it.
+    reward_failure_kinds: dict[str, int] = field(default_factory=dict)
     # Rollouts left out for infrastructure failures, by reason (`Rollout.infra_failure`), and groups left out with
     # fewer than two valid samples (`rollout/collector.py:without_infra_failures`).
     excluded_rollouts: dict[str, int] = field(default_factory=dict)

@@ -167,14 +167,16 @@ class RolloutCollector:
 
         With ``dynamic_sampling`` the groups whose rewards all tie (no signal) are dropped and more prompts are
         sampled, up to ``dynamic_sampling_max_rounds`` rounds, until the batch has as many groups as prompts."""
-        excluded: Counter[str] = Counter()
+        excluded, failures = Counter[str](), Counter[str]()  # over every attempt
         excluded_groups = 0
         for attempt in range(ALL_EXCLUDED_ATTEMPTS):
             scored = self._collect(index, first_round=attempt * self.settings.dynamic_sampling_max_rounds, partial=partial if attempt == 0 else None)
             excluded.update(scored.excluded_rollouts)
+            failures.update(scored.reward_failure_kinds)
             excluded_groups += scored.excluded_groups
             if scored.rollouts:
-                return dataclasses.replace(scored, excluded_rollouts=dict(excluded), excluded_groups=excluded_groups)
+                return dataclasses.replace(scored, excluded_rollouts=dict(excluded), excluded_groups=excluded_groups,
+                                           reward_failure_kinds={name: failures[name] for name in scored.reward_failure_kinds})
             if attempt + 1 < ALL_EXCLUDED_ATTEMPTS:
                 log.warning(
                     "step %d: every rollout failed for infrastructure reasons (%s); sampling the step again (attempt %d "
@@ -272,6 +274,7 @@ class RolloutCollector:
             tool_failures=dict(failures),
             sampled_rollouts=len(rollouts),
             reward_failures=scores.failed_samples(),
+            reward_failure_kinds={f"{name}/{kind}": count for name, kinds in scores.failure_counts().items() for kind, count in kinds.items()},
             first_reward_failures=scores.first_failures(),
         ))
 
@@ -433,6 +436,8 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         tool_failures=dict(failures),
         sampled_rollouts=first.sampled_rollouts + second.sampled_rollouts,
         reward_failures=dict(Counter(first.reward_failures) + Counter(second.reward_failures)),
+        reward_failure_kinds={name: first.reward_failure_kinds.get(name, 0) + second.reward_failure_kinds.get(name, 0)
+                              for name in {**first.reward_failure_kinds, **second.reward_failure_kinds}},
         first_reward_failures={**second.first_reward_failures, **first.first_reward_failures},
         excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
         excluded_groups=first.excluded_groups + second.excluded_groups,
