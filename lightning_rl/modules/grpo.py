@@ -577,6 +577,8 @@ class GRPOModule(PolicyModule):
         """Log the step's figures (over every rank); returns its mean reward."""
         coef = self.entropy_control.coef if self.entropy_control is not None else self.loss.entropy_coef  # TRL logs it with a bonus
         extra = {**({"entropy_coef": coef} if coef or self.entropy_control is not None else {}), **(self._mismatch or {}), **self._sync_metrics}
+        if hasattr(self.engine, "restarts"):  # a vLLM server's, restarted after it died (engine_max_restarts)
+            extra["engine/restarts"] = float(self.engine.restarts)
         metrics, self._sync_metrics = step_metrics(scored, stats, staleness, waited, train_seconds, bool(self.rollout.tools), extra), {}
         reward = log_step(self, metrics, scored)
         step = self.global_step - 1  # the step just taken, where Lightning logs its figures; a batch's table once, at its first

@@ -47,6 +47,7 @@ def test_a_server_killed_mid_run_is_restarted_resynced_and_the_run_finishes(tiny
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, PromptDataModule(path="toy", batch_size=2))
     assert trainer.global_step == 3 and module.engine.restarts == 1 and len(kill.killed) == 1
+    assert float(trainer.callback_metrics["train/engine/restarts"]) == 1.0  # counted, not only said in a warning
     # Step 1 was sampled by the restarted server, on the weights re-pushed to it (verified) after step 0.
     assert [b["weight_version"] for b in module.trained_batches] == [0, 1, 2]
     assert log.read_text().count("Starting vLLM server on") == 2
