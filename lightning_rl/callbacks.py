@@ -449,8 +449,14 @@ class PeriodicAndFinalCheckpoint(ModelCheckpoint):
 
 
 def _validates_after_this_batch(trainer: Trainer) -> bool:
-    """Whether Lightning validates once the training batch now ending is done (its epoch loop's own test)."""
-    return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    """Whether Lightning validates once the training batch now ending is done (its epoch loop's own test), with
+    batches to validate on: a validation without any (no val_data) is skipped, and with it ``on_validation_end``,
+    where the checkpoint put off to after it would have been written."""
+    loop = trainer.fit_loop.epoch_loop
+    if not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        return False
+    loop.val_loop.setup_data()  # what that validation reads first (its loaders, once), read now
+    return not loop.val_loop.skip
 
 
 def _last_epoch(trainer: Trainer) -> bool:

@@ -7,6 +7,7 @@ so a real ENOSPC; where mounting is not allowed, a real file size limit, EFBIG).
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import errno
 import os
@@ -381,6 +382,19 @@ def file_size_limit(limit: int | None) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_run_ended_on_an_epochs_last_batch_without_validation_data_logs_on_from_where_it_stopped(tmp_path, capsys):
+    """Validation is due at an epoch's end, but without val_data it runs no batch and skips its end: the last
+    checkpoint, put off until then, was written at the run's end with the epoch counted done, and the resumed run
+    logged its steps and epoch one too high."""
+    validating = [arg for arg in SFT if arg != "--trainer.limit_val_batches=0"]
+    logged = ("--logger.kind=csv", "--trainer.limit_train_batches=3", "--trainer.log_every_n_steps=1")
+    for steps, resume in ((3, ()), (5, ("--ckpt_path=last",))):
+        code, errors, err = run(capsys, validating, tmp_path / "run", f"--trainer.max_steps={steps}", *logged, *resume)
+        assert code == 0 and errors == [], err[-3000:]
+    rows = [row for row in csv.DictReader((tmp_path / "run" / "csv" / "version_1" / "metrics.csv").open()) if row.get("train/loss")]
+    assert [(row["epoch"], row["step"]) for row in rows] == [("1", "3"), ("1", "4")]
 
 
 def test_a_run_given_max_epochs_resumes_on_the_batches_it_stopped_at(tmp_path, capsys):
