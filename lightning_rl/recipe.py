@@ -1058,6 +1058,10 @@ def _cli(recipe: str | None, overrides: list[str], build: bool, sized_only: bool
         message = _one_line(e)
         if re.fullmatch(r"model\.scale_rewards must be one of .*, got (?i:true|false)", message):  # TRL's booleans
             message += " (TRL's True is group, its False none)"
+        if trl_packing := re.fullmatch(r"data\.packing must be one of .*, got (?i:(true|bfd)|(false)|(wrapped))", message):  # TRL's values
+            message += (" (TRL's packing: true, bfd, is flat: whole examples packed, each attending to itself; tree also forwards a "
+                        "shared prefix once, and auto picks)" if trl_packing[1] else " (TRL's packing: false is none)" if trl_packing[2] else
+                        " (TRL's wrapped cuts examples across rows, which no layout here does: flat packs whole examples)")  # fmt: skip
         if message.startswith("model.engine must be one of"):
             short, got = message.removeprefix("model.engine must be one of ").split(", got ", 1)
             if got.isidentifier():

@@ -63,6 +63,8 @@ DEFAULTS = {
     "`model.eval_generations` is set; a whole `trainer.val_check_interval` adds evaluations between",
     ("*", "gradient_checkpointing"): "recomputing each layer in backward costs time where memory suffices; the loss "
     "and gradients are the same with it on (exact with packing)",
+    ("*", "bf16"): "TRL turns it on unless fp16 is; here Lightning's default, float32 throughout; set "
+    "`bf16-mixed` for TRL's",
     ("*", "output_dir"): "a run writes to a folder of its own from the start",
     ("*", "report_to"): "metrics.csv in the run folder; `logger.kind: wandb` for W&B",
     ("*", "save_steps"): "a checkpoint every 100 steps, and one at the end",
@@ -76,7 +78,8 @@ DEFAULTS = {
     "token of the row, TRL's default",
     ("sft", "completion_only_loss"): "TRL's None trains the completion alone wherever rows have one, as true does",
     ("sft", "packing"): "rows are packed by default, exactly (tree or padding-free): the loss is each example's alone",
-    ("sft", "packing_strategy"): "`data.packing` names the layout: tree, flat or none",
+    ("sft", "packing_strategy"): "`data.packing` names the layout: tree, flat or none (TRL's bfd is flat; its wrapped, which "
+    "cuts examples across rows, has no equivalent)",
     ("sft", "padding_free"): "`data.packing: flat` is padding-free; `auto` packs by default",
     ("sft", "per_device_train_batch_size"): "a batch is counted in tokens (`data.max_tokens` per row), not examples",
     ("grpo", "lr_scheduler_type"): "a constant rate after the warmup, as RL recipes run it; `model.lr_schedule: linear` "

@@ -184,7 +184,7 @@ BAD_ROWS = {
     "missing messages": ({"conversation": []}, "line 2: missing `messages`"),
     "unknown role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: unknown role 'robot'"),
     "ShareGPT's roles": ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
-                         "line 2: `messages[0]`: unknown role 'human' (expected one of system, user, assistant, tool); ShareGPT's 'human' is 'user'"),
+                         "line 2: `conversations[0]`: unknown role 'human' (expected one of system, user, assistant, tool); ShareGPT's 'human' is 'user'"),
     "empty completion": ({"prompt": "1+1=", "completion": "  "}, "line 2: `completion` is empty"),
     "null completion": ({"prompt": "1+1=", "completion": None}, "line 2: `completion` is null"),
     "non-string content": ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}, "line 2: `messages[0]`: `content` must be a string, got int"),

@@ -77,3 +77,15 @@ def test_trls_batch_size_is_converted_and_its_booleans_for_scale_rewards_are_nam
 
     with pytest.raises(RecipeError, match=r"^scale_rewards must be one of .*, got False \(TRL's True is group, its False none\)$"):
         GRPOModule(scale_rewards=False)  # from Python too
+
+
+
+@pytest.mark.parametrize(("given", "said"), [("true", "TRL's packing: true, bfd, is flat"), ("bfd", "TRL's packing: true, bfd, is flat"),
+                                             ("False", "TRL's packing: false is none"), ("wrapped", "TRL's wrapped cuts examples across rows")])
+def test_trls_packing_values_are_named_in_our_layouts(capsys, tmp_path, given, said):
+    from lightning_rl import cli
+
+    recipe_file = str(recipe_reference.REPO / recipe_reference.EXAMPLES["sft"])
+    assert cli.main(["run", recipe_file, f"--output_dir={tmp_path / 'run'}", f"--data.packing={given}"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: command line: data.packing must be one of auto, tree, flat, none, got {given} ({said}"), last

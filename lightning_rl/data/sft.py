@@ -476,6 +476,7 @@ def _check_row(row: Any) -> dict:
         if any(key in row for key in ("images", "image")):
             raise ValueError("a plain `text` row cannot hold images: they go in a conversation's user turn (`messages`, "
                              "or conversational `prompt` and `completion`)")
+    field = "conversations" if "conversations" in row and "messages" not in row else "messages"  # as the file names it
     row = with_image_column(_as_chatml(row))
     tools = _check_tools(row["tools"]) if "tools" in row else None
     if tools and not ("messages" in row or isinstance(row.get("prompt"), list)):
@@ -487,9 +488,9 @@ def _check_row(row: Any) -> dict:
     if "messages" in row and "completion" in row:  # two conversations to train: which one is not ours to guess
         raise ValueError("the row has both `messages` and `completion`: give one shape, `messages` or `prompt` and `completion`")
     if "messages" in row:
-        messages = _check_messages(row["messages"], "messages")
+        messages = _check_messages(row["messages"], field)
         if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError("`messages` has no assistant turn to train on")
+            raise ValueError(f"`{field}` has no assistant turn to train on")
         return {"messages": messages, **extra}
     if "text" in row and "prompt" not in row and "completion" not in row:
         if not isinstance(row["text"], str):
