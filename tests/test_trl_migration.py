@@ -60,6 +60,19 @@ def test_every_default_that_differs_from_trls_says_why_and_no_reason_is_stale():
     assert ("grpo", "lr_scheduler_type") in found and ("grpo", "vllm_importance_sampling_mode") not in found
 
 
+def test_the_values_trl_sets_on_construction_are_trls(tmp_path, monkeypatch):
+    """The guide's TRL defaults include what a config sets as it is built (bf16 on unless fp16 is), written down
+    rather than built in the generator: held to TRL's own here."""
+    import trl
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):  # a config built under torchrun's variables waits for its peers
+        monkeypatch.delenv(name, raising=False)
+    for config in (trl.SFTConfig, trl.GRPOConfig):
+        built = config(output_dir=str(tmp_path), use_cpu=True)
+        for name, value in trl_migration.SET_ON_CONSTRUCTION.items():
+            assert next(f.default for f in dataclasses.fields(config) if f.name == name) is None and getattr(built, name) == value
+
+
 def test_trls_batch_size_is_converted_and_its_booleans_for_scale_rewards_are_named(capsys, tmp_path):
     """TRL's GRPO batch counts completions, ours prompts: the hint gives the conversion, not the bare key (a TRL user
     set 8x the batch). A deprecated TRL name maps to its key; TRL's ``scale_rewards: false`` is named in our words."""

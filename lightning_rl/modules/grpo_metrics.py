@@ -130,7 +130,7 @@ def batch_metrics(scored: ScoredBatch, with_tools: bool) -> dict[str, Any]:
         "reward/std": _nanstd(rewards),
         "reward/frac_zero_std": _frac_tied_groups(rewards, [r.group_id for r in rollouts]),  # TRL's frac_reward_zero_std
         "reward/unscored": float(rewards.isnan().sum()),  # samples no reward function applied to (all returned None)
-        "reward/errors": float(len(scored.reward_errors)),
+        "reward/errors": float(sum(scored.reward_failure_kinds.values())),  # every function's failures, counted as below
         "rollout/weight_version": float(scored.weight_version),
         "rollout/completion_tokens": Pooled(sum(sum(r.completion_mask) for r in rollouts), len(rollouts)),
         "speed/generation_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(scored.generation_seconds, 1e-9),
@@ -190,7 +190,7 @@ def step_metrics(scored: ScoredBatch, stats: StepStats, staleness: int, waited: 
 # How every rank's figure of a step makes the step's: counts add up, extremes are the extremes of the ranks', ratios
 # of sums (`Pooled`) and means of samples are taken over every rank's (`_over_ranks`), and the rest (settings, times,
 # figures every rank shares) are averaged.
-_REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|flat_tokens|rows)$"), "sum"),
+_REDUCTIONS = ((re.compile(r"(unscored|errors|non_finite|timeouts|excluded(/\w+)?|regenerated_stale|calls|failures/\w+|trained_tokens|flat_tokens|rows|restarts)$"), "sum"),
                (re.compile(r"(max_(terminated_)?length|_max)$"), "max"), (re.compile(r"(min_(terminated_)?length|_min)$"), "min"))  # fmt: skip
 
 

@@ -63,7 +63,7 @@ class SharedPrefix:
         self.batch, self.rows, self.recompute = batch, rows, recompute
         self.finished = 0  # rows whose backward has run
         self.counted = False  # whether a row's unique tokens counted this prefix's own
-        self._captures: dict[tuple[int, bool, bool], _Capture] = {}
+        self._captures: dict[tuple[int, bool, bool, bool], _Capture] = {}
 
     @property
     def parent(self) -> SharedPrefix | None:
@@ -298,8 +298,9 @@ def finish_prefix(row: PackedBatch) -> None:
 
 
 def _adapters_off(model: nn.Module) -> bool:
-    """Whether a peft model runs as its base (``disable_adapter``): its adapted layers say so."""
-    return any(getattr(module, "disable_adapters", False) is True for module in model.modules())
+    """Whether a peft model runs as its base (``disable_adapter``): its adapted layers say so (peft's flag, read
+    from each module's own attributes: a miss through ``nn.Module.__getattr__`` costs an exception a module)."""
+    return any(vars(module).get("_disable_adapters") is True for module in model.modules())
 
 
 def _trained_on_several_processes(model: nn.Module) -> bool:
