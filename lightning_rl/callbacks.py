@@ -473,7 +473,10 @@ def _log_finished_step(trainer: Trainer) -> None:
     (a stop raised there skips it: a stopped run's log would end a step before its checkpoint)."""
     connector = trainer._logger_connector
     connector.on_batch_end()
-    connector.log_metrics(connector.metrics["log"])
+    # Only a step Lightning's interval logs (its own test, before it counts the step): with log_every_n_steps > 1 the
+    # stopped run logged a step the uninterrupted one does not.
+    if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % trainer.log_every_n_steps == 0:
+        connector.log_metrics(connector.metrics["log"])
 
 
 class RequeueOnSignal(Callback):

@@ -90,6 +90,18 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, tiny_path, opti
     assert {**before, **after} == losses(tmp_path / "reference", 0)
 
 
+def test_a_stopped_run_logs_only_the_steps_its_logging_interval_takes(tmp_path):
+    """Every third step logged, as an uninterrupted run logs steps 2, 5 (0-based): the stop after step 5 logged its
+    step 4 as well."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(TOY_TRAIN.read_text().splitlines(keepends=True)[:60]))
+    killed = run_cli(tmp_path / "killed", data, "--trainer.log_every_n_steps=3", "--trainer.callbacks+=test_sft_resume.SigtermAtStep",
+                     "--trainer.callbacks.step=5")  # fmt: skip
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    rows = csv.DictReader((tmp_path / "killed" / "csv" / "version_0" / "metrics.csv").open())
+    assert [int(row["step"]) for row in rows if row.get("train/loss")] == [2]
+
+
 def test_a_finished_run_extended_from_its_last_checkpoint_trains_what_one_longer_run_does(tmp_path):
     """A run that stopped at its max_steps inside an epoch saved its last checkpoint after Lightning closed that
     epoch: extended (another max_steps, --ckpt_path=last), it goes on with the rest of the epoch's rows, not the next
