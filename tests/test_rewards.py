@@ -332,6 +332,23 @@ def test_a_lambda_recorded_by_a_checkpoint_says_how_to_load_it_again():
     bound = RewardSpec(functools.partial(functools.partial(length_bonus, bonus=1.0, n=2), bonus=3.0), kwargs={"n": 5})
     assert bound.as_config() == {"function": "test_rewards:length_bonus", "weight": 1.0, "kwargs": {"bonus": 3.0, "n": 5}, "name": None}
     assert "<partial" in RewardSpec(functools.partial(length_bonus, "x")).as_config()["function"]
+    # A function the training script defined is recorded under __main__, which another script's __main__ lacks.
+    with pytest.raises(ValueError, match=r"'__main__:score'.*defined in the script that trained \(__main__\); give it as rewards="):
+        RewardScorer([RewardSpec("__main__:score")])
+
+
+def test_rewards_given_alone_are_a_list_of_one_and_a_wrong_entry_names_the_key():
+    """TRL's reward_funcs takes one function or a list: one alone was iterated (a name read letter by letter)."""
+    from lightning_rl.errors import RecipeError
+    from lightning_rl.modules.grpo_options import reward_specs
+
+    assert [spec.function for spec in reward_specs("math_answer")] == ["math_answer"]
+    assert reward_specs(length_bonus)[0].as_config()["function"] == "test_rewards:length_bonus"
+    assert reward_specs({"function": "format", "weight": 2.0})[0].weight == 2.0
+    with pytest.raises(RecipeError, match=r"^rewards: each entry is a name or dotted path, a function, or a block \(function, weight, kwargs\), got 3$"):
+        reward_specs([3])
+    with pytest.raises(RecipeError, match=r"^rewards must be a list of reward functions, got int$"):
+        reward_specs(3)
 
 
 def test_a_function_gets_only_the_arguments_it_names():

@@ -46,7 +46,7 @@ from lightning_rl.attention.tree_attention import AttentionBackend
 from lightning_rl.data.prompts import TOY_DATASET, PromptRenderer, PromptSource
 from lightning_rl.data.sft import DataError, GenerationCase
 from lightning_rl.modules.evaluation import HeldOutEvery, exact_match, heldout_cases, log_heldout
-from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_spec, steps_of_epochs
+from lightning_rl.modules.grpo_options import AsyncSettings, check_combinations, check_values, reward_specs, steps_of_epochs
 from lightning_rl.modules.entropy_threshold import step_entropy_threshold
 from lightning_rl.modules.grpo_metrics import StepStats, log_rollouts, log_step, rollout_table, run_summary, step_metrics
 from lightning_rl.modules.mismatch import MismatchStats, OldLogprobs, old_logprobs_source, replay_routes, unreplayed
@@ -231,7 +231,7 @@ class GRPOModule(PolicyModule):
         export: ExportMode | None = None,
     ) -> None:
         super().__init__()
-        specs = [reward_spec(r) for r in rewards]
+        specs = reward_specs(rewards)
         self.loss = validation.settings_group(GRPOLoss, loss, "loss")
         try:
             self.engine_spec = EngineSpec.of(engine)

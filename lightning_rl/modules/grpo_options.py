@@ -149,10 +149,21 @@ def check_combinations(
             )
 
 
+def reward_specs(rewards: Any) -> list[RewardSpec]:
+    """``rewards`` as ``RewardSpec``s: a list of entries, or one entry alone (TRL's ``reward_funcs`` takes either)."""
+    if isinstance(rewards, (str, dict, RewardSpec)) or callable(rewards):
+        rewards = [rewards]
+    if not isinstance(rewards, (list, tuple)):
+        raise RecipeError(f"rewards must be a list of reward functions, got {type(rewards).__name__}", "rewards")
+    return [reward_spec(r) for r in rewards]
+
+
 def reward_spec(spec: RewardSpec | dict[str, Any] | str) -> RewardSpec:
     """A ``rewards:`` entry as a ``RewardSpec``: a spec already, a name or dotted path, or its fields."""
     if isinstance(spec, RewardSpec):
         return spec
     if isinstance(spec, str) or callable(spec):  # a name or path; a function, partial or object (TRL's reward_funcs)
         return RewardSpec(spec)
+    if not isinstance(spec, dict):
+        raise RecipeError(f"rewards: each entry is a name or dotted path, a function, or a block (function, weight, kwargs), got {spec!r}", "rewards")
     return RewardSpec(**spec)

@@ -70,7 +70,14 @@ def load_reward_function(path: str) -> RewardFunction:
     if any(mark in path for mark in ("<lambda>", "<locals>", "<partial")):  # a checkpoint's record of a function given as an object
         raise ValueError(f"reward function {path!r} was a lambda, a function defined inside another or a partial of positional arguments, which cannot be imported "
                          "again: give it as rewards= (load_from_checkpoint(..., rewards=[...])), or define it at a module's top level")
-    function = load_object(path, "reward function", BUILTIN_REWARDS)
+    try:
+        function = load_object(path, "reward function", BUILTIN_REWARDS)
+    except ValueError as error:
+        if not path.startswith("__main__:"):
+            raise
+        # A checkpoint's record of a function the training script defined: another script has no such function.
+        raise ValueError(f"{error}: it was defined in the script that trained (__main__); give it as rewards= "
+                         "(load_from_checkpoint(..., rewards=[...])), or define it in a module both scripts import") from None
     if not callable(function):
         raise ValueError(f"reward function {path!r} is not callable")
     return function
