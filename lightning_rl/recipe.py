@@ -943,7 +943,7 @@ def _said(error: BaseException) -> str:
             if keys and not name.startswith(keys[0]):  # an init argument of a class given by class_path
                 name = f"{keys[0]}{'.init_args.' if _given_by_class_path(text) else '.'}{name}"
             return f"unknown key '{name}'"
-    if keys and keys[0].endswith("rewards") and (bare := re.search(r"Expected a dot import path string: ([^\s\]]+)", text)):
+    if keys and keys[0].endswith("rewards") and (bare := re.search(r"(?:Expected a dot import path string|Unexpected import path format): ([^\s\]]+)", text)):
         # A reward given by its name alone (rewards: [format]): jsonargparse reads it as a class to import.
         return (f"{keys[0]}: each reward is a block (function, weight, kwargs), got {bare[1]}: write "
                 f"{{function: {bare[1]}}} (in a recipe, - function: {bare[1]})")

@@ -239,6 +239,8 @@ MISTAKES = {
     "reward module with a syntax error": (GRPO, lambda t: ['--model.rewards=[{"function": "broken_reward:score"}]'], "reward function 'broken_reward:score': {t}/broken_reward.py:1: "),
     "reward given by its name alone": (GRPO, lambda t: ["--model.rewards+=format"],
                                        "command line: model.rewards: each reward is a block (function, weight, kwargs), got format: write {{function: format}}"),
+    "reward given by a dotted path alone": (GRPO, lambda t: ["--model.rewards=[support.grpo:text_length]"],
+                                            "command line: model.rewards: each reward is a block (function, weight, kwargs), got support.grpo:text_length"),
 }
 
 
