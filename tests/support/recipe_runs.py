@@ -5,6 +5,7 @@ read by the safe readers), and a run with the sharded loader's check (support/sh
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,14 @@ def run_on_two(recipe: str, out: Path, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
+def failure(done: subprocess.CompletedProcess) -> str:
+    """What a failed two-process run said: each rank's first traceback (one rank's death shows on the other as a
+    lost connection, after its own), and the end of its stderr."""
+    err = done.stderr
+    starts = [match.start() for match in re.finditer("Traceback", err)][:2]
+    return "\n...\n".join([*(err[i : i + 2500] for i in starts), err[-2500:]])
+
+
 def run_tiny_muse(base: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run recipes/tiny/muse_lora_sft.yaml on ``base`` into ``out``."""
     return run_on_two("recipes/tiny/muse_lora_sft.yaml", out, f"--model.model_name_or_path={base}", *extra)
@@ -45,13 +54,13 @@ def stopped_and_resumed(base: Path, root: Path, stop_after: int, *extra: str) ->
     """
     reference, killed_dir = root / "reference", root / "killed"
     done = run_tiny_muse(base, reference, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     sigterm = ("--trainer.callbacks+=test_sft_resume.SigtermAtStep", f"--trainer.callbacks.step={stop_after}")
     killed = run_tiny_muse(base, killed_dir, *extra, *sigterm)
-    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert killed.returncode == 143, failure(killed)
     assert not (killed_dir / "hf").exists()
     resumed = run_tiny_muse(base, killed_dir, *extra, "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed)
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
     # Every checkpoint the runs wrote (sharded ones too) passes the safe readers: no pickle beyond weights_only.
     written = sorted(killed_dir.rglob("*.ckpt"))
@@ -63,7 +72,7 @@ def run_with_check(base: Path, out: Path, *extra: str) -> dict:
     """One step with the check that every rank loaded exactly its shards; its findings."""
     check = ("--trainer.callbacks+=support.sharded_load_check.CompareWithFullLoad", f"--trainer.callbacks.out={out / 'check'}")
     done = run_tiny_muse(base, out / "run", "--trainer.max_steps=1", *check, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     return {
         "diff": json.loads((out / "check" / "load-diff.json").read_text()),
         "ranks": [json.loads((out / "check" / f"load-rank-{r}.json").read_text()) for r in (0, 1)],
