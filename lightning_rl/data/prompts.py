@@ -171,7 +171,6 @@ class PromptDataModule(L.LightningDataModule):
     def rows_digest(self) -> str:
         """The digest of the prompt records (once: the run's data does not change)."""
         if self._rows_digest is None:
-            self.setup()
             self._rows_digest = rows_digest(iter(self.records))
         return self._rows_digest
 
@@ -184,11 +183,9 @@ class PromptDataModule(L.LightningDataModule):
         return None
 
     def columns(self) -> set[str]:
-        self.setup()
         return set().union(*(set(record) for record in self.records))
 
     def epoch_of(self, index: int) -> float:
-        self.setup()
         return index * self.batch_size * self._rank_and_world[1] / len(self.records)
 
     @property
@@ -206,11 +203,10 @@ class PromptDataModule(L.LightningDataModule):
 
     def prompt_batch(self, index: int) -> list[dict[str, Any]]:
         """This rank's prompt records of step `index`."""
-        self.setup()
-        rank, world = self._rank_and_world
+        records, (rank, world) = self.records, self._rank_and_world
         per_step = self.batch_size * world
         first = index * per_step + rank * self.batch_size
-        return [self.records[self._record_at(position)] for position in range(first, first + self.batch_size)]
+        return [records[self._record_at(position)] for position in range(first, first + self.batch_size)]
 
     def _record_at(self, position: int) -> int:
         """The record at ``position`` of the passes over the prompts, one shuffled order per pass."""
@@ -222,9 +218,8 @@ class PromptDataModule(L.LightningDataModule):
         places ``drawn`` on of one order of the prompts that are not the step's (on any rank), drawn by a generator
         seeded by the step and this rank, so no round draws a prompt of the step or of an earlier round until the
         data has no other left, and a resumed run draws the same."""
-        self.setup()
-        rank, world = self._rank_and_world
-        n, first = len(self.records), index * self.batch_size * world
+        records, (rank, world) = self.records, self._rank_and_world
+        n, first = len(records), index * self.batch_size * world
         steps = {self._record_at(p) for p in range(first, first + self.batch_size * world)}
         excluded = steps if len(steps) < n else set()  # a step holding every prompt: its own are drawn again
         rng = random.Random((self.seed * 100_003 + index) * 65_537 + rank)
@@ -237,7 +232,7 @@ class PromptDataModule(L.LightningDataModule):
             if i not in excluded and i not in seen:
                 seen.add(i)
                 order.append(i)
-        return [self.records[i] for i in order[drawn:]]
+        return [records[i] for i in order[drawn:]]
 
     def _epoch_order(self, epoch: int) -> list[int]:
         orders = self._orders  # read once: another producer thread may replace it meanwhile

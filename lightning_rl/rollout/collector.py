@@ -175,8 +175,7 @@ class RolloutCollector:
             failures.update(scored.reward_failure_kinds)
             excluded_groups += scored.excluded_groups
             if scored.rollouts:
-                return dataclasses.replace(scored, excluded_rollouts=dict(excluded), excluded_groups=excluded_groups,
-                                           reward_failure_kinds={name: failures[name] for name in scored.reward_failure_kinds})
+                return dataclasses.replace(scored, excluded_rollouts=dict(excluded), excluded_groups=excluded_groups, reward_failure_kinds=dict(failures))
             if attempt + 1 < ALL_EXCLUDED_ATTEMPTS:
                 log.warning(
                     "step %d: every rollout failed for infrastructure reasons (%s); sampling the step again (attempt %d "
@@ -436,8 +435,7 @@ def merged(first: ScoredBatch, second: ScoredBatch) -> ScoredBatch:
         tool_failures=dict(failures),
         sampled_rollouts=first.sampled_rollouts + second.sampled_rollouts,
         reward_failures=dict(Counter(first.reward_failures) + Counter(second.reward_failures)),
-        reward_failure_kinds={name: first.reward_failure_kinds.get(name, 0) + second.reward_failure_kinds.get(name, 0)
-                              for name in {**first.reward_failure_kinds, **second.reward_failure_kinds}},
+        reward_failure_kinds=dict(Counter(first.reward_failure_kinds) + Counter(second.reward_failure_kinds)),
         first_reward_failures={**second.first_reward_failures, **first.first_reward_failures},
         excluded_rollouts=dict(Counter(first.excluded_rollouts) + Counter(second.excluded_rollouts)),
         excluded_groups=first.excluded_groups + second.excluded_groups,
