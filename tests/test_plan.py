@@ -428,3 +428,11 @@ def test_lora_adapters_are_counted_in_the_dtype_the_precision_gives_them(tmp_pat
     assert stored == {param_bytes}
     result = plan_memory(count_model(model.config, ATTENTION), Training(nodes=1, gpus_per_node=1, tokens_per_micro_batch=64, lora_rank=4, param_bytes=param_bytes), Hardware(gpu_memory_gb=80))
     assert f"x {param_bytes} B" in next(t for t in result.terms if t.name == "trainable weights, sharded").formula
+
+
+def test_an_sft_batch_cut_into_rows_is_planned_at_its_row(tmp_path: Path, capsys) -> None:
+    """A row, not the batch, is what a forward holds (``data.max_tokens_per_row``)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256, max_tokens_per_row: 64}\n")
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 0
+    assert "1 GPUs x 64 tokens x 1 accumulation" in capsys.readouterr().out

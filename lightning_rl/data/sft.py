@@ -48,7 +48,7 @@ from lightning_rl.data.images import (
 from lightning_rl.data.templates import rendering_row
 from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
-from lightning_rl.packing.planner import plan_ordered_rows
+from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_batch_rows, plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, common_prefix, count_unique_tokens, pack_sequences
 from lightning_rl.device_policy import resolve_pad_to_multiple_of
 
@@ -1045,21 +1045,57 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return len(self._batches())
 
 
+@dataclass
+class BatchRows:
+    """A batch cut into rows (``data.max_tokens_per_row``): each row packs its examples whole; ``prefixes[k]`` is row
+    ``k``'s span prefix (`packing.planner.RowPrefix`), which the module cuts off and forwards once for the span's rows
+    (`ops.prefix_rows.share_prefixes`), or None."""
+
+    rows: list[PackedBatch]
+    prefixes: list[RowPrefix | None]
+    apart: BatchRows | None = None  # under ``prefix_across_rows: auto``, the same batch without spans (sub-groups)
+
+    def to(self, device: torch.device | str) -> BatchRows:
+        return BatchRows([row.to(device) for row in self.rows], self.prefixes, None if self.apart is None else self.apart.to(device))
+
+
 class PackedCollator:
     """Packs the examples of one batch into a single PackedBatch row (``unpacked``: one example a row, which the model
-    runs as it runs that example alone)."""
+    runs as it runs that example alone), or with ``max_tokens_per_row`` into `BatchRows` of at most that many unique
+    tokens each, a shared prefix forwarded once across them under ``prefix_across_rows`` (``auto``: where that
+    forwards fewer tokens; never for image rows or padded rows, which a span refuses)."""
 
     def __init__(
         self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None,
-        position_rule: Any = None, unpacked: bool = False,
+        position_rule: Any = None, unpacked: bool = False, max_tokens_per_row: int | None = None, prefix_across_rows: PrefixAcrossRows = "auto",
     ) -> None:
         self.share_prefixes, self.pad_to_multiple_of, self.pad_token_id = share_prefixes, pad_to_multiple_of, pad_token_id
         self.image_token_id, self.position_rule, self.unpacked = image_token_id, position_rule, unpacked
+        self.max_tokens_per_row, self.prefix_across_rows = max_tokens_per_row, prefix_across_rows
 
-    def __call__(self, examples: list[Example]) -> PackedBatch:
+    def __call__(self, examples: list[Example]) -> PackedBatch | BatchRows:
+        if self.max_tokens_per_row is not None and examples:
+            return self._rows(examples)
         batch = self._pack(examples)
         batch.unpacked = self.unpacked
         return batch
+
+    def _rows(self, examples: list[Example]) -> BatchRows:
+        ids = [e.packing_ids for e in examples]
+        if not self.share_prefixes:  # flat rows forward every token
+            rows, prefixes = plan_ordered_rows(ids, self.max_tokens_per_row, "flat"), None
+        else:
+            setting = self.prefix_across_rows
+            if setting == "auto" and (self.pad_to_multiple_of or any(e.images for e in examples)):
+                setting = "never"
+            rows, prefixes = plan_batch_rows(ids, [e.loss_mask for e in examples], self.max_tokens_per_row, setting)
+            if setting == "auto" and any(prefixes):  # for a model or kernel that cannot continue a prefix exactly
+                apart = self._rows_of(examples, *plan_batch_rows(ids, [e.loss_mask for e in examples], self.max_tokens_per_row, "never"))
+                return dataclasses.replace(self._rows_of(examples, rows, prefixes), apart=apart)
+        return self._rows_of(examples, rows, prefixes or [None] * len(rows))
+
+    def _rows_of(self, examples: list[Example], rows: list[list[int]], prefixes: list[RowPrefix | None]) -> BatchRows:
+        return BatchRows([self._pack([examples[i] for i in row]) for row in rows], prefixes)
 
     def _pack(self, examples: list[Example]) -> PackedBatch:
         if not examples:  # a rank's empty batch (one short of the others): one token, not trained
@@ -1109,7 +1145,12 @@ class SFTDataModule(LightningDataModule):
         tokenizer: a tokenizer folder; by default the model's (``model.model_name_or_path`` in a recipe).
         max_tokens: tokens forwarded per packed row (unique tokens under tree packing): the batch size, in tokens. TRL:
             `per_device_train_batch_size` (rows, not tokens).
-        max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens``. TRL: `max_length`.
+        max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens_per_row``. TRL: `max_length`.
+        max_tokens_per_row: cut each batch into rows of at most this many unique tokens, run one after the other within
+            the step (the memory of a row, the batch still ``max_tokens``); default: one row a batch. One process only.
+        prefix_across_rows: with ``max_tokens_per_row``, examples sharing a prefix too large together for one row
+            forward that prefix once, their rows attending to its keys and values (``always``), or each row forwards
+            it again (``never``); ``auto``: where that forwards fewer tokens, on rows without images or padding.
         packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
             (one example per row, run as the model runs it alone: a model packing refuses trains so), or ``auto``: tree when the data shares prefixes, else flat. TRL: `packing`,
             `packing_strategy`, `padding_free`.
@@ -1135,6 +1176,8 @@ class SFTDataModule(LightningDataModule):
         tokenizer: str = "tiny",
         max_tokens: int = 2048,
         max_length: int | None = None,
+        max_tokens_per_row: int | None = None,
+        prefix_across_rows: PrefixAcrossRows = "auto",
         packing: Packing = "auto",
         pad_to_multiple_of: int | Literal["auto"] | None = "auto",
         shuffle: bool = True,
@@ -1151,14 +1194,22 @@ class SFTDataModule(LightningDataModule):
         self.train_data, self.val_data = train_data, val_data
         self.tokenizer_name = tokenizer
         self.max_tokens = validation.positive_int("max_tokens", max_tokens)
-        self.max_length = max_tokens if max_length is None else validation.positive_int("max_length", max_length)
-        if self.max_length > max_tokens:
-            raise RecipeError(f"max_length={self.max_length} is larger than max_tokens={max_tokens}: such an example fits no row", "max_length")
+        row = max_tokens if max_tokens_per_row is None else validation.positive_int("max_tokens_per_row", max_tokens_per_row)
+        if row > max_tokens:
+            raise RecipeError(f"max_tokens_per_row={row} is larger than max_tokens={max_tokens}, the tokens of a whole batch: "
+                              "give at most max_tokens", "max_tokens_per_row")
+        self.max_tokens_per_row = row if row < max_tokens else None  # None: a batch is one row
+        self.max_length = row if max_length is None else validation.positive_int("max_length", max_length)
+        if self.max_length > row:
+            bound = "max_tokens" if self.max_tokens_per_row is None else f"max_tokens_per_row={row}"
+            raise RecipeError(f"max_length={self.max_length} is larger than {bound}: such an example fits no row", "max_length")
         if isinstance(pad_to_multiple_of, int):
             validation.positive_int("pad_to_multiple_of", pad_to_multiple_of)
         validation.non_negative_int("num_workers", num_workers)
-        validation.literal_arguments(SFTDataModule.__init__, {"packing": packing})
-        self.packing = packing
+        validation.literal_arguments(SFTDataModule.__init__, {"packing": packing, "prefix_across_rows": prefix_across_rows})
+        if packing == "none" and self.max_tokens_per_row is not None:
+            raise RecipeError("max_tokens_per_row cuts a batch into rows, but packing: none makes each batch one example: leave it unset", "max_tokens_per_row")
+        self.packing, self.prefix_across_rows = packing, prefix_across_rows
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
         self.tokenizer: PreTrainedTokenizerBase | None = None
@@ -1187,7 +1238,8 @@ class SFTDataModule(LightningDataModule):
         self.processor, self.image_token_id = load_processor(path)
         self.position_rule = position_rule(path) if self.processor is not None else None  # multi-axis rotary positions
         renderer = Renderer(self.tokenizer, path, self.processor, self.image_token_id, self.assistant_only_loss, self.completion_only_loss)
-        fix = "raise data.max_length" if self.max_length < self.max_tokens else "raise data.max_tokens, which max_length may not exceed"
+        row_key = "max_tokens" if self.max_tokens_per_row is None else "max_tokens_per_row"
+        fix = "raise data.max_length" if self.max_length < (self.max_tokens_per_row or self.max_tokens) else f"raise data.{row_key}, which max_length may not exceed"
         max_length, limit = self.max_length, None
         positions = learned_positions(path)
         if positions is not None and positions[0] < max_length:  # a longer row would index past the model's table
@@ -1201,8 +1253,27 @@ class SFTDataModule(LightningDataModule):
         if self.packing == "none" and (self.trainer is None or self.trainer.is_global_zero):
             print("note: data.packing: none trains one example per micro-batch (data.max_tokens bounds its length); "
                   "trainer.accumulate_grad_batches sets how many make a step", file=sys.stderr)
+        self._check_rows()
         if self.trainer is not None and stage == "fit":
             self._check_val_interval()
+
+    def _check_rows(self) -> None:
+        """What ``max_tokens_per_row`` and ``prefix_across_rows: always`` cannot run, refused before a model loads."""
+        if self.max_tokens_per_row is not None and self.trainer is not None and self.trainer.world_size > 1:
+            raise RecipeError(
+                f"max_tokens_per_row={self.max_tokens_per_row} runs a batch's rows one after the other on one process, but the run has "
+                f"{self.trainer.world_size} (their gradients would be reduced once per row): leave it unset, and lower max_tokens", "max_tokens_per_row")
+        if self.prefix_across_rows != "always" or self.max_tokens_per_row is None:
+            return
+        why = None
+        if self.resolved_packing != "tree":
+            why = f"packing: {self.resolved_packing} shares no prefix"
+        elif any(e.images for e in [*self.train_examples, *self.val_examples]):
+            why = "the data has images (a prefix's images would be encoded apart from its rows)"
+        elif resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")):
+            why = "rows are padded to fixed lengths (pad_to_multiple_of)"
+        if why is not None:
+            raise RecipeError(f"prefix_across_rows: always forwards a shared prefix apart from its rows, but {why}: set it to auto or never", "prefix_across_rows")
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in an epoch (every epoch has the first's), counted without a data loader."""
@@ -1257,6 +1328,8 @@ class SFTDataModule(LightningDataModule):
             image_token_id=self.image_token_id,
             position_rule=self.position_rule,
             unpacked=self.resolved_packing == "none",
+            max_tokens_per_row=self.max_tokens_per_row,
+            prefix_across_rows=self.prefix_across_rows,
         )
         # A generator of its own: a loader's iterator otherwise draws its base seed from the global generator, which
         # dropout draws from too (a resumed run restores that one at its first step, see PolicyModule).

@@ -19,8 +19,8 @@ import torch
 from transformers import AutoConfig
 
 from lightning_rl import validation
-from lightning_rl.attention.tree_attention import AttentionBackend
-from lightning_rl.data.sft import GenerationCase
+from lightning_rl.attention.tree_attention import AttentionBackend, PackingRefused
+from lightning_rl.data.sft import BatchRows, GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
 from lightning_rl.models.paths import check_model_source, model_context, resolve_model_path
@@ -28,7 +28,8 @@ from lightning_rl.modules.evaluation import HELDOUT_METRIC, check_cases_fit, exa
 from lightning_rl.modules.optim import LrSchedule, check_schedule
 from lightning_rl.modules.policy import ExportMode, PolicyModule, export_mode
 from lightning_rl.ops.grad_norm import total_grad_norm
-from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, packed_logprobs, unpacked_hint
+from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, across_rows_exact, packed_logprobs, unpacked_hint
+from lightning_rl.ops.prefix_rows import PrefixedRow, finish_prefix, share_prefixes
 from lightning_rl.packing.tree import PackedBatch
 
 
@@ -108,6 +109,8 @@ class SFTModule(PolicyModule):
         self.export = export_mode(export, self.lora)
         self.packing_verifier = PackingVerifier(verify_packing, verify_packing_every)
         self._heldout: tuple[int, dict[str, Any]] | None = None  # the last evaluation: its step and figures
+        self._backward_row: PackedBatch | None = None  # the row whose loss backpropagates next
+        self._zeroed_early = False  # whether training_step zeroed this step's gradients (a batch of several rows)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -148,36 +151,75 @@ class SFTModule(PolicyModule):
         self._check_batch(batch)
 
     def _check_batch(self, batch: Any) -> None:
-        if not isinstance(batch, PackedBatch):
+        if not isinstance(batch, (PackedBatch, BatchRows)):
             source = type(self.trainer.datamodule).__name__ if self.trainer.datamodule is not None else "the data given"
             raise RecipeError(f"SFT trains on the packed rows of SFTDataModule, got a batch of {type(batch).__name__} from {source}", "data")
 
-    def training_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
-        if self.packing_verifier.due(self.global_step) and not batch.unpacked:  # an unpacked row is the model's own forward
+    def _rows(self, batch: PackedBatch | BatchRows) -> list[PackedBatch]:
+        """A batch's rows (``data.max_tokens_per_row``), each span's prefix cut off and shared (`ops.prefix_rows`); a
+        model or kernel that cannot continue a prefix exactly takes the batch's sub-groups under ``auto``, and is
+        refused in one line under ``always``."""
+        if isinstance(batch, PackedBatch):
+            return [batch]
+        if any(batch.prefixes) and not across_rows_exact(self.policy, self.attention_backend()):
+            if batch.apart is None:
+                raise PackingRefused(f"{type(self.policy).__name__} cannot continue a prefix forwarded apart exactly ({self.attention_backend()} "
+                                     "attention): set data.prefix_across_rows: never")
+            batch = batch.apart
+        return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing)
+
+    def training_step(self, batch: PackedBatch | BatchRows, batch_idx: int) -> dict[str, Any]:
+        rows = self._rows(batch)
+        # Lightning zeroes the gradients after a step's first training_step, where the rows but the last have
+        # backpropagated already: they are zeroed before, and Lightning's left out (optimizer_zero_grad).
+        self._zeroed_early = len(rows) > 1 and batch_idx % self.trainer.accumulate_grad_batches == 0
+        if self._zeroed_early:
+            self.optimizers().zero_grad()
+        if self.packing_verifier.due(self.global_step) and not rows[0].unpacked:  # an unpacked row is the model's own forward
+            checked = next((row for row in rows if isinstance(row, PrefixedRow)), rows[0])  # a span's row checks its prefix too
             with unpacked_hint("data.packing", "example"):
                 error = self.packing_verifier.check(
-                    self.policy, batch, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
+                    self.policy, checked, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
                 )
             self.log_check("train/packing_error", error)
-        logprobs, entropy, hits = self._logprobs(batch)
-        # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
-        loss_sum = -logprobs.sum()
-        # A rank's empty batch (one token, run so that every rank runs as many) trains and counts nothing: every
-        # example's row trains a token.
-        unique, flat = (batch.num_unique_tokens, batch.num_flat_tokens) if logprobs.numel() else (0, 0)
-        counts = torch.tensor([logprobs.numel(), unique, flat], dtype=torch.float64, device=loss_sum.device)
-        sums = torch.stack([loss_sum.detach().double(), *counts, entropy.sum().double(), hits.sum().double()])
-        self._step_totals = self._step_totals.to(loss_sum.device) + sums
+        loss_sum = batch_loss = trained = unique = flat = 0
+        for k, row in enumerate(rows):
+            if k:  # the row before backpropagates now, within this batch; Lightning backpropagates the last
+                self.trainer.strategy.backward(loss_sum / self.trainer.accumulate_grad_batches, None)
+            logprobs, entropy, hits = self._logprobs(row)
+            self._backward_row = row  # its span's prefix backpropagates after the span's last row (on_after_backward)
+            # Backward runs on the sum; on_before_optimizer_step divides by the step's trained tokens.
+            loss_sum = -logprobs.sum()
+            # A rank's empty batch (one token, run so that every rank runs as many) trains and counts nothing: every
+            # example's row trains a token.
+            counts = (logprobs.numel(), row.num_unique_tokens, row.num_flat_tokens) if logprobs.numel() else (0, 0, 0)
+            on = torch.tensor(counts, dtype=torch.float64, device=loss_sum.device)
+            sums = torch.stack([loss_sum.detach().double(), *on, entropy.sum().double(), hits.sum().double()])
+            self._step_totals = self._step_totals.to(loss_sum.device) + sums
+            batch_loss, trained, unique, flat = batch_loss + loss_sum.detach(), trained + counts[0], unique + counts[1], flat + counts[2]
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        row_loss = loss_sum.detach() / max(logprobs.numel(), 1)  # 0 for a rank's empty batch
-        return {"loss": loss_sum, "reported_loss": row_loss, "tokens": unique, "flat_tokens": flat}
+        reported = batch_loss / max(trained, 1)  # 0 for a rank's empty batch
+        return {"loss": loss_sum, "reported_loss": reported, "tokens": unique, "flat_tokens": flat}
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's, but for a batch of several rows that ``training_step`` zeroed before its rows ran (a callback's
+        ``on_before_zero_grad`` then sees them, not the last step's)."""
+        if not self._zeroed_early:
+            optimizer.zero_grad()
+        self._zeroed_early = False
+
+    def on_after_backward(self) -> None:
+        row, self._backward_row = self._backward_row, None
+        if row is not None:
+            finish_prefix(row)  # a span's last row: one backward through its prefix
 
     def on_validation_epoch_start(self) -> None:
         self._val_totals = torch.zeros(4, dtype=torch.float64)
 
-    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
-        logprobs, entropy, hits = self._logprobs(batch)
-        self._val_totals += torch.tensor([-logprobs.sum().item(), logprobs.numel(), entropy.sum().item(), hits.sum().item()], dtype=torch.float64)
+    def validation_step(self, batch: PackedBatch | BatchRows, batch_idx: int) -> None:
+        for row in self._rows(batch):
+            logprobs, entropy, hits = self._logprobs(row)
+            self._val_totals += torch.tensor([-logprobs.sum().item(), logprobs.numel(), entropy.sum().item(), hits.sum().item()], dtype=torch.float64)
 
     def on_validation_epoch_end(self) -> None:
         # Every rank's summed loss over every rank's tokens, divided once (Lightning's batch-size weighting averaged

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
-from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows
+from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows, prefix_limits
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
 
@@ -365,8 +365,4 @@ def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> di
     row."""
     if setting == "auto" and (apart or _trained_on_several_processes(model)):
         setting = "never"
-    limits = []
-    for mask in loss_masks:
-        trained = [t for t, on in enumerate(mask) if on and t > 0]
-        limits.append(trained[0] - 1 if trained else len(mask) - 1)
-    return dict(prefix_across_rows=setting, prefix_limits=limits)
+    return dict(prefix_across_rows=setting, prefix_limits=prefix_limits(loss_masks))

@@ -4,6 +4,8 @@
 - `plan_ordered_rows` keeps the sequences' order (SFT: a seeded epoch order, so a resumed run sees the same rows).
 - `plan_rows` packs a batch first-fit decreasing and deals the rows to data-parallel ranks so that every rank gets
   the same number of rows and about the same attention work (GRPO).
+- `plan_batch_rows` cuts one batch into rows of a smaller budget, sequences that share a first token a group (SFT's
+  ``data.max_tokens_per_row``).
 
 Sequences of one group (the G completions of a prompt) stay in one row where they fit, so their shared prompt is
 forwarded once. A group too large for one row is either split into sub-groups that each keep the prompt, or (with
@@ -259,6 +261,28 @@ def _span(sequences: Sequence[Sequence[int]], idx: Sequence[int], limits: Sequen
 def _saves(span: _Span, subgroups: list[list[int]], seqs: Sequence[Sequence[int]]) -> bool:
     """Whether the span forwards fewer tokens than the sub-groups, by more than the prefix's own forward costs."""
     return span.forwarded + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
+
+
+def prefix_limits(loss_masks: Sequence[Sequence[bool]]) -> list[int]:
+    """Per sequence, the most leading tokens a prefix forwarded apart may take: none that is the input of a trained
+    token (the prefix's forward produces no outputs), and never the whole sequence."""
+    limits = []
+    for mask in loss_masks:
+        trained = [t for t, on in enumerate(mask) if on and t > 0]
+        limits.append(trained[0] - 1 if trained else len(mask) - 1)
+    return limits
+
+
+def plan_batch_rows(
+    sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]], max_tokens: int, prefix_across_rows: PrefixAcrossRows
+) -> tuple[list[list[int]], list[RowPrefix | None]]:
+    """One batch's sequences cut into rows of at most ``max_tokens`` unique tokens, and each row's span prefix
+    (`RowPlan.prefixes`): sequences that start with the same token are a group (`plan_rows`; sequences that do not
+    share nothing), whose shared prefix, up to its first trained token's input, may be forwarded once for its rows."""
+    firsts: dict[int, int] = {}
+    groups = [firsts.setdefault(seq[0], len(firsts)) for seq in sequences]
+    plan = plan_rows(sequences, max_tokens, groups=groups, prefix_across_rows=prefix_across_rows, prefix_limits=prefix_limits(loss_masks))
+    return plan.ranks[0], plan.prefixes[0]
 
 
 def plan_ordered_rows(sequences: Sequence[Sequence[int]], max_tokens: int, packing: Literal["tree", "flat", "none"]) -> list[list[int]]:

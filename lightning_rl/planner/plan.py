@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--gpu-memory-gb", type=float, required=True)
     parser.add_argument("--model-config", type=Path, help="folder or config.json to read instead of the recipe's model")
-    parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens (GRPO: model.max_tokens_per_row)")
+    parser.add_argument("--tokens-per-micro-batch", type=int, help="default: the recipe's data.max_tokens, or data.max_tokens_per_row where set (GRPO: model.max_tokens_per_row)")
     parser.add_argument(
         "--expert-parallel", type=int, default=None,
         help="ranks the experts of a layer are split over (default: the recipe's trainer.strategy expert_parallel_size, else 1)",
@@ -93,6 +93,8 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         raise LaunchError(f"{recipe.path}: {error}") from None
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
+    if recipe.get("task") != "grpo" and recipe.get("data.max_tokens_per_row") is not None:  # SFT's batch cut into rows
+        row_key = "data.max_tokens_per_row"
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
     if tokens is None and recipe.task == "grpo":
         batch, samples = recipe.setting("data.batch_size"), recipe.setting("model.num_generations")
