@@ -30,12 +30,12 @@ class Figures(Callback):
         self.grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
 
 
-def fit(per_row, setting="auto", accumulate=1, checkpointing=False, steps=1):
+def fit(per_row, setting="auto", accumulate=1, checkpointing=False, steps=1, precision="32-true"):
     data = SFTDataModule(TOY_TRAIN, TOY_HELDOUT, max_tokens=256, max_tokens_per_row=per_row, prefix_across_rows=setting, shuffle=False)
     module = SFTModule(learning_rate=1e-2, gradient_checkpointing=checkpointing)
     figures = Figures()
     trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      max_steps=steps, accumulate_grad_batches=accumulate, limit_val_batches=2, val_check_interval=accumulate, callbacks=[figures])
+                      max_steps=steps, accumulate_grad_batches=accumulate, precision=precision, limit_val_batches=2, val_check_interval=accumulate, callbacks=[figures])
     trainer.fit(module, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return figures, metrics
@@ -72,6 +72,14 @@ def test_rows_under_accumulation_and_gradient_checkpointing():
     assert min(rows.rows) >= 3
     assert worst(rows.grads[0], whole.grads[0]) < 1e-4
     assert metrics["train/loss"] == pytest.approx(whole_metrics["train/loss"], rel=1e-5)
+
+
+def test_a_recomputed_prefix_runs_again_under_the_forward_autocast():
+    """A span's last row is backpropagated after the training step returned, outside Lightning's autocast: its prefix,
+    forwarded again for that backward (gradient checkpointing), takes the first forward's precision (it took fp32)."""
+    kept, _ = fit(80, "always", precision="bf16-mixed")
+    recomputed, _ = fit(80, "always", checkpointing=True, precision="bf16-mixed")
+    assert worst(recomputed.grads[0], kept.grads[0]) < 1e-6
 
 
 def test_a_batch_is_cut_by_first_token_and_shared_prefix():

@@ -175,19 +175,24 @@ def _captured(model: nn.Module, forward) -> list[tuple[int, Tensor, Tensor]]:
 
 
 class _RandomState:
-    """The random state a forward on ``on``'s device starts from (the host's and the accelerator's, as
-    `torch.utils.checkpoint` keeps it), to run the forward again the same (dropout)."""
+    """The random state a forward on ``on``'s device starts from (the host's and the accelerator's), and its autocast
+    (the device's and the host's), as `torch.utils.checkpoint` keeps them, to run the forward again the same: the same
+    dropout, and the same precision where the backward runs outside the forward's autocast (SFT backpropagates a span's
+    last row after its training step returned)."""
 
     def __init__(self, on: Tensor) -> None:
         self.host = torch.get_rng_state()
         self.device_type = on.device.type
         self.devices, self.states = get_device_states(on)  # none for a CPU tensor
+        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in {self.device_type, "cpu"}}
 
     @contextlib.contextmanager
     def restored(self):
-        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), contextlib.ExitStack() as stack:
             torch.set_rng_state(self.host)
             set_device_states(self.devices, self.states, device_type=self.device_type)
+            for kind, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             yield
 
 

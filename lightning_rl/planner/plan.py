@@ -93,8 +93,15 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         raise LaunchError(f"{recipe.path}: {error}") from None
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
-    if recipe.get("task") != "grpo" and recipe.get("data.max_tokens_per_row") is not None:  # SFT's batch cut into rows
-        row_key = "data.max_tokens_per_row"
+    rows = 1
+    if recipe.get("task") != "grpo" and recipe.get("data.max_tokens_per_row") is not None and not args.tokens_per_micro_batch:
+        row_key = "data.max_tokens_per_row"  # SFT's batch cut into rows: a forward holds one, a step takes them all
+        batch, row = recipe.setting("data.max_tokens"), recipe.setting(row_key)
+        if isinstance(batch, int) and isinstance(row, int) and 0 < row < batch:
+            rows = -(-batch // row)
+            if args.nodes * args.gpus_per_node > 1:
+                raise LaunchError(f"{recipe.path}: `data.max_tokens_per_row` runs a batch's rows one after the other on one process, but the plan "
+                                  f"has {args.nodes * args.gpus_per_node} GPUs: leave it unset, and lower data.max_tokens")
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
     if tokens is None and recipe.task == "grpo":
         batch, samples = recipe.setting("data.batch_size"), recipe.setting("model.num_generations")
@@ -113,6 +120,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tokens_per_micro_batch=padded,
+        rows_per_micro_batch=rows,
         accumulate_grad_batches=int(recipe.get("trainer.accumulate_grad_batches", 1)),
         lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
         param_bytes=param_bytes,
