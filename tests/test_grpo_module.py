@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -339,6 +340,19 @@ def test_dynamic_sampling_draws_new_prompts_round_after_round(tmp_path, prompts)
     others = prompts - 4
     assert not set(drawn[:others]) & set(step) and len(set(drawn[:others])) == len(drawn[:others]) == min(others, 6)
     assert rounds == [[r["prompt"] for r in data.extra_prompts(1, drawn, 2)] for drawn in (0, 2, 4)]  # a resume draws the same
+
+
+def test_ranks_draw_other_extra_prompts(tmp_path):
+    """Each rank's rounds draw prompts no other rank draws in the step, while the data has others (each rank drew
+    from a generator of its own, and two could draw the same prompt)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(64)))
+    drawn = []
+    for rank in range(4):
+        data = PromptDataModule(str(path), batch_size=2)
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=4)  # the rank and world a Trainer gives
+        drawn += [r["prompt"] for drawn_before in (0, 3) for r in data.extra_prompts(1, drawn_before, 3)]
+    assert len(drawn) == len(set(drawn)) == 24
 
 
 def test_dynamic_sampling_says_when_its_bound_is_hit(caplog):

@@ -215,24 +215,25 @@ class PromptDataModule(L.LightningDataModule):
 
     def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
         """``count`` more records for step `index`'s dynamic sampling, after the ``drawn`` its earlier rounds took:
-        places ``drawn`` on of one order of the prompts that are not the step's (on any rank), drawn by a generator
-        seeded by the step and this rank, so no round draws a prompt of the step or of an earlier round until the
-        data has no other left, and a resumed run draws the same."""
+        places ``drawn`` on of this rank's share of one order of the prompts that are not the step's (on any rank),
+        drawn by a generator seeded by the step: every ``world``-th place from the rank's, so no round draws a prompt
+        of the step, of an earlier round or of another rank until the data has no other left, and a resumed run draws
+        the same."""
         records, (rank, world) = self.records, self._rank_and_world
         n, first = len(records), index * self.batch_size * world
         steps = {self._record_at(p) for p in range(first, first + self.batch_size * world)}
         excluded = steps if len(steps) < n else set()  # a step holding every prompt: its own are drawn again
-        rng = random.Random((self.seed * 100_003 + index) * 65_537 + rank)
+        rng = random.Random((self.seed * 100_003 + index) * 65_537)
         order: list[int] = []
         seen: set[int] = set()
-        while len(order) < drawn + count:
+        while len(order) < (drawn + count) * world:
             if len(seen) == n - len(excluded):  # every other prompt drawn: another pass over them
                 seen = set()
             i = rng.randrange(n)
             if i not in excluded and i not in seen:
                 seen.add(i)
                 order.append(i)
-        return [records[i] for i in order[drawn:]]
+        return [records[i] for i in order[rank::world][drawn:]]
 
     def _epoch_order(self, epoch: int) -> list[int]:
         orders = self._orders  # read once: another producer thread may replace it meanwhile
