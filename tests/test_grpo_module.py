@@ -658,6 +658,8 @@ def test_load_from_checkpoint_gives_the_trained_weights(tmp_path):
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "last.ckpt")
     theirs = dict(module.policy.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in loaded.policy.named_parameters())
+    exported = loaded.export_hf(tmp_path / "hf")  # from a script, with no Trainer: the model's own tokenizer
+    assert (exported / "tokenizer_config.json").exists() and "for 1 optimizer steps" in (exported / "README.md").read_text()
 
 
 def test_a_module_fitted_again_starts_a_run_of_its_own():

@@ -109,3 +109,7 @@ def test_grpo_prompts_of_text_parts_read_as_text_and_malformed_messages_name_the
         data.write_text(json.dumps(parts) + "\n" + json.dumps({"prompt": bad}) + "\n")
         with pytest.raises(DataError, match=re.escape(f"{data}: line 2: {message}")):
             read_prompt_records(str(data), "prompt")
+    # A prompt of whitespace alone is empty, as an SFT row's (it prompted the model with a blank turn).
+    data.write_text(json.dumps(parts) + "\n" + json.dumps({"prompt": "  \n"}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{data}: line 2: field 'prompt' must be a non-empty string or message list")):
+        read_prompt_records(str(data), "prompt")

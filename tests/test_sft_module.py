@@ -355,6 +355,12 @@ def test_load_from_checkpoint_gives_the_trained_weights_and_lora_settings_resume
     assert loaded.lora == trained.lora
     theirs = dict(trained.model.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in loaded.model.named_parameters())
+    # Exported from a script, with no Trainer (it read the Trainer's datamodule): the model's tokenizer, the steps trained.
+    merged = loaded.export_hf(tmp_path / "hf")
+    assert "for 2 optimizer steps" in (merged / "README.md").read_text()
+    ids = torch.tensor([[5, 17, 42, 99]])
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(merged).eval(), ids), logits(loaded.model.merge_and_unload().eval(), ids), atol=1e-5, rtol=1e-5)
+    assert (merged / "tokenizer_config.json").exists()
     assert run(3, ckpt_path=str(tmp_path / "last.ckpt")).global_step == 3
 
 

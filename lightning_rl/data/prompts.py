@@ -49,7 +49,7 @@ def read_prompt_records(source: DataSource, prompt_field: str) -> list[tuple[str
         if isinstance(prompt, list):
             while prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
                 prompt = prompt[:-1]
-        if not prompt or not isinstance(prompt, (str, list)):
+        if not isinstance(prompt, (str, list)) or not (prompt.strip() if isinstance(prompt, str) else prompt):  # whitespace: empty, as SFT reads it
             raise DataError(f"{name}: {where}: field {prompt_field!r} must be a non-empty string or message list")
         try:
             prompt = _text_parts_joined(prompt, prompt_field) if isinstance(prompt, list) else prompt

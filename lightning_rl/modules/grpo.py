@@ -608,8 +608,9 @@ class GRPOModule(PolicyModule):
         return {**heldout, **run_summary(self.reward_history, self.hparams.summary_window, self.trained_batches), "reward_failure": self.scorer.stopped_by}
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
-        """Write the trained policy and its tokenizer as a Hugging Face folder."""
-        return self.export_policy(self.processor or self.tokenizer, path, mode=self.export, data=self.trainer.datamodule.path, write=write)
+        """Write the trained policy and its tokenizer as a Hugging Face folder (on no Trainer, the model's own)."""
+        tokenizer = self.processor or getattr(self, "tokenizer", None) or self.model_tokenizer()
+        return self.export_policy(tokenizer, path, mode=self.export, data=getattr(self.attached_datamodule, "path", None), write=write)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # what wrote it: a checkpoint of another kind is refused on resume

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule
+from transformers import AutoTokenizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.attention.tree_attention import choose_backend
@@ -18,7 +19,8 @@ from lightning_rl.checkpoints import RESUME_KEYS, ForeignCheckpointError, check_
 from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
-from lightning_rl.models.paths import EMBEDDED
+from lightning_rl.models.multimodal import load_processor
+from lightning_rl.models.paths import EMBEDDED, resolve_model_path
 from lightning_rl.models.structure import auto_model_class, compile_decoder_layers
 from lightning_rl.models.weights import export_merge_refusal
 from lightning_rl.modules.model_card import data_name, key_settings, model_card
@@ -224,6 +226,7 @@ class PolicyModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is None:  # ``load_from_checkpoint``: the weights into a module built from its arguments, no run to resume
             self.check_writer(checkpoint, "the checkpoint")
+            self._loaded_step = checkpoint.get("global_step")  # the model card's steps, exported with no Trainer
             return
         path = self.trainer.ckpt_path
         lacking = [key for key in RESUME_KEYS if key not in checkpoint]  # `run` refused such a file before the fit
@@ -295,13 +298,25 @@ class PolicyModule(LightningModule):
         if differs:
             raise ForeignCheckpointError(f"ckpt_path: {path} was written by another kind of run ({'; '.join(differs)})")
 
+    def model_tokenizer(self) -> Any:
+        """The model's own tokenizer (an image-text model's processor), to export a module on no Trainer with
+        (``load_from_checkpoint`` in a script)."""
+        path = resolve_model_path(self.hparams.model_name_or_path)
+        return load_processor(path)[0] or AutoTokenizer.from_pretrained(path)
+
+    @property
+    def attached_datamodule(self) -> Any:
+        """The Trainer's datamodule, None on no Trainer (``load_from_checkpoint``) or none given."""
+        return self._trainer.datamodule if self._trainer is not None else None
+
     def export_policy(self, tokenizer: Any, path: Path, mode: ExportMode, data: Any, write: bool = True) -> Path:
         """Write the trained policy (``model``, LoRA ``merged`` into it, or the ``adapter`` alone) and its tokenizer
         as a Hugging Face folder, with a model card of the run (``data``: what it trained on). The base model is named
         as the recipe names it (an adapter's ``base_model_name_or_path`` too), not by where this machine keeps it."""
         base = self.hparams.model_name_or_path
         task = type(self).__name__.removesuffix("Module")
-        card = model_card(task=task, base_model=base, export=mode, steps=self.global_step, data=data_name(data), settings=key_settings(self.hparams, self.lora),
+        steps = self.global_step if self._trainer is not None else getattr(self, "_loaded_step", None) or 0
+        card = model_card(task=task, base_model=base, export=mode, steps=steps, data=data_name(data), settings=key_settings(self.hparams, self.lora),
                           image_text=getattr(tokenizer, "image_processor", None) is not None, embedded_base=base in EMBEDDED,
                           model_class=auto_model_class(self.policy.config).__name__)  # Muse Spark Open: image-text, even with a tokenizer only
         return export_hf(self.policy, tokenizer, path, mode=mode, write=write, base_model=base, model_card=card)

@@ -276,8 +276,11 @@ class SFTModule(PolicyModule):
         return metrics
 
     def export_hf(self, path: Path, write: bool = True) -> Path:
-        """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer)."""
-        datamodule = self.trainer.datamodule  # an image-text model ships its processor (tokenizer included)
-        tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer
+        """Write the final Hugging Face folder (model, merged model or adapter, plus tokenizer); on no Trainer (a
+        module from ``load_from_checkpoint``), with the model's own tokenizer."""
+        datamodule = self.attached_datamodule
+        if datamodule is None:
+            return self.export_policy(self.model_tokenizer(), path, mode=self.export, data=None, write=write)
+        tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer  # an image-text model ships its processor
         return self.export_policy(tokenizer, path, mode=self.export, data=getattr(datamodule, "train_data", None), write=write)
 
