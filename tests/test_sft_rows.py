@@ -103,6 +103,7 @@ def test_a_batch_is_cut_by_first_token_and_shared_prefix():
         (dict(max_tokens=128, max_tokens_per_row=64, packing="none"), "max_tokens_per_row"),
         (dict(max_tokens=128, max_tokens_per_row=64, max_length=100), "max_length"),
         (dict(max_tokens=128, max_tokens_per_row=64, prefix_across_rows="sometimes"), "prefix_across_rows"),
+        (dict(max_tokens=128, prefix_across_rows="always"), "prefix_across_rows"),  # a batch of one row: nothing to share across
     ],
 )
 def test_row_settings_refused_in_one_line(kwargs, key):

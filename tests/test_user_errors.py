@@ -148,6 +148,8 @@ MISTAKES = {
     "check_val_every_n_epoch 0": (SFT, lambda t: ["--trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch must be >= 1, got 0"),
     "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
     "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
+    "SFT rows on two processes": (SFT, lambda t: ["--trainer.devices=2", "--data.max_tokens_per_row=128"],
+                                  "data.max_tokens_per_row=128 runs a batch's rows one after the other on one process, but the run has 2 "),
     "a rollout longer than a row": (GRPO, lambda t: ["--model.max_tokens_per_row=10", "--model.prefix_across_rows=never"],
                                     "model.max_tokens_per_row=10: a rollout of "),
     "polynomial ending above the rate": (SFT, lambda t: ["--model.lr_schedule=polynomial", "--model.learning_rate=1e-7"],
@@ -263,7 +265,8 @@ def test_a_mistake_is_one_error_line_naming_it(case, tmp_path, capsys, caplog, m
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: " + expected.format(t=tmp_path, r=recipe, cwd=os.getcwd())), lines[0]
     assert "Traceback" not in err
-    assert not [r for r in caplog.records if r.getMessage().startswith("Seed set")]  # no line of Lightning's before the error
+    # No line of Lightning's before the error, and no process started (each would say it again).
+    assert not [r for r in caplog.records if r.getMessage().startswith(("Seed set", "Initializing distributed"))]
     assert not out.exists()  # no lock, no logger folder, no recipe.yaml
     assert time.monotonic() - started < 30  # a hub id is looked up once, not retried for a minute
 

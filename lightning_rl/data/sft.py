@@ -1209,6 +1209,9 @@ class SFTDataModule(LightningDataModule):
         validation.literal_arguments(SFTDataModule.__init__, {"packing": packing, "prefix_across_rows": prefix_across_rows})
         if packing == "none" and self.max_tokens_per_row is not None:
             raise RecipeError("max_tokens_per_row cuts a batch into rows, but packing: none makes each batch one example: leave it unset", "max_tokens_per_row")
+        if prefix_across_rows == "always" and self.max_tokens_per_row is None:
+            raise RecipeError(f"prefix_across_rows: always forwards a prefix apart from the rows of a batch, but a batch is one row of max_tokens={max_tokens}: "
+                              "set max_tokens_per_row below it, or leave prefix_across_rows at auto", "prefix_across_rows")
         self.packing, self.prefix_across_rows = packing, prefix_across_rows
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
@@ -1257,12 +1260,17 @@ class SFTDataModule(LightningDataModule):
         if self.trainer is not None and stage == "fit":
             self._check_val_interval()
 
-    def _check_rows(self) -> None:
-        """What ``max_tokens_per_row`` and ``prefix_across_rows: always`` cannot run, refused before a model loads."""
-        if self.max_tokens_per_row is not None and self.trainer is not None and self.trainer.world_size > 1:
+    def check_world_size(self, world_size: int) -> None:
+        """Rows run on one process (``run`` asks before it starts the processes, so it is said once)."""
+        if self.max_tokens_per_row is not None and world_size > 1:
             raise RecipeError(
                 f"max_tokens_per_row={self.max_tokens_per_row} runs a batch's rows one after the other on one process, but the run has "
-                f"{self.trainer.world_size} (their gradients would be reduced once per row): leave it unset, and lower max_tokens", "max_tokens_per_row")
+                f"{world_size} (their gradients would be reduced once per row): leave it unset, and lower max_tokens", "max_tokens_per_row")
+
+    def _check_rows(self) -> None:
+        """What ``max_tokens_per_row`` and ``prefix_across_rows: always`` cannot run, refused before a model loads."""
+        if self.trainer is not None:
+            self.check_world_size(self.trainer.world_size)
         if self.prefix_across_rows != "always" or self.max_tokens_per_row is None:
             return
         why = None

@@ -42,7 +42,7 @@ class Training:
     gpus_per_node: int
     tokens_per_micro_batch: int  # a row's: what one forward holds
     accumulate_grad_batches: int = 1
-    rows_per_micro_batch: int = 1  # rows a micro-batch is cut into, forwarded one after the other (SFT's max_tokens_per_row)
+    tokens_per_batch: int | None = None  # a micro-batch's tokens when it is cut into rows forwarded one after the other (SFT's max_tokens_per_row)
     lora_rank: int | None = None
     param_bytes: int = 2
     compute_bytes: int = 2  # activations and what flows between layers (fp32 under the -mixed precisions' autocast)
@@ -208,7 +208,7 @@ def _activations(plan: Plan) -> Term:
 def _plan_step_time(plan: Plan) -> None:
     census, training, hardware = plan.census, plan.training, plan.hardware
     world, g, c = training.world_size, training.gathered_bytes, training.compute_bytes
-    plan.tokens_per_step = world * training.tokens_per_micro_batch * training.rows_per_micro_batch * training.accumulate_grad_batches
+    plan.tokens_per_step = world * (training.tokens_per_batch or training.tokens_per_micro_batch) * training.accumulate_grad_batches
     flops = 6 * census.active_params * plan.tokens_per_step
     plan.compute_seconds = flops / (world * hardware.peak_tflops * 1e12 * hardware.mfu)
     # Units are resharded after forward, so every micro-batch gathers each one twice (forward, backward).
@@ -262,8 +262,9 @@ def format_plan(plan: Plan) -> str:
         f"  usable: {hardware.gpu_memory_gb:g} GiB x (1 - {hardware.headroom:g} headroom) = {plan.usable_bytes / GIB:.2f} GiB",
         "",
         "step time:",
-        f"  tokens per step: {training.world_size} GPUs x {training.tokens_per_micro_batch} tokens x "
-        + (f"{training.rows_per_micro_batch} rows x " if training.rows_per_micro_batch > 1 else "")
+        f"  tokens per step: {training.world_size} GPUs x "
+        + (f"{training.tokens_per_batch} tokens (rows of {training.tokens_per_micro_batch}) x " if training.tokens_per_batch
+           else f"{training.tokens_per_micro_batch} tokens x ")
         + f"{training.accumulate_grad_batches} accumulation = {plan.tokens_per_step}",
         f"  compute: 6 x {_count(census.active_params)} active x {plan.tokens_per_step} tokens / "
         f"({training.world_size} x {hardware.peak_tflops:g} TFLOP/s x MFU {hardware.mfu:g}) = {plan.compute_seconds:.2f} s",

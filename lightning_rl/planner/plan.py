@@ -93,12 +93,11 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         raise LaunchError(f"{recipe.path}: {error}") from None
     param_bytes, compute_bytes = _PRECISION_BYTES[precision]
     row_key = "model.max_tokens_per_row" if recipe.get("task") == "grpo" else "data.max_tokens"  # a packed row's tokens
-    rows = 1
-    if recipe.get("task") != "grpo" and recipe.get("data.max_tokens_per_row") is not None and not args.tokens_per_micro_batch:
-        row_key = "data.max_tokens_per_row"  # SFT's batch cut into rows: a forward holds one, a step takes them all
-        batch, row = recipe.setting("data.max_tokens"), recipe.setting(row_key)
+    batch_tokens = None  # an SFT batch cut into rows (data.max_tokens_per_row): a forward holds a row, a step the batch
+    if recipe.get("task") != "grpo" and recipe.get("data.max_tokens_per_row") is not None:
+        batch, row = recipe.setting("data.max_tokens"), recipe.setting("data.max_tokens_per_row")
         if isinstance(batch, int) and isinstance(row, int) and 0 < row < batch:
-            rows = -(-batch // row)
+            row_key, batch_tokens = "data.max_tokens_per_row", batch
             if args.nodes * args.gpus_per_node > 1:
                 raise LaunchError(f"{recipe.path}: `data.max_tokens_per_row` runs a batch's rows one after the other on one process, but the plan "
                                   f"has {args.nodes * args.gpus_per_node} GPUs: leave it unset, and lower data.max_tokens")
@@ -120,7 +119,7 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tokens_per_micro_batch=padded,
-        rows_per_micro_batch=rows,
+        tokens_per_batch=batch_tokens,
         accumulate_grad_batches=int(recipe.get("trainer.accumulate_grad_batches", 1)),
         lora_rank=int(lora.get("r", 16)) if isinstance(lora, dict) else None,
         param_bytes=param_bytes,
