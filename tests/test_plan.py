@@ -439,6 +439,8 @@ def test_an_sft_batch_cut_into_rows_is_planned_at_its_row(tmp_path: Path, capsys
     assert "1 GPUs x 256 tokens (rows of 64) x 1 accumulation = 256" in capsys.readouterr().out
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--tokens-per-micro-batch", "100"]) == 0
     assert "1 GPUs x 256 tokens (rows of 100) x 1 accumulation = 256" in capsys.readouterr().out  # a row that does not divide the batch
+    assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80", "--tokens-per-micro-batch", "512"]) == 2
+    assert "no row is larger than its batch" in capsys.readouterr().err
     for given in ([], ["--tokens-per-micro-batch", "64"]):
         assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "80", *given]) == 2
         assert "`data.max_tokens_per_row` runs a batch's rows one after the other on one process" in capsys.readouterr().err

@@ -216,9 +216,9 @@ class PromptDataModule(L.LightningDataModule):
     def extra_prompts(self, index: int, drawn: int, count: int) -> list[dict[str, Any]]:
         """``count`` more records for step `index`'s dynamic sampling, after the ``drawn`` its earlier rounds took:
         places ``drawn`` on of this rank's share of one order of the prompts that are not the step's (on any rank),
-        drawn by a generator seeded by the step: every ``world``-th place from the rank's, so no round draws a prompt
-        of the step, of an earlier round or of another rank until the data has no other left, and a resumed run draws
-        the same."""
+        drawn by a generator seeded by the step: every ``world``-th place from the rank's. Within one pass of that order
+        over the other prompts no round draws a prompt of the step, of an earlier round or of another rank; a rank that
+        draws past the pass (the others drawing fewer) may meet one another rank took. A resumed run draws the same."""
         records, (rank, world) = self.records, self._rank_and_world
         n, first = len(records), index * self.batch_size * world
         steps = {self._record_at(p) for p in range(first, first + self.batch_size * world)}

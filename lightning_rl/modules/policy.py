@@ -315,7 +315,7 @@ class PolicyModule(LightningModule):
         as the recipe names it (an adapter's ``base_model_name_or_path`` too), not by where this machine keeps it."""
         base = self.hparams.model_name_or_path
         task = type(self).__name__.removesuffix("Module")
-        steps = self.global_step if self._trainer is not None else getattr(self, "_loaded_step", None) or 0
+        steps = self.global_step or getattr(self, "_loaded_step", None) or 0  # a loaded module's, on no Trainer or a new one
         card = model_card(task=task, base_model=base, export=mode, steps=steps, data=data_name(data), settings=key_settings(self.hparams, self.lora),
                           image_text=getattr(tokenizer, "image_processor", None) is not None, embedded_base=base in EMBEDDED,
                           model_class=auto_model_class(self.policy.config).__name__)  # Muse Spark Open: image-text, even with a tokenizer only

@@ -184,7 +184,8 @@ class _RandomState:
         self.host = torch.get_rng_state()
         self.device_type = on.device.type
         self.devices, self.states = get_device_states(on)  # none for a CPU tensor
-        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in {self.device_type, "cpu"}}
+        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in {self.device_type, "cpu"}
+                         if torch.amp.is_autocast_available(kind)}
 
     @contextlib.contextmanager
     def restored(self):

@@ -102,6 +102,8 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
                 raise LaunchError(f"{recipe.path}: `data.max_tokens_per_row` runs a batch's rows one after the other on one process, but the plan "
                                   f"has {args.nodes * args.gpus_per_node} GPUs: leave it unset, and lower data.max_tokens")
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
+    if batch_tokens is not None and isinstance(tokens, int) and tokens > batch_tokens:
+        raise LaunchError(f"{recipe.path}: --tokens-per-micro-batch {tokens} is a row of a batch of data.max_tokens={batch_tokens}: no row is larger than its batch")
     if tokens is None and recipe.task == "grpo":
         batch, samples = recipe.setting("data.batch_size"), recipe.setting("model.num_generations")
         new = recipe.get("model.sampling.max_new_tokens", None) or "its max_new_tokens"
