@@ -1278,7 +1278,7 @@ class SFTDataModule(LightningDataModule):
             why = f"packing: {self.resolved_packing} shares no prefix"
         elif any(e.images for e in [*self.train_examples, *self.val_examples]):
             why = "the data has images (a prefix's images would be encoded apart from its rows)"
-        elif resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")):
+        elif self._row_padding():
             why = "rows are padded to fixed lengths (pad_to_multiple_of)"
         if why is not None:
             raise RecipeError(f"prefix_across_rows: always forwards a shared prefix apart from its rows, but {why}: set it to auto or never", "prefix_across_rows")
@@ -1326,12 +1326,16 @@ class SFTDataModule(LightningDataModule):
                 "to count batches across epochs"
             )
 
+    def _row_padding(self) -> int | None:
+        """``pad_to_multiple_of`` as the rows are padded on this run's device (``auto``: 128 on XLA/Neuron, else none)."""
+        return resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu"))
+
     def _loader(self, examples: list[Example], shuffle: bool, seed: int) -> tuple[DataLoader, TokenBudgetBatchSampler]:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         sampler = TokenBudgetBatchSampler(examples, self.max_tokens, self.resolved_packing, shuffle=shuffle, seed=seed, rank=rank, world_size=world)
         collate = PackedCollator(
             share_prefixes=self.resolved_packing == "tree",
-            pad_to_multiple_of=resolve_pad_to_multiple_of(self.pad_to_multiple_of, self.trainer if self.trainer is not None else torch.device("cpu")),
+            pad_to_multiple_of=self._row_padding(),
             pad_token_id=self.tokenizer.pad_token_id or 0,
             image_token_id=self.image_token_id,
             position_rule=self.position_rule,

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from transformers import AutoTokenizer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from transformers import AutoTokenizer
 
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.callbacks import ScheduleOnResume, StopOnNonFinite, ValidationOnResume
