@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy, XLAStrategy
 
 #: Neuron and XLA compile one graph per input shape; 128 matches the Neuron tiling of the sequence axis.
 STATIC_SHAPE_MULTIPLE = 128
@@ -49,3 +50,9 @@ def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}")
     return value
+
+
+def wraps_in_ddp(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's DDP, which reduces the gradients a synchronised backward leaves: rows and
+    spans run on several processes under it alone (its XLA subclass reduces in the optimizer step instead, untried)."""
+    return isinstance(strategy, DDPStrategy) and not isinstance(strategy, XLAStrategy)

@@ -651,8 +651,8 @@ class RecipeCLI(LightningCLI):
         except (ValueError, MisconfigurationException) as error:  # Lightning's words, with the key they are about
             raise _trainer_refusal(error, config["trainer"]) from None
         trainer.strategy.checkpoint_io = staged_checkpoint_io(trainer.strategy.checkpoint_io)
-        if hasattr(self.datamodule, "check_world_size"):  # said once, before the processes start (each would say it)
-            self.datamodule.check_world_size(trainer.world_size)
+        if hasattr(self.datamodule, "check_strategy"):  # said once, before the processes start (each would say it)
+            self.datamodule.check_strategy(trainer)
         return trainer
 
 

@@ -56,8 +56,10 @@ def ends_early(tmp_path_factory, tiny_path) -> str:
         # Rows of 48 tokens: the ranks' rollouts of unlike lengths need unlike numbers of rows, and the rank with fewer
         # runs empty ones (their pad token was counted in train/flat_tokens and train/rows).
         {"model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48, "prefix_across_rows": "never"},
+        # A prompt forwarded once across its group's rows: its backward runs after theirs, and DDP reduces once after both.
+        {"model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48, "prefix_across_rows": "always", "loss": {"beta": 0.1}},
     ],
-    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh", "rows-per-rank"],
+    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh", "rows-per-rank", "prefix-across-rows"],
 )
 def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, ends_early, options):
     # tiny_path builds the shared model cache first, so the two ranks only read it.
@@ -127,15 +129,17 @@ def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, ti
         torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_a_prefix_across_rows_is_refused_under_data_parallelism(tmp_path, tiny_path):
-    """The prefix's backward runs after its rows, outside the strategy's backward: DDP would not reduce its gradients,
-    so ranks would part. `always` is refused in one line (and `auto` keeps sub-groups)."""
+def test_a_prefix_across_rows_is_refused_under_fsdp2(tmp_path, tiny_path):
+    """FSDP2 gathers and reduces each layer's shards in every forward and backward, in step with the other ranks; a
+    span adds a forward and a backward of its prefix on the ranks that have one. `always` is refused in one line (and
+    `auto` keeps sub-groups)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(HERE)}
-    options = {"max_tokens_per_row": 48, "prefix_across_rows": "always"}
+    options = {"strategy": "fsdp2", "max_tokens_per_row": 48, "prefix_across_rows": "always"}
     done = subprocess.run([sys.executable, str(HERE / "support" / "grpo_ddp_worker.py"), str(tmp_path), json.dumps(options)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent)  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "rank0.pt").exists()
-    assert "data parallelism (FSDP2, DDP) would not reduce its gradients; set model.prefix_across_rows: never" in done.stderr, done.stderr[-3000:]
+    assert "prefix_across_rows) under FSDP2, whose every forward and backward gathers" in done.stderr, done.stderr[-3000:]
+    assert "set model.prefix_across_rows: never" in done.stderr
 
 
 def test_a_reward_failing_on_every_sample_of_one_rank_only_trains_on(tmp_path, tiny_path):

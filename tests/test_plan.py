@@ -432,7 +432,7 @@ def test_lora_adapters_are_counted_in_the_dtype_the_precision_gives_them(tmp_pat
 
 def test_an_sft_batch_cut_into_rows_is_planned_at_its_row(tmp_path: Path, capsys) -> None:
     """A row, not the batch, is what a forward holds (``data.max_tokens_per_row``); a step takes the batch's rows.
-    Several GPUs are refused, as the run refuses them."""
+    Several GPUs are refused, as the run refuses them under FSDP2 (the plan models no other strategy on several)."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("task: sft\nmodel: {model_name_or_path: tiny}\ndata: {train_data: rows.jsonl, max_tokens: 256, max_tokens_per_row: 64}\n")
     assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "80"]) == 0
@@ -443,4 +443,4 @@ def test_an_sft_batch_cut_into_rows_is_planned_at_its_row(tmp_path: Path, capsys
     assert "no row is larger than its batch" in capsys.readouterr().err
     for given in ([], ["--tokens-per-micro-batch", "64"]):
         assert plan.main([str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "80", *given]) == 2
-        assert "`data.max_tokens_per_row` runs a batch's rows one after the other on one process" in capsys.readouterr().err
+        assert "`data.max_tokens_per_row` cuts each batch into rows, which several processes run under DDP alone" in capsys.readouterr().err

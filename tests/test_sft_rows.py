@@ -3,6 +3,11 @@ prompt, so a batch's rows share it. Forwarded once across the rows (``prefix_acr
 (``never``), the step's gradient and loss are those of the whole batch in one row, under the tree-packing tolerances
 (fp32: log-probs 1e-5, gradients 1e-4 relative)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -14,6 +19,10 @@ from lightning_rl.errors import RecipeError
 from lightning_rl.modules import sft as sft_module
 from lightning_rl.modules.sft import SFTModule
 from lightning_rl.packing.planner import plan_batch_rows
+from lightning_rl.rollout.vllm_server_process import free_port
+from lightning_rl.strategies import FSDP2Strategy
+
+TESTS = Path(__file__).parent
 
 
 class Figures(Callback):
@@ -116,8 +125,25 @@ def test_rows_refused_where_they_cannot_run():
     flat = SFTDataModule(TOY_TRAIN, max_tokens=256, max_tokens_per_row=80, packing="flat", prefix_across_rows="always")
     with pytest.raises(RecipeError, match="packing: flat shares no prefix"):
         flat.setup("fit")
-    # Two processes would reduce the gradients once per row (the Trainer is built, never run).
+    # FSDP2 gathers and reduces shards in every row's forward and backward, in step with ranks whose batches may hold
+    # more or fewer rows (the Trainers are built, never run); DDP runs them.
     two = SFTDataModule(TOY_TRAIN, max_tokens=256, max_tokens_per_row=80)
-    two.trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    with pytest.raises(RecipeError, match="on one process, but the run has 2"):
+    two.trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
+    with pytest.raises(RecipeError, match="which 2 processes run under DDP alone, not FSDP2Strategy"):
         two.setup("fit")
+    two.trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    two.setup("fit")
+
+
+def test_rows_on_two_ranks_give_the_gradient_of_one_process_on_both_batches(tmp_path):
+    """Under DDP every row and each span's prefix backpropagate without DDP's reduction, and the step's one
+    synchronised backward reduces them all: the gradient of one process taking both ranks' batches (rank r trains
+    every 2nd batch from r) as one step of two micro-batches."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(TESTS)}
+    subprocess.run([sys.executable, str(TESTS / "support" / "sft_rows_ddp.py"), str(tmp_path)], env=env, check=True, timeout=600, cwd=TESTS.parent)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(rank["rows"][0] >= 3 for rank in ranks)  # each rank's batch was cut, its rows sharing the system prompt
+    one, metrics = fit(80, "always", accumulate=2)
+    for rank in ranks:
+        assert worst(rank["grads"], one.grads[0]) < 1e-4
+        assert rank["loss"] == pytest.approx(metrics["train/loss"], rel=1e-5)

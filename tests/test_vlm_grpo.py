@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoConfig
 
 from lightning_rl import cli
 from lightning_rl.data.images import ImageRenderer, image_key, images_of
@@ -286,3 +287,67 @@ def test_an_image_that_decodes_whole_though_its_end_marker_is_cut_is_read_as_sft
     (tmp_path / "cut.png").write_bytes((tmp_path / "red.png").read_bytes()[:60])
     with pytest.raises(ValueError, match=r"cut.png cannot be read as an image"):
         check_prompt_images(record, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2-vl"])
+def test_an_image_prompt_forwarded_once_across_rows_gives_the_gradient_of_one_row(family, tmp_path):
+    """Two image prompts' groups of 8, in rows too small for a group: each prompt, its image included, is forwarded
+    (and its image encoded) once for its rows, on 1-D or multi-axis positions, and the step's gradient and
+    verify_packing are those of all rollouts in one row."""
+    from lightning_rl.losses import StepCounts
+    from lightning_rl.ops.packed_forward import verify_row
+    from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, share_prefixes
+    from support.tiny_vlms import build_qwen2_vl, image_inputs
+
+    if family == "llava":
+        path = str(tiny_vlm_path())
+        processor, image_token = load_processor(path)
+        prompts = [image_prompt(processor, colour) for colour in ("red", "blue")]
+        budget = 30  # a prompt of 45 tokens; 8 answers of 8 in 3 rows
+    else:  # multi-axis rotary positions
+        path = str(build_qwen2_vl(tmp_path / "qwen2-vl"))
+        config = AutoConfig.from_pretrained(path)
+        image_token = config.image_token_id
+        prompts = []
+        for seed in (1, 2):
+            prompt, image = [3, 4, config.vision_start_token_id, *[image_token] * 4, config.vision_end_token_id, 5], image_inputs(seed)
+            prompts.append((prompt, [(seed, image)], PromptImages([image], [None], [])))
+        budget = 20  # a prompt of 10 tokens
+    module = GRPOModule(model_name_or_path=path, num_generations=8, sampling={"max_new_tokens": 8})
+    module.configure_model()
+    module.image_token_id = image_token  # the built Qwen2-VL folder has no processor to read it from
+    engine = HFRolloutEngine(path)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=3.0, seed=2, suppress_token_ids=module.sampling.suppress_token_ids)
+    batch = engine.generate([p for p, _, _ in prompts], 8, sampling, images=[own for _, _, own in prompts])
+    for rollout in batch.rollouts:
+        rollout.metadata["images"] = prompts[rollout.group_id][1]
+    module.policy.load_state_dict(engine.model.state_dict())
+    rollouts, advantages = batch.rollouts, torch.linspace(-1, 1, len(batch.rollouts))
+    tokens = sum(sum(r.completion_mask) for r in rollouts)
+    counts = StepCounts(num_sequences=len(rollouts), num_tokens=tokens, rank_tokens=tokens, max_completion_length=8)
+
+    def gradients(rows, prefixes):
+        module.policy.zero_grad()
+        packed_rows = share_prefixes([module.pack_rollouts([rollouts[i] for i in row], advantages[row]) for row in rows], prefixes, image_token_id=image_token)
+        for packed in packed_rows:
+            terms, _ = module.row_loss(packed)
+            module.loss.reduce(terms, packed.loss_seq, torch.bincount(packed.loss_seq, minlength=packed.num_sequences), counts).backward()
+            finish_prefix(packed)
+        return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, packed_rows
+
+    encoded = []
+    tower = next(m for name, m in module.policy.named_modules() if name.endswith(("vision_tower", "visual")))
+    tower.register_forward_hook(lambda *_: encoded.append(1))
+    one, _ = gradients([list(range(len(rollouts)))], [None])
+    assert len(encoded) == 1  # both images, once, in one row
+    plan = plan_step_rows(budget, "always", module.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
+                          [r.group_id for r in rollouts], apart=False)  # fmt: skip
+    rows, prefixes = plan.ranks[0], plan.prefixes[0]
+    assert len(rows) >= 6 and all(p is not None for p in prefixes)  # every row continues its group's image prompt
+    encoded.clear()
+    spans, packed_rows = gradients(rows, prefixes)
+    assert len(encoded) == 2  # each prompt's image encoded once for its rows
+    for name, grad in one.items():
+        torch.testing.assert_close(spans[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    error, _, _ = verify_row(module.policy, packed_rows[-1])
+    assert error < 1e-5

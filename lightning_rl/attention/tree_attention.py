@@ -94,6 +94,9 @@ class _RowState:
         self.block_masks: dict = {}
         self.layers_called: set[int] = set()
         self.prefix_taken: set[int] = set()  # attention modules that took their prefix keys and values
+        # A prefix's own forward: each attention call appends (module id, key, value) here, those of the prefixes it
+        # continues (a nested one's) joined in front.
+        self.capture: list[tuple[int, Tensor, Tensor]] | None = None
 
 
 @dataclass
@@ -114,9 +117,6 @@ class TreeAttentionMeta:
     # captured (``prefix_kv``: attention module id -> (key, value)); queries are the row's own.
     prefix_len: int = 0
     prefix_kv: dict[int, tuple[Tensor, Tensor]] | None = None
-    # A prefix's own forward: each attention call appends (module id, key, value) here, those of the prefixes it
-    # continues (a nested one's) joined in front.
-    capture: list[tuple[int, Tensor, Tensor]] | None = None
 
     @classmethod
     def from_batch(
@@ -660,8 +660,8 @@ def tree_attention_forward(
     tree_attention.layers_called.add(id(module))
     if tree_attention.prefix_kv is not None:
         key, value = tree_attention.prefix_keys_values(module, key, value)
-    if tree_attention.capture is not None:  # after the join: a nested prefix captures its whole chain's
-        tree_attention.capture.append((id(module), key, value))
+    if tree_attention.shared.capture is not None:  # after the join: a nested prefix captures its whole chain's
+        tree_attention.shared.capture.append((id(module), key, value))
     capped = {} if softcap is None else {"softcap": softcap}
     out = attend_tree(query, key, value, tree_attention, scale=scaling, window=sliding_window, **capped)
     return out.transpose(1, 2).contiguous(), None

@@ -50,7 +50,7 @@ from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_batch_rows, plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, common_prefix, count_unique_tokens, pack_sequences
-from lightning_rl.device_policy import resolve_pad_to_multiple_of
+from lightning_rl.device_policy import resolve_pad_to_multiple_of, wraps_in_ddp
 
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -1147,7 +1147,7 @@ class SFTDataModule(LightningDataModule):
             `per_device_train_batch_size` (rows, not tokens).
         max_length: longest example allowed; longer ones are an error. Defaults to ``max_tokens_per_row``. TRL: `max_length`.
         max_tokens_per_row: cut each batch into rows of at most this many unique tokens, run one after the other within
-            the step (the memory of a row, the batch still ``max_tokens``); default: one row a batch. One process only.
+            the step (the memory of a row, the batch still ``max_tokens``); default: one row a batch. Several processes: DDP only.
         prefix_across_rows: with ``max_tokens_per_row``, examples sharing a prefix too large together for one row
             forward that prefix once, their rows attending to its keys and values (``always``), or each row forwards
             it again (``never``); ``auto``: where that forwards fewer tokens, on rows without images or padding.
@@ -1260,17 +1260,20 @@ class SFTDataModule(LightningDataModule):
         if self.trainer is not None and stage == "fit":
             self._check_val_interval()
 
-    def check_world_size(self, world_size: int) -> None:
-        """Rows run on one process (``run`` asks before it starts the processes, so it is said once)."""
-        if self.max_tokens_per_row is not None and world_size > 1:
+    def check_strategy(self, trainer: Any) -> None:
+        """Rows on several processes run under DDP alone (``run`` asks before it starts the processes, so it is said
+        once): FSDP2 gathers and reduces shards in each row's forward and backward, in step with the other ranks, whose
+        batches may be cut into more or fewer rows."""
+        if self.max_tokens_per_row is not None and trainer.world_size > 1 and not wraps_in_ddp(trainer.strategy):
             raise RecipeError(
-                f"max_tokens_per_row={self.max_tokens_per_row} runs a batch's rows one after the other on one process, but the run has "
-                f"{world_size} (their gradients would be reduced once per row): leave it unset, and lower max_tokens", "max_tokens_per_row")
+                f"max_tokens_per_row={self.max_tokens_per_row} cuts each batch into rows, which {trainer.world_size} processes run under DDP "
+                f"alone, not {type(trainer.strategy).__name__} (whose every forward and backward works in step with the other ranks, "
+                "whose batches may hold more or fewer rows): set trainer.strategy: ddp, or leave it unset and lower max_tokens", "max_tokens_per_row")
 
     def _check_rows(self) -> None:
         """What ``max_tokens_per_row`` and ``prefix_across_rows: always`` cannot run, refused before a model loads."""
         if self.trainer is not None:
-            self.check_world_size(self.trainer.world_size)
+            self.check_strategy(self.trainer)
         if self.prefix_across_rows != "always" or self.max_tokens_per_row is None:
             return
         why = None

@@ -58,7 +58,7 @@ from lightning_rl.ops.logprobs import lm_head_of
 from lightning_rl.ops.packed_forward import PackingVerifier, VerifyPacking, across_rows_exact, packed_logprobs, unpacked_hint
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix
 from lightning_rl.ops.prefix_rows import finish_prefix, plan_step_rows, rows_on_every_rank, share_prefixes
-from lightning_rl.models.multimodal import load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
+from lightning_rl.models.multimodal import attends_within_images_both_ways, load_processor, multimodal_token_ids, processor_token_ids, rope_positions, uses_multi_axis_positions
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 from lightning_rl.rewards import NO_REWARD_COLUMNS, ROLLOUT_COLUMNS, RewardScorer, RewardSpec
@@ -264,8 +264,7 @@ class GRPOModule(PolicyModule):
         self.reference: torch.nn.Module | None = None
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
-        self.processor: Any = None  # an image-text model's
-        self.image_token_id: int | None = None
+        self.processor, self.image_token_id = None, None  # an image-text model's processor and image placeholder token
         self.collector: RolloutCollector | None = None
         self.producer: RolloutProducer | None = None
         self._start_run()
@@ -409,7 +408,7 @@ class GRPOModule(PolicyModule):
         train_started = time.perf_counter()
         stats = StepStats(bonus=self.entropy_control is not None, clips=self.loss.clips, vespo=self.loss.loss_type == "vespo", policy_loss=self.loss.entropy_coef != 0 or self.entropy_control is not None)
         packed_rows = share_prefixes([self.pack_rollouts([rollouts[i] for i in row], advantages[row]).to(self.device) for row in rows], prefixes,
-                                     recompute=self.hparams.gradient_checkpointing)
+                                     recompute=self.hparams.gradient_checkpointing, image_token_id=self.image_token_id)
         # Taken once per batch, before its first update, as TRL takes them (a reference refreshed between passes too).
         for name, wanted, model in (("_old_logprobs", self.hparams.old_logprobs == "trainer", contextlib.nullcontext(self.policy)),
                                     ("_ref_logprobs", self.loss.beta != 0.0, reference_model(self.policy, self.reference))):
@@ -424,18 +423,19 @@ class GRPOModule(PolicyModule):
         if self.entropy_control is not None:
             step_loss = dataclasses.replace(self.loss, entropy_coef=self.entropy_control.applied(self.loss))
         mismatch = MismatchStats(self.route_layers, corrects=self.loss.corrects_engine, unreplayed=unreplayed(self.sampling, self.policy)) if self._mismatch is None else None
-        for k, packed in enumerate(packed_rows):
-            if self.packing_verifier.due(step) and not packed.unpacked:
-                self._verify_packing(packed, step)
-            old, ref = (None if kept is None else kept[k].to(self.device) for kept in (self._old_logprobs, self._ref_logprobs))
-            if draws is not None:  # under dropout, the training forward keeps the very tokens the threshold counted
-                draws[k].restore()
-            terms, entropy = self.row_loss(packed, threshold, old_logprobs=old, ref_logprobs=ref, loss=step_loss, mismatch=mismatch)
-            seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
-            loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
-            self.manual_backward(loss)
-            finish_prefix(packed)  # a span's last row: one backward through its prefix
-            stats.add(loss.detach(), terms, entropy, packed, padding=not rows[k], bonus=step_loss.bonus(terms, counts).detach())
+        with self.rows_reduced_once():  # under DDP: one reduction after every row's and prefix's backward
+            for k, packed in enumerate(packed_rows):
+                if self.packing_verifier.due(step) and not packed.unpacked:
+                    self._verify_packing(packed, step)
+                old, ref = (None if kept is None else kept[k].to(self.device) for kept in (self._old_logprobs, self._ref_logprobs))
+                if draws is not None:  # under dropout, the training forward keeps the very tokens the threshold counted
+                    draws[k].restore()
+                terms, entropy = self.row_loss(packed, threshold, old_logprobs=old, ref_logprobs=ref, loss=step_loss, mismatch=mismatch)
+                seq_tokens = torch.bincount(packed.loss_seq, minlength=packed.num_sequences)
+                loss = step_loss.reduce(terms, packed.loss_seq, seq_tokens, counts)
+                self.manual_backward(loss)
+                finish_prefix(packed)  # a span's last row: one backward through its prefix
+                stats.add(loss.detach(), terms, entropy, packed, padding=not rows[k], bonus=step_loss.bonus(terms, counts).detach())
         if mismatch is not None:  # before the optimizer step: an alarm leaves the weights as they were
             self._mismatch = mismatch.metrics(self.trainer.strategy.reduce, self.device, staleness, self.hparams.mismatch_alarm_kl)
         stats.grad_norm = self.clip_gradients_over_meshes(self.hparams.max_grad_norm)  # None: measured, not clipped
@@ -545,7 +545,8 @@ class GRPOModule(PolicyModule):
             if self.hparams.max_tokens_per_row is None:
                 return [list(range(len(rollouts)))], [None]
             plan = plan_step_rows(self.hparams.max_tokens_per_row, self.hparams.prefix_across_rows, self.policy, [r.sequence for r in rollouts], [r.loss_mask for r in rollouts],
-                                  [r.group_id for r in rollouts], any(r.metadata.get("images") for r in rollouts) or bool(self.row_multiple()), lambda: across_rows_exact(self.policy, self.attention_backend()))  # fmt: skip
+                                  [r.group_id for r in rollouts], bool(self.row_multiple()) or (any(r.metadata.get("images") for r in rollouts) and attends_within_images_both_ways(self.policy)),
+                                  lambda: across_rows_exact(self.policy, self.attention_backend()))  # apart: padded rows; images a span's row may hold of its own, attending both ways  # fmt: skip
             return plan.ranks[0], plan.prefixes[0]
         return rows_on_every_rank(plan, self.trainer.strategy.reduce, self.device)
 

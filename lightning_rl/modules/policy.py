@@ -4,19 +4,22 @@ export."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 from lightning_rl.attention.tree_attention import choose_backend
 from lightning_rl.callbacks import ScheduleOnResume, StopOnNonFinite, ValidationOnResume
 from lightning_rl.checkpoints import RESUME_KEYS, ForeignCheckpointError, check_weights_fit, every_ranks, this_ranks
-from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of
+from lightning_rl.device_policy import requires_static_shapes, resolve_pad_to_multiple_of, wraps_in_ddp
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, export_hf, load_causal_lm
 from lightning_rl.models.multimodal import load_processor
@@ -28,6 +31,7 @@ from lightning_rl.modules.optim import adamw_with_schedule
 from lightning_rl.ops.grad_norm import clip_grad_norm, total_grad_norm
 from lightning_rl.ops.random_state import RandomState
 from lightning_rl.ops.packed_forward import check_packable, unpacked_hint
+from lightning_rl.ops.prefix_rows import reduce_after_rows
 from lightning_rl.ops.saved_activations import OffloadedForwards
 from lightning_rl.strategies.fsdp2 import FSDP2Strategy, loads_weights_sharded
 
@@ -125,7 +129,31 @@ class PolicyModule(LightningModule):
             self.offloaded = OffloadedForwards(policy)
         if hp.compile:
             compile_decoder_layers(policy)
+        if self._trainer is not None and wraps_in_ddp(self.trainer.strategy):
+            reduce_after_rows(policy)  # its rows backpropagate in `rows_reduced_once`
         return policy
+
+    @contextlib.contextmanager
+    def rows_reduced_once(self) -> Iterator[None]:
+        """A step's rows and their prefixes backpropagate inside without DDP's reduction, and one synchronised backward
+        after them reduces every gradient they left (DDP reduces what the gradients hold: `reduced_by_ddp`). A span's
+        prefix backpropagates after its rows, outside any backward the strategy runs, and a rank's rows and spans need
+        not number another's: one reduction a step reduces each of them once, in step with every rank. Under other
+        strategies the backward passes run as they are (FSDP2 reduces within each, and is refused spans)."""
+        strategy = self.trainer.strategy
+        if not isinstance(strategy.model, DistributedDataParallel):
+            yield
+            return
+        with strategy.block_backward_sync():
+            yield
+        if any(p.grad is not None for p in self.parameters()):  # no row on any rank (they run as many): nothing to reduce
+            self.manual_backward(self.reduced_by_ddp())
+
+    def reduced_by_ddp(self) -> torch.Tensor:
+        """Zero, from every trainable parameter: a backward of it adds nothing to their gradients but reaches each, so
+        DDP, whose hooks reduce a parameter's whole gradient in a synchronised backward, reduces them all (those that
+        backward passes without its reduction left: `rows_reduced_once`)."""
+        return torch.stack([p.reshape(-1)[0].float() for p in self.parameters() if p.requires_grad and p.numel()]).sum() * 0.0
 
     def loads_sharded(self) -> bool:
         """Whether each rank reads only its own shards of the weights (the strategy's choice)."""

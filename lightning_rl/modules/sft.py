@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig
 
 from lightning_rl import validation
@@ -182,9 +183,12 @@ class SFTModule(PolicyModule):
                     self.policy, checked, step=self.global_step, backend=self.attention_backend(), strategy=self.trainer.strategy, chunk_size=self.hparams.chunk_size
                 )
             self.log_check("train/packing_error", error)
+        # Under DDP the last row backpropagates here too, and Lightning's backward is of zero from every parameter: the
+        # step's one synchronised backward, which reduces the gradients every row and prefix left (`reduced_by_ddp`).
+        in_step = len(rows) > 1 and isinstance(self.trainer.strategy.model, DistributedDataParallel)
         loss_sum = batch_loss = trained = unique = flat = 0
         for k, row in enumerate(rows):
-            if k:  # the row before backpropagates now, within this batch; Lightning backpropagates the last
+            if k:  # the row before backpropagates now, within this batch; Lightning backpropagates the last (but under DDP)
                 self.trainer.strategy.backward(loss_sum / self.trainer.accumulate_grad_batches, None)
             logprobs, entropy, hits = self._logprobs(row)
             self._backward_row = row  # its span's prefix backpropagates after the span's last row (on_after_backward)
@@ -197,9 +201,11 @@ class SFTModule(PolicyModule):
             sums = torch.stack([loss_sum.detach().double(), *on, entropy.sum().double(), hits.sum().double()])
             self._step_totals = self._step_totals.to(loss_sum.device) + sums
             batch_loss, trained, unique, flat = batch_loss + loss_sum.detach(), trained + counts[0], unique + counts[1], flat + counts[2]
+        if in_step:
+            self.trainer.strategy.backward(loss_sum / self.trainer.accumulate_grad_batches, None)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         reported = batch_loss / max(trained, 1)  # 0 for a rank's empty batch
-        return {"loss": loss_sum, "reported_loss": reported, "tokens": unique, "flat_tokens": flat}
+        return {"loss": self.reduced_by_ddp() if in_step else loss_sum, "reported_loss": reported, "tokens": unique, "flat_tokens": flat}
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning's, but for a batch of several rows that ``training_step`` zeroed before its rows ran (a callback's

@@ -142,7 +142,7 @@ def packed_hidden_states(
     if prefix is not None:
         options = dict(attention_backend=attention_backend, route_agreement=route_agreement, replay_routes=replay_routes)
         meta = meta.after_prefix(prefix.length, prefix.keys_values(model, lambda into: packed_hidden_states(model, prefix.batch, **options, capture=into)))
-    meta.capture = capture
+    meta.shared.capture = capture
 
     def run() -> Tensor:
         with packed_forward(meta):
@@ -514,6 +514,7 @@ def verify_row(
         token = image_token_id(model.config)
         images = split_images(batch.image_inputs, image_runs(batch.input_ids.tolist(), token) if token is not None else None)
         head = batch.prefix if isinstance(batch, PrefixedRow) else None  # a span's row: its prefix (chain) leads each path
+        ahead = split_images(head.image_inputs, image_runs(head.input_ids.tolist(), token)) if head is not None and head.image_inputs else []
         for rows, terms in sequence_paths(batch, chosen):
             ids = batch.input_ids[rows] if head is None else torch.cat([head.input_ids, batch.input_ids[rows]])
             routes = None if batch.routes is None else (batch.routes[rows] if head is None else torch.cat([head.routes, batch.routes[rows]]))
@@ -521,9 +522,10 @@ def verify_row(
             ids = _right_padded(ids, batch.pad_to_multiple_of)
             positions = torch.arange(len(ids), device=ids.device)
             positions[real:] = 0  # the padding placed at 0, not past the sequence (a learned table's end)
-            if batch.rope_position_ids is not None:  # its own multi-axis positions, padded on as the row pads
-                positions = torch.cat([batch.rope_position_ids[:, rows], positions[len(rows) :].expand(batch.rope_position_ids.shape[0], -1)], 1)[:, None]
-            own = stack_images([images[k] for k in images_on_path(batch.input_ids, rows, token)]) if images else {}
+            if batch.rope_position_ids is not None:  # its own multi-axis positions (after its prefix's), padded on as the row pads
+                rope = batch.rope_position_ids[:, rows] if head is None else torch.cat([head.rope_position_ids, batch.rope_position_ids[:, rows]], 1)
+                positions = torch.cat([rope, positions[rope.shape[1] :].expand(rope.shape[0], -1)], 1)[:, None]
+            own = stack_images(ahead + [images[k] for k in images_on_path(batch.input_ids, rows, token)]) if ahead or images else {}
             with replaying(model, None if routes is None else RouteReplay(_right_padded_routes(routes, len(ids)))):
                 hidden = head_inputs(model, ids, positions, **own, **(image_token_types(model, ids[None]) if own else {}))
             dtype = _compute_dtype(hidden)

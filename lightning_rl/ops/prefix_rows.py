@@ -19,15 +19,26 @@ the rows run: only its keys and values stay, and the forward runs again, from th
 backward after the last row. That costs one more forward of the prefix, and across the rows holds its keys and
 values alone instead of every activation of its forward.
 
-Refused in one line: images or multi-axis positions (an image-text prefix), padded rows (static-shape devices), a
-policy trained on several processes (FSDP2 or DDP: the prefix's backward runs after the rows', outside the
-strategy's backward, so its gradients would be neither reduced nor resharded), and the varlen kernel.
+On several processes, a policy's rows and prefixes backpropagate without data parallelism's reduction, and its module
+reduces every gradient once after them (`reduce_after_rows`; DDP): a prefix's backward runs after its rows', outside
+any backward the strategy runs, and a rank's rows and spans need not number another's.
+
+A prefix's images go with it: its forward encodes them, once for its rows, and a row's own images (after the prefix)
+stay the row's; multi-axis positions are cut at the prefix's end as the tokens are.
+
+Refused in one line: an image whose placeholders run across the prefix's end, or in the part of a nested prefix
+below its parent (only the outermost prefix encodes images), a row holding images of its own where image tokens attend
+both ways (``auto`` keeps sub-groups for image rollouts there), padded rows (static-shape devices), a
+policy sharded by FSDP2 (each layer's forward and backward gathers and reduces its shards in step with the other
+ranks, and a span adds a forward and a backward of its prefix on the ranks that have one), a policy trained on
+several processes by a strategy that reduces within each backward, and the varlen kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -38,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.packing.images import image_runs, split_images, stack_images
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows, prefix_limits
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
 
@@ -48,6 +60,10 @@ class _Capture:
     outputs: list[Tensor]  # the prefix forward's own keys and values (with its graph), when gradients flow
     rerun: Callable[[], list[Tensor]] | None = None  # recompute: what gives `outputs` for the backward
 
+
+# Policies whose module backpropagates their rows without data parallelism's reduction and then reduces every gradient
+# once (`reduce_after_rows`).
+_REDUCED_AFTER_ROWS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 # Set while a recomputed prefix's first forward runs without gradients: the prefixes it continues give the keys and
 # values its backward will attend to (their capture for gradients), not a capture of their own without them.
@@ -81,6 +97,17 @@ class SharedPrefix:
         return own if self.parent is None else torch.cat([self.parent.input_ids, own.to(self.parent.input_ids.device)])
 
     @property
+    def image_inputs(self) -> dict[str, Tensor]:
+        """The inputs of the images among the ``length`` tokens (the outermost prefix's: a nested one holds none)."""
+        return self.batch.image_inputs if self.parent is None else self.parent.image_inputs
+
+    @property
+    def rope_position_ids(self) -> Tensor | None:
+        """The multi-axis positions of the ``length`` tokens (None without them)."""
+        own = self.batch.rope_position_ids
+        return own if self.parent is None or own is None else torch.cat([self.parent.rope_position_ids, own], 1)
+
+    @property
     def routes(self) -> Tensor | None:
         """The experts the engine routed the ``length`` tokens to (None without them)."""
         own = self.batch.routes
@@ -110,13 +137,10 @@ class SharedPrefix:
     @staticmethod
     def check(model: nn.Module) -> None:
         """Refused before any forward of a span's row (the probe's and the reference's included, so that no rank runs
-        forwards the others do not): a policy trained on several processes."""
-        if _trained_on_several_processes(model):
-            raise PackingRefused(
-                f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) is backpropagated after "
-                "its rows, outside the strategy's backward, so data parallelism (FSDP2, DDP) would not reduce its "
-                "gradients; set model.prefix_across_rows: never"
-            )
+        forwards the others do not): a policy that cannot train spans on several processes (`_spans_refused`)."""
+        why = _spans_refused(model, grad=torch.is_grad_enabled() or getattr(_FOR_BACKWARD, "active", False))
+        if why is not None:
+            raise PackingRefused(f"{type(model).__name__}: a prefix forwarded once across rows (prefix_across_rows) {why}; set model.prefix_across_rows: never")
 
     def keys_values(self, model: nn.Module, forward) -> dict[int, tuple[Tensor, Tensor]]:
         """The prefix's keys and values for ``model``, forwarded once: ``forward(capture)`` runs the prefix's batch
@@ -227,20 +251,23 @@ class PrefixedRow(PackedBatch):
         return PrefixedRow(**{f.name: getattr(moved, f.name) for f in fields(PackedBatch)}, prefix=self.prefix)
 
 
-def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = False) -> PrefixedRow:
+def cut_prefix(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool = False, image_token_id: int | None = None) -> PrefixedRow:
     """``row`` (every sequence of it starting with the same tokens) without its first ``prefix`` tokens, which a
     `SharedPrefix` (new for an int length, else the one given, shared with the span's other rows) forwards;
-    ``recompute``: a new one's (`SharedPrefix`)."""
-    return _cut(row, prefix, recompute, counts=True)
+    ``recompute``: a new one's (`SharedPrefix`). A row's images (placeholders ``image_token_id``) inside the prefix go
+    with it, encoded once for the span; those after it stay the row's."""
+    return _cut(row, prefix, recompute, image_token_id, counts=True)
 
 
-def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, counts: bool) -> PrefixedRow:
+def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, image_token_id: int | None, counts: bool) -> PrefixedRow:
     """`cut_prefix`; ``counts``: whether the row's unique tokens count the prefix's where no row has yet (not for a
     nested prefix's own chain, which is not a row of the step)."""
     length = prefix if isinstance(prefix, int) else prefix.length
     why = None
-    if row.image_inputs or row.rope_position_ids is not None:
-        why = "its sequences carry images or multi-axis positions (the prefix's images would be encoded apart)"
+    if row.image_inputs and image_token_id is None:
+        why = "its sequences carry images, and the row does not say which tokens are their placeholders"
+    elif row.image_inputs and length < row.num_tokens and int(row.input_ids[length - 1]) == int(row.input_ids[length]) == image_token_id:
+        why = f"an image's placeholders run across its first {length} tokens' end"
     elif row.pad_to_multiple_of:
         why = "its rows are padded to fixed lengths (static-shape devices)"
     elif not 0 < length < row.num_tokens or int(row.segments[0, 2]) != row.num_tokens or int(row.segments[0, 1]) < length:
@@ -250,7 +277,7 @@ def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, counts: 
     if why is not None:
         raise PackingRefused(f"a row cannot continue a prefix forwarded apart (model.prefix_across_rows): {why}; set model.prefix_across_rows: never")
     if isinstance(prefix, int):
-        prefix = _new_prefix(row, length, None, recompute)
+        prefix = _new_prefix(row, length, None, recompute, image_token_id)
     elif not torch.equal(prefix.input_ids, row.input_ids[:length]):
         raise ValueError("the rows of a span must start with the same prefix")
     prefix.rows += 1
@@ -263,6 +290,8 @@ def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, counts: 
             input_ids=row.input_ids[length:], position_ids=row.position_ids[length:], subtree_end=row.subtree_end[length:] - length,
             segments=segments, loss_positions=row.loss_positions - length,
             routes=None if row.routes is None else row.routes[length:],
+            rope_position_ids=None if row.rope_position_ids is None else row.rope_position_ids[:, length:],
+            image_inputs=_images(row, image_token_id, length)[1],
             # the prefixes' tokens count as forwarded by the first row that reaches them
             num_unique_tokens=row.num_unique_tokens - length + (prefix.uncounted_tokens() if counts else 0),
         ),
@@ -270,14 +299,31 @@ def _cut(row: PackedBatch, prefix: SharedPrefix | int, recompute: bool, counts: 
     )
 
 
-def _new_prefix(row: PackedBatch, length: int, parent: SharedPrefix | None, recompute: bool) -> SharedPrefix:
-    """The prefix of ``row``'s first ``length`` tokens; below ``parent`` (a nested span's), a row of its span."""
+def _new_prefix(row: PackedBatch, length: int, parent: SharedPrefix | None, recompute: bool, image_token_id: int | None) -> SharedPrefix:
+    """The prefix of ``row``'s first ``length`` tokens, with the images and multi-axis positions there; below
+    ``parent`` (a nested span's), a row of its span."""
     routes = None if row.routes is None else [row.routes[:length]]
     chain = pack_sequences([row.input_ids[:length].tolist()], [[False] * length], routes=routes).to(row.input_ids.device)
-    return SharedPrefix(chain if parent is None else _cut(chain, parent, recompute, counts=False), rows=0, recompute=recompute)
+    chain.image_inputs = _images(row, image_token_id, length)[0]
+    chain.rope_position_ids = None if row.rope_position_ids is None else row.rope_position_ids[:, :length]
+    batch = chain if parent is None else _cut(chain, parent, recompute, image_token_id, counts=False)
+    if parent is not None and batch.image_inputs:
+        raise PackingRefused("a row cannot continue a prefix forwarded apart (model.prefix_across_rows): an image lies in a part below the "
+                             "prompt that a nested span shares (only the outermost prefix's images are encoded apart); set model.prefix_across_rows: never")
+    return SharedPrefix(batch, rows=0, recompute=recompute)
 
 
-def share_prefixes(rows: list[PackedBatch], prefixes: list[RowPrefix | None], recompute: bool = False) -> list[PackedBatch]:
+def _images(row: PackedBatch, image_token_id: int | None, length: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The inputs of ``row``'s images whose placeholders lie in its first ``length`` tokens, and of the rest (in row
+    order, as `split_images` reads them)."""
+    if not row.image_inputs:
+        return {}, {}
+    images = split_images(row.image_inputs, image_runs(row.input_ids.tolist(), image_token_id))
+    ahead = image_runs(row.input_ids[:length].tolist(), image_token_id)
+    return stack_images(images[:ahead]), stack_images(images[ahead:])
+
+
+def share_prefixes(rows: list[PackedBatch], prefixes: list[RowPrefix | None], recompute: bool = False, image_token_id: int | None = None) -> list[PackedBatch]:
     """The planner's rows with each span's prefix cut off and shared: ``prefixes[k]`` is (span, prefix length) of row
     ``k``, or a nested span's chain of them, or None (`packing.planner.RowPlan.prefixes`). ``recompute``: the
     prefixes' forwards keep no graph across the rows, and run again for their backward (`SharedPrefix`)."""
@@ -290,9 +336,9 @@ def share_prefixes(rows: list[PackedBatch], prefixes: list[RowPrefix | None], re
         prefix = None
         for span, length in [spec] if isinstance(spec[0], int) else spec:
             if span not in shared:
-                shared[span] = _new_prefix(row, length, prefix, recompute)
+                shared[span] = _new_prefix(row, length, prefix, recompute, image_token_id)
             prefix = shared[span]
-        out.append(cut_prefix(row, prefix))
+        out.append(cut_prefix(row, prefix, image_token_id=image_token_id))
     return out
 
 
@@ -309,10 +355,24 @@ def _adapters_off(model: nn.Module) -> bool:
     return any(vars(module).get("_disable_adapters") is True for module in model.modules())
 
 
-def _trained_on_several_processes(model: nn.Module) -> bool:
+def reduce_after_rows(model: nn.Module) -> None:
+    """Declares that ``model``'s module backpropagates its rows and their prefixes without data parallelism's
+    reduction, and reduces every gradient once after them (`modules.policy.PolicyModule.rows_reduced_once`): its spans
+    may train on several processes."""
+    _REDUCED_AFTER_ROWS.add(model)
+
+
+def _spans_refused(model: nn.Module, grad: bool = True) -> str | None:
+    """Why ``model`` cannot run a span here, or None: sharded by FSDP2, or trained (``grad``) on several processes by a
+    module that does not reduce its gradients after its rows (`reduce_after_rows`). A frozen model's forward on plain
+    tensors runs no collective and no backward: its spans run anywhere."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        return True
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return ("under FSDP2, whose every forward and backward gathers and reduces each layer's shards in step with the other ranks "
+                "(a span adds a forward and a backward of its prefix on the ranks that have one)")
+    if grad and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and model not in _REDUCED_AFTER_ROWS:
+        return ("is backpropagated after its rows, outside the strategy's backward, so this strategy's data parallelism would not "
+                "reduce its gradients (DDP does)")
+    return None
 
 
 def plan_step_rows(
@@ -330,7 +390,7 @@ def plan_step_rows(
             plan = plan_rows(sequences, max_tokens, groups=groups, **settings)
         return plan
     except RowTooLong as error:
-        shown = "" if setting == settings["prefix_across_rows"] else (", none for this run: image rollouts, static shapes, several "
+        shown = "" if setting == settings["prefix_across_rows"] else (", none for this run: image rollouts whose image tokens attend both ways, static shapes, several "
                                                                       "processes, or a model or kernel that cannot")
         fix = ("set model.prefix_across_rows: auto, which forwards a shared prompt apart, or raise max_tokens_per_row"
                if settings["prefix_across_rows"] == "never" and setting == "never" else "raise max_tokens_per_row")
@@ -366,9 +426,9 @@ def rows_on_every_rank(plan: Callable[[], tuple[list[list[int]], list[RowPrefix 
 
 def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> dict:
     """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
-    trained token's input. ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts, or rows
-    padded for a static-shape device; a policy trained on several processes); ``always`` leaves the refusal to the
-    row."""
-    if setting == "auto" and (apart or _trained_on_several_processes(model)):
+    trained token's input. ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts whose
+    image tokens attend both ways, or rows padded for a static-shape device; a policy `_spans_refused`); ``always``
+    leaves the refusal to the row."""
+    if setting == "auto" and (apart or _spans_refused(model) is not None):
         setting = "never"
     return dict(prefix_across_rows=setting, prefix_limits=prefix_limits(loss_masks))

@@ -99,8 +99,8 @@ def _training(recipe: RecipeView, args: argparse.Namespace) -> Training:
         if isinstance(batch, int) and isinstance(row, int) and 0 < row < batch:
             row_key, batch_tokens = "data.max_tokens_per_row", batch
             if args.nodes * args.gpus_per_node > 1:
-                raise LaunchError(f"{recipe.path}: `data.max_tokens_per_row` runs a batch's rows one after the other on one process, but the plan "
-                                  f"has {args.nodes * args.gpus_per_node} GPUs: leave it unset, and lower data.max_tokens")
+                raise LaunchError(f"{recipe.path}: `data.max_tokens_per_row` cuts each batch into rows, which several processes run under DDP "
+                                  f"alone, and the plan models FSDP2 on {args.nodes * args.gpus_per_node} GPUs: leave it unset, and lower data.max_tokens")
     tokens = args.tokens_per_micro_batch or recipe.setting(row_key)
     if batch_tokens is not None and isinstance(tokens, int) and tokens > batch_tokens:
         raise LaunchError(f"{recipe.path}: --tokens-per-micro-batch {tokens} is a row of a batch of data.max_tokens={batch_tokens}: no row is larger than its batch")
