@@ -287,3 +287,47 @@ def test_the_tiny_vlms_template_renders_a_system_turn_of_parts():
 
     assert text([{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]) == text("Be brief.")
     assert text([{"type": "image"}, {"type": "text", "text": "Be brief."}]) == text("<image>Be brief.")
+
+
+def test_questions_about_one_image_forward_it_once_across_rows(tmp_path):
+    """Questions about the same image share it: a batch cut into rows (``data.max_tokens_per_row``) forwards the
+    prompt with the image once across them (``prefix_across_rows: always``), the vision tower encoding each image
+    once, and the step's gradient, the trained tower's included, is that of the batch in one row."""
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_rl.data.sft import BatchRows, SFTDataModule
+    from lightning_rl.modules.sft import SFTModule
+
+    Image.new("RGB", (16, 16), COLOURS["red"]).save(tmp_path / "red.png")
+    questions = ["What colour is the square?", "Name the colour of the shape.", "Which colour do you see?", "Say the colour.", "Tell me the colour.",
+                 "What is its colour?"]  # fmt: skip
+    rows = [_row(str(tmp_path / "red.png"), "red", text) for text in questions]  # about 49 tokens each, the first 19 (the image's 16) shared
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    class Figures(Callback):
+        def __init__(self) -> None:
+            self.grads, self.rows, self.encoded = {}, 0, 0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            self.rows = len(batch.rows) if isinstance(batch, BatchRows) else 1
+            tower = next(m for name, m in module.policy.named_modules() if name.endswith("vision_tower"))
+            tower.register_forward_hook(lambda *_: setattr(self, "encoded", self.encoded + 1))
+
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            self.grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    def fit(per_row):
+        data = SFTDataModule(str(tmp_path / "rows.jsonl"), tokenizer="tiny-vlm", max_tokens=1024, max_tokens_per_row=per_row,
+                             prefix_across_rows="always" if per_row else "auto", shuffle=False)  # fmt: skip
+        figures = Figures()
+        trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_steps=1, limit_val_batches=0, callbacks=[figures])  # fmt: skip
+        trainer.fit(SFTModule(model_name_or_path="tiny-vlm", towers="train", verify_packing="never"), datamodule=data)
+        return figures
+
+    whole, cut = fit(None), fit(56)
+    assert whole.rows == 1 and cut.rows >= 3
+    assert cut.encoded == whole.encoded == 1  # the one row's forward, or the span's prefix's, encodes the image once
+    assert any("vision_tower" in name for name in whole.grads)
+    for name, grad in whole.grads.items():
+        torch.testing.assert_close(cut.grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -1063,7 +1063,8 @@ class PackedCollator:
     """Packs the examples of one batch into a single PackedBatch row (``unpacked``: one example a row, which the model
     runs as it runs that example alone), or with ``max_tokens_per_row`` into `BatchRows` of at most that many unique
     tokens each, a shared prefix forwarded once across them under ``prefix_across_rows`` (``auto``: where that
-    forwards fewer tokens; never for image rows or padded rows, which a span refuses)."""
+    forwards fewer tokens, never for padded rows, which a span refuses; the batch's sub-groups kept beside the spans
+    for a model that cannot continue a prefix apart)."""
 
     def __init__(
         self, share_prefixes: bool, pad_to_multiple_of: int | None, pad_token_id: int, image_token_id: int | None = None,
@@ -1086,7 +1087,7 @@ class PackedCollator:
             rows, prefixes = plan_ordered_rows(ids, self.max_tokens_per_row, "flat"), None
         else:
             setting = self.prefix_across_rows
-            if setting == "auto" and (self.pad_to_multiple_of or any(e.images for e in examples)):
+            if setting == "auto" and self.pad_to_multiple_of:
                 setting = "never"
             rows, prefixes = plan_batch_rows(ids, [e.loss_mask for e in examples], self.max_tokens_per_row, setting)
             if setting == "auto" and any(prefixes):  # for a model or kernel that cannot continue a prefix exactly
@@ -1150,7 +1151,8 @@ class SFTDataModule(LightningDataModule):
             the step (the memory of a row, the batch still ``max_tokens``); default: one row a batch. Several processes: DDP only.
         prefix_across_rows: with ``max_tokens_per_row``, examples sharing a prefix too large together for one row
             forward that prefix once, their rows attending to its keys and values (``always``), or each row forwards
-            it again (``never``); ``auto``: where that forwards fewer tokens, on rows without images or padding.
+            it again (``never``); ``auto``: where that forwards fewer tokens, on rows without padding (an image in the prefix
+            encoded once for its rows).
         packing: ``tree`` (shared prefixes forwarded once), ``flat`` (padding-free, no sharing), ``none``
             (one example per row, run as the model runs it alone: a model packing refuses trains so), or ``auto``: tree when the data shares prefixes, else flat. TRL: `packing`,
             `packing_strategy`, `padding_free`.
@@ -1279,8 +1281,6 @@ class SFTDataModule(LightningDataModule):
         why = None
         if self.resolved_packing != "tree":
             why = f"packing: {self.resolved_packing} shares no prefix"
-        elif any(e.images for e in [*self.train_examples, *self.val_examples]):
-            why = "the data has images (a prefix's images would be encoded apart from its rows)"
         elif self._row_padding():
             why = "rows are padded to fixed lengths (pad_to_multiple_of)"
         if why is not None:

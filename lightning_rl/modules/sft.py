@@ -24,6 +24,7 @@ from lightning_rl.attention.tree_attention import AttentionBackend, PackingRefus
 from lightning_rl.data.sft import BatchRows, GenerationCase
 from lightning_rl.errors import RecipeError
 from lightning_rl.models.loading import LoraSettings, TowerTraining, check_towers
+from lightning_rl.models.multimodal import attends_within_images_both_ways, image_token_id
 from lightning_rl.models.paths import check_model_source, model_context, resolve_model_path
 from lightning_rl.modules.evaluation import HELDOUT_METRIC, check_cases_fit, exact_match, log_heldout
 from lightning_rl.modules.optim import LrSchedule, check_schedule
@@ -157,17 +158,22 @@ class SFTModule(PolicyModule):
             raise RecipeError(f"SFT trains on the packed rows of SFTDataModule, got a batch of {type(batch).__name__} from {source}", "data")
 
     def _rows(self, batch: PackedBatch | BatchRows) -> list[PackedBatch]:
-        """A batch's rows (``data.max_tokens_per_row``), each span's prefix cut off and shared (`ops.prefix_rows`); a
-        model or kernel that cannot continue a prefix exactly takes the batch's sub-groups under ``auto``, and is
-        refused in one line under ``always``."""
+        """A batch's rows (``data.max_tokens_per_row``), each span's prefix cut off and shared (`ops.prefix_rows`), its
+        images with it; a model or kernel that cannot continue a prefix exactly, or whose image tokens attend both
+        ways in a batch with images, takes the batch's sub-groups under ``auto``, and is refused in one line under
+        ``always``."""
         if isinstance(batch, PackedBatch):
             return [batch]
-        if any(batch.prefixes) and not across_rows_exact(self.policy, self.attention_backend()):
-            if batch.apart is None:
-                raise PackingRefused(f"{type(self.policy).__name__} cannot continue a prefix forwarded apart exactly ({self.attention_backend()} "
-                                     "attention): set data.prefix_across_rows: never")
-            batch = batch.apart
-        return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing)
+        if any(batch.prefixes):
+            why = None
+            if any(row.image_inputs for row in batch.rows) and attends_within_images_both_ways(self.policy):
+                why = "its image tokens attend to each other both ways, which a span does not compute in rows that hold images"
+            elif not across_rows_exact(self.policy, self.attention_backend()):
+                why = f"it cannot continue a prefix forwarded apart exactly ({self.attention_backend()} attention)"
+            if why is not None and batch.apart is None:
+                raise PackingRefused(f"{type(self.policy).__name__}: {why}: set data.prefix_across_rows: never")
+            batch = batch if why is None else batch.apart
+        return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing, image_token_id=image_token_id(self.policy.config))
 
     def training_step(self, batch: PackedBatch | BatchRows, batch_idx: int) -> dict[str, Any]:
         rows = self._rows(batch)
