@@ -53,6 +53,9 @@ def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -
 
 
 def wraps_in_ddp(strategy: Any) -> bool:
-    """Whether ``strategy`` is Lightning's DDP, which reduces the gradients a synchronised backward leaves: rows and
-    spans run on several processes under it alone (its XLA subclass reduces in the optimizer step instead, untried)."""
-    return isinstance(strategy, DDPStrategy) and not isinstance(strategy, XLAStrategy)
+    """Whether ``strategy`` is Lightning's DDP reducing what the gradients hold at its next synchronised backward, so
+    that rows and spans may backpropagate without its reduction and be reduced once after them: not with
+    ``static_graph`` (which fixes how often each gradient is reduced from the first iteration), nor its XLA subclass
+    (which reduces in the optimizer step instead, untried)."""
+    ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, XLAStrategy)
+    return ddp and not getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False)

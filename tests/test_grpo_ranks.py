@@ -58,8 +58,10 @@ def ends_early(tmp_path_factory, tiny_path) -> str:
         {"model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48, "prefix_across_rows": "never"},
         # A prompt forwarded once across its group's rows: its backward runs after theirs, and DDP reduces once after both.
         {"model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48, "prefix_across_rows": "always", "loss": {"beta": 0.1}},
+        # DDP's static graph fixes how often each gradient is reduced: each row's backward is reduced, and auto keeps sub-groups.
+        {"strategy": "ddp_static", "model_name_or_path": "ENDS_EARLY", "max_tokens_per_row": 48},
     ],
-    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh", "rows-per-rank", "prefix-across-rows"],
+    ids=["dapo", "batch-std", "normalize-then-sum", "top-entropy", "fsdp2-reference-refresh", "rows-per-rank", "prefix-across-rows", "static-graph-rows"],
 )
 def test_two_ranks_give_the_gradient_of_one_process_on_all_rollouts(tmp_path, tiny_path, ends_early, options):
     # tiny_path builds the shared model cache first, so the two ranks only read it.

@@ -522,3 +522,61 @@ def test_the_markers_an_image_text_processor_writes_are_kept_out_of_sampling(tmp
     kept_out = {*multimodal_token_ids(transformers.AutoConfig.from_pretrained(path)), *processor_token_ids(processor, tokenizer)}
     assert {tokenizer.convert_ids_to_tokens(i) for i in kept_out} == {"<image>", "<fake_token_around_image>", "<global-img>"}
     assert processor_token_ids(None, tokenizer) == ()  # a text-only model
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3"])
+def test_rows_continuing_prefixes_that_hold_images_equal_one_row(family):
+    """Two images, each asked four questions below a shared text prompt, in rows too small for an image's questions:
+    the text is a span's prefix and each image's part a nested one, which encodes its image once for its rows. The
+    loss, its gradient and verify_row are those of every sequence in one row; a prompt that ends in an image's
+    placeholders stops its prefix before them (the rows encode the image)."""
+    from lightning_rl.data.images import keyed_image_ids
+    from lightning_rl.ops.prefix_rows import finish_prefix, share_prefixes
+    from lightning_rl.packing.planner import plan_batch_rows, prefix_limits
+
+    build, make_image = FAMILIES[family]
+    model = build(torch.float32)
+    (a, n), (b, _) = make_image(1, torch.float32), make_image(2, torch.float32)
+    inputs, token = {"a": a, "b": b}, image_token_id(model.config)
+    seqs, images = [], []
+    for key, question in (("a", 41), ("b", 42)):
+        for k in range(4):
+            seqs.append([*range(1, 12), question, START, *[IMAGE] * n, END, 15, 16, 45 + k, 50 + k, 47])
+            images.append([key])
+    masks = [[False] * (len(s) - 3) + [True] * 3 for s in seqs]
+    encoded = []
+    tower = next(m for name, m in model.named_modules() if name.endswith(("vision_tower", "visual", "vision_model")))
+    tower.register_forward_hook(lambda *_: encoded.append(1))
+
+    def step(rows, prefixes):
+        model.zero_grad()
+        encoded.clear()
+        batches = []
+        for row in rows:
+            rope = [rope_positions(model, seqs[i], stacked([inputs[k] for k in images[i]])) for i in row]
+            batch, keys = pack_image_sequences([seqs[i] for i in row], [images[i] for i in row], token, [masks[i] for i in row],
+                                               rope_positions=None if rope[0] is None else rope)  # fmt: skip
+            batch.image_inputs = stacked([inputs[k] for k in keys])
+            batches.append(batch)
+        total, cut = 0.0, share_prefixes(batches, prefixes, image_token_id=token)
+        for batch in cut:
+            loss = -packed_logprobs(model, batch).sum()
+            loss.backward()
+            finish_prefix(batch)
+            total += float(loss)
+        return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, cut
+
+    one_loss, one, _ = step([list(range(len(seqs)))], [None])
+    assert len(encoded) == 1
+    keyed = [keyed_image_ids(s, keys, token) for s, keys in zip(seqs, images)]
+    rows, prefixes = plan_batch_rows(keyed, masks, 8, "always")
+    assert all(isinstance(p, tuple) and isinstance(p[0], tuple) for p in prefixes)  # every row continues a nested prefix
+    loss, spans, cut = step(rows, prefixes)
+    assert len(encoded) == 2  # each image once, in its nested prefix's forward
+    assert loss == pytest.approx(one_loss, rel=1e-5)
+    for name, grad in one.items():
+        torch.testing.assert_close(spans[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert verify_row(model, cut[-1])[0] < 1e-5  # each path through the chain of prefixes, with their images
+    # A prompt ending in an image's placeholders: the prefix stops before the image.
+    ends_in_image = [1, 2, 3, START, *[IMAGE] * n, 9]
+    assert prefix_limits([[False] * (len(ends_in_image) - 1) + [True]], [ends_in_image], token) == [4]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 
 from support.paths import TOY_HELDOUT, TOY_TRAIN
 
@@ -127,12 +128,19 @@ def test_rows_refused_where_they_cannot_run():
         flat.setup("fit")
     # FSDP2 gathers and reduces shards in every row's forward and backward, in step with ranks whose batches may hold
     # more or fewer rows (the Trainers are built, never run); DDP runs them.
-    two = SFTDataModule(TOY_TRAIN, max_tokens=256, max_tokens_per_row=80)
-    two.trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
-    with pytest.raises(RecipeError, match="which 2 processes run under DDP alone, not FSDP2Strategy"):
-        two.setup("fit")
-    two.trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    two.setup("fit")
+    def two(strategy) -> SFTDataModule:
+        data = SFTDataModule(TOY_TRAIN, max_tokens=256, max_tokens_per_row=80)
+        data.trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        return data
+
+    with pytest.raises(RecipeError, match=r"which 2 processes run under DDP \(without static_graph\) alone, not FSDP2Strategy \("):
+        two(FSDP2Strategy()).setup("fit")
+    # DDP's static graph fixes from the first iteration how often each gradient is reduced.
+    with pytest.raises(RecipeError, match="not DDPStrategy with static_graph"):
+        two(DDPStrategy(static_graph=True)).setup("fit")
+    accepted = two("ddp")
+    accepted.setup("fit")
+    assert accepted.train_examples
 
 
 def test_rows_on_two_ranks_give_the_gradient_of_one_process_on_both_batches(tmp_path):

@@ -149,7 +149,7 @@ MISTAKES = {
     "chunk_size 0": (SFT, lambda t: ["--model.chunk_size=0"], "model.chunk_size must be >= 1, got 0"),
     "max_new_tokens 0 (sft)": (SFT, lambda t: ["--model.max_new_tokens=0"], "model.max_new_tokens must be >= 1, got 0"),
     "SFT rows on two processes under FSDP2": (SFT, lambda t: ["--trainer.devices=2", "--trainer.strategy=fsdp2", "--data.max_tokens_per_row=128"],
-                                              "data.max_tokens_per_row=128 cuts each batch into rows, which 2 processes run under DDP alone, not FSDP2Strategy"),
+                                              "data.max_tokens_per_row=128 cuts each batch into rows, which 2 processes run under DDP (without static_graph) alone, not FSDP2Strategy"),
     "a rollout longer than a row": (GRPO, lambda t: ["--model.max_tokens_per_row=10", "--model.prefix_across_rows=never"],
                                     "model.max_tokens_per_row=10: a rollout of "),
     "polynomial ending above the rate": (SFT, lambda t: ["--model.lr_schedule=polynomial", "--model.learning_rate=1e-7"],

@@ -934,6 +934,11 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
 
 
+def _static(strategy: Any) -> str:
+    """How a strategy is named in a refusal of rows: with static_graph where DDP has it."""
+    return " with static_graph" if getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False) else ""
+
+
 def _run_batches(trainer: Any, batches: int) -> int | None:
     """The training batches a run of ``batches`` an epoch takes (None: no bound): an epoch's last step may take fewer
     than ``accumulate_grad_batches``."""
@@ -1269,8 +1274,9 @@ class SFTDataModule(LightningDataModule):
         if self.max_tokens_per_row is not None and trainer.world_size > 1 and not wraps_in_ddp(trainer.strategy):
             raise RecipeError(
                 f"max_tokens_per_row={self.max_tokens_per_row} cuts each batch into rows, which {trainer.world_size} processes run under DDP "
-                f"alone, not {type(trainer.strategy).__name__} (whose every forward and backward works in step with the other ranks, "
-                "whose batches may hold more or fewer rows): set trainer.strategy: ddp, or leave it unset and lower max_tokens", "max_tokens_per_row")
+                f"(without static_graph) alone, not {type(trainer.strategy).__name__}{_static(trainer.strategy)} (whose forwards and backwards work in "
+                "step with the other ranks, whose batches may hold more or fewer rows): set trainer.strategy: ddp, or leave it unset and lower "
+                "max_tokens", "max_tokens_per_row")
 
     def _check_rows(self) -> None:
         """What ``max_tokens_per_row`` and ``prefix_across_rows: always`` cannot run, refused before a model loads."""

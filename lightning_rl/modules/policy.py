@@ -139,15 +139,17 @@ class PolicyModule(LightningModule):
         after them reduces every gradient they left (DDP reduces what the gradients hold: `reduced_by_ddp`). A span's
         prefix backpropagates after its rows, outside any backward the strategy runs, and a rank's rows and spans need
         not number another's: one reduction a step reduces each of them once, in step with every rank. Under other
-        strategies the backward passes run as they are (FSDP2 reduces within each, and is refused spans)."""
+        strategies, and DDP with ``static_graph``, the backward passes run as they are, each reduced (and spans are
+        refused: `ops.prefix_rows.reduce_after_rows` is declared under DDP alone)."""
         strategy = self.trainer.strategy
-        if not isinstance(strategy.model, DistributedDataParallel):
+        if not isinstance(strategy.model, DistributedDataParallel) or not wraps_in_ddp(strategy):  # static_graph: each backward reduced
             yield
             return
         with strategy.block_backward_sync():
             yield
-        if any(p.grad is not None for p in self.parameters()):  # no row on any rank (they run as many): nothing to reduce
-            self.manual_backward(self.reduced_by_ddp())
+        # Every rank runs as many rows (`rows_on_every_rank`), each reaching every parameter: none here, none anywhere.
+        if any(p.grad is not None for p in self.parameters()):
+            self.manual_backward(self.reduced_by_ddp())  # (callbacks' on_after_backward see it too)
 
     def reduced_by_ddp(self) -> torch.Tensor:
         """Zero, from every trainable parameter: a backward of it adds nothing to their gradients but reaches each, so

@@ -173,7 +173,12 @@ class SFTModule(PolicyModule):
             if why is not None and batch.apart is None:
                 raise PackingRefused(f"{type(self.policy).__name__}: {why}: set data.prefix_across_rows: never")
             batch = batch if why is None else batch.apart
-        return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing, image_token_id=image_token_id(self.policy.config))
+        try:
+            return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing, image_token_id=image_token_id(self.policy.config))
+        except PackingRefused:  # under auto, a span these rows cannot continue: the batch's sub-groups
+            if batch.apart is None:
+                raise
+            return batch.apart.rows
 
     def training_step(self, batch: PackedBatch | BatchRows, batch_idx: int) -> dict[str, Any]:
         rows = self._rows(batch)

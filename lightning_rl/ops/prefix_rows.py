@@ -23,15 +23,16 @@ On several processes, a policy's rows and prefixes backpropagate without data pa
 reduces every gradient once after them (`reduce_after_rows`; DDP): a prefix's backward runs after its rows', outside
 any backward the strategy runs, and a rank's rows and spans need not number another's.
 
-A prefix's images go with it: its forward encodes them, once for its rows, and a row's own images (after the prefix)
-stay the row's; multi-axis positions are cut at the prefix's end as the tokens are.
+A prefix's images go with it: its forward encodes them, once for its rows (a nested prefix's, those of its own part),
+and a row's own images (after the prefix) stay the row's; multi-axis positions are cut at the prefix's end as the
+tokens are.
 
-Refused in one line: an image whose placeholders run across the prefix's end, or in the part of a nested prefix
-below its parent (only the outermost prefix encodes images), a row holding images of its own where image tokens attend
-both ways (``auto`` keeps sub-groups for image rollouts there), padded rows (static-shape devices), a
-policy sharded by FSDP2 (each layer's forward and backward gathers and reduces its shards in step with the other
-ranks, and a span adds a forward and a backward of its prefix on the ranks that have one), a policy trained on
-several processes by a strategy that reduces within each backward, and the varlen kernel.
+Refused in one line: an image whose placeholders run across the prefix's end (the planner stops a prefix before
+one), a row or nested prefix holding images of its own where image tokens attend both ways (``auto`` keeps sub-groups
+for image rollouts there), padded rows (static-shape devices), a policy sharded by FSDP2 (each layer's forward and
+backward gathers and reduces its shards in step with the other ranks, and a span adds a forward and a backward of its
+prefix on the ranks that have one), a policy trained on several processes by a strategy that reduces within each
+backward, and the varlen kernel.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_rl.attention.tree_attention import PackingRefused
+from lightning_rl.models.multimodal import image_token_id as model_image_token
 from lightning_rl.packing.images import image_runs, split_images, stack_images
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPlan, RowPrefix, RowTooLong, plan_rows, prefix_limits
 from lightning_rl.packing.tree import PackedBatch, pack_sequences
@@ -75,8 +77,8 @@ class SharedPrefix:
     parent's span), and per model its captured keys and values (one capture per model, gradient mode and train/eval
     mode)."""
 
-    def __init__(self, batch: PackedBatch, rows: int, recompute: bool = False) -> None:
-        self.batch, self.rows, self.recompute = batch, rows, recompute
+    def __init__(self, batch: PackedBatch, rows: int, recompute: bool = False, image_token_id: int | None = None) -> None:
+        self.batch, self.rows, self.recompute, self.image_token_id = batch, rows, recompute, image_token_id
         self.finished = 0  # rows whose backward has run
         self.counted = False  # whether a row's unique tokens counted this prefix's own
         self._captures: dict[tuple[int, bool, bool, bool], _Capture] = {}
@@ -98,8 +100,12 @@ class SharedPrefix:
 
     @property
     def image_inputs(self) -> dict[str, Tensor]:
-        """The inputs of the images among the ``length`` tokens (the outermost prefix's: a nested one holds none)."""
-        return self.batch.image_inputs if self.parent is None else self.parent.image_inputs
+        """The inputs of the images among the ``length`` tokens, in their order (its parents' first)."""
+        own, above = self.batch.image_inputs, self.parent.image_inputs if self.parent is not None else {}
+        if not own or not above:
+            return own or above
+        count = lambda ids: image_runs(ids.tolist(), self.image_token_id)  # noqa: E731
+        return stack_images([*split_images(above, count(self.parent.input_ids)), *split_images(own, count(self.batch.input_ids))])
 
     @property
     def rope_position_ids(self) -> Tensor | None:
@@ -307,10 +313,7 @@ def _new_prefix(row: PackedBatch, length: int, parent: SharedPrefix | None, reco
     chain.image_inputs = _images(row, image_token_id, length)[0]
     chain.rope_position_ids = None if row.rope_position_ids is None else row.rope_position_ids[:, :length]
     batch = chain if parent is None else _cut(chain, parent, recompute, image_token_id, counts=False)
-    if parent is not None and batch.image_inputs:
-        raise PackingRefused("a row cannot continue a prefix forwarded apart (model.prefix_across_rows): an image lies in a part below the "
-                             "prompt that a nested span shares (only the outermost prefix's images are encoded apart); set model.prefix_across_rows: never")
-    return SharedPrefix(batch, rows=0, recompute=recompute)
+    return SharedPrefix(batch, rows=0, recompute=recompute, image_token_id=image_token_id)
 
 
 def _images(row: PackedBatch, image_token_id: int | None, length: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -382,7 +385,7 @@ def plan_step_rows(
     """A step's rows for a policy (``plan_rows`` with ``span_settings``); a sequence no row holds is refused naming the
     key that sets the rows. ``auto`` plans sub-groups instead of a span where ``exact_across_rows()`` (asked only
     then) says the model or its kernel cannot continue a prefix forwarded apart."""
-    settings = span_settings(setting, model, loss_masks, apart)
+    settings = span_settings(setting, model, loss_masks, apart, sequences)
     try:
         plan = plan_rows(sequences, max_tokens, groups=groups, **settings)
         if setting == "auto" and any(p is not None for rank in plan.prefixes for p in rank) and not exact_across_rows():
@@ -424,11 +427,11 @@ def rows_on_every_rank(plan: Callable[[], tuple[list[list[int]], list[RowPrefix 
     return rows + [[] for _ in range(most - len(rows))], prefixes + [None] * (most - len(rows))
 
 
-def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool) -> dict:
+def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool, sequences=None) -> dict:
     """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
-    trained token's input. ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts whose
+    trained token's input, and before an image's placeholders it would cut (``sequences``). ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts whose
     image tokens attend both ways, or rows padded for a static-shape device; a policy `_spans_refused`); ``always``
     leaves the refusal to the row."""
     if setting == "auto" and (apart or _spans_refused(model) is not None):
         setting = "never"
-    return dict(prefix_across_rows=setting, prefix_limits=prefix_limits(loss_masks))
+    return dict(prefix_across_rows=setting, prefix_limits=prefix_limits(loss_masks, sequences, model_image_token(model.config)))

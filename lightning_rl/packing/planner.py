@@ -263,13 +263,21 @@ def _saves(span: _Span, subgroups: list[list[int]], seqs: Sequence[Sequence[int]
     return span.forwarded + PREFIX_OVERHEAD_TOKENS < sum(count_unique_tokens([seqs[j] for j in unit]) for unit in subgroups)
 
 
-def prefix_limits(loss_masks: Sequence[Sequence[bool]]) -> list[int]:
+def prefix_limits(loss_masks: Sequence[Sequence[bool]], sequences: Sequence[Sequence[int]] | None = None, image_token_id: int | None = None) -> list[int]:
     """Per sequence, the most leading tokens a prefix forwarded apart may take: none that is the input of a trained
-    token (the prefix's forward produces no outputs), and never the whole sequence."""
+    token (the prefix's forward produces no outputs), and never the whole sequence; with ``sequences``, never part of
+    an image's placeholders (a run of ``image_token_id``, or of the negative ids that key images apart): the prefix
+    then stops before the image, which its rows encode."""
     limits = []
-    for mask in loss_masks:
+    for k, mask in enumerate(loss_masks):
         trained = [t for t, on in enumerate(mask) if on and t > 0]
-        limits.append(trained[0] - 1 if trained else len(mask) - 1)
+        limit = trained[0] - 1 if trained else len(mask) - 1
+        if sequences is not None:
+            seq = sequences[k]
+            placeholder = lambda t: t < 0 or t == image_token_id  # noqa: E731
+            while 0 < limit < len(seq) and placeholder(seq[limit - 1]) and placeholder(seq[limit]):
+                limit -= 1
+        limits.append(limit)
     return limits
 
 
@@ -281,7 +289,7 @@ def plan_batch_rows(
     share nothing), whose shared prefix, up to its first trained token's input, may be forwarded once for its rows."""
     firsts: dict[int, int] = {}
     groups = [firsts.setdefault(seq[0], len(firsts)) for seq in sequences]
-    plan = plan_rows(sequences, max_tokens, groups=groups, prefix_across_rows=prefix_across_rows, prefix_limits=prefix_limits(loss_masks))
+    plan = plan_rows(sequences, max_tokens, groups=groups, prefix_across_rows=prefix_across_rows, prefix_limits=prefix_limits(loss_masks, sequences))
     return plan.ranks[0], plan.prefixes[0]
 
 

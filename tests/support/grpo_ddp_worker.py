@@ -1,4 +1,5 @@
-"""One GRPO step on two gloo ranks (Lightning DDP on CPU, or FSDP2 with ``"strategy": "fsdp2"``); each rank saves its
+"""One GRPO step on two gloo ranks (Lightning DDP on CPU, with its static graph under ``"strategy": "ddp_static"``, or
+FSDP2 with ``"strategy": "fsdp2"``); each rank saves its
 rollouts and gradients.
 
 Run by test_grpo_ranks.py as `python tests/support/grpo_ddp_worker.py OUT_DIR OPTIONS_JSON` (tests/ on PYTHONPATH).
@@ -20,12 +21,13 @@ from lightning_rl.callbacks import RunSummary
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.modules.grpo import GRPOModule
 from lightning_rl.strategies import FSDP2Strategy
+from lightning.pytorch.strategies import DDPStrategy
 
 
 def main(out: Path, options: str) -> None:
     L.seed_everything(0, verbose=False)
     settings = json.loads(options)
-    strategy = FSDP2Strategy() if settings.pop("strategy", "ddp") == "fsdp2" else "ddp"
+    strategy = {"fsdp2": FSDP2Strategy(), "ddp": "ddp", "ddp_static": DDPStrategy(static_graph=True)}[settings.pop("strategy", "ddp")]
     module = GRPOModule(**{**FAST, "rewards": LENGTH_REWARD, "max_grad_norm": None, **settings})
     recorder, summary = GradientRecorder(), RunSummary(out, task="grpo")
     trainer = L.Trainer(
