@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, XLAStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
 
 #: Neuron and XLA compile one graph per input shape; 128 matches the Neuron tiling of the sequence axis.
 STATIC_SHAPE_MULTIPLE = 128
@@ -55,7 +55,7 @@ def resolve_pad_to_multiple_of(value: PadToMultipleOf, trainer_or_device: Any) -
 def wraps_in_ddp(strategy: Any) -> bool:
     """Whether ``strategy`` is Lightning's DDP reducing what the gradients hold at its next synchronised backward, so
     that rows and spans may backpropagate without its reduction and be reduced once after them: not with
-    ``static_graph`` (which fixes how often each gradient is reduced from the first iteration), nor its XLA subclass
-    (which reduces in the optimizer step instead, untried)."""
-    ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, XLAStrategy)
+    ``static_graph`` (which fixes how often each gradient is reduced from the first iteration), nor its XLA and
+    DeepSpeed subclasses (which reduce their own way, untried)."""
+    ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (XLAStrategy, DeepSpeedStrategy))
     return ddp and not getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False)

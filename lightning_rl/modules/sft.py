@@ -160,25 +160,28 @@ class SFTModule(PolicyModule):
     def _rows(self, batch: PackedBatch | BatchRows) -> list[PackedBatch]:
         """A batch's rows (``data.max_tokens_per_row``), each span's prefix cut off and shared (`ops.prefix_rows`), its
         images with it; a model or kernel that cannot continue a prefix exactly, or whose image tokens attend both
-        ways in a batch with images, takes the batch's sub-groups under ``auto``, and is refused in one line under
-        ``always``."""
-        if isinstance(batch, PackedBatch):
-            return [batch]
-        if any(batch.prefixes):
-            why = None
-            if any(row.image_inputs for row in batch.rows) and attends_within_images_both_ways(self.policy):
-                why = "its image tokens attend to each other both ways, which a span does not compute in rows that hold images"
-            elif not across_rows_exact(self.policy, self.attention_backend()):
-                why = f"it cannot continue a prefix forwarded apart exactly ({self.attention_backend()} attention)"
-            if why is not None and batch.apart is None:
-                raise PackingRefused(f"{type(self.policy).__name__}: {why}: set data.prefix_across_rows: never")
-            batch = batch if why is None else batch.apart
-        try:
-            return share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing, image_token_id=image_token_id(self.policy.config))
-        except PackingRefused:  # under auto, a span these rows cannot continue: the batch's sub-groups
-            if batch.apart is None:
-                raise
-            return batch.apart.rows
+        ways where a span's row or nested prefix holds images of its own, takes the batch's sub-groups under
+        ``auto``, and is refused in one line under ``always``."""
+        if isinstance(batch, PackedBatch) or not any(batch.prefixes):
+            return [batch] if isinstance(batch, PackedBatch) else batch.rows
+        why, rows = None, None
+        if not across_rows_exact(self.policy, self.attention_backend()):
+            why = f"it cannot continue a prefix forwarded apart exactly ({self.attention_backend()} attention)"
+        else:
+            try:
+                rows = share_prefixes(batch.rows, batch.prefixes, recompute=self.hparams.gradient_checkpointing, image_token_id=image_token_id(self.policy.config))
+            except PackingRefused as refused:  # in the words of the rows' refusal, naming SFT's key
+                if batch.apart is None:
+                    raise PackingRefused(str(refused).replace("model.prefix_across_rows", "data.prefix_across_rows")) from None
+                return batch.apart.rows
+            else:
+                if attends_within_images_both_ways(self.policy) and any(_own_images(row) for row in rows):
+                    why = "its image tokens attend to each other both ways, which a span does not compute in a row or nested prefix holding images of its own"
+        if why is None:
+            return rows
+        if batch.apart is None:  # prefix_across_rows: always
+            raise PackingRefused(f"{type(self.policy).__name__}: {why}; set data.prefix_across_rows: never")
+        return batch.apart.rows
 
     def training_step(self, batch: PackedBatch | BatchRows, batch_idx: int) -> dict[str, Any]:
         rows = self._rows(batch)
@@ -301,3 +304,9 @@ class SFTModule(PolicyModule):
         tokenizer = getattr(datamodule, "processor", None) or datamodule.tokenizer  # an image-text model ships its processor
         return self.export_policy(tokenizer, path, mode=self.export, data=getattr(datamodule, "train_data", None), write=write)
 
+
+def _own_images(row: PackedBatch) -> bool:
+    """Whether a span's row, or a nested prefix of its chain, holds images after the prefix above it."""
+    if not isinstance(row, PrefixedRow):
+        return False
+    return bool(row.image_inputs) or any(prefix.batch.image_inputs for prefix in row.prefix.chain if prefix.parent is not None)
