@@ -58,4 +58,9 @@ def wraps_in_ddp(strategy: Any) -> bool:
     ``static_graph`` (which fixes how often each gradient is reduced from the first iteration), nor its XLA and
     DeepSpeed subclasses (which reduce their own way, untried)."""
     ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (XLAStrategy, DeepSpeedStrategy))
-    return ddp and not getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False)
+    return ddp and not ddp_static_graph(strategy)
+
+
+def ddp_static_graph(strategy: Any) -> bool:
+    """Whether ``strategy`` hands DDP ``static_graph=True``."""
+    return bool(getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False))

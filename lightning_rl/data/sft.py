@@ -50,7 +50,7 @@ from lightning_rl.data.workers import WorkerLoader
 from lightning_rl.packing.images import pack_with_images
 from lightning_rl.packing.planner import PrefixAcrossRows, RowPrefix, plan_batch_rows, plan_ordered_rows
 from lightning_rl.packing.tree import PackedBatch, common_prefix, count_unique_tokens, pack_sequences
-from lightning_rl.device_policy import resolve_pad_to_multiple_of, wraps_in_ddp
+from lightning_rl.device_policy import ddp_static_graph, resolve_pad_to_multiple_of, wraps_in_ddp
 
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -934,11 +934,6 @@ def plan_batches(examples: Sequence[Example], order: Sequence[int], max_tokens: 
 _PLAN_DRAWS = 8  # orders an epoch tries before it takes the first epoch's rows (TokenBudgetBatchSampler)
 
 
-def _static(strategy: Any) -> str:
-    """How a strategy is named in a refusal of rows: with static_graph where DDP has it."""
-    return " with static_graph" if getattr(strategy, "_ddp_kwargs", {}).get("static_graph", False) else ""
-
-
 def _run_batches(trainer: Any, batches: int) -> int | None:
     """The training batches a run of ``batches`` an epoch takes (None: no bound): an epoch's last step may take fewer
     than ``accumulate_grad_batches``."""
@@ -1272,9 +1267,10 @@ class SFTDataModule(LightningDataModule):
         once): FSDP2 gathers and reduces shards in each row's forward and backward, in step with the other ranks, whose
         batches may be cut into more or fewer rows."""
         if self.max_tokens_per_row is not None and trainer.world_size > 1 and not wraps_in_ddp(trainer.strategy):
+            static = " with static_graph" if ddp_static_graph(trainer.strategy) else ""
             raise RecipeError(
                 f"max_tokens_per_row={self.max_tokens_per_row} cuts each batch into rows, which {trainer.world_size} processes run under DDP "
-                f"(without static_graph) alone, not {type(trainer.strategy).__name__}{_static(trainer.strategy)} (whose forwards and backwards work in "
+                f"(without static_graph) alone, not {type(trainer.strategy).__name__}{static} (whose forwards and backwards work in "
                 "step with the other ranks, whose batches may hold more or fewer rows): set trainer.strategy: ddp, or leave it unset and lower "
                 "max_tokens", "max_tokens_per_row")
 

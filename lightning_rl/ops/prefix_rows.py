@@ -374,7 +374,7 @@ def _spans_refused(model: nn.Module, grad: bool = True) -> str | None:
                 "(a span adds a forward and a backward of its prefix on the ranks that have one)")
     if grad and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and model not in _REDUCED_AFTER_ROWS:
         return ("is backpropagated after its rows, outside the strategy's backward, so this strategy's data parallelism would not "
-                "reduce its gradients (DDP does)")
+                "reduce its gradients (DDP without static_graph does)")
     return None
 
 
@@ -429,9 +429,9 @@ def rows_on_every_rank(plan: Callable[[], tuple[list[list[int]], list[RowPrefix 
 
 def span_settings(setting: str, model: nn.Module, loss_masks, apart: bool, sequences=None) -> dict:
     """``plan_rows``' ``prefix_across_rows`` and ``prefix_limits`` for a policy: a prefix stops before the first
-    trained token's input, and before an image's placeholders it would cut (``sequences``). ``auto`` keeps sub-groups where a span would be refused (``apart``: image rollouts whose
-    image tokens attend both ways, or rows padded for a static-shape device; a policy `_spans_refused`); ``always``
-    leaves the refusal to the row."""
+    trained token's input, and before an image's placeholders it would cut (``sequences``). ``auto`` keeps sub-groups
+    where a span would be refused (``apart``: image rollouts whose image tokens attend both ways, or rows padded for a
+    static-shape device; a policy `_spans_refused`); ``always`` leaves the refusal to the row."""
     if setting == "auto" and (apart or _spans_refused(model) is not None):
         setting = "never"
     return dict(prefix_across_rows=setting, prefix_limits=prefix_limits(loss_masks, sequences, model_image_token(model.config)))

@@ -268,15 +268,13 @@ def prefix_limits(loss_masks: Sequence[Sequence[bool]], sequences: Sequence[Sequ
     token (the prefix's forward produces no outputs), and never the whole sequence; with ``sequences``, never part of
     an image's placeholders (a run of ``image_token_id``, or of the negative ids that key images apart): the prefix
     then stops before the image, which its rows encode."""
+    placeholder = lambda t: t < 0 or t == image_token_id  # noqa: E731
     limits = []
     for k, mask in enumerate(loss_masks):
         trained = [t for t, on in enumerate(mask) if on and t > 0]
         limit = trained[0] - 1 if trained else len(mask) - 1
-        if sequences is not None:
-            seq = sequences[k]
-            placeholder = lambda t: t < 0 or t == image_token_id  # noqa: E731
-            while 0 < limit < len(seq) and placeholder(seq[limit - 1]) and placeholder(seq[limit]):
-                limit -= 1
+        while sequences is not None and 0 < limit < len(sequences[k]) and placeholder(sequences[k][limit - 1]) and placeholder(sequences[k][limit]):
+            limit -= 1
         limits.append(limit)
     return limits
 
